@@ -1,0 +1,35 @@
+# The two commands: `make demo` and `make test`. Both work on a fresh machine: they create the virtualenv and
+# install what they need. torch is pinned first so that nothing later pulls a multi-GB CUDA build.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_PIN ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install system-deps lint clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): $(PY) agent/pyproject.toml server/pyproject.toml requirements-test.txt
+	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -e agent -e server -r requirements-test.txt
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Debian packages the tests use (Prometheus + promtool, docker-compose v1) and the local PostgreSQL.
+system-deps:
+	bash scripts/system-deps.sh
+
+test: install system-deps
+	$(PY) -m pytest tests
+
+demo: install
+	$(PY) -m attnchecker.cli demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
