@@ -164,3 +164,19 @@ def test_scheduler_rejects_unknown_ops():
     sched = Scheduler(Policy())
     with pytest.raises(ValueError, match="unknown op.*attn"):
         sched.observe(0, checked=["attn"], faults={})
+
+
+def test_scheduler_follows_the_example_in_docs_adaptive():
+    sched = Scheduler(Policy())
+    checked, found = [], None
+    for s in range(120):
+        due = sched.due(s)
+        faults = {}
+        if "scores" in due:
+            checked.append(s)
+            if s >= 100 and found is None:  # a persistent fault from step 100 on, found at the next check
+                found, faults = s, {"scores": 1}
+        sched.observe(s, checked=due, faults=faults)
+    assert found == 103
+    assert checked == [*range(8), *range(9, 24, 2), *range(27, 56, 4), 63, 71, 79, 87, 95, 103,
+                       *range(104, 112), *range(113, 120, 2)]
