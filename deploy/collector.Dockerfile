@@ -1,0 +1,27 @@
+# The collector image (attnchecker-server), used by the compose services `migrate` and `collector`.
+# Build context: the repository root (`docker-compose build`, or `docker build -f deploy/collector.Dockerfile .`).
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /opt/attnchecker
+# Dependencies change less often than code: install the distribution first, then the migrations next to
+# alembic.ini, which `attnchecker-server migrate` reads from the working directory.
+COPY server/ ./server/
+RUN pip install ./server
+COPY alembic.ini ./
+COPY migrations/ ./migrations/
+
+RUN useradd --system --uid 10001 --home-dir /opt/attnchecker attnchecker \
+    && mkdir -p /run/attnchecker /opt/attnchecker/data \
+    && chown attnchecker /run/attnchecker /opt/attnchecker/data
+USER attnchecker
+
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=5s --retries=6 \
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4)"
+# One uvicorn worker per container: scale with replicas (metrics come from the database, so any replica answers).
+CMD ["attnchecker-server", "serve", "--host", "0.0.0.0", "--port", "8000"]
