@@ -1,0 +1,1 @@
+"""HTTP routes: thin, typed dependencies in deps.py, work in services/."""

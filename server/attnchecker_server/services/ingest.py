@@ -1,0 +1,149 @@
+"""Event batches and interval statistics. Idempotent by batch, event and interval id; one transaction each.
+
+Counters behind /metrics come from the statistics only (their fault counts are the agent's deltas); events are
+stored for the SQL view and never counted twice.
+"""
+
+import math
+from typing import Any
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from ..models import EventBatch, FaultEvent, Run, RunFaultCounter, RunOpCounter, RunResidualBucket, StatsInterval, utcnow
+from ..schemas import EventBatchIn, EventBatchResult, StatsIn, StatsResult
+from .runs import require_run
+from .sql import greatest, upsert_insert
+
+__all__ = ["ingest_events", "ingest_stats"]
+
+
+def _touch(session: Session, run_id: str, **values: Any) -> None:
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(last_seen_at=utcnow(), **values)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn) -> EventBatchResult:
+    require_run(session, run_id)
+    now = utcnow()
+    # The batch row is written first: a concurrent copy of the same batch blocks on its key until this
+    # transaction ends, then sees it and stores nothing.
+    new_batch = session.execute(
+        upsert_insert(session, EventBatch)
+        .values(id=batch.batch_id, run_id=run_id, received_at=now, accepted=0, duplicates=0)
+        .on_conflict_do_nothing(index_elements=["id"])
+        .returning(EventBatch.id)
+    ).first()
+    if new_batch is None:
+        return EventBatchResult(batch_id=batch.batch_id, accepted=0, duplicates=len(batch.events))
+    accepted = 0
+    if batch.events:
+        rows = [
+            {
+                "id": e.id, "run_id": run_id, "batch_id": batch.batch_id, "ts": e.ts, "step": e.step,
+                "rank": e.rank, "layer": e.layer, "op": e.op, "pattern": e.pattern, "kind": e.kind,
+                "action": e.action, "loc_batch": e.location.batch, "loc_head": e.location.head,
+                "loc_row": e.location.row, "loc_col": e.location.col, "value": e.value, "residual": e.residual,
+                "bound": e.bound, "policy_version": e.policy_version, "received_at": now,
+            }
+            for e in batch.events
+        ]
+        # RETURNING lists only the rows really inserted: events already stored (from another batch id) are skipped.
+        inserted = session.execute(
+            upsert_insert(session, FaultEvent)
+            .values(rows)
+            .on_conflict_do_nothing(index_elements=["id"])
+            .returning(FaultEvent.id)
+        ).all()
+        accepted = len(inserted)
+    duplicates = len(batch.events) - accepted
+    session.execute(
+        update(EventBatch)
+        .where(EventBatch.id == batch.batch_id)
+        .values(accepted=accepted, duplicates=duplicates)
+        .execution_options(synchronize_session=False)
+    )
+    max_step = max((e.step for e in batch.events), default=None)
+    _touch(session, run_id, **({"last_step": greatest(session, Run.last_step, max_step)} if max_step is not None else {}))
+    return EventBatchResult(batch_id=batch.batch_id, accepted=accepted, duplicates=duplicates)
+
+
+def _le_key(le: float) -> str:
+    return "+Inf" if math.isinf(le) else repr(float(le))
+
+
+def ingest_stats(session: Session, *, run_id: str, stats: StatsIn) -> StatsResult:
+    require_run(session, run_id)
+    new = session.execute(
+        upsert_insert(session, StatsInterval)
+        .values(
+            id=stats.interval_id, run_id=run_id, rank=stats.rank, step_start=stats.step_start,
+            step_end=stats.step_end, steps=stats.steps, applied_policy_version=stats.applied_policy_version,
+            step_seconds=stats.step_seconds, check_seconds=stats.check_seconds,
+            payload=stats.model_dump(mode="json"), received_at=utcnow(),
+        )
+        .on_conflict_do_nothing(index_elements=["id"])
+        .returning(StatsInterval.id)
+    ).first()
+    if new is None:
+        return StatsResult(interval_id=stats.interval_id, duplicate=True)
+
+    for op in stats.ops:
+        ins = upsert_insert(session, RunOpCounter).values(
+            run_id=run_id, op=op.op, checks=op.checks, check_seconds=op.check_seconds, period=op.period
+        )
+        session.execute(
+            ins.on_conflict_do_update(
+                index_elements=["run_id", "op"],
+                set_={
+                    "checks": RunOpCounter.checks + ins.excluded.checks,
+                    "check_seconds": RunOpCounter.check_seconds + ins.excluded.check_seconds,
+                    # A period is a value at the interval's end; an interval that does not report one keeps the last.
+                    "period": ins.excluded.period if op.period is not None else RunOpCounter.period,
+                },
+            )
+        )
+    for fault in stats.faults:
+        ins = upsert_insert(session, RunFaultCounter).values(
+            run_id=run_id, op=fault.op, kind=fault.kind, detected=fault.detected, corrected=fault.corrected,
+            uncorrectable=fault.uncorrectable,
+        )
+        session.execute(
+            ins.on_conflict_do_update(
+                index_elements=["run_id", "op", "kind"],
+                set_={
+                    "detected": RunFaultCounter.detected + ins.excluded.detected,
+                    "corrected": RunFaultCounter.corrected + ins.excluded.corrected,
+                    "uncorrectable": RunFaultCounter.uncorrectable + ins.excluded.uncorrectable,
+                },
+            )
+        )
+    hist = stats.residual_ratio
+    if hist is not None:
+        for le, count in zip([*hist.le, math.inf], hist.counts, strict=True):
+            ins = upsert_insert(session, RunResidualBucket).values(run_id=run_id, le=_le_key(le), count=count)
+            session.execute(
+                ins.on_conflict_do_update(
+                    index_elements=["run_id", "le"], set_={"count": RunResidualBucket.count + ins.excluded.count}
+                )
+            )
+    changes: dict[str, Any] = {
+        "last_step": greatest(session, Run.last_step, stats.step_end),
+        "steps_total": Run.steps_total + stats.steps,
+        "step_seconds_total": Run.step_seconds_total + stats.step_seconds,
+        "check_seconds_total": Run.check_seconds_total + stats.check_seconds,
+        "events_sent_total": Run.events_sent_total + stats.transport.sent,
+        "events_spooled_total": Run.events_spooled_total + stats.transport.spooled,
+        "events_dropped_total": Run.events_dropped_total + stats.transport.dropped,
+    }
+    if hist is not None:
+        changes["residual_sum"] = Run.residual_sum + hist.sum
+        changes["residual_count"] = Run.residual_count + sum(hist.counts)
+    if stats.applied_policy_version is not None:
+        changes["applied_policy_version"] = stats.applied_policy_version
+    _touch(session, run_id, **changes)
+    return StatsResult(interval_id=stats.interval_id, duplicate=False)

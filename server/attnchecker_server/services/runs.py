@@ -1,0 +1,148 @@
+"""Run registration (idempotent by name, so every rank of a job lands on one run), finish, list and totals."""
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.orm import Session
+
+from ..errors import InvalidRequest, NotFound
+from ..models import Policy, Run, RunFaultCounter, RunOpCounter, utcnow
+from ..schemas import RunFinishIn, RunPublic, RunRegisterIn, RunTotals
+from .cursor import decode_cursor, encode_cursor
+from .policy import create_run_policy
+from .sql import greatest, upsert_insert
+
+__all__ = ["finish_run", "get_run", "list_runs", "register_run", "require_run", "run_public"]
+
+
+def require_run(session: Session, run_id: str) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"run {run_id} not found; register it with POST /api/v1/runs")
+    return run
+
+
+def register_run(session: Session, *, run_in: RunRegisterIn, actor: str) -> tuple[Run, Policy, bool]:
+    """Creates the run, or resumes the one with that name; returns (run, its policy, created)."""
+    now = utcnow()
+    values: dict[str, Any] = {
+        "model": run_in.model,
+        "world_size": run_in.world_size,
+        "host": run_in.host,
+        "agent_version": run_in.agent_version,
+        "config": run_in.config,
+    }
+    # ON CONFLICT makes concurrent registrations by several ranks agree on one row without a lost-update race.
+    created_id = session.execute(
+        upsert_insert(session, Run)
+        .values(id=str(uuid.uuid4()), name=run_in.name, status="running", created_at=now, last_seen_at=now,
+                steps_total=0, step_seconds_total=0.0, check_seconds_total=0.0, events_sent_total=0,
+                events_spooled_total=0, events_dropped_total=0, residual_sum=0.0, residual_count=0, **values)
+        .on_conflict_do_nothing(index_elements=["name"])
+        .returning(Run.id)
+    ).scalar()
+    if created_id is not None:
+        policy = create_run_policy(session, run_id=created_id, actor=actor)
+        run = session.get(Run, created_id)
+        assert run is not None
+        return run, policy, True
+    run_id = session.scalar(select(Run.id).where(Run.name == run_in.name))
+    assert run_id is not None
+    # Rank 0 describes the job; other ranks only mark it alive so they don't overwrite its host.
+    changes: dict[str, Any] = {"status": "running", "last_seen_at": now, "finished_at": None}
+    if run_in.rank == 0:
+        changes.update(values)
+    session.execute(update(Run).where(Run.id == run_id).values(**changes).execution_options(synchronize_session=False))
+    run = session.get(Run, run_id, populate_existing=True)
+    policy = session.get(Policy, run_id)
+    assert run is not None and policy is not None
+    return run, policy, False
+
+
+def finish_run(session: Session, *, run_id: str, finish_in: RunFinishIn) -> Run:
+    require_run(session, run_id)
+    values: dict[str, Any] = {"status": "finished", "finished_at": utcnow(), "last_seen_at": utcnow()}
+    if finish_in.last_step is not None:
+        values["last_step"] = greatest(session, Run.last_step, finish_in.last_step)
+    session.execute(update(Run).where(Run.id == run_id).values(**values).execution_options(synchronize_session=False))
+    run = session.get(Run, run_id, populate_existing=True)
+    assert run is not None
+    return run
+
+
+def _totals(session: Session, run_ids: list[str]) -> dict[str, RunTotals]:
+    checks = dict(
+        session.execute(
+            select(RunOpCounter.run_id, func.sum(RunOpCounter.checks))
+            .where(RunOpCounter.run_id.in_(run_ids))
+            .group_by(RunOpCounter.run_id)
+        ).all()
+    )
+    faults = {
+        row[0]: row[1:]
+        for row in session.execute(
+            select(
+                RunFaultCounter.run_id,
+                func.sum(RunFaultCounter.detected),
+                func.sum(RunFaultCounter.corrected),
+                func.sum(RunFaultCounter.uncorrectable),
+            )
+            .where(RunFaultCounter.run_id.in_(run_ids))
+            .group_by(RunFaultCounter.run_id)
+        ).all()
+    }
+    out = {}
+    for run_id in run_ids:
+        detected, corrected, uncorrectable = faults.get(run_id, (0, 0, 0))
+        out[run_id] = RunTotals(
+            checks=int(checks.get(run_id) or 0),
+            detected=int(detected or 0),
+            corrected=int(corrected or 0),
+            uncorrectable=int(uncorrectable or 0),
+        )
+    return out
+
+
+def _public(run: Run, requested: int, totals: RunTotals) -> RunPublic:
+    return RunPublic(
+        id=run.id, name=run.name, model=run.model, world_size=run.world_size, host=run.host, config=run.config,
+        status=run.status,  # type: ignore[arg-type]
+        created_at=run.created_at, last_seen_at=run.last_seen_at, last_step=run.last_step,
+        requested_policy_version=requested, applied_policy_version=run.applied_policy_version, totals=totals,
+    )
+
+
+def run_public(session: Session, run: Run) -> RunPublic:
+    policy = session.get(Policy, run.id)
+    return _public(run, policy.version if policy else 0, _totals(session, [run.id])[run.id])
+
+
+def get_run(session: Session, *, run_id: str) -> RunPublic:
+    return run_public(session, require_run(session, run_id))
+
+
+def list_runs(
+    session: Session, *, status: str | None, limit: int, cursor: str | None
+) -> tuple[list[RunPublic], str | None]:
+    """Newest first, ordered by (created_at desc, id desc)."""
+    stmt = select(Run, Policy.version).outerjoin(Policy, Policy.scope == Run.id)
+    if status is not None:
+        stmt = stmt.where(Run.status == status)
+    if cursor is not None:
+        created_text, last_id = decode_cursor(cursor, length=2)
+        try:
+            created = datetime.fromisoformat(created_text)
+        except (TypeError, ValueError):
+            raise InvalidRequest("cursor: not a cursor this server issued; pass next_cursor back unchanged") from None
+        stmt = stmt.where(or_(Run.created_at < created, and_(Run.created_at == created, Run.id < str(last_id))))
+    rows = session.execute(stmt.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit + 1)).all()
+    page = rows[:limit]
+    totals = _totals(session, [run.id for run, _ in page])
+    data = [_public(run, version or 0, totals[run.id]) for run, version in page]
+    next_cursor = None
+    if len(rows) > limit:
+        last = page[-1][0]
+        next_cursor = encode_cursor([last.created_at.isoformat(), last.id])
+    return data, next_cursor

@@ -1,0 +1,27 @@
+"""Dialect helpers: ON CONFLICT inserts and GREATEST exist on both backends, under different names."""
+
+from typing import Any
+
+from sqlalchemy import ColumnElement, func
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+__all__ = ["greatest", "upsert_insert"]
+
+
+def upsert_insert(session: Session, table: Any) -> Any:
+    """An INSERT that supports on_conflict_do_nothing/do_update on the session's backend."""
+    name = session.get_bind().dialect.name
+    if name == "postgresql":
+        return postgresql.insert(table)
+    if name == "sqlite":
+        return sqlite.insert(table)
+    raise RuntimeError(f"unsupported database backend {name!r}: use SQLite or PostgreSQL")
+
+
+def greatest(session: Session, a: Any, b: Any) -> ColumnElement[Any]:
+    """NULL-tolerant maximum of two SQL expressions."""
+    if session.get_bind().dialect.name == "sqlite":
+        # SQLite's two-argument max() returns NULL if either is NULL.
+        return func.max(func.coalesce(a, b), func.coalesce(b, a))
+    return func.greatest(a, b)
