@@ -8,12 +8,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/attnchecker
-# Dependencies change less often than code: install the distribution first, then the migrations next to
-# alembic.ini, which `attnchecker-server migrate` reads from the working directory.
 COPY server/ ./server/
 RUN pip install ./server
-COPY alembic.ini ./
+# A non-editable install cannot find the repository's migrations/ next to the package: point at the copy.
+# `migrate` and /readyz (which compares the database with the head revision) both read it.
 COPY migrations/ ./migrations/
+ENV ATTNCHECKER_MIGRATIONS_DIR=/opt/attnchecker/migrations \
+    ATTNCHECKER_DATA_DIR=/opt/attnchecker/data
 
 RUN useradd --system --uid 10001 --home-dir /opt/attnchecker attnchecker \
     && mkdir -p /run/attnchecker /opt/attnchecker/data \

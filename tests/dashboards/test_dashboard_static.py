@@ -101,6 +101,11 @@ def test_query_ranges_use_rate_interval(dashboard: dict, panel: dict, target: di
     assert all(r == "$__rate_interval" for r in ranges), f"{panel['title']}: range {ranges}, not $__rate_interval"
 
 
+def test_wire_metrics_table_matches_the_collectors_metric_names() -> None:
+    metrics = pytest.importorskip("attnchecker_server.metrics")
+    assert {name: kind for name, (kind, _) in metrics.METRIC_NAMES.items()} == wire_metrics()
+
+
 def test_wire_metrics_table_is_read_and_every_metric_is_on_the_dashboard() -> None:
     metrics = wire_metrics()
     assert len(metrics) >= 20 and metrics["attnchecker_checksum_residual_ratio"] == "histogram"
