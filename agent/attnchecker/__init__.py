@@ -1,0 +1,53 @@
+"""ATTNChecker: fault-tolerant attention for training. ``protect(model)`` wraps the attention of an unmodified model
+with ABFT checksums that detect and correct INF/NaN/near-INF and silent errors while it trains.
+
+    guard = attnchecker.protect(model, optimizer=opt)   # or: with attnchecker.protect(model) as guard: ...
+    ...train...
+    guard.report(); guard.close()
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import (
+    AlreadyProtectedError,
+    AttnCheckerError,
+    NoProtectableAttentionError,
+    StreamingUnavailableError,
+    UncorrectableFault,
+    UnsupportedDeviceError,
+    UnsupportedDtypeError,
+)
+from .events import Detection
+from .guard import FaultCounts, Guard, Report, is_protected, protect, unprotect
+from .policy import Policy, PolicyError
+
+__all__ = [
+    "AlreadyProtectedError",
+    "AttnCheckerError",
+    "Detection",
+    "Fault",
+    "FaultCounts",
+    "FaultPlan",
+    "Guard",
+    "NoProtectableAttentionError",
+    "Policy",
+    "PolicyError",
+    "Report",
+    "StreamingUnavailableError",
+    "UncorrectableFault",
+    "UnsupportedDeviceError",
+    "UnsupportedDtypeError",
+    "is_protected",
+    "protect",
+    "unprotect",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Fault injection is imported on first use: most training runs never inject.
+    if name in ("Fault", "FaultPlan"):
+        from . import inject
+
+        return getattr(inject, name)
+    raise AttributeError(f"module 'attnchecker' has no attribute {name!r}")

@@ -1,0 +1,52 @@
+"""The exceptions ``attnchecker`` raises into user code. One base, so ``except AttnCheckerError`` catches them all.
+
+Detections are data (``Guard.detections``, ``Guard.report()``), not exceptions: the only fault that raises is an
+uncorrectable one under ``on_uncorrectable="raise"``. Invalid policies raise ``attnchecker.PolicyError``.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "AlreadyProtectedError",
+    "AttnCheckerError",
+    "NoProtectableAttentionError",
+    "StreamingUnavailableError",
+    "UncorrectableFault",
+    "UnsupportedDeviceError",
+    "UnsupportedDtypeError",
+]
+
+
+class AttnCheckerError(Exception):
+    """Base of every error ``attnchecker`` raises on purpose."""
+
+
+class NoProtectableAttentionError(AttnCheckerError, TypeError):
+    """``protect()`` found no attention it knows how to protect in the model."""
+
+
+class AlreadyProtectedError(AttnCheckerError, RuntimeError):
+    """The model, or one of its attention modules, already belongs to a live guard."""
+
+
+class UnsupportedDtypeError(AttnCheckerError, TypeError):
+    """The attention runs in a dtype the checksums are not calibrated for."""
+
+
+class UnsupportedDeviceError(AttnCheckerError, TypeError):
+    """The attention's parameters live on a device the engine does not run on."""
+
+
+class StreamingUnavailableError(AttnCheckerError, NotImplementedError):
+    """``collector=``/``token=`` were given but streaming to a collector is not wired into the guard yet."""
+
+
+class UncorrectableFault(AttnCheckerError, RuntimeError):
+    """A fault survived correction and recomputation, and the policy says ``on_uncorrectable="raise"``.
+
+    Attributes:
+        detections: the uncorrectable records of the forward that raised.
+    """
+
+    def __init__(self, message: str, detections: list[object] | None = None) -> None:
+        super().__init__(message)
+        self.detections = list(detections or ())

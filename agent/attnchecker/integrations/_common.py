@@ -1,0 +1,126 @@
+"""What every integration needs from the guard: a LayerContext per attention layer, projection hooks, and an undo
+list that ``Guard.close()`` runs in reverse, so each integration's changes are taken back exactly."""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..context import LayerContext, Runtime
+
+__all__ = ["Binder", "Site", "forward_source_mentions"]
+
+log = logging.getLogger("attnchecker")
+
+Splits = tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """One protected attention layer, as ``Guard.sites`` and docs/architectures.md describe it."""
+
+    layer: int
+    name: str
+    """Qualified module name in the protected model ('' for the root)."""
+    integration: str
+    """transformers | gpt_neo | sdpa | sdpa-order | torch_mha"""
+    ops: tuple[str, ...]
+    """The ops verified in this layer (a subset of context.OPS)."""
+
+
+class Binder:
+    """Creates the guard's layer contexts and records how to undo every change an integration makes."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.contexts: dict[nn.Module, LayerContext] = {}
+        self.sites: list[Site] = []
+        self._undo: list[Callable[[], None]] = []
+        self._next_layer = 0
+
+    def new_context(self) -> LayerContext:
+        ctx = LayerContext(layer=self._next_layer, runtime=self.runtime)
+        self._next_layer += 1
+        return ctx
+
+    def context_for(self, module: nn.Module) -> LayerContext:
+        ctx = self.contexts.get(module)
+        if ctx is None:
+            ctx = self.contexts[module] = self.new_context()
+        return ctx
+
+    def add_site(self, ctx: LayerContext, name: str, integration: str, ops: tuple[str, ...]) -> None:
+        self.sites.append(Site(layer=ctx.layer, name=name, integration=integration, ops=ops))
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        self._undo.append(fn)
+
+    def hook_projection(
+        self,
+        proj: nn.Module,
+        ctx: LayerContext,
+        *,
+        op: str | None = None,
+        splits: Splits | None = None,
+        weight_layout: str = "out_in",
+    ) -> None:
+        """Verify (and correct in place) the output of an unmodified projection module after it runs."""
+        hook = functools.partial(_projection_hook, ctx, op, splits, weight_layout)
+        handle = proj.register_forward_hook(hook, with_kwargs=True)
+        self.on_close(handle.remove)
+
+    def undo_all(self) -> None:
+        """Run every undo action, newest first. One failing does not stop the others; the first error is raised."""
+        first: BaseException | None = None
+        while self._undo:
+            fn = self._undo.pop()
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - keep undoing, then report
+                log.error("attnchecker: undo step %r failed: %s", fn, e)
+                first = first or e
+        self.contexts.clear()
+        if first is not None:
+            raise first
+
+
+def _projection_hook(
+    ctx: LayerContext,
+    op: str | None,
+    splits: Splits | None,
+    weight_layout: str,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: torch.Tensor,
+) -> torch.Tensor:
+    from ..attention import check_linear
+
+    # nn.Linear names its input `input`, HF Conv1D names it `x`; positional is the common case.
+    x = args[0] if args else next(iter(kwargs.values()))
+    return check_linear(
+        x, output, module.weight, module.bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _class_forward_mentions(cls: type, needle: str) -> bool:
+    try:
+        return needle in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def forward_source_mentions(module: nn.Module, needle: str) -> bool:
+    """Whether the source of the module's class ``forward`` contains ``needle`` (False when there is no source).
+
+    A heuristic, like transformers' own ``_can_set_attn_implementation``: it finds who calls what without running
+    the model.
+    """
+    return _class_forward_mentions(type(module), needle)

@@ -1,0 +1,229 @@
+"""Plain PyTorch models that call ``F.scaled_dot_product_attention`` inline (nanoGPT style).
+
+A ``TorchFunctionMode`` is active only while an identified attention module runs (forward pre/post hooks on it), and
+routes each SDPA call to ``protected_sdpa`` with that module's LayerContext (the k-th call of one forward gets the
+module's k-th context, for modules that loop over several attentions). A mode catches every call site, including
+``from torch.nn.functional import scaled_dot_product_attention``, which a monkey-patch would miss; it does not see
+calls nested inside other overridden functions (pytorch#131947).
+
+Attention modules are found without running the model: the class ``forward`` mentions scaled_dot_product_attention
+(or, when the source is unavailable, the module owns a fused q/k/v Linear with out = 3 * in). Their projections are
+hooked when the structure is recognisable: a fused q/k/v Linear or separate q/k/v Linears, and an output Linear.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..context import LayerContext
+from ._common import Binder, forward_source_mentions
+
+__all__ = ["attach"]
+
+log = logging.getLogger("attnchecker")
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_FUSED_NAMES = ("c_attn", "qkv", "Wqkv", "qkv_proj", "in_proj", "to_qkv", "wqkv")
+_SEPARATE_NAMES = (("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"), ("query", "key", "value"), ("q", "k", "v"))
+_OUT_NAMES = ("c_proj", "o_proj", "out_proj", "wo", "proj", "out", "to_out", "dense")
+
+
+@dataclass(slots=True)
+class _Owner:
+    """One attention module: its contexts (one per SDPA call in a forward) and how many calls this forward made."""
+
+    name: str
+    contexts: list[LayerContext]
+    ops: tuple[str, ...]
+    calls: int = 0
+
+
+class _SDPAMode(TorchFunctionMode):
+    def __init__(self, router: _Router) -> None:
+        super().__init__()
+        self._router = router
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            ctx = self._router.next_context()
+            if ctx is not None:
+                bound = dict(zip(_SDPA_ARGS, args, strict=False))
+                bound.update(kwargs)
+                if bound["query"].dim() == 4:
+                    return _call_protected(ctx, bound)
+                log.debug("attnchecker: SDPA call with %d-D query left unprotected", bound["query"].dim())
+        return func(*args, **kwargs)
+
+
+def _call_protected(ctx: LayerContext, a: dict[str, Any]) -> torch.Tensor:
+    from ..attention import protected_sdpa
+
+    return protected_sdpa(
+        a["query"],
+        a["key"],
+        a["value"],
+        ctx=ctx,
+        attn_mask=a.get("attn_mask"),
+        is_causal=bool(a.get("is_causal", False)),
+        scale=a.get("scale"),
+        dropout_p=float(a.get("dropout_p", 0.0)),
+        enable_gqa=bool(a.get("enable_gqa", False)),
+    )
+
+
+class _Router:
+    """Which attention module is running, and so which LayerContext the next SDPA call belongs to."""
+
+    def __init__(self, binder: Binder) -> None:
+        self._binder = binder
+        self._mode = _SDPAMode(self)
+        self._stack: list[_Owner] = []
+        self._depth = 0
+
+    def enter(self, owner: _Owner, module: nn.Module, args: Any) -> None:
+        owner.calls = 0
+        self._stack.append(owner)
+        self._depth += 1
+        if self._depth == 1:
+            self._mode.__enter__()
+
+    def exit(self, owner: _Owner, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack and self._stack[-1] is owner:
+            self._stack.pop()
+        self._depth -= 1
+        if self._depth == 0:
+            self._mode.__exit__(None, None, None)
+
+    def next_context(self) -> LayerContext | None:
+        if not self._stack:
+            return None
+        owner = self._stack[-1]
+        k = owner.calls
+        owner.calls += 1
+        while len(owner.contexts) <= k:
+            # A module that runs several attentions per forward: one layer each, numbered when first seen.
+            ctx = self._binder.new_context()
+            owner.contexts.append(ctx)
+            self._binder.add_site(ctx, f"{owner.name}#{len(owner.contexts) - 1}", "sdpa", ("scores", "context"))
+        return owner.contexts[k]
+
+
+def _fused(children: dict[str, nn.Module]) -> tuple[str, nn.Linear] | None:
+    for n in _FUSED_NAMES:
+        m = children.get(n)
+        if isinstance(m, nn.Linear) and m.out_features == 3 * m.in_features:
+            return n, m
+    for n, m in children.items():
+        if isinstance(m, nn.Linear) and m.out_features == 3 * m.in_features:
+            return n, m
+    return None
+
+
+def _separate(children: dict[str, nn.Module]) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
+    for names in _SEPARATE_NAMES:
+        mods = [children.get(n) for n in names]
+        if all(isinstance(m, nn.Linear) for m in mods):
+            return mods[0], mods[1], mods[2]  # type: ignore[return-value]
+    return None
+
+
+def _out(children: dict[str, nn.Module], width: int, taken: set[str]) -> nn.Linear | None:
+    for n in _OUT_NAMES:
+        m = children.get(n)
+        if n not in taken and isinstance(m, nn.Linear) and m.in_features == width:
+            return m
+    return None
+
+
+def _has_projections(module: nn.Module) -> bool:
+    children = dict(module.named_children())
+    return _fused(children) is not None or _separate(children) is not None
+
+
+def _hook_projections(binder: Binder, owner_module: nn.Module, ctx: LayerContext) -> list[str]:
+    children = dict(owner_module.named_children())
+    ops: list[str] = []
+    fused = _fused(children)
+    width = 0
+    taken: set[str] = set()
+    if fused is not None:
+        name, lin = fused
+        third = lin.out_features // 3
+        binder.hook_projection(lin, ctx, splits=(("q", third), ("k", third), ("v", third)))
+        ops += ["q", "k", "v"]
+        width, taken = third, {name}
+    else:
+        sep = _separate(children)
+        if sep is not None:
+            for op, lin in zip(("q", "k", "v"), sep, strict=True):
+                binder.hook_projection(lin, ctx, op=op)
+            ops += ["q", "k", "v"]
+            width = sep[0].out_features
+            taken = {n for names in _SEPARATE_NAMES for n in names}
+    out = _out(children, width, taken) if width else None
+    if out is not None:
+        binder.hook_projection(out, ctx, op="out")
+        ops.append("out")
+    return ops
+
+
+def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    skip = (nn.MultiheadAttention,)
+    found = [
+        (name, m)
+        for name, m in model.named_modules()
+        if not isinstance(m, skip) and forward_source_mentions(m, "scaled_dot_product_attention")
+    ]
+    if found:
+        return found
+    # No readable source (a model built in a notebook or by exec): fall back on the shape of a fused attention.
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if not isinstance(m, skip) and _fused(dict(m.named_children())) is not None
+    ]
+
+
+def attach(binder: Binder, model: nn.Module) -> None:
+    candidates = _candidates(model)
+    if not candidates:
+        return
+    parents: dict[nn.Module, tuple[str, nn.Module]] = {}
+    for pname, parent in model.named_modules():
+        for child in parent.children():
+            parents.setdefault(child, (pname, parent))
+    router = _Router(binder)
+    hooked: set[nn.Module] = set()
+    for name, module in candidates:
+        # TorchTitan style: a thin SDPA wrapper module whose parent owns the projections; share the parent's layer.
+        owner_name, owner_module = name, module
+        if not _has_projections(module) and module in parents and _has_projections(parents[module][1]):
+            owner_name, owner_module = parents[module]
+        ctx = binder.context_for(owner_module)
+        ops = [] if owner_module in hooked else _hook_projections(binder, owner_module, ctx)
+        hooked.add(owner_module)
+        owner = _Owner(name=owner_name, contexts=[ctx], ops=tuple(ops))
+        pre = module.register_forward_pre_hook(functools.partial(_pre, router, owner))
+        post = module.register_forward_hook(functools.partial(_post, router, owner), always_call=True)
+        binder.on_close(pre.remove)
+        binder.on_close(post.remove)
+        qkv = tuple(op for op in ops if op in ("q", "k", "v"))
+        binder.add_site(ctx, owner_name, "sdpa", qkv + ("scores", "context") + tuple(op for op in ops if op == "out"))
+
+
+def _pre(router: _Router, owner: _Owner, module: nn.Module, args: Any) -> None:
+    router.enter(owner, module, args)
+
+
+def _post(router: _Router, owner: _Owner, module: nn.Module, args: Any, output: Any) -> None:
+    router.exit(owner, module, args, output)

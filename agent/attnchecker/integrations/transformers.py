@@ -1,0 +1,254 @@
+"""Hugging Face transformers (v5): protect a model without touching its modeling code.
+
+Models whose attention dispatches through ``ALL_ATTENTION_FUNCTIONS`` (GPT-2, BERT, RoBERTa, Llama, ...) are switched
+to the ``"attnchecker"`` implementation registered here; the attention ``module`` argument is mapped to its
+LayerContext through a dict (nothing is stored on the module, so ``state_dict`` is untouched). Their projections get
+forward hooks. GPT-Neo calls ``GPTNeoSelfAttention._attn`` directly, so each instance gets a protected ``_attn``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..context import LayerContext
+from ._common import Binder, forward_source_mentions
+
+__all__ = ["ATTN_IMPLEMENTATION", "attach", "attnchecker_attention", "is_transformers_model"]
+
+log = logging.getLogger("attnchecker")
+
+ATTN_IMPLEMENTATION = "attnchecker"
+
+# Attention module -> its LayerContext, for every live guard. The registered function is global (transformers keeps
+# one registry per process), so it finds its layer here; a module without an entry runs plain SDPA.
+_CONTEXTS: weakref.WeakKeyDictionary[nn.Module, LayerContext] = weakref.WeakKeyDictionary()
+
+_SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
+_OUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense")
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    # Only look if transformers is already imported: a plain PyTorch user does not pay for importing it.
+    tf = sys.modules.get("transformers")
+    return tf is not None and isinstance(model, tf.PreTrainedModel)
+
+
+def attnchecker_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The ``AttentionInterface`` function: ``sdpa_attention_forward``'s semantics, through ``protected_sdpa``.
+
+    query (B, H, T, D), key/value (B, Hkv, S, D) -> (B, T, H, D), None.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    ctx = _CONTEXTS.get(module)
+    unsupported = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
+    if ctx is None or unsupported:
+        # Not ours (closed guard, another model) or a variant the protected kernel does not implement: stay correct.
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    from ..attention import protected_sdpa
+
+    n_rep = getattr(module, "num_key_value_groups", 1)
+    q_len = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # As sdpa_attention_forward: the flag is only a shortcut for "no mask given, causal layer, more than one query".
+    causal = bool(q_len > 1 and attention_mask is None and causal)
+    if causal and key.shape[2] > q_len:
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out_BHTD = protected_sdpa(
+        query,
+        key,
+        value,
+        ctx=ctx,
+        attn_mask=attention_mask,
+        is_causal=causal,
+        scale=scaling,
+        dropout_p=dropout,
+        enable_gqa=n_rep > 1,
+    )
+    return out_BHTD.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    # Both, always: without the mask entry transformers builds no mask for an unknown implementation, which silently
+    # drops causal masking. Left registered after close: a model still set to it (by the user) runs plain SDPA.
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attnchecker_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def _layout(proj: nn.Module) -> str | None:
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(proj, Conv1D):
+        return "in_out"
+    if isinstance(proj, nn.Linear):
+        return "out_in"
+    return None  # quantized / adapter-wrapped projections: leave them alone rather than guess their math
+
+
+def _out_features(proj: nn.Module) -> int:
+    return int(proj.weight.shape[1] if _layout(proj) == "in_out" else proj.weight.shape[0])
+
+
+def _hook_projections(
+    binder: Binder, module: nn.Module, parent: nn.Module | None, ctx: LayerContext
+) -> list[str]:
+    """Hook the q/k/v/out projections of one attention module; returns the ops hooked."""
+    ops: list[str] = []
+    children = dict(module.named_children())
+    c_attn = children.get("c_attn")
+    c_layout = _layout(c_attn) if c_attn is not None else None
+    if c_attn is not None and c_layout is not None:
+        n = _out_features(c_attn)
+        q_attn = children.get("q_attn")
+        q_layout = _layout(q_attn) if q_attn is not None else None
+        if getattr(module, "is_cross_attention", False) and q_attn is not None and q_layout is not None:
+            # GPT-2 cross-attention: q from q_attn, k and v fused in c_attn over the encoder states.
+            binder.hook_projection(q_attn, ctx, op="q", weight_layout=q_layout)
+            binder.hook_projection(c_attn, ctx, splits=(("k", n // 2), ("v", n // 2)), weight_layout=c_layout)
+            ops += ["q", "k", "v"]
+        elif n % 3 == 0:
+            third = n // 3
+            binder.hook_projection(c_attn, ctx, splits=(("q", third), ("k", third), ("v", third)), weight_layout=c_layout)
+            ops += ["q", "k", "v"]
+    else:
+        for names in _SEPARATE_QKV:
+            if all(n in children for n in names):
+                for op, n in zip(("q", "k", "v"), names, strict=True):
+                    layout = _layout(children[n])
+                    if layout is not None:
+                        binder.hook_projection(children[n], ctx, op=op, weight_layout=layout)
+                        ops.append(op)
+                break
+    out = next((children[n] for n in _OUT_NAMES if n in children), None)
+    if out is None and parent is not None:
+        # BERT/RoBERTa: the output projection is `output.dense`, a sibling of the attention module.
+        sibling = getattr(parent, "output", None)
+        out = getattr(sibling, "dense", None) if isinstance(sibling, nn.Module) else None
+    out_layout = _layout(out) if out is not None else None
+    if out is not None and out_layout is not None:
+        binder.hook_projection(out, ctx, op="out", weight_layout=out_layout)
+        ops.append("out")
+    return ops
+
+
+def _is_gpt_neo_attention(module: nn.Module) -> bool:
+    mod = sys.modules.get("transformers.models.gpt_neo.modeling_gpt_neo")
+    if mod is None:
+        return False
+    cls = mod.GPTNeoSelfAttention
+    # Subclasses with their own forward (the flash-attention variant) do not call _attn.
+    return isinstance(module, cls) and type(module).forward is cls.forward and type(module)._attn is cls._attn
+
+
+def _neo_attn(
+    module: nn.Module,
+    ctx: LayerContext,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, None]:
+    """``GPTNeoSelfAttention._attn`` through ``protected_sdpa``: no 1/sqrt(d) scaling (scale=1.0), the layer's own
+    causal or sliding-window ``bias`` plus the additive mask it is given, scores in fp32 as the original keeps them.
+
+    query/key/value (B, H, T, D) -> (B, H, T, D), None.
+    """
+    from ..attention import protected_sdpa
+
+    q = query.to(torch.float32)
+    k = key.to(torch.float32)
+    q_len, k_len = q.size(-2), k.size(-2)
+    allowed_11TS = module.bias[:, :, k_len - q_len : k_len, :k_len]
+    # The original writes finfo.min where the window forbids, then adds the model's mask; the same as one additive
+    # mask (a masked position is ~-3e38 either way, and exp() of it is 0).
+    mask = torch.zeros(allowed_11TS.shape, dtype=torch.float32, device=q.device)
+    mask = mask.masked_fill(~allowed_11TS, torch.finfo(torch.float32).min)
+    if attention_mask is not None:
+        mask = mask + attention_mask
+    dropout = module.attn_dropout.p if module.training else 0.0
+    out = protected_sdpa(q, k, value.to(torch.float32), ctx=ctx, attn_mask=mask, scale=1.0, dropout_p=dropout)
+    return out.to(value.dtype), None
+
+
+def attach(binder: Binder, model: nn.Module) -> None:
+    parents: dict[nn.Module, nn.Module] = {}
+    for parent in model.modules():
+        for child in parent.children():
+            parents.setdefault(child, parent)
+    interface_modules: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if _is_gpt_neo_attention(module):
+            _attach_gpt_neo(binder, name, module)
+        elif forward_source_mentions(module, "ALL_ATTENTION_FUNCTIONS"):
+            interface_modules.append((name, module))
+    if not interface_modules:
+        return
+    if not type(model)._can_set_attn_implementation():
+        log.warning(
+            "attnchecker: %s has AttentionInterface layers but cannot switch implementation at run time; "
+            "they stay unprotected", type(model).__name__,
+        )
+        return
+    _register()
+    for name, module in interface_modules:
+        ctx = binder.context_for(module)
+        ops = _hook_projections(binder, module, parents.get(module), ctx)
+        _CONTEXTS[module] = ctx
+        binder.on_close(functools.partial(_CONTEXTS.pop, module, None))
+        binder.add_site(ctx, name, "transformers", tuple(ops[:3]) + ("scores", "context") + tuple(ops[3:]))
+    original = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    binder.on_close(functools.partial(_restore_implementation, model, original))
+
+
+def _restore_implementation(model: nn.Module, original: str) -> None:
+    if model.config._attn_implementation != original:
+        model.set_attn_implementation(original)
+
+
+def _attach_gpt_neo(binder: Binder, name: str, module: nn.Module) -> None:
+    ctx = binder.context_for(module)
+    children = dict(module.named_children())
+    ops: list[str] = []
+    for op, n in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+        if isinstance(children.get(n), nn.Linear):
+            binder.hook_projection(children[n], ctx, op=op)
+            ops.append(op)
+    ops += ["scores", "context"]
+    if isinstance(children.get("out_proj"), nn.Linear):
+        binder.hook_projection(children["out_proj"], ctx, op="out")
+        ops.append("out")
+    had_own = "_attn" in module.__dict__
+    previous = module.__dict__.get("_attn")
+    # An instance attribute shadows the class method for this module only; deleting it restores the class method.
+    module._attn = functools.partial(_neo_attn, module, ctx)
+
+    def restore() -> None:
+        if had_own:
+            module._attn = previous
+        else:
+            del module._attn
+
+    binder.on_close(restore)
+    binder.add_site(ctx, name, "gpt_neo", tuple(ops))
