@@ -16,15 +16,22 @@ __all__ = ["alembic_config", "current_revisions", "head_revisions", "migrations_
 
 
 def migrations_dir() -> Path:
-    """ATTNCHECKER_MIGRATIONS_DIR, else migrations/ at the repository root (the package is installed editable)."""
+    """The Alembic scripts: ATTNCHECKER_MIGRATIONS_DIR, else ./migrations (an install next to alembic.ini, as in
+    deploy/collector.Dockerfile), else migrations/ at the repository root of an editable install."""
     override = os.environ.get("ATTNCHECKER_MIGRATIONS_DIR")
-    path = Path(override) if override else Path(__file__).resolve().parents[2] / "migrations"
-    if not (path / "env.py").is_file():
-        raise FileNotFoundError(
-            f"no Alembic scripts at {path}: install attnchecker-server editable from the repository "
-            "(pip install -e server) or set ATTNCHECKER_MIGRATIONS_DIR to the migrations/ folder"
-        )
-    return path
+    candidates = (
+        [Path(override)]
+        if override
+        else [Path.cwd() / "migrations", Path(__file__).resolve().parents[2] / "migrations"]
+    )
+    for path in candidates:
+        if (path / "env.py").is_file():
+            return path
+    raise FileNotFoundError(
+        f"no Alembic scripts (env.py) in {', '.join(map(str, candidates))}: run from the directory holding "
+        "migrations/, install attnchecker-server editable (pip install -e server), or set "
+        "ATTNCHECKER_MIGRATIONS_DIR"
+    )
 
 
 def alembic_config(settings: Settings | str) -> Config:
