@@ -1,0 +1,10 @@
+"""Streaming to the collector without ever blocking training: bounded queue, sender thread, disk spool, replay.
+
+Torch-free (it may not import ``torch`` at all); see docs/transport.md.
+"""
+from __future__ import annotations
+
+from .replay import ReplaySummary, replay_spool, sync_main
+from .sender import Transport
+
+__all__ = ["ReplaySummary", "Transport", "replay_spool", "sync_main"]

@@ -1,0 +1,99 @@
+"""The collector's HTTP endpoints as the agent uses them (docs/wire.md), and how their failures are classified.
+
+Used only off the training thread: by the sender thread and by ``attnchecker sync``. Never raises for network
+trouble; every call returns a :class:`Reply` that says whether to go on, retry later, or give the payload up.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+API = "/api/v1"
+
+
+def encode(obj: Any) -> bytes:
+    """Compact JSON. JSON has no INF/NaN: a non-finite float is a caller bug, raised here (ValueError) rather than
+    sent, because the collector would reject the whole batch it sits in."""
+    return json.dumps(obj, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int | None
+    """HTTP status, or None when no response came (connection refused, timeout, ...)."""
+    body: Any = None
+    etag: str | None = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    @property
+    def transient(self) -> bool:
+        """Worth retrying later: no answer, the server is overloaded or failing, or it does not know the run
+        (a wiped database: register again). 401/403 count too: a token can be fixed, and the data stays spooled."""
+        return self.status is None or self.status >= 500 or self.status in (401, 403, 404, 408, 429)
+
+    @property
+    def too_large(self) -> bool:
+        return self.status == 413
+
+
+class CollectorClient:
+    """A thin httpx wrapper with short timeouts. One per thread that talks to the collector."""
+
+    def __init__(self, url: str, token: str | None, *, connect_timeout_s: float = 1.0, read_timeout_s: float = 2.0):
+        headers = {"Content-Type": "application/json", "User-Agent": "attnchecker-agent"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=self._timeout(None))
+
+    def _timeout(self, budget_s: float | None) -> httpx.Timeout:
+        connect, read = self.connect_timeout_s, self.read_timeout_s
+        if budget_s is not None:
+            # Connect and read are sequential phases; halve the budget so their sum stays within it.
+            connect, read = min(connect, budget_s / 2), min(read, budget_s / 2)
+        return httpx.Timeout(connect=connect, read=read, write=read, pool=connect)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def request(
+        self, method: str, path: str, *, body: bytes | None = None, etag: str | None = None,
+        budget_s: float | None = None,
+    ) -> Reply:
+        if budget_s is not None and budget_s < 0.05:
+            return Reply(None, error="deadline reached before the request")
+        headers = {"If-None-Match": etag} if etag else None
+        try:
+            r = self._http.request(method, API + path, content=body, headers=headers, timeout=self._timeout(budget_s))
+        except httpx.HTTPError as e:
+            return Reply(None, error=f"{type(e).__name__}: {e}")
+        try:
+            data = r.json() if r.content else None
+        except ValueError:
+            data = None
+        error = "" if r.is_success or r.status_code == 304 else f"HTTP {r.status_code}: {r.text[:300]}"
+        return Reply(r.status_code, data, r.headers.get("ETag"), error)
+
+    def register(self, run_body: bytes, *, budget_s: float | None = None) -> Reply:
+        return self.request("POST", "/runs", body=run_body, budget_s=budget_s)
+
+    def post(self, kind: str, run_id: str, body: bytes, *, budget_s: float | None = None) -> Reply:
+        """``kind`` is a spool record kind: events, stats or finish."""
+        return self.request("POST", f"/runs/{run_id}/{_ENDPOINT[kind]}", body=body, budget_s=budget_s)
+
+    def get_policy(self, run_id: str, etag: str | None, *, budget_s: float | None = None) -> Reply:
+        return self.request("GET", f"/runs/{run_id}/policy", etag=etag, budget_s=budget_s)
+
+
+_ENDPOINT = {"events": "events:batch", "stats": "stats", "finish": "finish"}
