@@ -394,6 +394,8 @@ sys.exit("torch" in sys.modules)
 """
 
 
-def test_transport_package_does_not_import_torch():
-    code = _ISOLATED_IMPORT.format(module="attnchecker.transport")
+@pytest.mark.parametrize("module", ["attnchecker.transport", "attnchecker.policy"])
+def test_module_does_not_import_torch(module):
+    # The sender thread parses policies; neither may drag torch into a process that only ships events.
+    code = _ISOLATED_IMPORT.format(module=module)
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
