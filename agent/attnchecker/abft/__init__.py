@@ -1,0 +1,19 @@
+"""Pure EEC-ABFT math: checksums, tolerances, locate/correct. Tensors in, tensors and reports out; no modules, no I/O."""
+from .checksum import DirectionCheck, acc_dtype, checksum_weights, checksums_of, verify_direction
+from .repair import MatrixReport, locate_and_fix, repair
+from .tolerance import NEAR_INF, Tolerance, bounds, gamma
+
+__all__ = [
+    "NEAR_INF",
+    "DirectionCheck",
+    "MatrixReport",
+    "Tolerance",
+    "acc_dtype",
+    "bounds",
+    "checksum_weights",
+    "checksums_of",
+    "gamma",
+    "locate_and_fix",
+    "repair",
+    "verify_direction",
+]

@@ -1,0 +1,80 @@
+"""Checksum encoding and verification for batched products C = A·B (EEC-ABFT, ATTNChecker §2).
+
+Legend: N = leading batch dims (batch, heads: any number, broadcast), R = rows of C, K = reduction length,
+C = columns of C; V = vectors of one direction (R for the row direction, C for the column direction).
+Row direction: one checksum pair per row of C, reducing over its columns. Column direction: one pair per column,
+reducing over rows. Both are stored as (..., V, 2) so the two directions share one code path.
+Pure functions: tensors in, tensors out; no host-device sync here.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "DirectionCheck",
+    "acc_dtype",
+    "checksum_weights",
+    "checksums_of",
+    "verify_direction",
+]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Checksums of half-precision data accumulate in fp32: bf16/fp16 sums of a few hundred terms lose the digits the
+    residual test needs (DESIGN.md, issue 2)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@functools.lru_cache(maxsize=256)
+def checksum_weights(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(n, 2): column 0 all ones, column 1 = 1..n. Exact in fp32 up to n = 2^24. Cached: callers must not write it."""
+    w_n2 = torch.empty(n, 2, device=device, dtype=dtype)
+    w_n2[:, 0] = 1
+    torch.arange(1, n + 1, device=device, dtype=dtype, out=w_n2[:, 1])
+    return w_n2
+
+
+def checksums_of(
+    c_NRC: torch.Tensor, *, with_abs: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The checksums of C as computed: (row sums (..., R, 2), column sums (..., C, 2), abs sums or None) in the
+    accumulation dtype. A half-precision C is upcast once (both directions reuse the copy); an fp32 C is read in
+    place. with_abs adds (Σ_j |C_ij| (..., R), Σ_i |C_ij| (..., C)) for the tighter half-precision bound."""
+    c = c_NRC.to(acc_dtype(c_NRC.dtype))
+    w_R2 = checksum_weights(c.shape[-2], c.device, c.dtype)
+    w_C2 = checksum_weights(c.shape[-1], c.device, c.dtype)
+    abs_sums = None
+    if with_abs:
+        c_abs = c.abs()
+        abs_sums = (c_abs.sum(-1), c_abs.sum(-2))
+    return c @ w_C2, c.transpose(-2, -1) @ w_R2, abs_sums
+
+
+@dataclass(frozen=True, slots=True)
+class DirectionCheck:
+    """One direction's verification of C, all device tensors. V vectors of one direction, batched over N."""
+
+    ref: torch.Tensor
+    """(..., V, 2) the reference checksums (from the inputs, or passed from an earlier op)."""
+    diff: torch.Tensor
+    """(..., V, 2) ref - checksum of C as computed: (d1, d2)."""
+    bound: torch.Tensor
+    """(..., V) the tolerance on |d1|."""
+    bad: torch.Tensor
+    """(..., V) bool: the vector is flagged."""
+
+
+def verify_direction(ref_NV2: torch.Tensor, got_NV2: torch.Tensor, bound_NV: torch.Tensor) -> DirectionCheck:
+    """Flag a vector when its reference is finite and d1 is non-finite or exceeds the bound.
+
+    A non-finite reference means the op's *input* is already corrupt (an upstream fault): not this op's fault, and no
+    checksum can repair it, so it is not flagged here (ATTNChecker's "error in INPUTS" case).
+    """
+    diff_NV2 = ref_NV2 - got_NV2
+    d1_NV = diff_NV2[..., 0]
+    # `<=` is False for NaN, so NaN residuals flag without a separate isnan pass.
+    bad_NV = torch.isfinite(ref_NV2[..., 0]) & ~(d1_NV.abs() <= bound_NV)
+    return DirectionCheck(ref=ref_NV2, diff=diff_NV2, bound=bound_NV.expand_as(d1_NV), bad=bad_NV)

@@ -1,0 +1,619 @@
+"""The protected attention pipeline over ``abft``: Q/K/V projections, AS = Q·Kᵀ, scale + mask + softmax + dropout,
+CL = AP·V and the output projection, each verified by checksums and repaired in place (ATTNChecker, DESIGN.md).
+
+Legend: B batch, H query heads, Hk key/value heads, T query tokens, S key tokens, D head dim, I input features,
+O output features, N a projection's leading dims flattened, 2 a checksum pair (weights ones and 1..n).
+Fast path: batched tensor work over (batch, heads) and exactly one host-device sync per protected call, to decide
+whether the slow path (locate / correct / recompute, ``abft.repair``) runs. Corrections happen under no_grad on
+tensors autograd never saved, so backward sees the fault-free values.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .abft import DirectionCheck, MatrixReport, Tolerance, acc_dtype, bounds, checksum_weights, checksums_of, repair
+from .abft import verify_direction
+from .context import RESIDUAL_RATIO_BUCKETS, LayerContext
+from .events import Detection, kind_of, value_to_wire
+
+__all__ = [
+    "PassedProjection",
+    "check_linear",
+    "protected_linear",
+    "protected_sdpa",
+    "protected_self_attention",
+]
+
+Checks = dict[str, DirectionCheck]
+
+
+@dataclass(slots=True, kw_only=True)
+class PassedProjection:
+    """Checksum passing (paper-faithful mode): what a q/k/v projection hands to the attention of its layer.
+
+    Stored in ``ctx.passed[op]`` by check_linear; protected_sdpa pops it. All derived from the projection's input X
+    and weights, never from its (unverified) output.
+    """
+
+    token_ref_NO2: torch.Tensor
+    """Token-direction checksums (wᵀX)Wᵀ + (Σw)b of the projection output, acc dtype."""
+    token_bound_NO: torch.Tensor
+    """Round-off bound on their d1, to tell whether the actual output agrees (slow path only)."""
+    x_NTI: torch.Tensor
+    weight_OI: torch.Tensor
+    bias_O: torch.Tensor | None
+
+    @property
+    def tokens(self) -> int:
+        return self.x_NTI.shape[-2]
+
+    def feature_ref(self, heads: int) -> torch.Tensor:
+        """(N, heads, T, 2): per-token, per-head feature-direction checksums X (W_hᵀ w) + b_h·w (V's v̂)."""
+        acc = self.token_ref_NO2.dtype
+        out_features, in_features = self.weight_OI.shape
+        d = out_features // heads
+        w_D2 = checksum_weights(d, self.x_NTI.device, acc)
+        w_HDI = self.weight_OI.to(acc).view(heads, d, in_features)
+        ww_IH2 = torch.einsum("hdi,dc->ihc", w_HDI, w_D2).reshape(in_features, heads * 2)
+        ref_NTH2 = (self.x_NTI.to(acc) @ ww_IH2).view(*self.x_NTI.shape[:-1], heads, 2)
+        if self.bias_O is not None:
+            ref_NTH2 = ref_NTH2 + self.bias_O.to(acc).view(heads, d) @ w_D2
+        return ref_NTH2.transpose(-3, -2)
+
+
+# --------------------------------------------------------------------------------------------------- shared helpers
+
+
+def _tolerance(ctx: LayerContext) -> Tolerance:
+    cfg = ctx.config
+    return Tolerance(mode=cfg.tolerance, factor=cfg.tolerance_factor)
+
+
+def _inject(ctx: LayerContext, op: str, out: torch.Tensor, attempt: int = 0) -> None:
+    injector = ctx.runtime.injector
+    if injector is not None:
+        with torch.no_grad():
+            injector.apply(out, op=op, layer=ctx.layer, step=ctx.step, attempt=attempt)
+
+
+@functools.lru_cache(maxsize=16)
+def _bucket_edges(device: torch.device) -> torch.Tensor:
+    return torch.tensor(RESIDUAL_RATIO_BUCKETS, device=device, dtype=torch.float32)
+
+
+def _any_bad(checks: Checks) -> torch.Tensor:
+    flags = [chk.bad.any() for chk in checks.values()]
+    return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
+
+
+def _observe(ctx: LayerContext, checks: Checks) -> None:
+    """Histogram of the worst residual/bound ratio among the unflagged vectors of one check, kept on the device."""
+    stats = ctx.runtime.stats
+    if stats is None or not checks:
+        return
+    worst = torch.stack([
+        torch.where(chk.bad, 0.0, chk.diff[..., 0].abs() / chk.bound.clamp_min(1e-30)).amax().float()
+        for chk in checks.values()
+    ]).amax()
+    device = worst.device
+    if stats.residual_counts is None or stats.residual_counts.device != device:
+        stats.residual_counts = torch.zeros(len(RESIDUAL_RATIO_BUCKETS) + 1, device=device, dtype=torch.int64)
+        stats.residual_sum = torch.zeros((), device=device, dtype=torch.float64)
+        stats.residual_count = torch.zeros((), device=device, dtype=torch.int64)
+    bucket = torch.bucketize(worst, _bucket_edges(device))
+    stats.residual_counts.index_add_(0, bucket.view(1), torch.ones(1, device=device, dtype=torch.int64))
+    stats.residual_sum += worst.double()
+    stats.residual_count += 1
+
+
+def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: bool) -> None:
+    """One Detection per flagged matrix: to the runtime's callback and its counters."""
+    rt = ctx.runtime
+    for rep in reports:
+        kind = kind_of(rep.value)
+        det = Detection(
+            op=op,
+            layer=ctx.layer,
+            step=ctx.step,
+            pattern=rep.pattern,
+            kind=kind,
+            action=rep.action,
+            batch=rep.index[0] if rep.index else None,
+            head=rep.index[1] if heads and len(rep.index) > 1 else None,
+            row=rep.row,
+            col=rep.col,
+            value=value_to_wire(rep.value),
+            residual=rep.residual,
+            bound=rep.bound,
+        )
+        if rt.stats is not None:
+            rt.stats.add_fault(op, kind, rep.action)
+        if rt.on_detection is not None:
+            rt.on_detection(det)
+
+
+def _count(ctx: LayerContext, op: str, seconds: float) -> None:
+    stats = ctx.runtime.stats
+    if stats is not None:
+        stats.checks[op] = stats.checks.get(op, 0) + 1
+        stats.check_seconds[op] = stats.check_seconds.get(op, 0.0) + seconds
+
+
+def _verify(
+    c_NRC: torch.Tensor,
+    row_ref_NR2: torch.Tensor,
+    col_ref_NC2: torch.Tensor,
+    a_norm_NR: torch.Tensor,
+    b_norm_NC: torch.Tensor,
+    *,
+    k: int,
+    tol: Tolerance,
+    bias_abs_C: torch.Tensor | None = None,
+) -> Checks:
+    """Both directions of C = A·B against references derived from the inputs (no sync)."""
+    half = c_NRC.dtype != acc_dtype(c_NRC.dtype)
+    got_rows, got_cols, c_abs = checksums_of(c_NRC, with_abs=half and tol.mode == "roundoff")
+    row_bound, col_bound = bounds(
+        a_norm_NR, b_norm_NC, k=k, out_dtype=c_NRC.dtype, tol=tol, bias_abs_C=bias_abs_C, c_abs=c_abs
+    )
+    return {
+        "row": verify_direction(row_ref_NR2, got_rows, row_bound),
+        "col": verify_direction(col_ref_NC2, got_cols, col_bound),
+    }
+
+
+# ------------------------------------------------------------------------------------------------------ projections
+
+
+@dataclass(slots=True)
+class _ProjectionInput:
+    """What every column slice of one projection shares: X in the acc dtype, its token checksums and row norms."""
+
+    x_NTI: torch.Tensor
+    x_acc_NTI: torch.Tensor
+    xsum_N2I: torch.Tensor
+    x_norm_NT: torch.Tensor
+
+    @classmethod
+    def of(cls, x_NTI: torch.Tensor) -> _ProjectionInput:
+        acc = acc_dtype(x_NTI.dtype)
+        x_acc = x_NTI.to(acc)
+        w_T2 = checksum_weights(x_NTI.shape[-2], x_NTI.device, acc)
+        return cls(x_NTI, x_acc, w_T2.T @ x_acc, torch.linalg.vector_norm(x_acc, dim=-1))
+
+    def token_ref(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
+        """(N, O, 2): (wᵀX) Wᵀ + (Σw) b, the column-direction reference of Y = X Wᵀ + b."""
+        acc = self.x_acc_NTI.dtype
+        ref_N2O = self.xsum_N2I @ weight_OI.to(acc).T
+        if bias_O is not None:
+            t = self.x_NTI.shape[-2]
+            wsum_21 = torch.tensor([[t], [t * (t + 1) / 2]], device=ref_N2O.device, dtype=acc)
+            ref_N2O = ref_N2O + wsum_21 * bias_O.to(acc)
+        return ref_N2O.transpose(-2, -1)
+
+    def feature_ref(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
+        """(N, T, 2): X (Wᵀ w) + b·w, the row-direction reference."""
+        acc = self.x_acc_NTI.dtype
+        w_O2 = checksum_weights(weight_OI.shape[0], weight_OI.device, acc)
+        ref_NT2 = self.x_acc_NTI @ (weight_OI.to(acc).T @ w_O2)
+        if bias_O is not None:
+            ref_NT2 = ref_NT2 + bias_O.to(acc) @ w_O2
+        return ref_NT2
+
+    def weight_norms(
+        self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(‖W_o‖₂ per output feature, |b|): the column norms of B = Wᵀ for the round-off bound."""
+        acc = self.x_acc_NTI.dtype
+        w_norm_O = torch.linalg.vector_norm(weight_OI, dim=-1, dtype=acc)
+        return w_norm_O, None if bias_O is None else bias_O.to(acc).abs()
+
+
+def check_linear(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    ctx: LayerContext,
+    op: str | None = None,
+    splits: Sequence[tuple[str, int]] | None = None,
+    weight_layout: str = "out_in",
+) -> torch.Tensor:
+    """Inject planned faults into y = x Wᵀ + b (``out_in``, nn.Linear) or x W + b (``in_out``, HF Conv1D), then verify
+    and repair it in place. x: (..., T, I), y: (..., T, O). ``splits`` names column slices of a fused projection
+    (GPT-2 c_attn), each its own op. Returns y. Syncs with the device once (clean input), more only when a fault is
+    found. In paper-faithful mode (config.source_repair False) q/k/v are not verified here: their input-derived
+    checksums go to ``ctx.passed`` for protected_sdpa.
+    """
+    if weight_layout not in ("out_in", "in_out"):
+        raise ValueError(f"weight_layout must be 'out_in' or 'in_out', got {weight_layout!r}")
+    if splits is None:
+        if op is None:
+            raise ValueError("check_linear needs op= or splits=")
+        splits = ((op, y.shape[-1]),)
+    if sum(size for _, size in splits) != y.shape[-1]:
+        raise ValueError(f"splits {list(splits)} do not add up to the {y.shape[-1]} output features")
+    cfg = ctx.config
+    x_NTI = x.reshape(-1, *x.shape[-2:]) if x.dim() != 2 else x[None]
+    y_NTO = y.view(-1, *y.shape[-2:]) if y.dim() != 2 else y[None]
+    weight_OI = weight if weight_layout == "out_in" else weight.T
+    tol = _tolerance(ctx)
+    shared: _ProjectionInput | None = None
+    pending: list[tuple[str, torch.Tensor, Checks, Callable[[], torch.Tensor], float]] = []
+    offset = 0
+    for name, size in splits:
+        y_s = y_NTO[..., offset : offset + size]
+        w_s = weight_OI[offset : offset + size].detach()
+        b_s = bias[offset : offset + size].detach() if bias is not None else None
+        offset += size
+        _inject(ctx, name, y_s)
+        paper_pass = name in ("q", "k", "v") and not cfg.source_repair
+        if cfg.mode == "off" or not (cfg.checks(name) or paper_pass):
+            continue
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            shared = shared or _ProjectionInput.of(x_NTI.detach())
+            w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
+            if paper_pass:
+                token_bound = bounds(shared.x_norm_NT, w_norm_O, k=w_s.shape[1], out_dtype=y.dtype, tol=tol,
+                                     bias_abs_C=bias_abs)[1]
+                ctx.passed[name] = PassedProjection(token_ref_NO2=shared.token_ref(w_s, b_s), token_bound_NO=token_bound,
+                                                    x_NTI=x_NTI.detach(), weight_OI=w_s, bias_O=b_s)
+                continue
+            checks = _verify(y_s.detach(), shared.feature_ref(w_s, b_s), shared.token_ref(w_s, b_s), shared.x_norm_NT,
+                             w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs)
+            _observe(ctx, checks)
+
+        def recompute(w_s: torch.Tensor = w_s, b_s: torch.Tensor | None = b_s, name: str = name) -> torch.Tensor:
+            fresh = F.linear(x_NTI.detach(), w_s, b_s)
+            _inject(ctx, name, fresh, attempt=1)
+            return fresh
+
+        pending.append((name, y_s, checks, recompute, time.perf_counter() - t0))
+    if not pending:
+        return y
+    any_bad = torch.stack([_any_bad(checks) for _, _, checks, _, _ in pending]).any()
+    slow = bool(any_bad)  # sync: the one per protected projection call; decides whether the slow path runs
+    for name, y_s, checks, recompute, seconds in pending:
+        t0 = time.perf_counter()
+        if slow:
+            reports = repair(y_s, checks, tol, correct=cfg.mode == "correct", recompute=recompute)
+            _emit(ctx, name, reports, heads=False)
+        _count(ctx, name, seconds + time.perf_counter() - t0)
+    return y
+
+
+def protected_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    ctx: LayerContext,
+    op: str | None = None,
+    splits: Sequence[tuple[str, int]] | None = None,
+    weight_layout: str = "out_in",
+) -> torch.Tensor:
+    """Compute x Wᵀ + b (or x W + b for ``in_out``) and check it (check_linear)."""
+    if weight_layout == "out_in":
+        y = F.linear(x, weight, bias)
+    else:
+        y = x @ weight if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(
+            *x.shape[:-1], weight.shape[-1])
+    return check_linear(x, y, weight, bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout)
+
+
+# -------------------------------------------------------------------------------------------------------- attention
+
+
+def _dead_rows(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(..., T, 1) bool: query rows with every key masked. SDPA returns 0 there (safe softmax), not NaN."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        return ~attn_mask.any(-1, keepdim=True)
+    return torch.isneginf(attn_mask).all(-1, keepdim=True)
+
+
+def _probs(
+    scores_BHTS: torch.Tensor,
+    *,
+    scale: float,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    keep_BHTS: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """AP = dropout(softmax(scale·AS + mask)); the dropout keep-mask is returned so a recompute reuses it."""
+    s = scores_BHTS * scale
+    t, n_keys = s.shape[-2:]
+    if is_causal:
+        causal_TS = torch.ones(t, n_keys, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~causal_TS, -math.inf)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask
+    # Softmax in fp32 for half inputs, like SDPA's kernels: the row sums feed the checksum bound.
+    probs = torch.softmax(s, dim=-1, dtype=torch.float32).to(s.dtype)
+    dead = _dead_rows(attn_mask)
+    if dead is not None:
+        probs = probs.masked_fill(dead, 0.0)
+    if dropout_p > 0.0:
+        if keep_BHTS is None:
+            keep_BHTS = torch.empty_like(probs).bernoulli_(1.0 - dropout_p)
+        probs = probs * keep_BHTS / (1.0 - dropout_p)
+    return probs, keep_BHTS
+
+
+def _suspect_heads(passed: PassedProjection | None, x_BHSD: torch.Tensor, heads: int, tol: Tolerance) -> torch.Tensor | None:
+    """(B, H) bool, slow path only: this head's q/k/v disagrees with the checksums passed from its projection, so a
+    reference built from it is not clean."""
+    if passed is None:
+        return None
+    acc = passed.token_ref_NO2.dtype
+    w_S2 = checksum_weights(x_BHSD.shape[-2], x_BHSD.device, acc)
+    got_BHD2 = x_BHSD.to(acc).transpose(-2, -1) @ w_S2
+    b, hk = passed.token_ref_NO2.shape[0], heads
+    ref_BHD2 = passed.token_ref_NO2.view(b, hk, -1, 2)
+    bound_BHD = passed.token_bound_NO.view(b, hk, -1)
+    ok_BHD = ~torch.isfinite(ref_BHD2[..., 0]) | ((ref_BHD2[..., 0] - got_BHD2[..., 0]).abs() <= bound_BHD)
+    return ~ok_BHD.all(-1)
+
+
+def _take_passed(ctx: LayerContext, name: str, n: int, tokens: int, heads: int, d: int) -> PassedProjection | None:
+    passed = ctx.passed.pop(name, None)
+    if not isinstance(passed, PassedProjection):
+        return None
+    if passed.token_ref_NO2.shape != (n, heads * d, 2) or passed.tokens != tokens:
+        return None
+    return passed
+
+
+def _expand_heads(x_BHSD: torch.Tensor, heads: int) -> torch.Tensor:
+    return x_BHSD if x_BHSD.shape[-3] == heads else x_BHSD.repeat_interleave(heads // x_BHSD.shape[-3], dim=-3)
+
+
+def protected_sdpa(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    *,
+    ctx: LayerContext,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+    return_probs: bool = False,
+    use_passed: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``F.scaled_dot_product_attention`` with AS = QKᵀ (op "scores") and CL = AP·V (op "context") verified in both
+    directions and repaired in place. q: (B, H, T, D), k/v: (B, Hk, S, D) (Hk divides H with enable_gqa).
+    attn_mask: bool (True = attend) or additive float, broadcastable to (B, H, T, S).
+    use_passed: take q/k/v checksums from ``ctx.passed`` (paper-faithful mode); pass False when q/k were transformed
+    after their projection (RoPE). Returns out (B, H, T, Dv), or (out, AP) with return_probs.
+    One host-device sync on clean input (after both products: optimistic), more only on the slow path.
+    """
+    if q_BHTD.dim() != 4:
+        raise ValueError(f"protected_sdpa expects (B, H, T, D) tensors, got q of shape {tuple(q_BHTD.shape)}")
+    b, h, t, d = q_BHTD.shape
+    hk, s = k_BHSD.shape[-3], k_BHSD.shape[-2]
+    if hk != h and not (enable_gqa and h % hk == 0):
+        raise ValueError(f"q has {h} heads and k/v {hk}: pass enable_gqa=True with a divisor head count")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    cfg = ctx.config
+    tol = _tolerance(ctx)
+    paper = not cfg.source_repair and use_passed
+    passed = {
+        name: _take_passed(ctx, name, b, t if name == "q" else s, h if name == "q" else hk, x.shape[-1])
+        if paper else None
+        for name, x in (("q", q_BHTD), ("k", k_BHSD), ("v", v_BHSD))
+    }
+    k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
+    scores = q_BHTD @ k_rep.transpose(-2, -1)
+    _inject(ctx, "scores", scores)
+    checks: dict[str, Checks] = {}
+    seconds = dict.fromkeys(("scores", "context"), 0.0)
+    if cfg.checks("scores"):
+        t0 = time.perf_counter()
+        checks["scores"] = _scores_checks(q_BHTD, k_rep, scores.detach(), passed, h, tol)
+        _observe(ctx, checks["scores"])
+        seconds["scores"] += time.perf_counter() - t0
+    probs, keep = _probs(scores, scale=scale, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
+                         keep_BHTS=None)
+    out = probs @ v_rep
+    _inject(ctx, "context", out)
+    if cfg.checks("context"):
+        t0 = time.perf_counter()
+        checks["context"] = _context_checks(probs.detach(), v_rep, out.detach(), passed.get("v"), h, tol)
+        _observe(ctx, checks["context"])
+        seconds["context"] += time.perf_counter() - t0
+    if checks:
+        any_bad = torch.stack([_any_bad(c) for c in checks.values()]).any()
+        if bool(any_bad):  # sync: the one per protected attention call; decides whether the slow path runs
+            t0 = time.perf_counter()
+            correct = cfg.mode == "correct"
+            if "scores" in checks:
+                trusted = _trusted(passed.get("q"), passed.get("k"), q_BHTD, k_BHSD, h, hk, tol)
+
+                def recompute_scores() -> torch.Tensor:
+                    fresh = q_BHTD.detach() @ k_rep.detach().transpose(-2, -1)
+                    _inject(ctx, "scores", fresh, attempt=1)
+                    return fresh
+
+                reports = repair(scores, checks["scores"], tol, correct=correct, recompute=recompute_scores,
+                                 trusted=trusted)
+                _emit(ctx, "scores", reports, heads=True)
+                if correct and any(r.action in ("corrected", "recomputed") for r in reports):
+                    # AS was repaired in place: rebuild AP and CL from it, reusing the dropout mask.
+                    probs, _ = _probs(scores, scale=scale, attn_mask=attn_mask, is_causal=is_causal,
+                                      dropout_p=dropout_p, keep_BHTS=keep)
+                    out = probs @ v_rep
+                    _inject(ctx, "context", out, attempt=1)
+                    if "context" in checks:
+                        checks["context"] = _context_checks(probs.detach(), v_rep, out.detach(), passed.get("v"), h,
+                                                            tol)
+            seconds["scores"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if "context" in checks:
+                # CL's column references (wᵀAP)V are built from V, unverified in paper-faithful mode.
+                v_bad = _suspect_heads(passed.get("v"), v_BHSD, hk, tol)
+                trusted = None if v_bad is None else {"col": _expand_heads(~v_bad[..., None, None], h)[..., 0, 0]}
+
+                def recompute_context() -> torch.Tensor:
+                    fresh = probs.detach() @ v_rep.detach()
+                    _inject(ctx, "context", fresh, attempt=1)
+                    return fresh
+
+                reports = repair(out, checks["context"], tol, correct=correct, recompute=recompute_context,
+                                 trusted=trusted)
+                _emit(ctx, "context", reports, heads=True)
+            seconds["context"] += time.perf_counter() - t0
+    for op in checks:
+        _count(ctx, op, seconds[op])
+    return (out, probs) if return_probs else out
+
+
+def _trusted(
+    passed_q: PassedProjection | None,
+    passed_k: PassedProjection | None,
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    h: int,
+    hk: int,
+    tol: Tolerance,
+) -> dict[str, torch.Tensor] | None:
+    """Paper-faithful mode: AS's row references are built from Q and its column references from K, both unverified.
+    A head whose Q (K) disagrees with the passed checksums has untrusted row (column) references."""
+    q_bad = _suspect_heads(passed_q, q_BHTD, h, tol)
+    k_bad = _suspect_heads(passed_k, k_BHSD, hk, tol)
+    trusted = {}
+    if q_bad is not None:
+        trusted["row"] = ~q_bad
+    if k_bad is not None:
+        trusted["col"] = _expand_heads(~k_bad[..., None, None], h)[..., 0, 0]
+    return trusted or None
+
+
+def _scores_checks(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    scores_BHTS: torch.Tensor,
+    passed: dict[str, PassedProjection | None],
+    h: int,
+    tol: Tolerance,
+) -> Checks:
+    """AS = Q Kᵀ: per query row Q k̄ᵀ, per key column K q̄ᵀ; q̄, k̄ passed from X when available (paper mode)."""
+    with torch.no_grad():
+        acc = acc_dtype(q_BHTD.dtype)
+        q_acc, k_acc = q_BHTD.detach().to(acc), k_BHSD.detach().to(acc)
+        t, s = q_acc.shape[-2], k_acc.shape[-2]
+        b = q_acc.shape[0]
+        pq, pk = passed.get("q"), passed.get("k")
+        if pq is not None:
+            qbar_BHD2 = pq.token_ref_NO2.view(b, h, -1, 2)
+        else:
+            qbar_BHD2 = q_acc.transpose(-2, -1) @ checksum_weights(t, q_acc.device, acc)
+        if pk is not None:
+            kbar_BHD2 = _expand_heads(pk.token_ref_NO2.view(b, -1, q_acc.shape[-1], 2), h)
+        else:
+            kbar_BHD2 = k_acc.transpose(-2, -1) @ checksum_weights(s, k_acc.device, acc)
+        return _verify(
+            scores_BHTS,
+            q_acc @ kbar_BHD2,
+            k_acc @ qbar_BHD2,
+            torch.linalg.vector_norm(q_acc, dim=-1),
+            torch.linalg.vector_norm(k_acc, dim=-1),
+            k=q_acc.shape[-1],
+            tol=tol,
+        )
+
+
+def _context_checks(
+    probs_BHTS: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    out_BHTD: torch.Tensor,
+    passed_v: PassedProjection | None,
+    h: int,
+    tol: Tolerance,
+) -> Checks:
+    """CL = AP V: per query row AP (V w) (V w passed from X when available), per feature column (wᵀAP) V.
+    AP ≥ 0, so its row sums (one extra checksum column, free) bound ‖AP_t‖₂ in the round-off bound."""
+    with torch.no_grad():
+        acc = acc_dtype(v_BHSD.dtype)
+        v_acc, p_acc = v_BHSD.detach().to(acc), probs_BHTS.to(acc)
+        t, s = p_acc.shape[-2:]
+        if passed_v is not None:
+            vw_BHS2 = _expand_heads(passed_v.feature_ref(passed_v.weight_OI.shape[0] // v_acc.shape[-1]), h)
+        else:
+            vw_BHS2 = v_acc @ checksum_weights(v_acc.shape[-1], v_acc.device, acc)
+        ones_BHS1 = torch.ones(*vw_BHS2.shape[:-1], 1, device=vw_BHS2.device, dtype=acc)
+        row_BHT3 = p_acc @ torch.cat([vw_BHS2, ones_BHS1], dim=-1)
+        pbar_BHS2 = p_acc.transpose(-2, -1) @ checksum_weights(t, p_acc.device, acc)
+        col_ref_BHD2 = v_acc.transpose(-2, -1) @ pbar_BHS2
+        return _verify(
+            out_BHTD,
+            row_BHT3[..., :2],
+            col_ref_BHD2,
+            row_BHT3[..., 2],
+            torch.linalg.vector_norm(v_acc, dim=-2),
+            k=s,
+            tol=tol,
+        )
+
+
+# ------------------------------------------------------------------------------------------------------ whole layer
+
+
+def protected_self_attention(
+    x_BTC: torch.Tensor,
+    *,
+    ctx: LayerContext,
+    num_heads: int,
+    w_o: torch.Tensor,
+    b_o: torch.Tensor | None = None,
+    w_q: torch.Tensor | None = None,
+    b_q: torch.Tensor | None = None,
+    w_k: torch.Tensor | None = None,
+    b_k: torch.Tensor | None = None,
+    w_v: torch.Tensor | None = None,
+    b_v: torch.Tensor | None = None,
+    w_qkv: torch.Tensor | None = None,
+    b_qkv: torch.Tensor | None = None,
+    num_kv_heads: int | None = None,
+    weight_layout: str = "out_in",
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """One protected self-attention layer: separate (w_q, w_k, w_v) or fused (w_qkv, GPT-2 c_attn) projections, with
+    or without bias; all six ops verified per ctx.config. x: (B, T, C) -> (B, T, C_out)."""
+    b, t, _ = x_BTC.shape
+    kv_heads = num_kv_heads or num_heads
+    if w_qkv is not None:
+        out_features = w_qkv.shape[0] if weight_layout == "out_in" else w_qkv.shape[1]
+        d = out_features // (num_heads + 2 * kv_heads)
+        splits = (("q", num_heads * d), ("k", kv_heads * d), ("v", kv_heads * d))
+        qkv = protected_linear(x_BTC, w_qkv, b_qkv, ctx=ctx, splits=splits, weight_layout=weight_layout)
+        q, k, v = qkv.split([size for _, size in splits], dim=-1)
+    else:
+        if w_q is None or w_k is None or w_v is None:
+            raise ValueError("protected_self_attention needs w_qkv or all of w_q, w_k, w_v")
+        q = protected_linear(x_BTC, w_q, b_q, ctx=ctx, op="q", weight_layout=weight_layout)
+        k = protected_linear(x_BTC, w_k, b_k, ctx=ctx, op="k", weight_layout=weight_layout)
+        v = protected_linear(x_BTC, w_v, b_v, ctx=ctx, op="v", weight_layout=weight_layout)
+    q_BHTD = q.view(b, t, num_heads, -1).transpose(1, 2)
+    k_BHTD = k.view(b, t, kv_heads, -1).transpose(1, 2)
+    v_BHTD = v.view(b, t, kv_heads, -1).transpose(1, 2)
+    out_BHTD = protected_sdpa(q_BHTD, k_BHTD, v_BHTD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                              dropout_p=dropout_p, enable_gqa=kv_heads != num_heads)
+    assert isinstance(out_BHTD, torch.Tensor)
+    merged_BTC = out_BHTD.transpose(1, 2).reshape(b, t, -1)
+    return protected_linear(merged_BTC, w_o, b_o, ctx=ctx, op="out", weight_layout=weight_layout)

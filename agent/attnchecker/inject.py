@@ -1,0 +1,217 @@
+"""Seeded, deterministic fault injection into the output of the protected ops (q, k, v, scores, context, out).
+
+The engine calls ``Injector.apply`` on every op output right after computing it, with protection on or off, so one
+plan shows what the same faults do protected and unprotected. Each fault draws its location from its own seeded
+``torch.Generator`` (never the global RNG), so a persistent fault hits the same elements every time.
+``Injector.injected`` is the ground truth (what was hit, where, the original value) to compare with detections.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .context import OPS
+
+__all__ = ["FAULT_KINDS", "FAULT_PATTERNS", "Fault", "FaultPlan", "Injected", "Injector", "bitflip"]
+
+FAULT_KINDS = ("inf", "neg_inf", "nan", "near_inf", "bitflip", "add")
+"""add: a finite error of `value` added to the element (an ordinary silent error)."""
+FAULT_PATTERNS = ("0d", "1d", "2d")
+DEFAULT_NEAR_INF = 1e20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fault:
+    """One planned fault: which op output, where, what. Unset location fields are drawn from the fault's seed."""
+
+    op: str
+    layer: int
+    step: int
+    kind: str = "inf"
+    pattern: str = "0d"
+    batch: int | None = None
+    head: int | None = None
+    row: int | None = None
+    col: int | None = None
+    axis: str | None = None
+    """1d only: "row" or "col" (None: drawn)."""
+    block: tuple[int, int] = (2, 2)
+    """2d only: block size (rows, cols), clipped to the matrix."""
+    value: float | None = None
+    """near_inf: the value written (default 1e20); add: the error added (default 1.0)."""
+    persistent: bool = False
+    """The fault reappears every time the op is computed at this layer and step, recompute included."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"fault.op must be one of {OPS}, got {self.op!r}")
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault.kind must be one of {FAULT_KINDS}, got {self.kind!r}")
+        if self.pattern not in FAULT_PATTERNS:
+            raise ValueError(f"fault.pattern must be one of {FAULT_PATTERNS}, got {self.pattern!r}")
+        if self.axis not in (None, "row", "col"):
+            raise ValueError(f"fault.axis must be 'row', 'col' or None, got {self.axis!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Injected:
+    """Ground truth of one injection."""
+
+    fault: Fault
+    op: str
+    layer: int
+    step: int
+    kind: str
+    pattern: str
+    batch: int | None
+    head: int | None
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+    original: float
+    """The first hit element's value before the fault."""
+    value: float
+    """What it became."""
+    attempt: int
+    """0 the first computation of the op, 1 a recompute (persistent faults only)."""
+
+    @property
+    def row(self) -> int | None:
+        return self.rows[0] if len(self.rows) == 1 else None
+
+    @property
+    def col(self) -> int | None:
+        return self.cols[0] if len(self.cols) == 1 else None
+
+
+@dataclass(slots=True)
+class FaultPlan:
+    faults: list[Fault] = field(default_factory=list)
+
+    @classmethod
+    def random(
+        cls,
+        *,
+        steps: int | Iterable[int],
+        layers: int | Iterable[int],
+        ops: Sequence[str] = OPS,
+        kinds: Sequence[str] = ("inf", "neg_inf", "nan", "near_inf", "bitflip"),
+        patterns: Sequence[str] = ("0d",),
+        rate: float | None = None,
+        per_step: int | None = None,
+        persistent: bool = False,
+        seed: int = 0,
+    ) -> FaultPlan:
+        """A reproducible plan: `rate` = probability per (step, layer, op), or exactly `per_step` faults per step."""
+        if (rate is None) == (per_step is None):
+            raise ValueError("FaultPlan.random needs exactly one of rate= or per_step=")
+        rng = random.Random(seed)
+        step_list = list(range(steps)) if isinstance(steps, int) else list(steps)
+        layer_list = list(range(layers)) if isinstance(layers, int) else list(layers)
+        slots = [(layer, op) for layer in layer_list for op in ops]
+        faults = []
+        for step in step_list:
+            if per_step is not None:
+                chosen = [rng.choice(slots) for _ in range(per_step)]
+            else:
+                chosen = [slot for slot in slots if rng.random() < rate]  # type: ignore[operator]
+            for layer, op in chosen:
+                faults.append(Fault(op=op, layer=layer, step=step, kind=rng.choice(list(kinds)),
+                                    pattern=rng.choice(list(patterns)), persistent=persistent,
+                                    seed=rng.randrange(2**31)))
+        return cls(faults)
+
+
+def bitflip(v: torch.Tensor) -> torch.Tensor:
+    """Flip one exponent bit, as ATTNChecker's injection kernel: the highest if |v| < 2, else the next one.
+    fp32 bits 30/29; bf16 and fp16 bits 14/13."""
+    if v.dtype == torch.float32:
+        ints, high = v.view(torch.int32), 30
+    elif v.dtype in (torch.float16, torch.bfloat16):
+        ints, high = v.view(torch.int16), 14
+    else:
+        raise ValueError(f"bitflip supports float32, bfloat16 and float16, not {v.dtype}")
+    one = torch.ones((), dtype=ints.dtype, device=v.device)
+    shift = torch.where(v.abs() < 2, high, high - 1).to(ints.dtype)
+    return (ints ^ (one << shift)).view(v.dtype)
+
+
+class Injector:
+    """Applies a FaultPlan; each transient fault fires once, a persistent one on every computation of its op."""
+
+    def __init__(self, plan: FaultPlan | Sequence[Fault]) -> None:
+        faults = plan.faults if isinstance(plan, FaultPlan) else list(plan)
+        self._by_slot: dict[tuple[str, int, int], list[tuple[int, Fault]]] = {}
+        for i, fault in enumerate(faults):
+            self._by_slot.setdefault((fault.op, fault.layer, fault.step), []).append((i, fault))
+        self._fired: set[int] = set()
+        self.injected: list[Injected] = []
+
+    def apply(self, out: torch.Tensor, *, op: str, layer: int, step: int, attempt: int = 0) -> None:
+        """Corrupt `out` (..., R, C) in place for every fault planned at (op, layer, step). Host-only dict lookup
+        when nothing is planned; an injection itself syncs (it records the original value)."""
+        planned = self._by_slot.get((op, layer, step))
+        if not planned:
+            return
+        for i, fault in planned:
+            if i in self._fired and not fault.persistent:
+                continue
+            self._fired.add(i)
+            with torch.no_grad():
+                self.injected.append(_inject_one(out, fault, attempt))
+
+
+def _draw(gen: torch.Generator, n: int) -> int:
+    return int(torch.randint(n, (1,), generator=gen))
+
+
+def _inject_one(out: torch.Tensor, fault: Fault, attempt: int) -> Injected:
+    if out.dim() < 2:
+        raise ValueError(f"cannot inject into a tensor of shape {tuple(out.shape)}")
+    gen = torch.Generator().manual_seed(fault.seed)
+    lead_shape, (n_rows, n_cols) = out.shape[:-2], out.shape[-2:]
+    lead = [_draw(gen, n) for n in lead_shape]
+    if lead and fault.batch is not None:
+        lead[0] = fault.batch
+    if len(lead) > 1 and fault.head is not None:
+        lead[1] = fault.head
+    row = fault.row if fault.row is not None else _draw(gen, n_rows)
+    col = fault.col if fault.col is not None else _draw(gen, n_cols)
+    if fault.pattern == "0d":
+        rows, cols = [row], [col]
+    elif fault.pattern == "1d":
+        axis = fault.axis or ("row", "col")[_draw(gen, 2)]
+        rows, cols = ([row], list(range(n_cols))) if axis == "row" else (list(range(n_rows)), [col])
+    else:
+        bh, bw = min(fault.block[0], n_rows), min(fault.block[1], n_cols)
+        r0, c0 = min(row, n_rows - bh), min(col, n_cols - bw)
+        rows, cols = list(range(r0, r0 + bh)), list(range(c0, c0 + bw))
+    rows_t = torch.tensor(rows, device=out.device)[:, None]
+    cols_t = torch.tensor(cols, device=out.device)[None, :]
+    index = (*lead, rows_t, cols_t)
+    before = out[index].clone()
+    out[index] = _corrupt(before, fault)
+    return Injected(
+        fault=fault, op=fault.op, layer=fault.layer, step=fault.step, kind=fault.kind, pattern=fault.pattern,
+        batch=lead[0] if lead else None, head=lead[1] if len(lead) > 1 else None, rows=tuple(rows), cols=tuple(cols),
+        original=float(before.flatten()[0]),  # sync: injection only, never on a fault-free call
+        value=float(out[index].flatten()[0]),  # sync: injection only
+        attempt=attempt,
+    )
+
+
+def _corrupt(v: torch.Tensor, fault: Fault) -> torch.Tensor:
+    if fault.kind == "inf":
+        return torch.full_like(v, float("inf"))
+    if fault.kind == "neg_inf":
+        return torch.full_like(v, float("-inf"))
+    if fault.kind == "nan":
+        return torch.full_like(v, float("nan"))
+    if fault.kind == "near_inf":
+        return torch.full_like(v, DEFAULT_NEAR_INF if fault.value is None else fault.value)
+    if fault.kind == "add":
+        return v + (1.0 if fault.value is None else fault.value)
+    return bitflip(v)
