@@ -8,6 +8,7 @@ the CLI (`attnchecker-server grafana push`), so the collector never loads grafan
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -57,14 +58,14 @@ def push(url: str, token: str, dashboards_dir: Path, provisioning_dir: Path) -> 
 
     for payload in datasources:
         uid = payload["uid"]
-        if _exists(lambda: grafana.datasource.get_datasource_by_uid(uid)):
+        if _exists(grafana.datasource.get_datasource_by_uid, uid):
             grafana.datasource.update_datasource_by_uid(uid, payload)
             result["datasources"][uid] = "updated"
         else:
             grafana.datasource.create_datasource(payload)
             result["datasources"][uid] = "created"
 
-    if not _exists(lambda: grafana.folder.get_folder(folder_uid)):
+    if not _exists(grafana.folder.get_folder, folder_uid):
         grafana.folder.create_folder(folder_title, uid=folder_uid)
         result["folder"]["created"] = True
 
@@ -82,9 +83,9 @@ def push(url: str, token: str, dashboards_dir: Path, provisioning_dir: Path) -> 
     return result
 
 
-def _exists(get: Any) -> bool:
+def _exists(get: Callable[[str], Any], uid: str) -> bool:
     try:
-        get()
+        get(uid)
     except GrafanaClientError as error:
         if error.status_code == 404:
             return False

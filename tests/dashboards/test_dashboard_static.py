@@ -55,7 +55,8 @@ def test_dashboards_have_stable_uids_and_a_current_classic_schema() -> None:
         assert path.stem == dashboard["uid"], "file named after its uid, so a reader can find it from the URL"
         assert dashboard["id"] is None, "a numeric id ties the JSON to one Grafana database"
         assert 39 <= dashboard["schemaVersion"] <= 41
-        assert dashboard["title"] and dashboard["editable"] is False
+        assert dashboard["title"]
+        assert dashboard["editable"] is False
 
 
 @pytest.mark.parametrize(("path", "dashboard"), DASHBOARDS, ids=[p.stem for p, _ in DASHBOARDS])
@@ -69,8 +70,9 @@ def test_panels_fit_the_grid_without_overlapping(path: Any, dashboard: dict[str,
     boxes = []
     for panel in iter_panels(dashboard):
         grid = panel["gridPos"]
-        assert grid["w"] >= 1 and grid["h"] >= 1, panel["title"]
-        assert grid["x"] >= 0 and grid["y"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
+        assert min(grid["w"], grid["h"]) >= 1, panel["title"]
+        assert min(grid["x"], grid["y"]) >= 0, panel["title"]
+        assert grid["x"] + grid["w"] <= 24, f"{panel['title']}: wider than Grafana's 24 columns"
         boxes.append((panel["title"], grid))
     for (a, ga), (b, gb) in itertools.combinations(boxes, 2):
         apart = (
@@ -85,20 +87,25 @@ def test_panels_fit_the_grid_without_overlapping(path: Any, dashboard: dict[str,
 @pytest.mark.parametrize(("dashboard", "panel", "target"), QUERIES)
 def test_query_parses_after_grafana_substitution(dashboard: dict, panel: dict, target: dict) -> None:
     promql = substitute(target["expr"], variable_values(dashboard))
-    metric_names(promql)  # raises ValueError on a syntax error
+    try:
+        metric_names(promql)
+    except ValueError as error:
+        pytest.fail(f"{panel['title']} [{target['refId']}]: {promql!r} does not parse: {error}")
 
 
 @pytest.mark.parametrize(("dashboard", "panel", "target"), QUERIES)
 def test_query_names_only_metrics_the_wire_contract_lists(dashboard: dict, panel: dict, target: dict) -> None:
     names = metric_names(substitute(target["expr"], variable_values(dashboard)))
-    assert names, "a panel query must select at least one collector metric"
-    assert names <= series_names(wire_metrics()), f"not in docs/wire.md: {names - series_names(wire_metrics())}"
+    assert names, f"{panel['title']}: a panel query must select at least one collector metric"
+    unknown = names - series_names(wire_metrics())
+    assert not unknown, f"{panel['title']} [{target['refId']}] selects metrics docs/wire.md does not list: {unknown}"
 
 
 @pytest.mark.parametrize(("dashboard", "panel", "target"), QUERIES)
 def test_query_ranges_use_rate_interval(dashboard: dict, panel: dict, target: dict) -> None:
     ranges = re.findall(r"\[([^\]]*)\]", target["expr"])
-    assert all(r == "$__rate_interval" for r in ranges), f"{panel['title']}: range {ranges}, not $__rate_interval"
+    where = f"{dashboard['uid']}: {panel['title']} [{target['refId']}]"
+    assert all(r == "$__rate_interval" for r in ranges), f"{where}: range {ranges}, not $__rate_interval"
 
 
 def test_wire_metrics_table_matches_the_collectors_metric_names() -> None:
@@ -108,9 +115,11 @@ def test_wire_metrics_table_matches_the_collectors_metric_names() -> None:
 
 def test_wire_metrics_table_is_read_and_every_metric_is_on_the_dashboard() -> None:
     metrics = wire_metrics()
-    assert len(metrics) >= 20 and metrics["attnchecker_checksum_residual_ratio"] == "histogram"
-    used = set().union(*(metric_names(substitute(t["expr"], variable_values(_overview()))) for _, t in
-                         iter_queries(_overview())))
+    assert len(metrics) >= 20
+    assert metrics["attnchecker_checksum_residual_ratio"] == "histogram"
+    used = set().union(
+        *(metric_names(substitute(t["expr"], variable_values(_overview()))) for _, t in iter_queries(_overview()))
+    )
     assert series_names(metrics) - used <= {
         f"{name}_{suffix}" for name, kind in metrics.items() if kind == "histogram" for suffix in ("sum", "count")
     }
@@ -128,7 +137,8 @@ def test_datasource_is_the_templated_provisioned_prometheus() -> None:
     assert [ds["uid"] for ds in PROVISIONED_DATASOURCES] == ["attnchecker-prometheus"]
     for _, dashboard in DASHBOARDS:
         [datasource] = [v for v in dashboard["templating"]["list"] if v["type"] == "datasource"]
-        assert datasource["name"] == "datasource" and datasource["query"] == "prometheus"
+        assert datasource["name"] == "datasource"
+        assert datasource["query"] == "prometheus"
         assert datasource["current"]["value"] == PROVISIONED_UID
         for panel in iter_panels(dashboard):
             if panel["type"] != "row":
@@ -141,9 +151,12 @@ def test_datasource_is_the_templated_provisioned_prometheus() -> None:
 
 def test_run_variable_lists_runs_from_checks_with_all_and_multi() -> None:
     [run] = [v for v in _overview()["templating"]["list"] if v["name"] == "run"]
-    assert run["type"] == "query" and run["datasource"] == TEMPLATED_DATASOURCE
+    assert run["type"] == "query"
+    assert run["datasource"] == TEMPLATED_DATASOURCE
     assert run["definition"] == run["query"]["query"] == "label_values(attnchecker_checks_total, run)"
-    assert run["multi"] is True and run["includeAll"] is True and run["allValue"] == ".*"
+    assert run["multi"] is True
+    assert run["includeAll"] is True
+    assert run["allValue"] == ".*"
 
 
 @pytest.mark.parametrize(("dashboard", "panel", "target"), QUERIES)
@@ -151,7 +164,8 @@ def test_run_scoped_queries_filter_by_the_run_variable(dashboard: dict, panel: d
     names = metric_names(substitute(target["expr"], variable_values(dashboard)))
     per_process = {n for n in names if n.startswith("attnchecker_ingest_")}
     if names - per_process:  # the collector's own ingest metrics carry no run label
-        assert target["expr"].count('run=~"$run"') == len(re.findall(r"attnchecker_\w+\{", target["expr"]))
+        selectors = len(re.findall(r"attnchecker_\w+\{", target["expr"]))
+        assert target["expr"].count('run=~"$run"') == selectors, f"{panel['title']}: a selector ignores $run"
 
 
 def test_refids_are_unique_within_each_panel() -> None:
@@ -172,7 +186,8 @@ def test_uncorrectable_faults_stat_turns_red_above_zero() -> None:
 
 def test_overhead_panel_compares_check_time_ratio_with_the_budget() -> None:
     exprs = [t["expr"] for t in _panel("Check overhead vs budget")["targets"]]
-    assert "rate(attnchecker_check_seconds_total" in exprs[0] and "rate(attnchecker_step_seconds_total" in exprs[0]
+    assert "rate(attnchecker_check_seconds_total" in exprs[0]
+    assert "rate(attnchecker_step_seconds_total" in exprs[0]
     assert "attnchecker_overhead_budget_ratio" in exprs[1]
 
 

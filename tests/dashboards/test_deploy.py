@@ -57,7 +57,8 @@ def prometheus_dir(tmp_path: Path) -> Path:
 def test_promtool_accepts_the_prometheus_config_and_its_rule_files(prometheus_dir: Path) -> None:
     result = _run("promtool", "check", "config", prometheus_dir / "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS" in result.stdout and "rules found" in result.stdout
+    assert "SUCCESS" in result.stdout
+    assert "rules found" in result.stdout
 
 
 @needs_promtool
@@ -91,7 +92,8 @@ def test_alerts_cover_what_operators_must_hear_about() -> None:
     } <= set(rules)
     for name, rule in rules.items():
         assert rule["labels"]["severity"] in {"warning", "critical"}, name
-        assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
+        assert rule["annotations"]["summary"], name
+        assert rule["annotations"]["description"], name
     assert "attnchecker_run_live) == 1" in rules["AttncheckerAgentSilent"]["expr"]
 
 
@@ -143,12 +145,13 @@ def test_prometheus_scrapes_the_collector_service_on_its_port() -> None:
 
 
 def test_prometheus_rule_files_and_token_are_mounted_where_the_config_reads_them() -> None:
-    mounts = dict((target, source) for source, target in _mounts("prometheus"))
+    mounts = {target: source for source, target in _mounts("prometheus")}
     config_source = mounts["/etc/prometheus/prometheus.yml"]
     assert (REPO / config_source).resolve() == DEPLOY / "prometheus.yml"
     for rule_file in PROMETHEUS["rule_files"]:
         target = str(Path("/etc/prometheus") / rule_file)
-        assert target in mounts and (REPO / mounts[target]).is_file(), rule_file
+        assert target in mounts, f"rule file {rule_file} is not mounted at {target}"
+        assert (REPO / mounts[target]).is_file(), rule_file
     [job] = [j for j in PROMETHEUS["scrape_configs"] if j["job_name"] == "attnchecker-collector"]
     token_dir = str(Path(job["authorization"]["credentials_file"]).parent)
     assert mounts[token_dir] == "bootstrap-secrets"
@@ -156,13 +159,14 @@ def test_prometheus_rule_files_and_token_are_mounted_where_the_config_reads_them
 
 
 def test_grafana_mounts_the_provisioning_and_dashboards_the_provider_reads() -> None:
-    mounts = dict((target, source) for source, target in _mounts("grafana"))
+    mounts = {target: source for source, target in _mounts("grafana")}
     assert (REPO / mounts["/etc/grafana/provisioning/datasources"]).resolve() == PROVISIONING_DIR / "datasources"
     provider = yaml.safe_load((PROVISIONING_DIR / "dashboards" / "attnchecker.yml").read_text())["providers"][0]
     assert (REPO / mounts[provider["options"]["path"]]).resolve() == REPO / "dashboards" / "json"
     datasource = yaml.safe_load((PROVISIONING_DIR / "datasources" / "prometheus.yml").read_text())["datasources"][0]
     host, port = datasource["url"].removeprefix("http://").split(":")
-    assert host in SERVICES and int(port) in _container_ports(host)
+    assert host in SERVICES
+    assert int(port) in _container_ports(host)
 
 
 def _dockerfiles() -> list[tuple[str, Path, Path]]:

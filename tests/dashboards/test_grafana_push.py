@@ -106,7 +106,7 @@ def _handler(fake: FakeGrafana) -> type[BaseHTTPRequestHandler]:
                 )
             return self._answer(404, {"message": f"fake Grafana has no {self.command} {path}"})
 
-        do_GET = do_POST = do_PUT = _handle
+        do_GET = do_POST = do_PUT = _handle  # noqa: N815 - the names http.server dispatches to
 
     return Handler
 
@@ -146,7 +146,8 @@ def test_push_creates_datasource_folder_and_dashboard_on_an_empty_grafana(fake_g
     [datasource] = fake_grafana.bodies("POST", "/api/datasources")
     provisioned = _provisioned_datasource()
     assert datasource == {k: v for k, v in provisioned.items() if k != "editable"}
-    assert datasource["uid"] == DS_UID and datasource["url"] == "http://prometheus:9090"
+    assert datasource["uid"] == DS_UID
+    assert datasource["url"] == "http://prometheus:9090"
 
     assert fake_grafana.bodies("POST", "/api/folders") == [{"title": "ATTNChecker", "uid": "attnchecker"}]
 
@@ -179,7 +180,8 @@ def test_push_updates_existing_datasource_by_uid_and_overwrites_dashboard(fake_g
         ("POST", "/api/dashboards/db"),
     ]
     [update] = fake_grafana.bodies("PUT", f"/api/datasources/uid/{DS_UID}")
-    assert update["uid"] == DS_UID and update["url"] == "http://prometheus:9090"
+    assert update["uid"] == DS_UID
+    assert update["url"] == "http://prometheus:9090"
     assert fake_grafana.datasources[DS_UID]["url"] == "http://prometheus:9090"
     assert result["datasources"] == {DS_UID: "updated"}
     assert result["folder"]["created"] is False
@@ -191,11 +193,12 @@ def test_push_with_a_bad_token_fails_before_changing_anything(fake_grafana: Fake
         grafana.push(fake_grafana.url, "wrong", DASHBOARDS, PROVISIONING)
 
     assert fake_grafana.calls() == [("GET", "/api/frontend/settings")]
-    assert not fake_grafana.datasources and not fake_grafana.dashboards
+    assert not fake_grafana.datasources
+    assert not fake_grafana.dashboards
 
 
 def test_push_rejects_a_dashboard_without_uid(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text(json.dumps({"title": "no uid", "panels": []}))
 
-    with pytest.raises(ValueError, match="bad.json: a dashboard needs a stable uid"):
+    with pytest.raises(ValueError, match=r"bad\.json: a dashboard needs a stable uid"):
         grafana.push("http://127.0.0.1:9", TOKEN, tmp_path, PROVISIONING)

@@ -31,7 +31,7 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("dashboard_queries", REPO / "tests" / "dashboards" / "dashboard_queries.py")
+_spec = importlib.util.spec_from_file_location("dashboard_queries", REPO / "tests/dashboards/dashboard_queries.py")
 dq = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
 _spec.loader.exec_module(dq)  # type: ignore[union-attr]
 
@@ -70,7 +70,7 @@ class ApiFedAgent:
     interval every `period` seconds (checks, corrected faults, residual histogram, transport counts) until stopped.
     `inject_uncorrectable()` sends what an agent sends after an uncorrectable fault: the event and its count."""
 
-    LE = [0.001, 0.01, 0.1, 0.5, 1.0, 10.0, 1000.0]
+    LE = (0.001, 0.01, 0.1, 0.5, 1.0, 10.0, 1000.0)
 
     def __init__(self, url: str, token: str, period: float = 0.25) -> None:
         self.client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=5)
@@ -81,8 +81,15 @@ class ApiFedAgent:
         self._thread = threading.Thread(target=self._loop, name="api-fed-agent", daemon=True)
         answer = self.client.post(
             "/api/v1/runs",
-            json={"name": RUN_NAME, "model": "GPT2LMHeadModel", "world_size": 1, "rank": 0, "host": "ci",
-                  "agent_version": "api-fed", "config": {"source": "tests/e2e/test_prometheus_live.py"}},
+            json={
+                "name": RUN_NAME,
+                "model": "GPT2LMHeadModel",
+                "world_size": 1,
+                "rank": 0,
+                "host": "ci",
+                "agent_version": "api-fed",
+                "config": {"source": "tests/e2e/test_prometheus_live.py"},
+            },
         )
         answer.raise_for_status()
         self.run_id = answer.json()["id"]
@@ -104,21 +111,40 @@ class ApiFedAgent:
 
     def _event(self, op: str, kind: str, action: str, value: str) -> dict[str, Any]:
         return {
-            "id": str(uuid.uuid4()), "ts": datetime.now(UTC).isoformat().replace("+00:00", "Z"), "step": self.step,
-            "rank": 0, "layer": 1, "op": op, "pattern": "0d", "kind": kind, "action": action,
-            "location": {"batch": 0, "head": 2, "row": 5, "col": 7}, "value": value, "residual": None,
-            "bound": 0.0012, "policy_version": self.policy_version,
+            "id": str(uuid.uuid4()),
+            "ts": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+            "step": self.step,
+            "rank": 0,
+            "layer": 1,
+            "op": op,
+            "pattern": "0d",
+            "kind": kind,
+            "action": action,
+            "location": {"batch": 0, "head": 2, "row": 5, "col": 7},
+            "value": value,
+            "residual": None,
+            "bound": 0.0012,
+            "policy_version": self.policy_version,
         }
 
     def _stats(self, faults: list[dict[str, Any]], steps: int = 5) -> dict[str, Any]:
         start, self.step = self.step, self.step + steps
-        ops = [{"op": op, "checks": steps * 2, "check_seconds": 0.002, "period": 1 if op == "scores" else 2}
-               for op in ("q", "k", "v", "scores", "context", "out")]
+        ops = [
+            {"op": op, "checks": steps * 2, "check_seconds": 0.002, "period": 1 if op == "scores" else 2}
+            for op in ("q", "k", "v", "scores", "context", "out")
+        ]
         return {
-            "interval_id": str(uuid.uuid4()), "rank": 0, "step_start": start, "step_end": self.step - 1,
-            "steps": steps, "applied_policy_version": self.policy_version,
-            "step_seconds": 0.2, "check_seconds": 0.012, "ops": ops, "faults": faults,
-            "residual_ratio": {"le": self.LE, "counts": [20, 30, 8, 2, 0, 0, 0, 0], "sum": 2.4, "count": 60},
+            "interval_id": str(uuid.uuid4()),
+            "rank": 0,
+            "step_start": start,
+            "step_end": self.step - 1,
+            "steps": steps,
+            "applied_policy_version": self.policy_version,
+            "step_seconds": 0.2,
+            "check_seconds": 0.012,
+            "ops": ops,
+            "faults": faults,
+            "residual_ratio": {"le": list(self.LE), "counts": [20, 30, 8, 2, 0, 0, 0, 0], "sum": 2.4, "count": 60},
             "transport": {"sent": len(faults), "spooled": 1, "dropped": 0},
         }
 
@@ -152,9 +178,15 @@ class Prometheus:
         self.log_path = base / "prometheus.log"
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                ["prometheus", f"--config.file={base / 'prometheus.yml'}", f"--storage.tsdb.path={base / 'tsdb'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h"],
-                stdout=log, stderr=subprocess.STDOUT,
+                [
+                    "prometheus",
+                    f"--config.file={base / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={base / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                    "--storage.tsdb.retention.time=1h",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
 
     def get(self, path: str, **params: Any) -> Any:
@@ -193,13 +225,18 @@ def prometheus(tmp_path: Path, collector: Any) -> Iterator[Prometheus]:
     viewer = testing.make_token(collector.settings, "viewer", name="prometheus")
     server = Prometheus(tmp_path / "prometheus", collector.port, viewer)
     try:
-        _wait_for("Prometheus /-/ready", lambda: httpx.get(f"{server.url}/-/ready", timeout=1).status_code == 200,
-                  timeout=30)
+        ready = _wait_for(
+            "Prometheus /-/ready",
+            lambda: (
+                server.process.poll() is not None or httpx.get(f"{server.url}/-/ready", timeout=1).status_code == 200
+            ),
+            timeout=30,
+        )
+        assert ready
+        assert server.process.poll() is None, f"Prometheus exited:\n{server.log_path.read_text()}"
         yield server
     finally:
         server.stop()
-    if server.process.returncode not in (0, None):
-        print(server.log_path.read_text(errors="replace"))
 
 
 def _dashboard_queries() -> list[tuple[str, str, str]]:
@@ -224,17 +261,26 @@ def test_every_dashboard_query_returns_data_and_uncorrectable_alert_fires(
         def empty_panels() -> list[str]:
             return [title for title, _, promql in queries if not prometheus.query(promql)]
 
-        _wait_for("every panel query to return data (last answer: the panels still empty)", empty_panels,
-                  until=lambda empty: not empty)
+        _wait_for(
+            "every panel query to return data (last answer: the panels still empty)",
+            empty_panels,
+            until=lambda empty: not empty,
+        )
         assert not prometheus.firing("AttncheckerUncorrectableFault"), "fired before any uncorrectable fault"
 
         agent.inject_uncorrectable()
-        [alert] = _wait_for("AttncheckerUncorrectableFault firing",
-                            lambda: prometheus.firing("AttncheckerUncorrectableFault"))
+        [alert] = _wait_for(
+            "AttncheckerUncorrectableFault firing", lambda: prometheus.firing("AttncheckerUncorrectableFault")
+        )
         assert not agent.errors, agent.errors
 
-    assert alert["labels"] == {"alertname": "AttncheckerUncorrectableFault", "run": RUN_NAME, "op": "context",
-                               "kind": "nan", "severity": "critical"}
+    assert alert["labels"] == {
+        "alertname": "AttncheckerUncorrectableFault",
+        "run": RUN_NAME,
+        "op": "context",
+        "kind": "nan",
+        "severity": "critical",
+    }
     [stat] = [promql for title, _, promql in queries if title.startswith("Uncorrectable faults")]
     assert float(prometheus.query(stat)[0]["value"][1]) == 1.0
 
