@@ -31,6 +31,7 @@ __all__ = [
     "RunningCollector",
     "create_postgres_database",
     "drop_postgres_database",
+    "free_port",
     "make_settings",
     "make_token",
     "migrate",
@@ -131,7 +132,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free right now (another process may still take it before you bind)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -188,7 +190,7 @@ def start_collector(
     attempts = 1 if port is not None else 3
     last_log = ""
     for _ in range(attempts):
-        chosen = port or _free_port()
+        chosen = port or free_port()
         path = log_path or Path(settings.data_dir) / f"collector-{chosen}.log"
         path.parent.mkdir(parents=True, exist_ok=True)
         child_env = {**os.environ, **settings_env(settings), **(env or {})}
