@@ -3,7 +3,7 @@
 # tokens the stack uses itself, once. Tokens are stored hashed, so the plain ones exist only in the
 # bootstrap-secrets volume (mode 600): Prometheus scrapes with the viewer one, the demo trainer sends with the agent one.
 set -eu
-secrets=/run/attnchecker
+secrets=${ATTNCHECKER_BOOTSTRAP_DIR:-/run/attnchecker}  # the variable is for tests/dashboards/test_deploy.py
 attnchecker-server migrate
 umask 077
 make_token() {  # role name file: `token create` prints the token once, on its last line

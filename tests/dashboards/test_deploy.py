@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +190,42 @@ def test_demo_trainer_installs_cpu_torch_before_the_agent() -> None:
     text = (DEPLOY / "trainer.Dockerfile").read_text()
     torch = text.index("pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")
     assert torch < text.index("COPY agent/") < text.index("pip install ./agent")
+
+
+@pytest.mark.slow
+def test_bootstrap_migrates_and_creates_the_stack_tokens_once(tmp_path: Path) -> None:
+    """deploy/bootstrap.sh (the compose `migrate` one-shot) run for real, on SQLite instead of PostgreSQL."""
+    auth = pytest.importorskip("attnchecker_server.auth")
+    testing = pytest.importorskip("attnchecker_server.testing")
+    from attnchecker_server.db import make_engine, make_session_factory
+
+    settings = testing.make_settings("sqlite", tmp_path)
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    cli = Path(sys.executable).with_name("attnchecker-server")
+    if not cli.exists():
+        pytest.skip(f"{cli} is missing: `pip install -e server`")
+    env = {
+        **os.environ,
+        **testing.settings_env(settings),
+        "ATTNCHECKER_BOOTSTRAP_DIR": str(secrets),
+        "PATH": f"{cli.parent}{os.pathsep}{os.environ['PATH']}",
+    }
+
+    def bootstrap() -> dict[str, str]:
+        result = subprocess.run(
+            ["/bin/sh", str(DEPLOY / "bootstrap.sh")], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        return {name: (secrets / name).read_text() for name in ("prometheus-token", "agent-token")}
+
+    first = bootstrap()
+    assert bootstrap() == first, "a second run (compose restart, upgrade) must keep the tokens it made"
+
+    sessions = make_session_factory(make_engine(settings, pooled=False))
+    with sessions() as session:
+        prometheus = auth.authenticate(session, first["prometheus-token"].strip())
+        agent = auth.authenticate(session, first["agent-token"].strip())
+        assert len(auth.list_tokens(session)) == 2
+    assert (prometheus.name, prometheus.role) == ("prometheus", "viewer")
+    assert (agent.name, agent.role) == ("demo-trainer", "agent")
