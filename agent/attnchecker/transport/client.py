@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -97,3 +99,60 @@ class CollectorClient:
 
 
 _ENDPOINT = {"events": "events:batch", "stats": "stats", "finish": "finish"}
+
+
+def events_body(chunk: list[bytes]) -> bytes:
+    """An ``events:batch`` body around already encoded events, with a fresh batch id."""
+    return b'{"batch_id":"%s","events":[%s]}' % (str(uuid.uuid4()).encode(), b",".join(chunk))
+
+
+@dataclass(slots=True)
+class EventsOutcome:
+    sent: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    errors: list[str] = field(default_factory=list)
+    failed: Reply | None = None
+    """The transient failure that stopped the upload, if any."""
+    unsent: list[tuple[bytes, int]] = field(default_factory=list)
+    """(body, events) not delivered because of ``failed``: the failed request's exact body (same batch id, so a
+    retry of a batch the collector did store is a duplicate there), then the parts never tried."""
+
+
+def send_events(
+    client: CollectorClient, run_id: str, chunk: list[bytes], *, body: bytes | None = None,
+    budget_s: Callable[[], float | None] = lambda: None,
+) -> EventsOutcome:
+    """Post encoded events as one batch. A batch the collector refuses as too large (413) or invalid (422) is split
+    in halves until it fits, so one bad event costs only itself and a smaller ``max_events_per_batch`` on the
+    collector costs a few extra requests, not the data. ``body``: the exact body to send first (a replayed batch)."""
+    out = EventsOutcome()
+    _send_events(client, run_id, chunk, body, budget_s, out)
+    return out
+
+
+def _send_events(
+    client: CollectorClient, run_id: str, chunk: list[bytes], body: bytes | None,
+    budget_s: Callable[[], float | None], out: EventsOutcome,
+) -> None:
+    if out.failed is not None:
+        out.unsent.append((body or events_body(chunk), len(chunk)))
+        return
+    body = body or events_body(chunk)
+    r = client.post("events", run_id, body, budget_s=budget_s())
+    if r.ok:
+        out.sent += len(chunk)
+        if isinstance(r.body, dict):
+            out.duplicates += int(r.body.get("duplicates", 0) or 0)
+        return
+    if r.transient:
+        out.failed = r
+        out.unsent.append((body, len(chunk)))
+        return
+    if (r.too_large or r.status == 422) and len(chunk) > 1:
+        half = len(chunk) // 2
+        _send_events(client, run_id, chunk[:half], None, budget_s, out)
+        _send_events(client, run_id, chunk[half:], None, budget_s, out)
+        return
+    out.rejected += len(chunk)
+    out.errors.append(r.error)

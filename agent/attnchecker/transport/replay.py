@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .client import CollectorClient, Reply, encode
+from .client import CollectorClient, Reply, encode, send_events
 from .spool import claim, list_files, read_records, rewrite
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,8 @@ class ReplaySummary:
     duplicates: int = 0
     """Events the collector already had (from the 200 responses)."""
     rejected: int = 0
-    """Records the collector refused for good (4xx other than 401/403/404/408/413/429); logged and dropped."""
+    """Events (or stats/finish records) the collector refused for good (a 4xx that is not about auth, a missing run,
+    rate or size); logged and dropped."""
     skipped: int = 0
     """Files a live writer still holds (left for later)."""
     remaining: list[str] = field(default_factory=list)
@@ -83,22 +84,24 @@ def replay_file(
             if run_id is None:
                 summary.errors.append(f"{path}: record {i} has no run record before it; skipped")
                 continue
+            if kind == "events":
+                out = send_events(client, run_id, [encode(e) for e in body.get("events", ())], body=encode(body),
+                                  budget_s=budget_s)
+                summary.requests += 1
+                summary.events += out.sent
+                summary.duplicates += out.duplicates
+                summary.rejected += out.rejected
+                summary.errors += [f"{path}: events rejected: {e}" for e in out.errors]
+                if out.failed is None:
+                    continue
+                left = [{"v": rec.get("v", 1), "kind": "events", "n": n, "body": json.loads(b)} for b, n in out.unsent]
+                return _keep_rest(path, header, left + records[i + 1:], out.failed, run_ids)
             reply = client.post(kind, run_id, encode(body), budget_s=budget_s())
             summary.requests += 1
             if reply.ok:
-                if kind == "events":
-                    summary.events += len(body.get("events", ()))
-                    if isinstance(reply.body, dict):
-                        summary.duplicates += int(reply.body.get("duplicates", 0) or 0)
                 continue
             if reply.transient or reply.too_large:
-                # Keep the rest (from this record on) for the next attempt; what was uploaded is not repeated.
-                # TODO(transport): split an events record on 413 like the live sender does (#5); batches are spooled
-                # at the live size, which the collector accepted before, so this has not happened.
-                if run_id and reply.status == 404:
-                    run_ids.pop(_run_key(header["body"]) if header else "", None)
-                rewrite(path, ([header] if header else []) + records[i:])
-                return reply
+                return _keep_rest(path, header, records[i:], reply, run_ids)
             summary.rejected += 1
             summary.errors.append(f"{path}: {kind} record rejected: {reply.error}")
             log.error("spooled %s record rejected by the collector, dropped: %s", kind, reply.error)
@@ -107,6 +110,16 @@ def replay_file(
         summary.files += 1
         summary.bytes_deleted += size
     return None
+
+
+def _keep_rest(
+    path: Path, header: dict[str, Any] | None, rest: list[dict[str, Any]], reply: Reply, run_ids: dict[str, str]
+) -> Reply:
+    """Keep what is left (from the failed record on) for the next attempt; what was uploaded is not repeated."""
+    if reply.status == 404 and header is not None:
+        run_ids.pop(_run_key(header["body"]), None)  # the collector lost the run: register again next time
+    rewrite(path, ([header] if header else []) + rest)
+    return reply
 
 
 def replay_spool(

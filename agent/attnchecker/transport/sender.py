@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..policy import Policy, PolicyError
-from .client import CollectorClient, Reply, encode
+from .client import CollectorClient, Reply, encode, events_body, send_events
 from .replay import ReplaySummary, _run_key, replay_file
 from .spool import SpoolWriter, list_files
 
@@ -406,10 +406,6 @@ class Transport:
         with self._lock:
             return self._stats_pending.pop(0) if self._stats_pending else None
 
-    @staticmethod
-    def _batch_body(chunk: list[bytes]) -> bytes:
-        return b'{"batch_id":"%s","events":[%s]}' % (str(uuid.uuid4()).encode(), b",".join(chunk))
-
     # --- online / offline ---------------------------------------------------------------------------------------
 
     def _online(self, client: CollectorClient, flushing: bool, budget: Callable[[], float | None] = lambda: None) -> bool:
@@ -473,22 +469,18 @@ class Transport:
 
     def _send_events(self, client: CollectorClient, chunk: list[bytes], budget: Callable[[], float | None]) -> Reply | None:
         assert self._run_id is not None
-        body = self._batch_body(chunk)
-        r = client.post("events", self._run_id, body, budget_s=budget())
-        if r.ok:
-            self._sent += len(chunk)
+        out = send_events(client, self._run_id, chunk, budget_s=budget)
+        self._sent += out.sent
+        if out.rejected:
+            self._dropped_sender += out.rejected
+            log.error("collector rejected %d events, dropped: %s", out.rejected, "; ".join(out.errors)[:500])
+        if out.failed is None:
             return None
-        if r.too_large and len(chunk) > 1:
-            half = len(chunk) // 2
-            return self._send_events(client, chunk[:half], budget) or self._send_events(client, chunk[half:], budget)
-        if r.transient:
-            # Spool this very body: if the collector stored it before the connection broke, the replay's batch id
-            # and event ids make it a duplicate there, not a second copy.
-            self._spool_append("events", body, len(chunk))
-            return self._run_missing(r)
-        self._dropped_sender += len(chunk)
-        log.error("collector rejected a batch of %d events, dropped: %s", len(chunk), r.error)
-        return None
+        # Spool the failed request's very body: if the collector stored it before the connection broke, the
+        # replay's batch id and event ids make it a duplicate there, not a second copy.
+        for body, n in out.unsent:
+            self._spool_append("events", body, n)
+        return self._run_missing(out.failed)
 
     def _replay_own(self, client: CollectorClient, budget: Callable[[], float | None]) -> Reply | None:
         assert self._run_id is not None
@@ -508,7 +500,10 @@ class Transport:
     def _went_offline(self, r: Reply) -> None:
         delay = self._backoff.next_delay()
         self._retry_at = time.monotonic() + delay
-        if self._outage is None:
+        if self._stop.is_set():
+            log.info("collector %s: close deadline reached (%s); spooling the rest to %s", self.collector_url,
+                     r.error or f"HTTP {r.status}", self.spool_dir)
+        elif self._outage is None:
             self._outage = r.error or f"HTTP {r.status}"
             log.warning("collector %s unreachable (%s); spooling to %s, retrying with backoff",
                         self.collector_url, self._outage, self.spool_dir)
@@ -520,7 +515,7 @@ class Transport:
             self._spool_events(self._take_batch())
 
     def _spool_events(self, chunk: list[bytes]) -> None:
-        self._spool_append("events", self._batch_body(chunk), len(chunk))
+        self._spool_append("events", events_body(chunk), len(chunk))
 
     def _spool_append(self, kind: str, body: bytes, n: int) -> None:
         try:
