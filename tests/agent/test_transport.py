@@ -16,10 +16,10 @@ from attnchecker.policy import Policy
 from attnchecker.transport import Transport, replay_spool, sync_main
 from attnchecker.transport.spool import SpoolWriter, list_files, read_records
 
-try:
-    from test_transport_collector import TOKEN, LoopbackCollector
-except ImportError:  # tests/agent became a package
-    from .test_transport_collector import TOKEN, LoopbackCollector
+# The loopback collector lives next to this file; make it importable under either pytest import mode.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_transport_collector import TOKEN, LoopbackCollector  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
