@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from .errors import AttnCheckerError
+
 __all__ = ["OPS", "Policy", "PolicyError", "Scheduler"]
 
 # The op vocabulary of the wire format. Mirrors attnchecker.context.OPS, which imports torch; a test pins the two
@@ -26,8 +28,9 @@ ON_UNCORRECTABLE: tuple[str, ...] = ("log", "skip_step", "raise")
 _WIRE_IGNORED = frozenset({"updated_at", "updated_by"})
 
 
-class PolicyError(ValueError):
-    """A policy field has a value the agent cannot act on. The message names the field and what is allowed."""
+class PolicyError(AttnCheckerError, ValueError):
+    """A policy field has a value the agent cannot act on. The message names the field and what is allowed.
+    A ValueError too, so callers that validate configuration generically catch it."""
 
 
 def _is_int(x: object) -> bool:

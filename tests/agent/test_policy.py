@@ -5,6 +5,7 @@ import pickle
 
 import pytest
 
+from attnchecker.errors import AttnCheckerError
 from attnchecker.policy import OPS, Policy, PolicyError
 
 WIRE_EXAMPLE = {
@@ -71,7 +72,7 @@ def test_policy_error_message_says_what_is_allowed():
     with pytest.raises(PolicyError) as e:
         Policy(period=0)
     assert str(e.value) == "policy.period must be an int >= 1, got 0"
-    assert isinstance(e.value, ValueError)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, AttnCheckerError)
 
 
 def test_policy_from_wire_rejects_unknown_fields_naming_them():
