@@ -158,14 +158,14 @@ def _verify(
     bias_abs_C: torch.Tensor | None = None,
 ) -> Checks:
     """Both directions of C = A·B against references derived from the inputs (no sync)."""
-    half = c_NRC.dtype != acc_dtype(c_NRC.dtype)
-    got_rows, got_cols, c_abs = checksums_of(c_NRC, with_abs=half and tol.mode == "roundoff")
-    row_bound, col_bound = bounds(
-        a_norm_NR, b_norm_NC, k=k, out_dtype=c_NRC.dtype, tol=tol, bias_abs_C=bias_abs_C, c_abs=c_abs
+    use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and tol.mode == "roundoff"
+    got_rows, got_cols, c_abs = checksums_of(c_NRC, with_abs=use_abs)
+    row_rule, col_rule = bounds(
+        a_norm_NR, b_norm_NC, k=k, out_dtype=c_NRC.dtype, tol=tol, bias_abs_C=bias_abs_C, use_abs=use_abs
     )
     return {
-        "row": verify_direction(row_ref_NR2, got_rows, row_bound),
-        "col": verify_direction(col_ref_NC2, got_cols, col_bound),
+        "row": verify_direction(row_ref_NR2, got_rows, row_rule, None if c_abs is None else c_abs[0]),
+        "col": verify_direction(col_ref_NC2, got_cols, col_rule, None if c_abs is None else c_abs[1]),
     }
 
 
@@ -193,8 +193,8 @@ class _ProjectionInput:
         acc = self.x_acc_NTI.dtype
         ref_N2O = self.xsum_N2I @ weight_OI.to(acc).T
         if bias_O is not None:
-            t = self.x_NTI.shape[-2]
-            wsum_21 = torch.tensor([[t], [t * (t + 1) / 2]], device=ref_N2O.device, dtype=acc)
+            # Σw from the cached weights, on the device: a host-built tensor would be a host-to-device copy.
+            wsum_21 = checksum_weights(self.x_NTI.shape[-2], ref_N2O.device, acc).sum(0)[:, None]
             ref_N2O = ref_N2O + wsum_21 * bias_O.to(acc)
         return ref_N2O.transpose(-2, -1)
 
@@ -263,8 +263,10 @@ def check_linear(
             shared = shared or _ProjectionInput.of(x_NTI.detach())
             w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
             if paper_pass:
-                token_bound = bounds(shared.x_norm_NT, w_norm_O, k=w_s.shape[1], out_dtype=y.dtype, tol=tol,
-                                     bias_abs_C=bias_abs)[1]
+                # Paper mode keeps the operand-only bound: the output it would be measured on is unverified.
+                token_rule = bounds(shared.x_norm_NT, w_norm_O, k=w_s.shape[1], out_dtype=y.dtype, tol=tol,
+                                    bias_abs_C=bias_abs)[1]
+                token_bound = token_rule.of(None).expand(y_s.shape[0], -1)
                 ctx.passed[name] = PassedProjection(token_ref_NO2=shared.token_ref(w_s, b_s), token_bound_NO=token_bound,
                                                     x_NTI=x_NTI.detach(), weight_OI=w_s, bias_O=b_s)
                 continue
@@ -376,7 +378,14 @@ def _take_passed(ctx: LayerContext, name: str, n: int, tokens: int, heads: int, 
 
 
 def _expand_heads(x_BHSD: torch.Tensor, heads: int) -> torch.Tensor:
-    return x_BHSD if x_BHSD.shape[-3] == heads else x_BHSD.repeat_interleave(heads // x_BHSD.shape[-3], dim=-3)
+    """GQA: repeat each key/value head for its query-head group (SDPA's enable_gqa). expand + reshape rather than
+    repeat_interleave, which syncs on CUDA to size its output."""
+    hk = x_BHSD.shape[-3]
+    if hk == heads:
+        return x_BHSD
+    lead, tail = x_BHSD.shape[:-3], x_BHSD.shape[-2:]
+    grouped = x_BHSD.unsqueeze(-3).expand(*lead, hk, heads // hk, *tail)
+    return grouped.reshape(*lead, heads, *tail)
 
 
 def protected_sdpa(

@@ -1,10 +1,11 @@
 """Pure EEC-ABFT math: checksums, tolerances, locate/correct. Tensors in, tensors and reports out; no modules, no I/O."""
 from .checksum import DirectionCheck, acc_dtype, checksum_weights, checksums_of, verify_direction
 from .repair import MatrixReport, locate_and_fix, repair
-from .tolerance import NEAR_INF, Tolerance, bounds, gamma
+from .tolerance import NEAR_INF, Bound, Tolerance, bounds, gamma
 
 __all__ = [
     "NEAR_INF",
+    "Bound",
     "DirectionCheck",
     "MatrixReport",
     "Tolerance",

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .tolerance import Bound
 
 __all__ = [
     "DirectionCheck",
@@ -65,9 +69,13 @@ class DirectionCheck:
     """(..., V) the tolerance on |d1|."""
     bad: torch.Tensor
     """(..., V) bool: the vector is flagged."""
+    rule: Bound
+    """How the bound was made; re-verification after a correction re-evaluates it on the corrected C."""
 
 
-def verify_direction(ref_NV2: torch.Tensor, got_NV2: torch.Tensor, bound_NV: torch.Tensor) -> DirectionCheck:
+def verify_direction(
+    ref_NV2: torch.Tensor, got_NV2: torch.Tensor, rule: Bound, abs_sum_NV: torch.Tensor | None = None
+) -> DirectionCheck:
     """Flag a vector when its reference is finite and d1 is non-finite or exceeds the bound.
 
     A non-finite reference means the op's *input* is already corrupt (an upstream fault): not this op's fault, and no
@@ -75,6 +83,7 @@ def verify_direction(ref_NV2: torch.Tensor, got_NV2: torch.Tensor, bound_NV: tor
     """
     diff_NV2 = ref_NV2 - got_NV2
     d1_NV = diff_NV2[..., 0]
+    bound_NV = rule.of(abs_sum_NV)
     # `<=` is False for NaN, so NaN residuals flag without a separate isnan pass.
     bad_NV = torch.isfinite(ref_NV2[..., 0]) & ~(d1_NV.abs() <= bound_NV)
-    return DirectionCheck(ref=ref_NV2, diff=diff_NV2, bound=bound_NV.expand_as(d1_NV), bad=bad_NV)
+    return DirectionCheck(ref=ref_NV2, diff=diff_NV2, bound=bound_NV.expand_as(d1_NV), bad=bad_NV, rule=rule)

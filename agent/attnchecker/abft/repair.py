@@ -8,11 +8,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .checksum import DirectionCheck, acc_dtype, checksum_weights, checksums_of, verify_direction
-from .tolerance import Tolerance
+from .tolerance import Bound, Tolerance
 
 __all__ = ["MatrixReport", "locate_and_fix", "repair"]
 
@@ -70,9 +71,12 @@ def locate_and_fix(
 
 
 def _recheck(work_MRC: torch.Tensor, refs: dict[str, DirectionCheck]) -> dict[str, DirectionCheck]:
-    rows_MR2, cols_MC2, _ = checksums_of(work_MRC)
+    """Verify C as it stands against the original references, bounds re-evaluated on it."""
+    use_abs = any(chk.rule.abs_coef for chk in refs.values())
+    rows_MR2, cols_MC2, c_abs = checksums_of(work_MRC, with_abs=use_abs)
     got = {"row": rows_MR2, "col": cols_MC2}
-    return {d: verify_direction(chk.ref, got[d], chk.bound) for d, chk in refs.items()}
+    abs_sums = {"row": c_abs[0], "col": c_abs[1]} if c_abs is not None else {"row": None, "col": None}
+    return {d: verify_direction(chk.ref, got[d], chk.rule, abs_sums[d]) for d, chk in refs.items()}
 
 
 def _d2_clean(chk: DirectionCheck, n: int) -> torch.Tensor:
@@ -161,7 +165,7 @@ def repair(
     idx = tuple(idx_MK.unbind(-1))
     acc = acc_dtype(c_NRC.dtype)
     orig_MRC = c_NRC[idx].detach().clone()
-    sub = {d: DirectionCheck(ref=chk.ref[idx], diff=chk.diff[idx], bound=chk.bound[idx], bad=chk.bad[idx]) for d, chk in checks.items()}
+    sub = {d: _select(chk, idx) for d, chk in checks.items()}
     trust = {d: torch.ones(idx_MK.shape[0], dtype=torch.bool, device=c_NRC.device) if trusted is None or d not in trusted
              else trusted[d].expand(batch_shape)[idx] for d in checks}
 
@@ -223,11 +227,17 @@ def _accepted(
 
 
 def _verify_one(c_RC: torch.Tensor, sub: dict[str, DirectionCheck], trust: dict[str, torch.Tensor], m: int) -> bool:
-    one = {d: DirectionCheck(ref=chk.ref[m:m + 1], diff=chk.diff[m:m + 1], bound=chk.bound[m:m + 1], bad=chk.bad[m:m + 1])
-           for d, chk in sub.items()}
+    one = {d: _select(chk, slice(m, m + 1)) for d, chk in sub.items()}
     current = _recheck(c_RC[None].to(acc_dtype(c_RC.dtype)), one)
     trust_one = {d: t[m : m + 1] for d, t in trust.items()}
     return bool(_accepted(current, trust_one, tuple(c_RC.shape))[0])  # sync: slow path only
+
+
+def _select(chk: DirectionCheck, idx: Any) -> DirectionCheck:
+    """The matrices `idx` of a check (leading dims), the bound rule's base included."""
+    base = chk.rule.base.expand(chk.bad.shape)[idx]
+    return DirectionCheck(ref=chk.ref[idx], diff=chk.diff[idx], bound=chk.bound[idx], bad=chk.bad[idx],
+                          rule=Bound(base, chk.rule.abs_coef))
 
 
 def _region(orig_RC: torch.Tensor, bad_rows: list[int], bad_cols: list[int]) -> torch.Tensor:

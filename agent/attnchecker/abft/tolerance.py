@@ -16,7 +16,7 @@ import torch
 
 from .checksum import acc_dtype
 
-__all__ = ["NEAR_INF", "Tolerance", "bounds", "gamma"]
+__all__ = ["NEAR_INF", "Bound", "Tolerance", "bounds", "gamma"]
 
 NEAR_INF = 1e10
 """|x| above this is "near-INF" (ATTNChecker's T_big): located by value, rebuilt from the checksum."""
@@ -51,6 +51,30 @@ def gamma(n: int, dtype: torch.dtype) -> float:
     return nu / (1 - nu)
 
 
+def _underflow(dtype: torch.dtype) -> float:
+    finfo = torch.finfo(dtype)
+    return finfo.smallest_normal * finfo.eps / 2
+
+
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """A tolerance on |d1| per vector: base + abs_coef × Σ|C| over the vector, clamped to NEAR_INF.
+
+    The Σ|C| part is re-evaluated on C as it stands, so after a correction the bound no longer carries the faulty
+    value (a 1e20 in a half-precision row would otherwise loosen its own re-verification).
+    """
+
+    base: torch.Tensor
+    """(..., V)"""
+    abs_coef: float = 0.0
+
+    def of(self, abs_sum_NV: torch.Tensor | None) -> torch.Tensor:
+        bound = self.base if abs_sum_NV is None or self.abs_coef == 0.0 else self.base + self.abs_coef * abs_sum_NV
+        # A corrupt operand norm (an unverified input holding 1e20) must not hide an extreme residual behind an
+        # infinite bound.
+        return torch.nan_to_num(bound, nan=NEAR_INF, posinf=NEAR_INF).clamp(max=NEAR_INF)
+
+
 def bounds(
     a_norm_NR: torch.Tensor,
     b_norm_NC: torch.Tensor,
@@ -59,41 +83,40 @@ def bounds(
     out_dtype: torch.dtype,
     tol: Tolerance,
     bias_abs_C: torch.Tensor | None = None,
-    c_abs: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row bound (..., R), column bound (..., C)) on |d1| for C = A·B (+ bias).
+    use_abs: bool = False,
+) -> tuple[Bound, Bound]:
+    """(row bound over (..., R), column bound over (..., C)) on |d1| for C = A·B (+ bias).
 
     a_norm_NR: ‖A_i‖₂ per row of A; b_norm_NC: ‖B_j‖₂ per column of B (broadcastable batch dims); k: reduction length.
-    c_abs: optional (Σ_j |C_ij| (..., R), Σ_i |C_ij| (..., C)) of C as computed. With it the output-rounding and
-    checksum terms use C itself instead of the Cauchy-Schwarz estimate: worth one pass over C for bf16/fp16, whose
-    output rounding (u = 2^-9 / 2^-12) dominates the bound.
-    Bounds are clamped to NEAR_INF so that a corrupt operand norm (an unverified input holding 1e20) cannot hide an
-    extreme residual behind an infinite bound.
+    use_abs: the output-rounding and checksum terms use Σ|C| of C itself instead of the Cauchy-Schwarz estimate:
+    worth one pass over C for bf16/fp16, whose output rounding (u = 2^-9 / 2^-12) dominates the bound.
     """
     n_rows, n_cols = a_norm_NR.shape[-1], b_norm_NC.shape[-1]
     if tol.mode == "extreme":
-        e = torch.tensor(tol.extreme_threshold * tol.factor, device=a_norm_NR.device, dtype=a_norm_NR.dtype)
-        return e.expand(a_norm_NR.shape), e.expand(b_norm_NC.shape)
+        e = tol.extreme_threshold * tol.factor
+        return Bound(torch.full_like(a_norm_NR, e)), Bound(torch.full_like(b_norm_NC, e))
     u_out = torch.finfo(out_dtype).eps / 2
-    g_k = gamma(k, out_dtype)
+    g_k, g_c, g_r = gamma(k, out_dtype), gamma(n_cols, out_dtype), gamma(n_rows, out_dtype)
     # (1 + 1e-2) absorbs the O(u²) cross terms of the first-order bound.
     slack = 1.01 * tol.factor
     row_NR = a_norm_NR * b_norm_NC.sum(-1, keepdim=True)
     col_NC = b_norm_NC * a_norm_NR.sum(-1, keepdim=True)
-    if c_abs is None:
-        row_NR = row_NR * (slack * (2 * g_k + 2 * gamma(n_cols, out_dtype) + u_out))
-        col_NC = col_NC * (slack * (2 * g_k + 2 * gamma(n_rows, out_dtype) + u_out))
-        if bias_abs_C is not None:
-            row_NR = row_NR + slack * (2 * gamma(n_cols, out_dtype) + u_out) * bias_abs_C.sum(-1, keepdim=True)
-            col_NC = col_NC + slack * (2 * gamma(n_rows, out_dtype) + u_out) * n_rows * bias_abs_C
+    if use_abs:
+        row_NR = row_NR * (slack * (2 * g_k + g_c))
+        col_NC = col_NC * (slack * (2 * g_k + g_r))
+        coef_row, coef_col = slack * (g_c + u_out), slack * (g_r + u_out)
+        bias_row, bias_col = slack * g_c, slack * g_r
     else:
-        g_c, g_r = gamma(n_cols, out_dtype), gamma(n_rows, out_dtype)
-        row_NR = row_NR * (slack * (2 * g_k + g_c)) + slack * (g_c + u_out) * c_abs[0]
-        col_NC = col_NC * (slack * (2 * g_k + g_r)) + slack * (g_r + u_out) * c_abs[1]
-        if bias_abs_C is not None:
-            row_NR = row_NR + slack * g_c * bias_abs_C.sum(-1, keepdim=True)
-            col_NC = col_NC + slack * g_r * n_rows * bias_abs_C
-    return (
-        torch.nan_to_num(row_NR, nan=NEAR_INF, posinf=NEAR_INF).clamp_(max=NEAR_INF),
-        torch.nan_to_num(col_NC, nan=NEAR_INF, posinf=NEAR_INF).clamp_(max=NEAR_INF),
-    )
+        row_NR = row_NR * (slack * (2 * g_k + 2 * g_c + u_out))
+        col_NC = col_NC * (slack * (2 * g_k + 2 * g_r + u_out))
+        coef_row = coef_col = 0.0
+        bias_row, bias_col = slack * (2 * g_c + u_out), slack * (2 * g_r + u_out)
+    if bias_abs_C is not None:
+        row_NR = row_NR + bias_row * bias_abs_C.sum(-1, keepdim=True)
+        col_NC = col_NC + bias_col * n_rows * bias_abs_C
+    # Gradual underflow: results below the smallest normal carry an absolute error (half a subnormal step) that no
+    # relative term covers; it matters for fp16 (step 2^-24), not for bf16/fp32.
+    eta_out, eta_acc = _underflow(out_dtype), _underflow(acc_dtype(out_dtype))
+    row_NR = row_NR + slack * n_cols * (eta_out + (k + 2 * n_cols + 2) * eta_acc)
+    col_NC = col_NC + slack * n_rows * (eta_out + (k + 2 * n_rows + 2) * eta_acc)
+    return Bound(row_NR, coef_row), Bound(col_NC, coef_col)

@@ -1,0 +1,48 @@
+"""Shared fixtures for the agent tests: hypothesis profiles, seeded tensors, a LayerContext factory."""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
+from attnchecker.events import Detection
+
+# Example counts are set per test (the CPU budget differs a lot between a pure checksum test and a whole layer).
+settings.register_profile("ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+class Recorder:
+    """The runtime's on_detection sink: keeps every record."""
+
+    def __init__(self) -> None:
+        self.detections: list[Detection] = []
+
+    def __call__(self, det: Detection) -> None:
+        self.detections.append(det)
+
+    def by_op(self, op: str) -> list[Detection]:
+        return [d for d in self.detections if d.op == op]
+
+
+@pytest.fixture
+def make_ctx() -> Callable[..., tuple[LayerContext, Recorder]]:
+    """make_ctx(faults=None, layer=0, step=0, **CheckConfig fields) -> (ctx, recorder); stats in ctx.runtime.stats."""
+
+    def build(faults: Any = None, *, layer: int = 0, step: int = 0, **config: Any) -> tuple[LayerContext, Recorder]:
+        from attnchecker.inject import FaultPlan, Injector
+
+        injector = None
+        if faults is not None:
+            injector = faults if isinstance(faults, Injector) else Injector(FaultPlan(list(faults)))
+        recorder = Recorder()
+        runtime = Runtime(step=step, config=CheckConfig(**config), injector=injector, on_detection=recorder,
+                          stats=OpStats())
+        return LayerContext(layer=layer, runtime=runtime), recorder
+
+    return build
