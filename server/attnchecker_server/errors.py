@@ -6,6 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from sqlalchemy.exc import DataError
 
 __all__ = [
     "CollectorError",
@@ -63,6 +64,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(
             {"detail": _jsonable(errors), "message": validation_message(errors)}, status_code=422
         )
+
+    @app.exception_handler(DataError)
+    async def _unstorable(_request: Request, exc: DataError) -> JSONResponse:
+        # e.g. a NUL character, which PostgreSQL text and JSONB cannot hold: the client's value, not our fault.
+        reason = str(exc.orig).splitlines()[0] if exc.orig is not None else "invalid value"
+        return JSONResponse({"detail": f"a value in the request cannot be stored: {reason}"}, status_code=422)
 
     @app.exception_handler(ValidationError)
     async def _model_invalid(_request: Request, exc: ValidationError) -> JSONResponse:

@@ -52,7 +52,8 @@ class _In(BaseModel):
 
 
 class RunRegisterIn(_In):
-    name: str = Field(min_length=1, max_length=200)
+    # The name is a Prometheus label value and a path in dashboards: printable text only.
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
     model: str | None = Field(default=None, max_length=200)
     world_size: PositiveInt = 1
     rank: SmallNonNegInt = 0

@@ -1,9 +1,12 @@
 """/metrics after a known ingest: values, names/types/labels from docs/wire.md, restarts, bounds, caching."""
 
+import shutil
+import subprocess
 import threading
 from datetime import timedelta
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import update
@@ -171,3 +174,14 @@ def test_db_collector_caches_and_refreshes_once(api: Api) -> None:
 def test_metrics_is_a_plain_route_not_a_redirect(api: Api) -> None:
     response = api.client.get("/metrics", headers=api.headers("viewer"), follow_redirects=False)
     assert response.status_code == 200
+
+
+def test_metrics_pass_promtool_check_metrics(api: Api) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus; `make system-deps`)")
+    _ingest_known(api)
+    api.client.post("/api/v1/runs/nope/stats", json=make_stats(), headers=api.headers("agent"))  # a 404 series too
+    text = api.client.get("/metrics", headers=api.headers("viewer")).text
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -65,3 +65,16 @@ def test_get_unknown_run_is_404(api: Api) -> None:
     assert api.client.get("/api/v1/runs/nope", headers=api.headers("viewer")).status_code == 404
     finish = api.client.post("/api/v1/runs/nope/finish", json={}, headers=api.headers("agent"))
     assert finish.status_code == 404
+
+
+def test_register_rejects_control_characters_in_the_name(api: Api) -> None:
+    response = api.client.post("/api/v1/runs", json={"name": "exp\x00"}, headers=api.headers("agent"))
+    assert response.status_code == 422 and "name" in response.json()["message"]
+
+
+def test_unstorable_values_are_422_not_500(api: Api) -> None:
+    # PostgreSQL text cannot hold NUL; SQLite can. Either way the client gets no 5xx.
+    response = api.client.post(
+        "/api/v1/runs", json={"name": "ok", "host": "node\x00"}, headers=api.headers("agent")
+    )
+    assert response.status_code in (201, 422), response.text

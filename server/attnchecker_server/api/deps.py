@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..auth import Principal, Role, authenticate
@@ -47,15 +48,21 @@ def get_session(state: StateDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
+# Declared through FastAPI's HTTPBearer so the OpenAPI schema documents the scheme; errors are ours (auto_error off).
+BearerDep = Annotated[
+    HTTPAuthorizationCredentials | None,
+    Depends(HTTPBearer(auto_error=False, description="a token from `attnchecker-server token create`")),
+]
+
+
 def require(*roles: Role, read: bool = False) -> Callable[..., Principal]:
     """A dependency admitting the given roles; read=True routes are open to everyone under open_reads."""
 
-    def dependency(request: Request, state: StateDep) -> Principal:
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
+    def dependency(state: StateDep, credentials: BearerDep) -> Principal:
+        token = credentials.credentials.strip() if credentials is not None else ""
         if read and state.settings.open_reads and not token:
             return Principal(name="anonymous", role=None)
-        if scheme.lower() != "bearer" or not token.strip():
+        if not token:
             raise HTTPException(
                 401,
                 "missing bearer token: send 'Authorization: Bearer <token>' (create one with "
@@ -63,7 +70,7 @@ def require(*roles: Role, read: bool = False) -> Callable[..., Principal]:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         with state.session_factory() as session:
-            principal = authenticate(session, token.strip())
+            principal = authenticate(session, token)
         if principal is None:
             raise HTTPException(
                 401, "unknown or revoked token", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}
