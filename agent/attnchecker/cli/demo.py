@@ -1,0 +1,270 @@
+"""`attnchecker demo`: train a small GPT-2 on the standard library's source with injected faults, under protection.
+
+Side by side, on the same batches, it also steps a fault-free unprotected copy (the reference trajectory and the
+overhead baseline) and, until it breaks, an unprotected copy that gets the same faults (what the faults do without
+ATTNChecker). With a collector (started here on SQLite unless --collector points elsewhere) every detection and the
+interval statistics stream to it, and the policy can be changed over REST while the demo runs.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .corpus import Batches, stdlib_corpus
+from .local_collector import LocalCollector, start_local_collector
+
+DASHBOARD_UID = "attnchecker-overview"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="train a small GPT with injected faults under protection",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--embd", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--fault-rate", type=float, default=0.3,
+                   help="probability that a step gets one fault, in a random layer and protected op")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--collector", default="auto",
+                   help="collector URL, 'auto' (start one on SQLite under --data-dir) or 'none'")
+    p.add_argument("--token", default=os.environ.get("ATTNCHECKER_TOKEN"), help="agent token for --collector URL")
+    p.add_argument("--operator-token", default=os.environ.get("ATTNCHECKER_OPERATOR_TOKEN"),
+                   help="operator token for the demo's own mid-run policy change (auto: created)")
+    p.add_argument("--data-dir", default="data/demo", help="where the auto collector keeps its SQLite file and spool")
+    p.add_argument("--port", type=int, default=8000, help="port of the auto collector (a free one if taken)")
+    p.add_argument("--run", default=None, help="run name (default: demo-<time>)")
+    p.add_argument("--change-policy-at", type=int, default=None,
+                   help="step at which the demo itself sends the printed curl's policy change (default: steps/2; "
+                        "-1: never)")
+    p.add_argument("--no-compare", action="store_true", help="skip the unprotected copies (faster, no overhead figure)")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Trainer:
+    """One model + optimizer on the shared batches."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    losses: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    broken_at: int | None = None
+
+    def step(self, x_BT: torch.Tensor, y_BT: torch.Tensor, step: int) -> float:
+        t0 = time.perf_counter()
+        loss = self.model(input_ids=x_BT, labels=y_BT).loss
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        value = loss.item()  # sync: the demo prints the loss every step
+        self.seconds.append(time.perf_counter() - t0)
+        self.losses.append(value)
+        if self.broken_at is None and not (math.isfinite(value) and _params_finite(self.model)):
+            self.broken_at = step
+        return value
+
+
+def _params_finite(model: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def _build(args: argparse.Namespace) -> Trainer:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=256, n_positions=args.seq, n_embd=args.embd, n_layer=args.layers,
+                        n_head=args.heads, bos_token_id=0, eos_token_id=0,
+                        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    torch.manual_seed(args.seed)  # every copy starts from the same weights
+    model = GPT2LMHeadModel(config)
+    model.train()
+    return Trainer(model, torch.optim.AdamW(model.parameters(), lr=args.lr))
+
+
+def _fault_plan(args: argparse.Namespace) -> Any:
+    import random
+
+    from ..context import OPS
+    from ..inject import Fault, FaultPlan
+
+    rng = random.Random(args.seed)
+    kinds = ("inf", "neg_inf", "nan", "near_inf", "bitflip")
+    faults = [
+        Fault(op=rng.choice(OPS), layer=rng.randrange(args.layers), step=step, kind=rng.choice(kinds),
+              pattern="0d", seed=rng.randrange(2**31))
+        for step in range(args.steps)
+        if rng.random() < args.fault_rate
+    ]
+    return FaultPlan(faults)
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+
+
+def run(args: argparse.Namespace) -> int:
+    import attnchecker
+    from attnchecker import Policy
+
+    if args.steps < 1:
+        sys.exit("attnchecker demo: --steps must be >= 1")
+    _quiet_transformers()
+    tty = sys.stdout.isatty()
+    run_name = args.run or time.strftime("demo-%Y%m%d-%H%M%S")
+    change_at = args.steps // 2 if args.change_policy_at is None else args.change_policy_at
+
+    local: LocalCollector | None = None
+    url = token = operator_token = None
+    if args.collector == "auto":
+        print(f"starting a collector on SQLite under {args.data_dir} …", flush=True)
+        local = start_local_collector(args.data_dir, port=args.port)
+        url, token, operator_token = local.url, local.agent_token, local.operator_token
+    elif args.collector != "none":
+        url, token, operator_token = args.collector.rstrip("/"), args.token, args.operator_token
+
+    corpus = stdlib_corpus()
+    print(f"corpus: {corpus.numel() / 1e6:.1f} MB of the standard library's source; model: GPT-2 "
+          f"{args.layers} layers × {args.heads} heads, n_embd {args.embd}, seq {args.seq}, batch {args.batch}")
+    protected = _build(args)
+    plan = _fault_plan(args)
+    policy = Policy(period=1, adaptive=False)  # every op checked every step: each injected fault is seen
+    stream = {"run": run_name, "collector": url, "token": token} if url else {}
+    guard = attnchecker.protect(protected.model, policy=policy, optimizer=protected.optimizer, faults=plan, **stream)
+    reference = faulty = None
+    if not args.no_compare:
+        reference = _build(args)  # fault-free, unprotected
+        faulty = _build(args)  # same faults, unprotected
+        faulty_guard = attnchecker.protect(faulty.model, policy=Policy(mode="off"), faults=_fault_plan(args))
+        faulty_guard.attach_optimizer(faulty.optimizer)
+    print(f"{len(plan.faults)} faults planned over {args.steps} steps "
+          f"(INF, -INF, NaN, near-INF 1e20, exponent bit flips) in q, k, v, scores, context and out")
+    if url:
+        _print_urls(url, run_name, guard)
+
+    batches = Batches(corpus, batch=args.batch, seq=args.seq, seed=args.seed)
+    policy_sent = False
+    for step in range(args.steps):
+        x_BT, y_BT = batches.next()
+        if reference is not None and faulty is not None:
+            reference.step(x_BT, y_BT, step)
+            if faulty.broken_at is None:
+                faulty.step(x_BT, y_BT, step)
+        loss = protected.step(x_BT, y_BT, step)
+        if url and operator_token and step == change_at and not policy_sent:
+            policy_sent = _change_policy(url, operator_token, guard)
+        _progress(step, args.steps, loss, guard, reference, faulty, tty)
+    if tty:
+        print()
+    guard.close()
+    _summary(args, guard, plan, protected, reference, faulty, url, run_name, local)
+    return 0
+
+
+def _run_id(guard: Any) -> str | None:
+    transport = getattr(guard, "transport", None)
+    return getattr(transport, "run_id", None) if transport is not None else None
+
+
+def _policy_curl(url: str, run_ref: str) -> str:
+    return (f"curl -X PATCH {url}/api/v1/runs/{run_ref}/policy -H 'Authorization: Bearer $OPERATOR_TOKEN' "
+            "-H 'Content-Type: application/json' -d '{\"tolerance_factor\": 2.0}'")
+
+
+def _print_urls(url: str, run_name: str, guard: Any) -> None:
+    print(f"collector API  {url}/api/v1/runs   (this run: {run_name})")
+    print(f"metrics        {url}/metrics")
+    print(f"dashboard      dashboards/json/attnchecker-overview.json (Grafana uid {DASHBOARD_UID}); "
+          "`docker compose up` serves it at http://localhost:3000/d/" + DASHBOARD_UID)
+    print("change the policy while it runs (the progress line shows the applied version):")
+    print("  " + _policy_curl(url, "<run id from GET /api/v1/runs>"))
+
+
+def _change_policy(url: str, operator_token: str, guard: Any) -> bool:
+    """What the printed curl does, sent by the demo itself so the change is seen even when nobody types it."""
+    import httpx
+
+    run_id = _run_id(guard)
+    if run_id is None:
+        return False
+    try:
+        r = httpx.patch(f"{url}/api/v1/runs/{run_id}/policy", json={"tolerance_factor": 2.0},
+                        headers={"Authorization": f"Bearer {operator_token}"}, timeout=2.0)
+    except httpx.HTTPError:
+        return False
+    if r.status_code == 200:
+        print(f"\n[operator] PATCH policy → v{r.json().get('version')} (tolerance_factor 2.0); "
+              "the agent applies it at a step boundary after its next poll")
+    return r.status_code == 200
+
+
+def _progress(step: int, steps: int, loss: float, guard: Any, reference: Trainer | None, faulty: Trainer | None,
+              tty: bool) -> None:
+    report = guard.report()
+    periods = getattr(guard, "periods", None)
+    period_text = ""
+    if periods:
+        p = dict(periods)
+        period_text = " periods " + ",".join(f"{op}={p[op]}" for op in p)
+    line = (f"step {step + 1:4d}/{steps} loss {loss:6.3f}"
+            + (f" (fault-free {reference.losses[-1]:6.3f})" if reference is not None else "")
+            + f" | faults detected {report.detected} corrected {report.corrected}"
+            + (f" uncorrectable {report.uncorrectable}" if report.uncorrectable else "")
+            + f" | policy v{guard.policy.version}{period_text}")
+    if faulty is not None and faulty.broken_at is not None:
+        line += f" | unprotected: broken at step {faulty.broken_at + 1}"
+    if tty:
+        print("\r" + line[:200].ljust(120), end="", flush=True)
+    elif (step + 1) % 20 == 0 or step + 1 == steps:
+        print(line, flush=True)
+
+
+def _summary(args: argparse.Namespace, guard: Any, plan: Any, protected: Trainer, reference: Trainer | None,
+             faulty: Trainer | None, url: str | None, run_name: str, local: LocalCollector | None) -> None:
+    report = guard.report()
+    injected = guard.injector.injected if guard.injector is not None else []
+    print("\n=== ATTNChecker demo summary ===")
+    print(f"steps trained            {args.steps}")
+    print(f"faults injected          {len(injected)}")
+    print(f"detected                 {report.detected}")
+    print(f"corrected                {report.corrected}")
+    print(f"uncorrectable            {report.uncorrectable}")
+    print(f"final loss (protected)   {protected.losses[-1]:.4f}")
+    if reference is not None:
+        rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(protected.losses, reference.losses))
+        print(f"final loss (fault-free)  {reference.losses[-1]:.4f}   max per-step relative difference {rel:.2e}")
+        ratio = statistics.median(protected.seconds) / statistics.median(reference.seconds)
+        print(f"overhead                 {100 * (ratio - 1):+.1f} % step time (median protected "
+              f"{1e3 * statistics.median(protected.seconds):.0f} ms vs unprotected "
+              f"{1e3 * statistics.median(reference.seconds):.0f} ms, interleaved on this machine; bench/ has the "
+              "controlled numbers)")
+    if faulty is not None:
+        if faulty.broken_at is None:
+            print("unprotected + same faults: still trainable (final loss "
+                  f"{faulty.losses[-1]:.4f})")
+        else:
+            print(f"unprotected + same faults: non-trainable (NaN/INF loss or weights) from step "
+                  f"{faulty.broken_at + 1}: it would need a checkpoint reload")
+    if url:
+        print(f"\ncollector API  {url}/api/v1/runs   run {run_name}" + (f" (id {_run_id(guard)})" if _run_id(guard) else ""))
+        print(f"events         {url}/api/v1/runs/{_run_id(guard) or '<run id>'}/events")
+        print(f"metrics        {url}/metrics")
+        print(f"dashboard      `docker compose up`, then http://localhost:3000/d/{DASHBOARD_UID} "
+              "(or import dashboards/json/attnchecker-overview.json)")
+    if local is not None:
+        print(f"\nthe collector keeps running (pid {local.pid}, data in {local.data_dir}); "
+              f"stop it with: kill {local.pid}")
+        print(f"tokens: agent {local.agent_token}  operator {local.operator_token}")
