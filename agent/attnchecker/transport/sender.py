@@ -135,7 +135,8 @@ class Transport:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._deadline = float("inf")
-        # Each counter has one writing thread, so `+=` never races: dropped is split by who drops.
+        # `+=` is not atomic across threads: each counter has one writing thread (dropped is split by who drops), or
+        # is updated under _lock where close() may write it too (spooled, _dropped_sender).
         self._sent = 0
         self._spooled = 0
         self._dropped_full = 0  # training thread: queue full or transport closed
@@ -361,7 +362,7 @@ class Transport:
             wire = item if isinstance(item, Mapping) else item.to_wire()
             b = encode(wire)
         except Exception as e:  # a bad record must not take the others down with it
-            self._dropped_sender += 1
+            self._count_dropped(1)
             self._warn_once("event-encode", "event not JSON-serialisable (INF/NaN must be strings), dropped: %s", e)
             return None
         step = wire.get("step")
@@ -472,7 +473,7 @@ class Transport:
         out = send_events(client, self._run_id, chunk, budget_s=budget)
         self._sent += out.sent
         if out.rejected:
-            self._dropped_sender += out.rejected
+            self._count_dropped(out.rejected)
             log.error("collector rejected %d events, dropped: %s", out.rejected, "; ".join(out.errors)[:500])
         if out.failed is None:
             return None
@@ -490,7 +491,7 @@ class Transport:
             summary = ReplaySummary()
             failed = replay_file(client, path, run_ids, summary, budget_s=budget)
             self._sent += summary.events
-            self._dropped_sender += summary.rejected
+            self._count_dropped(summary.rejected)
             self._spool.forget(summary.bytes_deleted)
             if failed is not None:
                 return self._run_missing(failed)
@@ -523,12 +524,17 @@ class Transport:
         except OSError as e:
             ok = False
             self._warn_once("spool-io", "cannot write the spool in %s: %s", self.spool_dir, e)
-        if ok:
-            self._spooled += n
-            self._spool_dirty = True
-        else:
-            self._dropped_sender += n
+        with self._lock:  # close() may spool too, when the sender missed its deadline
+            if ok:
+                self._spooled += n
+                self._spool_dirty = True
+            else:
+                self._dropped_sender += n
             self._warn_once("spool-full", "spool %s full or unwritable: records dropped", self.spool_dir)
+
+    def _count_dropped(self, n: int) -> None:
+        with self._lock:  # close() may drop too, when the sender missed its deadline
+            self._dropped_sender += n
 
     def _spool_rest(self) -> None:
         """Spool everything not in flight, and the finish record once. Safe from the sender and from close()."""
