@@ -4,7 +4,6 @@ from logging.config import fileConfig
 from typing import Any, Literal
 
 from alembic import context
-
 from attnchecker_server.config import Settings, normalise_database_url
 from attnchecker_server.db import make_engine
 from attnchecker_server.models import Base, UtcDateTime
@@ -21,7 +20,7 @@ def _url() -> str:
     return normalise_database_url(url) if url else Settings().effective_database_url
 
 
-def _render_item(type_: str, obj: Any, autogen_context: Any) -> str | Literal[False]:
+def _render_item(type_: str, obj: Any, _autogen_context: Any) -> str | Literal[False]:
     # Scripts must not import the app: UtcDateTime is stored as a plain timestamptz.
     if type_ == "type" and isinstance(obj, UtcDateTime):
         return "sa.DateTime(timezone=True)"

@@ -5,9 +5,9 @@ import hmac
 import secrets
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
+from typing import Any, Literal, cast
 
-from sqlalchemy import select, update
+from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
 from .models import ApiToken, utcnow
@@ -38,9 +38,7 @@ def create_token(session: Session, *, name: str, role: Role) -> str:
         raise ValueError("name must be 1 to 100 characters (it is the actor recorded in policy history)")
     prefix = secrets.token_hex(6)
     token = f"{TOKEN_PREFIX}_{prefix}_{secrets.token_urlsafe(32)}"
-    session.add(
-        ApiToken(name=name, role=role, prefix=prefix, secret_sha256=_digest(token), created_at=utcnow())
-    )
+    session.add(ApiToken(name=name, role=role, prefix=prefix, secret_sha256=_digest(token), created_at=utcnow()))
     return token
 
 
@@ -74,4 +72,4 @@ def revoke_tokens(session: Session, *, name: str | None = None, prefix: str | No
         raise ValueError("give a token name or a prefix to revoke")
     stmt = update(ApiToken).where(ApiToken.revoked_at.is_(None)).values(revoked_at=utcnow())
     stmt = stmt.where(ApiToken.name == name) if name else stmt.where(ApiToken.prefix == prefix)
-    return session.execute(stmt).rowcount or 0
+    return cast(CursorResult[Any], session.execute(stmt)).rowcount or 0

@@ -89,7 +89,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
-        "--migrate", action=argparse.BooleanOptionalAction, default=None,
+        "--migrate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="upgrade the database before serving (default: yes on SQLite, no on PostgreSQL)",
     )
     serve.set_defaults(func=_serve)

@@ -61,9 +61,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _request_invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = list(exc.errors())
-        return JSONResponse(
-            {"detail": _jsonable(errors), "message": validation_message(errors)}, status_code=422
-        )
+        return JSONResponse({"detail": _jsonable(errors), "message": validation_message(errors)}, status_code=422)
 
     @app.exception_handler(DataError)
     async def _unstorable(_request: Request, exc: DataError) -> JSONResponse:
@@ -75,6 +73,4 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _model_invalid(_request: Request, exc: ValidationError) -> JSONResponse:
         # Raised when a merged policy (PATCH) fails validation as a whole.
         errors = [dict(e) for e in exc.errors()]
-        return JSONResponse(
-            {"detail": _jsonable(errors), "message": validation_message(errors)}, status_code=422
-        )
+        return JSONResponse({"detail": _jsonable(errors), "message": validation_message(errors)}, status_code=422)

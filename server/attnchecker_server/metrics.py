@@ -107,20 +107,17 @@ class DbCollector(Collector):
                 session.scalars(select(RunFaultCounter).where(RunFaultCounter.run_id.in_(ids))).all() if ids else []
             )
             bucket_rows = (
-                session.scalars(select(RunResidualBucket).where(RunResidualBucket.run_id.in_(ids))).all()
-                if ids
-                else []
+                session.scalars(select(RunResidualBucket).where(RunResidualBucket.run_id.in_(ids))).all() if ids else []
             )
-            policies = (
-                {p.scope: p for p in session.scalars(select(Policy).where(Policy.scope.in_(ids)))} if ids else {}
-            )
+            policies = {p.scope: p for p in session.scalars(select(Policy).where(Policy.scope.in_(ids)))} if ids else {}
 
         def counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
             return CounterMetricFamily(_strip_total(name), doc, labels=labels)
 
         checks = counter("attnchecker_checks_total", "Protected op calls checked.", ["run", "op"])
         period = GaugeMetricFamily(
-            "attnchecker_check_period_steps", "Check period per op the agent last reported, in steps.",
+            "attnchecker_check_period_steps",
+            "Check period per op the agent last reported, in steps.",
             labels=["run", "op"],
         )
         for row in op_rows:
@@ -130,39 +127,60 @@ class DbCollector(Collector):
 
         detected = counter("attnchecker_faults_detected_total", "Faults detected.", ["run", "op", "kind"])
         corrected = counter(
-            "attnchecker_faults_corrected_total", "Faults corrected (from checksums or by recompute).",
+            "attnchecker_faults_corrected_total",
+            "Faults corrected (from checksums or by recompute).",
             ["run", "op", "kind"],
         )
         uncorrectable = counter(
             "attnchecker_faults_uncorrectable_total", "Faults still wrong after recompute.", ["run", "op", "kind"]
         )
-        for row in fault_rows:
-            labels = [names[row.run_id], row.op, row.kind]
-            detected.add_metric(labels, row.detected)
-            corrected.add_metric(labels, row.corrected)
-            uncorrectable.add_metric(labels, row.uncorrectable)
+        for fault in fault_rows:
+            labels = [names[fault.run_id], fault.op, fault.kind]
+            detected.add_metric(labels, fault.detected)
+            corrected.add_metric(labels, fault.corrected)
+            uncorrectable.add_metric(labels, fault.uncorrectable)
 
         per_run: list[tuple[str, str, str, Callable[[Run], float | None]]] = [
             ("counter", "attnchecker_check_seconds_total", "Time spent checking.", lambda r: r.check_seconds_total),
             ("counter", "attnchecker_step_seconds_total", "Training step time.", lambda r: r.step_seconds_total),
             ("counter", "attnchecker_steps_total", "Training steps reported.", lambda r: r.steps_total),
-            ("gauge", "attnchecker_run_live", "1 while the run is running, 0 once finished.",
-             lambda r: 1.0 if r.status == "running" else 0.0),
-            ("gauge", "attnchecker_run_last_seen_timestamp_seconds", "Unix time the run was last heard from.",
-             lambda r: r.last_seen_at.timestamp()),
+            (
+                "gauge",
+                "attnchecker_run_live",
+                "1 while the run is running, 0 once finished.",
+                lambda r: 1.0 if r.status == "running" else 0.0,
+            ),
+            (
+                "gauge",
+                "attnchecker_run_last_seen_timestamp_seconds",
+                "Unix time the run was last heard from.",
+                lambda r: r.last_seen_at.timestamp(),
+            ),
             ("gauge", "attnchecker_run_last_step", "Highest step reported.", lambda r: r.last_step),
-            ("gauge", "attnchecker_policy_applied_version", "Policy version the agent reports applied.",
-             lambda r: r.applied_policy_version),
+            (
+                "gauge",
+                "attnchecker_policy_applied_version",
+                "Policy version the agent reports applied.",
+                lambda r: r.applied_policy_version,
+            ),
             ("counter", "attnchecker_agent_events_sent_total", "Events the agent sent.", lambda r: r.events_sent_total),
-            ("counter", "attnchecker_agent_events_spooled_total", "Events the agent spooled to disk.",
-             lambda r: r.events_spooled_total),
-            ("counter", "attnchecker_agent_events_dropped_total", "Events the agent dropped.",
-             lambda r: r.events_dropped_total),
+            (
+                "counter",
+                "attnchecker_agent_events_spooled_total",
+                "Events the agent spooled to disk.",
+                lambda r: r.events_spooled_total,
+            ),
+            (
+                "counter",
+                "attnchecker_agent_events_dropped_total",
+                "Events the agent dropped.",
+                lambda r: r.events_dropped_total,
+            ),
         ]
         families: list[Metric] = [checks, detected, corrected, uncorrectable]
         for kind, name, doc, value_of in per_run:
-            family: Metric = counter(name, doc, ["run"]) if kind == "counter" else GaugeMetricFamily(
-                name, doc, labels=["run"]
+            family: Metric = (
+                counter(name, doc, ["run"]) if kind == "counter" else GaugeMetricFamily(name, doc, labels=["run"])
             )
             for run in runs:
                 value = value_of(run)
@@ -187,8 +205,8 @@ class DbCollector(Collector):
             "attnchecker_checksum_residual_ratio", "Worst |d1| / bound of each clean check.", labels=["run"]
         )
         buckets: dict[str, list[tuple[float, int]]] = {}
-        for row in bucket_rows:
-            buckets.setdefault(row.run_id, []).append((float(row.le), row.count))
+        for bucket in bucket_rows:
+            buckets.setdefault(bucket.run_id, []).append((float(bucket.le), bucket.count))
         for run in runs:
             if run.id not in buckets:
                 continue
@@ -196,7 +214,7 @@ class DbCollector(Collector):
             series = []
             for le, count in rows:
                 cumulative += count
-                series.append((floatToGoString(le), cumulative))
+                series.append((floatToGoString(le), cumulative))  # type: ignore[no-untyped-call]
             if not math.isinf(rows[-1][0]):
                 series.append(("+Inf", cumulative))
             residual.add_metric([run.name], series, sum_value=run.residual_sum)
@@ -212,10 +230,14 @@ class IngestMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.events = Counter("attnchecker_ingest_events", "Fault events stored by this process.", registry=registry)
         self.requests = Counter(
-            "attnchecker_ingest_requests", "Ingest requests answered by this process.", ["endpoint", "status"],
+            "attnchecker_ingest_requests",
+            "Ingest requests answered by this process.",
+            ["endpoint", "status"],
             registry=registry,
         )
         self.duration = Histogram(
-            "attnchecker_ingest_request_duration_seconds", "Ingest request latency in this process.", ["endpoint"],
+            "attnchecker_ingest_request_duration_seconds",
+            "Ingest request latency in this process.",
+            ["endpoint"],
             registry=registry,
         )

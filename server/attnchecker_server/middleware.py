@@ -99,8 +99,11 @@ class IngestMetricsMiddleware:
         endpoint = None
         if scope["type"] == "http":
             endpoint = next(
-                (label for method, pattern, label in _INGEST_ROUTES
-                 if scope["method"] == method and pattern.match(scope["path"])),
+                (
+                    label
+                    for method, pattern, label in _INGEST_ROUTES
+                    if scope["method"] == method and pattern.match(scope["path"])
+                ),
                 None,
             )
         if endpoint is None:

@@ -196,9 +196,22 @@ def start_collector(
         child_env = {**os.environ, **settings_env(settings), **(env or {})}
         with path.open("wb") as log_file:
             process = subprocess.Popen(
-                [sys.executable, "-m", "attnchecker_server.cli", "serve", "--host", "127.0.0.1",
-                 "--port", str(chosen), "--no-migrate", "--log-level", "warning"],
-                stdout=log_file, stderr=subprocess.STDOUT, env=child_env,
+                [
+                    sys.executable,
+                    "-m",
+                    "attnchecker_server.cli",
+                    "serve",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(chosen),
+                    "--no-migrate",
+                    "--log-level",
+                    "warning",
+                ],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=child_env,
             )
         collector = RunningCollector(
             url=f"http://127.0.0.1:{chosen}", port=chosen, process=process, log_path=path, settings=settings

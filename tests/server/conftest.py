@@ -6,8 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import text
-
 from attnchecker_server.config import Settings
 from attnchecker_server.db import make_engine
 from attnchecker_server.models import Base
@@ -18,8 +16,8 @@ from attnchecker_server.testing import (
     migrate,
     postgres_available,
 )
-
 from server_helpers import Api, make_api  # tests/server is on sys.path (rootdir-relative "prepend" imports)
+from sqlalchemy import text
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 

@@ -5,14 +5,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.testclient import TestClient
-from sqlalchemy import text
-
 from attnchecker_server.config import Settings
 from attnchecker_server.db import make_engine
 from attnchecker_server.main import create_app
 from attnchecker_server.models import Base
 from attnchecker_server.testing import make_token
+from fastapi.testclient import TestClient
+from sqlalchemy import text
 
 
 @dataclass
@@ -45,9 +44,20 @@ def new_id() -> str:
 
 def make_event(step: int = 17, **fields: Any) -> dict[str, Any]:
     event = {
-        "id": new_id(), "ts": "2026-11-29T15:32:40.123Z", "step": step, "rank": 0, "layer": 3, "op": "scores",
-        "pattern": "0d", "kind": "inf", "action": "corrected", "location": {"batch": 0, "head": 2, "row": 5,
-        "col": None}, "value": "inf", "residual": None, "bound": 0.0012, "policy_version": 1,
+        "id": new_id(),
+        "ts": "2026-11-29T15:32:40.123Z",
+        "step": step,
+        "rank": 0,
+        "layer": 3,
+        "op": "scores",
+        "pattern": "0d",
+        "kind": "inf",
+        "action": "corrected",
+        "location": {"batch": 0, "head": 2, "row": 5, "col": None},
+        "value": "inf",
+        "residual": None,
+        "bound": 0.0012,
+        "policy_version": 1,
     }
     event.update(fields)
     return event
@@ -59,13 +69,25 @@ def make_batch(events: list[dict[str, Any]] | None = None, n: int = 3) -> dict[s
 
 def make_stats(**fields: Any) -> dict[str, Any]:
     stats = {
-        "interval_id": new_id(), "rank": 0, "step_start": 100, "step_end": 119, "steps": 20,
-        "applied_policy_version": 1, "step_seconds": 3.25, "check_seconds": 0.125,
-        "ops": [{"op": "scores", "checks": 20, "check_seconds": 0.02, "period": 1},
-                {"op": "q", "checks": 10, "check_seconds": 0.01, "period": 2}],
+        "interval_id": new_id(),
+        "rank": 0,
+        "step_start": 100,
+        "step_end": 119,
+        "steps": 20,
+        "applied_policy_version": 1,
+        "step_seconds": 3.25,
+        "check_seconds": 0.125,
+        "ops": [
+            {"op": "scores", "checks": 20, "check_seconds": 0.02, "period": 1},
+            {"op": "q", "checks": 10, "check_seconds": 0.01, "period": 2},
+        ],
         "faults": [{"op": "scores", "kind": "inf", "detected": 2, "corrected": 1, "uncorrectable": 1}],
-        "residual_ratio": {"le": [0.001, 0.01, 0.1, 0.5, 1.0, 10.0, 1000.0], "counts": [5, 9, 2, 0, 0, 0, 0, 0],
-                           "sum": 0.91, "count": 16},
+        "residual_ratio": {
+            "le": [0.001, 0.01, 0.1, 0.5, 1.0, 10.0, 1000.0],
+            "counts": [5, 9, 2, 0, 0, 0, 0, 0],
+            "sum": 0.91,
+            "count": 16,
+        },
         "transport": {"sent": 40, "spooled": 3, "dropped": 1},
     }
     stats.update(fields)
@@ -76,7 +98,9 @@ def table_counts(settings: Settings) -> dict[str, int]:
     """Row count of every table: compared before and after a rejected request."""
     engine = make_engine(settings, pooled=False)
     with engine.connect() as conn:
-        counts = {t.name: conn.execute(text(f'SELECT count(*) FROM "{t.name}"')).scalar_one() for t in
-                  Base.metadata.sorted_tables}
+        counts = {
+            t.name: conn.execute(text(f'SELECT count(*) FROM "{t.name}"')).scalar_one()
+            for t in Base.metadata.sorted_tables
+        }
     engine.dispose()
     return counts

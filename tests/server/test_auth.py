@@ -1,14 +1,13 @@
-"""Every endpoint × {no token, wrong role, right role}; tokens are stored hashed; open_reads opens reads only."""
+"""Every endpoint by {no token, wrong role, right role}; tokens are stored hashed; open_reads opens reads only."""
 
 from typing import Any
 
 import pytest
-from sqlalchemy import text
-
-from attnchecker_server.db import make_engine, make_session_factory, session_scope
 from attnchecker_server.auth import revoke_tokens
+from attnchecker_server.db import make_engine, make_session_factory, session_scope
 from attnchecker_server.models import Base
 from server_helpers import Api, make_api, make_batch, make_stats
+from sqlalchemy import text
 
 RUN = "{run}"
 
@@ -90,12 +89,15 @@ def test_tokens_are_never_stored_in_clear(api: Api) -> None:
     engine = make_engine(api.settings, pooled=False)
     with engine.connect() as conn:
         dump = " ".join(
-            str(row) for table in Base.metadata.sorted_tables for row in conn.execute(text(f'SELECT * FROM "{table.name}"'))
+            str(row)
+            for table in Base.metadata.sorted_tables
+            for row in conn.execute(text(f'SELECT * FROM "{table.name}"'))
         )
     engine.dispose()
     for token in api.tokens.values():
         secret = token.rsplit("_", 1)[1]
-        assert token not in dump and secret not in dump
+        assert token not in dump
+        assert secret not in dump
 
 
 def test_open_reads_opens_gets_and_metrics_but_not_writes(make_test_settings: Any) -> None:

@@ -10,15 +10,14 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
-from sqlalchemy import select
-
 from attnchecker_server.cli import main
 from attnchecker_server.db import make_engine, make_session_factory
 from attnchecker_server.main import create_app
 from attnchecker_server.models import ApiToken
 from attnchecker_server.testing import free_port, make_settings, make_token, run_collector
+from fastapi.testclient import TestClient
 from server_helpers import make_batch
+from sqlalchemy import select
 
 
 @pytest.fixture
@@ -36,12 +35,17 @@ def test_cli_migrate_then_token_create_list_revoke(env_settings: Any, capsys: py
     engine = make_engine(env_settings, pooled=False)
     with make_session_factory(engine)() as session:
         [row] = session.scalars(select(ApiToken)).all()
-        assert row.name == "bob" and row.role == "operator" and token.split("_")[1] == row.prefix
+        assert row.name == "bob"
+        assert row.role == "operator"
+        assert token.split("_")[1] == row.prefix
         assert token not in row.secret_sha256
     engine.dispose()
     assert main(["token", "list"]) == 0
     listing = capsys.readouterr().out
-    assert "bob" in listing and "operator" in listing and "active" in listing and token not in listing
+    assert "bob" in listing
+    assert "operator" in listing
+    assert "active" in listing
+    assert token not in listing
     assert main(["token", "revoke", "--name", "bob"]) == 0
     assert "revoked 1" in capsys.readouterr().out
     assert main(["token", "revoke", "--name", "bob"]) == 1
@@ -74,8 +78,9 @@ def test_serve_real_uvicorn_dedupes_concurrent_posts(make_test_settings: Any) ->
 
         def post() -> None:
             barrier.wait()
-            response = httpx.post(f"{collector.url}/api/v1/runs/{run_id}/events:batch", json=batch, headers=headers,
-                                  timeout=30)
+            response = httpx.post(
+                f"{collector.url}/api/v1/runs/{run_id}/events:batch", json=batch, headers=headers, timeout=30
+            )
             results.append(response.json())
 
         threads = [threading.Thread(target=post) for _ in range(8)]
@@ -83,7 +88,8 @@ def test_serve_real_uvicorn_dedupes_concurrent_posts(make_test_settings: Any) ->
             thread.start()
         for thread in threads:
             thread.join(timeout=60)
-        assert sum(r["accepted"] for r in results) == 20 and len(results) == 8
+        assert sum(r["accepted"] for r in results) == 20
+        assert len(results) == 8
     assert collector.process.returncode is not None
 
 
@@ -93,7 +99,10 @@ def test_serve_comes_up_on_sqlite_with_no_configuration(tmp_path: Path) -> None:
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "attnchecker_server.cli", "serve", "--port", str(port), "--log-level", "warning"],
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 30

@@ -5,10 +5,8 @@ import threading
 from typing import Any
 
 import pytest
-
 from attnchecker_server.main import create_app
 from fastapi.testclient import TestClient
-
 from server_helpers import Api, make_api, make_batch, make_event, new_id, table_counts
 
 
@@ -37,7 +35,8 @@ def test_events_batch_skips_event_ids_seen_in_another_batch(api: Api) -> None:
     old = make_event(step=1)
     _post(api, run_id, make_batch([old]))
     response = _post(api, run_id, make_batch([old, make_event(step=2)]))
-    assert response.json()["accepted"] == 1 and response.json()["duplicates"] == 1
+    assert response.json()["accepted"] == 1
+    assert response.json()["duplicates"] == 1
     assert len(_stored_ids(api, run_id)) == 2
 
 
@@ -164,7 +163,8 @@ def test_events_query_filters(api: Api) -> None:
     assert steps("action=recomputed") == [5]
     assert steps("step_min=2&step_max=9") == [5, 9]
     bad = api.client.get(f"/api/v1/runs/{run_id}/events?op=attn", headers=api.headers("viewer"))
-    assert bad.status_code == 422 and "op" in bad.json()["message"]
+    assert bad.status_code == 422
+    assert "op" in bad.json()["message"]
 
 
 def test_events_query_returns_the_event_as_sent(api: Api) -> None:
@@ -173,8 +173,21 @@ def test_events_query_returns_the_event_as_sent(api: Api) -> None:
     _post(api, run_id, make_batch([event]))
     [stored] = api.client.get(f"/api/v1/runs/{run_id}/events", headers=api.headers("viewer")).json()["data"]
     assert stored["ts"].startswith("2026-11-29T15:32:40.123")
-    for key in ("id", "step", "rank", "layer", "op", "pattern", "kind", "action", "location", "value", "residual",
-                "bound", "policy_version"):
+    for key in (
+        "id",
+        "step",
+        "rank",
+        "layer",
+        "op",
+        "pattern",
+        "kind",
+        "action",
+        "location",
+        "value",
+        "residual",
+        "bound",
+        "policy_version",
+    ):
         assert stored[key] == event[key], key
 
 
@@ -191,9 +204,11 @@ def test_events_query_cursor_pages_in_step_ts_id_order(api: Api) -> None:
         cursor = page["next_cursor"]
         if cursor is None:
             break
-    assert len(seen) == 11 and seen == sorted(seen)
+    assert len(seen) == 11
+    assert seen == sorted(seen)
     bad = api.client.get(f"/api/v1/runs/{run_id}/events?cursor=garbage", headers=api.headers("viewer"))
-    assert bad.status_code == 422 and "cursor" in bad.json()["detail"]
+    assert bad.status_code == 422
+    assert "cursor" in bad.json()["detail"]
 
 
 def test_events_survive_a_new_app_on_the_same_database(api: Api) -> None:

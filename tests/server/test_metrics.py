@@ -7,15 +7,14 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import update
-
 from attnchecker_server.db import make_engine, make_session_factory, session_scope
 from attnchecker_server.main import create_app
 from attnchecker_server.metrics import METRIC_NAMES, DbCollector
 from attnchecker_server.models import Run, utcnow
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import Api, make_api, make_batch, make_event, make_stats
+from sqlalchemy import update
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -41,19 +40,34 @@ def _ingest_known(api: Api) -> str:
     run_id = api.register("exp-42")["id"]
     agent = api.headers("agent")
     events = [make_event(step=i, op="scores", kind="inf") for i in range(3)] + [make_event(step=9, op="q", kind="nan")]
-    assert api.client.post(f"/api/v1/runs/{run_id}/events:batch", json=make_batch(events), headers=agent).status_code == 200
+    assert (
+        api.client.post(f"/api/v1/runs/{run_id}/events:batch", json=make_batch(events), headers=agent).status_code
+        == 200
+    )
     for stats in (
         make_stats(),
-        make_stats(step_start=120, step_end=139, steps=20, step_seconds=1.75, check_seconds=0.375,
-                   ops=[{"op": "scores", "checks": 7, "check_seconds": 0.1, "period": 4}],
-                   faults=[{"op": "q", "kind": "nan", "detected": 1, "corrected": 1, "uncorrectable": 0}],
-                   residual_ratio={"le": [0.001, 0.01, 0.1, 0.5, 1.0, 10.0, 1000.0],
-                                   "counts": [1, 0, 0, 0, 0, 0, 0, 1], "sum": 2000.5, "count": 2},
-                   transport={"sent": 4, "spooled": 0, "dropped": 2}, applied_policy_version=2),
+        make_stats(
+            step_start=120,
+            step_end=139,
+            steps=20,
+            step_seconds=1.75,
+            check_seconds=0.375,
+            ops=[{"op": "scores", "checks": 7, "check_seconds": 0.1, "period": 4}],
+            faults=[{"op": "q", "kind": "nan", "detected": 1, "corrected": 1, "uncorrectable": 0}],
+            residual_ratio={
+                "le": [0.001, 0.01, 0.1, 0.5, 1.0, 10.0, 1000.0],
+                "counts": [1, 0, 0, 0, 0, 0, 0, 1],
+                "sum": 2000.5,
+                "count": 2,
+            },
+            transport={"sent": 4, "spooled": 0, "dropped": 2},
+            applied_policy_version=2,
+        ),
     ):
         assert api.client.post(f"/api/v1/runs/{run_id}/stats", json=stats, headers=agent).status_code == 200
-    api.client.patch(f"/api/v1/runs/{run_id}/policy", json={"period": 2, "overhead_budget": 0.1},
-                     headers=api.headers("operator"))
+    api.client.patch(
+        f"/api/v1/runs/{run_id}/policy", json={"period": 2, "overhead_budget": 0.1}, headers=api.headers("operator")
+    )
     return run_id
 
 
@@ -91,7 +105,8 @@ def _assert_known_values(samples: dict[Any, float]) -> None:
         assert key in samples, key
         assert abs(samples[key] - value) < 1e-9, (key, samples[key], value)
     last_seen = _value(samples, "attnchecker_run_last_seen_timestamp_seconds", run=run)
-    assert last_seen is not None and abs(last_seen - utcnow().timestamp()) < 120
+    assert last_seen is not None
+    assert abs(last_seen - utcnow().timestamp()) < 120
 
 
 def test_metrics_after_ingest_equal_expected_counts_and_survive_restart(api: Api) -> None:
@@ -146,7 +161,10 @@ def test_db_collector_caches_and_refreshes_once(api: Api) -> None:
     now = [1000.0]
     reads = []
     collector = DbCollector(
-        make_session_factory(make_engine(api.settings)), recent_seconds=3600, cache_seconds=2, max_runs=10,
+        make_session_factory(make_engine(api.settings)),
+        recent_seconds=3600,
+        cache_seconds=2,
+        max_runs=10,
         clock=lambda: now[0],
     )
     original = collector._read

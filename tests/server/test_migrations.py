@@ -4,12 +4,11 @@ from pathlib import Path
 
 import pytest
 from alembic import command
-from sqlalchemy import inspect
-
 from attnchecker_server.db import make_engine
 from attnchecker_server.migrate import alembic_config
 from attnchecker_server.models import Base
 from attnchecker_server.testing import postgres_available, postgres_database
+from sqlalchemy import inspect
 
 
 def _tables(url: str) -> set[str]:

@@ -3,7 +3,6 @@
 from typing import Any
 
 import pytest
-
 from server_helpers import Api
 
 
@@ -30,11 +29,15 @@ def test_policy_get_sends_etag_and_honours_if_none_match(api: Api, policy_url: s
 def test_policy_put_replaces_and_patch_merges(api: Api, policy_url: str) -> None:
     put = api.client.put(policy_url, json={"mode": "detect", "period": 4}, headers=api.headers("operator"))
     assert put.status_code == 200, put.text
-    assert put.json()["mode"] == "detect" and put.json()["period"] == 4 and put.json()["op_periods"] == {}
+    assert put.json()["mode"] == "detect"
+    assert put.json()["period"] == 4
+    assert put.json()["op_periods"] == {}
     patch = api.client.patch(policy_url, json={"op_periods": {"scores": 2}}, headers=api.headers("operator"))
     assert patch.status_code == 200, patch.text
     body = patch.json()
-    assert body["mode"] == "detect" and body["period"] == 4 and body["op_periods"] == {"scores": 2}
+    assert body["mode"] == "detect"
+    assert body["period"] == 4
+    assert body["op_periods"] == {"scores": 2}
     assert body["version"] == put.json()["version"] + 1
     assert body["updated_by"] == "alice"
     assert patch.headers["etag"] == f'"{body["version"]}"'
@@ -90,7 +93,9 @@ def test_policy_history_keeps_every_revision_with_actor_and_time(api: Api) -> No
         ({"period": None}, "period"),
     ],
 )
-def test_policy_bad_values_are_422_naming_the_field(api: Api, policy_url: str, body: dict[str, Any], field: str) -> None:
+def test_policy_bad_values_are_422_naming_the_field(
+    api: Api, policy_url: str, body: dict[str, Any], field: str
+) -> None:
     before = api.client.get(policy_url, headers=api.headers("operator")).json()
     for method in ("put", "patch"):
         if method == "put" and body == {"period": None}:
@@ -115,7 +120,8 @@ def test_policy_default_is_copied_into_new_runs_only(api: Api) -> None:
     )
     assert changed.status_code == 200
     new = api.register("new-run")
-    assert new["policy"]["mode"] == "detect" and new["policy"]["op_periods"] == {"q": 3}
+    assert new["policy"]["mode"] == "detect"
+    assert new["policy"]["op_periods"] == {"q": 3}
     assert new["policy"]["version"] == 1
     assert api.client.get(_url(old["id"]), headers=api.headers("agent")).json()["mode"] == "correct"
 

@@ -6,14 +6,19 @@ from server_helpers import Api, make_stats
 def test_register_creates_then_resumes(api: Api) -> None:
     headers = api.headers("agent")
     first = api.client.post("/api/v1/runs", json={"name": "exp", "model": "GPT2", "world_size": 2}, headers=headers)
-    assert first.status_code == 201 and first.json()["created"] is True
-    assert first.json()["status"] == "running" and first.json()["policy"]["version"] == 1
+    assert first.status_code == 201
+    assert first.json()["created"] is True
+    assert first.json()["status"] == "running"
+    assert first.json()["policy"]["version"] == 1
     second = api.client.post("/api/v1/runs", json={"name": "exp", "rank": 1, "host": "node-2"}, headers=headers)
-    assert second.status_code == 200 and second.json()["created"] is False
+    assert second.status_code == 200
+    assert second.json()["created"] is False
     assert second.json()["id"] == first.json()["id"]
     run = api.client.get(f"/api/v1/runs/{first.json()['id']}", headers=api.headers("viewer")).json()
     # rank 1 does not overwrite what rank 0 said about the job
-    assert run["model"] == "GPT2" and run["world_size"] == 2 and run["host"] is None
+    assert run["model"] == "GPT2"
+    assert run["world_size"] == 2
+    assert run["host"] is None
 
 
 def test_finish_then_register_resumes_running(api: Api) -> None:
@@ -22,9 +27,11 @@ def test_finish_then_register_resumes_running(api: Api) -> None:
         f"/api/v1/runs/{run_id}/finish", json={"rank": 0, "last_step": 1234}, headers=api.headers("agent")
     )
     assert finished.status_code == 200, finished.text
-    assert finished.json()["status"] == "finished" and finished.json()["last_step"] == 1234
+    assert finished.json()["status"] == "finished"
+    assert finished.json()["last_step"] == 1234
     again = api.client.post("/api/v1/runs", json={"name": "exp"}, headers=api.headers("agent"))
-    assert again.status_code == 200 and again.json()["status"] == "running"
+    assert again.status_code == 200
+    assert again.json()["status"] == "running"
 
 
 def test_get_run_reports_totals_and_versions(api: Api) -> None:
@@ -32,7 +39,8 @@ def test_get_run_reports_totals_and_versions(api: Api) -> None:
     api.client.post(f"/api/v1/runs/{run_id}/stats", json=make_stats(), headers=api.headers("agent"))
     run = api.client.get(f"/api/v1/runs/{run_id}", headers=api.headers("viewer")).json()
     assert run["totals"] == {"checks": 30, "detected": 2, "corrected": 1, "uncorrectable": 1}
-    assert run["requested_policy_version"] == 1 and run["applied_policy_version"] == 1
+    assert run["requested_policy_version"] == 1
+    assert run["applied_policy_version"] == 1
     assert run["last_step"] == 119
 
 
@@ -47,7 +55,8 @@ def test_list_runs_filters_and_pages(api: Api) -> None:
         cursor = page["next_cursor"]
         if cursor is None:
             break
-    assert sorted(seen) == sorted(ids) and len(seen) == 5
+    assert sorted(seen) == sorted(ids)
+    assert len(seen) == 5
     running = api.client.get("/api/v1/runs?status=running", headers=api.headers("viewer")).json()["data"]
     assert {r["id"] for r in running} == set(ids[1:])
     finished = api.client.get("/api/v1/runs?status=finished", headers=api.headers("viewer")).json()["data"]
@@ -56,9 +65,11 @@ def test_list_runs_filters_and_pages(api: Api) -> None:
 
 def test_register_validates_the_body(api: Api) -> None:
     response = api.client.post("/api/v1/runs", json={"name": ""}, headers=api.headers("agent"))
-    assert response.status_code == 422 and "name" in response.json()["message"]
+    assert response.status_code == 422
+    assert "name" in response.json()["message"]
     response = api.client.post("/api/v1/runs", json={"name": "x", "world_size": 0}, headers=api.headers("agent"))
-    assert response.status_code == 422 and "world_size" in response.json()["message"]
+    assert response.status_code == 422
+    assert "world_size" in response.json()["message"]
 
 
 def test_get_unknown_run_is_404(api: Api) -> None:
@@ -69,12 +80,11 @@ def test_get_unknown_run_is_404(api: Api) -> None:
 
 def test_register_rejects_control_characters_in_the_name(api: Api) -> None:
     response = api.client.post("/api/v1/runs", json={"name": "exp\x00"}, headers=api.headers("agent"))
-    assert response.status_code == 422 and "name" in response.json()["message"]
+    assert response.status_code == 422
+    assert "name" in response.json()["message"]
 
 
 def test_unstorable_values_are_422_not_500(api: Api) -> None:
     # PostgreSQL text cannot hold NUL; SQLite can. Either way the client gets no 5xx.
-    response = api.client.post(
-        "/api/v1/runs", json={"name": "ok", "host": "node\x00"}, headers=api.headers("agent")
-    )
+    response = api.client.post("/api/v1/runs", json={"name": "ok", "host": "node\x00"}, headers=api.headers("agent"))
     assert response.status_code in (201, 422), response.text

@@ -3,9 +3,8 @@
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-
 from attnchecker_server.main import create_app
+from hypothesis import HealthCheck, given, settings
 from server_helpers import Api
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -28,7 +27,10 @@ def test_generated_requests_never_get_a_server_error(api: Api) -> None:
 
         @given(case=operation.as_strategy())
         @settings(
-            max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None, derandomize=True,
+            max_examples=EXAMPLES_PER_OPERATION,
+            deadline=None,
+            database=None,
+            derandomize=True,
             suppress_health_check=list(HealthCheck),
         )
         def exercise(case: Any) -> None:
@@ -39,8 +41,12 @@ def test_generated_requests_never_get_a_server_error(api: Api) -> None:
             # Sent through our TestClient: schemathesis' own ASGI transport breaks on urllib3 >= 2.8's pool.
             kwargs = case.as_transport_kwargs(base_url="http://testserver", headers=headers)
             response = api.client.request(
-                kwargs["method"], kwargs["url"], headers=kwargs.get("headers"), params=kwargs.get("params"),
-                json=kwargs.get("json"), content=kwargs.get("data"),
+                kwargs["method"],
+                kwargs["url"],
+                headers=kwargs.get("headers"),
+                params=kwargs.get("params"),
+                json=kwargs.get("json"),
+                content=kwargs.get("data"),
             )
             sent += 1
             if response.status_code >= 500:

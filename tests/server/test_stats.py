@@ -14,12 +14,17 @@ def test_stats_sums_deltas_and_ignores_replays(api: Api) -> None:
     first = make_stats()
     assert _post(api, run_id, first).json() == {"interval_id": first["interval_id"], "duplicate": False}
     assert _post(api, run_id, first).json() == {"interval_id": first["interval_id"], "duplicate": True}
-    second = make_stats(step_start=120, step_end=139, applied_policy_version=2,
-                        ops=[{"op": "scores", "checks": 5, "check_seconds": 0.5, "period": 4}])
+    second = make_stats(
+        step_start=120,
+        step_end=139,
+        applied_policy_version=2,
+        ops=[{"op": "scores", "checks": 5, "check_seconds": 0.5, "period": 4}],
+    )
     assert _post(api, run_id, second).json()["duplicate"] is False
     run = api.client.get(f"/api/v1/runs/{run_id}", headers=api.headers("viewer")).json()
     assert run["totals"] == {"checks": 35, "detected": 4, "corrected": 2, "uncorrectable": 2}
-    assert run["applied_policy_version"] == 2 and run["last_step"] == 139
+    assert run["applied_policy_version"] == 2
+    assert run["last_step"] == 139
 
 
 def test_stats_invalid_is_422_and_stores_nothing(api: Api) -> None:
@@ -27,10 +32,12 @@ def test_stats_invalid_is_422_and_stores_nothing(api: Api) -> None:
     before = table_counts(api.settings)
     bad_hist = make_stats(residual_ratio={"le": [0.1, 1.0], "counts": [1, 2], "sum": 0.3, "count": 3})
     response = _post(api, run_id, bad_hist)
-    assert response.status_code == 422 and "residual_ratio" in response.json()["message"]
+    assert response.status_code == 422
+    assert "residual_ratio" in response.json()["message"]
     bad_op = make_stats(faults=[{"op": "attn", "kind": "inf", "detected": 1}])
     response = _post(api, run_id, bad_op)
-    assert response.status_code == 422 and "faults.0.op" in response.json()["message"]
+    assert response.status_code == 422
+    assert "faults.0.op" in response.json()["message"]
     backwards = make_stats(step_start=10, step_end=5)
     assert _post(api, run_id, backwards).status_code == 422
     assert table_counts(api.settings) == before

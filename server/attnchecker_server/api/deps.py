@@ -77,9 +77,7 @@ def require(*roles: Role, read: bool = False) -> Callable[..., Principal]:
             )
         # Under open_reads anyone may read, so any valid token may too.
         if principal.role not in roles and not (read and state.settings.open_reads):
-            raise HTTPException(
-                403, f"role {principal.role!r} may not do this; it needs one of: {', '.join(roles)}"
-            )
+            raise HTTPException(403, f"role {principal.role!r} may not do this; it needs one of: {', '.join(roles)}")
         return principal
 
     return dependency

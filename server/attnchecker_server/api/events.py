@@ -13,6 +13,7 @@ __all__ = ["router"]
 
 router = APIRouter(prefix="/api/v1/runs", tags=["events"])
 
+
 @router.get("/{run_id}/events", response_model=FaultEventsPublic)
 def list_events(
     run_id: str,

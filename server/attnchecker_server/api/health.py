@@ -53,5 +53,3 @@ def metrics_route(registry: CollectorRegistry) -> APIRouter:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return metrics_router
-
-

@@ -1,6 +1,6 @@
 """Policy per run and the server default: GET (ETag, If-None-Match), PUT/PATCH (If-Match), history."""
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Response
 from fastapi.responses import JSONResponse
@@ -15,8 +15,8 @@ __all__ = ["router"]
 
 router = APIRouter(tags=["policy"])
 
-_NOT_MODIFIED = {304: {"description": "If-None-Match equals the current version"}}
-_STALE = {412: {"description": "If-Match names a version that is no longer current"}}
+_NOT_MODIFIED: dict[int | str, dict[str, Any]] = {304: {"description": "If-None-Match equals the current version"}}
+_STALE: dict[int | str, dict[str, Any]] = {412: {"description": "If-Match names a version that is no longer current"}}
 
 
 def _versions(header: str) -> list[str]:
@@ -116,9 +116,7 @@ def get_default_policy(
 def put_default_policy(
     policy: PolicyIn, session: SessionDep, principal: Annotated[Principal, OPERATOR], if_match: IfMatch = None
 ) -> Response:
-    return _change(
-        session, None, policy.model_dump(mode="json"), replace=True, actor=principal.name, if_match=if_match
-    )
+    return _change(session, None, policy.model_dump(mode="json"), replace=True, actor=principal.name, if_match=if_match)
 
 
 @router.patch("/api/v1/policy/default", response_model=PolicyPublic, responses=_STALE)

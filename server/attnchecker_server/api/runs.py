@@ -2,7 +2,7 @@
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Query, Response
 from fastapi.exceptions import RequestValidationError
 
 from ..auth import Principal
@@ -11,8 +11,8 @@ from ..schemas import (
     EventBatchResult,
     RunFinishIn,
     RunPublic,
-    RunRegisterIn,
     RunRegistered,
+    RunRegisterIn,
     RunsPublic,
     StatsIn,
     StatsResult,
@@ -68,7 +68,6 @@ def get_run(run_id: str, session: SessionDep, _: Annotated[Principal, READ]) -> 
 def post_events(
     run_id: str,
     batch: EventBatchIn,
-    request: Request,
     session: SessionDep,
     state: StateDep,
     _: Annotated[Principal, AGENT_WRITE],
@@ -92,9 +91,7 @@ def post_events(
 
 
 @router.post("/{run_id}/stats", response_model=StatsResult)
-def post_stats(
-    run_id: str, stats: StatsIn, session: SessionDep, _: Annotated[Principal, AGENT_WRITE]
-) -> StatsResult:
+def post_stats(run_id: str, stats: StatsIn, session: SessionDep, _: Annotated[Principal, AGENT_WRITE]) -> StatsResult:
     result = ingest.ingest_stats(session, run_id=run_id, stats=stats)
     session.commit()
     return result

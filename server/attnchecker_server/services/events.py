@@ -29,10 +29,23 @@ class EventFilters:
 
 def _public(e: FaultEvent) -> FaultEventPublic:
     return FaultEventPublic(
-        id=e.id, run_id=e.run_id, batch_id=e.batch_id, ts=e.ts, step=e.step, rank=e.rank, layer=e.layer,
-        op=e.op, pattern=e.pattern, kind=e.kind, action=e.action,  # type: ignore[arg-type]
+        id=e.id,
+        run_id=e.run_id,
+        batch_id=e.batch_id,
+        ts=e.ts,
+        step=e.step,
+        rank=e.rank,
+        layer=e.layer,
+        # Stored from validated input, so the columns hold vocabulary values.
+        op=e.op,  # type: ignore[arg-type]
+        pattern=e.pattern,  # type: ignore[arg-type]
+        kind=e.kind,  # type: ignore[arg-type]
+        action=e.action,  # type: ignore[arg-type]
         location=Location(batch=e.loc_batch, head=e.loc_head, row=e.loc_row, col=e.loc_col),
-        value=e.value, residual=e.residual, bound=e.bound, policy_version=e.policy_version,
+        value=e.value,
+        residual=e.residual,
+        bound=e.bound,
+        policy_version=e.policy_version,
         received_at=e.received_at,
     )
 

@@ -10,7 +10,16 @@ from typing import Any
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from ..models import EventBatch, FaultEvent, Run, RunFaultCounter, RunOpCounter, RunResidualBucket, StatsInterval, utcnow
+from ..models import (
+    EventBatch,
+    FaultEvent,
+    Run,
+    RunFaultCounter,
+    RunOpCounter,
+    RunResidualBucket,
+    StatsInterval,
+    utcnow,
+)
 from ..schemas import EventBatchIn, EventBatchResult, StatsIn, StatsResult
 from .runs import require_run
 from .sql import greatest, upsert_insert
@@ -44,11 +53,26 @@ def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn) -> Even
     if batch.events:
         rows = [
             {
-                "id": e.id, "run_id": run_id, "batch_id": batch.batch_id, "ts": e.ts, "step": e.step,
-                "rank": e.rank, "layer": e.layer, "op": e.op, "pattern": e.pattern, "kind": e.kind,
-                "action": e.action, "loc_batch": e.location.batch, "loc_head": e.location.head,
-                "loc_row": e.location.row, "loc_col": e.location.col, "value": e.value, "residual": e.residual,
-                "bound": e.bound, "policy_version": e.policy_version, "received_at": now,
+                "id": e.id,
+                "run_id": run_id,
+                "batch_id": batch.batch_id,
+                "ts": e.ts,
+                "step": e.step,
+                "rank": e.rank,
+                "layer": e.layer,
+                "op": e.op,
+                "pattern": e.pattern,
+                "kind": e.kind,
+                "action": e.action,
+                "loc_batch": e.location.batch,
+                "loc_head": e.location.head,
+                "loc_row": e.location.row,
+                "loc_col": e.location.col,
+                "value": e.value,
+                "residual": e.residual,
+                "bound": e.bound,
+                "policy_version": e.policy_version,
+                "received_at": now,
             }
             for e in batch.events
         ]
@@ -68,7 +92,9 @@ def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn) -> Even
         .execution_options(synchronize_session=False)
     )
     max_step = max((e.step for e in batch.events), default=None)
-    _touch(session, run_id, **({"last_step": greatest(session, Run.last_step, max_step)} if max_step is not None else {}))
+    _touch(
+        session, run_id, **({"last_step": greatest(session, Run.last_step, max_step)} if max_step is not None else {})
+    )
     return EventBatchResult(batch_id=batch.batch_id, accepted=accepted, duplicates=duplicates)
 
 
@@ -81,10 +107,17 @@ def ingest_stats(session: Session, *, run_id: str, stats: StatsIn) -> StatsResul
     new = session.execute(
         upsert_insert(session, StatsInterval)
         .values(
-            id=stats.interval_id, run_id=run_id, rank=stats.rank, step_start=stats.step_start,
-            step_end=stats.step_end, steps=stats.steps, applied_policy_version=stats.applied_policy_version,
-            step_seconds=stats.step_seconds, check_seconds=stats.check_seconds,
-            payload=stats.model_dump(mode="json"), received_at=utcnow(),
+            id=stats.interval_id,
+            run_id=run_id,
+            rank=stats.rank,
+            step_start=stats.step_start,
+            step_end=stats.step_end,
+            steps=stats.steps,
+            applied_policy_version=stats.applied_policy_version,
+            step_seconds=stats.step_seconds,
+            check_seconds=stats.check_seconds,
+            payload=stats.model_dump(mode="json"),
+            received_at=utcnow(),
         )
         .on_conflict_do_nothing(index_elements=["id"])
         .returning(StatsInterval.id)
@@ -109,7 +142,11 @@ def ingest_stats(session: Session, *, run_id: str, stats: StatsIn) -> StatsResul
         )
     for fault in stats.faults:
         ins = upsert_insert(session, RunFaultCounter).values(
-            run_id=run_id, op=fault.op, kind=fault.kind, detected=fault.detected, corrected=fault.corrected,
+            run_id=run_id,
+            op=fault.op,
+            kind=fault.kind,
+            detected=fault.detected,
+            corrected=fault.corrected,
             uncorrectable=fault.uncorrectable,
         )
         session.execute(

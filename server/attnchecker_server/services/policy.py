@@ -1,8 +1,8 @@
 """Versioned policies: the server default and one per run, every change kept as a revision with its actor."""
 
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import select, update
+from sqlalchemy import CursorResult, select, update
 from sqlalchemy.orm import Session
 
 from ..errors import NotFound, PreconditionFailed
@@ -98,11 +98,14 @@ def change_policy(
         body = PolicyIn.model_validate(merged).model_dump(mode="json")
         now = utcnow()
         # Compare-and-swap on the version: two writers that read the same version cannot both win.
-        result = session.execute(
-            update(Policy)
-            .where(Policy.scope == scope, Policy.version == current.version)
-            .values(version=current.version + 1, body=body, updated_at=now, updated_by=actor)
-            .execution_options(synchronize_session=False)
+        result = cast(
+            CursorResult[Any],
+            session.execute(
+                update(Policy)
+                .where(Policy.scope == scope, Policy.version == current.version)
+                .values(version=current.version + 1, body=body, updated_at=now, updated_by=actor)
+                .execution_options(synchronize_session=False)
+            ),
         )
         if result.rowcount == 1:
             session.add(
@@ -118,9 +121,7 @@ def change_policy(
 
 def policy_history(session: Session, *, scope: str) -> list[PolicyRevisionPublic]:
     get_policy(session, scope=scope)
-    rows = session.scalars(
-        select(PolicyRevision).where(PolicyRevision.scope == scope).order_by(PolicyRevision.version)
-    )
+    rows = session.scalars(select(PolicyRevision).where(PolicyRevision.scope == scope).order_by(PolicyRevision.version))
     return [
         PolicyRevisionPublic(version=r.version, policy=PolicyIn(**r.body), actor=r.actor, changed_at=r.changed_at)
         for r in rows

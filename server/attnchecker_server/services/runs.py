@@ -37,9 +37,22 @@ def register_run(session: Session, *, run_in: RunRegisterIn, actor: str) -> tupl
     # ON CONFLICT makes concurrent registrations by several ranks agree on one row without a lost-update race.
     created_id = session.execute(
         upsert_insert(session, Run)
-        .values(id=str(uuid.uuid4()), name=run_in.name, status="running", created_at=now, last_seen_at=now,
-                steps_total=0, step_seconds_total=0.0, check_seconds_total=0.0, events_sent_total=0,
-                events_spooled_total=0, events_dropped_total=0, residual_sum=0.0, residual_count=0, **values)
+        .values(
+            id=str(uuid.uuid4()),
+            name=run_in.name,
+            status="running",
+            created_at=now,
+            last_seen_at=now,
+            steps_total=0,
+            step_seconds_total=0.0,
+            check_seconds_total=0.0,
+            events_sent_total=0,
+            events_spooled_total=0,
+            events_dropped_total=0,
+            residual_sum=0.0,
+            residual_count=0,
+            **values,
+        )
         .on_conflict_do_nothing(index_elements=["name"])
         .returning(Run.id)
     ).scalar()
@@ -55,10 +68,11 @@ def register_run(session: Session, *, run_in: RunRegisterIn, actor: str) -> tupl
     if run_in.rank == 0:
         changes.update(values)
     session.execute(update(Run).where(Run.id == run_id).values(**changes).execution_options(synchronize_session=False))
-    run = session.get(Run, run_id, populate_existing=True)
-    policy = session.get(Policy, run_id)
-    assert run is not None and policy is not None
-    return run, policy, False
+    resumed = session.get(Run, run_id, populate_existing=True)
+    resumed_policy = session.get(Policy, run_id)
+    assert resumed is not None
+    assert resumed_policy is not None
+    return resumed, resumed_policy, False
 
 
 def finish_run(session: Session, *, run_id: str, finish_in: RunFinishIn) -> Run:
@@ -107,10 +121,19 @@ def _totals(session: Session, run_ids: list[str]) -> dict[str, RunTotals]:
 
 def _public(run: Run, requested: int, totals: RunTotals) -> RunPublic:
     return RunPublic(
-        id=run.id, name=run.name, model=run.model, world_size=run.world_size, host=run.host, config=run.config,
+        id=run.id,
+        name=run.name,
+        model=run.model,
+        world_size=run.world_size,
+        host=run.host,
+        config=run.config,
         status=run.status,  # type: ignore[arg-type]
-        created_at=run.created_at, last_seen_at=run.last_seen_at, last_step=run.last_step,
-        requested_policy_version=requested, applied_policy_version=run.applied_policy_version, totals=totals,
+        created_at=run.created_at,
+        last_seen_at=run.last_seen_at,
+        last_step=run.last_step,
+        requested_policy_version=requested,
+        applied_policy_version=run.applied_policy_version,
+        totals=totals,
     )
 
 
