@@ -32,6 +32,14 @@ __all__ = [
 ]
 
 Checks = dict[str, DirectionCheck]
+_Exact = Callable[[tuple[int, ...], torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _dot(a_PK: torch.Tensor, b_PK: torch.Tensor, bias_P: torch.Tensor | None = None) -> torch.Tensor:
+    """Row-wise dot products in the accumulation dtype: single elements of a product, recomputed exactly."""
+    acc = acc_dtype(a_PK.dtype)
+    out_P = (a_PK.to(acc) * b_PK.to(acc)).sum(-1)
+    return out_P if bias_P is None else out_P + bias_P.to(acc)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -247,7 +255,7 @@ def check_linear(
     weight_OI = weight if weight_layout == "out_in" else weight.T
     tol = _tolerance(ctx)
     shared: _ProjectionInput | None = None
-    pending: list[tuple[str, torch.Tensor, Checks, Callable[[], torch.Tensor], float]] = []
+    pending: list[tuple[str, torch.Tensor, Checks, Callable[[], torch.Tensor], _Exact, float]] = []
     offset = 0
     for name, size in splits:
         y_s = y_NTO[..., offset : offset + size]
@@ -279,15 +287,19 @@ def check_linear(
             _inject(ctx, name, fresh, attempt=1)
             return fresh
 
-        pending.append((name, y_s, checks, recompute, time.perf_counter() - t0))
+        def exact(key: tuple[int, ...], rows: torch.Tensor, cols: torch.Tensor, w_s: torch.Tensor = w_s,
+                  b_s: torch.Tensor | None = b_s) -> torch.Tensor:
+            return _dot(x_NTI.detach()[key][rows], w_s[cols], None if b_s is None else b_s[cols])
+
+        pending.append((name, y_s, checks, recompute, exact, time.perf_counter() - t0))
     if not pending:
         return y
-    any_bad = torch.stack([_any_bad(checks) for _, _, checks, _, _ in pending]).any()
+    any_bad = torch.stack([_any_bad(item[2]) for item in pending]).any()
     slow = bool(any_bad)  # sync: the one per protected projection call; decides whether the slow path runs
-    for name, y_s, checks, recompute, seconds in pending:
+    for name, y_s, checks, recompute, exact, seconds in pending:
         t0 = time.perf_counter()
         if slow:
-            reports = repair(y_s, checks, tol, correct=cfg.mode == "correct", recompute=recompute)
+            reports = repair(y_s, checks, tol, correct=cfg.mode == "correct", recompute=recompute, exact=exact)
             _emit(ctx, name, reports, heads=False)
         _count(ctx, name, seconds + time.perf_counter() - t0)
     return y
@@ -456,8 +468,11 @@ def protected_sdpa(
                     _inject(ctx, "scores", fresh, attempt=1)
                     return fresh
 
+                def exact_scores(key: tuple[int, ...], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+                    return _dot(q_BHTD.detach()[key][rows], k_rep.detach()[key][cols])
+
                 reports = repair(scores, checks["scores"], tol, correct=correct, recompute=recompute_scores,
-                                 trusted=trusted)
+                                 trusted=trusted, exact=None if paper else exact_scores)
                 _emit(ctx, "scores", reports, heads=True)
                 if correct and any(r.action in ("corrected", "recomputed") for r in reports):
                     # AS was repaired in place: rebuild AP and CL from it, reusing the dropout mask.
@@ -480,8 +495,11 @@ def protected_sdpa(
                     _inject(ctx, "context", fresh, attempt=1)
                     return fresh
 
+                def exact_context(key: tuple[int, ...], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+                    return _dot(probs.detach()[key][rows], v_rep.detach()[key].T[cols])
+
                 reports = repair(out, checks["context"], tol, correct=correct, recompute=recompute_context,
-                                 trusted=trusted)
+                                 trusted=trusted, exact=None if paper else exact_context)
                 _emit(ctx, "context", reports, heads=True)
             seconds["context"] += time.perf_counter() - t0
     for op in checks:

@@ -30,9 +30,10 @@ class Recorder:
         return [d for d in self.detections if d.op == op]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def make_ctx() -> Callable[..., tuple[LayerContext, Recorder]]:
-    """make_ctx(faults=None, layer=0, step=0, **CheckConfig fields) -> (ctx, recorder); stats in ctx.runtime.stats."""
+    """make_ctx(faults=None, layer=0, step=0, **CheckConfig fields) -> (ctx, recorder); stats in ctx.runtime.stats.
+    A stateless factory (session scope), so hypothesis tests can use it: every call builds a fresh runtime."""
 
     def build(faults: Any = None, *, layer: int = 0, step: int = 0, **config: Any) -> tuple[LayerContext, Recorder]:
         from attnchecker.inject import FaultPlan, Injector

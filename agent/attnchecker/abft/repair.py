@@ -144,6 +144,7 @@ def repair(
     correct: bool,
     recompute: Callable[[], torch.Tensor] | None = None,
     trusted: dict[str, torch.Tensor] | None = None,
+    exact: Callable[[tuple[int, ...], torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[MatrixReport]:
     """Run the recovery ladder on every matrix of C with a flagged vector; write repaired matrices back into C.
 
@@ -193,6 +194,9 @@ def repair(
             value = _worst_value(orig_MRC[m], changed_RC)
             action = "corrected"
             if correct:
+                if exact is not None:
+                    rows_P, cols_P = changed_RC.nonzero(as_tuple=True)  # sync: slow path only
+                    fixed_RC[rows_P, cols_P] = exact(tuple(key), rows_P, cols_P).to(fixed_RC.dtype)
                 c_NRC[tuple(key)] = fixed_RC
         else:
             pattern, row, col = _classify(bad_rows, bad_cols)
