@@ -77,14 +77,20 @@ class DbCollector(Collector):
         return []
 
     def collect(self) -> Iterable[Metric]:
-        if self._cached is not None and self._clock() - self._cached_at < self._cache_seconds:
-            return self._cached
-        # One refresh at a time; concurrent scrapes wait for it and then reuse its result.
-        with self._lock:
+        cached = self._cached
+        if cached is not None and self._clock() - self._cached_at < self._cache_seconds:
+            return cached
+        # At most one refresh in flight. Scrapes arriving meanwhile get the previous result if there is one (a slow
+        # database must not pile up queries), else wait for the refresh and share it.
+        if not self._lock.acquire(blocking=cached is None):
+            return cached  # type: ignore[return-value]
+        try:
             if self._cached is None or self._clock() - self._cached_at >= self._cache_seconds:
                 self._cached = list(self._read())
                 self._cached_at = self._clock()
             return self._cached
+        finally:
+            self._lock.release()
 
     def invalidate(self) -> None:
         self._cached_at = -math.inf

@@ -64,21 +64,25 @@ def test_events_batch_concurrent_duplicates_store_each_event_once(api: Api) -> N
 
 
 def test_events_batch_concurrent_overlapping_batches_store_each_event_once(api: Api) -> None:
-    # Same events under 8 different batch ids: only the event-id conflict protects here.
+    # Same events under 8 batch ids, half of them in reverse order: only the event-id conflict protects here, and
+    # PostgreSQL must not deadlock on rows locked in opposite orders.
     run_id = api.register()["id"]
     events = [make_event(step=i) for i in range(30)]
     barrier = threading.Barrier(8)
     accepted: list[int] = []
 
-    def post() -> None:
+    def post(reverse: bool) -> None:
         barrier.wait()
-        accepted.append(_post(api, run_id, make_batch(events)).json()["accepted"])
+        response = _post(api, run_id, make_batch(events[::-1] if reverse else events))
+        assert response.status_code == 200, response.text
+        accepted.append(response.json()["accepted"])
 
-    threads = [threading.Thread(target=post) for _ in range(8)]
+    threads = [threading.Thread(target=post, args=(i % 2 == 1,)) for i in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=60)
+    assert len(accepted) == 8
     assert sum(accepted) == 30
     assert len(_stored_ids(api, run_id)) == 30
 

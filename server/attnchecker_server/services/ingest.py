@@ -74,7 +74,8 @@ def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn) -> Even
                 "policy_version": e.policy_version,
                 "received_at": now,
             }
-            for e in batch.events
+            # Sorted by id: concurrent batches that share events then lock rows in one order and cannot deadlock.
+            for e in sorted(batch.events, key=lambda event: event.id)
         ]
         # RETURNING lists only the rows really inserted: events already stored (from another batch id) are skipped.
         inserted = session.execute(
@@ -125,7 +126,8 @@ def ingest_stats(session: Session, *, run_id: str, stats: StatsIn) -> StatsResul
     if new is None:
         return StatsResult(interval_id=stats.interval_id, duplicate=True)
 
-    for op in stats.ops:
+    # Upserts in key order, so two intervals of one run posted at once lock counter rows in the same order.
+    for op in sorted(stats.ops, key=lambda o: o.op):
         ins = upsert_insert(session, RunOpCounter).values(
             run_id=run_id, op=op.op, checks=op.checks, check_seconds=op.check_seconds, period=op.period
         )
@@ -140,7 +142,7 @@ def ingest_stats(session: Session, *, run_id: str, stats: StatsIn) -> StatsResul
                 },
             )
         )
-    for fault in stats.faults:
+    for fault in sorted(stats.faults, key=lambda f: (f.op, f.kind)):
         ins = upsert_insert(session, RunFaultCounter).values(
             run_id=run_id,
             op=fault.op,
