@@ -530,6 +530,7 @@ class Transport:
                 self._spool_dirty = True
             else:
                 self._dropped_sender += n
+        if not ok:
             self._warn_once("spool-full", "spool %s full or unwritable: records dropped", self.spool_dir)
 
     def _count_dropped(self, n: int) -> None:
