@@ -18,8 +18,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .abft import DirectionCheck, MatrixReport, Tolerance, acc_dtype, bounds, checksum_weights, checksums_of, repair
-from .abft import verify_direction
+from .abft import (
+    DirectionCheck,
+    MatrixReport,
+    Tolerance,
+    acc_dtype,
+    bounds,
+    checksum_weights,
+    checksums_of,
+    repair,
+    times_skinny,
+    verify_direction,
+    weighted_cols,
+    weighted_rows,
+)
 from .context import RESIDUAL_RATIO_BUCKETS, LayerContext
 from .events import Detection, kind_of, value_to_wire
 
@@ -70,7 +82,7 @@ class PassedProjection:
         w_D2 = checksum_weights(d, self.x_NTI.device, acc)
         w_HDI = self.weight_OI.to(acc).view(heads, d, in_features)
         ww_IH2 = torch.einsum("hdi,dc->ihc", w_HDI, w_D2).reshape(in_features, heads * 2)
-        ref_NTH2 = (self.x_NTI.to(acc) @ ww_IH2).view(*self.x_NTI.shape[:-1], heads, 2)
+        ref_NTH2 = times_skinny(self.x_NTI.to(acc), ww_IH2).view(*self.x_NTI.shape[:-1], heads, 2)
         if self.bias_O is not None:
             ref_NTH2 = ref_NTH2 + self.bias_O.to(acc).view(heads, d) @ w_D2
         return ref_NTH2.transpose(-3, -2)
@@ -191,10 +203,8 @@ class _ProjectionInput:
 
     @classmethod
     def of(cls, x_NTI: torch.Tensor) -> _ProjectionInput:
-        acc = acc_dtype(x_NTI.dtype)
-        x_acc = x_NTI.to(acc)
-        w_T2 = checksum_weights(x_NTI.shape[-2], x_NTI.device, acc)
-        return cls(x_NTI, x_acc, w_T2.T @ x_acc, torch.linalg.vector_norm(x_acc, dim=-1))
+        x_acc = x_NTI.to(acc_dtype(x_NTI.dtype))
+        return cls(x_NTI, x_acc, weighted_cols(x_acc).mT, torch.linalg.vector_norm(x_acc, dim=-1))
 
     def token_ref(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
         """(N, O, 2): (wᵀX) Wᵀ + (Σw) b, the column-direction reference of Y = X Wᵀ + b."""
@@ -209,10 +219,10 @@ class _ProjectionInput:
     def feature_ref(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
         """(N, T, 2): X (Wᵀ w) + b·w, the row-direction reference."""
         acc = self.x_acc_NTI.dtype
-        w_O2 = checksum_weights(weight_OI.shape[0], weight_OI.device, acc)
-        ref_NT2 = self.x_acc_NTI @ (weight_OI.to(acc).T @ w_O2)
+        ww_I2 = weighted_cols(weight_OI.to(acc))
+        ref_NT2 = times_skinny(self.x_acc_NTI, ww_I2)
         if bias_O is not None:
-            ref_NT2 = ref_NT2 + bias_O.to(acc) @ w_O2
+            ref_NT2 = ref_NT2 + weighted_rows(bias_O.to(acc)[None])[0]
         return ref_NT2
 
     def weight_norms(
@@ -349,8 +359,8 @@ def _probs(
     s = scores_BHTS * scale
     t, n_keys = s.shape[-2:]
     if is_causal:
-        causal_TS = torch.ones(t, n_keys, dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~causal_TS, -math.inf)
+        future_TS = torch.ones(t, n_keys, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(future_TS, -math.inf)
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask
     # Softmax in fp32 for half inputs, like SDPA's kernels: the row sums feed the checksum bound.
@@ -540,21 +550,17 @@ def _scores_checks(
     with torch.no_grad():
         acc = acc_dtype(q_BHTD.dtype)
         q_acc, k_acc = q_BHTD.detach().to(acc), k_BHSD.detach().to(acc)
-        t, s = q_acc.shape[-2], k_acc.shape[-2]
         b = q_acc.shape[0]
         pq, pk = passed.get("q"), passed.get("k")
-        if pq is not None:
-            qbar_BHD2 = pq.token_ref_NO2.view(b, h, -1, 2)
-        else:
-            qbar_BHD2 = q_acc.transpose(-2, -1) @ checksum_weights(t, q_acc.device, acc)
+        qbar_BHD2 = pq.token_ref_NO2.view(b, h, -1, 2) if pq is not None else weighted_cols(q_acc)
         if pk is not None:
             kbar_BHD2 = _expand_heads(pk.token_ref_NO2.view(b, -1, q_acc.shape[-1], 2), h)
         else:
-            kbar_BHD2 = k_acc.transpose(-2, -1) @ checksum_weights(s, k_acc.device, acc)
+            kbar_BHD2 = weighted_cols(k_acc)
         return _verify(
             scores_BHTS,
-            q_acc @ kbar_BHD2,
-            k_acc @ qbar_BHD2,
+            times_skinny(q_acc, kbar_BHD2),
+            times_skinny(k_acc, qbar_BHD2),
             torch.linalg.vector_norm(q_acc, dim=-1),
             torch.linalg.vector_norm(k_acc, dim=-1),
             k=q_acc.shape[-1],
@@ -575,15 +581,14 @@ def _context_checks(
     with torch.no_grad():
         acc = acc_dtype(v_BHSD.dtype)
         v_acc, p_acc = v_BHSD.detach().to(acc), probs_BHTS.to(acc)
-        t, s = p_acc.shape[-2:]
+        s = p_acc.shape[-1]
         if passed_v is not None:
             vw_BHS2 = _expand_heads(passed_v.feature_ref(passed_v.weight_OI.shape[0] // v_acc.shape[-1]), h)
         else:
-            vw_BHS2 = v_acc @ checksum_weights(v_acc.shape[-1], v_acc.device, acc)
+            vw_BHS2 = weighted_rows(v_acc)
         ones_BHS1 = torch.ones(*vw_BHS2.shape[:-1], 1, device=vw_BHS2.device, dtype=acc)
-        row_BHT3 = p_acc @ torch.cat([vw_BHS2, ones_BHS1], dim=-1)
-        pbar_BHS2 = p_acc.transpose(-2, -1) @ checksum_weights(t, p_acc.device, acc)
-        col_ref_BHD2 = v_acc.transpose(-2, -1) @ pbar_BHS2
+        row_BHT3 = times_skinny(p_acc, torch.cat([vw_BHS2, ones_BHS1], dim=-1))
+        col_ref_BHD2 = (weighted_cols(p_acc).mT @ v_acc).mT
         return _verify(
             out_BHTD,
             row_BHT3[..., :2],

@@ -6,11 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
-from hypothesis import HealthCheck, settings
-
 from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
 from attnchecker.events import Detection
+from hypothesis import HealthCheck, settings
 
 # Example counts are set per test (the CPU budget differs a lot between a pure checksum test and a whole layer).
 settings.register_profile("ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])

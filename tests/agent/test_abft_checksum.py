@@ -5,9 +5,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from attnchecker.abft import (
     DirectionCheck,
     Tolerance,
@@ -19,6 +16,8 @@ from attnchecker.abft import (
     repair,
     verify_direction,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -178,7 +177,7 @@ def test_single_error_is_located_and_corrected(n, r, k, c, dtype, kind, seed) ->
     values = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan, "near_inf": 1e20, "moderate": big}
     faulty = clean.clone()
     faulty[m, i, j] = values[kind]
-    if not (faulty[m, i, j] != clean[m, i, j]):
+    if bool(faulty[m, i, j] == clean[m, i, j]):
         return  # a half type rounded the error away
     reports = repair(faulty, check(a, b, faulty, Tolerance()), Tolerance(), correct=True)
     assert len(reports) == 1

@@ -1,5 +1,14 @@
 """Pure EEC-ABFT math: checksums, tolerances, locate/correct. Tensors in, tensors and reports out; no modules, no I/O."""
-from .checksum import DirectionCheck, acc_dtype, checksum_weights, checksums_of, verify_direction
+from .checksum import (
+    DirectionCheck,
+    acc_dtype,
+    checksum_weights,
+    checksums_of,
+    times_skinny,
+    verify_direction,
+    weighted_cols,
+    weighted_rows,
+)
 from .repair import MatrixReport, locate_and_fix, repair
 from .tolerance import NEAR_INF, Bound, Tolerance, bounds, gamma
 
@@ -16,5 +25,8 @@ __all__ = [
     "gamma",
     "locate_and_fix",
     "repair",
+    "times_skinny",
     "verify_direction",
+    "weighted_cols",
+    "weighted_rows",
 ]

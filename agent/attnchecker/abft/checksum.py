@@ -22,7 +22,10 @@ __all__ = [
     "acc_dtype",
     "checksum_weights",
     "checksums_of",
+    "times_skinny",
     "verify_direction",
+    "weighted_cols",
+    "weighted_rows",
 ]
 
 
@@ -34,11 +37,31 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @functools.lru_cache(maxsize=256)
 def checksum_weights(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """(n, 2): column 0 all ones, column 1 = 1..n. Exact in fp32 up to n = 2^24. Cached: callers must not write it."""
-    w_n2 = torch.empty(n, 2, device=device, dtype=dtype)
-    w_n2[:, 0] = 1
-    torch.arange(1, n + 1, device=device, dtype=dtype, out=w_n2[:, 1])
-    return w_n2
+    """(n, 2): column 0 all ones, column 1 = 1..n. Exact in fp32 up to n = 2^24. Cached: callers must not write it.
+    Stored as a contiguous (2, n) (returned transposed), so `w.T` and `w[:, 1]` are contiguous operands."""
+    w_2n = torch.empty(2, n, device=device, dtype=dtype)
+    w_2n[0] = 1
+    torch.arange(1, n + 1, device=device, dtype=dtype, out=w_2n[1])
+    return w_2n.T
+
+
+def weighted_rows(a_NRK: torch.Tensor) -> torch.Tensor:
+    """(..., R, 2) = A w over the last dim. A plain sum and a matrix-vector product: CPU BLAS runs A @ (K, 2) (an
+    output two columns wide) many times slower than either."""
+    w_K2 = checksum_weights(a_NRK.shape[-1], a_NRK.device, a_NRK.dtype)
+    return torch.stack([a_NRK.sum(-1), a_NRK @ w_K2[:, 1]], dim=-1)
+
+
+def weighted_cols(a_NRK: torch.Tensor) -> torch.Tensor:
+    """(..., K, 2) = (wᵀ A)ᵀ over the second-to-last dim: a (2, R) @ (R, K) product, fast as it stands."""
+    w_R2 = checksum_weights(a_NRK.shape[-2], a_NRK.device, a_NRK.dtype)
+    return (w_R2.T @ a_NRK).mT
+
+
+def times_skinny(a_NRK: torch.Tensor, m_NKc: torch.Tensor) -> torch.Tensor:
+    """(..., R, c) = A @ M for a few columns c, computed as (Mᵀ Aᵀ)ᵀ: the transposed form maps to a wide BLAS call
+    (2-3× faster on CPU than A @ M, with no copy of A)."""
+    return (m_NKc.mT @ a_NRK.mT).mT
 
 
 def checksums_of(
@@ -48,13 +71,11 @@ def checksums_of(
     accumulation dtype. A half-precision C is upcast once (both directions reuse the copy); an fp32 C is read in
     place. with_abs adds (Σ_j |C_ij| (..., R), Σ_i |C_ij| (..., C)) for the tighter half-precision bound."""
     c = c_NRC.to(acc_dtype(c_NRC.dtype))
-    w_R2 = checksum_weights(c.shape[-2], c.device, c.dtype)
-    w_C2 = checksum_weights(c.shape[-1], c.device, c.dtype)
     abs_sums = None
     if with_abs:
         c_abs = c.abs()
         abs_sums = (c_abs.sum(-1), c_abs.sum(-2))
-    return c @ w_C2, c.transpose(-2, -1) @ w_R2, abs_sums
+    return weighted_rows(c), weighted_cols(c), abs_sums
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,13 @@ from typing import Any
 
 import torch
 
-from .checksum import DirectionCheck, acc_dtype, checksum_weights, checksums_of, verify_direction
+from .checksum import (
+    DirectionCheck,
+    acc_dtype,
+    checksum_weights,
+    checksums_of,
+    verify_direction,
+)
 from .tolerance import Bound, Tolerance
 
 __all__ = ["MatrixReport", "locate_and_fix", "repair"]
