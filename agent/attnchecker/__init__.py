@@ -5,6 +5,7 @@ with ABFT checksums that detect and correct INF/NaN/near-INF and silent errors w
     ...train...
     guard.report(); guard.close()
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -3,6 +3,7 @@
 Detections are data (``Guard.detections``, ``Guard.report()``), not exceptions: the only fault that raises is an
 uncorrectable one under ``on_uncorrectable="raise"``. Invalid policies raise ``attnchecker.PolicyError``.
 """
+
 from __future__ import annotations
 
 __all__ = [

@@ -5,6 +5,7 @@ that picks the ops to check, the counters, the bounded detection log and what to
 Integrations (``integrations/``) own how a given architecture is attached; every change they make is recorded as
 an undo action, so ``close()`` restores the model exactly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -134,7 +135,9 @@ def _coerce_policy(policy: Policy | Mapping[str, Any] | None) -> Policy:
         return policy
     if isinstance(policy, Mapping):
         return Policy.from_wire(policy)
-    raise PolicyError(f"policy must be an attnchecker.Policy, a mapping of its fields, or None; got {type(policy).__name__}")
+    raise PolicyError(
+        f"policy must be an attnchecker.Policy, a mapping of its fields, or None; got {type(policy).__name__}"
+    )
 
 
 def _config_from(policy: Policy, checked_ops: frozenset[str]) -> CheckConfig:
@@ -171,7 +174,9 @@ class Guard:
         self._policy = policy
         self._pending_policy: Policy | None = None
         self._scheduler = Scheduler(policy)
-        self.runtime = Runtime(step=0, injector=_make_injector(faults), on_detection=self._on_detection, stats=OpStats())
+        self.runtime = Runtime(
+            step=0, injector=_make_injector(faults), on_detection=self._on_detection, stats=OpStats()
+        )
         self._binder = Binder(self.runtime)
         self._detections: deque[Detection] = deque(maxlen=max_detections)
         self._totals = _Totals()
@@ -327,13 +332,25 @@ class Guard:
         det.policy_version = self._policy.version
         self._detections.append(det)
         if det.action != "uncorrectable":
-            log.debug("attnchecker: %s %s %s in layer %d op %s at step %d", det.action, det.pattern, det.kind,
-                      det.layer, det.op, det.step)
+            log.debug(
+                "attnchecker: %s %s %s in layer %d op %s at step %d",
+                det.action,
+                det.pattern,
+                det.kind,
+                det.layer,
+                det.op,
+                det.step,
+            )
             return
         action = self._policy.on_uncorrectable
         log.warning(
             "attnchecker: uncorrectable %s %s fault in layer %d op %s at step %d (on_uncorrectable=%s)",
-            det.pattern, det.kind, det.layer, det.op, det.step, action,
+            det.pattern,
+            det.kind,
+            det.layer,
+            det.op,
+            det.step,
+            action,
         )
         if action == "skip_step":
             if not self._optimizers:

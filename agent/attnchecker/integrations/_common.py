@@ -1,5 +1,6 @@
 """What every integration needs from the guard: a LayerContext per attention layer, projection hooks, and an undo
 list that ``Guard.close()`` runs in reverse, so each integration's changes are taken back exactly."""
+
 from __future__ import annotations
 
 import functools
@@ -7,18 +8,19 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from ..context import LayerContext, Runtime
 
-__all__ = ["Binder", "Site", "forward_source_mentions"]
+__all__ = ["Binder", "Site", "engine_call", "forward_source_mentions", "rotates_qk"]
 
 log = logging.getLogger("attnchecker")
 
 Splits = tuple[tuple[str, int], ...]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +84,32 @@ class Binder:
             fn = self._undo.pop()
             try:
                 fn()
-            except Exception as e:  # noqa: BLE001 - keep undoing, then report
+            except Exception as e:
                 log.error("attnchecker: undo step %r failed: %s", fn, e)
                 first = first or e
         self.contexts.clear()
         if first is not None:
             raise first
+
+
+def engine_call(fn: Callable[..., T], *tensors: torch.Tensor | None, **kwargs: Any) -> T:
+    """Call an engine function the way autocast would have run the op it replaces, but with autocast off inside.
+
+    Under autocast the engine's fp32 checksum products would themselves be autocast to bf16/fp16, which makes clean
+    data fail the round-off bound. So: cast the floating inputs to the autocast dtype here (what autocast does to
+    the original op), then run the engine with autocast disabled. Without autocast this is a plain call.
+    """
+    device_type = next(t for t in tensors if t is not None).device.type
+    if not torch.is_autocast_enabled(device_type):
+        return fn(*tensors, **kwargs)
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    # Float masks too, as autocast does for SDPA (a wider mask would promote the scores past V's dtype).
+    with torch.autocast(device_type, enabled=False):
+        return fn(*map(cast, tensors), **{k: cast(v) for k, v in kwargs.items()})
 
 
 def _projection_hook(
@@ -104,9 +126,17 @@ def _projection_hook(
 
     # nn.Linear names its input `input`, HF Conv1D names it `x`; positional is the common case.
     x = args[0] if args else next(iter(kwargs.values()))
-    return check_linear(
-        x, output, module.weight, module.bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout
-    )
+    weight, bias = module.weight, module.bias
+    device_type = output.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return check_linear(x, output, weight, bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout)
+    # Autocast computed `output` from x, W, b cast to its dtype: check against exactly those (never cast `output`:
+    # the repair must land in the tensor the model goes on with), and keep the engine's own math out of autocast.
+    dtype = output.dtype
+    x, weight = x.to(dtype), weight.to(dtype)
+    bias = bias.to(dtype) if bias is not None else None
+    with torch.autocast(device_type, enabled=False):
+        return check_linear(x, output, weight, bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout)
 
 
 @functools.lru_cache(maxsize=256)
@@ -124,3 +154,12 @@ def forward_source_mentions(module: nn.Module, needle: str) -> bool:
     the model.
     """
     return _class_forward_mentions(type(module), needle)
+
+
+_ROTARY_MARKERS = ("rotary", "apply_rope", "freqs_cis", "position_embeddings")
+
+
+def rotates_qk(module: nn.Module) -> bool:
+    """Whether the attention module transforms Q/K between projection and attention (RoPE): then the checksums its
+    projections pass on describe the un-rotated Q/K and must not be used as the scores' references."""
+    return any(forward_source_mentions(module, marker) for marker in _ROTARY_MARKERS)

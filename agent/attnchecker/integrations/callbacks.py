@@ -4,6 +4,7 @@
 a guard you built with ``protect()`` (then you close it) or ``protect()`` keyword arguments (then the callback
 protects the model when training begins and closes the guard when it ends).
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -10,6 +10,7 @@ Attention modules are found without running the model: the class ``forward`` men
 (or, when the source is unavailable, the module owns a fused q/k/v Linear with out = 3 * in). Their projections are
 hooked when the structure is recognisable: a fused q/k/v Linear or separate q/k/v Linears, and an output Linear.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,7 +24,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..context import LayerContext
-from ._common import Binder, forward_source_mentions
+from ._common import Binder, engine_call, forward_source_mentions, rotates_qk
 
 __all__ = ["attach"]
 
@@ -42,6 +43,8 @@ class _Owner:
     name: str
     contexts: list[LayerContext]
     ops: tuple[str, ...]
+    use_passed: bool = True
+    """False when the module rotates Q/K (RoPE) between the projections and SDPA."""
     calls: int = 0
 
 
@@ -55,20 +58,21 @@ class _SDPAMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            ctx = self._router.next_context()
-            if ctx is not None:
+            routed = self._router.next_context()
+            if routed is not None:
                 bound = dict(zip(_SDPA_ARGS, args, strict=False))
                 bound.update(kwargs)
                 if bound["query"].dim() == 4:
-                    return _call_protected(ctx, bound)
+                    return _call_protected(*routed, bound)
                 log.debug("attnchecker: SDPA call with %d-D query left unprotected", bound["query"].dim())
         return func(*args, **kwargs)
 
 
-def _call_protected(ctx: LayerContext, a: dict[str, Any]) -> torch.Tensor:
+def _call_protected(ctx: LayerContext, use_passed: bool, a: dict[str, Any]) -> torch.Tensor:
     from ..attention import protected_sdpa
 
-    return protected_sdpa(
+    return engine_call(
+        protected_sdpa,
         a["query"],
         a["key"],
         a["value"],
@@ -78,6 +82,7 @@ def _call_protected(ctx: LayerContext, a: dict[str, Any]) -> torch.Tensor:
         scale=a.get("scale"),
         dropout_p=float(a.get("dropout_p", 0.0)),
         enable_gqa=bool(a.get("enable_gqa", False)),
+        use_passed=use_passed,
     )
 
 
@@ -104,7 +109,7 @@ class _Router:
         if self._depth == 0:
             self._mode.__exit__(None, None, None)
 
-    def next_context(self) -> LayerContext | None:
+    def next_context(self) -> tuple[LayerContext, bool] | None:
         if not self._stack:
             return None
         owner = self._stack[-1]
@@ -115,7 +120,7 @@ class _Router:
             ctx = self._binder.new_context()
             owner.contexts.append(ctx)
             self._binder.add_site(ctx, f"{owner.name}#{len(owner.contexts) - 1}", "sdpa", ("scores", "context"))
-        return owner.contexts[k]
+        return owner.contexts[k], owner.use_passed
 
 
 def _fused(children: dict[str, nn.Module]) -> tuple[str, nn.Linear] | None:
@@ -212,13 +217,14 @@ def attach(binder: Binder, model: nn.Module) -> None:
         ctx = binder.context_for(owner_module)
         ops = [] if owner_module in hooked else _hook_projections(binder, owner_module, ctx)
         hooked.add(owner_module)
-        owner = _Owner(name=owner_name, contexts=[ctx], ops=tuple(ops))
+        rotates = rotates_qk(module) or rotates_qk(owner_module)
+        owner = _Owner(name=owner_name, contexts=[ctx], ops=tuple(ops), use_passed=not rotates)
         pre = module.register_forward_pre_hook(functools.partial(_pre, router, owner))
         post = module.register_forward_hook(functools.partial(_post, router, owner), always_call=True)
         binder.on_close(pre.remove)
         binder.on_close(post.remove)
         qkv = tuple(op for op in ops if op in ("q", "k", "v"))
-        binder.add_site(ctx, owner_name, "sdpa", qkv + ("scores", "context") + tuple(op for op in ops if op == "out"))
+        binder.add_site(ctx, owner_name, "sdpa", (*qkv, "scores", "context", *(op for op in ops if op == "out")))
 
 
 def _pre(router: _Router, owner: _Owner, module: nn.Module, args: Any) -> None:

@@ -8,6 +8,8 @@ unbatched inputs, ``key_padding_mask``, ``attn_mask`` (bool or additive), ``need
 The encoder layers' inference fast path (``torch._transformer_encoder_layer_fwd``) bypasses ``self_attn.forward``;
 it is switched off (``torch.backends.mha``) only while the protected model runs.
 """
+
+# ruff: noqa: N806 - tensors carry shape suffixes (q_NHLD), the house style for attention code
 from __future__ import annotations
 
 import functools
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from ..context import LayerContext
-from ._common import Binder
+from ._common import Binder, engine_call
 
 __all__ = ["attach"]
 
@@ -94,16 +96,17 @@ def _mha_forward(
     bias = mha.in_proj_bias
     b_q, b_k, b_v = bias.chunk(3) if bias is not None else (None, None, None)
     if mha._qkv_same_embed_dim and self_attention:
-        qkv = protected_linear(q_in, mha.in_proj_weight, bias, ctx=ctx, splits=(("q", e), ("k", e), ("v", e)))
+        splits = (("q", e), ("k", e), ("v", e))
+        qkv = engine_call(protected_linear, q_in, mha.in_proj_weight, bias, ctx=ctx, splits=splits)
         q, k, v = qkv.split(e, dim=-1)
     else:
         if mha._qkv_same_embed_dim:
             w_q, w_k, w_v = mha.in_proj_weight.chunk(3)
         else:
             w_q, w_k, w_v = mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight
-        q = protected_linear(q_in, w_q, b_q, ctx=ctx, op="q")
-        k = protected_linear(k_in, w_k, b_k, ctx=ctx, op="k")
-        v = protected_linear(v_in, w_v, b_v, ctx=ctx, op="v")
+        q = engine_call(protected_linear, q_in, w_q, b_q, ctx=ctx, op="q")
+        k = engine_call(protected_linear, k_in, w_k, b_k, ctx=ctx, op="k")
+        v = engine_call(protected_linear, v_in, w_v, b_v, ctx=ctx, op="v")
     q_NHLD = q.reshape(n, L, h, d).transpose(1, 2)
     k_NHSD = k.reshape(n, s, h, d).transpose(1, 2)
     v_NHSD = v.reshape(n, s, h, d).transpose(1, 2)
@@ -112,13 +115,13 @@ def _mha_forward(
     dropout_p = mha.dropout if mha.training else 0.0
     probs: torch.Tensor | None = None
     if need_weights:
-        out_NHLD, probs = protected_sdpa(
-            q_NHLD, k_NHSD, v_NHSD, ctx=ctx, attn_mask=mask, dropout_p=dropout_p, return_probs=True
+        out_NHLD, probs = engine_call(
+            protected_sdpa, q_NHLD, k_NHSD, v_NHSD, ctx=ctx, attn_mask=mask, dropout_p=dropout_p, return_probs=True
         )
     else:
-        out_NHLD = protected_sdpa(q_NHLD, k_NHSD, v_NHSD, ctx=ctx, attn_mask=mask, dropout_p=dropout_p)
+        out_NHLD = engine_call(protected_sdpa, q_NHLD, k_NHSD, v_NHSD, ctx=ctx, attn_mask=mask, dropout_p=dropout_p)
     out_NLE = out_NHLD.transpose(1, 2).reshape(n, L, e)
-    out_NLE = protected_linear(out_NLE, mha.out_proj.weight, mha.out_proj.bias, ctx=ctx, op="out")
+    out_NLE = engine_call(protected_linear, out_NLE, mha.out_proj.weight, mha.out_proj.bias, ctx=ctx, op="out")
 
     if not is_batched:
         out = out_NLE.squeeze(0)

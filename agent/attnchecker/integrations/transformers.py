@@ -5,6 +5,8 @@ to the ``"attnchecker"`` implementation registered here; the attention ``module`
 LayerContext through a dict (nothing is stored on the module, so ``state_dict`` is untouched). Their projections get
 forward hooks. GPT-Neo calls ``GPTNeoSelfAttention._attn`` directly, so each instance gets a protected ``_attn``.
 """
+
+# ruff: noqa: N806 - tensors carry shape suffixes (out_BHTD), the house style for attention code
 from __future__ import annotations
 
 import functools
@@ -17,7 +19,7 @@ import torch
 from torch import nn
 
 from ..context import LayerContext
-from ._common import Binder, forward_source_mentions
+from ._common import Binder, engine_call, forward_source_mentions, rotates_qk
 
 __all__ = ["ATTN_IMPLEMENTATION", "attach", "attnchecker_attention", "is_transformers_model"]
 
@@ -25,9 +27,10 @@ log = logging.getLogger("attnchecker")
 
 ATTN_IMPLEMENTATION = "attnchecker"
 
-# Attention module -> its LayerContext, for every live guard. The registered function is global (transformers keeps
-# one registry per process), so it finds its layer here; a module without an entry runs plain SDPA.
-_CONTEXTS: weakref.WeakKeyDictionary[nn.Module, LayerContext] = weakref.WeakKeyDictionary()
+# Attention module -> (its LayerContext, whether the projections' passed checksums still describe the q/k/v the
+# attention gets), for every live guard. The registered function is global (transformers keeps one registry per
+# process), so it finds its layer here; a module without an entry runs plain SDPA.
+_CONTEXTS: weakref.WeakKeyDictionary[nn.Module, tuple[LayerContext, bool]] = weakref.WeakKeyDictionary()
 
 _SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense")
@@ -56,15 +59,16 @@ def attnchecker_attention(
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    ctx = _CONTEXTS.get(module)
+    entry = _CONTEXTS.get(module)
     unsupported = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
-    if ctx is None or unsupported:
+    if entry is None or unsupported:
         # Not ours (closed guard, another model) or a variant the protected kernel does not implement: stay correct.
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     from ..attention import protected_sdpa
 
+    ctx, use_passed = entry
     n_rep = getattr(module, "num_key_value_groups", 1)
     q_len = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -72,7 +76,8 @@ def attnchecker_attention(
     causal = bool(q_len > 1 and attention_mask is None and causal)
     if causal and key.shape[2] > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
-    out_BHTD = protected_sdpa(
+    out_BHTD = engine_call(
+        protected_sdpa,
         query,
         key,
         value,
@@ -82,6 +87,7 @@ def attnchecker_attention(
         scale=scaling,
         dropout_p=dropout,
         enable_gqa=n_rep > 1,
+        use_passed=use_passed,
     )
     return out_BHTD.transpose(1, 2).contiguous(), None
 
@@ -110,9 +116,7 @@ def _out_features(proj: nn.Module) -> int:
     return int(proj.weight.shape[1] if _layout(proj) == "in_out" else proj.weight.shape[0])
 
 
-def _hook_projections(
-    binder: Binder, module: nn.Module, parent: nn.Module | None, ctx: LayerContext
-) -> list[str]:
+def _hook_projections(binder: Binder, module: nn.Module, parent: nn.Module | None, ctx: LayerContext) -> list[str]:
     """Hook the q/k/v/out projections of one attention module; returns the ops hooked."""
     ops: list[str] = []
     children = dict(module.named_children())
@@ -129,7 +133,8 @@ def _hook_projections(
             ops += ["q", "k", "v"]
         elif n % 3 == 0:
             third = n // 3
-            binder.hook_projection(c_attn, ctx, splits=(("q", third), ("k", third), ("v", third)), weight_layout=c_layout)
+            splits = (("q", third), ("k", third), ("v", third))
+            binder.hook_projection(c_attn, ctx, splits=splits, weight_layout=c_layout)
             ops += ["q", "k", "v"]
     else:
         for names in _SEPARATE_QKV:
@@ -187,7 +192,9 @@ def _neo_attn(
     if attention_mask is not None:
         mask = mask + attention_mask
     dropout = module.attn_dropout.p if module.training else 0.0
-    out = protected_sdpa(q, k, value.to(torch.float32), ctx=ctx, attn_mask=mask, scale=1.0, dropout_p=dropout)
+    out = engine_call(
+        protected_sdpa, q, k, value.to(torch.float32), ctx=ctx, attn_mask=mask, scale=1.0, dropout_p=dropout
+    )
     return out.to(value.dtype), None
 
 
@@ -207,16 +214,18 @@ def attach(binder: Binder, model: nn.Module) -> None:
     if not type(model)._can_set_attn_implementation():
         log.warning(
             "attnchecker: %s has AttentionInterface layers but cannot switch implementation at run time; "
-            "they stay unprotected", type(model).__name__,
+            "they stay unprotected",
+            type(model).__name__,
         )
         return
     _register()
     for name, module in interface_modules:
         ctx = binder.context_for(module)
         ops = _hook_projections(binder, module, parents.get(module), ctx)
-        _CONTEXTS[module] = ctx
+        # RoPE (Llama) rotates Q/K after their projections: the scores need checksums of the rotated Q/K.
+        _CONTEXTS[module] = (ctx, not rotates_qk(module))
         binder.on_close(functools.partial(_CONTEXTS.pop, module, None))
-        binder.add_site(ctx, name, "transformers", tuple(ops[:3]) + ("scores", "context") + tuple(ops[3:]))
+        binder.add_site(ctx, name, "transformers", (*ops[:3], "scores", "context", *ops[3:]))
     original = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     binder.on_close(functools.partial(_restore_implementation, model, original))
