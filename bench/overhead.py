@@ -1,0 +1,312 @@
+"""Training-step overhead of ABFT protection, against an unprotected SDPA baseline and cheaper or costlier checkers.
+
+One training step = forward + backward + AdamW step on a transformers GPT-2 or Llama built from a config (random
+weights, random tokens: the cost does not depend on the values). Every variant gets its own copy of the same model
+and the same batch; rounds interleave the variants in a shuffled order (bench/_common.py says why).
+
+Variants:
+  baseline   unprotected, attn_implementation="sdpa" (the fused kernel)
+  full       attnchecker.protect(model, policy=Policy.full()): every op, every step
+  adaptive   Policy() (the default), warmed up on tiny inputs until the scheduler reaches its steady state
+  paper      Policy.paper(): extreme thresholds, checksum passing, no source repair
+  skip       protected, but no op due on the timed steps (what an adaptive step that checks nothing costs)
+  finite     torch.isfinite on every attention GEMM output the model exposes (q/k/v/out projections, the attention
+             core's output): detects INF/NaN only, corrects nothing; one flag read per step
+  dmr        duplicate-and-compare: every projection and the attention core recomputed under no_grad and compared
+  floor      read each protected output once (q/k/v/out, AS as a tensor of its shape, CL): the memory-traffic
+             lower bound of any checker that looks at every output
+
+    python bench/overhead.py [--models gpt2,llama] [--rounds 16] [--tiny]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+
+_common.setup_path()
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import attnchecker  # noqa: E402
+from attnchecker import Policy  # noqa: E402
+
+VARIANTS = ("baseline", "full", "adaptive", "paper", "skip", "finite", "dmr", "floor")
+SIZES = {
+    # The issue's sizes; vocab 8192 (not GPT-2's 50257) keeps the LM head from dwarfing the layers the checks are
+    # in, which makes the measured overhead larger, not smaller.
+    "full": {"hidden": 512, "heads": 8, "layers": 6, "seq": 256, "batch": 4, "vocab": 8192},
+    # The smoke test's size: seconds, not minutes.
+    "tiny": {"hidden": 64, "heads": 4, "layers": 2, "seq": 32, "batch": 2, "vocab": 128},
+}
+
+
+def build_model(arch: str, size: dict[str, int]) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        cfg = GPT2Config(vocab_size=size["vocab"], n_positions=size["seq"], n_embd=size["hidden"],
+                         n_layer=size["layers"], n_head=size["heads"], attn_pdrop=0.0, resid_pdrop=0.0,
+                         embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        model = GPT2LMHeadModel(cfg)
+    elif arch == "llama":
+        # Llama's SwiGLU width for this hidden size (8/3 h rounded to 32), full multi-head attention.
+        inter = (8 * size["hidden"] // 3 + 31) // 32 * 32
+        cfg = LlamaConfig(vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=inter,
+                          num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                          num_key_value_heads=size["heads"], max_position_embeddings=size["seq"],
+                          attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model = LlamaForCausalLM(cfg)
+    else:
+        raise ValueError(f"unknown model {arch!r}: gpt2 or llama")
+    model.set_attn_implementation("sdpa")
+    return model.train()
+
+
+# --------------------------------------------------------------------------------------------- baseline checkers
+
+
+def _projections(model: nn.Module) -> list[nn.Module]:
+    """The attention projections of a GPT-2 / Llama model: GPT-2's c_attn and attention c_proj, Llama's q/k/v/o."""
+    from transformers.pytorch_utils import Conv1D
+
+    out = []
+    for name, m in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        in_attn = ".attn." in f".{name}." or ".self_attn." in f".{name}."
+        if in_attn and leaf in ("c_attn", "c_proj", "q_proj", "k_proj", "v_proj", "o_proj") and isinstance(
+                m, (nn.Linear, Conv1D)):
+            out.append(m)
+    return out
+
+
+def _linear_again(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(m, Conv1D):
+        return torch.addmm(m.bias, x.reshape(-1, x.shape[-1]), m.weight).view(*x.shape[:-1], -1)
+    return F.linear(x, m.weight, m.bias)
+
+
+class HookChecker:
+    """finite / dmr / floor: forward hooks on the projections plus an AttentionInterface function around SDPA.
+
+    State is a device flag, read once per step (``end_step``), like a real checker that must act on it.
+    """
+
+    def __init__(self, kind: str, model: nn.Module) -> None:
+        from transformers import AttentionInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        self.kind = kind
+        self.flag = torch.zeros((), dtype=torch.bool)
+        self._scratch: dict[tuple[int, ...], torch.Tensor] = {}
+        self._sdpa = sdpa_attention_forward
+        for m in _projections(model):
+            m.register_forward_hook(self._proj_hook)
+        name = f"bench_{kind}"
+        AttentionInterface.register(name, self._attention)
+        AttentionMaskInterface.register(name, sdpa_mask)
+        model.set_attn_implementation(name)
+
+    @torch.no_grad()
+    def _look(self, y: torch.Tensor) -> None:
+        if self.kind == "finite":
+            self.flag |= ~torch.isfinite(y).all()
+        else:  # floor: one read of the output
+            self.flag |= y.sum() == 12345.0
+
+    @torch.no_grad()
+    def _proj_hook(self, m: nn.Module, args: tuple[Any, ...], y: torch.Tensor) -> None:
+        if self.kind == "dmr":
+            self.flag |= (_linear_again(m, args[0].detach()) != y.detach()).any()
+        else:
+            self._look(y.detach())
+
+    def _attention(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+        out, w = self._sdpa(module, q, k, v, *args, **kwargs)
+        with torch.no_grad():
+            if self.kind == "dmr":
+                again, _ = self._sdpa(module, q.detach(), k.detach(), v.detach(), *args, **kwargs)
+                self.flag |= (again != out.detach()).any()
+            else:
+                self._look(out.detach())
+                if self.kind == "floor":
+                    # AS = QKᵀ is never materialised by the fused kernel: read a tensor of its shape instead.
+                    shape = (*q.shape[:-1], k.shape[-2])
+                    if shape not in self._scratch:
+                        self._scratch[shape] = torch.ones(shape, dtype=q.dtype, device=q.device)
+                    self._look(self._scratch[shape])
+        return out, w
+
+    def end_step(self) -> None:
+        if bool(self.flag):  # sync: once per step, as a checker that acts on its flag must
+            raise RuntimeError(f"{self.kind}: mismatch or non-finite value in a clean step")
+
+
+# ----------------------------------------------------------------------------------------------------- the runner
+
+
+class Variant:
+    """One model copy, its optimizer, and what protects it."""
+
+    def __init__(self, name: str, base: nn.Module, batch: torch.Tensor, *, tiny_batch: torch.Tensor) -> None:
+        self.name = name
+        self.model = copy.deepcopy(base)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.batch = batch
+        self.guard: attnchecker.Guard | None = None
+        self.hooks: HookChecker | None = None
+        self.check_seconds: dict[str, list[float]] = {}
+        self.checked_steps = 0
+        self.steps = 0
+        policy = {"full": Policy.full(), "adaptive": Policy(), "paper": Policy.paper(),
+                  "skip": Policy.full(period=10**9)}.get(name)
+        if policy is not None:
+            self.guard = attnchecker.protect(self.model, policy=policy)
+        elif name in ("finite", "dmr", "floor"):
+            self.hooks = HookChecker(name, self.model)
+        if name == "skip":
+            self.step(tiny_batch, record=False)  # the first step checks everything; later ones nothing
+        elif name == "adaptive":
+            # Period 1 -> 8 takes 8 quiet checks at each of 1, 2 and 4 (docs/adaptive.md): 56 steps, on tiny input
+            # so the warm-up costs seconds. The scheduler only sees steps and outcomes, not sizes.
+            for _ in range(64):
+                self.step(tiny_batch, record=False)
+
+    def step(self, batch: torch.Tensor | None = None, *, record: bool = True) -> float:
+        x = self.batch if batch is None else batch
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.model(input_ids=x, labels=x).loss
+        loss.backward()
+        self.opt.step()
+        if self.hooks is not None:
+            self.hooks.end_step()
+        if self.guard is not None:
+            stats = self.guard.runtime.stats
+            self.guard.step()
+            dt = time.perf_counter() - t0
+            if record and stats is not None:
+                self.steps += 1
+                self.checked_steps += any(stats.checks.values())
+                for op, s in stats.check_seconds.items():
+                    self.check_seconds.setdefault(op, []).append(s)
+            return dt
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        if self.guard is not None:
+            self.guard.close()
+
+
+def run_model(arch: str, size: dict[str, int], rounds: int, variants: tuple[str, ...], seed: int) -> dict[str, Any]:
+    base = build_model(arch, size)
+    g = torch.Generator().manual_seed(seed)
+    batch = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=g)
+    tiny = batch[:1, :8]
+    t0 = time.perf_counter()
+    vs = {n: Variant(n, base, batch, tiny_batch=tiny) for n in variants}
+    setup_s = time.perf_counter() - t0
+    samples = _common.interleaved({n: functools.partial(v.step) for n, v in vs.items()}, rounds=rounds, warmup=1,
+                                  seed=seed)
+    for v in vs.values():
+        v.close()
+    rat = _common.ratios(samples, "baseline")
+    base_mean = statistics.fmean(samples["baseline"])
+    result: dict[str, Any] = {"model": arch, "size": size, "rounds": rounds, "setup_s": setup_s, "variants": {}}
+    for n, v in vs.items():
+        entry: dict[str, Any] = {
+            "step_s": _common.summary(samples[n]),
+            "ratio_vs_baseline": rat[n],
+            "ratio_of_means": statistics.fmean(samples[n]) / base_mean,
+            "samples_s": samples[n],
+        }
+        if v.guard is not None:
+            entry["checked_step_fraction"] = v.checked_steps / max(v.steps, 1)
+            # Host time inside the checks per step (OpStats.check_seconds); CPU kernels are synchronous, so on
+            # this machine it is the checks' compute time too.
+            entry["check_s_per_step"] = {op: statistics.fmean(xs) for op, xs in v.check_seconds.items()}
+        result["variants"][n] = entry
+    if "floor" in vs and "full" in vs:
+        floor_extra = rat["floor"]["median"] - 1
+        full_extra = rat["full"]["median"] - 1
+        result["full_over_floor"] = full_extra / floor_extra if floor_extra > 0 else None
+    return result
+
+
+def print_model(res: dict[str, Any]) -> None:
+    rows = []
+    for n, e in res["variants"].items():
+        r = e["ratio_vs_baseline"]
+        chk = e.get("check_s_per_step")
+        rows.append([
+            n, e["step_s"]["median"] * 1e3, f"{_common.pct(r['median'])}", f"[{_common.pct(r['p25'])}, "
+            f"{_common.pct(r['p75'])}]", _common.pct(e["ratio_of_means"]),
+            "" if chk is None else f"{sum(chk.values()) * 1e3:.1f}",
+            "" if "checked_step_fraction" not in e else f"{e['checked_step_fraction']:.2f}",
+        ])
+    size = res["size"]
+    print(f"\n{res['model']}: hidden {size['hidden']}, {size['heads']} heads, {size['layers']} layers, seq "
+          f"{size['seq']}, batch {size['batch']}, vocab {size['vocab']}; {res['rounds']} interleaved rounds")
+    print(_common.table(rows, ["variant", "step ms (median)", "overhead (median of per-round ratios)", "IQR",
+                               "overhead (ratio of means)", "check ms/step", "checked steps"]))
+    ops = {n: e["check_s_per_step"] for n, e in res["variants"].items() if e.get("check_s_per_step")}
+    if ops:
+        names = sorted({op for d in ops.values() for op in d})
+        print(_common.table([[n, *(d.get(op, 0.0) * 1e3 for op in names)] for n, d in ops.items()],
+                            ["check ms/step", *names]))
+    if res.get("full_over_floor") is not None:
+        print(f"full / floor (extra time over baseline): {res['full_over_floor']:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2, llama")
+    p.add_argument("--rounds", type=int, default=16, help="interleaved timed rounds (a multiple of 8 covers whole "
+                                                          "adaptive cycles)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--tiny", action="store_true", help="the smoke-test size (seconds)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a shared machine an OpenMP team waiting for a busy core makes "
+                        "every small op erratic; 0 = torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/overhead.json)")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    variants = tuple(v for v in a.variants.split(",") if v)
+    if "baseline" not in variants:
+        variants = ("baseline", *variants)
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variant(s) {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+    size = SIZES["tiny" if a.tiny else "full"]
+    results = []
+    for arch in a.models.split(","):
+        res = run_model(arch, size, a.rounds, variants, a.seed)
+        print_model(res)
+        results.append(res)
+    path = _common.write_result("overhead", {"size_name": "tiny" if a.tiny else "full", "models": results}, a.out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

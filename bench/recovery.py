@@ -1,0 +1,202 @@
+"""Recovery cost: in-line ABFT correction vs checkpoint/restore (ATTNChecker's "up to 49x", paper section 6).
+
+In-line: the extra time of a protected training step (Policy.full()) in which a fault is injected and corrected,
+over a clean protected step, both interleaved in the same rounds. Measured two ways: the step-time difference (median
+of per-round differences) and the engine's own check time (OpStats.check_seconds, which includes locate/correct/
+recompute); the ratio uses the larger, so noise cannot flatter it.
+
+Checkpoint/restore: torch.save of model + AdamW state to a file, torch.load + load_state_dict back, plus replaying
+the steps lost since the last checkpoint. A fault is equally likely anywhere in an interval of N steps, so the
+expected replay is N/2 unprotected steps (the worst case is N); we use N/2 and report N too. The paper's own metric
+(save + load, no replay) is reported alongside.
+
+    python bench/recovery.py [--model gpt2] [--rounds 4] [--intervals 10,100] [--tiny]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402
+import overhead  # noqa: E402
+
+import torch  # noqa: E402
+
+import attnchecker  # noqa: E402
+from attnchecker import Policy  # noqa: E402
+from attnchecker.inject import Fault, FaultPlan  # noqa: E402
+
+# name -> Fault fields (op, kind, pattern, layer as a fraction of the depth). 0d/1d are corrected from the
+# checksums; 2d is recomputed (the ladder's second rung).
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "scores_inf_0d": {"op": "scores", "kind": "inf", "pattern": "0d", "layer": 0.0},
+    "context_nan_1d": {"op": "context", "kind": "nan", "pattern": "1d", "layer": 0.5},
+    "q_near_inf_0d": {"op": "q", "kind": "near_inf", "pattern": "0d", "layer": 1.0},
+    "scores_inf_2d": {"op": "scores", "kind": "inf", "pattern": "2d", "layer": 0.0},
+}
+
+
+class Protected:
+    def __init__(self, base: torch.nn.Module, batch: torch.Tensor, scenario: str | None, layers: int,
+                 max_steps: int) -> None:
+        self.model = copy.deepcopy(base)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.batch = batch
+        faults = []
+        if scenario is not None:
+            s = SCENARIOS[scenario]
+            layer = round(s["layer"] * (layers - 1))
+            faults = [Fault(op=s["op"], kind=s["kind"], pattern=s["pattern"], layer=layer, step=i, seed=i)
+                      for i in range(max_steps)]
+        else:
+            # Same machinery as the faulty runs (an injector that is consulted), nothing planned on these steps.
+            faults = [Fault(op="scores", kind="inf", layer=0, step=10**9)]
+        self.guard = attnchecker.protect(self.model, policy=Policy.full(), faults=FaultPlan(faults))
+        self.check_s: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self) -> float:
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.model(input_ids=self.batch, labels=self.batch).loss
+        loss.backward()
+        self.opt.step()
+        stats = self.guard.runtime.stats
+        self.guard.step()
+        dt = time.perf_counter() - t0
+        self.losses.append(float(loss.detach()))  # sync: outside the timed region
+        if stats is not None:
+            self.check_s.append(sum(stats.check_seconds.values()))
+        return dt
+
+
+def checkpoint_costs(model: torch.nn.Module, opt: torch.optim.Optimizer, reps: int) -> dict[str, Any]:
+    """torch.save / torch.load of model + optimizer state: to a file (what a job restart reads), and to memory
+    (the best case, an in-RAM checkpoint as in Gemini/CheckFreq)."""
+    out: dict[str, list[float]] = {"save_file_s": [], "load_file_s": [], "save_mem_s": [], "load_mem_s": []}
+    size = 0
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "ckpt.pt"
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+            out["save_file_s"].append(time.perf_counter() - t0)
+            size = path.stat().st_size
+            t0 = time.perf_counter()
+            state = torch.load(path, weights_only=True)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            out["load_file_s"].append(time.perf_counter() - t0)
+            buf = io.BytesIO()
+            t0 = time.perf_counter()
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buf)
+            out["save_mem_s"].append(time.perf_counter() - t0)
+            buf.seek(0)
+            t0 = time.perf_counter()
+            state = torch.load(buf, weights_only=True)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            out["load_mem_s"].append(time.perf_counter() - t0)
+    res: dict[str, Any] = {k: _common.summary(v) for k, v in out.items()}
+    res["bytes"] = size
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt2", choices=("gpt2", "llama"))
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--ckpt-reps", type=int, default=3)
+    p.add_argument("--intervals", default="10,100", help="checkpoint intervals in steps")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (see overhead.py); 0 = torch's choice")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    size = overhead.SIZES["tiny" if a.tiny else "full"]
+    scenarios = [s for s in a.scenarios.split(",") if s]
+    intervals = [int(x) for x in a.intervals.split(",") if x]
+    base = overhead.build_model(a.model, size)
+    batch = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=torch.Generator().manual_seed(0))
+    steps = a.rounds + 1
+    unprotected = overhead.Variant("baseline", base, batch, tiny_batch=batch[:1, :8])
+    runs = {"clean": Protected(base, batch, None, size["layers"], steps)}
+    runs.update({s: Protected(base, batch, s, size["layers"], steps) for s in scenarios})
+    fns = {"baseline": unprotected.step, **{n: r.step for n, r in runs.items()}}
+    samples = _common.interleaved(fns, rounds=a.rounds, warmup=1)
+
+    clean = runs["clean"]
+    base_step = _common.summary(samples["baseline"])["median"]
+    ckpt = checkpoint_costs(unprotected.model, unprotected.opt, a.ckpt_reps)
+    save_load_file = ckpt["save_file_s"]["median"] + ckpt["load_file_s"]["median"]
+    save_load_mem = ckpt["save_mem_s"]["median"] + ckpt["load_mem_s"]["median"]
+    result: dict[str, Any] = {
+        "model": a.model, "size": size, "rounds": a.rounds, "size_name": "tiny" if a.tiny else "full",
+        "unprotected_step_s": _common.summary(samples["baseline"]),
+        "clean_protected_step_s": _common.summary(samples["clean"]),
+        "checkpoint": ckpt,
+        "replay_steps": "interval/2 (expected; worst case = interval)",
+        "scenarios": {},
+    }
+    rows = []
+    for s in scenarios:
+        r = runs[s]
+        rep = r.guard.report()
+        diffs = [x - y for x, y in zip(samples[s], samples["clean"], strict=True)]
+        # Skip the warm-up round's check time, like the step samples.
+        check_extra = [x - y for x, y in zip(r.check_s[1:], clean.check_s[1:], strict=True)]
+        step_extra = statistics.median(diffs)
+        engine_extra = statistics.median(check_extra)
+        cost = max(step_extra, engine_extra)
+        entry: dict[str, Any] = {
+            "step_extra_s": _common.summary(diffs),
+            "check_extra_s": _common.summary(check_extra),
+            "inline_cost_s": cost,
+            "corrected": rep.corrected,
+            "uncorrectable": rep.uncorrectable,
+            # A rebuilt element is "checksum minus the healthy elements": equal to the clean value up to round-off,
+            # so the losses agree closely, not necessarily bit for bit.
+            "loss_max_rel_diff": max(abs(x - y) / abs(y) for x, y in zip(r.losses, clean.losses, strict=True)),
+            "ratio_paper_file": save_load_file / cost if cost > 0 else None,
+            "ratio_paper_mem": save_load_mem / cost if cost > 0 else None,
+            "intervals": {},
+        }
+        for n in intervals:
+            cr_expected = save_load_file + n / 2 * base_step
+            cr_worst = save_load_file + n * base_step
+            entry["intervals"][str(n)] = {
+                "checkpoint_restore_s": cr_expected,
+                "checkpoint_restore_worst_s": cr_worst,
+                "checkpoint_restore_mem_s": save_load_mem + n / 2 * base_step,
+                "ratio": cr_expected / cost if cost > 0 else None,
+                "ratio_mem": (save_load_mem + n / 2 * base_step) / cost if cost > 0 else None,
+            }
+        result["scenarios"][s] = entry
+        rows.append([s, step_extra * 1e3, engine_extra * 1e3, f"{rep.corrected}/{rep.uncorrectable}",
+                     f"{entry['loss_max_rel_diff']:.1e}", entry["ratio_paper_file"] or float("nan"),
+                     *(entry["intervals"][str(n)]["ratio"] or float("nan") for n in intervals)])
+    for v in [unprotected, *runs.values()]:
+        v.guard and v.guard.close()
+    print(f"\n{a.model} ({'tiny' if a.tiny else 'full'} size): unprotected step {base_step * 1e3:.0f} ms, clean "
+          f"protected step {result['clean_protected_step_s']['median'] * 1e3:.0f} ms; checkpoint "
+          f"{ckpt['bytes'] / 2**20:.1f} MiB: save {ckpt['save_file_s']['median'] * 1e3:.0f} ms + load "
+          f"{ckpt['load_file_s']['median'] * 1e3:.0f} ms (file), {save_load_mem * 1e3:.0f} ms (memory)")
+    print(_common.table(rows, ["fault", "step extra ms", "check extra ms", "corrected/uncorr.", "loss rel. diff",
+                               "C/R(save+load) / inline", *(f"C/R@{n} / inline" for n in intervals)]))
+    path = _common.write_result("recovery", result, a.out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Every benchmark runs end to end at its tiny size and writes JSON of the documented shape (docs/performance.md).
+
+No timing assertions: the numbers on a shared CI machine mean nothing; only that they exist, are finite and
+positive, and that the faults the recovery benchmark injects were really corrected.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def run_bench(name: str, tmp_path: Path, *args: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--tiny", "--out", str(out), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "|" in proc.stdout  # a table was printed
+    doc = json.loads(out.read_text())
+    assert doc["schema_version"] == 1
+    assert doc["benchmark"] == name
+    assert {"cpu", "logical_cpus", "torch"} <= set(doc["machine"])
+    return doc
+
+
+def positive(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def check_summary(s: dict) -> None:
+    assert {"median", "p25", "p75", "min", "max", "n"} <= set(s)
+    assert s["min"] <= s["median"] <= s["max"]
+
+
+def test_overhead_bench_writes_every_variant(tmp_path):
+    doc = run_bench("overhead", tmp_path, "--rounds", "2")
+    assert [m["model"] for m in doc["models"]] == ["gpt2", "llama"]
+    for m in doc["models"]:
+        assert set(m["variants"]) == {"baseline", "full", "adaptive", "paper", "skip", "finite", "dmr", "floor"}
+        for name, v in m["variants"].items():
+            check_summary(v["step_s"])
+            assert positive(v["step_s"]["median"])
+            assert len(v["samples_s"]) == 2
+            assert positive(v["ratio_vs_baseline"]["median"])
+        assert m["variants"]["baseline"]["ratio_vs_baseline"]["median"] == 1.0
+        full = m["variants"]["full"]
+        assert full["checked_step_fraction"] == 1.0
+        assert set(full["check_s_per_step"]) == {"q", "k", "v", "scores", "context", "out"}
+        assert m["variants"]["skip"]["checked_step_fraction"] == 0.0
+
+
+def test_recovery_bench_corrects_every_injected_fault(tmp_path):
+    doc = run_bench("recovery", tmp_path, "--rounds", "2")
+    assert doc["checkpoint"]["bytes"] > 0
+    check_summary(doc["checkpoint"]["save_file_s"])
+    assert set(doc["scenarios"]) == {"scores_inf_0d", "context_nan_1d", "q_near_inf_0d", "scores_inf_2d"}
+    for s in doc["scenarios"].values():
+        # warm-up round + 2 timed rounds, one fault each
+        assert s["corrected"] == 3 and s["uncorrectable"] == 0
+        assert s["loss_max_rel_diff"] < 1e-4
+        assert set(s["intervals"]) == {"10", "100"}
+        check_summary(s["step_extra_s"])
+
+
+def test_ingest_bench_reports_throughput_and_enqueue_cost(tmp_path):
+    doc = run_bench("ingest", tmp_path, "--backends", "sqlite", "--agents", "1,2")
+    (backend,) = doc["backends"]
+    assert backend["backend"] == "sqlite"
+    assert [lv["agents"] for lv in backend["levels"]] == [1, 2]
+    for lv in backend["levels"]:
+        assert lv["error_count"] == 0
+        assert positive(lv["events_per_s"]) and lv["latency_p50_s"] <= lv["latency_p99_s"]
+    for side in ("up", "down"):
+        assert positive(doc["enqueue"][side]["us_per_event"]["median"])
+        assert doc["enqueue"][side]["dropped"] == 0
+    assert set(doc["step"]["step_s"]) == {"none", "up", "down"}
