@@ -141,6 +141,42 @@ def test_single_extreme_error_in_any_op_is_corrected(make_ctx, op: str, kind: st
     torch.testing.assert_close(out, clean, **TOL[dtype])
 
 
+@settings(max_examples=40)
+@given(
+    b=st.integers(1, 3),
+    h=st.integers(1, 3),
+    t=st.integers(1, 13),
+    head_dim=st.integers(1, 7),
+    dtype=st.sampled_from(DTYPES),
+    mask=st.sampled_from(["none", "causal", "padding"]),
+    fused=st.booleans(),
+    op=st.sampled_from(OPS),
+    kind=st.sampled_from(EXTREME_KINDS),
+    seed=st.integers(0, 2**20),
+)
+def test_any_single_extreme_error_leaves_the_layer_output_fault_free(
+    make_ctx, b, h, t, head_dim, dtype, mask, fused, op, kind, seed
+) -> None:
+    c = h * head_dim
+    x = seeded((b, t, c), seed, dtype)
+    p = layer_params(c, seed + 1, dtype)
+    kw: dict[str, Any] = {"is_causal": mask == "causal"}
+    if mask == "padding":
+        lengths = torch.randint(0, t + 1, (b,), generator=torch.Generator().manual_seed(seed))
+        kw["attn_mask"] = (torch.arange(t)[None, :] < lengths[:, None])[:, None, None, :]
+    if fused:
+        p = {"w_qkv": torch.cat([p["w_q"], p["w_k"], p["w_v"]]), "b_qkv": torch.cat([p["b_q"], p["b_k"], p["b_v"]]),
+             "w_o": p["w_o"], "b_o": p["b_o"]}
+    clean = run_layer(make_ctx, x, p, h, **kw)[0]
+    out, _, _, rec, ctx = run_layer(make_ctx, x, p, h, faults=[Fault(op=op, layer=0, step=0, kind=kind, seed=seed)],
+                                    **kw)
+    value = ctx.runtime.injector.injected[0].value
+    if not math.isfinite(value) or abs(value) > 1e10:
+        assert [(d.op, d.action) for d in rec.detections] == [(op, "corrected")]
+    assert all(d.action == "corrected" for d in rec.detections)
+    torch.testing.assert_close(out, clean, **TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("kind", ["nan", "near_inf", "add"])

@@ -85,12 +85,6 @@ def _recheck(work_MRC: torch.Tensor, refs: dict[str, DirectionCheck]) -> dict[st
     return {d: verify_direction(chk.ref, got[d], chk.rule, abs_sums[d]) for d, chk in refs.items()}
 
 
-def _d2_clean(chk: DirectionCheck, n: int) -> torch.Tensor:
-    """(M, V) bool: d2 within n × the d1 bound (weights up to n, vectors of length n). Catches a wrong fix that
-    zeroed d1 but not d2."""
-    return ~torch.isfinite(chk.ref[..., 1]) | (chk.diff[..., 1].abs() <= n * chk.bound)
-
-
 def _fix_pass(work_MRC: torch.Tensor, direction: str, chk: DirectionCheck, allowed_MV: torch.Tensor, tol: Tolerance) -> None:
     """Correct each flagged, allowed vector of one direction in place (one element per vector)."""
     vecs_MVL = work_MRC if direction == "row" else work_MRC.transpose(-2, -1)
@@ -178,13 +172,15 @@ def repair(
 
     work_MRC = orig_MRC.to(acc, copy=True)
     current = sub
+    rounded_MRC = orig_MRC
     # Columns first, then rows: a bad row is fixed column by column, a bad column row by row, a cross by both.
     for direction in ("col", "row"):
         if direction in current:
             allowed = trust[direction][:, None].expand_as(current[direction].bad)
             _fix_pass(work_MRC, direction, current[direction], allowed, tol)
-            current = _recheck(work_MRC.to(c_NRC.dtype).to(acc), sub)
-    ok_M = _accepted(current, trust, tuple(c_NRC.shape[-2:]))
+            rounded_MRC = work_MRC.to(c_NRC.dtype)
+            current = _recheck(rounded_MRC.to(acc), sub)
+    ok_M = _accepted(current, trust, tuple(c_NRC.shape[-2:]), ~(rounded_MRC == orig_MRC))
 
     reports: list[MatrixReport] = []
     fresh: torch.Tensor | None = None
@@ -222,14 +218,32 @@ def repair(
 
 
 def _accepted(
-    current: dict[str, DirectionCheck], trust: dict[str, torch.Tensor], shape_RC: tuple[int, int]
+    current: dict[str, DirectionCheck],
+    trust: dict[str, torch.Tensor],
+    shape_RC: tuple[int, int],
+    changed_MRC: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(M,) bool: every trusted direction is clean in d1 and d2, and at least one direction is trusted."""
+    """(M,) bool: every trusted direction is clean in d1 and d2, and at least one direction is trusted.
+
+    An element rebuilt from a checksum carries that vector's round-off (the other elements' rounding, the
+    reference's error: at most the crossing vector's bound), so a vector may also differ by the bounds of the
+    crossing vectors at its corrected elements (changed_MRC): without that, a short fp16 row fails its own re-check
+    after a long column fixed it.
+    """
+    extra: dict[str, torch.Tensor | float] = {"row": 0.0, "col": 0.0}
+    if changed_MRC is not None and "row" in current and "col" in current:
+        changed = changed_MRC.to(current["row"].bound.dtype)
+        extra["row"] = (changed * current["col"].bound[:, None, :]).sum(-1)
+        extra["col"] = (changed * current["row"].bound[:, :, None]).sum(-2)
     ok = None
     any_trusted = None
     for d, chk in current.items():
         n = shape_RC[1] if d == "row" else shape_RC[0]
-        clean_M = (~chk.bad & _d2_clean(chk, n)).all(-1) | ~trust[d]
+        tol_MV = chk.bound + extra[d]
+        d1_ok = ~torch.isfinite(chk.ref[..., 0]) | (chk.diff[..., 0].abs() <= tol_MV)
+        # Weights up to n: d2 within n × the d1 tolerance. Catches a wrong fix that zeroed d1 but not d2.
+        d2_ok = ~torch.isfinite(chk.ref[..., 1]) | (chk.diff[..., 1].abs() <= n * tol_MV)
+        clean_M = (d1_ok & d2_ok).all(-1) | ~trust[d]
         ok = clean_M if ok is None else ok & clean_M
         any_trusted = trust[d] if any_trusted is None else any_trusted | trust[d]
     assert ok is not None and any_trusted is not None

@@ -99,16 +99,19 @@ def bounds(
     g_k, g_c, g_r = gamma(k, out_dtype), gamma(n_cols, out_dtype), gamma(n_rows, out_dtype)
     # (1 + 1e-2) absorbs the O(u²) cross terms of the first-order bound.
     slack = 1.01 * tol.factor
+    # With a bias the output may be rounded twice (the product, then the sum with b: F.linear in fp16 on CPU):
+    # u_out |A_i B_j| + u_out |C_ij| <= u_out (2 P_ij + |b_j|).
+    n_round = 1 if bias_abs_C is None else 2
     row_NR = a_norm_NR * b_norm_NC.sum(-1, keepdim=True)
     col_NC = b_norm_NC * a_norm_NR.sum(-1, keepdim=True)
     if use_abs:
         row_NR = row_NR * (slack * (2 * g_k + g_c))
         col_NC = col_NC * (slack * (2 * g_k + g_r))
-        coef_row, coef_col = slack * (g_c + u_out), slack * (g_r + u_out)
-        bias_row, bias_col = slack * g_c, slack * g_r
+        coef_row, coef_col = slack * (g_c + n_round * u_out), slack * (g_r + n_round * u_out)
+        bias_row, bias_col = slack * (g_c + u_out), slack * (g_r + u_out)
     else:
-        row_NR = row_NR * (slack * (2 * g_k + 2 * g_c + u_out))
-        col_NC = col_NC * (slack * (2 * g_k + 2 * g_r + u_out))
+        row_NR = row_NR * (slack * (2 * g_k + 2 * g_c + n_round * u_out))
+        col_NC = col_NC * (slack * (2 * g_k + 2 * g_r + n_round * u_out))
         coef_row = coef_col = 0.0
         bias_row, bias_col = slack * (2 * g_c + u_out), slack * (2 * g_r + u_out)
     if bias_abs_C is not None:
