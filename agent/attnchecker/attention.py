@@ -127,10 +127,14 @@ def _observe(ctx: LayerContext, checks: Checks) -> None:
         stats.residual_counts = torch.zeros(len(RESIDUAL_RATIO_BUCKETS) + 1, device=device, dtype=torch.int64)
         stats.residual_sum = torch.zeros((), device=device, dtype=torch.float64)
         stats.residual_count = torch.zeros((), device=device, dtype=torch.int64)
-    bucket = torch.bucketize(worst, _bucket_edges(device))
-    stats.residual_counts.index_add_(0, bucket.view(1), torch.ones(1, device=device, dtype=torch.int64))
-    stats.residual_sum += worst.double()
-    stats.residual_count += 1
+    # A non-finite ratio is a check that could not be evaluated (its inputs already carried a fault that another op
+    # reports, e.g. context computed from scores before their repair): it is left out, so one such check does not
+    # turn the interval's sum into NaN (JSON cannot carry it, and the whole histogram would be lost).
+    valid = torch.isfinite(worst)
+    bucket = torch.bucketize(torch.where(valid, worst, 0.0), _bucket_edges(device))
+    stats.residual_counts.index_add_(0, bucket.view(1), valid.view(1).to(torch.int64))
+    stats.residual_sum += torch.where(valid, worst, 0.0).double()
+    stats.residual_count += valid.to(torch.int64)
 
 
 def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: bool) -> None:
