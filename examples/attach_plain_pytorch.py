@@ -5,12 +5,11 @@ nn.TransformerEncoder (nn.MultiheadAttention inside). Runs in seconds on a CPU.
 """
 
 # ruff: noqa: T201, N812, N806 - an example script: it prints, and keeps nanoGPT's names (F, B, T, C)
+import attnchecker
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-import attnchecker
 from attnchecker import FaultPlan, Policy
+from torch import nn
 
 
 class CausalSelfAttention(nn.Module):

@@ -1,4 +1,5 @@
 """The README's attach examples run as they are, as a user would run them."""
+
 from __future__ import annotations
 
 import os

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -15,12 +16,14 @@ from torch import nn
 
 from ..context import LayerContext, Runtime
 
-__all__ = ["Binder", "Site", "engine_call", "forward_source_mentions", "rotates_qk"]
+__all__ = ["Binder", "ContextRef", "Site", "engine_call", "forward_source_mentions", "rotates_qk"]
 
 log = logging.getLogger("attnchecker")
 
 Splits = tuple[tuple[str, int], ...]
 T = TypeVar("T")
+ContextRef = LayerContext | Callable[[], LayerContext]
+"""A projection's layer: fixed, or resolved per call (a module that runs several attentions per forward)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,9 @@ class Binder:
         self.sites: list[Site] = []
         self._undo: list[Callable[[], None]] = []
         self._next_layer = 0
+        # (layer, op) -> (storage, numel) of the projection output last checked: tells whether the q/k/v an
+        # attention call gets are still those outputs (views: reshape, transpose, split) or new tensors.
+        self._outputs: dict[tuple[int, str], tuple[int, int]] = {}
 
     def new_context(self) -> LayerContext:
         ctx = LayerContext(layer=self._next_layer, runtime=self.runtime)
@@ -66,16 +72,30 @@ class Binder:
     def hook_projection(
         self,
         proj: nn.Module,
-        ctx: LayerContext,
+        ctx: ContextRef,
         *,
         op: str | None = None,
         splits: Splits | None = None,
         weight_layout: str = "out_in",
     ) -> None:
         """Verify (and correct in place) the output of an unmodified projection module after it runs."""
-        hook = functools.partial(_projection_hook, ctx, op, splits, weight_layout)
+        names = tuple(name for name, _ in splits) if splits is not None else (op or "",)
+        hook = functools.partial(_projection_hook, self._outputs, ctx, op, splits, names, weight_layout)
         handle = proj.register_forward_hook(hook, with_kwargs=True)
         self.on_close(handle.remove)
+
+    def passed_matches(self, ctx: LayerContext, *, rotates: bool, **qkv: torch.Tensor) -> bool:
+        """Whether the checksums the layer's projections passed on still describe these q/k/v (``use_passed`` of
+        protected_sdpa). True for a view of the checked projection output, and for a same-size copy (transformers'
+        KV cache concatenates onto an empty cache in training) unless the module rotates Q/K (``rotates``, RoPE:
+        new values of the same size). False when the size changed (a filled cache). No device work."""
+        for op, t in qkv.items():
+            seen = self._outputs.get((ctx.layer, op))
+            if seen is None or seen[0] == t.untyped_storage().data_ptr():
+                continue
+            if rotates or seen[1] != t.numel():
+                return False
+        return True
 
     def undo_all(self) -> None:
         """Run every undo action, newest first. One failing does not stop the others; the first error is raised."""
@@ -88,6 +108,7 @@ class Binder:
                 log.error("attnchecker: undo step %r failed: %s", fn, e)
                 first = first or e
         self.contexts.clear()
+        self._outputs.clear()
         if first is not None:
             raise first
 
@@ -113,9 +134,11 @@ def engine_call(fn: Callable[..., T], *tensors: torch.Tensor | None, **kwargs: A
 
 
 def _projection_hook(
-    ctx: LayerContext,
+    outputs: dict[tuple[int, str], int],
+    ctx_ref: ContextRef,
     op: str | None,
     splits: Splits | None,
+    names: tuple[str, ...],
     weight_layout: str,
     module: nn.Module,
     args: tuple[Any, ...],
@@ -127,6 +150,11 @@ def _projection_hook(
     # nn.Linear names its input `input`, HF Conv1D names it `x`; positional is the common case.
     x = args[0] if args else next(iter(kwargs.values()))
     weight, bias = module.weight, module.bias
+    ctx = ctx_ref if isinstance(ctx_ref, LayerContext) else ctx_ref()
+    ptr, rows = output.untyped_storage().data_ptr(), output.numel() // output.shape[-1]
+    sizes = [size for _, size in splits] if splits is not None else [output.shape[-1]]
+    for name, size in zip(names, sizes, strict=True):
+        outputs[(ctx.layer, name)] = (ptr, rows * size)
     device_type = output.device.type
     if not torch.is_autocast_enabled(device_type):
         return check_linear(x, output, weight, bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout)
@@ -156,10 +184,18 @@ def forward_source_mentions(module: nn.Module, needle: str) -> bool:
     return _class_forward_mentions(type(module), needle)
 
 
-_ROTARY_MARKERS = ("rotary", "apply_rope", "freqs_cis", "position_embeddings")
+# Words that give away a rotary position embedding in an attention class (its forward or its helpers).
+_ROTARY = re.compile(r"rotary|\brope\b|freqs_cis|rotate_half|apply_rope|position_embeddings")
+
+
+@functools.lru_cache(maxsize=256)
+def _class_rotates(cls: type) -> bool:
+    try:
+        return _ROTARY.search(inspect.getsource(cls)) is not None
+    except (OSError, TypeError):
+        return False
 
 
 def rotates_qk(module: nn.Module) -> bool:
-    """Whether the attention module transforms Q/K between projection and attention (RoPE): then the checksums its
-    projections pass on describe the un-rotated Q/K and must not be used as the scores' references."""
-    return any(forward_source_mentions(module, marker) for marker in _ROTARY_MARKERS)
+    """Whether the attention class rotates Q/K between projection and attention (RoPE), read from its source."""
+    return _class_rotates(type(module))

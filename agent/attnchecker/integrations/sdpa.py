@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,7 +24,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..context import LayerContext
-from ._common import Binder, engine_call, forward_source_mentions, rotates_qk
+from ._common import Binder, ContextRef, engine_call, forward_source_mentions, rotates_qk
 
 __all__ = ["attach"]
 
@@ -38,14 +38,39 @@ _OUT_NAMES = ("c_proj", "o_proj", "out_proj", "wo", "proj", "out", "to_out", "de
 
 @dataclass(slots=True)
 class _Owner:
-    """One attention module: its contexts (one per SDPA call in a forward) and how many calls this forward made."""
+    """One attention module (the one owning the projections): a layer per SDPA call of one forward, numbered when
+    first seen, and which call of this forward the SDPA and each projection are at."""
 
     name: str
-    contexts: list[LayerContext]
+    binder: Binder
     ops: tuple[str, ...]
-    use_passed: bool = True
-    """False when the module rotates Q/K (RoPE) between the projections and SDPA."""
+    rotates: bool = False
+    """The module rotates Q/K (RoPE) between its projections and SDPA."""
+    contexts: list[LayerContext] = field(default_factory=list)
     calls: int = 0
+    proj_calls: dict[int, int] = field(default_factory=dict)
+
+    def context(self, k: int) -> LayerContext:
+        while len(self.contexts) <= k:
+            # A module that runs several attentions per forward (a shared block applied twice): one layer each.
+            ctx = self.binder.new_context()
+            name = self.name if not self.contexts else f"{self.name}#{len(self.contexts)}"
+            self.contexts.append(ctx)
+            self.binder.add_site(ctx, name, "sdpa", self.ops)
+        return self.contexts[k]
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.proj_calls.clear()
+
+    def next_sdpa_context(self) -> LayerContext:
+        self.calls += 1
+        return self.context(self.calls - 1)
+
+    def projection_context(self, proj_id: int) -> LayerContext:
+        k = self.proj_calls.get(proj_id, 0)
+        self.proj_calls[proj_id] = k + 1
+        return self.context(k)
 
 
 class _SDPAMode(TorchFunctionMode):
@@ -58,19 +83,21 @@ class _SDPAMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            routed = self._router.next_context()
-            if routed is not None:
+            owner = self._router.current()
+            if owner is not None:
                 bound = dict(zip(_SDPA_ARGS, args, strict=False))
                 bound.update(kwargs)
                 if bound["query"].dim() == 4:
-                    return _call_protected(*routed, bound)
+                    return _call_protected(owner, owner.next_sdpa_context(), bound)
                 log.debug("attnchecker: SDPA call with %d-D query left unprotected", bound["query"].dim())
         return func(*args, **kwargs)
 
 
-def _call_protected(ctx: LayerContext, use_passed: bool, a: dict[str, Any]) -> torch.Tensor:
+def _call_protected(owner: _Owner, ctx: LayerContext, a: dict[str, Any]) -> torch.Tensor:
     from ..attention import protected_sdpa
 
+    # Q/K rotated (RoPE) or otherwise rebuilt after the projections: the scores need checksums of these tensors.
+    use_passed = owner.binder.passed_matches(ctx, rotates=owner.rotates, q=a["query"], k=a["key"], v=a["value"])
     return engine_call(
         protected_sdpa,
         a["query"],
@@ -89,38 +116,26 @@ def _call_protected(ctx: LayerContext, use_passed: bool, a: dict[str, Any]) -> t
 class _Router:
     """Which attention module is running, and so which LayerContext the next SDPA call belongs to."""
 
-    def __init__(self, binder: Binder) -> None:
-        self._binder = binder
+    def __init__(self) -> None:
         self._mode = _SDPAMode(self)
         self._stack: list[_Owner] = []
         self._depth = 0
 
-    def enter(self, owner: _Owner, module: nn.Module, args: Any) -> None:
-        owner.calls = 0
+    def enter(self, owner: _Owner) -> None:
         self._stack.append(owner)
         self._depth += 1
         if self._depth == 1:
             self._mode.__enter__()
 
-    def exit(self, owner: _Owner, module: nn.Module, args: Any, output: Any) -> None:
+    def exit(self, owner: _Owner) -> None:
         if self._stack and self._stack[-1] is owner:
             self._stack.pop()
         self._depth -= 1
         if self._depth == 0:
             self._mode.__exit__(None, None, None)
 
-    def next_context(self) -> tuple[LayerContext, bool] | None:
-        if not self._stack:
-            return None
-        owner = self._stack[-1]
-        k = owner.calls
-        owner.calls += 1
-        while len(owner.contexts) <= k:
-            # A module that runs several attentions per forward: one layer each, numbered when first seen.
-            ctx = self._binder.new_context()
-            owner.contexts.append(ctx)
-            self._binder.add_site(ctx, f"{owner.name}#{len(owner.contexts) - 1}", "sdpa", ("scores", "context"))
-        return owner.contexts[k], owner.use_passed
+    def current(self) -> _Owner | None:
+        return self._stack[-1] if self._stack else None
 
 
 def _fused(children: dict[str, nn.Module]) -> tuple[str, nn.Linear] | None:
@@ -155,8 +170,12 @@ def _has_projections(module: nn.Module) -> bool:
     return _fused(children) is not None or _separate(children) is not None
 
 
-def _hook_projections(binder: Binder, owner_module: nn.Module, ctx: LayerContext) -> list[str]:
+def _hook_projections(binder: Binder, owner_module: nn.Module, owner: _Owner) -> list[str]:
     children = dict(owner_module.named_children())
+
+    def ctx(proj: nn.Module) -> ContextRef:
+        return functools.partial(owner.projection_context, id(proj))
+
     ops: list[str] = []
     fused = _fused(children)
     width = 0
@@ -164,20 +183,20 @@ def _hook_projections(binder: Binder, owner_module: nn.Module, ctx: LayerContext
     if fused is not None:
         name, lin = fused
         third = lin.out_features // 3
-        binder.hook_projection(lin, ctx, splits=(("q", third), ("k", third), ("v", third)))
+        binder.hook_projection(lin, ctx(lin), splits=(("q", third), ("k", third), ("v", third)))
         ops += ["q", "k", "v"]
         width, taken = third, {name}
     else:
         sep = _separate(children)
         if sep is not None:
             for op, lin in zip(("q", "k", "v"), sep, strict=True):
-                binder.hook_projection(lin, ctx, op=op)
+                binder.hook_projection(lin, ctx(lin), op=op)
             ops += ["q", "k", "v"]
             width = sep[0].out_features
             taken = {n for names in _SEPARATE_NAMES for n in names}
     out = _out(children, width, taken) if width else None
     if out is not None:
-        binder.hook_projection(out, ctx, op="out")
+        binder.hook_projection(out, ctx(out), op="out")
         ops.append("out")
     return ops
 
@@ -207,29 +226,43 @@ def attach(binder: Binder, model: nn.Module) -> None:
     for pname, parent in model.named_modules():
         for child in parent.children():
             parents.setdefault(child, (pname, parent))
-    router = _Router(binder)
-    hooked: set[nn.Module] = set()
+    router = _Router()
+    owners: dict[nn.Module, _Owner] = {}
     for name, module in candidates:
         # TorchTitan style: a thin SDPA wrapper module whose parent owns the projections; share the parent's layer.
         owner_name, owner_module = name, module
         if not _has_projections(module) and module in parents and _has_projections(parents[module][1]):
             owner_name, owner_module = parents[module]
-        ctx = binder.context_for(owner_module)
-        ops = [] if owner_module in hooked else _hook_projections(binder, owner_module, ctx)
-        hooked.add(owner_module)
-        rotates = rotates_qk(module) or rotates_qk(owner_module)
-        owner = _Owner(name=owner_name, contexts=[ctx], ops=tuple(ops), use_passed=not rotates)
-        pre = module.register_forward_pre_hook(functools.partial(_pre, router, owner))
+        owner = owners.get(owner_module)
+        if owner is None:
+            rotates = rotates_qk(owner_module) or rotates_qk(module)
+            owner = owners[owner_module] = _Owner(name=owner_name, binder=binder, ops=(), rotates=rotates)
+            ops = _hook_projections(binder, owner_module, owner)
+            qkv = tuple(op for op in ops if op in ("q", "k", "v"))
+            owner.ops = (*qkv, "scores", "context", *(op for op in ops if op == "out"))
+            binder.contexts[owner_module] = owner.context(0)
+            if owner_module is not module:
+                # The projections run in the owner's forward, before the wrapper: count calls from there.
+                reset = owner_module.register_forward_pre_hook(functools.partial(_reset, owner))
+                binder.on_close(reset.remove)
+        # A wrapper is one attention per call; a module that owns its projections counts calls per forward.
+        pre = module.register_forward_pre_hook(functools.partial(_pre, router, owner, owner_module is not module))
         post = module.register_forward_hook(functools.partial(_post, router, owner), always_call=True)
         binder.on_close(pre.remove)
         binder.on_close(post.remove)
-        qkv = tuple(op for op in ops if op in ("q", "k", "v"))
-        binder.add_site(ctx, owner_name, "sdpa", (*qkv, "scores", "context", *(op for op in ops if op == "out")))
 
 
-def _pre(router: _Router, owner: _Owner, module: nn.Module, args: Any) -> None:
-    router.enter(owner, module, args)
+def _reset(owner: _Owner, module: nn.Module, args: Any) -> None:  # noqa: ARG001
+    owner.reset()
 
 
-def _post(router: _Router, owner: _Owner, module: nn.Module, args: Any, output: Any) -> None:
-    router.exit(owner, module, args, output)
+def _pre(router: _Router, owner: _Owner, wrapper: bool, module: nn.Module, args: Any) -> None:  # noqa: ARG001
+    if wrapper:
+        owner.calls = 0  # the owner's own pre-hook counts its projections
+    else:
+        owner.reset()
+    router.enter(owner)
+
+
+def _post(router: _Router, owner: _Owner, module: nn.Module, args: Any, output: Any) -> None:  # noqa: ARG001
+    router.exit(owner)

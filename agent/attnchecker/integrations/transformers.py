@@ -27,10 +27,10 @@ log = logging.getLogger("attnchecker")
 
 ATTN_IMPLEMENTATION = "attnchecker"
 
-# Attention module -> (its LayerContext, whether the projections' passed checksums still describe the q/k/v the
-# attention gets), for every live guard. The registered function is global (transformers keeps one registry per
-# process), so it finds its layer here; a module without an entry runs plain SDPA.
-_CONTEXTS: weakref.WeakKeyDictionary[nn.Module, tuple[LayerContext, bool]] = weakref.WeakKeyDictionary()
+# Attention module -> (its LayerContext, the guard's Binder, whether it rotates Q/K), for every live guard. The
+# registered function is global (transformers keeps one registry per process), so it finds its layer here; a module
+# without an entry runs plain SDPA.
+_CONTEXTS: weakref.WeakKeyDictionary[nn.Module, tuple[LayerContext, Binder, bool]] = weakref.WeakKeyDictionary()
 
 _SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense")
@@ -68,7 +68,7 @@ def attnchecker_attention(
         )
     from ..attention import protected_sdpa
 
-    ctx, use_passed = entry
+    ctx, binder, rotates = entry
     n_rep = getattr(module, "num_key_value_groups", 1)
     q_len = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -76,6 +76,8 @@ def attnchecker_attention(
     causal = bool(q_len > 1 and attention_mask is None and causal)
     if causal and key.shape[2] > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
+    # RoPE (Llama) or a KV cache rebuild Q/K after their projections: then the scores need checksums of these.
+    use_passed = binder.passed_matches(ctx, rotates=rotates, q=query, k=key, v=value)
     out_BHTD = engine_call(
         protected_sdpa,
         query,
@@ -169,6 +171,7 @@ def _is_gpt_neo_attention(module: nn.Module) -> bool:
 def _neo_attn(
     module: nn.Module,
     ctx: LayerContext,
+    binder: Binder,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -192,8 +195,10 @@ def _neo_attn(
     if attention_mask is not None:
         mask = mask + attention_mask
     dropout = module.attn_dropout.p if module.training else 0.0
+    v = value.to(torch.float32)
+    use_passed = binder.passed_matches(ctx, rotates=False, q=q, k=k, v=v)
     out = engine_call(
-        protected_sdpa, q, k, value.to(torch.float32), ctx=ctx, attn_mask=mask, scale=1.0, dropout_p=dropout
+        protected_sdpa, q, k, v, ctx=ctx, attn_mask=mask, scale=1.0, dropout_p=dropout, use_passed=use_passed
     )
     return out.to(value.dtype), None
 
@@ -222,8 +227,7 @@ def attach(binder: Binder, model: nn.Module) -> None:
     for name, module in interface_modules:
         ctx = binder.context_for(module)
         ops = _hook_projections(binder, module, parents.get(module), ctx)
-        # RoPE (Llama) rotates Q/K after their projections: the scores need checksums of the rotated Q/K.
-        _CONTEXTS[module] = (ctx, not rotates_qk(module))
+        _CONTEXTS[module] = (ctx, binder, rotates_qk(module))
         binder.on_close(functools.partial(_CONTEXTS.pop, module, None))
         binder.add_site(ctx, name, "transformers", (*ops[:3], "scores", "context", *ops[3:]))
     original = model.config._attn_implementation
@@ -251,7 +255,7 @@ def _attach_gpt_neo(binder: Binder, name: str, module: nn.Module) -> None:
     had_own = "_attn" in module.__dict__
     previous = module.__dict__.get("_attn")
     # An instance attribute shadows the class method for this module only; deleting it restores the class method.
-    module._attn = functools.partial(_neo_attn, module, ctx)
+    module._attn = functools.partial(_neo_attn, module, ctx, binder)
 
     def restore() -> None:
         if had_own:
