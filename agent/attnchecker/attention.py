@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .abft import (
+    Bound,
     DirectionCheck,
     MatrixReport,
     Tolerance,
@@ -69,10 +70,29 @@ class PassedProjection:
     x_NTI: torch.Tensor
     weight_OI: torch.Tensor
     bias_O: torch.Tensor | None
+    x_norm_NT: torch.Tensor
+    out_dtype: torch.dtype
+    tol: Tolerance
 
     @property
     def tokens(self) -> int:
         return self.x_NTI.shape[-2]
+
+    def token_bound_norm(self, heads: int) -> torch.Tensor:
+        """(N, heads, 1): ‖per-feature bound‖₂ over each head's features. The passed q̄ (k̄) differs from wᵀQ (wᵀK)
+        as computed by up to the projection's bound per feature, so a reference q̄ Kᵀ is off by up to this × ‖K_s‖."""
+        n = self.token_bound_NO.shape[0]
+        return torch.linalg.vector_norm(self.token_bound_NO.view(n, heads, -1), dim=-1, keepdim=True)
+
+    def feature_bound(self, heads: int) -> torch.Tensor:
+        """(N, heads, T): bound on |v̂ - V w| per token and head (the projection's round-off, per head)."""
+        in_features = self.weight_OI.shape[1]
+        acc = self.token_ref_NO2.dtype
+        w_norm_HD = torch.linalg.vector_norm(self.weight_OI.to(acc), dim=-1).view(heads, -1)
+        bias_abs_HD = None if self.bias_O is None else self.bias_O.to(acc).abs().view(heads, -1)
+        row_rule, _ = bounds(self.x_norm_NT[:, None, :], w_norm_HD[None], k=in_features, out_dtype=self.out_dtype,
+                             tol=self.tol, bias_abs_C=bias_abs_HD)
+        return row_rule.of(None)
 
     def feature_ref(self, heads: int) -> torch.Tensor:
         """(N, heads, T, 2): per-token, per-head feature-direction checksums X (W_hᵀ w) + b_h·w (V's v̂)."""
@@ -180,13 +200,20 @@ def _verify(
     k: int,
     tol: Tolerance,
     bias_abs_C: torch.Tensor | None = None,
+    extra_row_NR: torch.Tensor | None = None,
+    extra_col_NC: torch.Tensor | None = None,
 ) -> Checks:
-    """Both directions of C = A·B against references derived from the inputs (no sync)."""
+    """Both directions of C = A·B against references derived from the inputs (no sync). extra_*: error already in
+    a passed reference (paper-faithful mode), added to the bound."""
     use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and tol.mode == "roundoff"
     got_rows, got_cols, c_abs = checksums_of(c_NRC, with_abs=use_abs)
     row_rule, col_rule = bounds(
         a_norm_NR, b_norm_NC, k=k, out_dtype=c_NRC.dtype, tol=tol, bias_abs_C=bias_abs_C, use_abs=use_abs
     )
+    if extra_row_NR is not None and tol.mode == "roundoff":
+        row_rule = Bound(row_rule.base + extra_row_NR, row_rule.abs_coef)
+    if extra_col_NC is not None and tol.mode == "roundoff":
+        col_rule = Bound(col_rule.base + extra_col_NC, col_rule.abs_coef)
     return {
         "row": verify_direction(row_ref_NR2, got_rows, row_rule, None if c_abs is None else c_abs[0]),
         "col": verify_direction(col_ref_NC2, got_cols, col_rule, None if c_abs is None else c_abs[1]),
@@ -290,7 +317,8 @@ def check_linear(
                                     bias_abs_C=bias_abs)[1]
                 token_bound = token_rule.of(None).expand(y_s.shape[0], -1)
                 ctx.passed[name] = PassedProjection(token_ref_NO2=shared.token_ref(w_s, b_s), token_bound_NO=token_bound,
-                                                    x_NTI=x_NTI.detach(), weight_OI=w_s, bias_O=b_s)
+                                                    x_NTI=x_NTI.detach(), weight_OI=w_s, bias_O=b_s,
+                                                    x_norm_NT=shared.x_norm_NT, out_dtype=y.dtype, tol=tol)
                 continue
             checks = _verify(y_s.detach(), shared.feature_ref(w_s, b_s), shared.token_ref(w_s, b_s), shared.x_norm_NT,
                              w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs)
@@ -561,14 +589,24 @@ def _scores_checks(
             kbar_BHD2 = _expand_heads(pk.token_ref_NO2.view(b, -1, q_acc.shape[-1], 2), h)
         else:
             kbar_BHD2 = weighted_cols(k_acc)
+        q_norm_BHT = torch.linalg.vector_norm(q_acc, dim=-1)
+        k_norm_BHS = torch.linalg.vector_norm(k_acc, dim=-1)
+        # Row references Q k̄ᵀ use a passed k̄: off by ‖k̄ error‖·‖Q_t‖; column references K q̄ᵀ likewise.
+        extra_row = None
+        if pk is not None:
+            kv_heads = pk.token_bound_NO.shape[1] // q_acc.shape[-1]
+            extra_row = q_norm_BHT * _expand_heads(pk.token_bound_norm(kv_heads)[..., None], h)[..., 0]
+        extra_col = None if pq is None else k_norm_BHS * pq.token_bound_norm(h)
         return _verify(
             scores_BHTS,
             times_skinny(q_acc, kbar_BHD2),
             times_skinny(k_acc, qbar_BHD2),
-            torch.linalg.vector_norm(q_acc, dim=-1),
-            torch.linalg.vector_norm(k_acc, dim=-1),
+            q_norm_BHT,
+            k_norm_BHS,
             k=q_acc.shape[-1],
             tol=tol,
+            extra_row_NR=extra_row,
+            extra_col_NC=extra_col,
         )
 
 
@@ -586,21 +624,26 @@ def _context_checks(
         acc = acc_dtype(v_BHSD.dtype)
         v_acc, p_acc = v_BHSD.detach().to(acc), probs_BHTS.to(acc)
         s = p_acc.shape[-1]
+        ones_BHS1 = torch.ones(*v_acc.shape[:-1], 1, device=v_acc.device, dtype=acc)
         if passed_v is not None:
-            vw_BHS2 = _expand_heads(passed_v.feature_ref(passed_v.weight_OI.shape[0] // v_acc.shape[-1]), h)
+            # v̂ passed from X carries the projection's round-off per token: AP times it bounds the row references'.
+            kv_heads = passed_v.weight_OI.shape[0] // v_acc.shape[-1]
+            vw_BHS2 = _expand_heads(passed_v.feature_ref(kv_heads), h)
+            vbound_BHS1 = _expand_heads(passed_v.feature_bound(kv_heads)[..., None], h)
+            rhs_BHSc = torch.cat([vw_BHS2, ones_BHS1, vbound_BHS1], dim=-1)
         else:
-            vw_BHS2 = weighted_rows(v_acc)
-        ones_BHS1 = torch.ones(*vw_BHS2.shape[:-1], 1, device=vw_BHS2.device, dtype=acc)
-        row_BHT3 = times_skinny(p_acc, torch.cat([vw_BHS2, ones_BHS1], dim=-1))
+            rhs_BHSc = torch.cat([weighted_rows(v_acc), ones_BHS1], dim=-1)
+        row_BHTc = times_skinny(p_acc, rhs_BHSc)
         col_ref_BHD2 = (weighted_cols(p_acc).mT @ v_acc).mT
         return _verify(
             out_BHTD,
-            row_BHT3[..., :2],
+            row_BHTc[..., :2],
             col_ref_BHD2,
-            row_BHT3[..., 2],
+            row_BHTc[..., 2],
             torch.linalg.vector_norm(v_acc, dim=-2),
             k=s,
             tol=tol,
+            extra_row_NR=row_BHTc[..., 3] if passed_v is not None else None,
         )
 
 

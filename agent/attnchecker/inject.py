@@ -211,7 +211,9 @@ def _corrupt(v: torch.Tensor, fault: Fault) -> torch.Tensor:
     if fault.kind == "nan":
         return torch.full_like(v, float("nan"))
     if fault.kind == "near_inf":
-        return torch.full_like(v, DEFAULT_NEAR_INF if fault.value is None else fault.value)
+        # Built in fp32 and cast: 1e20 overflows fp16 to INF, which is what that hardware would hold.
+        value = DEFAULT_NEAR_INF if fault.value is None else fault.value
+        return torch.full(v.shape, value, dtype=torch.float32, device=v.device).to(v.dtype)
     if fault.kind == "add":
         return v + (1.0 if fault.value is None else fault.value)
     return bitflip(v)
