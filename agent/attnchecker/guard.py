@@ -290,6 +290,7 @@ class Guard:
         """Hook an optimizer: ``step=True`` calls ``Guard.step()`` after each ``optimizer.step()``; either way
         ``on_uncorrectable="skip_step"`` can skip its next step (by setting the gradients to None, which every torch
         optimizer treats as "no update" for that parameter)."""
+        optimizer = _unwrap_optimizer(optimizer)
         pre = optimizer.register_step_pre_hook(self._optimizer_pre_hook)
         self._binder.on_close(pre.remove)
         if step:
@@ -392,6 +393,14 @@ class Guard:
 
     def _optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step()
+
+
+def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    # Wrappers (accelerate's AcceleratedOptimizer, Lightning's) subclass Optimizer without its hook state and forward
+    # step() to the optimizer they hold: hook that one.
+    while "_optimizer_step_pre_hooks" not in vars(optimizer) and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _make_injector(faults: Any) -> Any:
