@@ -1,4 +1,4 @@
-"""Trainer callbacks: the guard follows the trainer (protect at train begin, a step per optimizer step, close at end)."""
+"""Trainer callbacks: the guard follows the trainer (protect at train begin, step per optimizer step, close at end)."""
 
 from __future__ import annotations
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from attnchecker import Fault, FaultPlan, Policy
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")
-
 # The model zoo lives next to this file; make it importable under either pytest import mode.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_protect_zoo import SEQ, batch, build
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
