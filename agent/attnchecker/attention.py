@@ -190,6 +190,19 @@ def _count(ctx: LayerContext, op: str, seconds: float) -> None:
         stats.check_seconds[op] = stats.check_seconds.get(op, 0.0) + seconds
 
 
+def _gemm_accumulation(c: torch.Tensor) -> torch.dtype | None:
+    """The precision a half-precision product may have been reduced in: its own dtype when cuBLAS is allowed
+    reduced-precision reductions (PyTorch's default), else fp32 (None)."""
+    if not c.is_cuda:
+        return None
+    flags = torch.backends.cuda.matmul
+    if c.dtype == torch.float16 and flags.allow_fp16_reduced_precision_reduction:
+        return torch.float16
+    if c.dtype == torch.bfloat16 and flags.allow_bf16_reduced_precision_reduction:
+        return torch.bfloat16
+    return None
+
+
 def _verify(
     c_NRC: torch.Tensor,
     row_ref_NR2: torch.Tensor,
@@ -208,7 +221,8 @@ def _verify(
     use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and tol.mode == "roundoff"
     got_rows, got_cols, c_abs = checksums_of(c_NRC, with_abs=use_abs)
     row_rule, col_rule = bounds(
-        a_norm_NR, b_norm_NC, k=k, out_dtype=c_NRC.dtype, tol=tol, bias_abs_C=bias_abs_C, use_abs=use_abs
+        a_norm_NR, b_norm_NC, k=k, out_dtype=c_NRC.dtype, tol=tol, bias_abs_C=bias_abs_C, use_abs=use_abs,
+        gemm_accumulates_in=_gemm_accumulation(c_NRC),
     )
     if extra_row_NR is not None and tol.mode == "roundoff":
         row_rule = Bound(row_rule.base + extra_row_NR, row_rule.abs_coef)

@@ -261,6 +261,19 @@ def test_off_mode_injects_and_checks_nothing(make_ctx) -> None:
     assert torch.isnan(out).any()
 
 
+def test_extreme_mode_corrects_extreme_errors_and_ignores_small_ones(make_ctx) -> None:
+    x = seeded((2, 8, 16), 26, torch.float32)
+    p = layer_params(16, 27, torch.float32)
+    clean = run_layer(make_ctx, x, p, 2)[0]
+    extreme = Fault(op="scores", layer=0, step=0, kind="inf", seed=1)
+    out, _, _, rec, _ = run_layer(make_ctx, x, p, 2, faults=[extreme], tolerance="extreme")
+    assert [(d.op, d.kind, d.action) for d in rec.detections] == [("scores", "inf", "corrected")]
+    torch.testing.assert_close(out, clean)
+    small = Fault(op="context", layer=0, step=0, kind="add", value=0.5, seed=2)
+    out, _, _, rec, _ = run_layer(make_ctx, x, p, 2, faults=[small], tolerance="extreme")
+    assert rec.detections == [] and not torch.allclose(out, clean)  # below E = 1: missed by design
+
+
 def test_paper_mode_corrects_the_output_but_not_the_gradients(make_ctx) -> None:
     """Paper-faithful checksum passing repairs AS but leaves the faulty Q in what autograd saved: the loss is right,
     the gradients are not. Source repair (the default) makes them equal."""

@@ -42,9 +42,9 @@ class Tolerance:
             raise ValueError(f"tolerance.factor must be > 0, got {self.factor!r}")
 
 
-def gamma(n: int, dtype: torch.dtype) -> float:
-    """Higham's γ_n for sums accumulated in `dtype`'s accumulation precision."""
-    u = torch.finfo(acc_dtype(dtype)).eps / 2
+def gamma(n: int, dtype: torch.dtype, *, accumulate_in: torch.dtype | None = None) -> float:
+    """Higham's γ_n for sums accumulated in `dtype`'s accumulation precision (or in `accumulate_in`)."""
+    u = torch.finfo(accumulate_in or acc_dtype(dtype)).eps / 2
     nu = n * u
     if nu >= 0.5:
         raise ValueError(f"reduction length {n} is too long for a round-off bound in {dtype}")
@@ -84,19 +84,28 @@ def bounds(
     tol: Tolerance,
     bias_abs_C: torch.Tensor | None = None,
     use_abs: bool = False,
+    gemm_accumulates_in: torch.dtype | None = None,
 ) -> tuple[Bound, Bound]:
     """(row bound over (..., R), column bound over (..., C)) on |d1| for C = A·B (+ bias).
 
     a_norm_NR: ‖A_i‖₂ per row of A; b_norm_NC: ‖B_j‖₂ per column of B (broadcastable batch dims); k: reduction length.
     use_abs: the output-rounding and checksum terms use Σ|C| of C itself instead of the Cauchy-Schwarz estimate:
     worth one pass over C for bf16/fp16, whose output rounding (u = 2^-9 / 2^-12) dominates the bound.
+    gemm_accumulates_in: the precision the product C itself was reduced in, when coarser than fp32 (cuBLAS with
+    reduced-precision reductions allowed may split K and sum partials in fp16/bf16). An untested model (no GPU
+    run yet): see docs/abft.md.
     """
     n_rows, n_cols = a_norm_NR.shape[-1], b_norm_NC.shape[-1]
     if tol.mode == "extreme":
         e = tol.extreme_threshold * tol.factor
         return Bound(torch.full_like(a_norm_NR, e)), Bound(torch.full_like(b_norm_NC, e))
     u_out = torch.finfo(out_dtype).eps / 2
-    g_k, g_c, g_r = gamma(k, out_dtype), gamma(n_cols, out_dtype), gamma(n_rows, out_dtype)
+    g_c, g_r = gamma(n_cols, out_dtype), gamma(n_rows, out_dtype)
+    # γ_K twice: once for the reference, once for the product C. A product reduced in half precision is modelled as
+    # fp32 partial sums combined in at most 64 half-precision steps (split-K), not as a K-long half-precision sum.
+    g_k = gamma(k, out_dtype)
+    if gemm_accumulates_in is not None:
+        g_k += gamma(min(k, 64), out_dtype, accumulate_in=gemm_accumulates_in) / 2
     # (1 + 1e-2) absorbs the O(u²) cross terms of the first-order bound.
     slack = 1.01 * tol.factor
     # With a bias the output may be rounded twice (the product, then the sum with b: F.linear in fp16 on CPU):
