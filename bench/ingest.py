@@ -142,10 +142,13 @@ def step_cost(url: str | None, token: str | None, rounds: int, steps: int, event
     import torch
 
     torch.manual_seed(0)
-    width = 64 if tiny else 256
+    torch.set_num_threads(1)
+    # Full size: ~3 GFLOP a step, tens of ms on one core: long enough that the step is compute, short enough that
+    # 100 events a step (a fault storm; a healthy run emits none) is a visible load on the sender thread.
+    width, rows = (64, 64) if tiny else (1024, 256)
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(64, width)
+    x = torch.randn(rows, width)
     from attnchecker_server.testing import free_port
 
     down_url = f"http://127.0.0.1:{free_port()}"
