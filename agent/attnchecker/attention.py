@@ -82,7 +82,8 @@ class PassedProjection:
         """(N, heads, 1): ‖per-feature bound‖₂ over each head's features. The passed q̄ (k̄) differs from wᵀQ (wᵀK)
         as computed by up to the projection's bound per feature, so a reference q̄ Kᵀ is off by up to this × ‖K_s‖."""
         n = self.token_bound_NO.shape[0]
-        return torch.linalg.vector_norm(self.token_bound_NO.view(n, heads, -1), dim=-1, keepdim=True)
+        norm_NH1: torch.Tensor = torch.linalg.vector_norm(self.token_bound_NO.view(n, heads, -1), dim=-1, keepdim=True)
+        return norm_NH1
 
     def feature_bound(self, heads: int) -> torch.Tensor:
         """(N, heads, T): bound on |v̂ - V w| per token and head (the projection's round-off, per head)."""
@@ -152,6 +153,7 @@ def _observe(ctx: LayerContext, checks: Checks) -> None:
     # turn the interval's sum into NaN (JSON cannot carry it, and the whole histogram would be lost).
     valid = torch.isfinite(worst)
     bucket = torch.bucketize(torch.where(valid, worst, 0.0), _bucket_edges(device))
+    assert stats.residual_sum is not None and stats.residual_count is not None
     stats.residual_counts.index_add_(0, bucket.view(1), valid.view(1).to(torch.int64))
     stats.residual_sum += torch.where(valid, worst, 0.0).double()
     stats.residual_count += valid.to(torch.int64)
@@ -279,6 +281,25 @@ class _ProjectionInput:
         return w_norm_O, None if bias_O is None else bias_O.to(acc).abs()
 
 
+def _recompute_linear(
+    ctx: LayerContext, name: str, x_NTI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None
+) -> torch.Tensor:
+    fresh_NTO = F.linear(x_NTI, w_OI, b_O)
+    _inject(ctx, name, fresh_NTO, attempt=1)
+    return fresh_NTO
+
+
+def _exact_linear(
+    x_NTI: torch.Tensor,
+    w_OI: torch.Tensor,
+    b_O: torch.Tensor | None,
+    key: tuple[int, ...],
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+) -> torch.Tensor:
+    return _dot(x_NTI[key][rows], w_OI[cols], None if b_O is None else b_O[cols])
+
+
 def check_linear(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -338,24 +359,17 @@ def check_linear(
                              w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs)
             _observe(ctx, checks)
 
-        def recompute(w_s: torch.Tensor = w_s, b_s: torch.Tensor | None = b_s, name: str = name) -> torch.Tensor:
-            fresh = F.linear(x_NTI.detach(), w_s, b_s)
-            _inject(ctx, name, fresh, attempt=1)
-            return fresh
-
-        def exact(key: tuple[int, ...], rows: torch.Tensor, cols: torch.Tensor, w_s: torch.Tensor = w_s,
-                  b_s: torch.Tensor | None = b_s) -> torch.Tensor:
-            return _dot(x_NTI.detach()[key][rows], w_s[cols], None if b_s is None else b_s[cols])
-
+        recompute = functools.partial(_recompute_linear, ctx, name, x_NTI.detach(), w_s, b_s)
+        exact = functools.partial(_exact_linear, x_NTI.detach(), w_s, b_s)
         pending.append((name, y_s, checks, recompute, exact, time.perf_counter() - t0))
     if not pending:
         return y
     any_bad = torch.stack([_any_bad(item[2]) for item in pending]).any()
     slow = bool(any_bad)  # sync: the one per protected projection call; decides whether the slow path runs
-    for name, y_s, checks, recompute, exact, seconds in pending:
+    for name, y_s, checks, redo, refresh, seconds in pending:
         t0 = time.perf_counter()
         if slow:
-            reports = repair(y_s, checks, tol, correct=cfg.mode == "correct", recompute=recompute, exact=exact)
+            reports = repair(y_s, checks, tol, correct=cfg.mode == "correct", recompute=redo, exact=refresh)
             _emit(ctx, name, reports, heads=False)
         _count(ctx, name, seconds + time.perf_counter() - t0)
     return y
@@ -695,7 +709,7 @@ def protected_self_attention(
         d = out_features // (num_heads + 2 * kv_heads)
         splits = (("q", num_heads * d), ("k", kv_heads * d), ("v", kv_heads * d))
         qkv = protected_linear(x_BTC, w_qkv, b_qkv, ctx=ctx, splits=splits, weight_layout=weight_layout)
-        q, k, v = qkv.split([size for _, size in splits], dim=-1)
+        q, k, v = torch.split(qkv, [size for _, size in splits], dim=-1)
     else:
         if w_q is None or w_k is None or w_v is None:
             raise ValueError("protected_self_attention needs w_qkv or all of w_q, w_k, w_v")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -191,7 +192,7 @@ def _inject_one(out: torch.Tensor, fault: Fault, attempt: int) -> Injected:
         rows, cols = list(range(r0, r0 + bh)), list(range(c0, c0 + bw))
     rows_t = torch.tensor(rows, device=out.device)[:, None]
     cols_t = torch.tensor(cols, device=out.device)[None, :]
-    index = (*lead, rows_t, cols_t)
+    index: tuple[Any, ...] = (*lead, rows_t, cols_t)
     before = out[index].clone()
     out[index] = _corrupt(before, fault)
     return Injected(

@@ -180,7 +180,7 @@ def repair(
             _fix_pass(work_MRC, direction, current[direction], allowed, tol)
             rounded_MRC = work_MRC.to(c_NRC.dtype)
             current = _recheck(rounded_MRC.to(acc), sub)
-    ok_M = _accepted(current, trust, tuple(c_NRC.shape[-2:]), ~(rounded_MRC == orig_MRC))
+    ok_M = _accepted(current, trust, (c_NRC.shape[-2], c_NRC.shape[-1]), ~(rounded_MRC == orig_MRC))
 
     reports: list[MatrixReport] = []
     fresh: torch.Tensor | None = None
@@ -191,7 +191,7 @@ def repair(
         fixed_RC = work_MRC[m].to(c_NRC.dtype)
         changed_RC = ~(fixed_RC == orig_MRC[m])
         if bool(ok_M[m]) and bool(changed_RC.any()):  # sync: slow path only
-            rows, cols = (t.unique().tolist() for t in changed_RC.nonzero(as_tuple=True))  # sync: slow path only
+            rows, cols = (sorted(set(t.tolist())) for t in changed_RC.nonzero(as_tuple=True))  # sync: slow path only
             pattern, row, col = _classify(rows, cols)
             value = _worst_value(orig_MRC[m], changed_RC)
             action = "corrected"
@@ -254,7 +254,7 @@ def _verify_one(c_RC: torch.Tensor, sub: dict[str, DirectionCheck], trust: dict[
     one = {d: _select(chk, slice(m, m + 1)) for d, chk in sub.items()}
     current = _recheck(c_RC[None].to(acc_dtype(c_RC.dtype)), one)
     trust_one = {d: t[m : m + 1] for d, t in trust.items()}
-    return bool(_accepted(current, trust_one, tuple(c_RC.shape))[0])  # sync: slow path only
+    return bool(_accepted(current, trust_one, (c_RC.shape[0], c_RC.shape[1]))[0])  # sync: slow path only
 
 
 def _select(chk: DirectionCheck, idx: Any) -> DirectionCheck:
