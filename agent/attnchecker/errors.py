@@ -6,6 +6,8 @@ uncorrectable one under ``on_uncorrectable="raise"``. Invalid policies raise ``a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "AlreadyProtectedError",
     "AttnCheckerError",
@@ -48,6 +50,6 @@ class UncorrectableFault(AttnCheckerError, RuntimeError):
         detections: the uncorrectable records of the forward that raised.
     """
 
-    def __init__(self, message: str, detections: list[object] | None = None) -> None:
+    def __init__(self, message: str, detections: Sequence[object] = ()) -> None:
         super().__init__(message)
-        self.detections = list(detections or ())
+        self.detections = list(detections)

@@ -400,7 +400,8 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     # step() to the optimizer they hold: hook that one.
     while "_optimizer_step_pre_hooks" not in vars(optimizer) and hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
-    return optimizer
+    inner: torch.optim.Optimizer = optimizer
+    return inner
 
 
 def _make_injector(faults: Any) -> Any:

@@ -134,7 +134,7 @@ def engine_call(fn: Callable[..., T], *tensors: torch.Tensor | None, **kwargs: A
 
 
 def _projection_hook(
-    outputs: dict[tuple[int, str], int],
+    outputs: dict[tuple[int, str], tuple[int, int]],
     ctx_ref: ContextRef,
     op: str | None,
     splits: Splits | None,
@@ -149,7 +149,8 @@ def _projection_hook(
 
     # nn.Linear names its input `input`, HF Conv1D names it `x`; positional is the common case.
     x = args[0] if args else next(iter(kwargs.values()))
-    weight, bias = module.weight, module.bias
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]  # nn.Linear / HF Conv1D parameters
+    bias: torch.Tensor | None = module.bias  # type: ignore[assignment]
     ctx = ctx_ref if isinstance(ctx_ref, LayerContext) else ctx_ref()
     ptr, rows = output.untyped_storage().data_ptr(), output.numel() // output.shape[-1]
     sizes = [size for _, size in splits] if splits is not None else [output.shape[-1]]
@@ -167,12 +168,19 @@ def _projection_hook(
         return check_linear(x, output, weight, bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout)
 
 
-@functools.lru_cache(maxsize=256)
-def _class_forward_mentions(cls: type, needle: str) -> bool:
-    try:
-        return needle in inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
+# Read once per class: inspect.getsource re-reads the file.
+_SOURCE_CACHE: dict[tuple[type, str], bool] = {}
+
+
+def _source_search(cls: type, key: str, test: Callable[[type], bool]) -> bool:
+    found = _SOURCE_CACHE.get((cls, key))
+    if found is None:
+        try:
+            found = test(cls)
+        except (OSError, TypeError):
+            found = False
+        _SOURCE_CACHE[(cls, key)] = found
+    return found
 
 
 def forward_source_mentions(module: nn.Module, needle: str) -> bool:
@@ -181,21 +189,20 @@ def forward_source_mentions(module: nn.Module, needle: str) -> bool:
     A heuristic, like transformers' own ``_can_set_attn_implementation``: it finds who calls what without running
     the model.
     """
-    return _class_forward_mentions(type(module), needle)
+    return _source_search(type(module), f"forward:{needle}", _forward_source_has(needle))
+
+
+def _forward_source_has(needle: str) -> Callable[[type], bool]:
+    def test(cls: type) -> bool:
+        return needle in inspect.getsource(cls.forward)  # type: ignore[attr-defined]  # an nn.Module subclass
+
+    return test
 
 
 # Words that give away a rotary position embedding in an attention class (its forward or its helpers).
 _ROTARY = re.compile(r"rotary|\brope\b|freqs_cis|rotate_half|apply_rope|position_embeddings")
 
 
-@functools.lru_cache(maxsize=256)
-def _class_rotates(cls: type) -> bool:
-    try:
-        return _ROTARY.search(inspect.getsource(cls)) is not None
-    except (OSError, TypeError):
-        return False
-
-
 def rotates_qk(module: nn.Module) -> bool:
     """Whether the attention class rotates Q/K between projection and attention (RoPE), read from its source."""
-    return _class_rotates(type(module))
+    return _source_search(type(module), "rotary", lambda cls: _ROTARY.search(inspect.getsource(cls)) is not None)

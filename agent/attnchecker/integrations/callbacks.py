@@ -53,7 +53,7 @@ class _GuardOwner:
             self.guard.close()
 
 
-class AttnCheckerCallback(_HFCallbackBase):  # type: ignore[misc,valid-type]
+class AttnCheckerCallback(_HFCallbackBase):
     """``Trainer(..., callbacks=[AttnCheckerCallback(policy=Policy.full())])``.
 
     on_train_begin: protect ``model`` (unless a guard was given); on_step_end: ``guard.step()`` (one optimizer step,
@@ -77,7 +77,7 @@ class AttnCheckerCallback(_HFCallbackBase):  # type: ignore[misc,valid-type]
         self._owner._end()
 
 
-class AttnCheckerLightningCallback(_LightningCallbackBase):  # type: ignore[misc,valid-type]
+class AttnCheckerLightningCallback(_LightningCallbackBase):
     """``L.Trainer(callbacks=[AttnCheckerLightningCallback(policy=Policy.full())])``: protects the LightningModule
     on fit start, steps after each optimizer step (``on_train_batch_end`` with accumulation respected), closes on
     fit end."""

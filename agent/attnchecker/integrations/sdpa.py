@@ -98,7 +98,7 @@ def _call_protected(owner: _Owner, ctx: LayerContext, a: dict[str, Any]) -> torc
 
     # Q/K rotated (RoPE) or otherwise rebuilt after the projections: the scores need checksums of these tensors.
     use_passed = owner.binder.passed_matches(ctx, rotates=owner.rotates, q=a["query"], k=a["key"], v=a["value"])
-    return engine_call(
+    out = engine_call(
         protected_sdpa,
         a["query"],
         a["key"],
@@ -111,6 +111,8 @@ def _call_protected(owner: _Owner, ctx: LayerContext, a: dict[str, Any]) -> torc
         enable_gqa=bool(a.get("enable_gqa", False)),
         use_passed=use_passed,
     )
+    assert isinstance(out, torch.Tensor)  # no return_probs: a tensor, not (out, probs)
+    return out
 
 
 class _Router:
@@ -125,14 +127,14 @@ class _Router:
         self._stack.append(owner)
         self._depth += 1
         if self._depth == 1:
-            self._mode.__enter__()
+            self._mode.__enter__()  # type: ignore[no-untyped-call]
 
     def exit(self, owner: _Owner) -> None:
         if self._stack and self._stack[-1] is owner:
             self._stack.pop()
         self._depth -= 1
         if self._depth == 0:
-            self._mode.__exit__(None, None, None)
+            self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
     def current(self) -> _Owner | None:
         return self._stack[-1] if self._stack else None

@@ -98,7 +98,7 @@ def _mha_forward(
     if mha._qkv_same_embed_dim and self_attention:
         splits = (("q", e), ("k", e), ("v", e))
         qkv = engine_call(protected_linear, q_in, mha.in_proj_weight, bias, ctx=ctx, splits=splits)
-        q, k, v = qkv.split(e, dim=-1)
+        q, k, v = torch.split(qkv, e, dim=-1)
     else:
         if mha._qkv_same_embed_dim:
             w_q, w_k, w_v = mha.in_proj_weight.chunk(3)
@@ -179,7 +179,7 @@ def attach(binder: Binder, model: nn.Module) -> None:
         had_own = "forward" in module.__dict__
         previous = module.__dict__.get("forward")
         # Instance attribute: shadows MultiheadAttention.forward for this module only; state_dict is untouched.
-        module.forward = functools.partial(_mha_forward, module, ctx)
+        module.forward = functools.partial(_mha_forward, module, ctx)  # type: ignore[method-assign]
         binder.on_close(functools.partial(_restore_forward, module, had_own, previous))
         binder.add_site(ctx, name, "torch_mha", ("q", "k", "v", "scores", "context", "out"))
         protected += 1

@@ -91,6 +91,7 @@ def attnchecker_attention(
         enable_gqa=n_rep > 1,
         use_passed=use_passed,
     )
+    assert isinstance(out_BHTD, torch.Tensor)  # no return_probs
     return out_BHTD.transpose(1, 2).contiguous(), None
 
 
@@ -114,7 +115,7 @@ def _layout(proj: nn.Module) -> str | None:
     return None  # quantized / adapter-wrapped projections: leave them alone rather than guess their math
 
 
-def _out_features(proj: nn.Module) -> int:
+def _out_features(proj: Any) -> int:
     return int(proj.weight.shape[1] if _layout(proj) == "in_out" else proj.weight.shape[0])
 
 
@@ -141,10 +142,10 @@ def _hook_projections(binder: Binder, module: nn.Module, parent: nn.Module | Non
     else:
         for names in _SEPARATE_QKV:
             if all(n in children for n in names):
-                for op, n in zip(("q", "k", "v"), names, strict=True):
-                    layout = _layout(children[n])
+                for op, child in zip(("q", "k", "v"), names, strict=True):
+                    layout = _layout(children[child])
                     if layout is not None:
-                        binder.hook_projection(children[n], ctx, op=op, weight_layout=layout)
+                        binder.hook_projection(children[child], ctx, op=op, weight_layout=layout)
                         ops.append(op)
                 break
     out = next((children[n] for n in _OUT_NAMES if n in children), None)
@@ -169,7 +170,7 @@ def _is_gpt_neo_attention(module: nn.Module) -> bool:
 
 
 def _neo_attn(
-    module: nn.Module,
+    module: Any,
     ctx: LayerContext,
     binder: Binder,
     query: torch.Tensor,
@@ -200,10 +201,12 @@ def _neo_attn(
     out = engine_call(
         protected_sdpa, q, k, v, ctx=ctx, attn_mask=mask, scale=1.0, dropout_p=dropout, use_passed=use_passed
     )
+    assert isinstance(out, torch.Tensor)  # no return_probs
     return out.to(value.dtype), None
 
 
-def attach(binder: Binder, model: nn.Module) -> None:
+def attach(binder: Binder, model: Any) -> None:
+    """``model`` is a ``transformers.PreTrainedModel`` (typed Any: transformers ships no annotations we can use)."""
     parents: dict[nn.Module, nn.Module] = {}
     for parent in model.modules():
         for child in parent.children():
@@ -228,19 +231,23 @@ def attach(binder: Binder, model: nn.Module) -> None:
         ctx = binder.context_for(module)
         ops = _hook_projections(binder, module, parents.get(module), ctx)
         _CONTEXTS[module] = (ctx, binder, rotates_qk(module))
-        binder.on_close(functools.partial(_CONTEXTS.pop, module, None))
+        binder.on_close(functools.partial(_forget, module))
         binder.add_site(ctx, name, "transformers", (*ops[:3], "scores", "context", *ops[3:]))
     original = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     binder.on_close(functools.partial(_restore_implementation, model, original))
 
 
-def _restore_implementation(model: nn.Module, original: str) -> None:
+def _forget(module: nn.Module) -> None:
+    _CONTEXTS.pop(module, None)
+
+
+def _restore_implementation(model: Any, original: str) -> None:
     if model.config._attn_implementation != original:
         model.set_attn_implementation(original)
 
 
-def _attach_gpt_neo(binder: Binder, name: str, module: nn.Module) -> None:
+def _attach_gpt_neo(binder: Binder, name: str, module: Any) -> None:
     ctx = binder.context_for(module)
     children = dict(module.named_children())
     ops: list[str] = []
