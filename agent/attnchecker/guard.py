@@ -32,6 +32,7 @@ from .errors import (
 from .events import Detection
 from .integrations._common import Binder, Site
 from .policy import Policy, PolicyError, Scheduler
+from .streaming import add_counts
 
 __all__ = ["FaultCounts", "Guard", "Report", "is_protected", "protect", "unprotect"]
 
@@ -120,12 +121,7 @@ class _Totals:
     faults: dict[tuple[str, str], list[int]] = field(default_factory=dict)
 
     def add(self, stats: OpStats) -> None:
-        for op, n in stats.checks.items():
-            self.checks[op] = self.checks.get(op, 0) + n
-        for key, row in stats.faults.items():
-            mine = self.faults.setdefault(key, [0, 0, 0])
-            for i in range(3):
-                mine[i] += row[i]
+        add_counts(self.checks, self.faults, stats)
 
 
 def _coerce_policy(policy: Policy | Mapping[str, Any] | None) -> Policy:
