@@ -416,10 +416,12 @@ def _attach(binder: Binder, model: nn.Module) -> None:
     from .integrations import sdpa, torch_mha
     from .integrations import transformers as hf
 
-    if hf.is_transformers_model(model):
-        hf.attach(binder, model)
-    else:
-        sdpa.attach(binder, model)
+    # transformers models anywhere in the tree (the model itself, or inside DDP, a LightningModule, a wrapper).
+    inside_hf: set[nn.Module] = set()
+    for prefix, root in hf.transformers_roots(model):
+        hf.attach(binder, root, prefix=prefix)
+        inside_hf.update(root.modules())
+    sdpa.attach(binder, model, exclude=inside_hf)
     torch_mha.attach(binder, model)
 
 

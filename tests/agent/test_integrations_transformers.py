@@ -124,3 +124,27 @@ def test_eager_model_is_restored_to_eager() -> None:
         assert model.config._attn_implementation == "attnchecker"
         torch.testing.assert_close(_logits(model, ids), want, rtol=1e-4, atol=1e-5)
     assert model.config._attn_implementation == "eager"
+
+
+def test_transformers_model_inside_a_wrapper_is_found() -> None:
+    """DDP, a LightningModule or a user's wrapper hold the transformers model as a child."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = build("gpt2").eval()
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.lm(input_ids=ids).logits
+
+    wrapper = Wrapper()
+    ids = batch("gpt2", 0)["ids"]
+    with torch.no_grad():
+        want = wrapper(ids)
+    plan = FaultPlan([Fault(op="k", layer=0, step=0, kind="nan")])
+    with attnchecker.protect(wrapper, policy=Policy.full(), faults=plan) as guard, torch.no_grad():
+        assert [s.name for s in guard.sites] == ["lm.transformer.h.0.attn", "lm.transformer.h.1.attn"]
+        got = wrapper(ids)
+        assert guard.report().corrected == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert wrapper.lm.config._attn_implementation == "sdpa"

@@ -203,25 +203,20 @@ def _hook_projections(binder: Binder, owner_module: nn.Module, owner: _Owner) ->
     return ops
 
 
-def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    skip = (nn.MultiheadAttention,)
-    found = [
-        (name, m)
-        for name, m in model.named_modules()
-        if not isinstance(m, skip) and forward_source_mentions(m, "scaled_dot_product_attention")
+def _candidates(model: nn.Module, exclude: set[nn.Module]) -> list[tuple[str, nn.Module]]:
+    modules = [
+        (n, m) for n, m in model.named_modules() if m not in exclude and not isinstance(m, nn.MultiheadAttention)
     ]
+    found = [(n, m) for n, m in modules if forward_source_mentions(m, "scaled_dot_product_attention")]
     if found:
         return found
     # No readable source (a model built in a notebook or by exec): fall back on the shape of a fused attention.
-    return [
-        (name, m)
-        for name, m in model.named_modules()
-        if not isinstance(m, skip) and _fused(dict(m.named_children())) is not None
-    ]
+    return [(n, m) for n, m in modules if _fused(dict(m.named_children())) is not None]
 
 
-def attach(binder: Binder, model: nn.Module) -> None:
-    candidates = _candidates(model)
+def attach(binder: Binder, model: nn.Module, *, exclude: set[nn.Module] | frozenset[nn.Module] = frozenset()) -> None:
+    """Protect the SDPA attention modules of ``model``, except those in ``exclude`` (attached another way)."""
+    candidates = _candidates(model, set(exclude))
     if not candidates:
         return
     parents: dict[nn.Module, tuple[str, nn.Module]] = {}

@@ -21,7 +21,7 @@ from torch import nn
 from ..context import LayerContext
 from ._common import Binder, engine_call, forward_source_mentions, rotates_qk
 
-__all__ = ["ATTN_IMPLEMENTATION", "attach", "attnchecker_attention", "is_transformers_model"]
+__all__ = ["ATTN_IMPLEMENTATION", "attach", "attnchecker_attention", "transformers_roots"]
 
 log = logging.getLogger("attnchecker")
 
@@ -36,10 +36,18 @@ _SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
 _OUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense")
 
 
-def is_transformers_model(model: nn.Module) -> bool:
-    # Only look if transformers is already imported: a plain PyTorch user does not pay for importing it.
+def transformers_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost transformers models in ``model``'s tree (itself included), with their qualified names."""
     tf = sys.modules.get("transformers")
-    return tf is not None and isinstance(model, tf.PreTrainedModel)
+    if tf is None:
+        return []
+    roots: list[tuple[str, nn.Module]] = []
+    inside: set[nn.Module] = set()
+    for name, module in model.named_modules():  # pre-order: an outer model comes before its parts
+        if module not in inside and isinstance(module, tf.PreTrainedModel):
+            roots.append((name, module))
+            inside.update(module.modules())
+    return roots
 
 
 def attnchecker_attention(
@@ -205,14 +213,15 @@ def _neo_attn(
     return out.to(value.dtype), None
 
 
-def attach(binder: Binder, model: Any) -> None:
-    """``model`` is a ``transformers.PreTrainedModel`` (typed Any: transformers ships no annotations we can use)."""
+def attach(binder: Binder, model: Any, *, prefix: str = "") -> None:
+    """``model`` is a ``transformers.PreTrainedModel`` (typed Any: transformers ships no annotations we can use),
+    named ``prefix`` in the protected tree."""
     parents: dict[nn.Module, nn.Module] = {}
     for parent in model.modules():
         for child in parent.children():
             parents.setdefault(child, parent)
     interface_modules: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(prefix=prefix):
         if _is_gpt_neo_attention(module):
             _attach_gpt_neo(binder, name, module)
         elif forward_source_mentions(module, "ALL_ATTENTION_FUNCTIONS"):
