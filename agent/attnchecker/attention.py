@@ -27,6 +27,7 @@ from .abft import (
     bounds,
     checksum_weights,
     checksums_of,
+    col_norms,
     repair,
     times_skinny,
     verify_direction,
@@ -416,13 +417,16 @@ def _probs(
     keep_BHTS: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """AP = dropout(softmax(scale·AS + mask)); the dropout keep-mask is returned so a recompute reuses it."""
+    # One new tensor, then in place: out-of-place masking copied the (B, H, T, S) scores once per mask.
     s = scores_BHTS * scale
     t, n_keys = s.shape[-2:]
     if is_causal:
-        future_TS = torch.ones(t, n_keys, dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(future_TS, -math.inf)
+        s.masked_fill_(torch.ones(t, n_keys, dtype=torch.bool, device=s.device).triu(1), -math.inf)
     if attn_mask is not None:
-        s = s.masked_fill(~attn_mask, -math.inf) if attn_mask.dtype == torch.bool else s + attn_mask
+        if attn_mask.dtype == torch.bool:
+            s.masked_fill_(~attn_mask, -math.inf)
+        else:
+            s.add_(attn_mask)
     # Softmax in fp32 for half inputs, like SDPA's kernels: the row sums feed the checksum bound.
     probs = torch.softmax(s, dim=-1, dtype=torch.float32).to(s.dtype)
     dead = _dead_rows(attn_mask)
@@ -522,7 +526,7 @@ def protected_sdpa(
     _inject(ctx, "context", out)
     if cfg.checks("context"):
         t0 = time.perf_counter()
-        checks["context"] = _context_checks(probs.detach(), v_rep, out.detach(), passed.get("v"), h, tol)
+        checks["context"] = _context_checks(probs.detach(), v_rep, out.detach(), passed.get("v"), h, tol, dropout_p)
         _observe(ctx, checks["context"])
         seconds["context"] += time.perf_counter() - t0
     if checks:
@@ -552,7 +556,7 @@ def protected_sdpa(
                     _inject(ctx, "context", out, attempt=1)
                     if "context" in checks:
                         checks["context"] = _context_checks(probs.detach(), v_rep, out.detach(), passed.get("v"), h,
-                                                            tol)
+                                                            tol, dropout_p)
             seconds["scores"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             if "context" in checks:
@@ -645,33 +649,34 @@ def _context_checks(
     passed_v: PassedProjection | None,
     h: int,
     tol: Tolerance,
+    dropout_p: float = 0.0,
 ) -> Checks:
     """CL = AP V: per query row AP (V w) (V w passed from X when available), per feature column (wᵀAP) V.
-    AP ≥ 0, so its row sums (one extra checksum column, free) bound ‖AP_t‖₂ in the round-off bound."""
+    AP ≥ 0 with rows summing to 1 (0 when fully masked, 1/(1-p) at most after dropout), so ‖AP_t‖₂ ≤ ‖AP_t‖₁ needs
+    no pass over AP; 1.01 covers the rounding of half-precision probabilities."""
     with torch.no_grad():
         acc = acc_dtype(v_BHSD.dtype)
         v_acc, p_acc = v_BHSD.detach().to(acc), probs_BHTS.to(acc)
         s = p_acc.shape[-1]
-        ones_BHS1 = torch.ones(*v_acc.shape[:-1], 1, device=v_acc.device, dtype=acc)
         if passed_v is not None:
             # v̂ passed from X carries the projection's round-off per token: AP times it bounds the row references'.
             kv_heads = passed_v.weight_OI.shape[0] // v_acc.shape[-1]
             vw_BHS2 = _expand_heads(passed_v.feature_ref(kv_heads), h)
             vbound_BHS1 = _expand_heads(passed_v.feature_bound(kv_heads)[..., None], h)
-            rhs_BHSc = torch.cat([vw_BHS2, ones_BHS1, vbound_BHS1], dim=-1)
+            row_BHTc = times_skinny(p_acc, torch.cat([vw_BHS2, vbound_BHS1], dim=-1))
         else:
-            rhs_BHSc = torch.cat([weighted_rows(v_acc), ones_BHS1], dim=-1)
-        row_BHTc = times_skinny(p_acc, rhs_BHSc)
+            row_BHTc = times_skinny(p_acc, weighted_rows(v_acc))
         col_ref_BHD2 = (weighted_cols(p_acc).mT @ v_acc).mT
+        p_norm_BHT = torch.full(row_BHTc.shape[:-1], 1.01 / (1.0 - dropout_p), device=p_acc.device, dtype=acc)
         return _verify(
             out_BHTD,
             row_BHTc[..., :2],
             col_ref_BHD2,
-            row_BHTc[..., 2],
-            torch.linalg.vector_norm(v_acc, dim=-2),
+            p_norm_BHT,
+            col_norms(v_acc),
             k=s,
             tol=tol,
-            extra_row_NR=row_BHTc[..., 3] if passed_v is not None else None,
+            extra_row_NR=row_BHTc[..., 2] if passed_v is not None else None,
         )
 
 

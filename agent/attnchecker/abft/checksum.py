@@ -22,6 +22,7 @@ __all__ = [
     "acc_dtype",
     "checksum_weights",
     "checksums_of",
+    "col_norms",
     "times_skinny",
     "verify_direction",
     "weighted_cols",
@@ -48,6 +49,8 @@ def checksum_weights(n: int, device: torch.device, dtype: torch.dtype) -> torch.
 def weighted_rows(a_NRK: torch.Tensor) -> torch.Tensor:
     """(..., R, 2) = A w over the last dim. A plain sum and a matrix-vector product: CPU BLAS runs A @ (K, 2) (an
     output two columns wide) many times slower than either."""
+    # A strided view (heads split out of a projection) makes both reductions several times slower than one copy.
+    a_NRK = a_NRK.contiguous()
     w_K2 = checksum_weights(a_NRK.shape[-1], a_NRK.device, a_NRK.dtype)
     return torch.stack([a_NRK.sum(-1), a_NRK @ w_K2[:, 1]], dim=-1)
 
@@ -59,9 +62,16 @@ def weighted_cols(a_NRK: torch.Tensor) -> torch.Tensor:
 
 
 def times_skinny(a_NRK: torch.Tensor, m_NKc: torch.Tensor) -> torch.Tensor:
-    """(..., R, c) = A @ M for a few columns c, computed as (Mᵀ Aᵀ)ᵀ: the transposed form maps to a wide BLAS call
-    (2-3× faster on CPU than A @ M, with no copy of A)."""
-    return (m_NKc.mT @ a_NRK.mT).mT
+    """(..., R, c) = A @ M for a few columns c. For a contiguous A, computed as (Mᵀ Aᵀ)ᵀ: the transposed form maps to
+    a wide BLAS call (2-3× faster on CPU than A @ M, no copy). A strided A (a head view) is faster as A @ M."""
+    if a_NRK.is_contiguous():
+        return (m_NKc.mT @ a_NRK.mT).mT
+    return a_NRK @ m_NKc
+
+
+def col_norms(a_NRK: torch.Tensor) -> torch.Tensor:
+    """(..., K): ‖A_:,k‖₂ over the rows. Square-sum-root: vector_norm over dim -2 of a strided view is ~10× slower."""
+    return a_NRK.square().sum(-2).sqrt()
 
 
 def checksums_of(
