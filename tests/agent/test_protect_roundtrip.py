@@ -3,6 +3,7 @@ hooks and attributes."""
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ def _snapshot(model: nn.Module) -> dict[str, Any]:
     return {
         "modules": modules,
         "attn_implementation": getattr(config, "_attn_implementation", None),
+        "config": copy.deepcopy(vars(config)) if config is not None else None,
         "state_dict": list(model.state_dict()),
         "fastpath": torch.backends.mha.get_fastpath_enabled(),
     }
