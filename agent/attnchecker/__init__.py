@@ -8,8 +8,6 @@ with ABFT checksums that detect and correct INF/NaN/near-INF and silent errors w
 
 from __future__ import annotations
 
-from typing import Any
-
 from .errors import (
     AlreadyProtectedError,
     AttnCheckerError,
@@ -21,6 +19,7 @@ from .errors import (
 )
 from .events import Detection
 from .guard import FaultCounts, Guard, Report, is_protected, protect, unprotect
+from .inject import Fault, FaultPlan
 from .policy import Policy, PolicyError
 
 __all__ = [
@@ -44,11 +43,3 @@ __all__ = [
     "unprotect",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    # Fault injection is imported on first use: most training runs never inject.
-    if name in ("Fault", "FaultPlan"):
-        from . import inject
-
-        return getattr(inject, name)
-    raise AttributeError(f"module 'attnchecker' has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 Detections are data (``Guard.detections``, ``Guard.report()``), not exceptions: the only fault that raises is an
 uncorrectable one under ``on_uncorrectable="raise"``. Invalid policies raise ``attnchecker.PolicyError``.
+Torch-free on purpose: policy.py (parsed on the transport's thread) imports the base from here.
 """
 
 from __future__ import annotations
