@@ -613,7 +613,8 @@ def _scores_checks(
     """AS = Q Kᵀ: per query row Q k̄ᵀ, per key column K q̄ᵀ; q̄, k̄ passed from X when available (paper mode)."""
     with torch.no_grad():
         acc = acc_dtype(q_BHTD.dtype)
-        q_acc, k_acc = q_BHTD.detach().to(acc), k_BHSD.detach().to(acc)
+        # Heads split out of a projection are strided views: one copy each makes every later reduction fast.
+        q_acc, k_acc = q_BHTD.detach().to(acc).contiguous(), k_BHSD.detach().to(acc).contiguous()
         b = q_acc.shape[0]
         pq, pk = passed.get("q"), passed.get("k")
         qbar_BHD2 = pq.token_ref_NO2.view(b, h, -1, 2) if pq is not None else weighted_cols(q_acc)
@@ -656,7 +657,7 @@ def _context_checks(
     no pass over AP; 1.01 covers the rounding of half-precision probabilities."""
     with torch.no_grad():
         acc = acc_dtype(v_BHSD.dtype)
-        v_acc, p_acc = v_BHSD.detach().to(acc), probs_BHTS.to(acc)
+        v_acc, p_acc = v_BHSD.detach().to(acc).contiguous(), probs_BHTS.to(acc)
         s = p_acc.shape[-1]
         if passed_v is not None:
             # v̂ passed from X carries the projection's round-off per token: AP times it bounds the row references'.

@@ -49,10 +49,12 @@ def checksum_weights(n: int, device: torch.device, dtype: torch.dtype) -> torch.
 def weighted_rows(a_NRK: torch.Tensor) -> torch.Tensor:
     """(..., R, 2) = A w over the last dim. A plain sum and a matrix-vector product: CPU BLAS runs A @ (K, 2) (an
     output two columns wide) many times slower than either."""
-    # A strided view (heads split out of a projection) makes both reductions several times slower than one copy.
-    a_NRK = a_NRK.contiguous()
-    w_K2 = checksum_weights(a_NRK.shape[-1], a_NRK.device, a_NRK.dtype)
-    return torch.stack([a_NRK.sum(-1), a_NRK @ w_K2[:, 1]], dim=-1)
+    # As one (M, K) matrix: a column slice of a fused projection is a view with a row stride (no copy); heads split
+    # out of a projection cannot be folded so, and reshape copies them once (both reductions on the strided view
+    # are several times slower than that copy).
+    a_MK = a_NRK.reshape(-1, a_NRK.shape[-1])
+    w_K2 = checksum_weights(a_MK.shape[-1], a_MK.device, a_MK.dtype)
+    return torch.stack([a_MK.sum(-1), a_MK @ w_K2[:, 1]], dim=-1).view(*a_NRK.shape[:-1], 2)
 
 
 def weighted_cols(a_NRK: torch.Tensor) -> torch.Tensor:
