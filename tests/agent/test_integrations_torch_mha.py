@@ -109,3 +109,18 @@ def test_mha_with_bias_kv_is_left_unprotected() -> None:
     with pytest.raises(attnchecker.NoProtectableAttentionError):
         attnchecker.protect(mha)
     assert "forward" not in mha.__dict__
+
+
+def test_transformer_decoder_layer_self_and_cross_attention_are_protected() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(E, H, dim_feedforward=64, dropout=0.0, batch_first=True)
+    ref = copy.deepcopy(layer)
+    tgt, memory = torch.randn(N, L, E), torch.randn(N, S, E)
+    mask = nn.Transformer.generate_square_subsequent_mask(L)
+    want = ref(tgt, memory, tgt_mask=mask, tgt_is_causal=True)
+    plan = attnchecker.FaultPlan([attnchecker.Fault(op="k", layer=1, step=0, kind="nan")])  # cross-attention's K
+    with attnchecker.protect(layer, policy=Policy.full(), faults=plan) as guard:
+        got = layer(tgt, memory, tgt_mask=mask, tgt_is_causal=True)
+        assert [s.name for s in guard.sites] == ["self_attn", "multihead_attn"]
+        assert guard.report().corrected == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
