@@ -9,6 +9,7 @@ tensors autograd never saved, so backward sees the fault-free values.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -111,6 +112,15 @@ class PassedProjection:
 
 
 # --------------------------------------------------------------------------------------------------- shared helpers
+
+
+def _exact_math(like: torch.Tensor) -> contextlib.ExitStack:
+    """no_grad and autocast off: checksums must run in the dtypes we chose (under autocast a fp32 checksum matmul
+    would silently run in bf16 and flag clean data); autograd must not see them."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    stack.enter_context(torch.autocast(device_type=like.device.type, enabled=False))
+    return stack
 
 
 def _tolerance(ctx: LayerContext) -> Tolerance:
@@ -218,14 +228,16 @@ def _verify(
     bias_abs_C: torch.Tensor | None = None,
     extra_row_NR: torch.Tensor | None = None,
     extra_col_NC: torch.Tensor | None = None,
+    operands_cast_to: torch.dtype | None = None,
 ) -> Checks:
     """Both directions of C = A·B against references derived from the inputs (no sync). extra_*: error already in
-    a passed reference (paper-faithful mode), added to the bound."""
+    a passed reference (paper-faithful mode), added to the bound. operands_cast_to: autocast ran the product on
+    operands rounded to this dtype."""
     use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and tol.mode == "roundoff"
     got_rows, got_cols, c_abs = checksums_of(c_NRC, with_abs=use_abs)
     row_rule, col_rule = bounds(
         a_norm_NR, b_norm_NC, k=k, out_dtype=c_NRC.dtype, tol=tol, bias_abs_C=bias_abs_C, use_abs=use_abs,
-        gemm_accumulates_in=_gemm_accumulation(c_NRC),
+        gemm_accumulates_in=_gemm_accumulation(c_NRC), operands_cast_to=operands_cast_to,
     )
     if extra_row_NR is not None and tol.mode == "roundoff":
         row_rule = Bound(row_rule.base + extra_row_NR, row_rule.abs_coef)
@@ -331,6 +343,8 @@ def check_linear(
     y_NTO = y.view(-1, *y.shape[-2:]) if y.dim() != 2 else y[None]
     weight_OI = weight if weight_layout == "out_in" else weight.T
     tol = _tolerance(ctx)
+    # Under autocast the module's fp32 input and weight were rounded to the output's dtype for the GEMM.
+    cast_to = y.dtype if x.dtype != y.dtype or weight.dtype != y.dtype else None
     shared: _ProjectionInput | None = None
     pending: list[tuple[str, torch.Tensor, Checks, Callable[[], torch.Tensor], _Exact, float]] = []
     offset = 0
@@ -344,20 +358,20 @@ def check_linear(
         if cfg.mode == "off" or not (cfg.checks(name) or paper_pass):
             continue
         t0 = time.perf_counter()
-        with torch.no_grad():
+        with _exact_math(y):
             shared = shared or _ProjectionInput.of(x_NTI.detach())
             w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
             if paper_pass:
                 # Paper mode keeps the operand-only bound: the output it would be measured on is unverified.
                 token_rule = bounds(shared.x_norm_NT, w_norm_O, k=w_s.shape[1], out_dtype=y.dtype, tol=tol,
-                                    bias_abs_C=bias_abs)[1]
+                                    bias_abs_C=bias_abs, operands_cast_to=cast_to)[1]
                 token_bound = token_rule.of(None).expand(y_s.shape[0], -1)
                 ctx.passed[name] = PassedProjection(token_ref_NO2=shared.token_ref(w_s, b_s), token_bound_NO=token_bound,
                                                     x_NTI=x_NTI.detach(), weight_OI=w_s, bias_O=b_s,
                                                     x_norm_NT=shared.x_norm_NT, out_dtype=y.dtype, tol=tol)
                 continue
             checks = _verify(y_s.detach(), shared.feature_ref(w_s, b_s), shared.token_ref(w_s, b_s), shared.x_norm_NT,
-                             w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs)
+                             w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs, operands_cast_to=cast_to)
             _observe(ctx, checks)
 
         recompute = functools.partial(_recompute_linear, ctx, name, x_NTI.detach(), w_s, b_s)
@@ -370,7 +384,8 @@ def check_linear(
     for name, y_s, checks, redo, refresh, seconds in pending:
         t0 = time.perf_counter()
         if slow:
-            reports = repair(y_s, checks, tol, correct=cfg.mode == "correct", recompute=redo, exact=refresh)
+            with _exact_math(y):
+                reports = repair(y_s, checks, tol, correct=cfg.mode == "correct", recompute=redo, exact=refresh)
             _emit(ctx, name, reports, heads=False)
         _count(ctx, name, seconds + time.perf_counter() - t0)
     return y
@@ -444,9 +459,12 @@ def _suspect_heads(passed: PassedProjection | None, x_BHSD: torch.Tensor, heads:
     reference built from it is not clean."""
     if passed is None:
         return None
-    acc = passed.token_ref_NO2.dtype
-    w_S2 = checksum_weights(x_BHSD.shape[-2], x_BHSD.device, acc)
-    got_BHD2 = x_BHSD.to(acc).transpose(-2, -1) @ w_S2
+    with _exact_math(x_BHSD):
+        return _disagrees(passed, x_BHSD, heads)
+
+
+def _disagrees(passed: PassedProjection, x_BHSD: torch.Tensor, heads: int) -> torch.Tensor:
+    got_BHD2 = weighted_cols(x_BHSD.to(passed.token_ref_NO2.dtype))
     b, hk = passed.token_ref_NO2.shape[0], heads
     ref_BHD2 = passed.token_ref_NO2.view(b, hk, -1, 2)
     bound_BHD = passed.token_bound_NO.view(b, hk, -1)
@@ -545,8 +563,9 @@ def protected_sdpa(
                 def exact_scores(key: tuple[int, ...], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
                     return _dot(q_BHTD.detach()[key][rows], k_rep.detach()[key][cols])
 
-                reports = repair(scores, checks["scores"], tol, correct=correct, recompute=recompute_scores,
-                                 trusted=trusted, exact=None if paper else exact_scores)
+                with _exact_math(scores):
+                    reports = repair(scores, checks["scores"], tol, correct=correct, recompute=recompute_scores,
+                                     trusted=trusted, exact=None if paper else exact_scores)
                 _emit(ctx, "scores", reports, heads=True)
                 if correct and any(r.action in ("corrected", "recomputed") for r in reports):
                     # AS was repaired in place: rebuild AP and CL from it, reusing the dropout mask.
@@ -572,8 +591,9 @@ def protected_sdpa(
                 def exact_context(key: tuple[int, ...], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
                     return _dot(probs.detach()[key][rows], v_rep.detach()[key].T[cols])
 
-                reports = repair(out, checks["context"], tol, correct=correct, recompute=recompute_context,
-                                 trusted=trusted, exact=None if paper else exact_context)
+                with _exact_math(out):
+                    reports = repair(out, checks["context"], tol, correct=correct, recompute=recompute_context,
+                                     trusted=trusted, exact=None if paper else exact_context)
                 _emit(ctx, "context", reports, heads=True)
             seconds["context"] += time.perf_counter() - t0
     for op in checks:
@@ -611,7 +631,7 @@ def _scores_checks(
     tol: Tolerance,
 ) -> Checks:
     """AS = Q Kᵀ: per query row Q k̄ᵀ, per key column K q̄ᵀ; q̄, k̄ passed from X when available (paper mode)."""
-    with torch.no_grad():
+    with _exact_math(scores_BHTS):
         acc = acc_dtype(q_BHTD.dtype)
         # Heads split out of a projection are strided views: one copy each makes every later reduction fast.
         q_acc, k_acc = q_BHTD.detach().to(acc).contiguous(), k_BHSD.detach().to(acc).contiguous()
@@ -655,7 +675,7 @@ def _context_checks(
     """CL = AP V: per query row AP (V w) (V w passed from X when available), per feature column (wᵀAP) V.
     AP ≥ 0 with rows summing to 1 (0 when fully masked, 1/(1-p) at most after dropout), so ‖AP_t‖₂ ≤ ‖AP_t‖₁ needs
     no pass over AP; 1.01 covers the rounding of half-precision probabilities."""
-    with torch.no_grad():
+    with _exact_math(out_BHTD):
         acc = acc_dtype(v_BHSD.dtype)
         v_acc, p_acc = v_BHSD.detach().to(acc).contiguous(), probs_BHTS.to(acc)
         s = p_acc.shape[-1]

@@ -118,6 +118,21 @@ def test_protected_layer_matches_the_unprotected_layer(make_ctx, fused: bool, bi
     assert all(ctx.runtime.stats.checks[op] == 1 for op in OPS)
 
 
+@pytest.mark.parametrize("fault", [None, "k", "scores", "out"])
+def test_autocast_layer_never_flags_clean_and_corrects_faults(make_ctx, fault: str | None) -> None:
+    """fp32 parameters under bf16 autocast: the GEMMs round their operands, the checksums must not (they run with
+    autocast off and the bound covers the operand rounding)."""
+    x = seeded((2, 13, 32), 50, torch.float32)
+    p = layer_params(32, 51, torch.float32)
+    faults = [] if fault is None else [Fault(op=fault, layer=0, step=0, kind="nan", seed=5)]
+    ctx, rec = make_ctx(faults=faults)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = protected_self_attention(x, ctx=ctx, num_heads=4, is_causal=True, **p)
+        expected = reference_layer(x, p, 4, 4, is_causal=True)
+    assert [(d.op, d.action) for d in rec.detections] == ([] if fault is None else [(fault, "corrected")])
+    torch.testing.assert_close(out, expected, **TOL[torch.bfloat16])
+
+
 # ---------------------------------------------------------------------------------------------- corrections
 
 

@@ -85,6 +85,7 @@ def bounds(
     bias_abs_C: torch.Tensor | None = None,
     use_abs: bool = False,
     gemm_accumulates_in: torch.dtype | None = None,
+    operands_cast_to: torch.dtype | None = None,
 ) -> tuple[Bound, Bound]:
     """(row bound over (..., R), column bound over (..., C)) on |d1| for C = A·B (+ bias).
 
@@ -94,6 +95,8 @@ def bounds(
     gemm_accumulates_in: the precision the product C itself was reduced in, when coarser than fp32 (cuBLAS with
     reduced-precision reductions allowed may split K and sum partials in fp16/bf16). An untested model (no GPU
     run yet): see docs/abft.md.
+    operands_cast_to: the product ran on A and B rounded to this dtype (autocast: fp32 tensors, bf16 GEMM), while
+    the references use them as given: each operand's rounding adds u·P_ij (and u·|b_j| for the bias).
     """
     n_rows, n_cols = a_norm_NR.shape[-1], b_norm_NC.shape[-1]
     if tol.mode == "extreme":
@@ -123,6 +126,11 @@ def bounds(
         col_NC = col_NC * (slack * (2 * g_k + 2 * g_r + n_round * u_out))
         coef_row = coef_col = 0.0
         bias_row, bias_col = slack * (2 * g_c + u_out), slack * (2 * g_r + u_out)
+    if operands_cast_to is not None:
+        u_in = torch.finfo(operands_cast_to).eps / 2
+        row_NR = row_NR + slack * 2 * u_in * a_norm_NR * b_norm_NC.sum(-1, keepdim=True)
+        col_NC = col_NC + slack * 2 * u_in * b_norm_NC * a_norm_NR.sum(-1, keepdim=True)
+        bias_row, bias_col = bias_row + slack * u_in, bias_col + slack * u_in
     if bias_abs_C is not None:
         row_NR = row_NR + bias_row * bias_abs_C.sum(-1, keepdim=True)
         col_NC = col_NC + bias_col * n_rows * bias_abs_C
