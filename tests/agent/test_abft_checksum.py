@@ -157,6 +157,17 @@ def test_locate_and_fix_refuses_two_extreme_elements_and_two_moderate_ones() -> 
     assert not bool(ok[1])
 
 
+def test_locate_and_fix_refuses_vectors_it_cannot_locate_without_crashing() -> None:
+    """d1 = 0 (d2/d1 is NaN) and d1 = INF with no extreme element (the reference overflowed) are not fixable."""
+    v = randn((2, 6), seed=4, dtype=torch.float32)
+    ref = v @ checksum_weights(6, v.device, v.dtype)
+    ref[0, 1] += 1.0  # d2 ≠ 0, d1 = 0
+    ref[1, 0] = math.inf
+    loc, _, ok = locate_and_fix(v, ref, Tolerance())
+    assert not bool(ok.any())
+    assert bool(((loc >= 0) & (loc < 6)).all())
+
+
 @settings(max_examples=40)
 @given(
     n=st.integers(1, 3),

@@ -65,7 +65,9 @@ def locate_and_fix(
     loc_sum_P = pos_P.round() - 1
     located_P = torch.isfinite(pos_P) & ((pos_P - pos_P.round()).abs() <= _LOCATE_SLACK)
     located_P &= (loc_sum_P >= 0) & (loc_sum_P < n)
-    loc_P = torch.where(n_extreme_P == 1, extreme_PL.to(torch.int8).argmax(-1), loc_sum_P.clamp(0, n - 1).long())
+    # NaN/INF positions (d1 = 0, or INF residuals) become index 0 here and are marked unfixable by `located_P`.
+    loc_from_sum_P = torch.nan_to_num(loc_sum_P, nan=0.0, posinf=0.0, neginf=0.0).clamp(0, n - 1).long()
+    loc_P = torch.where(n_extreme_P == 1, extreme_PL.to(torch.int8).argmax(-1), loc_from_sum_P)
     fixable_P = torch.isfinite(ref_P2).all(-1) & ((n_extreme_P == 1) | ((n_extreme_P == 0) & located_P))
     old_P = v_PL.gather(-1, loc_P[:, None])[:, 0]
     # Sums exclude extreme elements (finite_v), so "checksum minus the healthy elements" needs no special case.
