@@ -8,12 +8,17 @@ an undo action, so ``close()`` restores the model exactly.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import re
+import socket
 import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -24,7 +29,6 @@ from .context import OPS, CheckConfig, OpStats, Runtime
 from .errors import (
     AlreadyProtectedError,
     NoProtectableAttentionError,
-    StreamingUnavailableError,
     UncorrectableFault,
     UnsupportedDeviceError,
     UnsupportedDtypeError,
@@ -32,7 +36,7 @@ from .errors import (
 from .events import Detection
 from .integrations._common import Binder, Site
 from .policy import Policy, PolicyError, Scheduler
-from .streaming import add_counts
+from .streaming import IntervalStats, add_counts
 
 __all__ = ["FaultCounts", "Guard", "Report", "is_protected", "protect", "unprotect"]
 
@@ -124,6 +128,20 @@ class _Totals:
         add_counts(self.checks, self.faults, stats)
 
 
+@dataclass(frozen=True, slots=True)
+class _Streaming:
+    """What protect() was told about streaming; the guard starts the transport once the model is attached."""
+
+    collector: str | None
+    """Base URL, or None: offline (everything spooled for ``attnchecker sync``)."""
+    token: str | None
+    run: str
+    spool_dir: Path
+    interval_s: float
+    interval_steps: int
+    transport_options: Mapping[str, Any]
+
+
 def _coerce_policy(policy: Policy | Mapping[str, Any] | None) -> Policy:
     if policy is None:
         return Policy()
@@ -163,6 +181,7 @@ class Guard:
         faults: Any,
         rank: int,
         max_detections: int,
+        streaming: _Streaming | None = None,
     ) -> None:
         self.model = model
         self.run = run
@@ -184,6 +203,10 @@ class Guard:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._closed = False
         self._step_started = time.perf_counter()
+        self._transport: Any = None
+        self._atexit: Any = None
+        self._interval: IntervalStats | None = None
+        self._remote_policy: Policy | None = None
         try:
             _attach(self._binder, model)
             if not self._binder.sites:
@@ -201,6 +224,13 @@ class Guard:
         except BaseException:
             self._binder.undo_all()
             raise
+        if streaming is not None:
+            # Only once the model is attached: a protect() that raises leaves no sender thread behind.
+            try:
+                self._start_streaming(streaming)
+            except BaseException:
+                self._binder.undo_all()
+                raise
         _GUARDS[model] = self
         for module in self._binder.contexts:
             _OWNED[module] = self
@@ -237,6 +267,24 @@ class Guard:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def periods(self) -> Mapping[str, int]:
+        """The effective check period of every op now, in steps (pins, the base period, or the adaptive scheduler's
+        current value; docs/adaptive.md). What the stats report as ``ops[].period``."""
+        return MappingProxyType(self._scheduler.periods())
+
+    @property
+    def intervals(self) -> list[dict[str, Any]]:
+        """The most recent stats intervals sent to the collector (wire payloads, docs/wire.md), oldest first;
+        empty without streaming."""
+        return list(self._interval.sent) if self._interval is not None else []
+
+    @property
+    def transport(self) -> Any:
+        """The :class:`attnchecker.transport.Transport` streaming to the collector (``collector=``), or None.
+        ``transport.run_id`` is the collector's id of the run once it registered."""
+        return self._transport
+
     def set_policy(self, policy: Policy | Mapping[str, Any]) -> None:
         """Use ``policy`` from the next step boundary on. Validated now; a bad policy raises ``PolicyError``."""
         self._pending_policy = _coerce_policy(policy)
@@ -260,15 +308,23 @@ class Guard:
         # An op that was due but never ran (no forward this step, or not present in this model) was not checked.
         checked = frozenset(op for op in config.checked_ops if stats.checks.get(op, 0) > 0)
         check_s = sum(stats.check_seconds.values())
-        overhead = check_s / step_s if step_s > 0 and check_s > 0 else None
+        # A measured step with nothing checked costs 0, and the scheduler's window must see it as such; None means
+        # "not measured" (a clock that did not move) and is left out of the average.
+        overhead = check_s / step_s if step_s > 0 else None
         self._scheduler.observe(self.runtime.step, checked=checked, faults=faults_by_op, overhead_ratio=overhead)
-        pending, self._pending_policy = self._pending_policy, None
-        if pending is not None:
-            self._policy = pending
-            self._scheduler.set_policy(pending)
+        changed = self._apply_policy_update()
+        finished = self.runtime.step
         self.runtime.step += 1
         self._steps += 1
         self._configure_step()
+        if self._interval is not None:
+            try:
+                self._interval.add(finished, stats, step_s)
+                # A new policy version goes out at once, so the collector shows it as applied at this boundary.
+                self._interval.maybe_send(applied_policy_version=self._policy.version,
+                                          periods=self._scheduler.periods(), force=changed)
+            except Exception:  # telemetry must never stop training
+                log.exception("attnchecker: stats interval failed at step %d; training goes on", finished)
 
     def report(self) -> Report:
         """Counts since ``protect()``, including the step in progress."""
@@ -294,18 +350,31 @@ class Guard:
             self._binder.on_close(post.remove)
         self._optimizers.append(optimizer)
 
-    def close(self) -> None:
-        """Undo everything ``protect()`` did, newest change first. Idempotent."""
+    def close(self, *, flush_timeout_s: float = 5.0) -> None:
+        """Undo everything ``protect()`` did, newest change first, then (when streaming) send the last stats
+        interval and close the transport: what cannot reach the collector within ``flush_timeout_s`` is spooled.
+        Idempotent; never raises because of the network."""
         if self._closed:
             return
         self._closed = True
+        if self._atexit is not None:
+            atexit.unregister(self._atexit)
+        try:
+            last_step = self._final_interval()
+        except Exception:  # the model is restored whatever happens to telemetry
+            log.exception("attnchecker: could not send the last stats interval")
+            last_step = None
         if _GUARDS.get(self.model) is self:
             del _GUARDS[self.model]
         for module in list(self._binder.contexts):
             if _OWNED.get(module) is self:
                 del _OWNED[module]
         self._optimizers.clear()
-        self._binder.undo_all()
+        try:
+            self._binder.undo_all()
+        finally:
+            if self._transport is not None:
+                self._transport.close(flush_timeout_s, last_step=last_step)
 
     def __enter__(self) -> Guard:
         return self
@@ -319,6 +388,91 @@ class Guard:
 
     # ----------------------------------------------------------------- internals
 
+    def _apply_policy_update(self) -> bool:
+        """At a step boundary: switch to a newer collector policy or a ``set_policy`` one. True when it changed.
+
+        With a collector, the run's policy there is authoritative: the version it answered at registration, then
+        every version an operator makes, each applied at the first step boundary after the sender thread saw it
+        (``Transport.latest_policy`` is one attribute read). A ``set_policy`` pending at the same boundary wins for
+        that boundary; the next collector version replaces it.
+        """
+        new, self._pending_policy = self._pending_policy, None
+        if self._transport is not None:
+            remote = self._transport.latest_policy()
+            if remote is not None and remote is not self._remote_policy:
+                self._remote_policy = remote
+                if new is None:
+                    new = remote
+                    if self._policy.version == 0:
+                        _warn_replaced(self._policy, remote, self.run)
+        if new is None:
+            return False
+        self._policy = new
+        self._scheduler.set_policy(new)
+        return True
+
+    def _start_streaming(self, s: _Streaming) -> None:
+        from .transport import Transport
+
+        self._transport = Transport(
+            s.collector, s.token, s.run, spool_dir=s.spool_dir, run_info=self._run_info(), **s.transport_options
+        ).start()
+        self._interval = IntervalStats(self._transport.emit_stats, rank=self.rank, interval_s=s.interval_s,
+                                       interval_steps=s.interval_steps)
+        # A script that never calls close() still sends its last interval and finishes the run at exit. Weak, so
+        # the hook does not keep a dropped model alive.
+        ref = weakref.ref(self)
+
+        def close_at_exit() -> None:
+            guard = ref()
+            if guard is not None:
+                guard.close()
+
+        self._atexit = close_at_exit
+        atexit.register(close_at_exit)
+
+    def _run_info(self) -> dict[str, Any]:
+        """The registration body besides the name (docs/wire.md): what an operator needs to recognise the run."""
+        world_size = 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            world_size = torch.distributed.get_world_size()
+        param = next(iter(self.model.parameters()), None)
+        return {
+            "model": type(self.model).__name__[:200],
+            "world_size": world_size,
+            "rank": self.rank,
+            "host": socket.gethostname()[:200],
+            "config": {
+                "layers": len(self._binder.sites),
+                "integrations": sorted({site.integration for site in self._binder.sites}),
+                "ops": sorted({op for site in self._binder.sites for op in site.ops}),
+                "parameters": sum(p.numel() for p in self.model.parameters()),
+                "device": str(param.device) if param is not None else None,
+                "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
+                "torch": torch.__version__,
+                "policy": self._policy.to_wire(),
+            },
+        }
+
+    def _final_interval(self) -> int | None:
+        """At close: fold a step in progress (a forward after the last ``step()``) into the last interval, so the
+        stats count every event that was sent, and send it. Returns the last step for the finish record."""
+        stats, self.runtime.stats = self.runtime.stats, None
+        partial = stats is not None and (any(stats.checks.values()) or bool(stats.faults))
+        if partial:
+            assert stats is not None
+            self._totals.add(stats)  # report() keeps counting it after close
+        if self._interval is None:
+            return None
+        if partial:
+            assert stats is not None
+            self._interval.add(self.runtime.step, stats, 0.0, count_step=False)
+        self._interval.maybe_send(applied_policy_version=self._policy.version, periods=self._scheduler.periods(),
+                                  force=True)
+        if partial:
+            return self.runtime.step
+        return self.runtime.step - 1 if self._steps else None
+
     def _configure_step(self) -> None:
         # One new frozen object, swapped in by a single assignment: a layer never sees half a config.
         due = self._scheduler.due(self.runtime.step)
@@ -328,6 +482,8 @@ class Guard:
         det.rank = self.rank
         det.policy_version = self._policy.version
         self._detections.append(det)
+        if self._transport is not None:
+            self._transport.emit_event(det)  # a put_nowait: never blocks; to_wire() runs on the sender thread
         if det.action != "uncorrectable":
             log.debug(
                 "attnchecker: %s %s %s in layer %d op %s at step %d",
@@ -400,6 +556,19 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return inner
 
 
+def _warn_replaced(local: Policy, remote: Policy, run: str | None) -> None:
+    """The collector's first policy takes over from the one protect() was given: say so when they differ."""
+    mine, theirs = local.to_wire(), remote.to_wire()
+    changed = sorted(k for k in mine if k != "version" and mine[k] != theirs.get(k))
+    if changed:
+        log.warning(
+            "attnchecker: run %s now follows the collector's policy v%d, which differs from the policy given to "
+            "protect() in %s; change the run's policy on the collector (PUT/PATCH /api/v1/runs/{id}/policy, or the "
+            "default for new runs) to keep those settings",
+            run, remote.version, ", ".join(changed),
+        )
+
+
 def _make_injector(faults: Any) -> Any:
     if faults is None:
         return None
@@ -455,33 +624,43 @@ def protect(
     run: str | None = None,
     collector: str | None = None,
     token: str | None = None,
+    spool_dir: str | os.PathLike[str] | None = None,
     faults: Any = None,
-    rank: int = 0,
+    rank: int | None = None,
     max_detections: int = 10_000,
+    stats_interval_s: float = 1.0,
+    stats_interval_steps: int = 100,
+    transport_options: Mapping[str, Any] | None = None,
 ) -> Guard:
     """Protect the attention of an unmodified model with ABFT checksums. Returns a :class:`Guard`; also usable as
     ``with protect(model) as guard: ...``.
 
     Args:
-        policy: what to check and how often (default ``Policy()``); a mapping is read as the wire form.
+        policy: what to check and how often (default ``Policy()``); a mapping is read as the wire form. With a
+            collector this is the policy until the collector's answer arrives; from then on the run's policy on the
+            collector is applied at step boundaries (operators change it over REST).
         optimizer: if given, ``Guard.step()`` runs after each ``optimizer.step()``.
-        run: a name for this run (reported with the guard; used by streaming once it lands).
-        collector, token: streaming to a collector. Not wired yet: giving either raises
-            :class:`StreamingUnavailableError` instead of silently dropping events.
+        run: the run's name on the collector (every rank of a job passes the same one). Default:
+            ``$ATTNCHECKER_RUN``, else ``<model class>-<time>-<host>``.
+        collector: stream detections and interval statistics to this collector (``http://host:8000``), through a
+            sender thread that never blocks training (docs/transport.md). ``"offline"``: spool only, for
+            ``attnchecker sync`` later. None (default): nothing leaves the process.
+        token: the agent's bearer token (default ``$ATTNCHECKER_TOKEN``).
+        spool_dir: where payloads wait while the collector is unreachable (default ``$ATTNCHECKER_SPOOL_DIR``, else
+            ``~/.cache/attnchecker/spool``; one subdirectory per run).
         faults: an ``attnchecker.FaultPlan`` to inject (tests, demos, campaigns).
-        rank: the distributed rank, stamped on every detection.
+        rank: the distributed rank, stamped on every detection (default: torch.distributed's rank when it is
+            initialised, else 0).
         max_detections: how many recent detections ``Guard.detections`` keeps.
+        stats_interval_s, stats_interval_steps: one stats interval goes to the collector every this many seconds
+            or steps, whichever comes first (and at a policy change, and at close).
+        transport_options: keyword arguments for :class:`attnchecker.transport.Transport` (timeouts, batch size,
+            ``poll_interval_s``, ...).
 
     Raises:
         NoProtectableAttentionError, AlreadyProtectedError, UnsupportedDtypeError, UnsupportedDeviceError,
-        StreamingUnavailableError, PolicyError.
+        PolicyError, ValueError (bad arguments).
     """
-    if collector is not None or token is not None:
-        raise StreamingUnavailableError(
-            "protect(collector=..., token=...): streaming to a collector is not wired into the agent yet, and "
-            "accepting these arguments would silently drop every event. Call protect() without them for now; "
-            "Guard.report() and Guard.detections hold what the guard saw."
-        )
     if not isinstance(model, nn.Module):
         raise NoProtectableAttentionError(f"protect() needs a torch.nn.Module, got {type(model).__name__}")
     if model in _GUARDS:
@@ -495,18 +674,63 @@ def protect(
                 f"module {name or '<root>'} ({type(module).__name__}) is already protected by {owner!r} "
                 f"(protecting {type(owner.model).__name__}); close() that guard first"
             )
+    if rank is None:
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if not isinstance(rank, int) or rank < 0:
         raise ValueError(f"rank must be an int >= 0, got {rank!r}")
     if max_detections < 1:
         raise ValueError(f"max_detections must be >= 1, got {max_detections!r}")
+    streaming = _streaming_config(model, run=run, collector=collector, token=token, spool_dir=spool_dir,
+                                  interval_s=stats_interval_s, interval_steps=stats_interval_steps,
+                                  transport_options=transport_options)
     return Guard(
         model,
         policy=_coerce_policy(policy),
         optimizer=optimizer,
-        run=run,
+        run=streaming.run if streaming is not None else run,
         faults=faults,
         rank=rank,
         max_detections=max_detections,
+        streaming=streaming,
+    )
+
+
+def _streaming_config(
+    model: nn.Module,
+    *,
+    run: str | None,
+    collector: str | None,
+    token: str | None,
+    spool_dir: str | os.PathLike[str] | None,
+    interval_s: float,
+    interval_steps: int,
+    transport_options: Mapping[str, Any] | None,
+) -> _Streaming | None:
+    if collector is None:
+        if token is not None or spool_dir is not None or transport_options:
+            raise ValueError(
+                "protect(token=/spool_dir=/transport_options=) configure streaming, which needs collector= "
+                "(a URL such as http://127.0.0.1:8000, or 'offline' to spool only)"
+            )
+        return None
+    if not isinstance(collector, str) or not (collector == "offline" or collector.startswith(("http://", "https://"))):
+        raise ValueError(f"collector must be an http(s):// URL or 'offline', got {collector!r}")
+    name = run or os.environ.get("ATTNCHECKER_RUN") or (
+        f"{type(model).__name__}-{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}")
+    if spool_dir is None:
+        base = os.environ.get("ATTNCHECKER_SPOOL_DIR") or Path.home() / ".cache" / "attnchecker" / "spool"
+        # One directory per run, so `attnchecker sync DIR` uploads exactly that run.
+        spool_dir = Path(base) / (re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "run")
+    IntervalStats(lambda _: None, interval_s=interval_s, interval_steps=interval_steps)  # validates both, now
+    return _Streaming(
+        collector=None if collector == "offline" else collector.rstrip("/"),
+        token=token if token is not None else os.environ.get("ATTNCHECKER_TOKEN"),
+        run=name,
+        spool_dir=Path(spool_dir),
+        interval_s=interval_s,
+        interval_steps=interval_steps,
+        transport_options=dict(transport_options or {}),
     )
 
 
