@@ -129,10 +129,14 @@ def run(args: argparse.Namespace) -> int:
 
     local: LocalCollector | None = None
     url = token = operator_token = None
+    policy = Policy(period=1, adaptive=False)  # every op checked every step: each injected fault is seen
     if args.collector == "auto":
         print(f"starting a collector on SQLite under {args.data_dir} …", flush=True)
         local = start_local_collector(args.data_dir, port=args.port)
         url, token, operator_token = local.url, local.agent_token, local.operator_token
+        # With a collector, the run's policy there is the one in force; a new run copies the collector's default.
+        # This collector is the demo's own, so its default becomes the demo's policy.
+        _set_default_policy(url, operator_token, policy)
     elif args.collector != "none":
         url, token, operator_token = args.collector.rstrip("/"), args.token, args.operator_token
 
@@ -141,8 +145,12 @@ def run(args: argparse.Namespace) -> int:
           f"{args.layers} layers × {args.heads} heads, n_embd {args.embd}, seq {args.seq}, batch {args.batch}")
     protected = _build(args)
     plan = _fault_plan(args)
-    policy = Policy(period=1, adaptive=False)  # every op checked every step: each injected fault is seen
-    stream = {"run": run_name, "collector": url, "token": token} if url else {}
+    stream: dict[str, Any] = {}
+    if url:
+        spool = os.path.join(args.data_dir, "spool", run_name) if local is not None else None
+        # A short poll, so that a policy change shows within a second or two of the curl.
+        stream = {"run": run_name, "collector": url, "token": token, "spool_dir": spool,
+                  "transport_options": {"poll_interval_s": 0.5}}
     guard = attnchecker.protect(protected.model, policy=policy, optimizer=protected.optimizer, faults=plan, **stream)
     reference = faulty = None
     if not args.no_compare:
@@ -153,10 +161,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(plan.faults)} faults planned over {args.steps} steps "
           f"(INF, -INF, NaN, near-INF 1e20, exponent bit flips) in q, k, v, scores, context and out")
     if url:
-        _print_urls(url, run_name, guard)
+        _print_urls(url, run_name, guard, operator_token if local is not None else None)
 
     batches = Batches(corpus, batch=args.batch, seq=args.seq, seed=args.seed)
     policy_sent = False
+    applied = guard.policy.version
     for step in range(args.steps):
         x_BT, y_BT = batches.next()
         if reference is not None and faulty is not None:
@@ -166,12 +175,30 @@ def run(args: argparse.Namespace) -> int:
         loss = protected.step(x_BT, y_BT, step)
         if url and operator_token and step == change_at and not policy_sent:
             policy_sent = _change_policy(url, operator_token, guard)
+        if guard.policy.version != applied:
+            applied = guard.policy.version
+            print(("\n" if tty else "") + f"[agent] policy v{applied} applied at the boundary of step {step + 1} "
+                  f"(mode {guard.policy.mode}, tolerance_factor {guard.policy.tolerance_factor:g})", flush=True)
         _progress(step, args.steps, loss, guard, reference, faulty, tty)
     if tty:
         print()
-    guard.close()
+    guard.close(flush_timeout_s=10.0)
     _summary(args, guard, plan, protected, reference, faulty, url, run_name, local)
     return 0
+
+
+def _set_default_policy(url: str, operator_token: str, policy: Any) -> None:
+    import httpx
+
+    body = {k: v for k, v in policy.to_wire().items() if k != "version"}
+    try:
+        r = httpx.put(f"{url}/api/v1/policy/default", json=body,
+                      headers={"Authorization": f"Bearer {operator_token}"}, timeout=5.0)
+    except httpx.HTTPError as e:
+        print(f"could not set the collector's default policy ({e}); the run uses the collector's default")
+        return
+    if r.status_code != 200:
+        print(f"could not set the collector's default policy (HTTP {r.status_code}); the run uses its default")
 
 
 def _run_id(guard: Any) -> str | None:
@@ -180,17 +207,33 @@ def _run_id(guard: Any) -> str | None:
 
 
 def _policy_curl(url: str, run_ref: str) -> str:
-    return (f"curl -X PATCH {url}/api/v1/runs/{run_ref}/policy -H 'Authorization: Bearer $OPERATOR_TOKEN' "
+    # Double quotes around the header, so that the shell expands $OPERATOR_TOKEN.
+    return (f"curl -X PATCH {url}/api/v1/runs/{run_ref}/policy -H \"Authorization: Bearer $OPERATOR_TOKEN\" "
             "-H 'Content-Type: application/json' -d '{\"tolerance_factor\": 2.0}'")
 
 
-def _print_urls(url: str, run_name: str, guard: Any) -> None:
-    print(f"collector API  {url}/api/v1/runs   (this run: {run_name})")
+def _wait_for_run_id(guard: Any, timeout_s: float = 5.0) -> str | None:
+    """The sender thread registers the run in the background; wait a little for its id (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while _run_id(guard) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _run_id(guard)
+
+
+def _print_urls(url: str, run_name: str, guard: Any, operator_token: str | None) -> None:
+    run_id = _wait_for_run_id(guard)
+    run_ref = run_id or "<run id from GET /api/v1/runs>"
+    print(f"collector API  {url}/api/v1/runs/{run_ref}   (run {run_name})")
+    print(f"events         {url}/api/v1/runs/{run_ref}/events")
     print(f"metrics        {url}/metrics")
     print(f"dashboard      dashboards/json/attnchecker-overview.json (Grafana uid {DASHBOARD_UID}); "
           "`docker compose up` serves it at http://localhost:3000/d/" + DASHBOARD_UID)
+    if run_id is None:
+        print("(the collector has not answered yet: events are spooled and sent once it does)")
     print("change the policy while it runs (the progress line shows the applied version):")
-    print("  " + _policy_curl(url, "<run id from GET /api/v1/runs>"))
+    if operator_token:
+        print(f"  export OPERATOR_TOKEN={operator_token}")
+    print("  " + _policy_curl(url, run_ref))
 
 
 def _change_policy(url: str, operator_token: str, guard: Any) -> bool:
@@ -209,6 +252,31 @@ def _change_policy(url: str, operator_token: str, guard: Any) -> bool:
         print(f"\n[operator] PATCH policy → v{r.json().get('version')} (tolerance_factor 2.0); "
               "the agent applies it at a step boundary after its next poll")
     return r.status_code == 200
+
+
+def _collector_view(url: str, token: str | None, run_id: str | None) -> dict[str, Any] | None:
+    """What the collector shows for the run after close (events are counted page by page), or None."""
+    import httpx
+
+    if run_id is None:
+        return None
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        base = f"{url}/api/v1/runs/{run_id}"
+        with httpx.Client(headers=headers, timeout=5.0) as http:
+            run = http.get(base).raise_for_status().json()
+            events, cursor = 0, None
+            for _ in range(1000):  # bounded: 1000 pages of 500 events are far more than a demo makes
+                params = {"limit": 500, **({"cursor": cursor} if cursor else {})}
+                page = http.get(f"{base}/events", params=params).raise_for_status().json()
+                events += len(page["data"])
+                cursor = page.get("next_cursor")
+                if not cursor:
+                    break
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    return {"events": events, "status": run.get("status"), "requested": run.get("requested_policy_version"),
+            "applied": run.get("applied_policy_version")}
 
 
 def _progress(step: int, steps: int, loss: float, guard: Any, reference: Trainer | None, faulty: Trainer | None,
@@ -259,8 +327,16 @@ def _summary(args: argparse.Namespace, guard: Any, plan: Any, protected: Trainer
             print(f"unprotected + same faults: non-trainable (NaN/INF loss or weights) from step "
                   f"{faulty.broken_at + 1}: it would need a checkpoint reload")
     if url:
-        print(f"\ncollector API  {url}/api/v1/runs   run {run_name}" + (f" (id {_run_id(guard)})" if _run_id(guard) else ""))
-        print(f"events         {url}/api/v1/runs/{_run_id(guard) or '<run id>'}/events")
+        run_id = _run_id(guard)
+        transport = guard.transport
+        print(f"events streamed          sent {transport.sent}, spooled {transport.spooled}, dropped "
+              f"{transport.dropped}")
+        held = _collector_view(url, local.operator_token if local is not None else args.operator_token, run_id)
+        if held is not None:
+            print(f"collector holds          {held['events']} events; run {held['status']}, policy requested "
+                  f"v{held['requested']} applied v{held['applied']}")
+        print(f"\ncollector API  {url}/api/v1/runs/{run_id or '<run id>'}   run {run_name}")
+        print(f"events         {url}/api/v1/runs/{run_id or '<run id>'}/events")
         print(f"metrics        {url}/metrics")
         print(f"dashboard      `docker compose up`, then http://localhost:3000/d/{DASHBOARD_UID} "
               "(or import dashboards/json/attnchecker-overview.json)")
