@@ -14,7 +14,6 @@ from attnchecker import (
     NoProtectableAttentionError,
     Policy,
     PolicyError,
-    StreamingUnavailableError,
     UnsupportedDeviceError,
     UnsupportedDtypeError,
 )
@@ -76,10 +75,11 @@ def test_protect_meta_device_raises_unsupported_device() -> None:
     assert not attnchecker.is_protected(model)
 
 
-@pytest.mark.parametrize(("kwargs"), [{"collector": "http://127.0.0.1:8000"}, {"token": "secret"}])
-def test_protect_with_collector_raises_until_streaming_is_wired(kwargs: dict[str, str]) -> None:
+@pytest.mark.parametrize(("kwargs"), [{"collector": "127.0.0.1:8000"}, {"token": "secret"}])
+def test_protect_with_bad_streaming_arguments_raises(kwargs: dict[str, str]) -> None:
+    # Streaming is wired (issue 5): a collector must be a URL or "offline", and a token needs a collector.
     model = NanoGPT()
-    with pytest.raises(StreamingUnavailableError, match="not wired"):
+    with pytest.raises(ValueError, match="collector"):
         attnchecker.protect(model, **kwargs)
     assert not attnchecker.is_protected(model)
 
