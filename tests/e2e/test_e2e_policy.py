@@ -11,7 +11,7 @@ import torch
 from attnchecker import Fault, FaultPlan, Policy
 from e2e_helpers import VOCAB, Collector, protect_streaming, tiny_model, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.usefixtures("single_thread")]
 
 OPS = ("q", "k", "v", "scores", "context", "out")
 LAYERS = 2

@@ -21,6 +21,7 @@ import torch
 from attnchecker import Fault, FaultPlan, Policy
 from e2e_helpers import (
     BACKENDS,
+    FAST,
     Collector,
     protect_streaming,
     running_collector,
@@ -28,7 +29,7 @@ from e2e_helpers import (
     train,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.usefixtures("single_thread")]
 
 OPS = ("q", "k", "v", "scores", "context", "out")
 
@@ -118,8 +119,11 @@ def test_collector_killed_and_restarted_mid_run(collector: Collector, tmp_path: 
     fault_steps = [2, 5, 11, 13, 16, 19, 21, 24, 33]  # before, during and after the outage
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # A request in flight to the hung collector waits its read timeout: 5 s, so that a step that waited for it
+    # would stand far out of this shared machine's noise (steps of 1-2 s happen here under load).
     guard = protect_streaming(model, opt, collector.url, collector.agent, "e2e-outage", tmp_path / "spool",
-                              policy=Policy.full(), faults=plan(fault_steps))
+                              policy=Policy.full(), faults=plan(fault_steps),
+                              transport_options={**FAST, "read_timeout_s": 5.0})
     collector.set_policy(guard, period=1, adaptive=False)
 
     def outage(step: int) -> None:
@@ -135,8 +139,8 @@ def test_collector_killed_and_restarted_mid_run(collector: Collector, tmp_path: 
 
     median = statistics.median(seconds)
     slowest = max(seconds)
-    # A step that waited on the hung collector would take a read timeout (2 s) more than the median.
-    assert slowest <= max(10 * median, median + 1.0), f"slowest step {slowest:.3f}s, median {median:.3f}s"
+    # A step that waited on the hung collector would take the read timeout (5 s) more than the median.
+    assert slowest <= max(10 * median, median + 2.5), f"slowest step {slowest:.3f}s, median {median:.3f}s"
     t = guard.transport
     assert t.spooled > 0, "the outage was not noticed (nothing spooled)"
     assert t.dropped == 0
