@@ -3,10 +3,10 @@
 substituted, must return data through Prometheus's HTTP API, and the uncorrectable-fault alert must fire.
 
 Two sources of traffic, each its own test:
-- AGENT-FED: `AgentTraining` trains a tiny GPT-2 under the real agent (protect() + transport) with injected faults;
-  it skips while the agent cannot stream yet (protect raises StreamingUnavailableError).
+- AGENT-FED: `AgentTraining` trains a tiny GPT-2 under the real agent (protect(collector=...) + its transport) with
+  injected faults, transient ones and one that recompute cannot fix.
 - API-FED: `ApiFedAgent` posts payloads built exactly per docs/wire.md over the collector's real HTTP API (register,
-  stats, events:batch): deterministic, and independent of the agent.
+  stats, events:batch): deterministic, independent of the agent's timing, and the traffic of the /metrics names check.
 """
 
 from __future__ import annotations
@@ -252,7 +252,7 @@ def _dashboard_queries() -> list[tuple[str, str, str]]:
     return queries
 
 
-def test_every_dashboard_query_returns_data_and_uncorrectable_alert_fires(
+def test_api_fed_traffic_fills_every_dashboard_query_and_fires_the_uncorrectable_alert(
     collector: Any, prometheus: Prometheus
 ) -> None:
     agent_token = testing.make_token(collector.settings, "agent", name="api-fed-agent")
@@ -309,9 +309,9 @@ class AgentTraining:
     faults (corrected) and, once released by `release_uncorrectable()`, a persistent 2d fault in the scores that is
     still wrong after recompute (uncorrectable; the policy skips that optimizer step)."""
 
-    UNCORRECTABLE_STEP = 40
+    UNCORRECTABLE_STEP = 12  # the run holds there until released: a low step keeps the test short
 
-    def __init__(self, url: str, token: str) -> None:
+    def __init__(self, url: str, token: str, operator_token: str, spool_dir: Path) -> None:
         torch = pytest.importorskip("torch")
         transformers = pytest.importorskip("transformers")
         attnchecker = pytest.importorskip("attnchecker")
@@ -319,29 +319,42 @@ class AgentTraining:
 
         self.torch = torch
         torch.manual_seed(0)
-        config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32)
+        config = transformers.GPT2Config(
+            n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0
+        )
         self.model = transformers.GPT2LMHeadModel(config)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         transient = [
             Fault(op=op, layer=step % 2, step=step, kind=kind, seed=step)
             for step, (op, kind) in zip(
-                range(2, self.UNCORRECTABLE_STEP, 3),
-                [("scores", "inf"), ("context", "nan"), ("q", "near_inf"), ("out", "neg_inf")] * 20,
+                range(1, self.UNCORRECTABLE_STEP, 2),
+                [("scores", "inf"), ("context", "nan"), ("q", "near_inf"), ("out", "neg_inf")] * 3,
                 strict=False,
             )
         ]
         uncorrectable = Fault(
             op="scores", layer=0, step=self.UNCORRECTABLE_STEP, kind="nan", pattern="2d", persistent=True, seed=7
         )
-        policy = attnchecker.Policy(period=1, adaptive=False, on_uncorrectable="skip_step")
+        # With a collector, the run's policy on the collector is the policy (docs/streaming.md): set the default
+        # new runs copy, so every op is checked every step (the planned faults are all seen) and the
+        # uncorrectable step is skipped instead of training on NaN.
+        wanted = {"period": 1, "adaptive": False, "on_uncorrectable": "skip_step"}
+        answer = httpx.patch(
+            f"{url}/api/v1/policy/default",
+            json=wanted,
+            timeout=5,
+            headers={"Authorization": f"Bearer {operator_token}"},
+        )
+        assert answer.status_code == 200, answer.text
         try:
             self.guard = attnchecker.protect(
                 self.model,
-                policy=policy,
+                policy=attnchecker.Policy(**wanted),
                 optimizer=self.optimizer,
                 run=RUN_NAME,
                 collector=url,
                 token=token,
+                spool_dir=spool_dir,
                 faults=FaultPlan([*transient, uncorrectable]),
             )
         except attnchecker.StreamingUnavailableError as error:
@@ -383,12 +396,13 @@ class AgentTraining:
 
 
 def test_agent_run_fills_every_dashboard_query_and_fires_the_uncorrectable_alert(
-    collector: Any, prometheus: Prometheus
+    collector: Any, prometheus: Prometheus, tmp_path: Path
 ) -> None:
     agent_token = testing.make_token(collector.settings, "agent", name="live-agent")
+    operator_token = testing.make_token(collector.settings, "operator", name="live-operator")
     queries = _dashboard_queries()
 
-    with AgentTraining(collector.url, agent_token) as training:
+    with AgentTraining(collector.url, agent_token, operator_token, tmp_path / "spool") as training:
 
         def empty_panels() -> list[str]:
             assert training.failure is None, f"training failed: {training.failure!r}"
@@ -414,3 +428,5 @@ def test_agent_run_fills_every_dashboard_query_and_fires_the_uncorrectable_alert
         "kind": "nan",
         "severity": "critical",
     }
+    corrected = prometheus.query(f'sum(attnchecker_faults_corrected_total{{run="{RUN_NAME}"}})')
+    assert float(corrected[0]["value"][1]) >= 1, "the transient faults the agent corrected never reached Prometheus"
