@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -290,7 +291,9 @@ class _ProjectionInput:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(‖W_o‖₂ per output feature, |b|): the column norms of B = Wᵀ for the round-off bound."""
         acc = self.x_acc_NTI.dtype
-        w_norm_O = torch.linalg.vector_norm(weight_OI, dim=-1, dtype=acc)
+        # Square-sum-root: for an HF Conv1D weight (in, out) each W_o is a strided column, and vector_norm along it is
+        # ~10x slower (the bound has 1% slack; the two differ in the last bits).
+        w_norm_O = weight_OI.to(acc).square().sum(-1).sqrt()
         return w_norm_O, None if bias_O is None else bias_O.to(acc).abs()
 
 
@@ -432,26 +435,108 @@ def _probs(
     keep_BHTS: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """AP = dropout(softmax(scale·AS + mask)); the dropout keep-mask is returned so a recompute reuses it."""
+    probs, keep, _ = _probs_lse(scores_BHTS, scale=scale, attn_mask=attn_mask, is_causal=is_causal,
+                                dropout_p=dropout_p, keep_BHTS=keep_BHTS)
+    return probs, keep
+
+
+def _probs_lse(
+    scores_BHTS: torch.Tensor,
+    *,
+    scale: float,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    dropout_p: float,
+    keep_BHTS: torch.Tensor | None,
+    with_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """_probs, and with_lse also the row log-sum-exp of scale·AS + mask (B, H, T) in fp32, +INF on rows with every
+    key masked (so that exp(s - lse) = 0 there, as AP), for the fused backward (_VerifiedAttention)."""
     # One new tensor, then in place: out-of-place masking copied the (B, H, T, S) scores once per mask.
     s = scores_BHTS * scale
     t, n_keys = s.shape[-2:]
     if is_causal:
-        s.masked_fill_(torch.ones(t, n_keys, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+        s.masked_fill_(_future_mask(t, n_keys, s.device), -math.inf)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             s.masked_fill_(~attn_mask, -math.inf)
         else:
             s.add_(attn_mask)
     # Softmax in fp32 for half inputs, like SDPA's kernels: the row sums feed the checksum bound.
-    probs = torch.softmax(s, dim=-1, dtype=torch.float32).to(s.dtype)
+    probs32 = torch.softmax(s, dim=-1, dtype=torch.float32)
+    lse_BHT = None
+    if with_lse:
+        # From what softmax already computed: softmax is monotone, so the largest p sits at the largest s = m, where
+        # p = exp(m - lse): lse = m - log max(p), with max(p) >= 1/S (no cancellation). Two max passes (values only:
+        # max with indices is ~15x slower on CPU) instead of torch.logsumexp's three.
+        lse_BHT = s.amax(-1).float() - probs32.amax(-1).log()
+    probs = probs32.to(s.dtype)
     dead = _dead_rows(attn_mask)
     if dead is not None:
         probs = probs.masked_fill(dead, 0.0)
+        if lse_BHT is not None:
+            lse_BHT = lse_BHT.masked_fill(dead[..., 0], math.inf)
     if dropout_p > 0.0:
         if keep_BHTS is None:
             keep_BHTS = torch.empty_like(probs).bernoulli_(1.0 - dropout_p)
         probs = probs * keep_BHTS / (1.0 - dropout_p)
-    return probs, keep_BHTS
+    return probs, keep_BHTS, lse_BHT
+
+
+@functools.lru_cache(maxsize=32)
+def _future_mask(t: int, n_keys: int, device: torch.device) -> torch.Tensor:
+    """(T, S) bool, True above the diagonal (top-left aligned, as SDPA's is_causal). Cached: callers must not write it."""
+    return torch.ones(t, n_keys, dtype=torch.bool, device=device).triu(1)
+
+
+def _fused_backward_ok(q_BHTD: torch.Tensor, dropout_p: float, return_probs: bool) -> bool:
+    """Whether the CPU flash-attention backward can stand in for autograd through the unfused forward: it recomputes
+    AP from Q, K and the row log-sum-exp, so it cannot reproduce our dropout mask, and return_probs hands AP itself
+    to the caller's graph."""
+    return q_BHTD.device.type == "cpu" and dropout_p == 0.0 and not return_probs
+
+
+@dataclass(slots=True)
+class _Forward:
+    """What _VerifiedAttention's backward needs besides q, k, v: the verified output and how AP was formed."""
+
+    out_BHTD: torch.Tensor
+    lse_BHT: torch.Tensor
+    mask_add: torch.Tensor | None
+    scale: float
+    is_causal: bool
+
+
+class _VerifiedAttention(torch.autograd.Function):
+    """Autograd for an attention output computed, verified and repaired outside autograd (under no_grad).
+
+    The gradient is the fused CPU kernel's backward (aten._scaled_dot_product_flash_attention_for_cpu_backward) at
+    q, k, v, the verified output and the row log-sum-exp: the gradient of softmax(scale·QKᵀ + mask)·V, the same
+    function the unfused graph would differentiate, without keeping AS and AP alive for backward or running softmax
+    backward over them. Backward is unprotected either way (DESIGN.md); what it reads (q, k, v, out) is what the
+    checks verified. docs/abft.md (performance) has the reasoning.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd: _Forward) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, fwd.out_BHTD, fwd.lse_BHT, fwd.mask_add)
+        ctx.scale, ctx.is_causal = fwd.scale, fwd.is_causal
+        return fwd.out_BHTD
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, k, v, out, lse, mask_add = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask_add, scale=ctx.scale)
+        return dq, dk, dv, None
+
+
+def _additive_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(~attn_mask, -math.inf)
+    return attn_mask.to(dtype)
 
 
 def _suspect_heads(passed: PassedProjection | None, x_BHSD: torch.Tensor, heads: int, tol: Tolerance) -> torch.Tensor | None:
@@ -521,6 +606,46 @@ def protected_sdpa(
         raise ValueError(f"q has {h} heads and k/v {hk}: pass enable_gqa=True with a divisor head count")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     cfg = ctx.config
+    if (not (cfg.checks("scores") or cfg.checks("context")) and ctx.runtime.injector is None and not return_probs
+            and not (is_causal and attn_mask is not None)):
+        # Nothing to verify or inject in this call (an adaptive step that skips both ops, or mode off): the fused
+        # kernel, exactly what the unprotected model runs. Passed checksums of this layer are dropped unused.
+        for name in ("q", "k", "v"):
+            ctx.passed.pop(name, None)
+        return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    fused_grad = _fused_backward_ok(q_BHTD, dropout_p, return_probs)
+    with torch.no_grad() if fused_grad else contextlib.nullcontext():
+        out, probs, lse = _checked_attention(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask,
+                                             is_causal=is_causal, scale=scale, dropout_p=dropout_p,
+                                             use_passed=use_passed, with_lse=fused_grad)
+    if fused_grad and torch.is_grad_enabled() and (q_BHTD.requires_grad or k_BHSD.requires_grad
+                                                   or v_BHSD.requires_grad):
+        assert lse is not None
+        k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
+        out = _VerifiedAttention.apply(q_BHTD, k_rep, v_rep, _Forward(
+            out_BHTD=out, lse_BHT=lse, mask_add=_additive_mask(attn_mask, q_BHTD.dtype), scale=scale,
+            is_causal=is_causal))
+    return (out, probs) if return_probs else out
+
+
+def _checked_attention(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    *,
+    ctx: LayerContext,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    dropout_p: float,
+    use_passed: bool,
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """protected_sdpa's unfused forward with its checks and repairs: (out, AP, row log-sum-exp if with_lse)."""
+    b, h, t, _ = q_BHTD.shape
+    hk, s = k_BHSD.shape[-3], k_BHSD.shape[-2]
+    cfg = ctx.config
     tol = _tolerance(ctx)
     paper = not cfg.source_repair and use_passed
     passed = {
@@ -538,8 +663,8 @@ def protected_sdpa(
         checks["scores"] = _scores_checks(q_BHTD, k_rep, scores.detach(), passed, h, tol)
         _observe(ctx, checks["scores"])
         seconds["scores"] += time.perf_counter() - t0
-    probs, keep = _probs(scores, scale=scale, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
-                         keep_BHTS=None)
+    probs, keep, lse = _probs_lse(scores, scale=scale, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
+                                  keep_BHTS=None, with_lse=with_lse)
     out = probs @ v_rep
     _inject(ctx, "context", out)
     if cfg.checks("context"):
@@ -569,8 +694,8 @@ def protected_sdpa(
                 _emit(ctx, "scores", reports, heads=True)
                 if correct and any(r.action in ("corrected", "recomputed") for r in reports):
                     # AS was repaired in place: rebuild AP and CL from it, reusing the dropout mask.
-                    probs, _ = _probs(scores, scale=scale, attn_mask=attn_mask, is_causal=is_causal,
-                                      dropout_p=dropout_p, keep_BHTS=keep)
+                    probs, _, lse = _probs_lse(scores, scale=scale, attn_mask=attn_mask, is_causal=is_causal,
+                                               dropout_p=dropout_p, keep_BHTS=keep, with_lse=with_lse)
                     out = probs @ v_rep
                     _inject(ctx, "context", out, attempt=1)
                     if "context" in checks:
@@ -598,7 +723,7 @@ def protected_sdpa(
             seconds["context"] += time.perf_counter() - t0
     for op in checks:
         _count(ctx, op, seconds[op])
-    return (out, probs) if return_probs else out
+    return out, probs, lse
 
 
 def _trusted(
