@@ -28,10 +28,7 @@ import pytest
 import yaml
 
 testing = pytest.importorskip("attnchecker_server.testing")
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian prometheus: `make system-deps`"),
-]
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("dashboard_queries", REPO / "tests/dashboards/dashboard_queries.py")
@@ -225,6 +222,8 @@ def collector(tmp_path: Path) -> Iterator[Any]:
 
 @pytest.fixture
 def prometheus(tmp_path: Path, collector: Any) -> Iterator[Prometheus]:
+    if shutil.which("prometheus") is None:
+        pytest.skip("needs Debian's prometheus: `make system-deps`")
     viewer = testing.make_token(collector.settings, "viewer", name="prometheus")
     server = Prometheus(tmp_path / "prometheus", collector.port, viewer)
     try:
