@@ -173,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
             if faulty.broken_at is None:
                 faulty.step(x_BT, y_BT, step)
         loss = protected.step(x_BT, y_BT, step)
-        if url and operator_token and step == change_at and not policy_sent:
+        # From change_at on until it went through (the run may not be registered yet on a slow machine).
+        if url and operator_token and 0 <= change_at <= step and not policy_sent:
             policy_sent = _change_policy(url, operator_token, guard)
         if guard.policy.version != applied:
             applied = guard.policy.version
@@ -212,7 +213,7 @@ def _policy_curl(url: str, run_ref: str) -> str:
             "-H 'Content-Type: application/json' -d '{\"tolerance_factor\": 2.0}'")
 
 
-def _wait_for_run_id(guard: Any, timeout_s: float = 5.0) -> str | None:
+def _wait_for_run_id(guard: Any, timeout_s: float = 10.0) -> str | None:
     """The sender thread registers the run in the background; wait a little for its id (bounded)."""
     deadline = time.monotonic() + timeout_s
     while _run_id(guard) is None and time.monotonic() < deadline:
