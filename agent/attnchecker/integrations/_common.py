@@ -114,11 +114,11 @@ class Binder:
 
 
 def engine_call(fn: Callable[..., T], *tensors: torch.Tensor | None, **kwargs: Any) -> T:
-    """Call an engine function the way autocast would have run the op it replaces, but with autocast off inside.
+    """Call an engine function the way autocast would have run the op it replaces, with autocast off inside.
 
-    Under autocast the engine's fp32 checksum products would themselves be autocast to bf16/fp16, which makes clean
-    data fail the round-off bound. So: cast the floating inputs to the autocast dtype here (what autocast does to
-    the original op), then run the engine with autocast disabled. Without autocast this is a plain call.
+    Floating inputs (float masks too) are cast to the autocast dtype here, as autocast casts the original op's
+    operands; the engine then sees exactly the dtypes the op ran in, and none of its own fp32 checksum products can
+    be lowered by autocast. Without autocast this is a plain call.
     """
     device_type = next(t for t in tensors if t is not None).device.type
     if not torch.is_autocast_enabled(device_type):
