@@ -105,19 +105,8 @@ def test_registration_left_after_close_runs_plain_sdpa() -> None:
 
 
 def test_eager_model_is_restored_to_eager() -> None:
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        attn_implementation="eager",
-    )
-    model = tf.LlamaForCausalLM(config).eval()
+    model = build("llama", attn_implementation="eager").eval()
+    assert model.config._attn_implementation == "eager"
     ids = batch("llama", 0)["ids"]
     want = _logits(model, ids)
     with attnchecker.protect(model, policy=Policy.full()):

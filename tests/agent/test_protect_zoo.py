@@ -100,10 +100,10 @@ class EncoderLM(nn.Module):
         return self.head(y)
 
 
-def _hf(arch: str) -> nn.Module:
+def _hf(arch: str, overrides: dict[str, object]) -> nn.Module:
     import transformers as tf
 
-    common = {"vocab_size": VOCAB}
+    common: dict[str, object] = {"vocab_size": VOCAB, **overrides}
     if arch == "gpt2":
         cfg = tf.GPT2Config(
             n_embd=64,
@@ -168,11 +168,12 @@ def _hf(arch: str) -> nn.Module:
     raise ValueError(arch)
 
 
-def build(arch: str, seed: int = 0) -> nn.Module:
-    """A fresh model with weights fixed by ``seed`` (same seed -> identical weights), in train mode."""
+def build(arch: str, seed: int = 0, **config: object) -> nn.Module:
+    """A fresh model with weights fixed by ``seed`` (same seed -> identical weights), in train mode. ``config``
+    overrides fields of a transformers config."""
     torch.manual_seed(seed)
     if arch in HF_ARCHS:
-        model = _hf(arch)
+        model = _hf(arch, config)
     elif arch == "nanogpt":
         model = NanoGPT()
     elif arch == "torch_encoder":
