@@ -117,12 +117,17 @@ class HookChecker:
         self.flag = torch.zeros((), dtype=torch.bool)
         self._scratch: dict[tuple[int, ...], torch.Tensor] = {}
         self._sdpa = sdpa_attention_forward
-        for m in _projections(model):
-            m.register_forward_hook(self._proj_hook)
+        self._model = model
+        self._handles = [m.register_forward_hook(self._proj_hook) for m in _projections(model)]
         name = f"bench_{kind}"
         AttentionInterface.register(name, self._attention)
         AttentionMaskInterface.register(name, sdpa_mask)
         model.set_attn_implementation(name)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._model.set_attn_implementation("sdpa")
 
     @torch.no_grad()
     def _look(self, y: torch.Tensor) -> None:
@@ -163,36 +168,59 @@ class HookChecker:
 # ----------------------------------------------------------------------------------------------------- the runner
 
 
-class Variant:
-    """One model copy, its optimizer, and what protects it."""
+POLICIES = {"full": Policy.full, "paper": Policy.paper, "adaptive": Policy,
+            # A fresh guard checks everything on its first step: "nothing due" is mode off, which takes the same
+            # path through the engine as a step the scheduler skips.
+            "skip": functools.partial(Policy, mode="off")}
 
-    def __init__(self, name: str, base: nn.Module, batch: torch.Tensor, *, tiny_batch: torch.Tensor) -> None:
+
+class Variant:
+    """A variant on the shared model: protection attached before each timed step and taken off after it, so every
+    variant runs on the same tensors in the same memory (separate deep copies differed by several percent from
+    each other, an A/A bias no interleaving removes). ``adaptive`` needs its scheduler's history, so it keeps its own
+    copy and guard (its figure carries that copy-to-copy spread; the steady-state estimate below does not)."""
+
+    def __init__(self, name: str, shared: tuple[nn.Module, torch.optim.Optimizer], batch: torch.Tensor, *,
+                 tiny_batch: torch.Tensor) -> None:
         self.name = name
-        self.model = copy.deepcopy(base)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         self.batch = batch
+        self.own = name == "adaptive"
+        if self.own:
+            self.model = copy.deepcopy(shared[0])
+            self.opt: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        else:
+            self.model, self.opt = shared
         self.guard: attnchecker.Guard | None = None
         self.hooks: HookChecker | None = None
         self.check_seconds: dict[str, list[float]] = {}
         self.checked: list[bool] = []
         self.cpu_s: list[float] = []
-        policy = {"full": Policy.full(), "adaptive": Policy(), "paper": Policy.paper(),
-                  "skip": Policy.full(period=10**9)}.get(name)
-        if policy is not None:
-            self.guard = attnchecker.protect(self.model, policy=policy)
-        elif name in ("finite", "dmr", "floor"):
-            self.hooks = HookChecker(name, self.model)
-        if name == "skip":
-            self.step(tiny_batch, record=False)  # the first step checks everything; later ones nothing
-        elif name == "adaptive":
+        if self.own:
+            self._attach()
             # Period 1 -> 8 takes 8 quiet checks at each of 1, 2 and 4 (docs/adaptive.md): 56 steps, on tiny input
             # so the warm-up costs seconds. The scheduler only sees steps and outcomes, not sizes.
             for _ in range(64):
                 self.step(tiny_batch, record=False)
 
+    def _attach(self) -> None:
+        if self.name in POLICIES:
+            self.guard = attnchecker.protect(self.model, policy=POLICIES[self.name]())
+        elif self.name in ("finite", "dmr", "floor"):
+            self.hooks = HookChecker(self.name, self.model)
+
+    def _detach(self) -> None:
+        if self.guard is not None:
+            self.guard.close()
+            self.guard = None
+        if self.hooks is not None:
+            self.hooks.close()
+            self.hooks = None
+
     def step(self, batch: torch.Tensor | None = None, *, record: bool = True) -> float:
-        """One training step; returns its wall time. With ``record``, also keeps its CPU time (this process) and the
-        guard's per-op check time."""
+        """One training step; returns its wall time (attaching and detaching protection excluded). With ``record``,
+        also keeps its CPU time (this process) and the guard's per-op check time."""
+        if not self.own:
+            self._attach()
         x = self.batch if batch is None else batch
         c0, t0 = time.process_time(), time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
@@ -205,6 +233,8 @@ class Variant:
         if self.guard is not None:
             self.guard.step()
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        if not self.own:
+            self._detach()
         if record:
             self.cpu_s.append(dc)
             if stats is not None:
@@ -214,8 +244,7 @@ class Variant:
         return dt
 
     def close(self) -> None:
-        if self.guard is not None:
-            self.guard.close()
+        self._detach()
 
 
 def run_model(arch: str, size: dict[str, int], rounds: int, variants: tuple[str, ...], seed: int) -> dict[str, Any]:
@@ -224,7 +253,8 @@ def run_model(arch: str, size: dict[str, int], rounds: int, variants: tuple[str,
     batch = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=g)
     tiny = batch[:1, :8]
     t0 = time.perf_counter()
-    vs = {n: Variant(n, base, batch, tiny_batch=tiny) for n in variants}
+    shared = (base, torch.optim.AdamW(base.parameters(), lr=1e-5))
+    vs = {n: Variant(n, shared, batch, tiny_batch=tiny) for n in variants}
     setup_s = time.perf_counter() - t0
     warmup = 1
     wall = _common.interleaved({n: functools.partial(v.step) for n, v in vs.items()}, rounds=rounds, warmup=warmup,
@@ -249,7 +279,7 @@ def run_model(arch: str, size: dict[str, int], rounds: int, variants: tuple[str,
             }
         # The headline clock, at the top level too.
         entry.update({k: entry["cpu"][k] for k in ("step_s", "ratio_vs_baseline", "ratio_of_means", "samples_s")})
-        if v.guard is not None:
+        if v.name in POLICIES:
             checked = v.checked[warmup:]
             entry["checked_step_fraction"] = sum(checked) / max(len(checked), 1)
             # Host time inside the checks per step (OpStats.check_seconds); CPU kernels are synchronous, so on
@@ -258,7 +288,7 @@ def run_model(arch: str, size: dict[str, int], rounds: int, variants: tuple[str,
             if v.name == "adaptive":
                 # Steady state: one step in max_period checks everything, the others check nothing. Rounds rarely
                 # cover whole cycles, so estimate from what a checked step (full) and an unchecked one (skip) cost.
-                f = 1 / v.guard.policy.max_period
+                f = 1 / Policy().max_period
                 if "full" in vs and "skip" in vs:
                     entry["steady_state_ratio"] = {c: f * rat[c]["full"]["median"] + (1 - f) * rat[c]["skip"]["median"]
                                                    for c in clocks}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import io
 import statistics
 import sys
@@ -32,7 +33,7 @@ import torch  # noqa: E402
 
 import attnchecker  # noqa: E402
 from attnchecker import Policy  # noqa: E402
-from attnchecker.inject import Fault, FaultPlan  # noqa: E402
+from attnchecker.inject import Fault, FaultPlan, Injector  # noqa: E402
 
 # name -> Fault fields (op, kind, pattern, layer as a fraction of the depth). 0d/1d are corrected from the
 # checksums; 2d is recomputed (the ladder's second rung).
@@ -45,26 +46,29 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 
 
 class Protected:
-    def __init__(self, base: torch.nn.Module, batch: torch.Tensor, scenario: str | None, layers: int,
-                 max_steps: int) -> None:
+    """One protected model (Policy.full()) that every scenario steps in turn: the injector is swapped before each
+    step, so a faulty step and a clean one run on the same tensors in the same memory (separate model copies differ
+    by a few percent from each other, more than a correction costs)."""
+
+    def __init__(self, base: torch.nn.Module, batch: torch.Tensor, layers: int) -> None:
         self.model = copy.deepcopy(base)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         self.batch = batch
-        faults = []
-        if scenario is not None:
-            s = SCENARIOS[scenario]
-            layer = round(s["layer"] * (layers - 1))
-            faults = [Fault(op=s["op"], kind=s["kind"], pattern=s["pattern"], layer=layer, step=i, seed=i)
-                      for i in range(max_steps)]
-        else:
-            # Same machinery as the faulty runs (an injector that is consulted), nothing planned on these steps.
-            faults = [Fault(op="scores", kind="inf", layer=0, step=10**9)]
-        self.guard = attnchecker.protect(self.model, policy=Policy.full(), faults=FaultPlan(faults))
-        self.check_s: list[float] = []
-        self.cpu_s: list[float] = []
-        self.losses: list[float] = []
+        self.layers = layers
+        self.guard = attnchecker.protect(self.model, policy=Policy.full(), faults=FaultPlan([]))
+        self.rec: dict[str, dict[str, Any]] = {}
 
-    def step(self) -> float:
+    def _faults(self, scenario: str, step: int) -> list[Fault]:
+        if scenario == "clean":
+            # Same machinery as the faulty steps (an injector that is consulted), nothing planned on this step.
+            return [Fault(op="scores", kind="inf", layer=0, step=step + 10**9)]
+        s = SCENARIOS[scenario]
+        return [Fault(op=s["op"], kind=s["kind"], pattern=s["pattern"], layer=round(s["layer"] * (self.layers - 1)),
+                      step=step, seed=step)]
+
+    def step(self, scenario: str) -> float:
+        self.guard.runtime.injector = Injector(FaultPlan(self._faults(scenario, self.guard.step_count)))
+        before = self.guard.report()
         c0, t0 = time.process_time(), time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = self.model(input_ids=self.batch, labels=self.batch).loss
@@ -72,11 +76,15 @@ class Protected:
         self.opt.step()
         stats = self.guard.runtime.stats
         self.guard.step()
-        dt = time.perf_counter() - t0
-        self.cpu_s.append(time.process_time() - c0)
-        self.losses.append(float(loss.detach()))  # sync: outside the timed region
-        if stats is not None:
-            self.check_s.append(sum(stats.check_seconds.values()))
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        after = self.guard.report()
+        r = self.rec.setdefault(scenario, {"cpu_s": [], "check_s": [], "corrected": 0, "uncorrectable": 0,
+                                           "losses_finite": True})
+        r["cpu_s"].append(dc)
+        r["check_s"].append(sum(stats.check_seconds.values()) if stats is not None else 0.0)
+        r["corrected"] += after.corrected - before.corrected
+        r["uncorrectable"] += after.uncorrectable - before.uncorrectable
+        r["losses_finite"] &= bool(torch.isfinite(loss.detach()))  # sync: outside the timed region
         return dt
 
 
@@ -130,14 +138,14 @@ def main(argv: list[str] | None = None) -> int:
     intervals = [int(x) for x in a.intervals.split(",") if x]
     base = overhead.build_model(a.model, size)
     batch = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=torch.Generator().manual_seed(0))
-    steps = a.rounds + 1
-    unprotected = overhead.Variant("baseline", base, batch, tiny_batch=batch[:1, :8])
-    runs = {"clean": Protected(base, batch, None, size["layers"], steps)}
-    runs.update({s: Protected(base, batch, s, size["layers"], steps) for s in scenarios})
-    fns = {"baseline": unprotected.step, **{n: r.step for n, r in runs.items()}}
+    own = copy.deepcopy(base)
+    unprotected = overhead.Variant("baseline", (own, torch.optim.AdamW(own.parameters(), lr=1e-5)), batch,
+                                   tiny_batch=batch[:1, :8])
+    prot = Protected(base, batch, size["layers"])
+    fns = {"baseline": unprotected.step, **{n: functools.partial(prot.step, n) for n in ("clean", *scenarios)}}
     samples = _common.interleaved(fns, rounds=a.rounds, warmup=1)
 
-    clean = runs["clean"]
+    clean = prot.rec["clean"]
     # The replayed steps are unprotected steps; wall time, because replay is what the job waits for.
     base_step = _common.summary(samples["baseline"])["median"]
     ckpt = checkpoint_costs(unprotected.model, unprotected.opt, a.ckpt_reps)
@@ -153,26 +161,30 @@ def main(argv: list[str] | None = None) -> int:
     }
     rows = []
     for s in scenarios:
-        r = runs[s]
-        rep = r.guard.report()
+        r = prot.rec[s]
         # CPU time of this process (see overhead.py): the extra work of the faulty step, not the neighbours' noise.
-        diffs = [x - y for x, y in zip(r.cpu_s[1:], clean.cpu_s[1:], strict=True)]
+        diffs = [x - y for x, y in zip(r["cpu_s"][1:], clean["cpu_s"][1:], strict=True)]
         wall_diffs = [x - y for x, y in zip(samples[s], samples["clean"], strict=True)]
         # Skip the warm-up round's check time, like the step samples.
-        check_extra = [x - y for x, y in zip(r.check_s[1:], clean.check_s[1:], strict=True)]
+        check_extra = [x - y for x, y in zip(r["check_s"][1:], clean["check_s"][1:], strict=True)]
         step_extra = statistics.median(diffs)
         engine_extra = statistics.median(check_extra)
         cost = max(step_extra, engine_extra)
+        basis = "median"
+        if cost <= 0:
+            # The correction costs less than the step-to-step noise: take the upper quartile instead, which
+            # overstates the cost (and understates the ratio) rather than dividing by noise.
+            cost = max(_common.summary(diffs)["p75"], _common.summary(check_extra)["p75"], 1e-6)
+            basis = "p75 (median within noise)"
         entry: dict[str, Any] = {
             "step_extra_s": _common.summary(diffs),
             "step_extra_wall_s": _common.summary(wall_diffs),
             "check_extra_s": _common.summary(check_extra),
             "inline_cost_s": cost,
-            "corrected": rep.corrected,
-            "uncorrectable": rep.uncorrectable,
-            # A rebuilt element is "checksum minus the healthy elements": equal to the clean value up to round-off,
-            # so the losses agree closely, not necessarily bit for bit.
-            "loss_max_rel_diff": max(abs(x - y) / abs(y) for x, y in zip(r.losses, clean.losses, strict=True)),
+            "inline_cost_basis": basis,
+            "corrected": r["corrected"],
+            "uncorrectable": r["uncorrectable"],
+            "losses_finite": r["losses_finite"],
             "ratio_paper_file": save_load_file / cost if cost > 0 else None,
             "ratio_paper_mem": save_load_mem / cost if cost > 0 else None,
             "intervals": {},
@@ -188,16 +200,15 @@ def main(argv: list[str] | None = None) -> int:
                 "ratio_mem": (save_load_mem + n / 2 * base_step) / cost if cost > 0 else None,
             }
         result["scenarios"][s] = entry
-        rows.append([s, step_extra * 1e3, engine_extra * 1e3, f"{rep.corrected}/{rep.uncorrectable}",
-                     f"{entry['loss_max_rel_diff']:.1e}", entry["ratio_paper_file"] or float("nan"),
+        rows.append([s, step_extra * 1e3, engine_extra * 1e3, f"{r['corrected']}/{r['uncorrectable']}",
+                     r["losses_finite"], entry["ratio_paper_file"] or float("nan"),
                      *(entry["intervals"][str(n)]["ratio"] or float("nan") for n in intervals)])
-    for v in [unprotected, *runs.values()]:
-        v.guard and v.guard.close()
+    prot.guard.close()
     print(f"\n{a.model} ({'tiny' if a.tiny else 'full'} size): unprotected step {base_step * 1e3:.0f} ms, clean "
           f"protected step {result['clean_protected_step_s']['median'] * 1e3:.0f} ms; checkpoint "
           f"{ckpt['bytes'] / 2**20:.1f} MiB: save {ckpt['save_file_s']['median'] * 1e3:.0f} ms + load "
           f"{ckpt['load_file_s']['median'] * 1e3:.0f} ms (file), {save_load_mem * 1e3:.0f} ms (memory)")
-    print(_common.table(rows, ["fault", "step extra ms (CPU)", "check extra ms", "corrected/uncorr.", "loss rel. diff",
+    print(_common.table(rows, ["fault", "step extra ms (CPU)", "check extra ms", "corrected/uncorr.", "loss finite",
                                "C/R(save+load) / inline", *(f"C/R@{n} / inline" for n in intervals)]))
     path = _common.write_result("recovery", result, a.out)
     print(f"\nwrote {path}")
