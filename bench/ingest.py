@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -154,12 +155,15 @@ def step_cost(url: str | None, token: str | None, rounds: int, steps: int, event
     down_url = f"http://127.0.0.1:{free_port()}"
     targets = {"none": "none", "up": url, "down": down_url}
 
-    def block(target: str | None) -> float:
+    cpu: dict[str, list[float]] = {k: [] for k in targets}
+
+    def block(name: str, target: str | None) -> float:
         with tempfile.TemporaryDirectory() as d:
             t = None if target == "none" else Transport(
                 target, token, f"bench-step-{uuid.uuid4().hex[:6]}", spool_dir=d, connect_timeout_s=0.2,
                 read_timeout_s=1.0, flush_interval_s=0.05).start()
             times = []
+            c0 = time.process_time()
             for s in range(steps):
                 t0 = time.perf_counter()
                 opt.zero_grad()
@@ -169,14 +173,20 @@ def step_cost(url: str | None, token: str | None, rounds: int, steps: int, event
                     for i in range(events_per_step):
                         t.emit_event(make_event(s, i))
                 times.append(time.perf_counter() - t0)
+            # This process's CPU per step, the sender thread included (the agent's whole cost); wall time also
+            # carries the co-located collector's CPU on a small machine.
+            cpu[name].append((time.process_time() - c0) / steps)
             if t is not None:
                 t.close(deadline_s=2.0)
         return statistics.median(times)
 
-    samples = _common.interleaved({k: (lambda v=v: block(v)) for k, v in targets.items()}, rounds=rounds, warmup=1)
+    samples = _common.interleaved({k: functools.partial(block, k, v) for k, v in targets.items()}, rounds=rounds,
+                                  warmup=1)
+    cpu = {k: v[1:] for k, v in cpu.items()}
     return {"steps_per_block": steps, "events_per_step": events_per_step, "step_s": {
         k: _common.summary(v) for k, v in samples.items()}, "ratio_vs_none": _common.ratios(samples, "none"),
-        "down_over_up": _common.summary([d / u for d, u in zip(samples["down"], samples["up"], strict=True)])}
+        "down_over_up": _common.summary([d / u for d, u in zip(samples["down"], samples["up"], strict=True)]),
+        "cpu_step_s": {k: _common.summary(v) for k, v in cpu.items()}, "cpu_ratio_vs_none": _common.ratios(cpu, "none")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                           v["dropped"]] for k, v in enq.items()],
                         ["collector", "enqueue µs/event (median)", "min", "max", "dropped"]))
     st = result["step"]
-    print(_common.table([[k, st["step_s"][k]["median"] * 1e3, _common.pct(st["ratio_vs_none"][k]["median"])]
-                         for k in st["step_s"]], ["transport", "step ms (median)", "vs no transport"]))
+    print(_common.table([[k, st["step_s"][k]["median"] * 1e3, _common.pct(st["ratio_vs_none"][k]["median"]),
+                          st["cpu_step_s"][k]["median"] * 1e3, _common.pct(st["cpu_ratio_vs_none"][k]["median"])]
+                         for k in st["step_s"]], ["transport", "wall ms/step (median)", "wall vs none",
+                                                  "process CPU ms/step", "CPU vs none"]))
     print(f"down / up: {st['down_over_up']['median']:.3f} (median of per-round ratios)")
     path = _common.write_result("ingest", result, a.out)
     print(f"\nwrote {path}")
