@@ -600,8 +600,8 @@ def protected_sdpa(
     """
     if q_BHTD.dim() != 4:
         raise ValueError(f"protected_sdpa expects (B, H, T, D) tensors, got q of shape {tuple(q_BHTD.shape)}")
-    b, h, t, d = q_BHTD.shape
-    hk, s = k_BHSD.shape[-3], k_BHSD.shape[-2]
+    h, d = q_BHTD.shape[1], q_BHTD.shape[3]
+    hk = k_BHSD.shape[-3]
     if hk != h and not (enable_gqa and h % hk == 0):
         raise ValueError(f"q has {h} heads and k/v {hk}: pass enable_gqa=True with a divisor head count")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
