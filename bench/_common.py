@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,7 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
 
 def _fmt(x: Any) -> str:
     if isinstance(x, float):
-        if x != x:
+        if x != x:  # noqa: PLR0124  (NaN)
             return "n/a"
         return f"{x:.4g}" if abs(x) < 1e4 else f"{x:,.0f}"
     return str(x)
@@ -120,7 +120,7 @@ def write_result(name: str, payload: Mapping[str, Any], out: str | os.PathLike[s
     doc = {
         "schema_version": SCHEMA_VERSION,
         "benchmark": name,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": machine(),
         **payload,

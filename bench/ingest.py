@@ -24,15 +24,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
+import _common
 
 _common.setup_path()
 
-import httpx  # noqa: E402
-
-from attnchecker.events import Detection  # noqa: E402
-from attnchecker.transport import Transport  # noqa: E402
-from attnchecker.transport.client import encode, events_body  # noqa: E402
+import httpx
+from attnchecker.events import Detection
+from attnchecker.transport import Transport
+from attnchecker.transport.client import encode, events_body
 
 
 def make_event(step: int, i: int) -> Detection:

@@ -26,21 +26,19 @@ import functools
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
+import _common
 
 _common.setup_path()
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-
-import attnchecker  # noqa: E402
-from attnchecker import Policy  # noqa: E402
+import attnchecker
+import torch
+import torch.nn.functional as F
+from attnchecker import Policy
+from torch import nn
 
 VARIANTS = ("baseline", "full", "adaptive", "paper", "skip", "finite", "dmr", "floor")
 SIZES = {

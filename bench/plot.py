@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
+import _common
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
                capsize=3)
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(names)), names)
-    ax.set_ylabel("step time vs unprotected SDPA (%)")
+    ax.set_ylabel("CPU time per step vs unprotected SDPA (%)")
     ax.set_title("Training-step overhead per variant (median of per-round ratios, bars: IQR)\n"
                  f"{doc['machine'].get('cpu', '?')}, {doc['machine'].get('torch_threads', '?')} torch thread(s), no GPU")
     ax.legend()

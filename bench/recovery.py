@@ -26,14 +26,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
-import overhead  # noqa: E402
-
-import torch  # noqa: E402
-
-import attnchecker  # noqa: E402
-from attnchecker import Policy  # noqa: E402
-from attnchecker.inject import Fault, FaultPlan, Injector  # noqa: E402
+import _common
+import attnchecker
+import overhead
+import torch
+from attnchecker import Policy
+from attnchecker.inject import Fault, FaultPlan, Injector
 
 # name -> Fault fields (op, kind, pattern, layer as a fraction of the depth). 0d/1d are corrected from the
 # checksums; 2d is recomputed (the ladder's second rung).

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 def run_bench(name: str, tmp_path: Path, *args: str) -> dict:
     out = tmp_path / f"{name}.json"
     proc = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--tiny", "--out", str(out), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=540)
+                          cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "|" in proc.stdout  # a table was printed
     doc = json.loads(out.read_text())
@@ -46,7 +46,7 @@ def test_overhead_bench_writes_every_variant(tmp_path):
     assert [m["model"] for m in doc["models"]] == ["gpt2", "llama"]
     for m in doc["models"]:
         assert set(m["variants"]) == {"baseline", "full", "adaptive", "paper", "skip", "finite", "dmr", "floor"}
-        for name, v in m["variants"].items():
+        for v in m["variants"].values():
             check_summary(v["step_s"])
             assert positive(v["step_s"]["median"])
             assert len(v["samples_s"]) == 2
