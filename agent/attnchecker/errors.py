@@ -13,7 +13,6 @@ __all__ = [
     "AlreadyProtectedError",
     "AttnCheckerError",
     "NoProtectableAttentionError",
-    "StreamingUnavailableError",
     "UncorrectableFault",
     "UnsupportedDeviceError",
     "UnsupportedDtypeError",
@@ -38,10 +37,6 @@ class UnsupportedDtypeError(AttnCheckerError, TypeError):
 
 class UnsupportedDeviceError(AttnCheckerError, TypeError):
     """The attention's parameters live on a device the engine does not run on."""
-
-
-class StreamingUnavailableError(AttnCheckerError, NotImplementedError):
-    """``collector=``/``token=`` were given but streaming to a collector is not wired into the guard yet."""
 
 
 class UncorrectableFault(AttnCheckerError, RuntimeError):

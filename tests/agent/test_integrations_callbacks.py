@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The model zoo lives next to this file; make it importable under either pytest import mode.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_protect_zoo import VOCAB, batch, build
+from model_zoo import VOCAB, batch, build
 
 STEPS = 4
 

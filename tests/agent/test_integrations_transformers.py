@@ -14,7 +14,7 @@ from attnchecker import Fault, FaultPlan, Policy
 # The model zoo lives next to this file; make it importable under either pytest import mode.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_protect_zoo import SEQ, batch, build
+from model_zoo import SEQ, batch, build
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")

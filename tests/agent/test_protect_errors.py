@@ -22,7 +22,7 @@ from torch import nn
 # The model zoo lives next to this file; make it importable under either pytest import mode.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_protect_zoo import NanoGPT, build
+from model_zoo import NanoGPT, build
 
 
 def test_protect_without_attention_lists_what_is_supported() -> None:

@@ -15,7 +15,7 @@ from attnchecker import Fault, FaultPlan, Policy, UncorrectableFault
 # The model zoo lives next to this file; make it importable under either pytest import mode.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_protect_zoo import batch, build, loss_of, train
+from model_zoo import batch, build, loss_of, train
 
 ARCH = "nanogpt"
 LAYERS = 2

@@ -17,7 +17,7 @@ from torch import nn
 # The model zoo lives next to this file; make it importable under either pytest import mode.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_protect_zoo import ARCHS, batch, build, loss_of
+from model_zoo import ARCHS, batch, build, loss_of
 
 
 def _snapshot(model: nn.Module) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from attnchecker import Fault, FaultPlan, Policy
 # The model zoo lives next to this file; make it importable under either pytest import mode.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_protect_zoo import ARCHS, STEPS, build, fault_seed, reference_losses, rel_diff, train
+from model_zoo import ARCHS, STEPS, build, fault_seed, reference_losses, rel_diff, train
 
 log = logging.getLogger(__name__)
 

@@ -345,19 +345,16 @@ class AgentTraining:
             headers={"Authorization": f"Bearer {operator_token}"},
         )
         assert answer.status_code == 200, answer.text
-        try:
-            self.guard = attnchecker.protect(
-                self.model,
-                policy=attnchecker.Policy(**wanted),
-                optimizer=self.optimizer,
-                run=RUN_NAME,
-                collector=url,
-                token=token,
-                spool_dir=spool_dir,
-                faults=FaultPlan([*transient, uncorrectable]),
-            )
-        except attnchecker.StreamingUnavailableError as error:
-            pytest.skip(f"agent streaming is not wired yet ({error}); the API-fed test covers this meanwhile")
+        self.guard = attnchecker.protect(
+            self.model,
+            policy=attnchecker.Policy(**wanted),
+            optimizer=self.optimizer,
+            run=RUN_NAME,
+            collector=url,
+            token=token,
+            spool_dir=spool_dir,
+            faults=FaultPlan([*transient, uncorrectable]),
+        )
         self.batch = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
         self.steps = 0
         self.failure: BaseException | None = None
