@@ -23,6 +23,7 @@ from .local_collector import LocalCollector, start_local_collector
 
 DASHBOARD_UID = "attnchecker-overview"
 EARLY_STEPS = 50
+POLICY_WAIT_S = 10.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -250,10 +251,20 @@ def _change_policy(url: str, operator_token: str, guard: Any) -> bool:
                         headers={"Authorization": f"Bearer {operator_token}"}, timeout=2.0)
     except httpx.HTTPError:
         return False
-    if r.status_code == 200:
-        print(f"\n[operator] PATCH policy → v{r.json().get('version')} (tolerance_factor 2.0); "
-              "the agent applies it at a step boundary after its next poll")
-    return r.status_code == 200
+    if r.status_code != 200:
+        return False
+    version = r.json().get("version")
+    print(f"\n[operator] PATCH policy → v{version} (tolerance_factor 2.0); "
+          "the agent applies it at a step boundary after its next poll")
+    # The demo plays the operator too: wait (bounded) until the sender thread has polled the new version, so that a
+    # short demo still shows it applied. Training code never waits like this; the guard only reads what has arrived.
+    deadline = time.monotonic() + POLICY_WAIT_S
+    while time.monotonic() < deadline:
+        latest = guard.transport.latest_policy() if guard.transport is not None else None
+        if latest is not None and latest.version >= version:
+            break
+        time.sleep(0.05)
+    return True
 
 
 def _collector_view(url: str, token: str | None, run_id: str | None) -> dict[str, Any] | None:
