@@ -354,6 +354,9 @@ class AgentTraining:
             token=token,
             spool_dir=spool_dir,
             faults=FaultPlan([*transient, uncorrectable]),
+            # Every step closes a stats interval: the run holds before its uncorrectable step, and faults counted in
+            # an interval still open at the hold would never reach the collector (fault counters come from stats).
+            stats_interval_steps=1,
         )
         self.batch = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
         self.steps = 0
