@@ -28,7 +28,8 @@ from attnchecker_server.services.sql import upsert_insert
 
 def rows_of(batch: EventBatchIn, run_id: str) -> list[dict]:
     now = utcnow()
-    return [dict(id=e.id,  # noqa: C408  (column names as keywords read like the table) run_id=run_id, batch_id=batch.batch_id, ts=e.ts, step=e.step, rank=e.rank, layer=e.layer,
+    # C408 waived below: column names as keywords read like the table
+    return [dict(id=e.id, run_id=run_id, batch_id=batch.batch_id, ts=e.ts, step=e.step, rank=e.rank, layer=e.layer,  # noqa: C408
                  op=e.op, pattern=e.pattern, kind=e.kind, action=e.action, loc_batch=e.location.batch,
                  loc_head=e.location.head, loc_row=e.location.row, loc_col=e.location.col, value=e.value,
                  residual=e.residual, bound=e.bound, policy_version=e.policy_version, received_at=now)

@@ -5,9 +5,11 @@ stored for the SQL view and never counted twice.
 """
 
 import math
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import update
+from pydantic import TypeAdapter
+from sqlalchemy import text, update
 from sqlalchemy.orm import Session
 
 from ..models import (
@@ -20,7 +22,7 @@ from ..models import (
     StatsInterval,
     utcnow,
 )
-from ..schemas import EventBatchIn, EventBatchResult, StatsIn, StatsResult
+from ..schemas import EventBatchIn, EventBatchResult, FaultEventIn, StatsIn, StatsResult
 from .runs import require_run
 from .sql import greatest, upsert_insert
 
@@ -36,26 +38,71 @@ def _touch(session: Session, run_id: str, **values: Any) -> None:
     )
 
 
-def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn) -> EventBatchResult:
-    require_run(session, run_id)
-    now = utcnow()
-    # The batch row is written first: a concurrent copy of the same batch blocks on its key until this
-    # transaction ends, then sees it and stores nothing.
-    new_batch = session.execute(
-        upsert_insert(session, EventBatch)
-        .values(id=batch.batch_id, run_id=run_id, received_at=now, accepted=0, duplicates=0)
-        .on_conflict_do_nothing(index_elements=["id"])
-        .returning(EventBatch.id)
-    ).first()
-    if new_batch is None:
-        return EventBatchResult(batch_id=batch.batch_id, accepted=0, duplicates=len(batch.events))
+# The event columns in table order; every row of a batch shares run_id, batch_id and received_at.
+_EVENT_COLUMNS = [column.name for column in FaultEvent.__table__.columns]
+# Each event's fields as json_to_recordset reads them from the validated events' JSON, in the columns' SQL types.
+_RECORD = (
+    "id varchar, ts timestamptz, step integer, rank integer, layer integer, op varchar, pattern varchar, "
+    "kind varchar, action varchar, location json, value varchar, residual double precision, "
+    "bound double precision, policy_version integer"
+)
+_SELECTED = {
+    "run_id": ":run_id",
+    "batch_id": ":batch_id",
+    "received_at": ":received_at",
+    "loc_batch": "CAST(e.location->>'batch' AS integer)",
+    "loc_head": "CAST(e.location->>'head' AS integer)",
+    "loc_row": "CAST(e.location->>'row' AS integer)",
+    "loc_col": "CAST(e.location->>'col' AS integer)",
+}
+
+# One statement whose text never depends on the batch size, so SQLAlchemy caches it and psycopg prepares it
+# server-side. The validated events travel as one JSON parameter (serialised by pydantic in Rust): 17 array
+# parameters cost more to dump in psycopg than the whole insert takes in PostgreSQL. Rows are inserted in id order
+# (COLLATE "C": code-point order, as Python sorts), so concurrent batches that share events lock rows in one order
+# and cannot deadlock. ON CONFLICT skips events stored before (under another batch id); the count is of the rows
+# really inserted, and the batch row's counts are written in the same round trip.
+_INSERT_EVENTS_POSTGRES = text(
+    "WITH inserted AS ("
+    f"INSERT INTO {FaultEvent.__tablename__} ({', '.join(_EVENT_COLUMNS)}) "
+    "SELECT "
+    + ", ".join(_SELECTED.get(name, f"e.{name}") for name in _EVENT_COLUMNS)
+    + f" FROM json_to_recordset(CAST(:events AS json)) AS e({_RECORD}) "
+    'ORDER BY e.id COLLATE "C" '
+    "ON CONFLICT (id) DO NOTHING RETURNING 1), "
+    "n AS (SELECT count(*) AS accepted FROM inserted) "
+    f"UPDATE {EventBatch.__tablename__} SET accepted = n.accepted, duplicates = :total - n.accepted "
+    "FROM n WHERE id = :batch_id RETURNING n.accepted"
+)
+_EVENTS_JSON = TypeAdapter(list[FaultEventIn])
+
+
+def _insert_events_postgres(
+    session: Session, *, run_id: str, batch_id: str, events: list[FaultEventIn], now: datetime
+) -> int:
+    params = {
+        "run_id": run_id,
+        "batch_id": batch_id,
+        "received_at": now,
+        "total": len(events),
+        "events": _EVENTS_JSON.dump_json(events).decode(),
+    }
+    return int(session.execute(_INSERT_EVENTS_POSTGRES, params).scalar_one())
+
+
+def _insert_events_executemany(
+    session: Session, *, run_id: str, batch_id: str, events: list[FaultEventIn], now: datetime
+) -> int:
+    """SQLite (no unnest, no JSON recordset): one cached INSERT … ON CONFLICT DO NOTHING RETURNING id, with the rows
+    as executemany parameters. SQLAlchemy's insertmanyvalues compiles it once and expands it into multi-row batches
+    by string operations, not a fresh compile per batch size."""
     accepted = 0
-    if batch.events:
+    if events:
         rows = [
             {
                 "id": e.id,
                 "run_id": run_id,
-                "batch_id": batch.batch_id,
+                "batch_id": batch_id,
                 "ts": e.ts,
                 "step": e.step,
                 "rank": e.rank,
@@ -74,24 +121,44 @@ def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn) -> Even
                 "policy_version": e.policy_version,
                 "received_at": now,
             }
-            # Sorted by id: concurrent batches that share events then lock rows in one order and cannot deadlock.
-            for e in sorted(batch.events, key=lambda event: event.id)
+            for e in events
         ]
         # RETURNING lists only the rows really inserted: events already stored (from another batch id) are skipped.
-        inserted = session.execute(
-            upsert_insert(session, FaultEvent)
-            .values(rows)
-            .on_conflict_do_nothing(index_elements=["id"])
-            .returning(FaultEvent.id)
-        ).all()
-        accepted = len(inserted)
-    duplicates = len(batch.events) - accepted
+        table = FaultEvent.__table__
+        accepted = len(
+            session.execute(
+                upsert_insert(session, table).on_conflict_do_nothing(index_elements=["id"]).returning(table.c.id),
+                rows,
+            ).all()
+        )
     session.execute(
         update(EventBatch)
-        .where(EventBatch.id == batch.batch_id)
-        .values(accepted=accepted, duplicates=duplicates)
+        .where(EventBatch.id == batch_id)
+        .values(accepted=accepted, duplicates=len(events) - accepted)
         .execution_options(synchronize_session=False)
     )
+    return accepted
+
+
+def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn) -> EventBatchResult:
+    require_run(session, run_id)
+    now = utcnow()
+    # The batch row is written first: a concurrent copy of the same batch blocks on its key until this
+    # transaction ends, then sees it and stores nothing.
+    new_batch = session.execute(
+        upsert_insert(session, EventBatch)
+        .values(id=batch.batch_id, run_id=run_id, received_at=now, accepted=0, duplicates=0)
+        .on_conflict_do_nothing(index_elements=["id"])
+        .returning(EventBatch.id)
+    ).first()
+    if new_batch is None:
+        return EventBatchResult(batch_id=batch.batch_id, accepted=0, duplicates=len(batch.events))
+    events = sorted(batch.events, key=lambda event: event.id)
+    if session.get_bind().dialect.name == "postgresql":
+        accepted = _insert_events_postgres(session, run_id=run_id, batch_id=batch.batch_id, events=events, now=now)
+    else:
+        accepted = _insert_events_executemany(session, run_id=run_id, batch_id=batch.batch_id, events=events, now=now)
+    duplicates = len(batch.events) - accepted
     max_step = max((e.step for e in batch.events), default=None)
     _touch(
         session, run_id, **({"last_step": greatest(session, Run.last_step, max_step)} if max_step is not None else {})
