@@ -70,7 +70,10 @@ _INSERT_EVENTS_POSTGRES = text(
     + f" FROM json_to_recordset(CAST(:events AS json)) AS e({_RECORD}) "
     'ORDER BY e.id COLLATE "C" '
     "ON CONFLICT (id) DO NOTHING RETURNING 1), "
-    "n AS (SELECT count(*) AS accepted FROM inserted) "
+    "n AS (SELECT count(*) AS accepted FROM inserted), "
+    # Runs after the events (nothing reads it), as _touch did: the run row is locked last, in every transaction.
+    f"touched AS (UPDATE {Run.__tablename__} SET last_seen_at = :seen_at, "
+    "last_step = GREATEST(last_step, :max_step) WHERE id = :run_id) "
     f"UPDATE {EventBatch.__tablename__} SET accepted = n.accepted, duplicates = :total - n.accepted "
     "FROM n WHERE id = :batch_id RETURNING n.accepted"
 )
@@ -86,6 +89,9 @@ def _insert_events_postgres(
         "received_at": now,
         "total": len(events),
         "events": _EVENTS_JSON.dump_json(events).decode(),
+        # GREATEST ignores NULL: an empty batch leaves last_step as it is.
+        "max_step": max((e.step for e in events), default=None),
+        "seen_at": utcnow(),
     }
     return int(session.execute(_INSERT_EVENTS_POSTGRES, params).scalar_one())
 
@@ -155,14 +161,17 @@ def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn) -> Even
         return EventBatchResult(batch_id=batch.batch_id, accepted=0, duplicates=len(batch.events))
     events = sorted(batch.events, key=lambda event: event.id)
     if session.get_bind().dialect.name == "postgresql":
+        # Also touches the run, in the same round trip.
         accepted = _insert_events_postgres(session, run_id=run_id, batch_id=batch.batch_id, events=events, now=now)
     else:
         accepted = _insert_events_executemany(session, run_id=run_id, batch_id=batch.batch_id, events=events, now=now)
+        max_step = max((e.step for e in batch.events), default=None)
+        _touch(
+            session,
+            run_id,
+            **({"last_step": greatest(session, Run.last_step, max_step)} if max_step is not None else {}),
+        )
     duplicates = len(batch.events) - accepted
-    max_step = max((e.step for e in batch.events), default=None)
-    _touch(
-        session, run_id, **({"last_step": greatest(session, Run.last_step, max_step)} if max_step is not None else {})
-    )
     return EventBatchResult(batch_id=batch.batch_id, accepted=accepted, duplicates=duplicates)
 
 
