@@ -336,8 +336,8 @@ def _summary(args: argparse.Namespace, guard: Any, plan: Any, protected: Trainer
         ratio = statistics.median(protected.seconds) / statistics.median(reference.seconds)
         print(f"overhead                 {100 * (ratio - 1):+.1f} % step time (median protected "
               f"{1e3 * statistics.median(protected.seconds):.0f} ms vs unprotected "
-              f"{1e3 * statistics.median(reference.seconds):.0f} ms, interleaved on this machine; bench/ has the "
-              "controlled numbers)")
+              f"{1e3 * statistics.median(reference.seconds):.0f} ms, interleaved; on a model this small the "
+              "per-call costs dominate: docs/performance.md has the controlled figures at GPT-2 size)")
     if faulty is not None:
         if faulty.broken_at is None:
             print("unprotected + same faults: still trainable (final loss "
