@@ -60,6 +60,8 @@ class RunRegisterIn(_In):
     host: str | None = Field(default=None, max_length=200)
     agent_version: str | None = Field(default=None, max_length=50)
     config: dict[str, Any] = Field(default_factory=dict)
+    # The new run's starting policy (version 1) instead of a copy of the default; ignored when the run is resumed.
+    policy: "PolicyIn | None" = None
 
 
 class RunFinishIn(_In):
@@ -123,6 +125,9 @@ class PolicyIn(_In):
                 "raise max_period"
             )
         return self
+
+
+RunRegisterIn.model_rebuild()
 
 
 class PolicyUpdate(_In):

@@ -88,3 +88,98 @@ def test_unstorable_values_are_422_not_500(api: Api) -> None:
     # PostgreSQL text cannot hold NUL; SQLite can. Either way the client gets no 5xx.
     response = api.client.post("/api/v1/runs", json={"name": "ok", "host": "node\x00"}, headers=api.headers("agent"))
     assert response.status_code in (201, 422), response.text
+
+
+REGISTERED_POLICY = {
+    "mode": "detect",
+    "period": 4,
+    "op_periods": {"scores": 2},
+    "adaptive": False,
+    "min_period": 2,
+    "max_period": 16,
+    "tolerance": "extreme",
+    "tolerance_factor": 2.5,
+    "on_uncorrectable": "skip_step",
+    "source_repair": False,
+    "overhead_budget": 0.1,
+}
+
+
+def _run_policy(api: Api, run_id: str) -> dict:
+    policy = api.client.get(f"/api/v1/runs/{run_id}/policy", headers=api.headers("viewer")).json()
+    return {k: v for k, v in policy.items() if k not in ("version", "updated_at", "updated_by")} | {
+        "version": policy["version"]
+    }
+
+
+def test_register_with_policy_starts_the_run_with_it(api: Api) -> None:
+    created = api.client.post(
+        "/api/v1/runs", json={"name": "mine", "policy": REGISTERED_POLICY}, headers=api.headers("agent")
+    )
+    assert created.status_code == 201, created.text
+    assert created.json()["policy"]["version"] == 1
+    assert created.json()["policy"]["period"] == 4
+    run_id = created.json()["id"]
+    assert _run_policy(api, run_id) == {**REGISTERED_POLICY, "version": 1}
+    history = api.client.get(f"/api/v1/runs/{run_id}/policy/history", headers=api.headers("viewer")).json()["data"]
+    assert [(h["version"], h["actor"]) for h in history] == [(1, "agent-0")]
+    assert history[0]["policy"] == REGISTERED_POLICY
+    # the default is untouched
+    default = api.client.get("/api/v1/policy/default", headers=api.headers("viewer")).json()
+    assert default["period"] == 1
+    assert default["mode"] == "correct"
+
+
+def test_register_with_a_partial_policy_fills_the_rest_like_put(api: Api) -> None:
+    created = api.client.post(
+        "/api/v1/runs", json={"name": "mine", "policy": {"period": 3}}, headers=api.headers("agent")
+    )
+    assert created.status_code == 201, created.text
+    policy = _run_policy(api, created.json()["id"])
+    assert policy["period"] == 3
+    assert policy["mode"] == "correct"
+    assert policy["version"] == 1
+
+
+def test_register_without_policy_copies_the_default(api: Api) -> None:
+    changed = api.client.patch("/api/v1/policy/default", json={"period": 5}, headers=api.headers("operator"))
+    assert changed.status_code == 200, changed.text
+    run_id = api.register("plain")["id"]
+    policy = _run_policy(api, run_id)
+    assert policy["period"] == 5
+    assert policy["version"] == 1
+
+
+def test_resume_ignores_the_registration_policy(api: Api) -> None:
+    headers = api.headers("agent")
+    first = api.client.post("/api/v1/runs", json={"name": "exp", "policy": {"period": 2}}, headers=headers)
+    assert first.status_code == 201, first.text
+    run_id = first.json()["id"]
+    # an operator changes the run's policy; a restarted agent registering again with its own policy doesn't undo it
+    url = f"/api/v1/runs/{run_id}/policy"
+    assert api.client.patch(url, json={"period": 6}, headers=api.headers("operator")).status_code == 200
+    again = api.client.post("/api/v1/runs", json={"name": "exp", "policy": REGISTERED_POLICY}, headers=headers)
+    assert again.status_code == 200, again.text
+    assert again.json()["created"] is False
+    assert again.json()["policy"]["version"] == 2
+    assert again.json()["policy"]["period"] == 6
+    policy = _run_policy(api, run_id)
+    assert policy["version"] == 2
+    assert policy["period"] == 6
+    assert policy["mode"] == "correct"
+
+
+def test_register_with_invalid_policy_is_422_naming_the_field_and_creates_nothing(api: Api) -> None:
+    headers = api.headers("agent")
+    for bad, field in (
+        ({"period": 0}, "policy.period"),
+        ({"period": "3"}, "policy.period"),
+        ({"mode": "fix"}, "policy.mode"),
+        ({"colour": "red"}, "policy.colour"),
+        ({"min_period": 9, "max_period": 4}, "policy"),
+    ):
+        r = api.client.post("/api/v1/runs", json={"name": "bad", "policy": bad}, headers=headers)
+        assert r.status_code == 422, (bad, r.text)
+        assert field in r.json()["message"], (bad, r.json())
+    runs = api.client.get("/api/v1/runs", headers=api.headers("viewer")).json()["data"]
+    assert runs == []

@@ -68,13 +68,13 @@ def get_policy(session: Session, *, scope: str) -> Policy:
     return row
 
 
-def create_run_policy(session: Session, *, run_id: str, actor: str) -> Policy:
-    """Copies the current default into a new run, as its version 1."""
-    default = _ensure_default(session)
+def create_run_policy(session: Session, *, run_id: str, actor: str, policy: PolicyIn | None = None) -> Policy:
+    """A new run's version 1: ``policy`` (given at registration) or else a copy of the current default."""
+    body = policy.model_dump(mode="json") if policy is not None else dict(_ensure_default(session).body)
     now = utcnow()
-    row = Policy(scope=run_id, run_id=run_id, version=1, body=dict(default.body), updated_at=now, updated_by=actor)
+    row = Policy(scope=run_id, run_id=run_id, version=1, body=body, updated_at=now, updated_by=actor)
     session.add(row)
-    session.add(PolicyRevision(scope=run_id, version=1, body=dict(default.body), actor=actor, changed_at=now))
+    session.add(PolicyRevision(scope=run_id, version=1, body=dict(body), actor=actor, changed_at=now))
     session.flush()
     return row
 

@@ -25,7 +25,10 @@ def require_run(session: Session, run_id: str) -> Run:
 
 
 def register_run(session: Session, *, run_in: RunRegisterIn, actor: str) -> tuple[Run, Policy, bool]:
-    """Creates the run, or resumes the one with that name; returns (run, its policy, created)."""
+    """Creates the run, or resumes the one with that name; returns (run, its policy, created).
+
+    A created run starts with ``run_in.policy`` when given (else the default); a resumed run keeps its policy.
+    """
     now = utcnow()
     values: dict[str, Any] = {
         "model": run_in.model,
@@ -57,7 +60,7 @@ def register_run(session: Session, *, run_in: RunRegisterIn, actor: str) -> tupl
         .returning(Run.id)
     ).scalar()
     if created_id is not None:
-        policy = create_run_policy(session, run_id=created_id, actor=actor)
+        policy = create_run_policy(session, run_id=created_id, actor=actor, policy=run_in.policy)
         run = session.get(Run, created_id)
         assert run is not None
         return run, policy, True
