@@ -140,6 +140,8 @@ class _Streaming:
     interval_s: float
     interval_steps: int
     transport_options: Mapping[str, Any]
+    register_policy: bool = False
+    """protect() was given ``policy=`` explicitly: send it as a new run's starting policy (docs/wire.md)."""
 
 
 def _coerce_policy(policy: Policy | Mapping[str, Any] | None) -> Policy:
@@ -415,7 +417,8 @@ class Guard:
         from .transport import Transport
 
         self._transport = Transport(
-            s.collector, s.token, s.run, spool_dir=s.spool_dir, run_info=self._run_info(), **s.transport_options
+            s.collector, s.token, s.run, spool_dir=s.spool_dir, run_info=self._run_info(register_policy=s.register_policy),
+            **s.transport_options
         ).start()
         self._interval = IntervalStats(self._transport.emit_stats, rank=self.rank, interval_s=s.interval_s,
                                        interval_steps=s.interval_steps)
@@ -431,13 +434,15 @@ class Guard:
         self._atexit = close_at_exit
         atexit.register(close_at_exit)
 
-    def _run_info(self) -> dict[str, Any]:
-        """The registration body besides the name (docs/wire.md): what an operator needs to recognise the run."""
+    def _run_info(self, *, register_policy: bool = False) -> dict[str, Any]:
+        """The registration body besides the name (docs/wire.md): what an operator needs to recognise the run, and
+        with ``register_policy`` the policy given to protect() as a new run's starting policy (a resumed run keeps
+        the collector's)."""
         world_size = 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             world_size = torch.distributed.get_world_size()
         param = next(iter(self.model.parameters()), None)
-        return {
+        info: dict[str, Any] = {
             "model": type(self.model).__name__[:200],
             "world_size": world_size,
             "rank": self.rank,
@@ -453,6 +458,9 @@ class Guard:
                 "policy": self._policy.to_wire(),
             },
         }
+        if register_policy:
+            info["policy"] = {k: v for k, v in self._policy.to_wire().items() if k != "version"}
+        return info
 
     def _final_interval(self) -> int | None:
         """At close: fold a step in progress (a forward after the last ``step()``) into the last interval, so the
@@ -557,14 +565,15 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 
 
 def _warn_replaced(local: Policy, remote: Policy, run: str | None) -> None:
-    """The collector's first policy takes over from the one protect() was given: say so when they differ."""
+    """The collector's first policy takes over from the local one: say so when they differ (a resumed run keeps its
+    policy on the collector; a new run registered without ``policy=`` gets the collector's default)."""
     mine, theirs = local.to_wire(), remote.to_wire()
     changed = sorted(k for k in mine if k != "version" and mine[k] != theirs.get(k))
     if changed:
         log.warning(
-            "attnchecker: run %s now follows the collector's policy v%d, which differs from the policy given to "
-            "protect() in %s; change the run's policy on the collector (PUT/PATCH /api/v1/runs/{id}/policy, or the "
-            "default for new runs) to keep those settings",
+            "attnchecker: run %s now follows the collector's policy v%d, which differs from the local policy in %s "
+            "(an existing run keeps its policy on the collector); change the run's policy there (PUT/PATCH "
+            "/api/v1/runs/{id}/policy) to use those settings",
             run, remote.version, ", ".join(changed),
         )
 
@@ -637,8 +646,10 @@ def protect(
 
     Args:
         policy: what to check and how often (default ``Policy()``); a mapping is read as the wire form. With a
-            collector this is the policy until the collector's answer arrives; from then on the run's policy on the
-            collector is applied at step boundaries (operators change it over REST).
+            collector, a policy given here is sent at registration and becomes a new run's starting policy (a
+            resumed run keeps the collector's; without ``policy=`` a new run gets the collector's default). It is in
+            force until the collector's answer arrives; from then on the run's policy on the collector is applied at
+            step boundaries (operators change it over REST).
         optimizer: if given, ``Guard.step()`` runs after each ``optimizer.step()``.
         run: the run's name on the collector (every rank of a job passes the same one). Default:
             ``$ATTNCHECKER_RUN``, else ``<model class>-<time>-<host>``.
@@ -683,7 +694,7 @@ def protect(
         raise ValueError(f"max_detections must be >= 1, got {max_detections!r}")
     streaming = _streaming_config(model, run=run, collector=collector, token=token, spool_dir=spool_dir,
                                   interval_s=stats_interval_s, interval_steps=stats_interval_steps,
-                                  transport_options=transport_options)
+                                  transport_options=transport_options, register_policy=policy is not None)
     return Guard(
         model,
         policy=_coerce_policy(policy),
@@ -706,6 +717,7 @@ def _streaming_config(
     interval_s: float,
     interval_steps: int,
     transport_options: Mapping[str, Any] | None,
+    register_policy: bool = False,
 ) -> _Streaming | None:
     if collector is None:
         if token is not None or spool_dir is not None or transport_options:
@@ -731,6 +743,7 @@ def _streaming_config(
         interval_s=interval_s,
         interval_steps=interval_steps,
         transport_options=dict(transport_options or {}),
+        register_policy=register_policy,
     )
 
 

@@ -51,6 +51,30 @@ def test_without_a_collector_nothing_streams() -> None:
         assert dict(guard.periods) == dict.fromkeys(("q", "k", "v", "scores", "context", "out"), 1)
 
 
+def _registration(guard: attnchecker.Guard) -> dict:
+    return json.loads(guard.transport.run_body)
+
+
+def test_an_explicit_policy_goes_into_the_registration_only_when_given(tmp_path: Path) -> None:
+    model = _model()
+    given = Policy(period=3, mode="detect", op_periods={"scores": 2})
+    guard = attnchecker.protect(model, policy=given, collector="offline", spool_dir=tmp_path / "a", run="given")
+    body = _registration(guard)
+    guard.close()
+    assert body["policy"] == {k: v for k, v in given.to_wire().items() if k != "version"}
+    # A mapping counts as given too.
+    guard = attnchecker.protect(model, policy={"period": 2}, collector="offline", spool_dir=tmp_path / "b", run="m")
+    body = _registration(guard)
+    guard.close()
+    assert body["policy"]["period"] == 2 and "version" not in body["policy"]
+    # Defaulted: a new run gets the collector's default, so nothing is sent.
+    guard = attnchecker.protect(model, collector="offline", spool_dir=tmp_path / "c", run="defaulted")
+    body = _registration(guard)
+    guard.close()
+    assert "policy" not in body
+    assert body["config"]["policy"]["period"] == 1  # still described in the config
+
+
 def test_the_collectors_policy_is_applied_at_the_next_step_boundary(tmp_path: Path) -> None:
     model = _model()
     guard = attnchecker.protect(model, policy=Policy.full(), collector="offline", spool_dir=tmp_path,

@@ -101,6 +101,11 @@ def test_registration_describes_the_run(spooled) -> None:
     assert run.name == "contract-run" and run.model == "Sequential" and run.rank == 0 and run.world_size == 1
     assert run.host and run.agent_version
     assert run.config["layers"] == 2 and run.config["policy"]["period"] == 1
+    # protect() was given policy=: it goes as the new run's starting policy, every field as PUT takes it.
+    assert run.policy is not None
+    assert run.policy.model_dump(mode="json") == {
+        k: v for k, v in Policy.full(on_uncorrectable="skip_step").to_wire().items() if k != "version"
+    }
     finish = [schemas.RunFinishIn.model_validate(b) for b in _kinds(records, "finish")]
     assert [(f.rank, f.last_step) for f in finish] == [(0, STEPS)]  # the forward after the last step counts
 
@@ -135,3 +140,19 @@ def test_stats_intervals_agree_with_the_events(spooled) -> None:
     # Every interval had clean checks, and the residual histogram travelled (finite) with each.
     assert all(i.residual_ratio is not None and i.residual_ratio.count > 0 for i in intervals)
     assert sum(i.transport.spooled for i in intervals) <= len(events)
+
+
+def test_a_registration_policy_of_every_field_validates(tmp_path: Path) -> None:
+    """A policy with no field at its default, from protect(policy=...) to the registration body the server parses."""
+    policy = Policy(mode="detect", period=3, op_periods={"scores": 2, "out": 5}, adaptive=False, min_period=2,
+                    max_period=12, tolerance="extreme", tolerance_factor=2, on_uncorrectable="raise",
+                    source_repair=False, overhead_budget=0.2)
+    model = _model()
+    guard = attnchecker.protect(model, policy=policy, run="contract-policy", collector="offline", spool_dir=tmp_path)
+    guard.close(flush_timeout_s=5.0)
+    lines = [json.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_text().splitlines()]
+    (body,) = _kinds(lines, "run")
+    run = schemas.RunRegisterIn.model_validate_json(json.dumps(body))
+    assert run.policy is not None
+    expected = {k: v for k, v in policy.to_wire().items() if k != "version"}
+    assert run.policy.model_dump(mode="json") == expected

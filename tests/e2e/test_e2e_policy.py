@@ -54,6 +54,12 @@ def test_policy_change_over_rest_is_applied_within_a_step_and_periods_decide_the
     guard = protect_streaming(model, opt, collector.url, collector.agent, "e2e-policy", tmp_path / "spool",
                               policy=Policy.full())
     t = guard.transport
+    # The policy given to protect() is the new run's version 1 on the collector, set by the agent's token.
+    assert wait_until(lambda: t.latest_policy() is not None), "the run never registered"
+    assert t.latest_policy().version == 1
+    history = collector.api("GET", f"/runs/{t.run_id}/policy/history").json()["data"]
+    assert [(h["version"], h["actor"]) for h in history] == [(1, "e2e-agent")]
+    assert history[0]["policy"] == {k: v for k, v in Policy.full().to_wire().items() if k != "version"}
     v_full = collector.set_policy(guard, period=1, adaptive=False)
     step = 0
     for _ in range(4):
