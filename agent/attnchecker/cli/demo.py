@@ -136,9 +136,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"starting a collector on SQLite under {args.data_dir} …", flush=True)
         local = start_local_collector(args.data_dir, port=args.port)
         url, token, operator_token = local.url, local.agent_token, local.operator_token
-        # With a collector, the run's policy there is the one in force; a new run copies the collector's default.
-        # This collector is the demo's own, so its default becomes the demo's policy.
-        _set_default_policy(url, operator_token, policy)
     elif args.collector != "none":
         url, token, operator_token = args.collector.rstrip("/"), args.token, args.operator_token
 
@@ -153,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         # A short poll, so that a policy change shows within a second or two of the curl.
         stream = {"run": run_name, "collector": url, "token": token, "spool_dir": spool,
                   "transport_options": {"poll_interval_s": 0.5}}
+    # With a collector, the policy given here is sent at registration and is the new run's starting policy there.
     guard = attnchecker.protect(protected.model, policy=policy, optimizer=protected.optimizer, faults=plan, **stream)
     reference = faulty = None
     if not args.no_compare:
@@ -188,20 +186,6 @@ def run(args: argparse.Namespace) -> int:
     guard.close(flush_timeout_s=10.0)
     _summary(args, guard, plan, protected, reference, faulty, url, run_name, local)
     return 0
-
-
-def _set_default_policy(url: str, operator_token: str, policy: Any) -> None:
-    import httpx
-
-    body = {k: v for k, v in policy.to_wire().items() if k != "version"}
-    try:
-        r = httpx.put(f"{url}/api/v1/policy/default", json=body,
-                      headers={"Authorization": f"Bearer {operator_token}"}, timeout=5.0)
-    except httpx.HTTPError as e:
-        print(f"could not set the collector's default policy ({e}); the run uses the collector's default")
-        return
-    if r.status_code != 200:
-        print(f"could not set the collector's default policy (HTTP {r.status_code}); the run uses its default")
 
 
 def _run_id(guard: Any) -> str | None:
