@@ -310,7 +310,7 @@ class AgentTraining:
 
     UNCORRECTABLE_STEP = 12  # the run holds there until released: a low step keeps the test short
 
-    def __init__(self, url: str, token: str, operator_token: str, spool_dir: Path) -> None:
+    def __init__(self, url: str, token: str, spool_dir: Path) -> None:
         torch = pytest.importorskip("torch")
         transformers = pytest.importorskip("transformers")
         attnchecker = pytest.importorskip("attnchecker")
@@ -334,17 +334,10 @@ class AgentTraining:
         uncorrectable = Fault(
             op="scores", layer=0, step=self.UNCORRECTABLE_STEP, kind="nan", pattern="2d", persistent=True, seed=7
         )
-        # With a collector, the run's policy on the collector is the policy (docs/streaming.md): set the default
-        # new runs copy, so every op is checked every step (the planned faults are all seen) and the
-        # uncorrectable step is skipped instead of training on NaN.
+        # The policy given to protect() is the new run's starting policy on the collector (docs/streaming.md):
+        # every op is checked every step (the planned faults are all seen) and the uncorrectable step is skipped
+        # instead of training on NaN.
         wanted = {"period": 1, "adaptive": False, "on_uncorrectable": "skip_step"}
-        answer = httpx.patch(
-            f"{url}/api/v1/policy/default",
-            json=wanted,
-            timeout=5,
-            headers={"Authorization": f"Bearer {operator_token}"},
-        )
-        assert answer.status_code == 200, answer.text
         self.guard = attnchecker.protect(
             self.model,
             policy=attnchecker.Policy(**wanted),
@@ -398,10 +391,9 @@ def test_agent_run_fills_every_dashboard_query_and_fires_the_uncorrectable_alert
     collector: Any, prometheus: Prometheus, tmp_path: Path
 ) -> None:
     agent_token = testing.make_token(collector.settings, "agent", name="live-agent")
-    operator_token = testing.make_token(collector.settings, "operator", name="live-operator")
     queries = _dashboard_queries()
 
-    with AgentTraining(collector.url, agent_token, operator_token, tmp_path / "spool") as training:
+    with AgentTraining(collector.url, agent_token, tmp_path / "spool") as training:
 
         def empty_panels() -> list[str]:
             assert training.failure is None, f"training failed: {training.failure!r}"
