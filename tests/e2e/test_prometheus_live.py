@@ -251,6 +251,29 @@ def _dashboard_queries() -> list[tuple[str, str, str]]:
     return queries
 
 
+def _panels_fill_then_uncorrectable_alert_fires(
+    prometheus: Prometheus, queries: list[tuple[str, str, str]], *, trigger: Any, healthy: Any = lambda: None
+) -> dict[str, Any]:
+    """Wait until every panel query returns data and check the alert is quiet, then `trigger()` the uncorrectable
+    fault and return the alert once it fires. `healthy()` runs on every poll, so a dead feeder fails fast."""
+
+    def empty_panels() -> list[str]:
+        healthy()
+        return [title for title, _, promql in queries if not prometheus.query(promql)]
+
+    _wait_for(
+        "every panel query to return data (last answer: the panels still empty)",
+        empty_panels,
+        until=lambda empty: not empty,
+    )
+    assert not prometheus.firing("AttncheckerUncorrectableFault"), "fired before any uncorrectable fault"
+    trigger()
+    [alert] = _wait_for(
+        "AttncheckerUncorrectableFault firing", lambda: prometheus.firing("AttncheckerUncorrectableFault")
+    )
+    return alert
+
+
 def test_api_fed_traffic_fills_every_dashboard_query_and_fires_the_uncorrectable_alert(
     collector: Any, prometheus: Prometheus
 ) -> None:
@@ -259,21 +282,7 @@ def test_api_fed_traffic_fills_every_dashboard_query_and_fires_the_uncorrectable
 
     with ApiFedAgent(collector.url, agent_token) as agent:
         _wait_for("the collector scraped as up", lambda: prometheus.query('up{job="attnchecker-collector"} == 1'))
-
-        def empty_panels() -> list[str]:
-            return [title for title, _, promql in queries if not prometheus.query(promql)]
-
-        _wait_for(
-            "every panel query to return data (last answer: the panels still empty)",
-            empty_panels,
-            until=lambda empty: not empty,
-        )
-        assert not prometheus.firing("AttncheckerUncorrectableFault"), "fired before any uncorrectable fault"
-
-        agent.inject_uncorrectable()
-        [alert] = _wait_for(
-            "AttncheckerUncorrectableFault firing", lambda: prometheus.firing("AttncheckerUncorrectableFault")
-        )
+        alert = _panels_fill_then_uncorrectable_alert_fires(prometheus, queries, trigger=agent.inject_uncorrectable)
         assert not agent.errors, agent.errors
 
     assert alert["labels"] == {
@@ -395,22 +404,13 @@ def test_agent_run_fills_every_dashboard_query_and_fires_the_uncorrectable_alert
 
     with AgentTraining(collector.url, agent_token, tmp_path / "spool") as training:
 
-        def empty_panels() -> list[str]:
+        def healthy() -> None:
             assert training.failure is None, f"training failed: {training.failure!r}"
-            return [title for title, _, promql in queries if not prometheus.query(promql)]
 
-        _wait_for(
-            "every panel query to return data (last answer: the panels still empty)",
-            empty_panels,
-            until=lambda empty: not empty,
+        alert = _panels_fill_then_uncorrectable_alert_fires(
+            prometheus, queries, trigger=training.release_uncorrectable, healthy=healthy
         )
-        assert not prometheus.firing("AttncheckerUncorrectableFault"), "fired before any uncorrectable fault"
-
-        training.release_uncorrectable()
-        [alert] = _wait_for(
-            "AttncheckerUncorrectableFault firing", lambda: prometheus.firing("AttncheckerUncorrectableFault")
-        )
-        assert training.failure is None, f"training failed: {training.failure!r}"
+        healthy()
 
     assert alert["labels"] == {
         "alertname": "AttncheckerUncorrectableFault",
