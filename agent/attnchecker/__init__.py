@@ -21,9 +21,24 @@ from .guard import FaultCounts, Guard, Report, is_protected, protect, unprotect
 from .inject import Fault, FaultPlan
 from .policy import Policy, PolicyError
 
+# The trainer callbacks import transformers / lightning when they exist: loaded on first use, so that
+# `import attnchecker` stays light for a plain PyTorch training script.
+_LAZY = {"AttnCheckerCallback", "AttnCheckerLightningCallback"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from . import callbacks
+
+        return getattr(callbacks, name)
+    raise AttributeError(f"module 'attnchecker' has no attribute {name!r}")
+
+
 __all__ = [
     "AlreadyProtectedError",
+    "AttnCheckerCallback",
     "AttnCheckerError",
+    "AttnCheckerLightningCallback",
     "Detection",
     "Fault",
     "FaultCounts",
