@@ -12,15 +12,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .policy import MODES, OPS, TOLERANCES
+
 if TYPE_CHECKING:
     from .events import Detection
     from .inject import Injector
 
-OPS: tuple[str, ...] = ("q", "k", "v", "scores", "context", "out")
-"""The protected operations, in the order they run in a layer."""
-
-MODES = ("off", "detect", "correct")
-TOLERANCES = ("roundoff", "extreme")
+__all__ = ["MODES", "OPS", "RESIDUAL_RATIO_BUCKETS", "TOLERANCES", "CheckConfig", "LayerContext", "OpStats", "Runtime"]
 
 # Upper bounds of the residual/bound histogram the agent keeps on the device (wire: stats.residual_ratio.le).
 RESIDUAL_RATIO_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 1.0, 10.0, 1000.0)

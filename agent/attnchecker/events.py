@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from .abft.tolerance import NEAR_INF
+
 KINDS = ("inf", "neg_inf", "nan", "near_inf", "silent")
 PATTERNS = ("0d", "1d", "2d")
 ACTIONS = ("corrected", "recomputed", "detected", "uncorrectable")
@@ -21,7 +23,7 @@ def value_to_wire(x: float) -> str:
     return repr(float(x))
 
 
-def kind_of(x: float, *, near_inf: float = 1e10) -> str:
+def kind_of(x: float, *, near_inf: float = NEAR_INF) -> str:
     if math.isnan(x):
         return "nan"
     if math.isinf(x):

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .context import OPS
+from .policy import OPS
 
 __all__ = ["FAULT_KINDS", "FAULT_PATTERNS", "Fault", "FaultPlan", "Injected", "Injector", "bitflip"]
 

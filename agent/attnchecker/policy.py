@@ -17,9 +17,10 @@ from .errors import AttnCheckerError
 
 __all__ = ["OPS", "Policy", "PolicyError", "Scheduler"]
 
-# The op vocabulary of the wire format. Mirrors attnchecker.context.OPS, which imports torch; a test pins the two
-# together so they cannot drift.
+# The agent's vocabulary, torch-free so that the transport, the CLI and the wire contract read it without torch.
+# The engine (context.py) re-exports these; nothing defines them a second time.
 OPS: tuple[str, ...] = ("q", "k", "v", "scores", "context", "out")
+"""The protected operations, in the order they run in a layer."""
 MODES: tuple[str, ...] = ("off", "detect", "correct")
 TOLERANCES: tuple[str, ...] = ("roundoff", "extreme")
 ON_UNCORRECTABLE: tuple[str, ...] = ("log", "skip_step", "raise")

@@ -112,8 +112,8 @@ def test_policy_pickles():
     assert pickle.loads(pickle.dumps(p)) == p
 
 
-def test_policy_ops_match_the_engine_vocabulary():
-    from attnchecker.context import MODES, OPS as CONTEXT_OPS, TOLERANCES
-    from attnchecker.policy import MODES as P_MODES, TOLERANCES as P_TOL
+def test_the_engine_uses_the_policy_vocabulary_not_a_copy():
+    from attnchecker import context, policy
 
-    assert (OPS, P_MODES, P_TOL) == (CONTEXT_OPS, MODES, TOLERANCES)
+    assert (context.OPS, context.MODES, context.TOLERANCES) == (policy.OPS, policy.MODES, policy.TOLERANCES)
+    assert context.OPS is policy.OPS and context.MODES is policy.MODES and context.TOLERANCES is policy.TOLERANCES
