@@ -183,10 +183,13 @@ function renderSession() {
   const button = document.getElementById("signout");
   if (state.token) {
     session.textContent = "signed in with a token";
+    button.textContent = "Sign out";
     button.hidden = false;
   } else if (state.open) {
+    // Anyone may read here; an operator still signs in to change policies.
     session.textContent = "open reads: read-only without a token";
-    button.hidden = true;
+    button.textContent = "Sign in";
+    button.hidden = false;
   } else {
     session.textContent = "";
     button.hidden = true;
@@ -231,7 +234,13 @@ function renderSignIn(message) {
 }
 
 async function boot() {
-  document.getElementById("signout").addEventListener("click", () => signOut("Signed out."));
+  document.getElementById("signout").addEventListener("click", () => {
+    if (state.token) signOut("Signed out.");
+    else {
+      stopPolling();
+      renderSignIn();
+    }
+  });
   window.addEventListener("hashchange", route);
   if (state.token) {
     const r = await probe(state.token);
@@ -723,9 +732,10 @@ function policyEditor(runId, api, view, box) {
     dirty = false;
   }
 
-  function setEditable(value) {
+  function setEditable(value, known = true) {
     editable = value;
-    readOnly.hidden = value;
+    readOnly.hidden = value || !known;
+    form.dataset.access = known ? (value ? "edit" : "read-only") : "checking";
     for (const input of Object.values(inputs)) input.disabled = !value;
     save.disabled = !value;
     reload.disabled = !value;
@@ -788,7 +798,7 @@ function policyEditor(runId, api, view, box) {
     await load();
   });
 
-  setEditable(false);
+  setEditable(false, false);
   (async () => {
     await load();
     if (state.canEdit === null || state.canEdit.runId !== runId) {
