@@ -270,3 +270,37 @@ def test_the_page_and_its_files_are_served_with_a_strict_content_security_policy
     assert httpx.get(setup.collector.url + "/api/v1/runs", timeout=10).status_code == 401
     # Only the shipped static files: nothing else of the package is reachable under /ui.
     assert httpx.get(setup.collector.url + "/ui/%2e%2e/config.py", timeout=10).status_code == 404
+
+
+def test_the_coverage_map_shows_when_the_registration_has_one_and_new_or_missing_fields_do_not_break_it(
+        setup: Setup, page: Any) -> None:
+    c = setup.collector
+    coverage = {"layers.0.attn": {"path": "sdpa swap", "protected": True},
+                "layers.1.attn": {"path": "unsupported wrapper", "protected": False}}
+    r = c.api("POST", "/runs", json={"name": "ui-coverage", "config": {"coverage": coverage}},
+              headers={"Authorization": f"Bearer {c.agent}"})
+    assert r.status_code in (200, 201), r.text
+    run_id = r.json()["id"]
+
+    # A later collector adds fields (tier counts, …) and may leave others out: the page takes the real answer,
+    # changed that way on its way to the browser, and must still draw.
+    def newer_server(route: Any) -> None:
+        body = route.fetch().json()
+        body["totals"]["tripwire_trips"] = 7
+        body["totals"]["tier_note"] = "not a number: not a card"
+        body["tiers"] = {"tripwire": {"steps": 12}}
+        for key in ("model", "host", "last_step", "applied_policy_version"):
+            body.pop(key, None)
+        route.fulfill(json=body)
+
+    page.route(re.compile(rf"/api/v1/runs/{run_id}$"), newer_server)
+    sign_in(page, c.url, setup.viewer)
+    page.get_by_role("link", name="ui-coverage", exact=True).click()
+    expect(page.locator("#run-name")).to_have_text("ui-coverage")
+    expect(page.locator("#coverage")).to_be_visible()
+    expect(page.locator("#coverage-table tbody tr")).to_have_count(2)
+    expect(page.locator("#coverage-table")).to_contain_text("unsupported wrapper")
+    expect(page.locator("[data-count='tripwire_trips'] .value")).to_have_text("7")
+    expect(page.locator("[data-count='tier_note']")).to_have_count(0)
+    expect(page.locator("#run-meta")).to_contain_text("model –")
+    expect(page.locator("#timeline-empty")).to_be_visible()
