@@ -235,8 +235,7 @@ def test_text_from_agents_is_shown_as_text_never_as_markup(setup: Setup, page: A
     assert page.evaluate("window.pwned") is None
 
 
-def test_open_reads_open_the_page_without_a_token_and_read_only(setup: Setup, page: Any,
-                                                                tmp_path: Path) -> None:
+def test_open_reads_open_the_page_without_a_token_and_read_only(setup: Setup, page: Any) -> None:
     # A second collector process on the same database, with ATTNCHECKER_OPEN_READS=true.
     settings = setup.collector.settings.model_copy(update={"open_reads": True})
     proc = testing.start_collector(settings, migrate_first=False)
