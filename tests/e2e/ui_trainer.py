@@ -1,13 +1,14 @@
 """A protected training process for the dashboard's browser test (tests/e2e/test_web_ui.py): the tiny model of
 e2e_helpers under attnchecker.protect(), streaming to a collector, with faults on a few early steps (one of them
 persistent, so recompute cannot fix it: an uncorrectable fault for the page to highlight). It trains until the stop
-file appears, slowly, so that it stays cheap while a browser looks at it; each policy version the agent applies is
+file appears (or the test process goes away), slowly, so that it stays cheap while a browser looks at it; each policy version the agent applies is
 printed as it happens.
 
     python ui_trainer.py URL AGENT_TOKEN RUN_NAME SPOOL_DIR STOP_FILE
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,8 +37,10 @@ def main(url: str, token: str, run: str, spool_dir: str, stop_file: str) -> None
                               faults=FaultPlan(faults), transport_options={**FAST, "poll_interval_s": 0.2})
     applied = guard.policy.version
     print(f"training run {run}; policy v{applied}", flush=True)
+    parent = os.getppid()
     for _ in range(MAX_STEPS):
-        if Path(stop_file).exists():
+        # The stop file, or the test process is gone (killed, crashed): either way, stop.
+        if Path(stop_file).exists() or os.getppid() != parent:
             break
         train(model, opt, 1, before_step=None)
         if guard.policy.version != applied:
