@@ -233,6 +233,9 @@ def test_text_from_agents_is_shown_as_text_never_as_markup(setup: Setup, page: A
     link.click()
     expect(page.locator("#run-name")).to_have_text(name)
     assert page.evaluate("window.pwned") is None
+    # A mangled address (bad percent-encoding) falls back to the runs, without a script error.
+    page.goto(c.url + "/#/runs/%E0%A4%A")
+    expect(page.locator("#runs")).to_be_visible()
 
 
 def test_open_reads_open_the_page_without_a_token_and_read_only(setup: Setup, page: Any) -> None:

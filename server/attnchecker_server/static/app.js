@@ -266,7 +266,13 @@ function route() {
   renderSession();
   if (!state.token && !state.open) return renderSignIn();
   const match = /^#\/runs\/([^/?#]+)$/.exec(location.hash);
-  if (match) runPage(decodeURIComponent(match[1]), state.view);
+  let runId = null;
+  try {
+    runId = match ? decodeURIComponent(match[1]) : null;
+  } catch (_) {
+    runId = null; // a mangled address: show the runs instead
+  }
+  if (runId) runPage(runId, state.view);
   else runsPage(state.view);
 }
 
