@@ -29,9 +29,20 @@ def test_the_page_loads_only_files_shipped_in_the_package(api: Api) -> None:
         assert r.status_code == 200, ref
     assert api.client.get("/ui/app.js").headers["content-type"].split(";")[0] in ("text/javascript",
                                                                                   "application/javascript")
-    # No CDN, no other origin: the only absolute URL in the script is the SVG namespace.
-    script = (STATIC_DIR / "app.js").read_text()
-    assert set(re.findall(r"https?://[^\s\"']+", script)) == {"http://www.w3.org/2000/svg"}
+    # The scripts are ES modules that import only each other, and no CDN or other origin appears in them: the only
+    # absolute URL is the SVG namespace.
+    urls: set[str] = set()
+    imported: set[str] = set()
+    for script in STATIC_DIR.glob("*.js"):
+        text = script.read_text()
+        urls |= set(re.findall(r"https?://[^\s\"']+", text))
+        for module in re.findall(r'^import .* from "([^"]+)";$', text, re.MULTILINE):
+            assert module.startswith("./") and (STATIC_DIR / module).is_file(), (script.name, module)
+            assert api.client.get(f"/ui/{module[2:]}").status_code == 200
+            imported.add(module[2:])
+    assert urls == {"http://www.w3.org/2000/svg"}
+    # Every other module is reached from app.js, the one the page loads.
+    assert imported == {p.name for p in STATIC_DIR.glob("*.js")} - {"app.js"}
     # Only the static folder is reachable under /ui.
     assert api.client.get("/ui/missing.js").status_code == 404
     assert api.client.get("/ui/%2e%2e/main.py").status_code == 404
