@@ -475,7 +475,8 @@ class Transport:
             return self._deadline - time.monotonic()
 
         # Known down (in backoff, and a quick probe says still down) or no time left: do not spend the deadline on
-        # the network.
+        # the network. The probe is forced: a collector back since the last probe still gets the finish.
+        self._probe_at = 0.0
         if (client is None or self._register_rejected or budget() < 0.05 or not self._try_now(client, budget)
                 or not self._online(client, True, budget)):
             self._spool_rest()
