@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any
 
 import httpx
@@ -23,6 +25,30 @@ def encode(obj: Any) -> bytes:
     """Compact JSON. JSON has no INF/NaN: a non-finite float is a caller bug, raised here (ValueError) rather than
     sent, because the collector would reject the whole batch it sits in."""
     return json.dumps(obj, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def registration_body(run_name: str, run_info: Mapping[str, Any] | None) -> tuple[bytes, dict[str, Any]]:
+    """The ``POST /runs`` body (encoded, and as a dict): ``run_info`` plus the name and defaults for rank, world size,
+    host and agent version. ValueError naming the argument when it cannot be sent."""
+    if not run_name:
+        raise ValueError("transport.run_name must be a non-empty string")
+    info = dict(run_info or {})
+    info["name"] = run_name
+    info.setdefault("rank", 0)
+    info.setdefault("world_size", 1)
+    info.setdefault("host", socket.gethostname())
+    info.setdefault("agent_version", _agent_version())
+    try:
+        return encode(info), info
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"transport.run_info must be JSON-serialisable without INF/NaN: {e}") from None
+
+
+def _agent_version() -> str:
+    try:
+        return metadata.version("attnchecker")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
 
 
 @dataclass(frozen=True, slots=True)

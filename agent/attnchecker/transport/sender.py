@@ -12,18 +12,23 @@ import atexit
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ..policy import Policy, PolicyError
 from .backoff import Backoff
-from .client import CollectorClient, Reply, encode, events_body, send_events
+from .client import (
+    CollectorClient,
+    Reply,
+    encode,
+    events_body,
+    registration_body,
+    send_events,
+)
 from .config import TransportConfig
 from .leftovers import Leftovers
 from .outbox import Outbox
@@ -34,13 +39,6 @@ log = logging.getLogger(__name__)
 
 LEFTOVER_SLICE_S = 0.5
 """Seconds per sender round spent on earlier transports' spool files: new events wait at most about this long."""
-
-
-def _agent_version() -> str:
-    try:
-        return metadata.version("attnchecker")
-    except metadata.PackageNotFoundError:
-        return "0.0.0"
 
 
 class Transport:
@@ -70,18 +68,7 @@ class Transport:
         if config is not None and options:
             raise ValueError("Transport takes config= or its fields as keyword arguments, not both")
         self.config = config if config is not None else TransportConfig.from_options(options)
-        if not run_name:
-            raise ValueError("transport.run_name must be a non-empty string")
-        info = dict(run_info or {})
-        info["name"] = run_name
-        info.setdefault("rank", 0)
-        info.setdefault("world_size", 1)
-        info.setdefault("host", socket.gethostname())
-        info.setdefault("agent_version", _agent_version())
-        try:
-            self.run_body = encode(info)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"transport.run_info must be JSON-serialisable without INF/NaN: {e}") from None
+        self.run_body, info = registration_body(run_name, run_info)
         cfg = self.config
         self.collector_url = collector_url
         self.token = token
