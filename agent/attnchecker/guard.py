@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from .events import Detection
 from .integrations._common import Binder, Site
 from .policy import Policy, PolicyError, Scheduler
 from .streaming import IntervalStats, add_counts
+
+if TYPE_CHECKING:
+    from .transport import TransportConfig
 
 __all__ = ["FaultCounts", "Guard", "Report", "is_protected", "protect", "unprotect"]
 
@@ -139,7 +142,7 @@ class _Streaming:
     spool_dir: Path
     interval_s: float
     interval_steps: int
-    transport_options: Mapping[str, Any]
+    transport: TransportConfig
     register_policy: bool = False
     """protect() was given ``policy=`` explicitly: send it as a new run's starting policy (docs/wire.md)."""
 
@@ -418,7 +421,7 @@ class Guard:
 
         self._transport = Transport(
             s.collector, s.token, s.run, spool_dir=s.spool_dir, run_info=self._run_info(register_policy=s.register_policy),
-            **s.transport_options
+            config=s.transport,
         ).start()
         self._interval = IntervalStats(self._transport.emit_stats, rank=self.rank, interval_s=s.interval_s,
                                        interval_steps=s.interval_steps)
@@ -639,7 +642,7 @@ def protect(
     max_detections: int = 10_000,
     stats_interval_s: float = 1.0,
     stats_interval_steps: int = 100,
-    transport_options: Mapping[str, Any] | None = None,
+    transport_options: TransportConfig | Mapping[str, Any] | None = None,
 ) -> Guard:
     """Protect the attention of an unmodified model with ABFT checksums. Returns a :class:`Guard`; also usable as
     ``with protect(model) as guard: ...``.
@@ -665,8 +668,8 @@ def protect(
         max_detections: how many recent detections ``Guard.detections`` keeps.
         stats_interval_s, stats_interval_steps: one stats interval goes to the collector every this many seconds
             or steps, whichever comes first (and at a policy change, and at close).
-        transport_options: keyword arguments for :class:`attnchecker.transport.Transport` (timeouts, batch size,
-            ``poll_interval_s``, ...).
+        transport_options: an :class:`attnchecker.transport.TransportConfig`, or a mapping of its fields (timeouts,
+            batch size, ``poll_interval_s``, ...); an unknown key is a ValueError that lists the known ones.
 
     Raises:
         NoProtectableAttentionError, AlreadyProtectedError, UnsupportedDtypeError, UnsupportedDeviceError,
@@ -716,7 +719,7 @@ def _streaming_config(
     spool_dir: str | os.PathLike[str] | None,
     interval_s: float,
     interval_steps: int,
-    transport_options: Mapping[str, Any] | None,
+    transport_options: TransportConfig | Mapping[str, Any] | None,
     register_policy: bool = False,
 ) -> _Streaming | None:
     if collector is None:
@@ -742,9 +745,16 @@ def _streaming_config(
         spool_dir=Path(spool_dir),
         interval_s=interval_s,
         interval_steps=interval_steps,
-        transport_options=dict(transport_options or {}),
+        transport=_transport_config(transport_options),
         register_policy=register_policy,
     )
+
+
+def _transport_config(options: TransportConfig | Mapping[str, Any] | None) -> TransportConfig:
+    # httpx and the sender load only for a guard that streams.
+    from .transport import TransportConfig
+
+    return TransportConfig.from_options(options)
 
 
 def is_protected(model: nn.Module) -> bool:
