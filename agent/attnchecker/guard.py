@@ -163,6 +163,7 @@ def _config_from(policy: Policy, checked_ops: frozenset[str]) -> CheckConfig:
         tolerance_factor=policy.tolerance_factor,
         source_repair=policy.source_repair,
         checked_ops=checked_ops,
+        tripwire=policy.tripwire,
     )
 
 
@@ -542,6 +543,8 @@ class Guard:
             self._raise_uncorrectable()
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._skip_next_step and self._policy.tripwire and self._policy.mode != "off":
+            self._gradient_net(optimizer)
         if not self._skip_next_step:
             return
         self._skip_next_step = False
@@ -550,6 +553,43 @@ class Guard:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
+
+    def _gradient_net(self, optimizer: torch.optim.Optimizer) -> None:
+        """The last net (tier "optimizer"): a non-finite gradient means a fault got past both tiers (outside the
+        protected GEMMs, or in backward). The optimizer never steps on it: "log" and "skip_step" both skip this step
+        (stepping would write INF/NaN into the weights, which no later step undoes), "raise" raises. Every period
+        snaps to min_period and a Detection (op "grad") is recorded, locally only: the event wire knows the six ops."""
+        stats = self.runtime.stats
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None and not p.grad.is_sparse]
+        if not grads:
+            return
+        if stats is not None:
+            stats.grad_checks += 1
+        norms = torch._foreach_norm(grads, float("inf"))
+        if bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):  # sync: one per optimizer step
+            return
+        self._scheduler.snap_all()
+        action = self._policy.on_uncorrectable
+        det = Detection(op="grad", layer=0, step=self.runtime.step, pattern="2d", kind="nan", action="uncorrectable",
+                        value="nan", residual=None, bound=0.0, tier="optimizer", rank=self.rank,
+                        policy_version=self._policy.version)
+        for n in norms:
+            if not bool(torch.isfinite(n)):  # sync: slow path only, the first bad tensor's kind
+                det.kind = "nan" if bool(torch.isnan(n)) else "inf"
+                break
+        self._detections.append(det)
+        if stats is not None:
+            # Not in stats.faults: those are per protected op, and "grad" is none of them.
+            stats.catches[("optimizer", "grad")] = stats.catches.get(("optimizer", "grad"), 0) + 1
+        log.warning("attnchecker: non-finite gradient (%s) at the optimizer at step %d: a fault outside the checked "
+                    "ops; %s (on_uncorrectable=%s), every check period back to min_period", det.kind,
+                    self.runtime.step, "raising" if action == "raise" else "skipping this optimizer step", action)
+        if action == "raise":
+            raise UncorrectableFault(
+                f"non-finite gradient ({det.kind}) at the optimizer at step {self.runtime.step}; policy "
+                "on_uncorrectable='raise'", [det])
+        self._skip_next_step = True
 
     def _optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step()
