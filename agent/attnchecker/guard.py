@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .context import OPS, CheckConfig, OpStats, Runtime
+from .context import OPS, TIERS, CheckConfig, OpStats, Runtime
 from .errors import (
     AlreadyProtectedError,
     NoProtectableAttentionError,
@@ -77,7 +77,12 @@ class Report:
     faults: Mapping[tuple[str, str], FaultCounts]
     """Per (op, kind); kinds are events.KINDS."""
     skipped_steps: int = 0
-    """Optimizer steps skipped under ``on_uncorrectable="skip_step"``."""
+    """Optimizer steps skipped under ``on_uncorrectable="skip_step"`` (and by the optimizer net)."""
+    tier_checks: Mapping[str, int] = field(default_factory=dict)
+    """Checks per tier (context.TIERS): tripwire = op calls only tier 1 looked at, abft = ``sum(checks)``,
+    optimizer = optimizer steps whose gradients the last net looked at."""
+    tier_catches: Mapping[str, int] = field(default_factory=dict)
+    """Faults caught per tier (each Detection once)."""
 
     @property
     def detected(self) -> int:
@@ -116,6 +121,8 @@ class Report:
             "corrected": self.corrected,
             "uncorrectable": self.uncorrectable,
             "skipped_steps": self.skipped_steps,
+            "tier_checks": dict(self.tier_checks),
+            "tier_catches": dict(self.tier_catches),
         }
 
 
@@ -124,8 +131,16 @@ class _Totals:
     checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
     faults: dict[tuple[str, str], list[int]] = field(default_factory=dict)
 
+    tier_checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    tier_catches: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+
     def add(self, stats: OpStats) -> None:
         add_counts(self.checks, self.faults, stats)
+        self.tier_checks["tripwire"] += sum(stats.trip_checks.values())
+        self.tier_checks["abft"] += sum(stats.checks.values())
+        self.tier_checks["optimizer"] += stats.grad_checks
+        for (tier, _op), n in stats.catches.items():
+            self.tier_catches[tier] = self.tier_catches.get(tier, 0) + n
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,7 +346,8 @@ class Guard:
 
     def report(self) -> Report:
         """Counts since ``protect()``, including the step in progress."""
-        totals = _Totals(checks=dict(self._totals.checks), faults={k: list(v) for k, v in self._totals.faults.items()})
+        totals = _Totals(checks=dict(self._totals.checks), faults={k: list(v) for k, v in self._totals.faults.items()},
+                         tier_checks=dict(self._totals.tier_checks), tier_catches=dict(self._totals.tier_catches))
         if self.runtime.stats is not None:
             totals.add(self.runtime.stats)
         return Report(
@@ -339,6 +355,8 @@ class Guard:
             checks=MappingProxyType(totals.checks),
             faults=MappingProxyType({k: FaultCounts(*v) for k, v in totals.faults.items()}),
             skipped_steps=self._skipped_steps,
+            tier_checks=MappingProxyType(totals.tier_checks),
+            tier_catches=MappingProxyType(totals.tier_catches),
         )
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, step: bool = True) -> None:
@@ -467,7 +485,8 @@ class Guard:
         """At close: fold a step in progress (a forward after the last ``step()``) into the last interval, so the
         stats count every event that was sent, and send it. Returns the last step for the finish record."""
         stats, self.runtime.stats = self.runtime.stats, None
-        partial = stats is not None and (any(stats.checks.values()) or bool(stats.faults))
+        partial = stats is not None and (any(stats.checks.values()) or bool(stats.faults)
+                                         or any(stats.trip_checks.values()) or stats.grad_checks > 0)
         if partial:
             assert stats is not None
             self._totals.add(stats)  # report() keeps counting it after close
