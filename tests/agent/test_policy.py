@@ -11,7 +11,7 @@ from attnchecker.policy import OPS, Policy, PolicyError
 WIRE_EXAMPLE = {
     "version": 4, "mode": "correct", "period": 1, "op_periods": {"scores": 4}, "adaptive": True,
     "min_period": 1, "max_period": 8, "tolerance": "roundoff", "tolerance_factor": 1.0,
-    "on_uncorrectable": "log", "source_repair": True, "overhead_budget": 0.05,
+    "on_uncorrectable": "log", "source_repair": True, "overhead_budget": 0.05, "tripwire": True,
     "updated_at": "2026-11-29T15:32:40.123Z", "updated_by": "alice",
 }
 
@@ -117,3 +117,11 @@ def test_policy_ops_match_the_engine_vocabulary():
     from attnchecker.policy import MODES as P_MODES, TOLERANCES as P_TOL
 
     assert (OPS, P_MODES, P_TOL) == (CONTEXT_OPS, MODES, TOLERANCES)
+
+
+def test_tripwire_is_on_by_default_and_a_bool():
+    assert Policy().tripwire is True
+    assert Policy.from_wire({}).tripwire is True  # a collector from before the tiers sends no such field
+    assert Policy(tripwire=False).to_wire()["tripwire"] is False
+    with pytest.raises(PolicyError, match="policy.tripwire must be a bool"):
+        Policy(tripwire=1)
