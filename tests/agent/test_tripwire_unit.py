@@ -85,3 +85,61 @@ def test_positive_mask_values_join_the_bound() -> None:
     _, lse = _fused(q, k, v, mask, False, 0.35)
     assert bool(lse_over_bound(q, k, lse, scale=0.35))  # the fast test, without the mask: a trip to look at
     assert not bool(lse_over_bound(q, k, lse, scale=0.35, mask_max=50.0))  # the slow path clears it
+
+
+# ------------------------------------------------------------------------------------------- the engine on tier 1
+
+from attnchecker.attention import protected_linear, protected_sdpa  # noqa: E402
+from attnchecker.inject import Fault  # noqa: E402
+from test_attention_layer import SyncCounter  # noqa: E402
+
+
+def test_one_sync_per_protected_call_on_a_tier1_step(make_ctx) -> None:
+    """Tier 1 keeps the engine's budget: one host-device sync per protected call, fused path and unfused alike."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, 16, generator=g)
+    w, b = torch.randn(48, 16, generator=g) * 0.2, torch.randn(48, generator=g) * 0.1
+    for faults in (None, [Fault(op="q", layer=0, step=5, kind="inf")]):  # an injector routes attention unfused
+        ctx, _ = make_ctx(faults, checked_ops=frozenset())
+        with torch.no_grad():
+            protected_linear(x, w, b, ctx=ctx, splits=(("q", 16), ("k", 16), ("v", 16)))  # warm caches
+            with SyncCounter() as counter:
+                qkv = protected_linear(x, w, b, ctx=ctx, splits=(("q", 16), ("k", 16), ("v", 16)))
+            assert counter.count == 1
+            q, k, v = (t.view(2, 9, 2, 8).transpose(1, 2) for t in qkv.split(16, dim=-1))
+            with SyncCounter() as counter:
+                protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+            assert counter.count == 1
+        stats = ctx.runtime.stats
+        assert stats.trip_checks["scores"] == stats.trip_checks["context"] == 1
+        assert sum(stats.checks.values()) == 0  # nothing fully checked: the trips were tier 1 alone
+
+
+@pytest.mark.parametrize("op", ["q", "k", "v", "scores", "context"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_trip_gives_the_fault_free_output_and_gradients(make_ctx, op: str, dtype: torch.dtype) -> None:
+    """Below the guard: a layer on a tier-1 step with one INF gives the output and q/k/v/W gradients of the same layer
+    without the fault (the fault-free layer on a tier-1 step runs the fused kernel, the faulty one recovers through
+    the checked path: equal to rounding)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 12, 32, generator=g).to(dtype)
+
+    def layer(faults):
+        w = (torch.randn(96, 32, generator=torch.Generator().manual_seed(5)) * 0.2).to(dtype).requires_grad_()
+        ctx, rec = make_ctx(faults, checked_ops=frozenset())
+        qkv = protected_linear(x, w, None, ctx=ctx, splits=(("q", 32), ("k", 32), ("v", 32)))
+        q, k, v = (t.view(2, 12, 4, 8).transpose(1, 2) for t in qkv.split(32, dim=-1))
+        out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+        out.float().square().sum().backward()
+        return out.detach().float(), w.grad.float(), rec
+
+    clean_out, clean_grad, clean_rec = layer(None)
+    out, grad, rec = layer([Fault(op=op, layer=0, step=0, kind="inf", seed=2)])
+    assert not clean_rec.detections
+    assert [(d.op, d.tier) for d in rec.detections] == [(op, "tripwire")]
+    # bf16: the fused kernel and the checked path round differently (clean, they already differ by ~0.5 % of the
+    # gradient's scale), so equality is to that rounding; fp32 is strict.
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, clean_out, rtol=tol, atol=tol * float(clean_out.abs().max()))
+    torch.testing.assert_close(grad, clean_grad, rtol=tol, atol=tol * float(clean_grad.abs().max()))
+    assert torch.isfinite(grad).all()
