@@ -28,8 +28,8 @@ __all__ = [
     "Run",
     "RunFaultCounter",
     "RunOpCounter",
-    "RunTierCounter",
     "RunResidualBucket",
+    "RunTierCounter",
     "StatsInterval",
     "utcnow",
 ]

@@ -11,12 +11,12 @@ from pathlib import Path
 import attnchecker
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 from attnchecker import Policy
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-import model_zoo as mz  # noqa: E402
+import model_zoo as mz
 
 CHECKS = 10_000
 POLICY = Policy(period=8, min_period=8, max_period=8)

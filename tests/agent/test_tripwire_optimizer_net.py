@@ -13,7 +13,7 @@ from attnchecker import Policy, UncorrectableFault
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-import model_zoo as mz  # noqa: E402
+import model_zoo as mz
 
 ARCH = "nanogpt"
 QUIET = Policy(period=4, max_period=4)

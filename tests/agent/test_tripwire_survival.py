@@ -19,8 +19,8 @@ from attnchecker import Fault, FaultPlan, Policy
 
 # The model zoo and the injector live next to this file; make them importable under either pytest import mode.
 sys.path.insert(0, str(Path(__file__).parent))
-import model_zoo as mz  # noqa: E402
-from dispatch_faults import FUSED, VALUES, ShapeFaults  # noqa: E402
+import model_zoo as mz
+from dispatch_faults import FUSED, VALUES, ShapeFaults
 
 STEPS = 5
 # The policy's warm-up and period chosen so that steps 1-3 are surely unchecked: period 4 from the start (checks at
@@ -96,7 +96,7 @@ def test_single_transient_fault_on_an_unchecked_step_is_survived(arch: str, valu
 def test_fault_in_the_fused_attention_output_is_survived(arch: str, value: str) -> None:
     """The same, aimed only at the fused kernel's output (the attention's context on a tier-1 step)."""
     seed = 77 + 1000 * mz.ARCHS.index(arch) + VALUES.index(value)
-    losses, guard, injector, fault_step = _run_with_fault(arch, value, seed, QUIET, STEPS, (2, 3), 1,
+    losses, guard, _injector, fault_step = _run_with_fault(arch, value, seed, QUIET, STEPS, (2, 3), 1,
                                                           ops=frozenset(FUSED))
     ref = mz.reference_losses(arch, STEPS)
     assert max(mz.rel_diff(a, b) for a, b in zip(losses, ref, strict=True)) <= 1e-5, guard.detections
@@ -159,7 +159,7 @@ def test_unfused_path_trips_on_scores_and_context(op: str, kind: str) -> None:
 def test_tripwire_off_leaves_unchecked_steps_open() -> None:
     """The switch does what it says: without tier 1 the same fault goes through (the optimizer net is part of the
     tripwire switch too), which is why it is on by default."""
-    losses, guard, injector, _ = _run_with_fault("gpt2", "nan", 5, QUIET.replace(tripwire=False), STEPS, (2,), 1)
+    losses, guard, _injector, _ = _run_with_fault("gpt2", "nan", 5, QUIET.replace(tripwire=False), STEPS, (2,), 1)
     assert not guard.detections
     assert any(not torch.isfinite(torch.tensor(x)) for x in losses) or not all(
         torch.isfinite(p).all() for p in guard.model.parameters())

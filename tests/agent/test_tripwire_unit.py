@@ -3,12 +3,19 @@ across shapes and dtypes; the fused kernel's log-sum-exp under its q/k bound, wi
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from attnchecker.attention import protected_linear, protected_sdpa
+from attnchecker.inject import Fault
 from attnchecker.tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_attention_layer import SyncCounter
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 EXTREMES = (math.inf, -math.inf, math.nan, 1e20, -1e20, 3e10)
@@ -88,10 +95,6 @@ def test_positive_mask_values_join_the_bound() -> None:
 
 
 # ------------------------------------------------------------------------------------------- the engine on tier 1
-
-from attnchecker.attention import protected_linear, protected_sdpa  # noqa: E402
-from attnchecker.inject import Fault  # noqa: E402
-from test_attention_layer import SyncCounter  # noqa: E402
 
 
 def test_one_sync_per_protected_call_on_a_tier1_step(make_ctx) -> None:
