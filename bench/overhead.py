@@ -201,6 +201,7 @@ class Variant:
         self.check_seconds: dict[str, list[float]] = {}
         self.checked: list[bool] = []
         self.tier1_checks: list[int] = []
+        self.tier1_s: list[float] = []
         self.cpu_s: list[float] = []
         if self.own:
             self._attach()
@@ -241,6 +242,7 @@ class Variant:
         stats = self.guard.runtime.stats if self.guard is not None else None
         if self.guard is not None:
             self.tier1_checks.append(sum(stats.trip_checks.values()) if stats is not None else 0)
+            self.tier1_s.append(stats.trip_seconds if stats is not None else 0.0)
             self.guard.step()
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if not self.own:
@@ -296,6 +298,8 @@ def run_model(arch: str, size: dict[str, int], rounds: int, variants: tuple[str,
             # this machine it is the checks' compute time too.
             entry["check_s_per_step"] = {op: statistics.fmean(xs[warmup:]) for op, xs in v.check_seconds.items()}
             entry["tier1_checks_per_step"] = statistics.fmean(v.tier1_checks[-len(checked):]) if checked else 0.0
+            # Host time inside tier 1 (OpStats.trip_seconds), per step.
+            entry["tier1_s_per_step"] = statistics.fmean(v.tier1_s[-len(checked):]) if checked else 0.0
             if v.name == "adaptive":
                 # Steady state: one step in max_period checks everything, the others run tier 1 only. Besides the
                 # direct measurement (this variant's own figure, over whole cycles), an estimate from what a
@@ -325,6 +329,7 @@ def print_model(res: dict[str, Any]) -> None:
             f"[{_common.pct(r['p25'])}, {_common.pct(r['p75'])}]", e["wall"]["step_s"]["median"] * 1e3,
             _common.pct(w["median"]), f"[{_common.pct(w['p25'])}, {_common.pct(w['p75'])}]",
             "" if chk is None else f"{sum(chk.values()) * 1e3:.1f}",
+            "" if "tier1_s_per_step" not in e else f"{e['tier1_s_per_step'] * 1e3:.1f}",
             "" if "checked_step_fraction" not in e else f"{e['checked_step_fraction']:.2f}",
         ])
     size = res["size"]
@@ -332,7 +337,8 @@ def print_model(res: dict[str, Any]) -> None:
           f"{size['seq']}, batch {size['batch']}, vocab {size['vocab']}; {res['rounds']} interleaved rounds; "
           "overhead = median of per-round ratios to the baseline [IQR]")
     print(_common.table(rows, ["variant", "CPU ms/step", "overhead (CPU)", "IQR (CPU)", "wall ms/step",
-                               "overhead (wall)", "IQR (wall)", "check ms/step", "checked steps"]))
+                               "overhead (wall)", "IQR (wall)", "check ms/step", "tier-1 ms/step",
+                               "checked steps"]))
     ops = {n: e["check_s_per_step"] for n, e in res["variants"].items() if e.get("check_s_per_step")}
     if ops:
         names = sorted({op for d in ops.values() for op in d})
