@@ -206,7 +206,7 @@ def _count(ctx: LayerContext, op: str, seconds: float) -> None:
         stats.check_seconds[op] = stats.check_seconds.get(op, 0.0) + seconds
 
 
-def _count_trips(ctx: LayerContext, ops: Sequence[str], seconds: float, *, op: str | None = None) -> None:
+def _count_trips(ctx: LayerContext, ops: Sequence[str], seconds: float) -> None:
     """Tier-1 checks of ``ops`` (one each) and their time (recovery after a trip too: ``ops`` empty). Kept apart from
     check_seconds: the scheduler's overhead rule relaxes tier 2, which cannot make tier 1 cheaper."""
     stats = ctx.runtime.stats
@@ -436,7 +436,7 @@ def check_linear(
         if tier == "abft":
             _count(ctx, name, seconds + time.perf_counter() - t0)
         else:
-            _count_trips(ctx, [], time.perf_counter() - t0, op=name)
+            _count_trips(ctx, [], time.perf_counter() - t0)
     return y
 
 
