@@ -11,7 +11,7 @@ __all__ = ["add_tier_counts"]
 
 
 def _rows(stats: StatsIn) -> list[tuple[str, str, int, int]]:
-    rows = []
+    rows: list[tuple[str, str, int, int]] = []
     for o in stats.ops:
         # ABFT checks are the op's `checks`; an all-zero row from an agent without tiers adds nothing.
         rows.append(("abft", o.op, o.checks, o.abft_catches))
