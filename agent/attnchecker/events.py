@@ -53,11 +53,16 @@ class Detection:
     bound: float = 0.0
     rank: int = 0
     policy_version: int = 0
+    tier: str = "abft"
+    """Which tier caught it (context.TIERS): "tripwire" (tier 1, every step), "abft" (tier 2, scheduled), "optimizer"
+    (the net at the optimizer step). Local only for now: the event wire format has no field for it (docs/wire.md);
+    the stats payload carries the per-tier counts."""
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
     ts: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="milliseconds"))
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("tier")
         loc = {k: d.pop(k) for k in ("batch", "head", "row", "col")}
         d["location"] = loc
         if d["residual"] is not None and not math.isfinite(d["residual"]):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .context import OPS, CheckConfig, OpStats, Runtime
+from .context import OPS, TIERS, CheckConfig, OpStats, Runtime
 from .errors import (
     AlreadyProtectedError,
     NoProtectableAttentionError,
@@ -80,7 +80,12 @@ class Report:
     faults: Mapping[tuple[str, str], FaultCounts]
     """Per (op, kind); kinds are events.KINDS."""
     skipped_steps: int = 0
-    """Optimizer steps skipped under ``on_uncorrectable="skip_step"``."""
+    """Optimizer steps skipped under ``on_uncorrectable="skip_step"`` (and by the optimizer net)."""
+    tier_checks: Mapping[str, int] = field(default_factory=dict)
+    """Checks per tier (context.TIERS): tripwire = op calls only tier 1 looked at, abft = ``sum(checks)``,
+    optimizer = optimizer steps whose gradients the last net looked at."""
+    tier_catches: Mapping[str, int] = field(default_factory=dict)
+    """Faults caught per tier (each Detection once)."""
 
     @property
     def detected(self) -> int:
@@ -119,6 +124,8 @@ class Report:
             "corrected": self.corrected,
             "uncorrectable": self.uncorrectable,
             "skipped_steps": self.skipped_steps,
+            "tier_checks": dict(self.tier_checks),
+            "tier_catches": dict(self.tier_catches),
         }
 
 
@@ -127,8 +134,16 @@ class _Totals:
     checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
     faults: dict[tuple[str, str], list[int]] = field(default_factory=dict)
 
+    tier_checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    tier_catches: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+
     def add(self, stats: OpStats) -> None:
         add_counts(self.checks, self.faults, stats)
+        self.tier_checks["tripwire"] += sum(stats.trip_checks.values())
+        self.tier_checks["abft"] += sum(stats.checks.values())
+        self.tier_checks["optimizer"] += stats.grad_checks
+        for (tier, _op), n in stats.catches.items():
+            self.tier_catches[tier] = self.tier_catches.get(tier, 0) + n
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +181,7 @@ def _config_from(policy: Policy, checked_ops: frozenset[str]) -> CheckConfig:
         tolerance_factor=policy.tolerance_factor,
         source_repair=policy.source_repair,
         checked_ops=checked_ops,
+        tripwire=policy.tripwire,
     )
 
 
@@ -333,7 +349,8 @@ class Guard:
 
     def report(self) -> Report:
         """Counts since ``protect()``, including the step in progress."""
-        totals = _Totals(checks=dict(self._totals.checks), faults={k: list(v) for k, v in self._totals.faults.items()})
+        totals = _Totals(checks=dict(self._totals.checks), faults={k: list(v) for k, v in self._totals.faults.items()},
+                         tier_checks=dict(self._totals.tier_checks), tier_catches=dict(self._totals.tier_catches))
         if self.runtime.stats is not None:
             totals.add(self.runtime.stats)
         return Report(
@@ -341,6 +358,8 @@ class Guard:
             checks=MappingProxyType(totals.checks),
             faults=MappingProxyType({k: FaultCounts(*v) for k, v in totals.faults.items()}),
             skipped_steps=self._skipped_steps,
+            tier_checks=MappingProxyType(totals.tier_checks),
+            tier_catches=MappingProxyType(totals.tier_catches),
         )
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, step: bool = True) -> None:
@@ -469,7 +488,8 @@ class Guard:
         """At close: fold a step in progress (a forward after the last ``step()``) into the last interval, so the
         stats count every event that was sent, and send it. Returns the last step for the finish record."""
         stats, self.runtime.stats = self.runtime.stats, None
-        partial = stats is not None and (any(stats.checks.values()) or bool(stats.faults))
+        partial = stats is not None and (any(stats.checks.values()) or bool(stats.faults)
+                                         or any(stats.trip_checks.values()) or stats.grad_checks > 0)
         if partial:
             assert stats is not None
             self._totals.add(stats)  # report() keeps counting it after close
@@ -545,6 +565,8 @@ class Guard:
             self._raise_uncorrectable()
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._skip_next_step and self._policy.tripwire and self._policy.mode != "off":
+            self._gradient_net(optimizer)
         if not self._skip_next_step:
             return
         self._skip_next_step = False
@@ -553,6 +575,43 @@ class Guard:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
+
+    def _gradient_net(self, optimizer: torch.optim.Optimizer) -> None:
+        """The last net (tier "optimizer"): a non-finite gradient means a fault got past both tiers (outside the
+        protected GEMMs, or in backward). The optimizer never steps on it: "log" and "skip_step" both skip this step
+        (stepping would write INF/NaN into the weights, which no later step undoes), "raise" raises. Every period
+        snaps to min_period and a Detection (op "grad") is recorded, locally only: the event wire knows the six ops."""
+        stats = self.runtime.stats
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None and not p.grad.is_sparse]
+        if not grads:
+            return
+        if stats is not None:
+            stats.grad_checks += 1
+        norms = torch._foreach_norm(grads, float("inf"))
+        if bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):  # sync: one per optimizer step
+            return
+        self._scheduler.snap_all()
+        action = self._policy.on_uncorrectable
+        det = Detection(op="grad", layer=0, step=self.runtime.step, pattern="2d", kind="nan", action="uncorrectable",
+                        value="nan", residual=None, bound=0.0, tier="optimizer", rank=self.rank,
+                        policy_version=self._policy.version)
+        for n in norms:
+            if not bool(torch.isfinite(n)):  # sync: slow path only, the first bad tensor's kind
+                det.kind = "nan" if bool(torch.isnan(n)) else "inf"
+                break
+        self._detections.append(det)
+        if stats is not None:
+            # Not in stats.faults: those are per protected op, and "grad" is none of them.
+            stats.catches[("optimizer", "grad")] = stats.catches.get(("optimizer", "grad"), 0) + 1
+        log.warning("attnchecker: non-finite gradient (%s) at the optimizer at step %d: a fault outside the checked "
+                    "ops; %s (on_uncorrectable=%s), every check period back to min_period", det.kind,
+                    self.runtime.step, "raising" if action == "raise" else "skipping this optimizer step", action)
+        if action == "raise":
+            raise UncorrectableFault(
+                f"non-finite gradient ({det.kind}) at the optimizer at step {self.runtime.step}; policy "
+                "on_uncorrectable='raise'", [det])
+        self._skip_next_step = True
 
     def _optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step()

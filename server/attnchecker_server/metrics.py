@@ -16,13 +16,15 @@ from prometheus_client.utils import floatToGoString
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from .models import Policy, Run, RunFaultCounter, RunOpCounter, RunResidualBucket, utcnow
+from .models import Policy, Run, RunFaultCounter, RunOpCounter, RunResidualBucket, RunTierCounter, utcnow
 
 __all__ = ["METRIC_NAMES", "DbCollector", "IngestMetrics"]
 
 # name -> (type, labels); the wire contract's table.
 METRIC_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "attnchecker_checks_total": ("counter", ("run", "op")),
+    "attnchecker_tier_checks_total": ("counter", ("run", "tier", "op")),
+    "attnchecker_tier_catches_total": ("counter", ("run", "tier", "op")),
     "attnchecker_faults_detected_total": ("counter", ("run", "op", "kind")),
     "attnchecker_faults_corrected_total": ("counter", ("run", "op", "kind")),
     "attnchecker_faults_uncorrectable_total": ("counter", ("run", "op", "kind")),
@@ -115,6 +117,9 @@ class DbCollector(Collector):
             bucket_rows = (
                 session.scalars(select(RunResidualBucket).where(RunResidualBucket.run_id.in_(ids))).all() if ids else []
             )
+            tier_rows = (
+                session.scalars(select(RunTierCounter).where(RunTierCounter.run_id.in_(ids))).all() if ids else []
+            )
             policies = {p.scope: p for p in session.scalars(select(Policy).where(Policy.scope.in_(ids)))} if ids else {}
 
         def counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
@@ -183,7 +188,16 @@ class DbCollector(Collector):
                 lambda r: r.events_dropped_total,
             ),
         ]
-        families: list[Metric] = [checks, detected, corrected, uncorrectable]
+        tier_checks = counter("attnchecker_tier_checks_total", "Checks per protection tier (tripwire, abft, "
+                              "optimizer).", ["run", "tier", "op"])
+        tier_catches = counter("attnchecker_tier_catches_total", "Faults caught per protection tier.",
+                               ["run", "tier", "op"])
+        for tier_row in tier_rows:
+            labels = [names[tier_row.run_id], tier_row.tier, tier_row.op]
+            tier_checks.add_metric(labels, tier_row.checks)
+            tier_catches.add_metric(labels, tier_row.catches)
+
+        families: list[Metric] = [checks, detected, corrected, uncorrectable, tier_checks, tier_catches]
         for kind, name, doc, value_of in per_run:
             family: Metric = (
                 counter(name, doc, ["run"]) if kind == "counter" else GaugeMetricFamily(name, doc, labels=["run"])

@@ -131,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
 
     local: LocalCollector | None = None
     url = token = operator_token = None
-    policy = Policy(period=1, adaptive=False)  # every op checked every step: each injected fault is seen
+    # The default policy, as a user gets it: full checks on the adaptive schedule, the tripwire on every other step,
+    # so each injected (extreme) fault is caught and corrected on whatever step it lands.
+    policy = Policy()
     if args.collector == "auto":
         print(f"starting a collector on SQLite under {args.data_dir} …", flush=True)
         local = start_local_collector(args.data_dir, port=args.port)
