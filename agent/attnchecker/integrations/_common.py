@@ -78,8 +78,14 @@ class Binder:
         splits: Splits | None = None,
         weight_layout: str = "out_in",
     ) -> None:
-        """Verify (and correct in place) the output of an unmodified projection module after it runs."""
+        """Verify (and correct in place) the output of an unmodified projection module after it runs. A PEFT LoRA
+        wrapper (integrations/peft.py) is verified against its effective product."""
+        from . import peft
+
         names = tuple(name for name, _ in splits) if splits is not None else (op or "",)
+        if peft.is_lora(proj):
+            peft.hook_lora(self, proj, ctx, op=op, splits=splits, names=names, weight_layout=weight_layout)
+            return
         hook = functools.partial(_projection_hook, self._outputs, ctx, op, splits, names, weight_layout)
         handle = proj.register_forward_hook(hook, with_kwargs=True)
         self.on_close(handle.remove)
@@ -145,13 +151,34 @@ def _projection_hook(
     kwargs: dict[str, Any],
     output: torch.Tensor,
 ) -> torch.Tensor:
-    from ..attention import check_linear
-
     # nn.Linear names its input `input`, HF Conv1D names it `x`; positional is the common case.
     x = args[0] if args else next(iter(kwargs.values()))
     weight: torch.Tensor = module.weight  # type: ignore[assignment]  # nn.Linear / HF Conv1D parameters
     bias: torch.Tensor | None = module.bias  # type: ignore[assignment]
     ctx = ctx_ref if isinstance(ctx_ref, LayerContext) else ctx_ref()
+    return check_projection(outputs, ctx, x, output, weight, bias, op=op, splits=splits, names=names,
+                            weight_layout=weight_layout)
+
+
+def check_projection(
+    outputs: dict[tuple[int, str], tuple[int, int]],
+    ctx: LayerContext,
+    x: torch.Tensor,
+    output: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    op: str | None,
+    splits: Splits | None,
+    names: tuple[str, ...],
+    weight_layout: str,
+    cast_operands: bool = True,
+) -> torch.Tensor:
+    """check_linear on a projection's output = x·W (+ b) as its module computed it, under autocast too; records the
+    output's storage for ``Binder.passed_matches``. cast_operands=False: x and W are given wider than the output on
+    purpose (the bound then covers the rounding of the operands and of the intermediate sums: peft.py)."""
+    from ..attention import check_linear
+
     ptr, rows = output.untyped_storage().data_ptr(), output.numel() // output.shape[-1]
     sizes = [size for _, size in splits] if splits is not None else [output.shape[-1]]
     for name, size in zip(names, sizes, strict=True):
@@ -161,9 +188,10 @@ def _projection_hook(
         return check_linear(x, output, weight, bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout)
     # Autocast computed `output` from x, W, b cast to its dtype: check against exactly those (never cast `output`:
     # the repair must land in the tensor the model goes on with), and keep the engine's own math out of autocast.
-    dtype = output.dtype
-    x, weight = x.to(dtype), weight.to(dtype)
-    bias = bias.to(dtype) if bias is not None else None
+    if cast_operands:
+        dtype = output.dtype
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
     with torch.autocast(device_type, enabled=False):
         return check_linear(x, output, weight, bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout)
 

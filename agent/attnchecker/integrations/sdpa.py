@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..context import LayerContext
 from ._common import Binder, ContextRef, engine_call, forward_source_mentions, rotates_qk
+from .peft import base_linear
 
 __all__ = ["attach"]
 
@@ -140,29 +141,33 @@ class _Router:
         return self._stack[-1] if self._stack else None
 
 
-def _fused(children: dict[str, nn.Module]) -> tuple[str, nn.Linear] | None:
-    for n in _FUSED_NAMES:
-        m = children.get(n)
-        if isinstance(m, nn.Linear) and m.out_features == 3 * m.in_features:
-            return n, m
-    for n, m in children.items():
-        if isinstance(m, nn.Linear) and m.out_features == 3 * m.in_features:
-            return n, m
+def _linear(m: nn.Module | None) -> nn.Linear | None:
+    """The nn.Linear a child is, or stands for (a PEFT LoRA wrapper around one: hooked as the wrapper)."""
+    base = base_linear(m) if m is not None else None
+    return base if isinstance(base, nn.Linear) else None
+
+
+def _fused(children: dict[str, nn.Module]) -> tuple[str, nn.Module] | None:
+    for n in (*_FUSED_NAMES, *children):
+        lin = _linear(children.get(n))
+        if lin is not None and lin.out_features == 3 * lin.in_features:
+            return n, children[n]
     return None
 
 
-def _separate(children: dict[str, nn.Module]) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
+def _separate(children: dict[str, nn.Module]) -> tuple[nn.Module, nn.Module, nn.Module] | None:
     for names in _SEPARATE_NAMES:
         mods = [children.get(n) for n in names]
-        if all(isinstance(m, nn.Linear) for m in mods):
+        if all(_linear(m) is not None for m in mods):
             return mods[0], mods[1], mods[2]  # type: ignore[return-value]
     return None
 
 
-def _out(children: dict[str, nn.Module], width: int, taken: set[str]) -> nn.Linear | None:
+def _out(children: dict[str, nn.Module], width: int, taken: set[str]) -> nn.Module | None:
     for n in _OUT_NAMES:
         m = children.get(n)
-        if n not in taken and isinstance(m, nn.Linear) and m.in_features == width:
+        lin = _linear(m)
+        if n not in taken and lin is not None and lin.in_features == width:
             return m
     return None
 
@@ -184,7 +189,7 @@ def _hook_projections(binder: Binder, owner_module: nn.Module, owner: _Owner) ->
     taken: set[str] = set()
     if fused is not None:
         name, lin = fused
-        third = lin.out_features // 3
+        third = _linear(lin).out_features // 3  # type: ignore[union-attr]
         binder.hook_projection(lin, ctx(lin), splits=(("q", third), ("k", third), ("v", third)))
         ops += ["q", "k", "v"]
         width, taken = third, {name}
@@ -194,7 +199,7 @@ def _hook_projections(binder: Binder, owner_module: nn.Module, owner: _Owner) ->
             for op, lin in zip(("q", "k", "v"), sep, strict=True):
                 binder.hook_projection(lin, ctx(lin), op=op)
             ops += ["q", "k", "v"]
-            width = sep[0].out_features
+            width = _linear(sep[0]).out_features  # type: ignore[union-attr]
             taken = {n for names in _SEPARATE_NAMES for n in names}
     out = _out(children, width, taken) if width else None
     if out is not None:

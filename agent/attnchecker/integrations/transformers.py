@@ -20,6 +20,7 @@ from torch import nn
 
 from ..context import LayerContext
 from ._common import Binder, engine_call, forward_source_mentions, rotates_qk
+from .peft import base_linear
 
 __all__ = ["ATTN_IMPLEMENTATION", "attach", "attnchecker_attention", "transformers_roots"]
 
@@ -116,15 +117,17 @@ def _register() -> None:
 def _layout(proj: nn.Module) -> str | None:
     from transformers.pytorch_utils import Conv1D
 
+    proj = base_linear(proj)  # a PEFT LoRA wrapper has its base layer's layout (integrations/peft.py)
     if isinstance(proj, Conv1D):
         return "in_out"
     if isinstance(proj, nn.Linear):
         return "out_in"
-    return None  # quantized / adapter-wrapped projections: leave them alone rather than guess their math
+    return None  # quantized / other adapter-wrapped projections: leave them alone rather than guess their math
 
 
 def _out_features(proj: Any) -> int:
-    return int(proj.weight.shape[1] if _layout(proj) == "in_out" else proj.weight.shape[0])
+    weight = base_linear(proj).weight
+    return int(weight.shape[1] if _layout(proj) == "in_out" else weight.shape[0])
 
 
 def _hook_projections(binder: Binder, module: nn.Module, parent: nn.Module | None, ctx: LayerContext) -> list[str]:
@@ -261,11 +264,11 @@ def _attach_gpt_neo(binder: Binder, name: str, module: Any) -> None:
     children = dict(module.named_children())
     ops: list[str] = []
     for op, n in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
-        if isinstance(children.get(n), nn.Linear):
+        if n in children and isinstance(base_linear(children[n]), nn.Linear):
             binder.hook_projection(children[n], ctx, op=op)
             ops.append(op)
     ops += ["scores", "context"]
-    if isinstance(children.get("out_proj"), nn.Linear):
+    if "out_proj" in children and isinstance(base_linear(children["out_proj"]), nn.Linear):
         binder.hook_projection(children["out_proj"], ctx, op="out")
         ops.append("out")
     had_own = "_attn" in module.__dict__
