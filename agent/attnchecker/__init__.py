@@ -13,9 +13,11 @@ from .errors import (
     AttnCheckerError,
     NoProtectableAttentionError,
     UncorrectableFault,
+    UnprotectedAttentionError,
     UnsupportedDeviceError,
     UnsupportedDtypeError,
 )
+from .coverage import Coverage
 from .events import Detection
 from .guard import FaultCounts, Guard, Report, is_protected, protect, unprotect
 from .inject import Fault, FaultPlan
@@ -24,6 +26,7 @@ from .policy import Policy, PolicyError
 __all__ = [
     "AlreadyProtectedError",
     "AttnCheckerError",
+    "Coverage",
     "Detection",
     "Fault",
     "FaultCounts",
@@ -34,6 +37,7 @@ __all__ = [
     "PolicyError",
     "Report",
     "UncorrectableFault",
+    "UnprotectedAttentionError",
     "UnsupportedDeviceError",
     "UnsupportedDtypeError",
     "is_protected",

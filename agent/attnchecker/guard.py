@@ -26,10 +26,12 @@ import torch
 from torch import nn
 
 from .context import OPS, CheckConfig, OpStats, Runtime
+from .coverage import Coverage
 from .errors import (
     AlreadyProtectedError,
     NoProtectableAttentionError,
     UncorrectableFault,
+    UnprotectedAttentionError,
     UnsupportedDeviceError,
     UnsupportedDtypeError,
 )
@@ -78,6 +80,8 @@ class Report:
     """Per (op, kind); kinds are events.KINDS."""
     skipped_steps: int = 0
     """Optimizer steps skipped under ``on_uncorrectable="skip_step"``."""
+    coverage: Coverage | None = None
+    """Per layer and op: protected by which path, or not and why; and calls that fell back at run time."""
 
     @property
     def detected(self) -> int:
@@ -116,6 +120,7 @@ class Report:
             "corrected": self.corrected,
             "uncorrectable": self.uncorrectable,
             "skipped_steps": self.skipped_steps,
+            "coverage": self.coverage.as_dict() if self.coverage is not None else None,
         }
 
 
@@ -184,6 +189,7 @@ class Guard:
         rank: int,
         max_detections: int,
         streaming: _Streaming | None = None,
+        strict: bool = False,
     ) -> None:
         self.model = model
         self.run = run
@@ -195,6 +201,7 @@ class Guard:
             step=0, injector=_make_injector(faults), on_detection=self._on_detection, stats=OpStats()
         )
         self._binder = Binder(self.runtime)
+        self._binder.strict = strict
         self._detections: deque[Detection] = deque(maxlen=max_detections)
         self._totals = _Totals()
         self._steps = 0
@@ -217,6 +224,7 @@ class Guard:
                     f"Supported: {SUPPORTED_MODELS}."
                 )
             _require_supported_params(model, self._binder)
+            _check_coverage(self._binder.coverage(), strict=strict)
             pre = model.register_forward_pre_hook(self._root_pre_hook)
             post = model.register_forward_hook(self._root_post_hook, always_call=True)
             self._binder.on_close(pre.remove)
@@ -254,6 +262,12 @@ class Guard:
     def sites(self) -> tuple[Site, ...]:
         """The protected attention layers: module name, layer index, integration, ops verified."""
         return tuple(self._binder.sites)
+
+    @property
+    def coverage(self) -> Coverage:
+        """What is protected, per layer and op and by which path, and what is not and why (docs/architectures.md),
+        including calls that fell back to an unprotected kernel so far."""
+        return self._binder.coverage()
 
     @property
     def detections(self) -> list[Detection]:
@@ -338,6 +352,7 @@ class Guard:
             checks=MappingProxyType(totals.checks),
             faults=MappingProxyType({k: FaultCounts(*v) for k, v in totals.faults.items()}),
             skipped_steps=self._skipped_steps,
+            coverage=self._binder.coverage(),
         )
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, step: bool = True) -> None:
@@ -451,6 +466,7 @@ class Guard:
                 "layers": len(self._binder.sites),
                 "integrations": sorted({site.integration for site in self._binder.sites}),
                 "ops": sorted({op for site in self._binder.sites for op in site.ops}),
+                "coverage": self._binder.coverage().to_wire(),
                 "parameters": sum(p.numel() for p in self.model.parameters()),
                 "device": str(param.device) if param is not None else None,
                 "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
@@ -603,6 +619,21 @@ def _attach(binder: Binder, model: nn.Module) -> None:
     torch_mha.attach(binder, model)
 
 
+def _check_coverage(coverage: Coverage, *, strict: bool) -> None:
+    """Never silent: one warning listing every op left unprotected (or, strict, an error instead)."""
+    gaps = coverage.gaps()
+    if not gaps:
+        return
+    listing = "; ".join(gaps)
+    if strict:
+        raise UnprotectedAttentionError(
+            f"{len(coverage.unprotected)} attention op(s) would run unprotected: {listing}. "
+            "Leave out strict=True to train with them unprotected (Guard.coverage lists them)."
+        )
+    log.warning("attnchecker: %d attention op(s) left unprotected (Guard.coverage): %s",
+                len(coverage.unprotected), listing)
+
+
 def _iter_site_params(binder: Binder) -> Iterator[tuple[str, torch.Tensor]]:
     names = {site.layer: site.name for site in binder.sites}
     for module, ctx in binder.contexts.items():
@@ -640,6 +671,7 @@ def protect(
     stats_interval_s: float = 1.0,
     stats_interval_steps: int = 100,
     transport_options: Mapping[str, Any] | None = None,
+    strict: bool = False,
 ) -> Guard:
     """Protect the attention of an unmodified model with ABFT checksums. Returns a :class:`Guard`; also usable as
     ``with protect(model) as guard: ...``.
@@ -667,10 +699,13 @@ def protect(
             or steps, whichever comes first (and at a policy change, and at close).
         transport_options: keyword arguments for :class:`attnchecker.transport.Transport` (timeouts, batch size,
             ``poll_interval_s``, ...).
+        strict: raise ``UnprotectedAttentionError`` instead of warning when an attention op would run unprotected
+            (a projection wrapper or attention variant the engine does not support: ``Guard.coverage``), here and at
+            a run-time fallback.
 
     Raises:
         NoProtectableAttentionError, AlreadyProtectedError, UnsupportedDtypeError, UnsupportedDeviceError,
-        PolicyError, ValueError (bad arguments).
+        UnprotectedAttentionError (strict), PolicyError, ValueError (bad arguments).
     """
     if not isinstance(model, nn.Module):
         raise NoProtectableAttentionError(f"protect() needs a torch.nn.Module, got {type(model).__name__}")
@@ -704,6 +739,7 @@ def protect(
         rank=rank,
         max_detections=max_detections,
         streaming=streaming,
+        strict=strict,
     )
 
 

@@ -69,6 +69,8 @@ def why_unsupported(module: nn.Module) -> str | None:
     if variants:
         kinds = sorted({type(v).__name__.removesuffix("LinearVariant") for v in variants.values()})
         return f"peft LoRA variant {', '.join(kinds)}"
+    if any((getattr(module, "use_dora", {}) or {}).values()):  # peft before the lora_variant registry
+        return "peft LoRA variant Dora"
     base = module.get_base_layer()
     if _plain_base(base) is None:
         weight = getattr(base, "weight", None)

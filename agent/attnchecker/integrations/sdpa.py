@@ -24,7 +24,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..context import LayerContext
-from ._common import Binder, ContextRef, engine_call, forward_source_mentions, rotates_qk
+from ._common import Binder, ContextRef, engine_call, forward_source_mentions, projection_gap, rotates_qk
 from .peft import base_linear
 
 __all__ = ["attach"]
@@ -47,6 +47,8 @@ class _Owner:
     ops: tuple[str, ...]
     rotates: bool = False
     """The module rotates Q/K (RoPE) between its projections and SDPA."""
+    paths: dict[str, str] = field(default_factory=dict)
+    gaps: dict[str, str] = field(default_factory=dict)
     contexts: list[LayerContext] = field(default_factory=list)
     calls: int = 0
     proj_calls: dict[int, int] = field(default_factory=dict)
@@ -57,7 +59,7 @@ class _Owner:
             ctx = self.binder.new_context()
             name = self.name if not self.contexts else f"{self.name}#{len(self.contexts)}"
             self.contexts.append(ctx)
-            self.binder.add_site(ctx, name, "sdpa", self.ops)
+            self.binder.add_site(ctx, name, "sdpa", self.ops, paths=self.paths, gaps=self.gaps)
         return self.contexts[k]
 
     def reset(self) -> None:
@@ -90,7 +92,9 @@ class _SDPAMode(TorchFunctionMode):
                 bound.update(kwargs)
                 if bound["query"].dim() == 4:
                     return _call_protected(owner, owner.next_sdpa_context(), bound)
-                log.debug("attnchecker: SDPA call with %d-D query left unprotected", bound["query"].dim())
+                # Counted against the module's first layer: it takes no layer of its own.
+                owner.binder.fallback(owner.context(0),
+                                      f"SDPA call with a {bound['query'].dim()}-D query (not (B, H, T, D))")
         return func(*args, **kwargs)
 
 
@@ -178,6 +182,7 @@ def _has_projections(module: nn.Module) -> bool:
 
 
 def _hook_projections(binder: Binder, owner_module: nn.Module, owner: _Owner) -> list[str]:
+    """Hook the recognised projections; fills owner.paths (op -> coverage path) and owner.gaps (op -> why not)."""
     children = dict(owner_module.named_children())
 
     def ctx(proj: nn.Module) -> ContextRef:
@@ -190,22 +195,36 @@ def _hook_projections(binder: Binder, owner_module: nn.Module, owner: _Owner) ->
     if fused is not None:
         name, lin = fused
         third = _linear(lin).out_features // 3  # type: ignore[union-attr]
-        binder.hook_projection(lin, ctx(lin), splits=(("q", third), ("k", third), ("v", third)))
+        path = binder.hook_projection(lin, ctx(lin), splits=(("q", third), ("k", third), ("v", third)))
+        owner.paths.update(dict.fromkeys(("q", "k", "v"), path))
         ops += ["q", "k", "v"]
         width, taken = third, {name}
     else:
         sep = _separate(children)
         if sep is not None:
             for op, lin in zip(("q", "k", "v"), sep, strict=True):
-                binder.hook_projection(lin, ctx(lin), op=op)
+                owner.paths[op] = binder.hook_projection(lin, ctx(lin), op=op)
             ops += ["q", "k", "v"]
             width = _linear(sep[0]).out_features  # type: ignore[union-attr]
             taken = {n for names in _SEPARATE_NAMES for n in names}
+        else:
+            owner.gaps.update(dict.fromkeys(("q", "k", "v"), _qkv_gap(children)))
     out = _out(children, width, taken) if width else None
     if out is not None:
-        binder.hook_projection(out, ctx(out), op="out")
+        owner.paths["out"] = binder.hook_projection(out, ctx(out), op="out")
         ops.append("out")
+    else:
+        named = next((children[n] for n in _OUT_NAMES if n in children and n not in taken), None)
+        owner.gaps["out"] = projection_gap(named, "output projection")
     return ops
+
+
+def _qkv_gap(children: dict[str, nn.Module]) -> str:
+    """Why no q/k/v projection was recognised: a named child that is wrapped or quantized, or none at all."""
+    for n in (*_FUSED_NAMES, *(name for names in _SEPARATE_NAMES for name in names)):
+        if n in children:
+            return projection_gap(children[n])
+    return projection_gap(None, "fused or q/k/v projection")
 
 
 def _candidates(model: nn.Module, exclude: set[nn.Module]) -> list[tuple[str, nn.Module]]:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..context import LayerContext
-from ._common import Binder, engine_call, forward_source_mentions, rotates_qk
+from ._common import Binder, engine_call, forward_source_mentions, projection_gap, rotates_qk
 from .peft import base_linear
 
 __all__ = ["ATTN_IMPLEMENTATION", "attach", "attnchecker_attention", "transformers_roots"]
@@ -70,6 +70,10 @@ def attnchecker_attention(
 
     entry = _CONTEXTS.get(module)
     unsupported = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
+    if entry is not None and unsupported:
+        # A variant the protected kernel does not implement: stay correct, and say so in the coverage map.
+        what = ", ".join(k for k in ("position_bias", "softcap", "s_aux") if kwargs.get(k) is not None)
+        entry[1].fallback(entry[0], f"attention with {what} runs transformers' plain SDPA")
     if entry is None or unsupported:
         # Not ours (closed guard, another model) or a variant the protected kernel does not implement: stay correct.
         return sdpa_attention_forward(
@@ -130,9 +134,14 @@ def _out_features(proj: Any) -> int:
     return int(weight.shape[1] if _layout(proj) == "in_out" else weight.shape[0])
 
 
-def _hook_projections(binder: Binder, module: nn.Module, parent: nn.Module | None, ctx: LayerContext) -> list[str]:
-    """Hook the q/k/v/out projections of one attention module; returns the ops hooked."""
+def _hook_projections(
+    binder: Binder, module: nn.Module, parent: nn.Module | None, ctx: LayerContext
+) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """Hook the q/k/v/out projections of one attention module; returns the ops hooked, their coverage paths, and
+    why each op that was not hooked was not."""
     ops: list[str] = []
+    paths: dict[str, str] = {}
+    gaps: dict[str, str] = {}
     children = dict(module.named_children())
     c_attn = children.get("c_attn")
     c_layout = _layout(c_attn) if c_attn is not None else None
@@ -142,23 +151,33 @@ def _hook_projections(binder: Binder, module: nn.Module, parent: nn.Module | Non
         q_layout = _layout(q_attn) if q_attn is not None else None
         if getattr(module, "is_cross_attention", False) and q_attn is not None and q_layout is not None:
             # GPT-2 cross-attention: q from q_attn, k and v fused in c_attn over the encoder states.
-            binder.hook_projection(q_attn, ctx, op="q", weight_layout=q_layout)
-            binder.hook_projection(c_attn, ctx, splits=(("k", n // 2), ("v", n // 2)), weight_layout=c_layout)
+            paths["q"] = binder.hook_projection(q_attn, ctx, op="q", weight_layout=q_layout)
+            paths["k"] = paths["v"] = binder.hook_projection(c_attn, ctx, splits=(("k", n // 2), ("v", n // 2)),
+                                                             weight_layout=c_layout)
             ops += ["q", "k", "v"]
         elif n % 3 == 0:
             third = n // 3
             splits = (("q", third), ("k", third), ("v", third))
-            binder.hook_projection(c_attn, ctx, splits=splits, weight_layout=c_layout)
+            paths["q"] = paths["k"] = paths["v"] = binder.hook_projection(c_attn, ctx, splits=splits,
+                                                                          weight_layout=c_layout)
             ops += ["q", "k", "v"]
+        else:
+            gaps.update(dict.fromkeys(("q", "k", "v"), f"c_attn width {n} is not 3 x the head width"))
+    elif c_attn is not None:
+        gaps.update(dict.fromkeys(("q", "k", "v"), projection_gap(c_attn)))
     else:
         for names in _SEPARATE_QKV:
             if all(n in children for n in names):
                 for op, child in zip(("q", "k", "v"), names, strict=True):
                     layout = _layout(children[child])
                     if layout is not None:
-                        binder.hook_projection(children[child], ctx, op=op, weight_layout=layout)
+                        paths[op] = binder.hook_projection(children[child], ctx, op=op, weight_layout=layout)
                         ops.append(op)
+                    else:
+                        gaps[op] = projection_gap(children[child])
                 break
+        else:
+            gaps.update(dict.fromkeys(("q", "k", "v"), projection_gap(None, "q/k/v projection")))
     out = next((children[n] for n in _OUT_NAMES if n in children), None)
     if out is None and parent is not None:
         # BERT/RoBERTa: the output projection is `output.dense`, a sibling of the attention module.
@@ -166,9 +185,11 @@ def _hook_projections(binder: Binder, module: nn.Module, parent: nn.Module | Non
         out = getattr(sibling, "dense", None) if isinstance(sibling, nn.Module) else None
     out_layout = _layout(out) if out is not None else None
     if out is not None and out_layout is not None:
-        binder.hook_projection(out, ctx, op="out", weight_layout=out_layout)
+        paths["out"] = binder.hook_projection(out, ctx, op="out", weight_layout=out_layout)
         ops.append("out")
-    return ops
+    else:
+        gaps["out"] = projection_gap(out, "output projection")
+    return ops, paths, gaps
 
 
 def _is_gpt_neo_attention(module: nn.Module) -> bool:
@@ -237,14 +258,19 @@ def attach(binder: Binder, model: Any, *, prefix: str = "") -> None:
             "they stay unprotected",
             type(model).__name__,
         )
+        for name, _module in interface_modules:
+            binder.add_unprotected(name, ("q", "k", "v", "scores", "context", "out"),
+                                   f"{type(model).__name__} cannot switch its attention implementation at run time")
         return
     _register()
     for name, module in interface_modules:
         ctx = binder.context_for(module)
-        ops = _hook_projections(binder, module, parents.get(module), ctx)
+        ops, paths, gaps = _hook_projections(binder, module, parents.get(module), ctx)
         _CONTEXTS[module] = (ctx, binder, rotates_qk(module))
         binder.on_close(functools.partial(_forget, module))
-        binder.add_site(ctx, name, "transformers", (*ops[:3], "scores", "context", *ops[3:]))
+        qkv = [op for op in ops if op != "out"]
+        binder.add_site(ctx, name, "transformers", (*qkv, "scores", "context", *(["out"] if "out" in ops else [])),
+                        paths=paths, gaps=gaps)
     original = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     binder.on_close(functools.partial(_restore_implementation, model, original))
@@ -263,14 +289,16 @@ def _attach_gpt_neo(binder: Binder, name: str, module: Any) -> None:
     ctx = binder.context_for(module)
     children = dict(module.named_children())
     ops: list[str] = []
-    for op, n in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
+    paths: dict[str, str] = {}
+    gaps: dict[str, str] = {}
+    for op, n in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("out", "out_proj")):
+        if op == "out":
+            ops += ["scores", "context"]
         if n in children and isinstance(base_linear(children[n]), nn.Linear):
-            binder.hook_projection(children[n], ctx, op=op)
+            paths[op] = binder.hook_projection(children[n], ctx, op=op)
             ops.append(op)
-    ops += ["scores", "context"]
-    if "out_proj" in children and isinstance(base_linear(children["out_proj"]), nn.Linear):
-        binder.hook_projection(children["out_proj"], ctx, op="out")
-        ops.append("out")
+        else:
+            gaps[op] = projection_gap(children.get(n))
     had_own = "_attn" in module.__dict__
     previous = module.__dict__.get("_attn")
     # An instance attribute shadows the class method for this module only; deleting it restores the class method.
@@ -283,4 +311,4 @@ def _attach_gpt_neo(binder: Binder, name: str, module: Any) -> None:
             del module._attn
 
     binder.on_close(restore)
-    binder.add_site(ctx, name, "gpt_neo", tuple(ops))
+    binder.add_site(ctx, name, "gpt_neo", tuple(ops), paths=paths, gaps=gaps)
