@@ -79,7 +79,7 @@ class Coverage:
         for (ops, reason), where in grouped.items():
             indices = [layer for layer, _ in where if layer is not None]
             names = [name for _, name in where]
-            head = f"layers {_ranges(indices)}" if indices else names[0]
+            head = f"layer{'s' if len(indices) > 1 else ''} {_ranges(indices)}" if indices else names[0]
             tail = f" ({names[0]}{', …' if len(names) > 1 else ''})" if indices else ""
             if not indices and len(names) > 1:
                 head += f" and {len(names) - 1} more"

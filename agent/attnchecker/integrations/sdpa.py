@@ -213,6 +213,8 @@ def _hook_projections(binder: Binder, owner_module: nn.Module, owner: _Owner) ->
     if out is not None:
         owner.paths["out"] = binder.hook_projection(out, ctx(out), op="out")
         ops.append("out")
+    elif not width:
+        owner.gaps["out"] = "output projection not matched: it is found by the q/k/v width, and q/k/v were not"
     else:
         named = next((children[n] for n in _OUT_NAMES if n in children and n not in taken), None)
         owner.gaps["out"] = projection_gap(named, "output projection")
