@@ -145,3 +145,53 @@ def test_property_bias_gradients_match_sdpa(make_ctx, heads, t, s, d, bias_shape
         assert a.shape == b.shape
         assert rel_err(torch.nan_to_num(a), torch.nan_to_num(b)) <= limit
     assert not rec.detections
+
+
+def _t5(seed: int = 0) -> nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    cfg = tf.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+                      dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return tf.T5ForConditionalGeneration(cfg).train()
+
+
+def _t5_step(model: nn.Module, faults: list[GemmFault] | None = None):
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 64, (2, 9), generator=g)
+    keep = torch.ones_like(ids)
+    keep[1, -3:] = 0  # a padded encoder row: the bias meets a padding mask
+    model.zero_grad(set_to_none=True)
+    if faults is None:
+        loss, hits = model(input_ids=ids, attention_mask=keep, labels=ids).loss, None
+    else:
+        with GemmFaults(faults) as mode:
+            loss = model(input_ids=ids, attention_mask=keep, labels=ids).loss
+        hits = mode.hits
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}, hits
+
+
+@pytest.mark.parametrize("fault", [None, "inf", "nan", "near_inf"])
+def test_t5_learned_relative_bias_is_protected_and_keeps_its_gradient(fault) -> None:
+    """T5 passes its learned relative bias to the AttentionInterface as position_bias: it is protected (no fallback,
+    the coverage map complete under strict=True) and relative_attention_bias gets the unprotected model's gradient."""
+    pytest.importorskip("transformers")
+    model = _t5()
+    want_loss, want, _ = _t5_step(model)
+    assert any("relative_attention_bias" in n for n in want)
+    faults = None
+    if fault is not None:
+        # The first (B*H, T, T) GEMM: the encoder's first scores product.
+        faults = [GemmFault((2 * 4, 9, 9), {"inf": math.inf, "nan": math.nan, "near_inf": 1e20}[fault], index=11)]
+    with attnchecker.protect(model, strict=True) as guard:
+        assert guard.coverage.complete and len(guard.coverage.protected) == 6 * 6
+        got_loss, got, hits = _t5_step(model, faults)
+        rep = guard.report()
+        assert not guard.coverage.fallbacks
+    assert rep.checks["scores"] == 6 and rep.uncorrectable == 0
+    assert (rep.detected >= 1 and hits) if fault is not None else rep.detected == 0
+    assert rel_err(got_loss, want_loss) <= 1e-6
+    assert set(got) == set(want)
+    for name in want:
+        assert rel_err(got[name], want[name]) <= 1e-6, (name, rel_err(got[name], want[name]))

@@ -33,8 +33,8 @@ ATTN_IMPLEMENTATION = "attnchecker"
 # without an entry runs plain SDPA.
 _CONTEXTS: weakref.WeakKeyDictionary[nn.Module, tuple[LayerContext, Binder, bool]] = weakref.WeakKeyDictionary()
 
-_SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
-_OUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense")
+_SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"))
+_OUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "o")
 
 
 def transformers_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -69,15 +69,17 @@ def attnchecker_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     entry = _CONTEXTS.get(module)
-    unsupported = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
+    position_bias = kwargs.pop("position_bias", None)
+    unsupported = any(kwargs.get(k) is not None for k in ("softcap", "s_aux"))
     if entry is not None and unsupported:
         # A variant the protected kernel does not implement: stay correct, and say so in the coverage map.
-        what = ", ".join(k for k in ("position_bias", "softcap", "s_aux") if kwargs.get(k) is not None)
+        what = ", ".join(k for k in ("softcap", "s_aux") if kwargs.get(k) is not None)
         entry[1].fallback(entry[0], f"attention with {what} runs transformers' plain SDPA")
     if entry is None or unsupported:
         # Not ours (closed guard, another model) or a variant the protected kernel does not implement: stay correct.
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+            position_bias=position_bias, **kwargs
         )
     from ..attention import protected_sdpa
 
@@ -89,6 +91,12 @@ def attnchecker_attention(
     causal = bool(q_len > 1 and attention_mask is None and causal)
     if causal and key.shape[2] > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
+        position_bias = position_bias[..., :q_len] if position_bias is not None else None
+    if position_bias is not None:
+        # T5-style learned relative bias (B|1, H, T, S): folded into one additive mask as sdpa_attention_forward
+        # does; it keeps its gradient (protected_sdpa differentiates a mask that requires it).
+        attention_mask = _position_bias_mask(position_bias, attention_mask, causal, query.shape[2], key)
+        causal = False
     # RoPE (Llama) or a KV cache rebuild Q/K after their projections: then the scores need checksums of these.
     use_passed = binder.passed_matches(ctx, rotates=rotates, q=query, k=key, v=value)
     out_BHTD = engine_call(
@@ -106,6 +114,23 @@ def attnchecker_attention(
     )
     assert isinstance(out_BHTD, torch.Tensor)  # no return_probs
     return out_BHTD.transpose(1, 2).contiguous(), None
+
+
+def _position_bias_mask(
+    bias_BHTS: torch.Tensor, mask: torch.Tensor | None, causal: bool, q_len: int, key: torch.Tensor
+) -> torch.Tensor:
+    """transformers' create_position_bias_mask (not in every 5.x): the bias where attention is allowed, finfo.min
+    where the bool mask or causality forbids, or bias + mask for an additive mask."""
+    min_value = torch.finfo(key.dtype).min
+    if mask is None:
+        if not causal:
+            return bias_BHTS.contiguous()
+        s = key.shape[2]
+        allowed_TS = torch.arange(q_len, device=key.device)[:, None] >= torch.arange(s, device=key.device)[None, :]
+        return torch.where(allowed_TS, bias_BHTS, min_value).contiguous()
+    if mask.dtype == torch.bool:
+        return torch.where(mask, bias_BHTS, min_value).contiguous()
+    return (bias_BHTS + mask).contiguous()
 
 
 def _register() -> None:
