@@ -8,6 +8,7 @@ with ABFT checksums that detect and correct INF/NaN/near-INF and silent errors w
 
 from __future__ import annotations
 
+from .coverage import Coverage
 from .errors import (
     AlreadyProtectedError,
     AttnCheckerError,
@@ -17,7 +18,6 @@ from .errors import (
     UnsupportedDeviceError,
     UnsupportedDtypeError,
 )
-from .coverage import Coverage
 from .events import Detection
 from .guard import FaultCounts, Guard, Report, is_protected, protect, unprotect
 from .inject import Fault, FaultPlan

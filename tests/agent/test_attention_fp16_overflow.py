@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 from attnchecker.attention import protected_sdpa
+from dispatch_faults import GemmFault, GemmFaults
 from hypothesis import given
 from hypothesis import strategies as st
-
-from dispatch_faults import GemmFault, GemmFaults
 
 FP16_MAX = 65504.0
 
@@ -73,7 +72,8 @@ def test_fault_at_the_edge_is_corrected(make_ctx, value) -> None:
         got = protected_sdpa(q, k, v, ctx=ctx)
     assert mode.hits
     assert torch.isfinite(got).all()
-    assert [d.action for d in rec.detections] and all(d.action != "uncorrectable" for d in rec.detections)
+    assert [d.action for d in rec.detections]
+    assert all(d.action != "uncorrectable" for d in rec.detections)
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     (gq,) = torch.autograd.grad(got.float().square().sum(), q)
     torch.testing.assert_close(gq, wq, rtol=2e-2, atol=2e-2)

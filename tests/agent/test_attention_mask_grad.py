@@ -12,11 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 from attnchecker.attention import protected_sdpa
+from dispatch_faults import GemmFault, GemmFaults
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
-
-from dispatch_faults import GemmFault, GemmFaults
 
 B, T, C, H = 2, 12, 32, 4
 
@@ -82,10 +81,12 @@ def test_learned_mask_gradient_equals_unprotected(cls, fault) -> None:
     with attnchecker.protect(model) as guard:
         got_loss, got, hits = _loss_and_grads(model, x, faults)
         rep = guard.report()
-    assert rep.checks["scores"] == 1 and rep.uncorrectable == 0
+    assert rep.checks["scores"] == 1
+    assert rep.uncorrectable == 0
     if fault is not None:
         assert hits, "the injector hit nothing"
-        assert rep.detected >= 1 and rep.corrected >= 1
+        assert rep.detected >= 1
+        assert rep.corrected >= 1
     else:
         assert rep.detected == 0
     assert rel_err(got_loss, want_loss) <= 1e-6
@@ -106,7 +107,8 @@ def test_mask_alone_requiring_grad_gets_its_gradient(make_ctx) -> None:
     (got,) = torch.autograd.grad(out.square().sum(), bias)
     ref = bias.detach().clone().requires_grad_()
     (want,) = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=ref).square().sum(), ref)
-    assert rel_err(got, want) <= 1e-6 and not rec.detections
+    assert rel_err(got, want) <= 1e-6
+    assert not rec.detections
 
 
 @given(
@@ -185,11 +187,13 @@ def test_t5_learned_relative_bias_is_protected_and_keeps_its_gradient(fault) -> 
         # The first (B*H, T, T) GEMM: the encoder's first scores product.
         faults = [GemmFault((2 * 4, 9, 9), {"inf": math.inf, "nan": math.nan, "near_inf": 1e20}[fault], index=11)]
     with attnchecker.protect(model, strict=True) as guard:
-        assert guard.coverage.complete and len(guard.coverage.protected) == 6 * 6
+        assert guard.coverage.complete
+        assert len(guard.coverage.protected) == 6 * 6
         got_loss, got, hits = _t5_step(model, faults)
         rep = guard.report()
         assert not guard.coverage.fallbacks
-    assert rep.checks["scores"] == 6 and rep.uncorrectable == 0
+    assert rep.checks["scores"] == 6
+    assert rep.uncorrectable == 0
     assert (rep.detected >= 1 and hits) if fault is not None else rep.detected == 0
     assert rel_err(got_loss, want_loss) <= 1e-6
     assert set(got) == set(want)

@@ -36,10 +36,13 @@ def test_zoo_models_are_fully_covered(arch, caplog) -> None:
         cov = guard.coverage
         wire = guard._run_info()["config"]["coverage"]
         rep = guard.report().as_dict()["coverage"]
-    assert cov.complete and len(cov.protected) == 2 * len(OPS)
+    assert cov.complete
+    assert len(cov.protected) == 2 * len(OPS)
     assert {(e.layer, e.op) for e in cov.entries} == {(layer, op) for layer in (0, 1) for op in OPS}
     assert wire == {"protected": 12, "unprotected": 0, "layers": [f"0-1 {EXPECTED_PATHS[arch]}"], "gaps": []}
-    assert rep["protected"] == 12 and rep["unprotected"] == 0 and len(rep["entries"]) == 12
+    assert rep["protected"] == 12
+    assert rep["unprotected"] == 0
+    assert len(rep["entries"]) == 12
     assert not [r for r in caplog.records if "unprotected" in r.getMessage()]
 
 
@@ -55,10 +58,12 @@ def test_lora_variant_is_listed_warned_once_and_refused_when_strict(caplog) -> N
         cov = guard.coverage
         wire = guard._run_info()["config"]["coverage"]
     warnings = [r.getMessage() for r in caplog.records if r.name == "attnchecker" and "unprotected" in r.getMessage()]
-    assert len(warnings) == 1 and "layers 0-1 q,out: peft LoRA variant Dora" in warnings[0]
+    assert len(warnings) == 1
+    assert "layers 0-1 q,out: peft LoRA variant Dora" in warnings[0]
     assert {(e.layer, e.op) for e in cov.unprotected} == {(layer, op) for layer in (0, 1) for op in ("q", "out")}
     assert {e.path for e in cov.protected} == {"hook", "transformers"}
-    assert wire["protected"] == 8 and wire["unprotected"] == 4
+    assert wire["protected"] == 8
+    assert wire["unprotected"] == 4
     assert wire["layers"] == ["0-1 k,v:hook scores,context:transformers"]
     before = {n: dict(m._forward_hooks) for n, m in model.named_modules()}
     with pytest.raises(attnchecker.UnprotectedAttentionError, match="q,out: peft LoRA variant Dora"):
@@ -77,12 +82,14 @@ def test_map_is_true_to_what_a_fault_below_autograd_shows() -> None:
         assert any(e.op == "v" and e.layer == 0 and e.protected for e in guard.coverage.entries)
         with GemmFaults([GemmFault((n, 32), math.inf, index=40, nth=1)]) as mode:
             loss = loss_of("llama", model, batch("llama", 0))
-        assert mode.hits and torch.isfinite(loss)
+        assert mode.hits
+        assert torch.isfinite(loss)
         assert [(d.op, d.layer, d.action) for d in guard.detections] == [("v", 0, "corrected")]
         assert not any(e.op == "q" and e.protected for e in guard.coverage.entries)
         with GemmFaults([GemmFault((n, 64), math.inf, index=40, nth=0)]) as mode:
             loss = loss_of("llama", model, batch("llama", 0))
-        assert mode.hits and not torch.isfinite(loss)
+        assert mode.hits
+        assert not torch.isfinite(loss)
         assert not [d for d in guard.detections if d.op == "q"]
 
 
@@ -119,7 +126,8 @@ def test_quantized_projection_and_mha_option_are_listed() -> None:
     with attnchecker.protect(model) as guard:
         gaps = guard.coverage.gaps()
     assert "layer 0 q,k,v: quantized weight (QuantLinear, torch.int8) (attn)" in gaps
-    assert "layer 0 out: output projection not matched: it is found by the q/k/v width, and q/k/v were not (attn)" in gaps
+    unmatched = "output projection not matched: it is found by the q/k/v width, and q/k/v were not"
+    assert f"layer 0 out: {unmatched} (attn)" in gaps
     assert "mha q,k,v,scores,context,out: nn.MultiheadAttention with add_zero_attn=True" in gaps
 
 
@@ -155,7 +163,10 @@ def test_wire_form_stays_compact_for_deep_models() -> None:
     entries += [OpCoverage(layer=i, name=f"m.layers.{i}.attn", op="scores", reason=f"reason {i % 40} " + "x" * 300)
                 for i in range(200)]
     wire = Coverage(entries=tuple(entries)).to_wire()
-    assert wire["protected"] == 800 and wire["unprotected"] == 200
-    assert len(wire["layers"]) == 2 and wire["layers"][0].startswith("0,2,4")
-    assert len(wire["gaps"]) == 16 and wire["gaps"][-1] == "… and 25 more"
+    assert wire["protected"] == 800
+    assert wire["unprotected"] == 200
+    assert len(wire["layers"]) == 2
+    assert wire["layers"][0].startswith("0,2,4")
+    assert len(wire["gaps"]) == 16
+    assert wire["gaps"][-1] == "… and 25 more"
     assert all(len(line) <= 200 for line in wire["layers"] + wire["gaps"])

@@ -135,7 +135,7 @@ class Binder:
 
         names = tuple(name for name, _ in splits) if splits is not None else (op or "",)
         if peft.is_lora(proj):
-            peft.hook_lora(self, proj, ctx, op=op, splits=splits, names=names, weight_layout=weight_layout)
+            peft.hook_lora(self, proj, ctx, op=op, splits=splits, names=names)
             return "peft-lora"
         hook = functools.partial(_projection_hook, self._outputs, ctx, op, splits, names, weight_layout)
         handle = proj.register_forward_hook(hook, with_kwargs=True)

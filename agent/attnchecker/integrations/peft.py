@@ -16,6 +16,7 @@ quantized or other non-Linear base layers, and mixed-adapter batches (``adapter_
 sub-batches.
 """
 
+# ruff: noqa: N806 - tensors carry shape suffixes (x_cat_NTK), the house style for attention code
 from __future__ import annotations
 
 import functools
@@ -107,9 +108,9 @@ def hook_lora(
     op: str | None,
     splits: Splits | None,
     names: tuple[str, ...],
-    weight_layout: str,
 ) -> None:
-    """Verify a LoRA layer's output against its effective product, and each adapter's A output before B reads it."""
+    """Verify a LoRA layer's output against its effective product, and each adapter's A output before B reads it.
+    The base layer's layout (Linear or Conv1D) is read from it at each call."""
     call = _Call()
     handles = [
         layer.register_forward_pre_hook(functools.partial(_pre, call, ctx), with_kwargs=True),
@@ -123,7 +124,7 @@ def hook_lora(
         binder.on_close(h.remove)
 
 
-def _pre(call: _Call, ctx_ref: ContextRef, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+def _pre(call: _Call, ctx_ref: ContextRef, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:  # noqa: ARG001
     call.ctx = ctx_ref if isinstance(ctx_ref, LayerContext) else ctx_ref()
     call.z.clear()
     call.skip = kwargs.get("adapter_names") is not None
