@@ -75,15 +75,15 @@ class Coverage:
         grouped: dict[tuple[str, str], list[tuple[int | None, str]]] = {}
         for (layer, name, reason), ops in by_name.items():
             grouped.setdefault((",".join(_ordered(ops)), reason), []).append((layer, name))
-        lines = []
-        for (ops, reason), where in grouped.items():
+        lines: list[str] = []
+        for (op_list, reason), where in grouped.items():
             indices = [layer for layer, _ in where if layer is not None]
             names = [name for _, name in where]
             head = f"layer{'s' if len(indices) > 1 else ''} {_ranges(indices)}" if indices else names[0]
             tail = f" ({names[0]}{', …' if len(names) > 1 else ''})" if indices else ""
             if not indices and len(names) > 1:
                 head += f" and {len(names) - 1} more"
-            lines.append(f"{head} {ops}: {reason}{tail}")
+            lines.append(f"{head} {op_list}: {reason}{tail}")
         names_of = {e.layer: e.name for e in self.entries}
         lines += [
             f"layer {layer} ({names_of.get(layer) or '?'}) scores,context: {reason} ({n} call{'s' if n != 1 else ''} "

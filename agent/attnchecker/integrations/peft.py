@@ -72,7 +72,7 @@ def why_unsupported(module: nn.Module) -> str | None:
         return f"peft LoRA variant {', '.join(kinds)}"
     if any((getattr(module, "use_dora", {}) or {}).values()):  # peft before the lora_variant registry
         return "peft LoRA variant Dora"
-    base = module.get_base_layer()
+    base: nn.Module = module.get_base_layer()  # type: ignore[operator]  # a peft BaseTunerLayer method
     if _plain_base(base) is None:
         weight = getattr(base, "weight", None)
         quantized = isinstance(weight, torch.Tensor) and not weight.is_floating_point()
@@ -138,8 +138,9 @@ def _a_hook(call: _Call, adapter: str, op: str, module: nn.Module, args: tuple[A
     if call.ctx is None or call.skip:
         return None
     x_d = args[0]
-    z = check_projection({}, call.ctx, x_d, z, module.weight, module.bias, op=op, splits=None, names=(op,),
-                         weight_layout="out_in")
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]  # A is an nn.Linear
+    bias: torch.Tensor | None = module.bias  # type: ignore[assignment]
+    z = check_projection({}, call.ctx, x_d, z, weight, bias, op=op, splits=None, names=(op,), weight_layout="out_in")
     call.z[adapter] = z
     return z
 
@@ -161,7 +162,7 @@ def _post(
     call.z.clear()
     if ctx is None or call.skip:
         return None
-    x = args[0] if args else kwargs.get("x", kwargs.get("input"))
+    x: torch.Tensor = args[0] if args else kwargs.get("x", kwargs.get("input"))  # type: ignore[assignment]
     base = module.get_base_layer()
     layout = _plain_base(base)
     assert layout is not None  # is_lora() held when hooked; a variant added later is refused below

@@ -155,7 +155,7 @@ def _layout(proj: nn.Module) -> str | None:
 
 
 def _out_features(proj: Any) -> int:
-    weight = base_linear(proj).weight
+    weight: torch.Tensor = base_linear(proj).weight  # type: ignore[assignment]  # Linear / Conv1D
     return int(weight.shape[1] if _layout(proj) == "in_out" else weight.shape[0])
 
 
