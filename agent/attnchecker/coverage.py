@@ -28,8 +28,9 @@ PATHS: Mapping[str, str] = {
 }
 """Every protection path, with what it means (docs/architectures.md, coverage)."""
 
-_WIRE_MAX_LINES = 16
-_WIRE_MAX_CHARS = 200
+# The registration config is bounded by the collector: 2 x 8 lines of 160 characters at most, ~2.6 kB.
+_WIRE_MAX_LINES = 8
+_WIRE_MAX_CHARS = 160
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +52,8 @@ class OpCoverage:
 @dataclass(frozen=True, slots=True)
 class Coverage:
     entries: tuple[OpCoverage, ...]
-    fallbacks: Mapping[tuple[int, str], int] = field(default_factory=dict)
-    """Calls that ran unprotected at run time, by (layer, reason)."""
+    fallbacks: Mapping[tuple[int, str, str], int] = field(default_factory=dict)
+    """Calls that ran unprotected at run time, by (layer, ops "scores,context", reason)."""
 
     @property
     def protected(self) -> tuple[OpCoverage, ...]:
@@ -86,9 +87,9 @@ class Coverage:
             lines.append(f"{head} {op_list}: {reason}{tail}")
         names_of = {e.layer: e.name for e in self.entries}
         lines += [
-            f"layer {layer} ({names_of.get(layer) or '?'}) scores,context: {reason} ({n} call{'s' if n != 1 else ''} "
+            f"layer {layer} ({names_of.get(layer) or '?'}) {ops}: {reason} ({n} call{'s' if n != 1 else ''} "
             "ran unprotected)"
-            for (layer, reason), n in sorted(self.fallbacks.items())
+            for (layer, ops, reason), n in sorted(self.fallbacks.items())
         ]
         return lines
 
@@ -102,14 +103,15 @@ class Coverage:
                 for e in self.entries
             ],
             "fallbacks": [
-                {"layer": layer, "reason": reason, "calls": n} for (layer, reason), n in sorted(self.fallbacks.items())
+                {"layer": layer, "ops": ops, "reason": reason, "calls": n}
+                for (layer, ops, reason), n in sorted(self.fallbacks.items())
             ],
         }
 
     def to_wire(self) -> dict[str, Any]:
         """The compact form for the registration ``config``: counts, one line per group of layers that share the
         same paths ("0-11 q,k,v:peft-lora scores,context:transformers out:hook"), one per gap. Flat and bounded
-        (at most 16 lines of 200 characters each), whatever the model's depth."""
+        (at most 8 lines of 160 characters each per list), whatever the model's depth."""
         by_layer: dict[int | None, list[OpCoverage]] = {}
         for e in self.protected:
             by_layer.setdefault(e.layer, []).append(e)

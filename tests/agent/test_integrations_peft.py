@@ -213,3 +213,22 @@ def test_property_lora_effective_product_has_no_false_positive(
     assert not rec.detections, rec.detections[:1]
     assert ctx.runtime.stats.checks["q"] == 2  # A's output and the effective product
     assert torch.equal(got, want)
+
+
+def test_mixed_adapter_batch_is_a_counted_fallback() -> None:
+    """adapter_names= gives each adapter a sub-batch: the call runs unchecked, and the coverage map says so."""
+    from attnchecker.integrations._common import Binder
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_Proj(16, 8, True), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    model.eval()
+    layer = model.base_model.model.q_proj
+    binder = Binder(attnchecker.guard.Runtime(step=0, stats=attnchecker.guard.OpStats()))
+    ctx = binder.new_context()
+    binder.add_site(ctx, "q_proj", "sdpa", ("q",), paths={"q": binder.hook_projection(layer, ctx, op="q")})
+    layer(torch.randn(2, 3, 16), adapter_names=["default", "__base__"])
+    cov = binder.coverage()
+    binder.undo_all()
+    reason = "peft LoRA call with adapter_names= (mixed-adapter batch) runs unchecked"
+    assert cov.fallbacks == {(0, "q", reason): 1}
+    assert ctx.runtime.stats.checks["q"] == 0

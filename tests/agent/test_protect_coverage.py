@@ -150,8 +150,9 @@ def test_run_time_fallback_is_counted_and_strict_raises(caplog) -> None:
         cov = guard.coverage
         rep = guard.report().as_dict()["coverage"]
     assert not cov.complete
-    assert cov.fallbacks == {(0, "SDPA call with a 3-D query (not (B, H, T, D))"): 2}
-    assert rep["fallbacks"] == [{"layer": 0, "reason": "SDPA call with a 3-D query (not (B, H, T, D))", "calls": 2}]
+    reason = "SDPA call with a 3-D query (not (B, H, T, D))"
+    assert cov.fallbacks == {(0, "scores,context", reason): 2}
+    assert rep["fallbacks"] == [{"layer": 0, "ops": "scores,context", "reason": reason, "calls": 2}]
     assert sum("runs unprotected" in r.getMessage() for r in caplog.records) == 1
     with attnchecker.protect(model, strict=True), pytest.raises(attnchecker.UnprotectedAttentionError, match="3-D"):
         model(x)
@@ -167,6 +168,6 @@ def test_wire_form_stays_compact_for_deep_models() -> None:
     assert wire["unprotected"] == 200
     assert len(wire["layers"]) == 2
     assert wire["layers"][0].startswith("0,2,4")
-    assert len(wire["gaps"]) == 16
-    assert wire["gaps"][-1] == "… and 25 more"
-    assert all(len(line) <= 200 for line in wire["layers"] + wire["gaps"])
+    assert len(wire["gaps"]) == 8
+    assert wire["gaps"][-1] == "… and 33 more"
+    assert all(len(line) <= 160 for line in wire["layers"] + wire["gaps"])

@@ -59,7 +59,7 @@ class Binder:
         self._outputs: dict[tuple[int, str], tuple[int, int]] = {}
         # Attention modules left out whole (no layer), and calls that fell back to an unprotected kernel at run time.
         self.unprotected: list[OpCoverage] = []
-        self.fallbacks: dict[tuple[int, str], int] = {}
+        self.fallbacks: dict[tuple[int, str, str], int] = {}
         self.strict = False
 
     def new_context(self) -> LayerContext:
@@ -95,17 +95,18 @@ class Binder:
         """An attention module left unprotected whole (it gets no layer)."""
         self.unprotected += [OpCoverage(layer=None, name=name, op=op, reason=reason) for op in ops]
 
-    def fallback(self, ctx: LayerContext, reason: str) -> None:
+    def fallback(self, ctx: LayerContext, reason: str, ops: str = "scores,context") -> None:
         """A call of a protected layer that runs unprotected (a variant the engine does not implement): counted in
         the coverage map, warned about once per reason, an error under ``protect(strict=True)``."""
-        key = (ctx.layer, reason)
-        first = not any(r == reason for _, r in self.fallbacks)
+        key = (ctx.layer, ops, reason)
+        first = not any(r == reason for _, _, r in self.fallbacks)
         self.fallbacks[key] = self.fallbacks.get(key, 0) + 1
         if self.strict:
-            raise UnprotectedAttentionError(f"layer {ctx.layer}: {reason}; protect(strict=True) allows no fallback")
+            raise UnprotectedAttentionError(
+                f"layer {ctx.layer} {ops}: {reason}; protect(strict=True) allows no fallback")
         if first:
-            log.warning("attnchecker: layer %d runs unprotected: %s (Guard.coverage counts every such call)",
-                        ctx.layer, reason)
+            log.warning("attnchecker: layer %d %s runs unprotected: %s (Guard.coverage counts every such call)",
+                        ctx.layer, ops, reason)
 
     def coverage(self) -> Coverage:
         entries = [

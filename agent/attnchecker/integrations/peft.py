@@ -113,7 +113,7 @@ def hook_lora(
     The base layer's layout (Linear or Conv1D) is read from it at each call."""
     call = _Call()
     handles = [
-        layer.register_forward_pre_hook(functools.partial(_pre, call, ctx), with_kwargs=True),
+        layer.register_forward_pre_hook(functools.partial(_pre, binder, call, ctx, names), with_kwargs=True),
         layer.register_forward_hook(functools.partial(_post, binder, call, op, splits, names), with_kwargs=True),
     ]
     # Checked under the projection's first op: A's output (N, T, r) has no q/k/v split of its own.
@@ -124,12 +124,22 @@ def hook_lora(
         binder.on_close(h.remove)
 
 
-def _pre(call: _Call, ctx_ref: ContextRef, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:  # noqa: ARG001
+def _pre(
+    binder: Binder,
+    call: _Call,
+    ctx_ref: ContextRef,
+    names: tuple[str, ...],
+    module: nn.Module,  # noqa: ARG001
+    args: Any,  # noqa: ARG001
+    kwargs: dict[str, Any],
+) -> None:
     call.ctx = ctx_ref if isinstance(ctx_ref, LayerContext) else ctx_ref()
     call.z.clear()
     call.skip = kwargs.get("adapter_names") is not None
     if call.skip:
-        log.debug("attnchecker: LoRA call with adapter_names= (mixed batch) left unchecked")
+        # Each adapter sees a sub-batch of x: no concatenated product describes the output.
+        binder.fallback(call.ctx, "peft LoRA call with adapter_names= (mixed-adapter batch) runs unchecked",
+                        ops=",".join(names))
 
 
 def _a_hook(call: _Call, adapter: str, op: str, module: nn.Module, args: tuple[Any, ...], z: torch.Tensor) -> Any:
