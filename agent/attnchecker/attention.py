@@ -549,11 +549,15 @@ class _VerifiedAttention(torch.autograd.Function):
 
 
 def _additive_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask as the fused backward takes it: additive, 4-D. A 3-D (H, T, S) mask, valid for SDPA (it broadcasts
+    from the right), is misread by the CPU kernel's backward, which then fails on its size."""
     if attn_mask is None:
         return None
     if attn_mask.dtype == torch.bool:
-        return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(~attn_mask, -math.inf)
-    return attn_mask.to(dtype)
+        mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(~attn_mask, -math.inf)
+    else:
+        mask = attn_mask.to(dtype)
+    return mask.view(*(1,) * (4 - mask.dim()), *mask.shape) if mask.dim() < 4 else mask
 
 
 def _suspect_heads(passed: PassedProjection | None, x_BHSD: torch.Tensor, heads: int, tol: Tolerance) -> torch.Tensor | None:

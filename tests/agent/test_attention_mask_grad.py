@@ -199,3 +199,28 @@ def test_t5_learned_relative_bias_is_protected_and_keeps_its_gradient(fault) -> 
     assert set(got) == set(want)
     for name in want:
         assert rel_err(got[name], want[name]) <= 1e-6, (name, rel_err(got[name], want[name]))
+
+
+@pytest.mark.parametrize("shape", [(H, T, T), (T, T), (1, H, T, T), (B, 1, T, T), (1, H, 1, T)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_fixed_mask_of_any_broadcastable_rank_through_the_fused_backward(make_ctx, shape, dtype) -> None:
+    """A mask that needs no gradient goes through the fused CPU backward, which misread a 3-D (H, T, S) mask."""
+    ctx, rec = make_ctx()
+    g = torch.Generator().manual_seed(2)
+    q0, k0, v0 = (torch.randn(B, H, T, 8, generator=g) for _ in range(3))
+    mask = torch.randn(shape, generator=g)
+    if dtype == torch.bool:
+        mask = (mask > -0.5) | torch.eye(T, dtype=torch.bool)[-1]  # no row fully masked
+    upstream = torch.randn(B, H, T, 8, generator=g)
+
+    def run(fn):
+        q, k, v = (z.clone().requires_grad_() for z in (q0, k0, v0))
+        out = fn(q, k, v)
+        return (out, *torch.autograd.grad(out, (q, k, v), upstream))
+
+    got = run(lambda q, k, v: protected_sdpa(q, k, v, ctx=ctx, attn_mask=mask))
+    want = run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert type(got[0].grad_fn).__name__ == "_VerifiedAttentionBackward"
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) <= 1e-5
+    assert not rec.detections
