@@ -232,3 +232,23 @@ def test_mixed_adapter_batch_is_a_counted_fallback() -> None:
     reason = "peft LoRA call with adapter_names= (mixed-adapter batch) runs unchecked"
     assert cov.fallbacks == {(0, "q", reason): 1}
     assert ctx.runtime.stats.checks["q"] == 0
+
+
+@pytest.mark.parametrize("mode", ["off", "skip"])
+def test_lora_hook_does_nothing_when_nothing_is_due(make_ctx, mode) -> None:
+    """Mode off, or a step whose schedule checks neither op: no check runs and the output is the module's own."""
+    from attnchecker.integrations._common import Binder
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(_Proj(16, 8, True), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    x = torch.randn(2, 3, 16)
+    want = model(x)
+    config = {"mode": "off"} if mode == "off" else {"checked_ops": frozenset({"scores"})}
+    ctx, rec = make_ctx(**config)
+    binder = Binder(ctx.runtime)
+    binder.hook_projection(model.base_model.model.q_proj, ctx, op="q")
+    got = model(x)
+    binder.undo_all()
+    assert torch.equal(got, want)
+    assert ctx.runtime.stats.checks["q"] == 0
+    assert not rec.detections

@@ -142,6 +142,17 @@ def _pre(
                         ops=",".join(names))
 
 
+def _due(ctx: LayerContext, names: tuple[str, ...]) -> bool:
+    """Whether check_linear would do anything for these ops on this step (check, pass checksums, or inject): if not,
+    the concatenated operands are not built."""
+    cfg = ctx.config
+    if ctx.runtime.injector is not None:
+        return True
+    if cfg.mode == "off":
+        return False
+    return any(cfg.checks(n) or (n in ("q", "k", "v") and not cfg.source_repair) for n in names)
+
+
 def _a_hook(call: _Call, adapter: str, op: str, module: nn.Module, args: tuple[Any, ...], z: torch.Tensor) -> Any:
     from ._common import check_projection
 
@@ -170,7 +181,7 @@ def _post(
 
     ctx, z, call.ctx = call.ctx, dict(call.z), None
     call.z.clear()
-    if ctx is None or call.skip:
+    if ctx is None or call.skip or not _due(ctx, names):
         return None
     x: torch.Tensor = args[0] if args else kwargs.get("x", kwargs.get("input"))  # type: ignore[assignment]
     base = module.get_base_layer()
