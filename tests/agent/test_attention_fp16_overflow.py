@@ -77,3 +77,28 @@ def test_fault_at_the_edge_is_corrected(make_ctx, value) -> None:
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     (gq,) = torch.autograd.grad(got.float().square().sum(), q)
     torch.testing.assert_close(gq, wq, rtol=2e-2, atol=2e-2)
+
+
+def test_fp16_gpt2_layer_past_the_edge_matches_sdpa_finiteness() -> None:
+    """An unmodified transformers GPT-2 in fp16 whose first layer's q and k align along one direction: unscaled logits
+    ~1.9e5 (past 65504), scaled ones inside fp16. SDPA is finite; so is the protected model, with nothing reported."""
+    import attnchecker
+    from model_zoo import batch, build
+
+    model = build("gpt2").half().eval()
+    width = 64
+    with torch.no_grad():
+        weight = model.transformer.h[0].attn.c_attn.weight  # Conv1D: (in, 3 * width), columns q | k | v
+        u = torch.nn.functional.normalize(torch.randn(width, generator=torch.Generator().manual_seed(0)), dim=0)
+        weight[:, : 2 * width] = (u[:, None] * u[None, :] * 400).half().repeat(1, 2)
+    ids = batch("gpt2", 0)["ids"]
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    assert torch.isfinite(want).all()
+    with attnchecker.protect(model) as guard, torch.no_grad():
+        got = model(input_ids=ids).logits
+        rep = guard.report()
+    assert rep.checks["scores"] == 2
+    assert rep.detected == 0, guard.detections[:1]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
