@@ -43,13 +43,21 @@ class BiasAttention(nn.Module):
 class MHAWithLearnedMask(nn.Module):
     """nn.MultiheadAttention given a float (T, T) mask that is a parameter."""
 
+    need_weights = False
+
     def __init__(self) -> None:
         super().__init__()
         self.mha = nn.MultiheadAttention(C, H, batch_first=True)
         self.mask = nn.Parameter(torch.randn(T, T) * 0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.mha(x, x, x, attn_mask=self.mask, need_weights=False)[0]
+        out, weights = self.mha(x, x, x, attn_mask=self.mask, need_weights=self.need_weights)
+        # With need_weights the averaged weights join the loss: their gradient reaches the mask too.
+        return out if weights is None else out + weights.mean()
+
+
+class MHAWithLearnedMaskAndWeights(MHAWithLearnedMask):
+    need_weights = True
 
 
 def _loss_and_grads(model: nn.Module, x: torch.Tensor, faults: list[GemmFault] | None = None):
@@ -65,7 +73,7 @@ def _loss_and_grads(model: nn.Module, x: torch.Tensor, faults: list[GemmFault] |
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}, hits
 
 
-@pytest.mark.parametrize("cls", [BiasAttention, MHAWithLearnedMask])
+@pytest.mark.parametrize("cls", [BiasAttention, MHAWithLearnedMask, MHAWithLearnedMaskAndWeights])
 @pytest.mark.parametrize("fault", [None, "inf", "nan", "near_inf"])
 def test_learned_mask_gradient_equals_unprotected(cls, fault) -> None:
     torch.manual_seed(0)

@@ -125,6 +125,23 @@ def test_lora_fault_corrected_loss_and_grads_equal_fault_free(arch, where, kind,
         assert rel(got[n], want[n]) <= 1e-5, (n, rel(got[n], want[n]))
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_merged_lora_fault_in_the_merged_gemm_is_corrected(arch) -> None:
+    model = lora_model(arch, merged=True)
+    n = BATCH * SEQ
+    out_q = {"gpt2": 3 * 64, "llama": 64}[arch]
+    with attnchecker.protect(model) as guard:
+        clean_loss, clean, _ = step(arch, model)
+        got_loss, got, hits = step(arch, model, [GemmFault((n, out_q), math.nan, index=7)])
+        rep = guard.report()
+    assert hits
+    assert rep.detected >= 1
+    assert rep.uncorrectable == 0
+    assert rel(got_loss, clean_loss) <= 1e-6
+    for name in clean:
+        assert rel(got[name], clean[name]) <= 1e-6, name
+
+
 def test_unprotected_lora_fault_poisons_the_step() -> None:
     """The same injection without protection: the loss is not finite (the test above cannot pass by hitting nothing
     that matters)."""
