@@ -171,3 +171,29 @@ def test_wire_form_stays_compact_for_deep_models() -> None:
     assert len(wire["gaps"]) == 8
     assert wire["gaps"][-1] == "… and 33 more"
     assert all(len(line) <= 160 for line in wire["layers"] + wire["gaps"])
+
+
+def test_softcapped_attention_falls_back_to_eager_counted_and_exact(caplog) -> None:
+    """Gemma-2 softcaps its logits: the protected kernel does not implement it (and transformers' SDPA function
+    refuses it), so those calls run the model's own eager attention, counted; the projections stay checked."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tf.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
+                          sliding_window=4, attn_implementation="eager")
+    model = tf.Gemma2ForCausalLM(cfg)
+    ids = torch.randint(1, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    keep = torch.ones_like(ids)
+    keep[1, :2] = 0
+    want = model(input_ids=ids, attention_mask=keep, labels=ids).loss
+    with caplog.at_level(logging.WARNING, logger="attnchecker"), attnchecker.protect(model) as guard:
+        got = model(input_ids=ids, attention_mask=keep, labels=ids).loss
+        cov, rep = guard.coverage, guard.report()
+    reason = "attention with softcap runs the model's eager attention"
+    assert cov.fallbacks == {(0, "scores,context", reason): 1, (1, "scores,context", reason): 1}
+    assert rep.checks["q"] == 2
+    assert rep.checks["scores"] == 0
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert sum("runs unprotected" in r.getMessage() for r in caplog.records) == 1
+    with attnchecker.protect(model, strict=True), pytest.raises(attnchecker.UnprotectedAttentionError, match="softcap"):
+        model(input_ids=ids, labels=ids)

@@ -71,10 +71,15 @@ def attnchecker_attention(
     entry = _CONTEXTS.get(module)
     position_bias = kwargs.pop("position_bias", None)
     unsupported = any(kwargs.get(k) is not None for k in ("softcap", "s_aux"))
-    if entry is not None and unsupported:
-        # A variant the protected kernel does not implement: stay correct, and say so in the coverage map.
+    if unsupported:
+        # A variant the protected kernel does not implement (and SDPA neither: transformers' sdpa function refuses
+        # softcap): the model's own eager attention, and, when the layer is ours, a counted fallback.
         what = ", ".join(k for k in ("softcap", "s_aux") if kwargs.get(k) is not None)
-        entry[1].fallback(entry[0], f"attention with {what} runs transformers' plain SDPA")
+        if entry is not None:
+            entry[1].fallback(entry[0], f"attention with {what} runs the model's eager attention")
+        eager = _eager_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+        if eager is not None:
+            return eager
     if entry is None or unsupported:
         # Not ours (closed guard, another model) or a variant the protected kernel does not implement: stay correct.
         return sdpa_attention_forward(
@@ -114,6 +119,34 @@ def attnchecker_attention(
     )
     assert isinstance(out_BHTD, torch.Tensor)  # no return_probs
     return out_BHTD.transpose(1, 2).contiguous(), None
+
+
+def _eager_fallback(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool | None,
+    kwargs: dict[str, Any],
+) -> Any:
+    """``eager_attention_forward`` of the module's own modeling file, given the additive mask it expects (the masks
+    built for "attnchecker" are SDPA's: boolean, or None where SDPA's is_causal would do). None without one."""
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        return None
+    q_len = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None and causal and q_len > 1:
+        # transformers leaves the mask out only where SDPA's top-left is_causal is exact: the first q_len keys.
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+        attention_mask = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()[None, None]
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def _position_bias_mask(
