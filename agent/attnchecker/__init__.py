@@ -8,11 +8,13 @@ with ABFT checksums that detect and correct INF/NaN/near-INF and silent errors w
 
 from __future__ import annotations
 
+from .coverage import Coverage
 from .errors import (
     AlreadyProtectedError,
     AttnCheckerError,
     NoProtectableAttentionError,
     UncorrectableFault,
+    UnprotectedAttentionError,
     UnsupportedDeviceError,
     UnsupportedDtypeError,
 )
@@ -39,6 +41,7 @@ __all__ = [
     "AttnCheckerCallback",
     "AttnCheckerError",
     "AttnCheckerLightningCallback",
+    "Coverage",
     "Detection",
     "Fault",
     "FaultCounts",
@@ -49,6 +52,7 @@ __all__ = [
     "PolicyError",
     "Report",
     "UncorrectableFault",
+    "UnprotectedAttentionError",
     "UnsupportedDeviceError",
     "UnsupportedDtypeError",
     "is_protected",

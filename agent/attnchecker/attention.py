@@ -495,9 +495,11 @@ def _probs_lse(
     dropout_p: float,
     keep_BHTS: torch.Tensor | None,
     with_lse: bool = False,
+    probs_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """_probs, and with_lse also the row log-sum-exp of scale·AS + mask (B, H, T) in fp32, +INF on rows with every
-    key masked (so that exp(s - lse) = 0 there, as AP), for the fused backward (_VerifiedAttention)."""
+    key masked (so that exp(s - lse) = 0 there, as AP), for the fused backward (_VerifiedAttention). probs_dtype: AP's
+    dtype (V's) when AS was formed wider than the operands (fp16, _scores_product); default AS's."""
     # One new tensor, then in place: out-of-place masking copied the (B, H, T, S) scores once per mask.
     s = scores_BHTS * scale
     t, n_keys = s.shape[-2:]
@@ -516,7 +518,7 @@ def _probs_lse(
         # p = exp(m - lse): lse = m - log max(p), with max(p) >= 1/S (no cancellation). Two max passes (values only:
         # max with indices is ~15x slower on CPU) instead of torch.logsumexp's three.
         lse_BHT = s.amax(-1).float() - probs32.amax(-1).log()
-    probs = probs32.to(s.dtype)
+    probs = probs32.to(probs_dtype or s.dtype)
     dead = _dead_rows(attn_mask)
     if dead is not None:
         probs = probs.masked_fill(dead, 0.0)
@@ -535,11 +537,26 @@ def _future_mask(t: int, n_keys: int, device: torch.device) -> torch.Tensor:
     return torch.ones(t, n_keys, dtype=torch.bool, device=device).triu(1)
 
 
-def _fused_backward_ok(q_BHTD: torch.Tensor, dropout_p: float, return_probs: bool) -> bool:
+def _fused_backward_ok(
+    q_BHTD: torch.Tensor, dropout_p: float, return_probs: bool, attn_mask: torch.Tensor | None = None
+) -> bool:
     """Whether the CPU flash-attention backward can stand in for autograd through the unfused forward: it recomputes
     AP from Q, K and the row log-sum-exp, so it cannot reproduce our dropout mask, and return_probs hands AP itself
-    to the caller's graph."""
-    return q_BHTD.device.type == "cpu" and dropout_p == 0.0 and not return_probs
+    to the caller's graph. Nor does it return a gradient for the mask: a mask that requires grad (a learned relative
+    bias, T5/Swin/ALiBi style) is differentiated through the unfused graph instead, as PyTorch's own SDPA then runs
+    its math backend."""
+    mask_grad = attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
+    return q_BHTD.device.type == "cpu" and dropout_p == 0.0 and not return_probs and not mask_grad
+
+
+def _scores_product(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor) -> torch.Tensor:
+    """AS = Q Kᵀ (B, H, T, S). fp16 operands are multiplied into fp32: the unscaled logits pass fp16's 65504 well
+    before the scaled ones do, and PyTorch's attention (flash/efficient kernels, the CPU kernel) accumulates them in
+    fp32, so an fp16 AS would turn a finite attention into INF/NaN and a false "uncorrectable". fp16 values are exact
+    in fp32 (and in TF32), so the checksums of this product are those of an fp32 GEMM. bf16 has fp32's range."""
+    if q_BHTD.dtype == torch.float16:
+        return q_BHTD.float() @ k_BHSD.float().transpose(-2, -1)
+    return q_BHTD @ k_BHSD.transpose(-2, -1)
 
 
 @dataclass(slots=True)
@@ -578,11 +595,15 @@ class _VerifiedAttention(torch.autograd.Function):
 
 
 def _additive_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask as the fused backward takes it: additive, 4-D. A 3-D (H, T, S) mask, valid for SDPA (it broadcasts
+    from the right), is misread by the CPU kernel's backward, which then fails on its size."""
     if attn_mask is None:
         return None
     if attn_mask.dtype == torch.bool:
-        return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(~attn_mask, -math.inf)
-    return attn_mask.to(dtype)
+        mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(~attn_mask, -math.inf)
+    else:
+        mask = attn_mask.to(dtype)
+    return mask.view(*(1,) * (4 - mask.dim()), *mask.shape) if mask.dim() < 4 else mask
 
 
 def _suspect_heads(passed: PassedProjection | None, x_BHSD: torch.Tensor, heads: int, tol: Tolerance) -> torch.Tensor | None:
@@ -672,7 +693,7 @@ def protected_sdpa(
         force = frozenset(("scores", "context"))
     else:
         trip, force = None, frozenset()
-    fused_grad = _fused_backward_ok(q_BHTD, dropout_p, return_probs)
+    fused_grad = _fused_backward_ok(q_BHTD, dropout_p, return_probs, attn_mask)
     caught: list[int] = [0]
     with torch.no_grad() if fused_grad else contextlib.nullcontext():
         out, probs, lse = _checked_attention(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask,
@@ -720,7 +741,7 @@ def _checked_attention(
         for name, x in (("q", q_BHTD), ("k", k_BHSD), ("v", v_BHSD))
     }
     k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
-    scores = q_BHTD @ k_rep.transpose(-2, -1)
+    scores = _scores_product(q_BHTD, k_rep)
     _inject(ctx, "scores", scores)
     checks: dict[str, Checks] = {}
     seconds = dict.fromkeys(("scores", "context"), 0.0)
@@ -738,7 +759,7 @@ def _checked_attention(
         wired["scores"] = extreme(scores)
         trip_s += time.perf_counter() - t0
     probs, keep, lse = _probs_lse(scores, scale=scale, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
-                                  keep_BHTS=None, with_lse=with_lse)
+                                  keep_BHTS=None, with_lse=with_lse, probs_dtype=v_rep.dtype)
     out = probs @ v_rep
     _inject(ctx, "context", out)
     if cfg.checks("context") or "context" in force:
@@ -769,7 +790,7 @@ def _checked_attention(
                 trusted = _trusted(passed.get("q"), passed.get("k"), q_BHTD, k_BHSD, h, hk, tol)
 
                 def recompute_scores() -> torch.Tensor:
-                    fresh = q_BHTD.detach() @ k_rep.detach().transpose(-2, -1)
+                    fresh = _scores_product(q_BHTD.detach(), k_rep.detach())
                     _inject(ctx, "scores", fresh, attempt=1)
                     return fresh
 
@@ -785,7 +806,8 @@ def _checked_attention(
                 if correct and any(r.action in ("corrected", "recomputed") for r in reports):
                     # AS was repaired in place: rebuild AP and CL from it, reusing the dropout mask.
                     probs, _, lse = _probs_lse(scores, scale=scale, attn_mask=attn_mask, is_causal=is_causal,
-                                               dropout_p=dropout_p, keep_BHTS=keep, with_lse=with_lse)
+                                               dropout_p=dropout_p, keep_BHTS=keep, with_lse=with_lse,
+                                               probs_dtype=v_rep.dtype)
                     out = probs @ v_rep
                     _inject(ctx, "context", out, attempt=1)
                     if "context" in checks:
@@ -851,7 +873,9 @@ def _tripwire_sdpa(
     h = q_BHTD.shape[1]
     lse_BHT: torch.Tensor | None = None
     mask_add: torch.Tensor | None = None
-    if q_BHTD.device.type == "cpu" and dropout_p == 0.0 and q_BHTD.dim() == 4:
+    # The CPU kernel has no gradient for the mask: a learned bias (a mask that requires grad) goes through SDPA.
+    mask_learned = attn_mask is not None and attn_mask.requires_grad
+    if q_BHTD.device.type == "cpu" and dropout_p == 0.0 and q_BHTD.dim() == 4 and not mask_learned:
         k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
         mask_add = _additive_mask(attn_mask, q_BHTD.dtype)
         # What F.scaled_dot_product_attention runs on CPU for these inputs, with its log-sum-exp kept.

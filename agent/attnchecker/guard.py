@@ -26,10 +26,12 @@ import torch
 from torch import nn
 
 from .context import OPS, TIERS, CheckConfig, OpStats, Runtime
+from .coverage import Coverage
 from .errors import (
     AlreadyProtectedError,
     NoProtectableAttentionError,
     UncorrectableFault,
+    UnprotectedAttentionError,
     UnsupportedDeviceError,
     UnsupportedDtypeError,
 )
@@ -86,6 +88,8 @@ class Report:
     optimizer = optimizer steps whose gradients the last net looked at."""
     tier_catches: Mapping[str, int] = field(default_factory=dict)
     """Faults caught per tier (each Detection once)."""
+    coverage: Coverage | None = None
+    """Per layer and op: protected by which path, or not and why; and calls that fell back at run time."""
 
     @property
     def detected(self) -> int:
@@ -126,6 +130,7 @@ class Report:
             "skipped_steps": self.skipped_steps,
             "tier_checks": dict(self.tier_checks),
             "tier_catches": dict(self.tier_catches),
+            "coverage": self.coverage.as_dict() if self.coverage is not None else None,
         }
 
 
@@ -203,6 +208,7 @@ class Guard:
         rank: int,
         max_detections: int,
         streaming: _Streaming | None = None,
+        strict: bool = False,
     ) -> None:
         self.model = model
         self.run = run
@@ -214,6 +220,7 @@ class Guard:
             step=0, injector=_make_injector(faults), on_detection=self._on_detection, stats=OpStats()
         )
         self._binder = Binder(self.runtime)
+        self._binder.strict = strict
         self._detections: deque[Detection] = deque(maxlen=max_detections)
         self._totals = _Totals()
         self._steps = 0
@@ -236,6 +243,7 @@ class Guard:
                     f"Supported: {SUPPORTED_MODELS}."
                 )
             _require_supported_params(model, self._binder)
+            _check_coverage(self._binder.coverage(), strict=strict)
             pre = model.register_forward_pre_hook(self._root_pre_hook)
             post = model.register_forward_hook(self._root_post_hook, always_call=True)
             self._binder.on_close(pre.remove)
@@ -273,6 +281,12 @@ class Guard:
     def sites(self) -> tuple[Site, ...]:
         """The protected attention layers: module name, layer index, integration, ops verified."""
         return tuple(self._binder.sites)
+
+    @property
+    def coverage(self) -> Coverage:
+        """What is protected, per layer and op and by which path, and what is not and why (docs/architectures.md),
+        including calls that fell back to an unprotected kernel so far."""
+        return self._binder.coverage()
 
     @property
     def detections(self) -> list[Detection]:
@@ -360,6 +374,7 @@ class Guard:
             skipped_steps=self._skipped_steps,
             tier_checks=MappingProxyType(totals.tier_checks),
             tier_catches=MappingProxyType(totals.tier_catches),
+            coverage=self._binder.coverage(),
         )
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, step: bool = True) -> None:
@@ -473,6 +488,7 @@ class Guard:
                 "layers": len(self._binder.sites),
                 "integrations": sorted({site.integration for site in self._binder.sites}),
                 "ops": sorted({op for site in self._binder.sites for op in site.ops}),
+                "coverage": self._binder.coverage().to_wire(),
                 "parameters": sum(p.numel() for p in self.model.parameters()),
                 "device": str(param.device) if param is not None else None,
                 "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
@@ -665,6 +681,21 @@ def _attach(binder: Binder, model: nn.Module) -> None:
     torch_mha.attach(binder, model)
 
 
+def _check_coverage(coverage: Coverage, *, strict: bool) -> None:
+    """Never silent: one warning listing every op left unprotected (or, strict, an error instead)."""
+    gaps = coverage.gaps()
+    if not gaps:
+        return
+    listing = "; ".join(gaps)
+    if strict:
+        raise UnprotectedAttentionError(
+            f"{len(coverage.unprotected)} attention op(s) would run unprotected: {listing}. "
+            "Leave out strict=True to train with them unprotected (Guard.coverage lists them)."
+        )
+    log.warning("attnchecker: %d attention op(s) left unprotected (Guard.coverage): %s",
+                len(coverage.unprotected), listing)
+
+
 def _iter_site_params(binder: Binder) -> Iterator[tuple[str, torch.Tensor]]:
     names = {site.layer: site.name for site in binder.sites}
     for module, ctx in binder.contexts.items():
@@ -702,6 +733,7 @@ def protect(
     stats_interval_s: float = 1.0,
     stats_interval_steps: int = 100,
     transport_options: TransportConfig | Mapping[str, Any] | None = None,
+    strict: bool = False,
 ) -> Guard:
     """Protect the attention of an unmodified model with ABFT checksums. Returns a :class:`Guard`; also usable as
     ``with protect(model) as guard: ...``.
@@ -729,10 +761,13 @@ def protect(
             or steps, whichever comes first (and at a policy change, and at close).
         transport_options: an :class:`attnchecker.transport.TransportConfig`, or a mapping of its fields (timeouts,
             batch size, ``poll_interval_s``, ...); an unknown key is a ValueError that lists the known ones.
+        strict: raise ``UnprotectedAttentionError`` instead of warning when an attention op would run unprotected
+            (a projection wrapper or attention variant the engine does not support: ``Guard.coverage``), here and at
+            a run-time fallback.
 
     Raises:
         NoProtectableAttentionError, AlreadyProtectedError, UnsupportedDtypeError, UnsupportedDeviceError,
-        PolicyError, ValueError (bad arguments).
+        UnprotectedAttentionError (strict), PolicyError, ValueError (bad arguments).
     """
     if not isinstance(model, nn.Module):
         raise NoProtectableAttentionError(f"protect() needs a torch.nn.Module, got {type(model).__name__}")
@@ -766,6 +801,7 @@ def protect(
         rank=rank,
         max_detections=max_detections,
         streaming=streaming,
+        strict=strict,
     )
 
 

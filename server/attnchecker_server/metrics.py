@@ -42,6 +42,7 @@ METRIC_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "attnchecker_agent_events_sent_total": ("counter", ("run",)),
     "attnchecker_agent_events_spooled_total": ("counter", ("run",)),
     "attnchecker_agent_events_dropped_total": ("counter", ("run",)),
+    "attnchecker_coverage_ops": ("gauge", ("run", "state")),
     "attnchecker_ingest_events_total": ("counter", ()),
     "attnchecker_ingest_requests_total": ("counter", ("endpoint", "status")),
     "attnchecker_ingest_request_duration_seconds": ("histogram", ("endpoint",)),
@@ -219,7 +220,7 @@ class DbCollector(Collector):
             if policy is not None:
                 requested.add_metric([run.name], policy.version)
                 budget.add_metric([run.name], float(policy.body.get("overhead_budget", 0.0)))
-        families += [requested, budget, period]
+        families += [requested, budget, period, _coverage(runs)]
 
         residual = HistogramMetricFamily(
             "attnchecker_checksum_residual_ratio", "Worst |d1| / bound of each clean check.", labels=["run"]
@@ -240,6 +241,25 @@ class DbCollector(Collector):
             residual.add_metric([run.name], series, sum_value=run.residual_sum)
         families.append(residual)
         return iter(families)
+
+
+def _coverage(runs: list[Run]) -> GaugeMetricFamily:
+    """Attention ops protected / left unprotected, from the coverage map the agent registered (config.coverage,
+    docs/wire.md). The config is free-form JSON: anything but a non-negative integer count is skipped."""
+    family = GaugeMetricFamily(
+        "attnchecker_coverage_ops",
+        "Attention ops (per layer and op) the agent protects, and leaves unprotected, as registered.",
+        labels=["run", "state"],
+    )
+    for run in runs:
+        coverage = run.config.get("coverage") if isinstance(run.config, dict) else None
+        if not isinstance(coverage, dict):
+            continue
+        for state in ("protected", "unprotected"):
+            count = coverage.get(state)
+            if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+                family.add_metric([run.name, state], float(count))
+    return family
 
 
 class IngestMetrics:

@@ -20,6 +20,7 @@ SCRIPTS = {
     "recovery": "in-line correction vs checkpoint/restore",
     "ingest": "collector events/s and latency, enqueue cost, transport step cost",
     "reconnect": "how long after a killed collector is back the agent resumes sending",
+    "setups": "LoRA projection check, fp16 scores in fp32, learned-bias backward (issue 11)",
 }
 
 
