@@ -38,6 +38,7 @@ from .abft import (
 )
 from .context import RESIDUAL_RATIO_BUCKETS, LayerContext
 from .events import Detection, kind_of, value_to_wire
+from .tiled_attention import choose_tiles, tiled_sdpa
 
 __all__ = [
     "PassedProjection",
@@ -155,6 +156,14 @@ def _observe(ctx: LayerContext, checks: Checks) -> None:
         torch.where(chk.bad, 0.0, chk.diff[..., 0].abs() / chk.bound.clamp_min(1e-30)).amax().float()
         for chk in checks.values()
     ]).amax()
+    _record_ratio(ctx, worst)
+
+
+def _record_ratio(ctx: LayerContext, worst: torch.Tensor) -> None:
+    """Add one check's worst residual/bound ratio (a device scalar) to the histogram (also the tiled path's)."""
+    stats = ctx.runtime.stats
+    if stats is None:
+        return
     device = worst.device
     if stats.residual_counts is None or stats.residual_counts.device != device:
         stats.residual_counts = torch.zeros(len(RESIDUAL_RATIO_BUCKETS) + 1, device=device, dtype=torch.int64)
@@ -614,6 +623,14 @@ def protected_sdpa(
             ctx.passed.pop(name, None)
         return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    tiles = choose_tiles(q_BHTD.shape[-2], k_BHSD.shape[-2], device=q_BHTD.device, dropout_p=dropout_p,
+                         return_probs=return_probs, paper=not cfg.source_repair and use_passed)
+    if tiles is not None:
+        # O(T) extra memory instead of the T×S scores and probabilities (issue 12, tiled_attention.py).
+        for name in ("q", "k", "v"):
+            ctx.passed.pop(name, None)
+        return tiled_sdpa(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                          tiles=tiles)
     fused_grad = _fused_backward_ok(q_BHTD, dropout_p, return_probs)
     with torch.no_grad() if fused_grad else contextlib.nullcontext():
         out, probs, lse = _checked_attention(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask,
