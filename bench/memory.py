@@ -24,7 +24,7 @@ Time (`--time`): in one process per T, the three variants are stepped in interle
 (bench/_common.py) and the overhead is the median of per-round ratios against the baseline.
 
     python bench/memory.py [--seqs 1024,2048,4096,8192,16384] [--repeats 3] [--unfused-max 4096]
-                           [--time --time-seqs 1024,2048,4096 --rounds 3] [--tiny] [--out PATH]
+                           [--time | --time-only] [--time-seqs 1024,2048,4096 --rounds 3] [--tiny] [--out PATH]
 """
 from __future__ import annotations
 
@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single-above", type=int, default=8192,
                     help="above this T, one measurement per variant (a step takes minutes on one core)")
     ap.add_argument("--time", action="store_true", help="also measure step time, interleaved")
+    ap.add_argument("--time-only", action="store_true", help="only the step-time section")
     ap.add_argument("--time-seqs", default="1024,2048,4096")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args.child, args.seq, size)))
         return 0
-    seqs = [64, 128] if args.tiny else [int(s) for s in args.seqs.split(",")]
+    seqs = [] if args.time_only else [64, 128] if args.tiny else [int(s) for s in args.seqs.split(",")]
     unfused_max = 128 if args.tiny else args.unfused_max
     jobs = [(v, t) for t in seqs for v in VARIANTS if not (v == "unfused" and t > unfused_max)]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {job: [] for job in jobs}
@@ -219,10 +220,11 @@ def main(argv: list[str] | None = None) -> int:
                          e.get("process_ratio_vs_baseline", float("nan")),
                          len([x for x in runs[(v, t)] if "error" not in x])])
         results.append(entry)
-    print(_common.table(rows, ["T", "variant", "step MB", "x baseline", "process MB", "x baseline", "n"]))
+    if rows:
+        print(_common.table(rows, ["T", "variant", "step MB", "x baseline", "process MB", "x baseline", "n"]))
     payload: dict[str, Any] = {"size": size, "method": "fresh process per measurement; VmHWM after clear_refs=5 minus "
                                "VmRSS before the measured (second) step", "memory": results}
-    if args.time:
+    if args.time or args.time_only:
         tseqs = [64] if args.tiny else [int(s) for s in args.time_seqs.split(",")]
         payload["time"] = time_section(tseqs, 2 if args.tiny else args.rounds, size)
         trows = [[e["seq"], v, e["variants"][v]["step_s"]["median"], _common.pct(

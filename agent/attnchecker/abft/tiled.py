@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checksum import weighted_cols, weighted_rows
+from .checksum import times_skinny, weighted_cols, weighted_rows
 
 __all__ = [
     "SUMMARY_FIELDS",
@@ -111,7 +111,7 @@ def scores_refs(
     """(row references (..., Tq, 2), column references (..., Tk, 2)) of AS_ij = Q_i K_jᵀ, in the acc dtype."""
     kbar_ND2 = weighted_cols(k_acc_NTkD)
     qbar_ND2 = weighted_cols(q_acc_NTqD)
-    return q_acc_NTqD @ kbar_ND2, k_acc_NTkD @ qbar_ND2
+    return times_skinny(q_acc_NTqD, kbar_ND2), times_skinny(k_acc_NTkD, qbar_ND2)
 
 
 def context_refs(
@@ -119,7 +119,7 @@ def context_refs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row refs (..., Tq, 2), column refs (..., D, 2), ‖P̃_t‖₂ bound (..., Tq)) of CL_ij = P̃_ij V_j. vw: V_j w
     (the row checksums of V over features, sliced from one pass over the whole V)."""
-    row_NTq2 = p_acc_NTqTk @ vw_NTk2
+    row_NTq2 = times_skinny(p_acc_NTqTk, vw_NTk2)
     col_ND2 = (weighted_cols(p_acc_NTqTk).mT @ v_acc_NTkD).mT
     # 0 <= P̃ <= 1 (rounded P̃ too): Σ P̃² <= Σ P̃. row_NTq2[..., 0] is not Σ P̃ (V's row sums weigh it), so sum again:
     # one pass over a tile that is already in cache; 1.01 covers the rounding of a half-precision P̃ and of the sum.
