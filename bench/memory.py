@@ -51,7 +51,7 @@ SIZES = {
 }
 
 
-def _build(size: dict[str, int], seq: int, variant: str) -> tuple[Any, Any, Any, Any]:
+def _build(size: dict[str, int], seq: int, variant: str, device: str = "cpu") -> tuple[Any, Any, Any, Any]:
     """(model, optimizer, batch, guard or None) for one variant; the path is forced through the environment."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -64,7 +64,7 @@ def _build(size: dict[str, int], seq: int, variant: str) -> tuple[Any, Any, Any,
                      eos_token_id=0)
     model = GPT2LMHeadModel(cfg)
     model.set_attn_implementation("sdpa")
-    model.train()
+    model.train().to(device)
     guard = None
     if variant != "baseline":
         import attnchecker
@@ -73,7 +73,7 @@ def _build(size: dict[str, int], seq: int, variant: str) -> tuple[Any, Any, Any,
         os.environ["ATTNCHECKER_ATTENTION"] = variant
         guard = attnchecker.protect(model, policy=Policy.full())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = torch.randint(0, size["vocab"], (size["batch"], seq), generator=torch.Generator().manual_seed(1))
+    batch = torch.randint(0, size["vocab"], (size["batch"], seq), generator=torch.Generator().manual_seed(1)).to(device)
     return model, opt, batch, guard
 
 

@@ -249,3 +249,22 @@ def test_gpu_tiled_path_matches_sdpa_corrects_faults_and_keeps_gradients(make_ct
         torch.testing.assert_close(loss1, loss0, **TOL[dtype])
         for g1, g0 in zip(grads1, grads0, strict=True):
             torch.testing.assert_close(g1, g0, **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_overhead_bench_runs(tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "gpu_overhead.json"
+    proc = subprocess.run([sys.executable, str(root / "bench" / "gpu_overhead.py"), "--tiny", "--out", str(out)],
+                          cwd=root, capture_output=True, text=True, timeout=540, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert {v for e in doc["time"] for v in e["variants"]} == {"baseline", "tiled", "unfused"}
+    assert all("peak_mb" in v for e in doc["memory"] for v in e["variants"].values())
