@@ -26,7 +26,7 @@ import _common
 
 _common.setup_path()
 
-import memory  # noqa: E402  (bench/memory.py: the same model and step)
+import memory
 
 VARIANTS = ("baseline", "tiled", "unfused")
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     timing = []
     for seq in seqs:
         built = {v: memory._build(size, seq, v, device="cuda") for v in VARIANTS}
-        samples = _common.interleaved({v: (lambda v=v: _timed_step(built[v], v)) for v in VARIANTS},
+        samples = _common.interleaved({v: (lambda v=v, b=built[v]: _timed_step(b, v)) for v in VARIANTS},
                                       rounds=2 if args.tiny else args.rounds, warmup=1, seed=seq)
         ratios = _common.ratios(samples, "baseline")
         timing.append({"seq": seq, "variants": {v: {"step_s": _common.summary(samples[v]), "samples_s": samples[v],

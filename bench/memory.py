@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -138,17 +137,15 @@ def time_section(seqs: list[int], rounds: int, size: dict[str, int]) -> list[dic
     for seq in seqs:
         built = {v: _build(size, seq, v) for v in VARIANTS}
 
-        def runner(v: str) -> Any:
-            model, opt, batch, guard = built[v]
-
+        def runner(v: str, variant_built: tuple[Any, Any, Any, Any]) -> Any:
             def go() -> float:
                 # The path is chosen per call from the environment: set it for the variant being stepped.
                 os.environ["ATTNCHECKER_ATTENTION"] = v if v != "baseline" else "auto"
-                return _step(model, opt, batch, guard)
+                return _step(*variant_built)
 
             return go
 
-        samples = _common.interleaved({v: runner(v) for v in VARIANTS}, rounds=rounds, warmup=1, seed=seq)
+        samples = _common.interleaved({v: runner(v, built[v]) for v in VARIANTS}, rounds=rounds, warmup=1, seed=seq)
         ratios = _common.ratios(samples, "baseline")
         out.append({"seq": seq, "threads": torch.get_num_threads(),
                     "variants": {v: {"step_s": _common.summary(samples[v]), "samples_s": samples[v],

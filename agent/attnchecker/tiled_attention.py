@@ -23,7 +23,6 @@ which is the gradient of the same function at the same verified q, k, v (backwar
 """
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
@@ -35,12 +34,19 @@ import torch.nn.functional as F
 
 from .abft import Tolerance, acc_dtype, col_norms, repair
 from .abft.repair import MatrixReport
-from .abft.tiled import TilePlan, context_refs, finish, fold_scores, scores_refs, summarize, tile_mask, v_row_checksums
+from .abft.tiled import (
+    TilePlan,
+    context_refs,
+    finish,
+    fold_scores,
+    scores_refs,
+    summarize,
+    tile_mask,
+    v_row_checksums,
+)
 from .context import LayerContext
 
-__all__ = ["PATH_ENV", "TILE_ENV", "TILED_MIN_ENV", "TileChoice", "choose_tiles", "tiled_sdpa"]
-
-log = logging.getLogger(__name__)
+__all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "choose_tiles", "tiled_sdpa"]
 
 PATH_ENV = "ATTNCHECKER_ATTENTION"
 """auto (default): tiled when T·S >= the threshold; tiled / unfused: always that path (where it applies)."""
@@ -193,13 +199,14 @@ def _forward(
     hits = {op: [] if injector is None else injector.resolve(op=op, layer=ctx.layer, step=ctx.step, shape=shape)
             for op, shape in (("scores", (b, h, t, s)), ("context", (b, h, t, d)))}
     out = torch.empty_like(q)
-    lse = torch.empty(b, h, t, device=q.device, dtype=torch.float32)
+    lse = torch.empty(b, h, t, device=q.device, dtype=torch.promote_types(q.dtype, torch.float32))
     record = _Pass({op: [] for op in ops}, {op: [] for op in ops}, dict.fromkeys(ops), dict.fromkeys(ops, 0.0))
     for i in range(plan.n_q):
         _query_block(shared, i, out, lse, hits, record=record)
     for op in ops:
-        if record.worst[op] is not None:
-            eng._record_ratio(ctx, record.worst[op])
+        worst = record.worst[op]
+        if worst is not None:
+            eng._record_ratio(ctx, worst)
     if ops:
         flat = [f for op in ops for f in record.flags[op] if f is not None]
         any_bad = torch.stack([f.any() for f in flat]).any() if flat else torch.zeros((), dtype=torch.bool)
@@ -261,9 +268,10 @@ def _query_block(
     r0, r1 = plan.rows(i)
     q_i = sh.q[..., r0:r1, :]
     lead = q_i.shape[:-2]
-    m = torch.full((*lead, r1 - r0), -math.inf, device=q_i.device, dtype=torch.float32)
+    soft = torch.promote_types(q_i.dtype, torch.float32)
+    m = torch.full((*lead, r1 - r0), -math.inf, device=q_i.device, dtype=soft)
     l_ = torch.zeros_like(m)
-    o = torch.zeros((*lead, r1 - r0, sh.v.shape[-1]), device=q_i.device, dtype=torch.float32)
+    o = torch.zeros((*lead, r1 - r0, sh.v.shape[-1]), device=q_i.device, dtype=soft)
     rows_by_op: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {
         op: [] for op in sh.ops}
     with eng._exact_math(q_i):
@@ -295,8 +303,7 @@ def _query_block(
                     hit.apply(pv, r0, 0)
             if "context" in sh.ops:
                 t0 = time.perf_counter()
-                p_acc = p_c.to(torch.float32) if p_c.dtype != torch.float32 else p_c
-                row_ref, col_ref, p_norm = context_refs(p_acc.to(sh.v_acc.dtype), sh.v_acc[..., c0:c1, :],
+                row_ref, col_ref, p_norm = context_refs(p_c.to(sh.v_acc.dtype), sh.v_acc[..., c0:c1, :],
                                                         sh.vw[..., c0:c1, :])
                 checks = eng._verify(pv, row_ref, col_ref, p_norm.to(sh.v_acc.dtype), col_norms(sh.v_acc[..., c0:c1, :]),
                                      k=c1 - c0, tol=sh.tol)
@@ -307,7 +314,7 @@ def _query_block(
                     rows_by_op["context"].append(_keep(checks))
                 if record is not None:
                     record.seconds["context"] += time.perf_counter() - t0
-            o = o * alpha[..., None] + pv.float()
+            o = o * alpha[..., None] + pv.to(soft)
         res_out, res_lse = finish(o, m, l_, out.dtype)
         out[..., r0:r1, :] = res_out
         lse[..., r0:r1] = res_lse
@@ -325,7 +332,10 @@ def _keep(checks: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return flag, summarize(row.bad, row.diff, row.bound), summarize(col.bad, col.diff, col.bound), worst
 
 
-def _summarize_block(record: _Pass, op: str, kept: list[tuple[torch.Tensor, ...]]) -> None:
+_Kept = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _summarize_block(record: _Pass, op: str, kept: list[_Kept]) -> None:
     if not kept:
         record.flags[op].append(None)
         record.summaries[op].append(None)

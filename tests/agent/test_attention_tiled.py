@@ -12,19 +12,24 @@ import os
 from typing import Any
 
 import pytest
+import test_attention_fused_backward as fused_suite
+import test_attention_layer as layer_suite
 import torch
 import torch.nn.functional as F
 from attnchecker.abft.tiled import TilePlan, finish, fold_scores
 from attnchecker.attention import protected_sdpa
 from attnchecker.inject import Fault
-from attnchecker.tiled_attention import PATH_ENV, TILE_ENV, TILED_MIN_ENV, _RecomputedBackward, choose_tiles
+from attnchecker.tiled_attention import (
+    PATH_ENV,
+    TILE_ENV,
+    TILED_MIN_ENV,
+    _RecomputedBackward,
+    choose_tiles,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
-
-import test_attention_fused_backward as fused_suite
-import test_attention_layer as layer_suite
 from test_attention_layer import TOL, layer_params, run_layer, seeded
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SMALL_TILES = "4,3"
 

@@ -76,7 +76,7 @@ class TilePlan:
 
     def keys(self, i: int) -> Iterator[tuple[int, int, int]]:
         """(j, c0, c1) for the key blocks query block i visits."""
-        r0, r1 = self.rows(i)
+        _, r1 = self.rows(i)
         for j in range(self.n_k):
             c0, c1 = j * self.block_k, min(self.s, (j + 1) * self.block_k)
             if self.is_causal and c0 > r1 - 1:
@@ -136,11 +136,12 @@ def fold_scores(
     blocked: torch.Tensor | None,
     additive: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One online-softmax step: (P̃ (..., Tq, Tk) fp32, alpha (..., Tq), new m, new l). P̃ = exp(z - m_new) with
-    z = scale·AS + mask; alpha rescales what was folded so far. m starts at -INF and l at 0 (fp32)."""
-    z = s_NTqTk.float() * scale
+    """One online-softmax step: (P̃ (..., Tq, Tk), alpha (..., Tq), new m, new l). P̃ = exp(z - m_new) with
+    z = scale·AS + mask; alpha rescales what was folded so far. m starts at -INF and l at 0, in fp32 (fp64 for fp64
+    inputs): the softmax runs in m's dtype, like SDPA's kernels for half inputs."""
+    z = s_NTqTk.to(m_NTq.dtype) * scale
     if additive is not None:
-        z = z + additive.float()
+        z = z + additive.to(m_NTq.dtype)
     if blocked is not None:
         z = z.masked_fill(blocked, -math.inf)
     m_new = torch.maximum(m_NTq, z.amax(-1))
