@@ -21,7 +21,8 @@ peak (Python, torch, the model). Why RSS and not a tensor counter: it is what th
 limit see, and it counts what no tensor hook would (autograd buffers, kernel workspaces).
 
 Time (`--time`): in one process per T, the three variants are stepped in interleaved, shuffled rounds
-(bench/_common.py) and the overhead is the median of per-round ratios against the baseline.
+(bench/_common.py); each step's process CPU time (1 torch thread), and the overhead is the median of per-round
+ratios against the baseline.
 
     python bench/memory.py [--seqs 1024,2048,4096,8192,16384] [--repeats 3] [--unfused-max 4096]
                            [--time | --time-only] [--time-seqs 1024,2048,4096 --rounds 3] [--tiny] [--out PATH]
@@ -77,14 +78,16 @@ def _build(size: dict[str, int], seq: int, variant: str, device: str = "cpu") ->
 
 
 def _step(model: Any, opt: Any, batch: Any, guard: Any) -> float:
-    t0 = time.perf_counter()
+    """One training step; returns its process CPU time (on this shared machine wall time also counts the other
+    tenants' time slices; docs/performance.md, method)."""
+    t0 = time.process_time()
     opt.zero_grad(set_to_none=True)
     loss = model(input_ids=batch, labels=batch).loss
     loss.backward()
     opt.step()
     if guard is not None:
         guard.step()
-    return time.perf_counter() - t0
+    return time.process_time() - t0
 
 
 def _status_kb(field: str) -> int:
