@@ -294,7 +294,7 @@ def _query_block(
                 if record is not None:
                     record.seconds["scores"] += time.perf_counter() - t0
             blocked, additive = tile_mask(sh.mask, r0, r1, c0, c1, is_causal=sh.is_causal, device=q_i.device)
-            p, alpha, m, l_ = fold_scores(s_ij, m, l_, scale=sh.scale, blocked=blocked, additive=additive)
+            p, alpha, m, l_, p_sum = fold_scores(s_ij, m, l_, scale=sh.scale, blocked=blocked, additive=additive)
             p_c = p.to(v_j.dtype)
             pv = p_c @ v_j
             if j == 0:
@@ -304,7 +304,7 @@ def _query_block(
             if "context" in sh.ops:
                 t0 = time.perf_counter()
                 row_ref, col_ref, p_norm = context_refs(p_c.to(sh.v_acc.dtype), sh.v_acc[..., c0:c1, :],
-                                                        sh.vw[..., c0:c1, :])
+                                                        sh.vw[..., c0:c1, :], p_sum)
                 checks = eng._verify(pv, row_ref, col_ref, p_norm.to(sh.v_acc.dtype), col_norms(sh.v_acc[..., c0:c1, :]),
                                      k=c1 - c0, tol=sh.tol)
                 if fix is not None:

@@ -167,7 +167,7 @@ def test_the_tile_contract_computes_softmax_attention_and_its_log_sum_exp(t, s, 
             blocked = ~mask[:, r0:r1, c0:c1]
             if causal:
                 blocked = blocked | (torch.arange(c0, c1)[None, :] > torch.arange(r0, r1)[:, None])
-            p, alpha, m, l_ = fold_scores(q[:, r0:r1] @ k[:, c0:c1].mT, m, l_, scale=0.5, blocked=blocked,
+            p, alpha, m, l_, _ = fold_scores(q[:, r0:r1] @ k[:, c0:c1].mT, m, l_, scale=0.5, blocked=blocked,
                                           additive=None)
             o = o * alpha[..., None] + p @ v[:, c0:c1].float()
         out[:, r0:r1], lse[:, r0:r1] = finish(o, m, l_, dtype)

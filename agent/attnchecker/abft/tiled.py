@@ -115,15 +115,15 @@ def scores_refs(
 
 
 def context_refs(
-    p_acc_NTqTk: torch.Tensor, v_acc_NTkD: torch.Tensor, vw_NTk2: torch.Tensor
+    p_acc_NTqTk: torch.Tensor, v_acc_NTkD: torch.Tensor, vw_NTk2: torch.Tensor, p_sum_NTq: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row refs (..., Tq, 2), column refs (..., D, 2), ‖P̃_t‖₂ bound (..., Tq)) of CL_ij = P̃_ij V_j. vw: V_j w
-    (the row checksums of V over features, sliced from one pass over the whole V)."""
+    (the row checksums of V over features, sliced from one pass over the whole V); p_sum: Σ P̃ per row, as the
+    softmax fold computed it."""
     row_NTq2 = times_skinny(p_acc_NTqTk, vw_NTk2)
     col_ND2 = (weighted_cols(p_acc_NTqTk).mT @ v_acc_NTkD).mT
-    # 0 <= P̃ <= 1 (rounded P̃ too): Σ P̃² <= Σ P̃. row_NTq2[..., 0] is not Σ P̃ (V's row sums weigh it), so sum again:
-    # one pass over a tile that is already in cache; 1.01 covers the rounding of a half-precision P̃ and of the sum.
-    p_norm_NTq = p_acc_NTqTk.sum(-1).sqrt() * 1.01
+    # 0 <= P̃ <= 1 (rounded P̃ too): Σ P̃² <= Σ P̃. 1.01 covers the rounding of a half-precision P̃ and of the sum.
+    p_norm_NTq = p_sum_NTq.to(p_acc_NTqTk.dtype).sqrt() * 1.01
     return row_NTq2, col_ND2, p_norm_NTq
 
 
@@ -135,22 +135,23 @@ def fold_scores(
     scale: float,
     blocked: torch.Tensor | None,
     additive: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One online-softmax step: (P̃ (..., Tq, Tk), alpha (..., Tq), new m, new l). P̃ = exp(z - m_new) with
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One online-softmax step: (P̃ (..., Tq, Tk), alpha (..., Tq), new m, new l, Σ P̃ per row). P̃ = exp(z - m_new) with
     z = scale·AS + mask; alpha rescales what was folded so far. m starts at -INF and l at 0, in fp32 (fp64 for fp64
     inputs): the softmax runs in m's dtype, like SDPA's kernels for half inputs."""
+    # One new tile, then in place: every pass over a tile is memory traffic the fused kernel does not pay.
     z = s_NTqTk.to(m_NTq.dtype) * scale
     if additive is not None:
-        z = z + additive.to(m_NTq.dtype)
+        z.add_(additive)
     if blocked is not None:
-        z = z.masked_fill(blocked, -math.inf)
+        z.masked_fill_(blocked, -math.inf)
     m_new = torch.maximum(m_NTq, z.amax(-1))
     # A row with every key so far masked has m = -INF; exp(-INF - -INF) is NaN, so shift by 0 there (P̃ = 0).
     m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
-    p = torch.exp(z - m_safe[..., None])
+    p = z.sub_(m_safe[..., None]).exp_()
+    p_sum = p.sum(-1)
     alpha = torch.exp(m_NTq - m_safe)
-    l_new = l_NTq * alpha + p.sum(-1)
-    return p, alpha, m_new, l_new
+    return p, alpha, m_new, l_NTq * alpha + p_sum, p_sum
 
 
 def finish(
