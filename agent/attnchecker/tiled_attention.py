@@ -82,7 +82,8 @@ def _env_int(name: str, raw: str) -> int:
 def choose_tiles(
     t: int, s: int, *, device: torch.device, dropout_p: float, return_probs: bool, paper: bool
 ) -> TileChoice | None:
-    """The tile sizes when this call takes the tiled path, else None (the unfused path).
+    """The tile sizes when this call takes the tiled path, else None (the unfused path). device: for a future
+    device-specific backend (a fused GPU kernel); the PyTorch backend runs on any device.
 
     Never tiled: dropout (the fused backward cannot replay our dropout mask), return_probs (AP itself is asked for),
     paper-faithful checksum passing (its passed references sum over all T tokens, not one tile's)."""
@@ -142,7 +143,18 @@ def tiled_sdpa(
         return eng._VerifiedAttention.apply(q_BHTD, k_rep, v_rep, eng._Forward(
             out_BHTD=out, lse_BHT=lse, mask_add=eng._additive_mask(attn_mask, q_BHTD.dtype), scale=scale,
             is_causal=is_causal))
+    if is_causal and attn_mask is not None:
+        attn_mask, is_causal = _causal_into_mask(attn_mask, q_BHTD.shape[-2], k_BHSD.shape[-2]), False
     return _RecomputedBackward.apply(q_BHTD, k_rep, v_rep, out, (attn_mask, is_causal, scale))
+
+
+def _causal_into_mask(attn_mask: torch.Tensor, t: int, s: int) -> torch.Tensor:
+    """SDPA takes is_causal or attn_mask, not both: one mask with the future (top-left aligned) masked too. T×S, but
+    only in backward off CPU, and only for this rare combination."""
+    future_TS = torch.ones(t, s, dtype=torch.bool, device=attn_mask.device).triu(1)
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & ~future_TS
+    return attn_mask.masked_fill(future_TS, -math.inf)
 
 
 class _RecomputedBackward(torch.autograd.Function):

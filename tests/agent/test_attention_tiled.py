@@ -204,6 +204,30 @@ def test_recomputed_backward_gives_the_fused_sdpa_gradient() -> None:
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_off_cpu_backward_folds_a_causal_flag_into_an_explicit_mask(kind: str) -> None:
+    """SDPA takes is_causal or attn_mask, not both; the off-CPU backward gets the two folded into one mask."""
+    from attnchecker.tiled_attention import _causal_into_mask
+
+    q, k, v = (seeded((1, 2, 9, 4), 95 + i, torch.float32).requires_grad_() for i in range(3))
+    g = torch.Generator().manual_seed(4)
+    mask = (torch.rand(9, 9, generator=g) > 0.3).fill_diagonal_(True)
+    if kind == "additive":
+        mask = torch.randn(9, 9, generator=g)
+    with torch.no_grad():
+        out = causal_and_masked(q, k, v, mask)
+    folded = _causal_into_mask(mask, 9, 9)
+    got = torch.autograd.grad(_RecomputedBackward.apply(q, k, v, out, (folded, False, 0.5)).sum(), (q, k, v))
+    want = torch.autograd.grad(causal_and_masked(q, k, v, mask).sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def causal_and_masked(q, k, v, mask):
+    """softmax(0.5·QKᵀ + mask, causal) V through the unfused ops the engine checks."""
+    return fused_suite.reference(q, k, v, attn_mask=mask, is_causal=True, scale=0.5)
+
+
 def test_path_choice_by_size_and_by_environment(monkeypatch) -> None:
     cpu = torch.device("cpu")
     kw: dict[str, Any] = {"device": cpu, "dropout_p": 0.0, "return_probs": False, "paper": False}
