@@ -55,9 +55,9 @@ TILED_MIN_ENV = "ATTNCHECKER_TILED_MIN_TS"
 TILE_ENV = "ATTNCHECKER_TILE"
 """Tile size "Tq,Tk" (or one number for both)."""
 
-DEFAULT_MIN_TS = 1024 * 1024
-"""T = S = 1024: below it the unfused path's T×S tensors are a few MB per layer and its fewer, larger ops are cheaper
-in Python overhead; above, its memory grows as T² (docs/performance.md has the measurements)."""
+DEFAULT_MIN_TS = 512 * 512
+"""Measured on CPU (docs/performance.md §4), forward + backward of one causal layer, tiled / unfused time: 1.15× at
+T = 256, 0.82× at 512, 0.63× at 1024. Below the crossover the unfused path's T×S tensors are small anyway."""
 DEFAULT_TILE = (256, 256)
 """Large enough that Python's per-op cost stays small against the GEMMs, small enough that one tile's temporaries
 (B·H·Tq·Tk fp32, a handful of them) are a few MB at B·H = 8."""

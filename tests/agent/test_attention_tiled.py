@@ -233,8 +233,8 @@ def test_path_choice_by_size_and_by_environment(monkeypatch) -> None:
     kw: dict[str, Any] = {"device": cpu, "dropout_p": 0.0, "return_probs": False, "paper": False}
     monkeypatch.setenv(PATH_ENV, "auto")
     monkeypatch.delenv(TILE_ENV)
-    assert choose_tiles(512, 512, **kw) is None
-    assert choose_tiles(1024, 1024, **kw) is not None
+    assert choose_tiles(511, 512, **kw) is None
+    assert choose_tiles(512, 512, **kw) is not None
     monkeypatch.setenv(TILED_MIN_ENV, "100")
     assert choose_tiles(10, 10, **kw) is not None and choose_tiles(9, 10, **kw) is None
     monkeypatch.setenv(PATH_ENV, "unfused")
