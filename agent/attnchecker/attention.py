@@ -39,6 +39,7 @@ from .abft import (
 from .context import RESIDUAL_RATIO_BUCKETS, LayerContext
 from .events import Detection, kind_of, value_to_wire
 from .tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound
+from .tiled_attention import choose_tiles, tiled_sdpa
 
 __all__ = [
     "PassedProjection",
@@ -156,6 +157,14 @@ def _observe(ctx: LayerContext, checks: Checks) -> None:
         torch.where(chk.bad, 0.0, chk.diff[..., 0].abs() / chk.bound.clamp_min(1e-30)).amax().float()
         for chk in checks.values()
     ]).amax()
+    _record_ratio(ctx, worst)
+
+
+def _record_ratio(ctx: LayerContext, worst: torch.Tensor) -> None:
+    """Add one check's worst residual/bound ratio (a device scalar) to the histogram (also the tiled path's)."""
+    stats = ctx.runtime.stats
+    if stats is None:
+        return
     device = worst.device
     if stats.residual_counts is None or stats.residual_counts.device != device:
         stats.residual_counts = torch.zeros(len(RESIDUAL_RATIO_BUCKETS) + 1, device=device, dtype=torch.int64)
@@ -693,8 +702,21 @@ def protected_sdpa(
         force = frozenset(("scores", "context"))
     else:
         trip, force = None, frozenset()
-    fused_grad = _fused_backward_ok(q_BHTD, dropout_p, return_probs, attn_mask)
     caught: list[int] = [0]
+    tiles = choose_tiles(q_BHTD.shape[-2], k_BHSD.shape[-2], device=q_BHTD.device, dropout_p=dropout_p,
+                         return_probs=return_probs, paper=not cfg.source_repair and use_passed)
+    # The tiled path's CPU backward is the fused kernel, which has no gradient for the mask: a learned bias stays
+    # on the unfused path (its graph differentiates through the mask).
+    if tiles is not None and not (attn_mask is not None and attn_mask.requires_grad):
+        # O(T) extra memory instead of the T×S scores and probabilities (issue 12, tiled_attention.py).
+        for name in ("q", "k", "v"):
+            ctx.passed.pop(name, None)
+        out = tiled_sdpa(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                         tiles=tiles, force=force, caught=caught)
+        if trip is not None and not caught[0]:
+            _emit_trip(ctx, trip, action="recomputed")
+        return out
+    fused_grad = _fused_backward_ok(q_BHTD, dropout_p, return_probs, attn_mask)
     with torch.no_grad() if fused_grad else contextlib.nullcontext():
         out, probs, lse = _checked_attention(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask,
                                              is_causal=is_causal, scale=scale, dropout_p=dropout_p,

@@ -88,3 +88,18 @@ def test_ingest_bench_reports_throughput_and_enqueue_cost(tmp_path):
         assert positive(doc["enqueue"][side]["us_per_event"]["median"])
         assert doc["enqueue"][side]["dropped"] == 0
     assert set(doc["step"]["step_s"]) == {"none", "up", "down"}
+
+
+def test_memory_bench_measures_every_variant_in_its_own_process(tmp_path):
+    doc = run_bench("memory", tmp_path, "--repeats", "1", "--time")
+    assert [e["seq"] for e in doc["memory"]] == [64, 128]
+    for entry in doc["memory"]:
+        assert set(entry["variants"]) == {"baseline", "tiled", "unfused"}
+        for v in entry["variants"].values():
+            check_summary(v["step_mb"])
+            assert positive(v["process_mb"]["median"]) and v["step_mb"]["n"] == 1
+            assert positive(v["step_ratio_vs_baseline"])
+    for entry in doc["time"]:
+        for v in entry["variants"].values():
+            check_summary(v["step_s"])
+            assert positive(v["ratio_vs_baseline"]["median"])

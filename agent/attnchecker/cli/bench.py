@@ -1,4 +1,5 @@
-"""`attnchecker bench overhead|recovery|ingest|reconnect [...]`: run the repository's bench/ scripts (docs/performance.md).
+"""`attnchecker bench overhead|recovery|ingest|reconnect|setups|memory [...]`: run the repository's bench/ scripts
+(docs/performance.md).
 
 The benchmarks live in the checkout, not in the installed package; without a checkout this module raises
 ImportError and the `bench` command is simply absent.
@@ -21,6 +22,7 @@ SCRIPTS = {
     "ingest": "collector events/s and latency, enqueue cost, transport step cost",
     "reconnect": "how long after a killed collector is back the agent resumes sending",
     "setups": "LoRA projection check, fp16 scores in fp32, learned-bias backward (issue 11)",
+    "memory": "peak memory of a protected training step per T (tiled vs unfused vs unprotected), and step time",
 }
 
 
