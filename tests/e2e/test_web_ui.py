@@ -158,8 +158,13 @@ def test_operator_sees_the_run_and_changes_the_policy_which_the_agent_applies(se
     # Overhead and per-op periods come from /metrics; the run checks every op every step (period 1).
     expect(page.locator("#overhead-text")).to_contain_text("budget 5.0 %")
     expect(page.locator("#periods-table tbody tr")).to_have_count(6)
-    # The registration carries no coverage map, so there is no such section.
-    expect(page.locator("#coverage")).to_be_hidden()
+    # The agent registers its coverage map: every attention op of the toy model protected, nothing left open.
+    coverage = run["config"]["coverage"]
+    assert coverage["unprotected"] == 0 and coverage["protected"] > 0
+    expect(page.locator("#coverage")).to_be_visible()
+    expect(page.locator("#coverage-summary")).to_have_text(f"{coverage['protected']} ops protected, 0 unprotected")
+    expect(page.locator("#coverage-table tbody tr")).to_have_count(len(coverage["layers"]))
+    expect(page.locator("#coverage-table tbody tr.bad")).to_have_count(0)
 
     # The operator's edit: PATCH with If-Match from the form; the agent picks it up and reports it applied.
     expect(page.locator("#policy-form")).to_have_attribute("data-access", "edit")
@@ -277,8 +282,9 @@ def test_the_page_and_its_files_are_served_with_a_strict_content_security_policy
 def test_the_coverage_map_shows_when_the_registration_has_one_and_new_or_missing_fields_do_not_break_it(
         setup: Setup, page: Any) -> None:
     c = setup.collector
-    coverage = {"layers.0.attn": {"path": "sdpa swap", "protected": True},
-                "layers.1.attn": {"path": "unsupported wrapper", "protected": False}}
+    # The agent's wire shape (attnchecker.coverage.Coverage.to_wire) with a gap.
+    coverage = {"protected": 9, "unprotected": 3, "layers": ["0-1 q,k,v:hook scores,context:sdpa out:hook"],
+                "gaps": ["layer 2 q,v,out: unsupported wrapper (peft LoRA variant DoraLinear)"]}
     r = c.api("POST", "/runs", json={"name": "ui-coverage", "config": {"coverage": coverage}},
               headers={"Authorization": f"Bearer {c.agent}"})
     assert r.status_code in (200, 201), r.text
@@ -301,7 +307,8 @@ def test_the_coverage_map_shows_when_the_registration_has_one_and_new_or_missing
     expect(page.locator("#run-name")).to_have_text("ui-coverage")
     expect(page.locator("#coverage")).to_be_visible()
     expect(page.locator("#coverage-table tbody tr")).to_have_count(2)
-    expect(page.locator("#coverage-table")).to_contain_text("unsupported wrapper")
+    expect(page.locator("#coverage-table tbody tr.bad")).to_contain_text("unsupported wrapper")
+    expect(page.locator("#coverage-summary")).to_have_text("9 ops protected, 3 unprotected")
     expect(page.locator("[data-count='tripwire_trips'] .value")).to_have_text("7")
     expect(page.locator("[data-count='tier_note']")).to_have_count(0)
     expect(page.locator("#run-meta")).to_contain_text("model –")

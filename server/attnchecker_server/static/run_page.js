@@ -200,6 +200,28 @@ function renderCoverage(box, run) {
     box.replaceChildren();
     return;
   }
+  // The agent's map (attnchecker.coverage, Coverage.to_wire): counts, one line per group of layers that share their
+  // protection paths, one per gap. Anything else is drawn as a generic table, so an older or newer agent still shows.
+  const lines = (value) => (Array.isArray(value) ? value.filter((line) => typeof line === "string") : null);
+  const layers = lines(coverage.layers);
+  const gaps = lines(coverage.gaps);
+  if (layers !== null || gaps !== null) {
+    const unprotected = num(coverage.unprotected) || 0;
+    const rows = [
+      ...(gaps || []).map((line) => h("tr", { class: "bad" }, h("td", {}, "unprotected"), h("td", {}, line))),
+      ...(layers || []).map((line) => h("tr", {}, h("td", {}, "protected"), h("td", {}, line))),
+    ];
+    box.replaceChildren(
+      h("h2", {}, "Coverage map"),
+      h("p", { id: "coverage-summary", class: unprotected ? "bad" : "muted" },
+        `${fmtNum(coverage.protected)} ops protected, ${fmtNum(unprotected)} unprotected`),
+      h("div", { class: "scroll" }, h("table", { id: "coverage-table" },
+        h("thead", {}, h("tr", {}, h("th", {}, "State"), h("th", {}, "Layers: ops and path (or why not)"))),
+        h("tbody", {}, rows),
+      )),
+    );
+    return;
+  }
   const rows = Array.isArray(coverage) ? coverage : Object.entries(coverage).map(([key, value]) =>
     value && typeof value === "object" && !Array.isArray(value) ? { module: key, ...value } : { module: key, value });
   const objects = rows.filter((row) => row && typeof row === "object");
