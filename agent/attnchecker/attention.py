@@ -417,7 +417,8 @@ def check_linear(
     trip_s = 0.0
     if wired:
         t0 = time.perf_counter()
-        flags.append(extreme(*(item[1] for item in wired)))
+        # All slices wired (the usual tier-1 step): one sum over y, not one per strided column slice.
+        flags.append(extreme(y) if len(wired) == len(splits) else extreme(*(item[1] for item in wired)))
         trip_s = time.perf_counter() - t0
     if not flags:
         return y
@@ -891,18 +892,22 @@ def _tripwire_sdpa(
     """Tier 1 on the fused kernel: (out, None), or (out, what tripped). On CPU without dropout the kernel is called
     directly for its row log-sum-exp, checked against the q/k norm bound (tripwire.lse_over_bound); elsewhere the
     output alone is checked (INF/NaN in AS reach it; a finite near-INF score that does not is left to tier 2)."""
-    t0 = time.perf_counter()
     h = q_BHTD.shape[1]
     lse_BHT: torch.Tensor | None = None
     mask_add: torch.Tensor | None = None
-    # The CPU kernel has no gradient for the mask: a learned bias (a mask that requires grad) goes through SDPA.
-    mask_learned = attn_mask is not None and attn_mask.requires_grad
-    if q_BHTD.device.type == "cpu" and dropout_p == 0.0 and q_BHTD.dim() == 4 and not mask_learned:
+    # The CPU flash kernel takes 2-D or 4-D masks and one head size for q, k and v, and has no gradient for the mask;
+    # F.sdpa falls back to its math path otherwise (a learned bias: a mask that requires grad), and so does tier 1
+    # (output test only).
+    flash = (q_BHTD.device.type == "cpu" and dropout_p == 0.0 and q_BHTD.dim() == 4
+             and (attn_mask is None or (attn_mask.dim() in (2, 4) and not attn_mask.requires_grad))
+             and v_BHSD.shape[-1] == q_BHTD.shape[-1])
+    if flash:
         k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
         mask_add = _additive_mask(attn_mask, q_BHTD.dtype)
         # What F.scaled_dot_product_attention runs on CPU for these inputs, with its log-sum-exp kept.
         out, lse_BHT = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q_BHTD, k_rep, v_rep, 0.0, is_causal, attn_mask=mask_add, scale=scale)
+        t0 = time.perf_counter()  # tier-1 time is the tests, not the attention the unprotected model runs too
         # The mask's largest value joins the bound only after a trip (masks are <= 0 but for ALiBi-style biases):
         # reading it on every call would cost as much as the rest of the tripwire.
         flags = [extreme(out), lse_over_bound(q_BHTD, k_rep, lse_BHT, scale=scale)]
@@ -910,6 +915,7 @@ def _tripwire_sdpa(
         k_rep = k_BHSD
         out = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=attn_mask, dropout_p=dropout_p,
                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        t0 = time.perf_counter()
         flags = [extreme(out)]
     trip: _Trip | None = None
     if bool(torch.stack(flags).any()):  # sync: the one per attention call on a tier-1 step

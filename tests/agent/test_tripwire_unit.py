@@ -146,3 +146,19 @@ def test_a_trip_gives_the_fault_free_output_and_gradients(make_ctx, op: str, dty
     torch.testing.assert_close(out, clean_out, rtol=tol, atol=tol * float(clean_out.abs().max()))
     torch.testing.assert_close(grad, clean_grad, rtol=tol, atol=tol * float(clean_grad.abs().max()))
     assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("case", ["mask_3d", "head_size_v", "mask_2d", "bool_4d"])
+def test_tier1_fused_path_equals_sdpa_whatever_the_kernel_takes(make_ctx, case: str) -> None:
+    """Inputs the CPU flash kernel refuses (a 3-D mask, v with its own head size) take F.sdpa with the output test;
+    the others take the kernel. Either way the result is F.scaled_dot_product_attention's."""
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 4, 8, 16, generator=g), torch.randn(2, 4, 8, 16, generator=g)
+    v = torch.randn(2, 4, 8, 12 if case == "head_size_v" else 16, generator=g)
+    mask = {"mask_3d": torch.zeros(4, 8, 8), "mask_2d": torch.randn(8, 8, generator=g).clamp_max(0),
+            "bool_4d": torch.rand(2, 1, 8, 8, generator=g) > 0.3, "head_size_v": None}[case]
+    ctx, rec = make_ctx(checked_ops=frozenset())
+    out = protected_sdpa(q, k, v, ctx=ctx, attn_mask=mask)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+    assert not rec.detections
+    assert ctx.runtime.stats.trip_checks["context"] == 1
