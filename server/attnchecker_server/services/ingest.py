@@ -69,13 +69,13 @@ _INSERT_EVENTS_POSTGRES = text(
     + ", ".join(_SELECTED.get(name, f"e.{name}") for name in _EVENT_COLUMNS)
     + f" FROM json_to_recordset(CAST(:events AS json)) AS e({_RECORD}) "
     'ORDER BY e.id COLLATE "C" '
-    "ON CONFLICT (id) DO NOTHING RETURNING 1), "
+    "ON CONFLICT (run_id, id) DO NOTHING RETURNING 1), "
     "n AS (SELECT count(*) AS accepted FROM inserted), "
     # Runs after the events (nothing reads it), as _touch did: the run row is locked last, in every transaction.
     f"touched AS (UPDATE {Run.__tablename__} SET last_seen_at = :seen_at, "
     "last_step = GREATEST(last_step, :max_step) WHERE id = :run_id) "
     f"UPDATE {EventBatch.__tablename__} SET accepted = n.accepted, duplicates = :total - n.accepted "
-    "FROM n WHERE id = :batch_id RETURNING n.accepted"
+    "FROM n WHERE run_id = :run_id AND id = :batch_id RETURNING n.accepted"
 )
 _EVENTS_JSON = TypeAdapter(list[FaultEventIn])
 
@@ -133,13 +133,15 @@ def _insert_events_executemany(
         table = FaultEvent.__table__
         accepted = len(
             session.execute(
-                upsert_insert(session, table).on_conflict_do_nothing(index_elements=["id"]).returning(table.c.id),
+                upsert_insert(session, table)
+                .on_conflict_do_nothing(index_elements=["run_id", "id"])
+                .returning(table.c.id),
                 rows,
             ).all()
         )
     session.execute(
         update(EventBatch)
-        .where(EventBatch.id == batch_id)
+        .where(EventBatch.run_id == run_id, EventBatch.id == batch_id)
         .values(accepted=accepted, duplicates=len(events) - accepted)
         .execution_options(synchronize_session=False)
     )
@@ -154,7 +156,7 @@ def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn) -> Even
     new_batch = session.execute(
         upsert_insert(session, EventBatch)
         .values(id=batch.batch_id, run_id=run_id, received_at=now, accepted=0, duplicates=0)
-        .on_conflict_do_nothing(index_elements=["id"])
+        .on_conflict_do_nothing(index_elements=["run_id", "id"])
         .returning(EventBatch.id)
     ).first()
     if new_batch is None:
@@ -196,7 +198,7 @@ def ingest_stats(session: Session, *, run_id: str, stats: StatsIn) -> StatsResul
             payload=stats.model_dump(mode="json"),
             received_at=utcnow(),
         )
-        .on_conflict_do_nothing(index_elements=["id"])
+        .on_conflict_do_nothing(index_elements=["run_id", "id"])
         .returning(StatsInterval.id)
     ).first()
     if new is None:
