@@ -10,6 +10,7 @@ from sqlalchemy.exc import DataError
 
 __all__ = [
     "CollectorError",
+    "Forbidden",
     "InvalidRequest",
     "NotFound",
     "PreconditionFailed",
@@ -24,6 +25,10 @@ class CollectorError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+
+class Forbidden(CollectorError):
+    status_code = 403
 
 
 class NotFound(CollectorError):

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,12 +108,21 @@ def migrate(settings: Settings) -> None:
     upgrade(settings)
 
 
-def make_token(settings: Settings, role: Role, name: str | None = None) -> str:
-    """Creates a token in the settings' (migrated) database and returns it."""
+def make_token(
+    settings: Settings,
+    role: Role,
+    name: str | None = None,
+    *,
+    run_name: str | None = None,
+    expires_in: timedelta | None = None,
+) -> str:
+    """Creates a token in the settings' (migrated) database and returns it (run_name binds an agent token)."""
     engine = make_engine(settings, pooled=False)
     try:
         with session_scope(make_session_factory(engine)) as session:
-            return create_token(session, name=name or f"test-{role}", role=role)
+            return create_token(
+                session, name=name or f"test-{role}", role=role, run_name=run_name, expires_in=expires_in
+            )
     finally:
         engine.dispose()
 

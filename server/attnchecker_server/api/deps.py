@@ -73,7 +73,7 @@ def require(*roles: Role, read: bool = False) -> Callable[..., Principal]:
             principal = authenticate(session, token)
         if principal is None:
             raise HTTPException(
-                401, "unknown or revoked token", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}
+                401, "unknown, revoked or expired token", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}
             )
         # Under open_reads anyone may read, so any valid token may too.
         if principal.role not in roles and not (read and state.settings.open_reads):

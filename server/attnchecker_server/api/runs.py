@@ -30,7 +30,7 @@ router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 def register_run(
     run_in: RunRegisterIn, response: Response, session: SessionDep, principal: Annotated[Principal, AGENT_WRITE]
 ) -> RunRegistered:
-    run, policy, created = runs.register_run(session, run_in=run_in, actor=principal.name)
+    run, policy, created = runs.register_run(session, run_in=run_in, principal=principal)
     result = RunRegistered(id=run.id, name=run.name, created=created, status="running", policy=to_public(policy))
     session.commit()
     response.status_code = 201 if created else 200
@@ -39,9 +39,9 @@ def register_run(
 
 @router.post("/{run_id}/finish", response_model=RunPublic)
 def finish_run(
-    run_id: str, finish_in: RunFinishIn, session: SessionDep, _: Annotated[Principal, AGENT_WRITE]
+    run_id: str, finish_in: RunFinishIn, session: SessionDep, principal: Annotated[Principal, AGENT_WRITE]
 ) -> RunPublic:
-    run = runs.finish_run(session, run_id=run_id, finish_in=finish_in)
+    run = runs.finish_run(session, run_id=run_id, finish_in=finish_in, principal=principal)
     result = runs.run_public(session, run)
     session.commit()
     return result
@@ -70,7 +70,7 @@ def post_events(
     batch: EventBatchIn,
     session: SessionDep,
     state: StateDep,
-    _: Annotated[Principal, AGENT_WRITE],
+    principal: Annotated[Principal, AGENT_WRITE],
 ) -> EventBatchResult:
     limit = state.settings.max_events_per_batch
     if len(batch.events) > limit:
@@ -84,14 +84,16 @@ def post_events(
                 }
             ]
         )
-    result = ingest.ingest_events(session, run_id=run_id, batch=batch)
+    result = ingest.ingest_events(session, run_id=run_id, batch=batch, principal=principal)
     session.commit()
     state.ingest.events.inc(result.accepted)
     return result
 
 
 @router.post("/{run_id}/stats", response_model=StatsResult)
-def post_stats(run_id: str, stats: StatsIn, session: SessionDep, _: Annotated[Principal, AGENT_WRITE]) -> StatsResult:
-    result = ingest.ingest_stats(session, run_id=run_id, stats=stats)
+def post_stats(
+    run_id: str, stats: StatsIn, session: SessionDep, principal: Annotated[Principal, AGENT_WRITE]
+) -> StatsResult:
+    result = ingest.ingest_stats(session, run_id=run_id, stats=stats, principal=principal)
     session.commit()
     return result

@@ -23,7 +23,8 @@ from ..models import (
     utcnow,
 )
 from ..schemas import EventBatchIn, EventBatchResult, FaultEventIn, StatsIn, StatsResult
-from .runs import require_run
+from ..auth import Principal
+from .runs import require_writable_run
 from .sql import greatest, upsert_insert
 
 __all__ = ["ingest_events", "ingest_stats"]
@@ -148,8 +149,8 @@ def _insert_events_executemany(
     return accepted
 
 
-def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn) -> EventBatchResult:
-    require_run(session, run_id)
+def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn, principal: Principal) -> EventBatchResult:
+    require_writable_run(session, run_id, principal)
     now = utcnow()
     # The batch row is written first: a concurrent copy of the same batch blocks on its key until this
     # transaction ends, then sees it and stores nothing.
@@ -181,8 +182,8 @@ def _le_key(le: float) -> str:
     return "+Inf" if math.isinf(le) else repr(float(le))
 
 
-def ingest_stats(session: Session, *, run_id: str, stats: StatsIn) -> StatsResult:
-    require_run(session, run_id)
+def ingest_stats(session: Session, *, run_id: str, stats: StatsIn, principal: Principal) -> StatsResult:
+    require_writable_run(session, run_id, principal)
     new = session.execute(
         upsert_insert(session, StatsInterval)
         .values(
