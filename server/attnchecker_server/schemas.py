@@ -5,6 +5,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .bounds import bounded_json, in_range_utc, valid_text
+
 __all__ = [
     "OPS",
     "EventBatchIn",
@@ -62,6 +64,16 @@ class RunRegisterIn(_In):
     config: dict[str, Any] = Field(default_factory=dict)
     # The new run's starting policy (version 1) instead of a copy of the default; ignored when the run is resumed.
     policy: "PolicyIn | None" = None
+
+    @field_validator("name", "model", "host", "agent_version")
+    @classmethod
+    def _text(cls, value: str | None) -> str | None:
+        return None if value is None else valid_text(value)
+
+    @field_validator("config")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return bounded_json(value)
 
 
 class RunFinishIn(_In):
@@ -214,9 +226,12 @@ class FaultEventIn(_In):
     @field_validator("ts")
     @classmethod
     def _zoned(cls, value: datetime) -> datetime:
-        if value.tzinfo is None:
-            raise ValueError("ts needs a zone (RFC 3339, e.g. 2026-11-29T15:32:40.123Z)")
-        return value
+        return in_range_utc(value)
+
+    @field_validator("value")
+    @classmethod
+    def _text(cls, value: str) -> str:
+        return valid_text(value)
 
 
 class EventBatchIn(_In):
@@ -309,7 +324,7 @@ class StatsIn(_In):
     rank: SmallNonNegInt = 0
     step_start: SmallNonNegInt
     step_end: SmallNonNegInt
-    steps: NonNegInt
+    steps: SmallNonNegInt  # also stored per interval, in a 32-bit column
     applied_policy_version: SmallNonNegInt | None = None
     step_seconds: NonNegFloat = 0.0
     check_seconds: NonNegFloat = 0.0

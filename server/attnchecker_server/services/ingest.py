@@ -9,9 +9,12 @@ from datetime import datetime
 from typing import Any
 
 from pydantic import TypeAdapter
-from sqlalchemy import text, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
+from ..auth import Principal
+from ..bounds import BIGINT_MAX
+from ..errors import InvalidRequest
 from ..models import (
     EventBatch,
     FaultEvent,
@@ -23,7 +26,6 @@ from ..models import (
     utcnow,
 )
 from ..schemas import EventBatchIn, EventBatchResult, FaultEventIn, StatsIn, StatsResult
-from ..auth import Principal
 from .runs import require_writable_run
 from .sql import greatest, upsert_insert
 
@@ -182,6 +184,55 @@ def _le_key(le: float) -> str:
     return "+Inf" if math.isinf(le) else repr(float(le))
 
 
+def _check_headroom(session: Session, run_id: str, stats: StatsIn) -> None:
+    """422 naming the field when adding this interval would take one of the run's totals past its 64-bit column
+    (or a float total to infinity). Checked against the stored sums, so no sequence of valid payloads overflows:
+    on PostgreSQL an overflow would fail every later interval of the run, on SQLite it would silently turn the
+    totals into floats."""
+    run = session.get(Run, run_id, populate_existing=True)
+    assert run is not None
+    checks, op_seconds = session.execute(
+        select(
+            func.coalesce(func.sum(RunOpCounter.checks), 0), func.coalesce(func.max(RunOpCounter.check_seconds), 0.0)
+        ).where(RunOpCounter.run_id == run_id)
+    ).one()
+    detected, corrected, uncorrectable = session.execute(
+        select(
+            func.coalesce(func.sum(RunFaultCounter.detected), 0),
+            func.coalesce(func.sum(RunFaultCounter.corrected), 0),
+            func.coalesce(func.sum(RunFaultCounter.uncorrectable), 0),
+        ).where(RunFaultCounter.run_id == run_id)
+    ).one()
+    hist = stats.residual_ratio
+    integers = [
+        ("steps", run.steps_total, stats.steps),
+        ("transport.sent", run.events_sent_total, stats.transport.sent),
+        ("transport.spooled", run.events_spooled_total, stats.transport.spooled),
+        ("transport.dropped", run.events_dropped_total, stats.transport.dropped),
+        ("ops.checks", checks, sum(op.checks for op in stats.ops)),
+        ("faults.detected", detected, sum(f.detected for f in stats.faults)),
+        ("faults.corrected", corrected, sum(f.corrected for f in stats.faults)),
+        ("faults.uncorrectable", uncorrectable, sum(f.uncorrectable for f in stats.faults)),
+        ("residual_ratio.counts", run.residual_count, sum(hist.counts) if hist else 0),
+    ]
+    for field, stored, delta in integers:
+        if int(stored) + delta > BIGINT_MAX:
+            raise InvalidRequest(
+                f"{field}: adding {delta} takes the run's total past {BIGINT_MAX} (a 64-bit counter); stats carry "
+                "deltas since the previous interval, not running totals",
+                field=field,
+            )
+    floats = [
+        ("step_seconds", run.step_seconds_total, stats.step_seconds),
+        ("check_seconds", run.check_seconds_total, stats.check_seconds),
+        ("ops.check_seconds", op_seconds, max((op.check_seconds for op in stats.ops), default=0.0)),
+        ("residual_ratio.sum", run.residual_sum, hist.sum if hist else 0.0),
+    ]
+    for field, stored, delta in floats:
+        if not math.isfinite(float(stored) + delta):
+            raise InvalidRequest(f"{field}: adding {delta} takes the run's total to infinity", field=field)
+
+
 def ingest_stats(session: Session, *, run_id: str, stats: StatsIn, principal: Principal) -> StatsResult:
     require_writable_run(session, run_id, principal)
     new = session.execute(
@@ -204,6 +255,8 @@ def ingest_stats(session: Session, *, run_id: str, stats: StatsIn, principal: Pr
     ).first()
     if new is None:
         return StatsResult(interval_id=stats.interval_id, duplicate=True)
+    # After the duplicate check (a replay of an accepted interval is "duplicate", not a 422), before any counter.
+    _check_headroom(session, run_id, stats)
 
     # Upserts in key order, so two intervals of one run posted at once lock counter rows in the same order.
     for op in sorted(stats.ops, key=lambda o: o.op):

@@ -1,18 +1,17 @@
 """Run registration (idempotent by name, so every rank of a job lands on one run), finish, list and totals."""
 
 import uuid
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ..auth import Principal
-from ..errors import InvalidRequest, NotFound
+from ..errors import NotFound
 from ..models import Policy, Run, RunFaultCounter, RunOpCounter, utcnow
 from ..schemas import RunFinishIn, RunPublic, RunRegisterIn, RunTotals
 from .access import check_may_register, check_may_write
-from .cursor import decode_cursor, encode_cursor
+from .cursor import cursor_id, cursor_time, decode_cursor, encode_cursor
 from .policy import create_run_policy
 from .sql import greatest, upsert_insert
 
@@ -196,11 +195,8 @@ def list_runs(
     if status is not None:
         stmt = stmt.where(Run.status == status)
     if cursor is not None:
-        created_text, last_id = decode_cursor(cursor, length=2)
-        try:
-            created = datetime.fromisoformat(created_text)
-        except (TypeError, ValueError):
-            raise InvalidRequest("cursor: not a cursor this server issued; pass next_cursor back unchanged") from None
+        created_key, id_key = decode_cursor(cursor, length=2)
+        created, last_id = cursor_time(created_key), cursor_id(id_key)
         stmt = stmt.where(or_(Run.created_at < created, and_(Run.created_at == created, Run.id < str(last_id))))
     rows = session.execute(stmt.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit + 1)).all()
     page = rows[:limit]
