@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
-from sqlalchemy import or_, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from .models import Policy, Run, RunFaultCounter, RunOpCounter, RunResidualBucket, utcnow
@@ -40,6 +40,7 @@ METRIC_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "attnchecker_agent_events_sent_total": ("counter", ("run",)),
     "attnchecker_agent_events_spooled_total": ("counter", ("run",)),
     "attnchecker_agent_events_dropped_total": ("counter", ("run",)),
+    "attnchecker_metrics_runs_omitted": ("gauge", ()),
     "attnchecker_ingest_events_total": ("counter", ()),
     "attnchecker_ingest_requests_total": ("counter", ("endpoint", "status")),
     "attnchecker_ingest_request_duration_seconds": ("histogram", ("endpoint",)),
@@ -95,17 +96,23 @@ class DbCollector(Collector):
     def invalidate(self) -> None:
         self._cached_at = -math.inf
 
+    def _runs(self, session: Session) -> tuple[list[Run], int]:
+        """Every live run, whatever the cap (a live run whose agent went quiet is exactly what "agent silent"
+        watches), then the most recently seen finished runs in the room the cap leaves; and how many finished
+        runs within recent_seconds did not fit."""
+        cutoff = utcnow() - self._recent
+        live = list(session.scalars(select(Run).where(Run.status == "running").order_by(Run.last_seen_at.desc())))
+        recent = (Run.status != "running", Run.last_seen_at >= cutoff)
+        room = max(0, self._max_runs - len(live))
+        finished = list(session.scalars(select(Run).where(*recent).order_by(Run.last_seen_at.desc()).limit(room)))
+        omitted = 0
+        if len(finished) == room:
+            omitted = int(session.scalar(select(func.count()).select_from(Run).where(*recent)) or 0) - room
+        return live + finished, omitted
+
     def _read(self) -> Iterator[Metric]:
         with self._session_factory() as session:
-            cutoff = utcnow() - self._recent
-            runs = list(
-                session.scalars(
-                    select(Run)
-                    .where(or_(Run.status == "running", Run.last_seen_at >= cutoff))
-                    .order_by(Run.last_seen_at.desc())
-                    .limit(self._max_runs)
-                )
-            )
+            runs, omitted = self._runs(session)
             names = {run.id: run.name for run in runs}
             ids = list(names)
             op_rows = session.scalars(select(RunOpCounter).where(RunOpCounter.run_id.in_(ids))).all() if ids else []
@@ -225,6 +232,13 @@ class DbCollector(Collector):
                 series.append(("+Inf", cumulative))
             residual.add_metric([run.name], series, sum_value=run.residual_sum)
         families.append(residual)
+        families.append(
+            GaugeMetricFamily(
+                "attnchecker_metrics_runs_omitted",
+                "Finished runs seen within metrics_recent_seconds left out by metrics_max_runs (live runs never are).",
+                value=omitted,
+            )
+        )
         return iter(families)
 
 

@@ -165,7 +165,10 @@ def test_counters_that_would_overflow_a_run_total_are_422_and_the_run_keeps_inge
     api: Api, field: str, fields: dict[str, Any]
 ) -> None:
     run_id = api.register()["id"]
-    post = lambda body: api.client.post(f"/api/v1/runs/{run_id}/stats", json=body, headers=api.headers("agent"))  # noqa: E731
+
+    def post(body: dict[str, Any]) -> Any:
+        return api.client.post(f"/api/v1/runs/{run_id}/stats", json=body, headers=api.headers("agent"))
+
     first = post(_clean(**fields))
     assert first.status_code == 200, first.text
     before_counts = table_counts(api.settings)
