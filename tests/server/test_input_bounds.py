@@ -6,7 +6,9 @@ import json
 from typing import Any
 
 import pytest
+from attnchecker_server.db import make_engine
 from server_helpers import Api, make_batch, make_event, make_stats, table_counts
+from sqlalchemy import text
 
 
 def _reads_still_work(api: Api, run_id: str | None = None) -> None:
@@ -142,15 +144,20 @@ def test_forged_run_cursors_are_422(api: Api, key: list[Any]) -> None:
     _assert_422(api.client.get("/api/v1/runs", params={"cursor": _cursor(key)}, headers=api.headers("viewer")), "cursor")
 
 
-BIG = 2**62
+BIG = 2**53 - 1  # the largest delta one interval may carry
+LIMIT = 2**63 - 1  # a run total's column
 
-# (field path in the 422, a stats payload whose one counter is BIG)
+# (field path in the 422, a stats payload whose one counter is BIG, the stored total it adds to)
 COUNTERS = [
-    ("faults.detected", {"faults": [{"op": "scores", "kind": "inf", "detected": BIG}]}),
-    ("faults.uncorrectable", {"faults": [{"op": "q", "kind": "nan", "uncorrectable": BIG}]}),
-    ("ops.checks", {"ops": [{"op": "scores", "checks": BIG}]}),
-    ("transport.sent", {"transport": {"sent": BIG}}),
-    ("residual_ratio.counts", {"residual_ratio": {"le": [1.0], "counts": [BIG, 0], "sum": 0.0, "count": BIG}}),
+    ("faults.detected", {"faults": [{"op": "scores", "kind": "inf", "detected": BIG}]}, "run_fault_counter.detected"),
+    ("faults.uncorrectable", {"faults": [{"op": "q", "kind": "nan", "uncorrectable": BIG}]}, "run_fault_counter.uncorrectable"),
+    ("ops.checks", {"ops": [{"op": "scores", "checks": BIG}]}, "run_op_counter.checks"),
+    ("transport.sent", {"transport": {"sent": BIG}}, "run.events_sent_total"),
+    (
+        "residual_ratio.counts",
+        {"residual_ratio": {"le": [1.0], "counts": [BIG, 0], "sum": 0.0, "count": BIG}},
+        "run.residual_count",
+    ),
 ]
 
 
@@ -160,9 +167,19 @@ def _clean(**fields: Any) -> dict[str, Any]:
     return base
 
 
-@pytest.mark.parametrize(("field", "fields"), COUNTERS, ids=[c[0] for c in COUNTERS])
+def _set_total(api: Api, run_id: str, column: str, value: int) -> None:
+    """Brings a stored total near its limit (reaching it by posting would take ~2^10 intervals)."""
+    table, name = column.split(".")
+    key = "id" if table == "run" else "run_id"
+    engine = make_engine(api.settings, pooled=False)
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE {table} SET {name} = :v WHERE {key} = :r"), {"v": value, "r": run_id})
+    engine.dispose()
+
+
+@pytest.mark.parametrize(("field", "fields", "column"), COUNTERS, ids=[c[0] for c in COUNTERS])
 def test_counters_that_would_overflow_a_run_total_are_422_and_the_run_keeps_ingesting(
-    api: Api, field: str, fields: dict[str, Any]
+    api: Api, field: str, fields: dict[str, Any], column: str
 ) -> None:
     run_id = api.register()["id"]
 
@@ -171,6 +188,7 @@ def test_counters_that_would_overflow_a_run_total_are_422_and_the_run_keeps_inge
 
     first = post(_clean(**fields))
     assert first.status_code == 200, first.text
+    _set_total(api, run_id, column, LIMIT - 100)
     before_counts = table_counts(api.settings)
     before_run = api.client.get(f"/api/v1/runs/{run_id}", headers=api.headers("viewer")).json()
     _assert_422(post(_clean(**fields)), field)
@@ -182,18 +200,25 @@ def test_counters_that_would_overflow_a_run_total_are_422_and_the_run_keeps_inge
     _reads_still_work(api, run_id)
 
 
+def test_a_delta_above_2_to_53_is_422(api: Api) -> None:
+    run_id = api.register()["id"]
+    body = _clean(faults=[{"op": "scores", "kind": "inf", "detected": BIG + 1}])
+    _assert_422(api.client.post(f"/api/v1/runs/{run_id}/stats", json=body, headers=api.headers("agent")), "detected")
+
+
 def test_totals_may_reach_the_limit_exactly_and_a_replay_there_is_a_duplicate(api: Api) -> None:
     run_id = api.register()["id"]
     url = f"/api/v1/runs/{run_id}/stats"
-    first = _clean(faults=[{"op": "scores", "kind": "inf", "detected": BIG}])
-    last = _clean(faults=[{"op": "q", "kind": "inf", "detected": BIG - 1}])  # the sum is exactly 2^63 - 1
-    for body in (first, last):
-        assert api.client.post(url, json=body, headers=api.headers("agent")).json()["duplicate"] is False
+    first = _clean(faults=[{"op": "scores", "kind": "inf", "detected": 1}])
+    last = _clean(faults=[{"op": "q", "kind": "inf", "detected": BIG}])
+    assert api.client.post(url, json=first, headers=api.headers("agent")).json()["duplicate"] is False
+    _set_total(api, run_id, "run_fault_counter.detected", LIMIT - BIG)
+    assert api.client.post(url, json=last, headers=api.headers("agent")).json()["duplicate"] is False
     assert api.client.post(url, json=last, headers=api.headers("agent")).json()["duplicate"] is True
     totals = api.client.get(f"/api/v1/runs/{run_id}", headers=api.headers("viewer")).json()["totals"]
-    assert totals["detected"] == 2**63 - 1
-    _assert_422(api.client.post(url, json=_clean(faults=[{"op": "k", "kind": "nan", "detected": 1}]),
-                                headers=api.headers("agent")), "faults.detected")
+    assert totals["detected"] == LIMIT
+    one_more = _clean(faults=[{"op": "k", "kind": "nan", "detected": 1}])
+    _assert_422(api.client.post(url, json=one_more, headers=api.headers("agent")), "faults.detected")
     _reads_still_work(api, run_id)
 
 

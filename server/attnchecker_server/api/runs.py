@@ -20,13 +20,16 @@ from ..schemas import (
 from ..services import ingest, runs
 from ..services.policy import to_public
 from .deps import AGENT_WRITE, READ, SessionDep, StateDep
+from .responses import errors
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
 
-@router.post("", response_model=RunRegistered, status_code=201, responses={200: {"model": RunRegistered}})
+@router.post(
+    "", response_model=RunRegistered, status_code=201, responses={200: {"model": RunRegistered}, **errors(403, 413)}
+)
 def register_run(
     run_in: RunRegisterIn, response: Response, session: SessionDep, principal: Annotated[Principal, AGENT_WRITE]
 ) -> RunRegistered:
@@ -37,7 +40,7 @@ def register_run(
     return result
 
 
-@router.post("/{run_id}/finish", response_model=RunPublic)
+@router.post("/{run_id}/finish", response_model=RunPublic, responses=errors(403, 404, 413))
 def finish_run(
     run_id: str, finish_in: RunFinishIn, session: SessionDep, principal: Annotated[Principal, AGENT_WRITE]
 ) -> RunPublic:
@@ -47,7 +50,7 @@ def finish_run(
     return result
 
 
-@router.get("", response_model=RunsPublic)
+@router.get("", response_model=RunsPublic, responses=errors(403))
 def list_runs(
     session: SessionDep,
     _: Annotated[Principal, READ],
@@ -59,12 +62,12 @@ def list_runs(
     return RunsPublic(data=data, next_cursor=next_cursor)
 
 
-@router.get("/{run_id}", response_model=RunPublic)
+@router.get("/{run_id}", response_model=RunPublic, responses=errors(403, 404))
 def get_run(run_id: str, session: SessionDep, _: Annotated[Principal, READ]) -> RunPublic:
     return runs.get_run(session, run_id=run_id)
 
 
-@router.post("/{run_id}/events:batch", response_model=EventBatchResult)
+@router.post("/{run_id}/events:batch", response_model=EventBatchResult, responses=errors(403, 404, 413))
 def post_events(
     run_id: str,
     batch: EventBatchIn,
@@ -90,7 +93,7 @@ def post_events(
     return result
 
 
-@router.post("/{run_id}/stats", response_model=StatsResult)
+@router.post("/{run_id}/stats", response_model=StatsResult, responses=errors(403, 404, 413))
 def post_stats(
     run_id: str, stats: StatsIn, session: SessionDep, principal: Annotated[Principal, AGENT_WRITE]
 ) -> StatsResult:
