@@ -26,11 +26,34 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     from .migrate import upgrade
 
     is_sqlite = make_url(settings.effective_database_url).get_backend_name() == "sqlite"
+    if args.workers < 1:
+        print("attnchecker-server serve: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if args.workers > 1 and is_sqlite:
+        print(
+            "attnchecker-server serve: --workers > 1 needs PostgreSQL (ATTNCHECKER_DATABASE_URL): one process owns "
+            "a SQLite file",
+            file=sys.stderr,
+        )
+        return 2
     # One process owns a SQLite file, so migrating here cannot race; on PostgreSQL several replicas may start
     # at once, so migrations stay a separate step (`attnchecker-server migrate`) unless asked for.
     if args.migrate if args.migrate is not None else is_sqlite:
         upgrade(settings)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, workers=1)
+    if args.workers == 1:
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, workers=1)
+        return 0
+    # Several worker processes need an import string; each builds its app from the same ATTNCHECKER_* environment
+    # these settings came from. /metrics reads the database, so every worker answers the same run metrics (the
+    # attnchecker_ingest_* series are per process).
+    uvicorn.run(
+        "attnchecker_server.main:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        workers=args.workers,
+    )
     return 0
 
 
@@ -95,8 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the collector (one uvicorn worker)")
+    serve = sub.add_parser("serve", help="run the collector (uvicorn; --workers N on PostgreSQL)")
     serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument(
+        "--workers", type=int, default=1, help="uvicorn worker processes (default 1; more than 1 needs PostgreSQL)"
+    )
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="info")
     serve.add_argument(

@@ -5,6 +5,7 @@ Importing this module has no side effects; PostgreSQL is only contacted by the f
 """
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -173,7 +174,10 @@ class RunningCollector:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                if os.getpgid(self.process.pid) == self.process.pid:  # --workers: its own group, workers included
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                else:
+                    self.process.kill()
                 self.process.wait(timeout)
 
 
@@ -185,6 +189,7 @@ def start_collector(
     env: Mapping[str, str] | None = None,
     startup_timeout: float = 30.0,
     log_path: Path | None = None,
+    workers: int = 1,
 ) -> RunningCollector:
     """Starts `attnchecker-server serve` on 127.0.0.1 in a subprocess and waits until /healthz answers.
 
@@ -194,6 +199,7 @@ def start_collector(
         migrate_first: upgrade the database to head in this process before starting.
         env: extra environment variables for the child.
         log_path: where the child's stdout/stderr go (default: <settings.data_dir>/collector-<port>.log).
+        workers: `serve --workers` (more than 1 needs PostgreSQL).
     """
     if migrate_first:
         upgrade(settings)
@@ -218,10 +224,14 @@ def start_collector(
                     "--no-migrate",
                     "--log-level",
                     "warning",
+                    "--workers",
+                    str(workers),
                 ],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=child_env,
+                # Worker processes are children of the supervisor: a group lets stop() kill them all if need be.
+                start_new_session=workers > 1,
             )
         collector = RunningCollector(
             url=f"http://127.0.0.1:{chosen}", port=chosen, process=process, log_path=path, settings=settings
