@@ -1,7 +1,7 @@
 """Collector ingest throughput and the agent-side cost of streaming.
 
 1. events/s and p50/p99 latency of 500-event batches (POST .../events:batch) into a real collector (uvicorn
-   subprocess, attnchecker_server.testing) on SQLite and on PostgreSQL, with 1, 4 and 16 concurrent agents (threads,
+   subprocess, tests/collector_testing.py) on SQLite and on PostgreSQL, with 1, 4 and 16 concurrent agents (threads,
    each its own HTTP client and run, bodies encoded before the clock starts so the clients spend their time waiting on
    the collector, not in json.dumps).
 2. the agent's enqueue cost per event: Transport.emit_event of a Detection (to_wire runs on the sender thread).
@@ -98,7 +98,7 @@ def ingest_level(url: str, token: str, agents: int, n_batches: int, per_batch: i
 
 def ingest(backend: str, agents: list[int], batches: int, per_batch: int, workers: int = 1,
            ) -> dict[str, Any] | None:
-    from attnchecker_server import testing
+    import collector_testing as testing
 
     with tempfile.TemporaryDirectory() as d:
         db_url = None
@@ -170,7 +170,7 @@ def step_cost(url: str | None, token: str | None, rounds: int, steps: int, event
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(rows, width)
-    from attnchecker_server.testing import free_port
+    from collector_testing import free_port
 
     down_url = f"http://127.0.0.1:{free_port()}"
     targets = {"none": "none", "up": url, "down": down_url}
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwrote {path}")
         return 0
 
-    from attnchecker_server import testing
+    import collector_testing as testing
 
     with tempfile.TemporaryDirectory() as d:
         settings = testing.make_settings("sqlite", Path(d))

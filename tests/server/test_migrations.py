@@ -7,7 +7,7 @@ from alembic import command
 from attnchecker_server.db import make_engine
 from attnchecker_server.migrate import alembic_config
 from attnchecker_server.models import Base
-from attnchecker_server.testing import postgres_available, postgres_database
+from collector_testing import postgres_available, postgres_database
 from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError
 

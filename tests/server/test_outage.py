@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from attnchecker_server.main import create_app
-from attnchecker_server.testing import make_settings
+from collector_testing import make_settings
 from fastapi.testclient import TestClient
 from server_helpers import Api, make_batch, make_stats
 from sqlalchemy import create_engine, text

@@ -7,7 +7,7 @@ import pytest
 from attnchecker_server.auth import parse_duration
 from attnchecker_server.cli import main
 from attnchecker_server.db import make_engine
-from attnchecker_server.testing import make_token
+from collector_testing import make_token
 from server_helpers import Api, make_batch, make_stats, table_counts
 from sqlalchemy import text
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 import pytest
-from attnchecker_server.testing import run_collector
+from collector_testing import run_collector
 from hypothesis import HealthCheck, given, settings
 from schemathesis.core.failures import FailureGroup
 from schemathesis.specs.openapi.checks import ignored_auth

@@ -1,5 +1,8 @@
-"""Test helpers shared by tests/server, tests/e2e and tests/dashboards: throwaway databases, settings, tokens,
-and a real collector (uvicorn in a subprocess) on a free loopback port.
+"""Test helpers shared by tests/server, tests/agent, tests/e2e, tests/dashboards and bench/: throwaway databases,
+settings, tokens, and a real collector (uvicorn in a subprocess) on a free loopback port.
+
+It lives under tests/ (pytest.ini puts tests/ on sys.path; bench/_common.setup_path does the same), not in the
+server package, which ships without it.
 
 Importing this module has no side effects; PostgreSQL is only contacted by the functions that need it.
 """
@@ -23,10 +26,10 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from .auth import Role, create_token
-from .config import Settings, normalise_database_url
-from .db import make_engine, make_session_factory, session_scope
-from .migrate import upgrade
+from attnchecker_server.auth import Role, create_token
+from attnchecker_server.config import Settings, normalise_database_url
+from attnchecker_server.db import make_engine, make_session_factory, session_scope
+from attnchecker_server.migrate import upgrade
 
 __all__ = [
     "DEFAULT_POSTGRES_URL",
