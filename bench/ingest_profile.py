@@ -17,8 +17,8 @@ import _common
 
 _common.setup_path()
 
-import ingest as ib
 import collector_testing as testing
+import ingest as ib
 from attnchecker_server.auth import Principal
 from attnchecker_server.db import make_engine, make_session_factory
 from attnchecker_server.models import EventBatch, FaultEvent, utcnow

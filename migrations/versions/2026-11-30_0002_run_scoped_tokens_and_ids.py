@@ -41,7 +41,7 @@ def downgrade() -> None:
     for table, run_index in _PER_RUN_TABLES.items():
         # A global key cannot hold the same id in two runs: say so instead of failing on a constraint error.
         shared = bind.execute(
-            sa.text(f"SELECT id FROM {table} GROUP BY id HAVING count(*) > 1 LIMIT 1")  # noqa: S608 (constant)
+            sa.text(f"SELECT id FROM {table} GROUP BY id HAVING count(*) > 1 LIMIT 1")
         ).first()
         if shared is not None:
             raise RuntimeError(
