@@ -226,3 +226,21 @@ def test_steps_per_interval_above_32_bits_are_422_on_both_backends(api: Api) -> 
     run_id = api.register()["id"]
     response = api.client.post(f"/api/v1/runs/{run_id}/stats", json=_clean(steps=2**31), headers=api.headers("agent"))
     _assert_422(response, "steps")
+
+
+@pytest.mark.parametrize(
+    ("field", "fields"),
+    [
+        ("step_seconds", {"step_seconds": 1e308}),
+        ("ops.check_seconds", {"ops": [{"op": "q", "checks": 1, "check_seconds": 1e308}]}),
+        ("residual_ratio.sum", {"residual_ratio": {"le": [1.0], "counts": [1, 0], "sum": 1e308, "count": 1}}),
+    ],
+)
+def test_float_totals_that_would_reach_infinity_are_422(api: Api, field: str, fields: dict[str, Any]) -> None:
+    run_id = api.register()["id"]
+    url = f"/api/v1/runs/{run_id}/stats"
+    assert api.client.post(url, json=_clean(**fields), headers=api.headers("agent")).status_code == 200
+    before = table_counts(api.settings)
+    _assert_422(api.client.post(url, json=_clean(**fields), headers=api.headers("agent")), field)
+    assert table_counts(api.settings) == before
+    _reads_still_work(api, run_id)

@@ -204,7 +204,7 @@ def _check_headroom(session: Session, run_id: str, stats: StatsIn) -> None:
         ).where(RunFaultCounter.run_id == run_id)
     ).one()
     hist = stats.residual_ratio
-    integers = [
+    integers: list[tuple[str, int, int]] = [
         ("steps", run.steps_total, stats.steps),
         ("transport.sent", run.events_sent_total, stats.transport.sent),
         ("transport.spooled", run.events_spooled_total, stats.transport.spooled),
@@ -222,15 +222,16 @@ def _check_headroom(session: Session, run_id: str, stats: StatsIn) -> None:
                 "deltas since the previous interval, not running totals",
                 field=field,
             )
-    floats = [
+    # Per op: the largest stored seconds plus the largest delta bounds every op's sum.
+    floats: list[tuple[str, float, float]] = [
         ("step_seconds", run.step_seconds_total, stats.step_seconds),
         ("check_seconds", run.check_seconds_total, stats.check_seconds),
         ("ops.check_seconds", op_seconds, max((op.check_seconds for op in stats.ops), default=0.0)),
         ("residual_ratio.sum", run.residual_sum, hist.sum if hist else 0.0),
     ]
-    for field, stored, delta in floats:
-        if not math.isfinite(float(stored) + delta):
-            raise InvalidRequest(f"{field}: adding {delta} takes the run's total to infinity", field=field)
+    for field, total, seconds in floats:
+        if not math.isfinite(float(total) + seconds):
+            raise InvalidRequest(f"{field}: adding {seconds} takes the run's total to infinity", field=field)
 
 
 def ingest_stats(session: Session, *, run_id: str, stats: StatsIn, principal: Principal) -> StatsResult:
