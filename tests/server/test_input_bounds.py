@@ -244,3 +244,13 @@ def test_float_totals_that_would_reach_infinity_are_422(api: Api, field: str, fi
     _assert_422(api.client.post(url, json=_clean(**fields), headers=api.headers("agent")), field)
     assert table_counts(api.settings) == before
     _reads_still_work(api, run_id)
+
+
+def test_an_op_listed_twice_in_one_interval_counts_twice_toward_its_total(api: Api) -> None:
+    run_id = api.register()["id"]
+    huge = {"op": "k", "checks": 1, "check_seconds": 1e308}
+    twice = _clean(ops=[huge, huge])
+    before = table_counts(api.settings)
+    response = api.client.post(f"/api/v1/runs/{run_id}/stats", json=twice, headers=api.headers("agent"))
+    _assert_422(response, "ops.check_seconds")
+    assert table_counts(api.settings) == before

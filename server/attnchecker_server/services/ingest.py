@@ -191,11 +191,12 @@ def _check_headroom(session: Session, run_id: str, stats: StatsIn) -> None:
     totals into floats."""
     run = session.get(Run, run_id, populate_existing=True)
     assert run is not None
-    checks, op_seconds = session.execute(
-        select(
-            func.coalesce(func.sum(RunOpCounter.checks), 0), func.coalesce(func.max(RunOpCounter.check_seconds), 0.0)
-        ).where(RunOpCounter.run_id == run_id)
-    ).one()
+    checks = session.scalar(
+        select(func.coalesce(func.sum(RunOpCounter.checks), 0)).where(RunOpCounter.run_id == run_id)
+    )
+    op_seconds: dict[str, float] = dict(
+        session.execute(select(RunOpCounter.op, RunOpCounter.check_seconds).where(RunOpCounter.run_id == run_id)).all()
+    )
     detected, corrected, uncorrectable = session.execute(
         select(
             func.coalesce(func.sum(RunFaultCounter.detected), 0),
@@ -209,7 +210,7 @@ def _check_headroom(session: Session, run_id: str, stats: StatsIn) -> None:
         ("transport.sent", run.events_sent_total, stats.transport.sent),
         ("transport.spooled", run.events_spooled_total, stats.transport.spooled),
         ("transport.dropped", run.events_dropped_total, stats.transport.dropped),
-        ("ops.checks", checks, sum(op.checks for op in stats.ops)),
+        ("ops.checks", int(checks or 0), sum(op.checks for op in stats.ops)),
         ("faults.detected", detected, sum(f.detected for f in stats.faults)),
         ("faults.corrected", corrected, sum(f.corrected for f in stats.faults)),
         ("faults.uncorrectable", uncorrectable, sum(f.uncorrectable for f in stats.faults)),
@@ -222,11 +223,14 @@ def _check_headroom(session: Session, run_id: str, stats: StatsIn) -> None:
                 "deltas since the previous interval, not running totals",
                 field=field,
             )
-    # Per op: the largest stored seconds plus the largest delta bounds every op's sum.
+    # Per op, with the deltas of an op listed twice in one interval added up, as the upserts will.
+    op_deltas: dict[str, float] = {}
+    for op in stats.ops:
+        op_deltas[op.op] = op_deltas.get(op.op, 0.0) + op.check_seconds
     floats: list[tuple[str, float, float]] = [
         ("step_seconds", run.step_seconds_total, stats.step_seconds),
         ("check_seconds", run.check_seconds_total, stats.check_seconds),
-        ("ops.check_seconds", op_seconds, max((op.check_seconds for op in stats.ops), default=0.0)),
+        *(("ops.check_seconds", op_seconds.get(op, 0.0), delta) for op, delta in op_deltas.items()),
         ("residual_ratio.sum", run.residual_sum, hist.sum if hist else 0.0),
     ]
     for field, total, seconds in floats:
