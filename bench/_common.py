@@ -130,8 +130,9 @@ def write_result(name: str, payload: Mapping[str, Any], out: str | os.PathLike[s
 
 
 def setup_path() -> None:
-    """Make the repository's agent/ and server/ importable when a script runs from a checkout without installs."""
-    for sub in ("agent", "server"):
+    """Make the repository's agent/ and server/ (and tests/, for the collector harness collector_testing)
+    importable when a script runs from a checkout without installs."""
+    for sub in ("agent", "server", "tests"):
         p = str(ROOT / sub)
         if p not in sys.path:
             sys.path.insert(0, p)

@@ -1,14 +1,17 @@
 """Collector ingest throughput and the agent-side cost of streaming.
 
 1. events/s and p50/p99 latency of 500-event batches (POST .../events:batch) into a real collector (uvicorn
-   subprocess, attnchecker_server.testing) on SQLite and on PostgreSQL, with 1, 4 and 16 concurrent agents (threads,
+   subprocess, tests/collector_testing.py) on SQLite and on PostgreSQL, with 1, 4 and 16 concurrent agents (threads,
    each its own HTTP client and run, bodies encoded before the clock starts so the clients spend their time waiting on
    the collector, not in json.dumps).
 2. the agent's enqueue cost per event: Transport.emit_event of a Detection (to_wire runs on the sender thread).
 3. the transport's added step time: a small training step that emits events every step, with no transport, with the
    collector up, and with it down (nothing listening), interleaved.
 
-    python bench/ingest.py [--backends sqlite,postgres] [--agents 1,4,16] [--tiny]
+    python bench/ingest.py [--backends sqlite,postgres] [--agents 1,4,16] [--workers 1,2] [--repeats 3] [--tiny]
+
+--workers 1,2 runs the PostgreSQL rows once per collector worker count (serve --workers N); --repeats interleaves
+rounds and reports the median with min/max; lost/dup count events missing from or doubled in the database.
 """
 from __future__ import annotations
 
@@ -93,8 +96,9 @@ def ingest_level(url: str, token: str, agents: int, n_batches: int, per_batch: i
     }
 
 
-def ingest(backend: str, agents: list[int], batches: int, per_batch: int) -> dict[str, Any] | None:
-    from attnchecker_server import testing
+def ingest(backend: str, agents: list[int], batches: int, per_batch: int, workers: int = 1,
+           ) -> dict[str, Any] | None:
+    import collector_testing as testing
 
     with tempfile.TemporaryDirectory() as d:
         db_url = None
@@ -107,12 +111,29 @@ def ingest(backend: str, agents: list[int], batches: int, per_batch: int) -> dic
             settings = testing.make_settings(backend, Path(d), database_url=db_url)
             testing.migrate(settings)
             token = testing.make_token(settings, "agent")
-            with testing.run_collector(settings, migrate_first=False) as col:
+            with testing.run_collector(settings, migrate_first=False, workers=workers) as col:
                 levels = [ingest_level(col.url, token, n, batches, per_batch) for n in agents]
+                stored = stored_counts(settings)
         finally:
             if db_url:
                 testing.drop_postgres_database(db_url)
-    return {"backend": backend, "levels": levels}
+    sent = sum(lv["events"] for lv in levels)
+    return {"backend": backend, "workers": workers, "levels": levels, "events_stored": stored,
+            "lost": sent - stored["distinct"], "duplicated": stored["rows"] - stored["distinct"]}
+
+
+def stored_counts(settings: Any) -> dict[str, int]:
+    """Rows in fault_event and distinct (run, id) keys: lost = sent - distinct, duplicated = rows - distinct."""
+    from attnchecker_server.db import make_engine
+    from sqlalchemy import text
+
+    engine = make_engine(settings, pooled=False)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT count(*) FROM fault_event")).scalar_one()
+        distinct = conn.execute(text("SELECT count(*) FROM (SELECT DISTINCT run_id, id FROM fault_event) d")
+                                ).scalar_one()
+    engine.dispose()
+    return {"rows": int(rows), "distinct": int(distinct)}
 
 
 def enqueue_cost(url: str | None, token: str | None, n: int) -> dict[str, Any]:
@@ -149,7 +170,7 @@ def step_cost(url: str | None, token: str | None, rounds: int, steps: int, event
     model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, width))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(rows, width)
-    from attnchecker_server.testing import free_port
+    from collector_testing import free_port
 
     down_url = f"http://127.0.0.1:{free_port()}"
     targets = {"none": "none", "up": url, "down": down_url}
@@ -196,25 +217,51 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--events-per-batch", type=int, default=500)
     p.add_argument("--enqueue-events", type=int, default=None, help="default 100000; tiny 2000")
     p.add_argument("--rounds", type=int, default=None, help="step-cost rounds (default 6; tiny 2)")
+    p.add_argument("--workers", default="1",
+                   help="collector worker processes to compare, e.g. 1,2 (serve --workers; more than 1: PostgreSQL "
+                        "only, SQLite rows always use 1)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds; each round runs every (backend, workers) in turn, so they are interleaved")
+    p.add_argument("--ingest-only", action="store_true", help="skip the agent-side enqueue and step-cost parts")
     p.add_argument("--tiny", action="store_true")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     batches = a.batches or (2 if a.tiny else 8)
     per_batch = 50 if a.tiny and a.events_per_batch == 500 else a.events_per_batch
     agents = [int(x) for x in a.agents.split(",") if x]
-    result: dict[str, Any] = {"backends": []}
+    worker_counts = [int(x) for x in a.workers.split(",") if x]
+    result: dict[str, Any] = {"backends": [], "repeats": a.repeats}
+    configs = [(b, w) for b in a.backends.split(",") if b for w in (worker_counts if b == "postgres" else [1])]
+    samples: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for round_ in range(a.repeats):
+        for backend, workers in configs:
+            res = ingest(backend, agents, batches, per_batch, workers)
+            if res is None:
+                continue
+            res["round"] = round_
+            result["backends"].append(res)
+            for lv in res["levels"]:
+                samples.setdefault((backend, workers, lv["agents"]), []).append(
+                    {**lv, "lost": res["lost"], "duplicated": res["duplicated"]})
     rows = []
-    for backend in [b for b in a.backends.split(",") if b]:
-        res = ingest(backend, agents, batches, per_batch)
-        if res is None:
-            continue
-        result["backends"].append(res)
-        for lv in res["levels"]:
-            rows.append([backend, lv["agents"], lv["events"], lv["events_per_s"], lv["latency_p50_s"] * 1e3,
-                         lv["latency_p99_s"] * 1e3, lv["error_count"]])
-    print(_common.table(rows, ["backend", "agents", "events", "events/s", "p50 ms/batch", "p99 ms/batch", "errors"]))
+    for (backend, workers, n), runs in samples.items():
+        rate = [r["events_per_s"] for r in runs]
+        p99 = [r["latency_p99_s"] * 1e3 for r in runs]
+        rows.append([backend, workers, n, runs[0]["events"], statistics.median(rate), min(rate), max(rate),
+                     statistics.median([r["latency_p50_s"] * 1e3 for r in runs]), statistics.median(p99), max(p99),
+                     sum(r["error_count"] for r in runs), max(r["lost"] for r in runs),
+                     max(r["duplicated"] for r in runs), len(runs)])
+    result["summary"] = [dict(zip(["backend", "workers", "agents", "events", "events_per_s_median", "events_per_s_min",
+                                   "events_per_s_max", "p50_ms_median", "p99_ms_median", "p99_ms_max", "errors",
+                                   "lost", "duplicated", "repeats"], row, strict=True)) for row in rows]
+    print(_common.table(rows, ["backend", "workers", "agents", "events", "events/s (median)", "min", "max",
+                               "p50 ms/batch", "p99 ms/batch", "p99 max", "errors", "lost", "dup", "repeats"]))
+    if a.ingest_only:
+        path = _common.write_result("ingest", result, a.out)
+        print(f"\nwrote {path}")
+        return 0
 
-    from attnchecker_server import testing
+    import collector_testing as testing
 
     with tempfile.TemporaryDirectory() as d:
         settings = testing.make_settings("sqlite", Path(d))

@@ -17,13 +17,17 @@ import _common
 
 _common.setup_path()
 
+import collector_testing as testing
 import ingest as ib
-from attnchecker_server import testing
+from attnchecker_server.auth import Principal
 from attnchecker_server.db import make_engine, make_session_factory
 from attnchecker_server.models import EventBatch, FaultEvent, utcnow
 from attnchecker_server.schemas import EventBatchIn
 from attnchecker_server.services import ingest
 from attnchecker_server.services.sql import upsert_insert
+
+# The profile calls the service directly, past the HTTP layer; an operator may write to any run.
+OPERATOR = Principal(name="profile", role="operator")
 
 
 def rows_of(batch: EventBatchIn, run_id: str) -> list[dict]:
@@ -52,13 +56,13 @@ def main() -> int:
                 t0 = time.perf_counter()
                 with factory() as session:
                     if i % 2 == 0:
-                        ingest.ingest_events(session, run_id=run_id, batch=batch)
+                        ingest.ingest_events(session, run_id=run_id, batch=batch, principal=OPERATOR)
                     else:
                         session.execute(upsert_insert(session, EventBatch).values(
                             id=batch.batch_id, run_id=run_id, received_at=utcnow(), accepted=0, duplicates=0
-                        ).on_conflict_do_nothing(index_elements=["id"]))
+                        ).on_conflict_do_nothing(index_elements=["run_id", "id"]))
                         table = FaultEvent.__table__
-                        stmt = upsert_insert(session, table).on_conflict_do_nothing(index_elements=["id"])
+                        stmt = upsert_insert(session, table).on_conflict_do_nothing(index_elements=["run_id", "id"])
                         inserted = session.connection().execute(stmt.returning(table.c.id), rows_of(batch, run_id))
                         assert len(inserted.all()) == 500
                     session.commit()

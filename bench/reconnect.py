@@ -30,7 +30,7 @@ _common.setup_path()
 
 import httpx
 from attnchecker.transport import Transport
-from attnchecker_server import testing
+import collector_testing as testing
 
 VARIANTS = {"probe (default)": {}, "backoff only": {"probe_interval_s": 30.0}}
 

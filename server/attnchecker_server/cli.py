@@ -8,7 +8,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from .auth import ROLES, create_token, list_tokens, revoke_tokens
+from .auth import ROLES, create_token, list_tokens, parse_duration, revoke_tokens
 from .config import Settings
 from .db import make_engine, make_session_factory, session_scope
 
@@ -26,11 +26,34 @@ def _serve(args: argparse.Namespace, settings: Settings) -> int:
     from .migrate import upgrade
 
     is_sqlite = make_url(settings.effective_database_url).get_backend_name() == "sqlite"
+    if args.workers < 1:
+        print("attnchecker-server serve: --workers must be at least 1", file=sys.stderr)
+        return 2
+    if args.workers > 1 and is_sqlite:
+        print(
+            "attnchecker-server serve: --workers > 1 needs PostgreSQL (ATTNCHECKER_DATABASE_URL): one process owns "
+            "a SQLite file",
+            file=sys.stderr,
+        )
+        return 2
     # One process owns a SQLite file, so migrating here cannot race; on PostgreSQL several replicas may start
     # at once, so migrations stay a separate step (`attnchecker-server migrate`) unless asked for.
     if args.migrate if args.migrate is not None else is_sqlite:
         upgrade(settings)
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, workers=1)
+    if args.workers == 1:
+        uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level=args.log_level, workers=1)
+        return 0
+    # Several worker processes need an import string; each builds its app from the same ATTNCHECKER_* environment
+    # these settings came from. /metrics reads the database, so every worker answers the same run metrics (the
+    # attnchecker_ingest_* series are per process).
+    uvicorn.run(
+        "attnchecker_server.main:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        workers=args.workers,
+    )
     return 0
 
 
@@ -49,17 +72,28 @@ def _migrate(args: argparse.Namespace, settings: Settings) -> int:
 def _token(args: argparse.Namespace, settings: Settings) -> int:
     sessions = _sessions(settings)
     if args.token_command == "create":
-        with session_scope(sessions) as session:
-            token = create_token(session, name=args.name, role=args.role)
+        try:
+            expires_in = parse_duration(args.expires_in) if args.expires_in else None
+            with session_scope(sessions) as session:
+                token = create_token(
+                    session, name=args.name, role=args.role, run_name=args.run, expires_in=expires_in
+                )
+        except ValueError as exc:
+            print(f"attnchecker-server token create: {exc}", file=sys.stderr)
+            return 2
         print(token)
-        print(f"token for {args.name!r} (role {args.role}); it is shown only this once", file=sys.stderr)
+        scope = f", bound to run {args.run!r}" if args.run else ""
+        expiry = f", expires in {args.expires_in}" if args.expires_in else ""
+        print(f"token for {args.name!r} (role {args.role}{scope}{expiry}); it is shown only this once", file=sys.stderr)
         return 0
     if args.token_command == "list":
         with sessions() as session:
             rows = list_tokens(session)
         for row in rows:
             state = f"revoked {row.revoked_at.isoformat()}" if row.revoked_at else "active"
-            print(f"{row.prefix}\t{row.role}\t{row.name}\t{row.created_at.isoformat()}\t{state}")
+            expiry = f"expires {row.expires_at.isoformat()}" if row.expires_at else "no expiry"
+            run = f"run {row.run_name}" if row.run_name else "own runs"
+            print(f"{row.prefix}\t{row.role}\t{row.name}\t{row.created_at.isoformat()}\t{state}\t{expiry}\t{run}")
         return 0
     with session_scope(sessions) as session:
         count = revoke_tokens(session, name=args.name, prefix=args.prefix)
@@ -84,8 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the collector (one uvicorn worker)")
+    serve = sub.add_parser("serve", help="run the collector (uvicorn; --workers N on PostgreSQL)")
     serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument(
+        "--workers", type=int, default=1, help="uvicorn worker processes (default 1; more than 1 needs PostgreSQL)"
+    )
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
@@ -106,7 +143,16 @@ def _parser() -> argparse.ArgumentParser:
     create = token_sub.add_parser("create", help="create a token and print it (once)")
     create.add_argument("--role", required=True, choices=ROLES)
     create.add_argument("--name", required=True, help="who uses it; recorded as the actor of policy changes")
-    token_sub.add_parser("list", help="list tokens (prefix, role, name, created, state); never the secret")
+    create.add_argument(
+        "--run",
+        metavar="NAME",
+        help="agent tokens: bind to the run of this name, so several ranks (tokens) write to one run; "
+        "without it an agent token writes only to the runs it created",
+    )
+    create.add_argument("--expires-in", metavar="DURATION", help="e.g. 90d, 12h, 30m, 3600 (seconds); default never")
+    token_sub.add_parser(
+        "list", help="list tokens (prefix, role, name, created, state, expiry, run); never the secret"
+    )
     revoke = token_sub.add_parser("revoke", help="revoke tokens by name or by prefix")
     which = revoke.add_mutually_exclusive_group(required=True)
     which.add_argument("--name")

@@ -33,7 +33,7 @@ class Settings(BaseSettings):
     metrics_cache_seconds: float = Field(default=2.0, ge=0)
     """A scrape within this many seconds of the previous refresh reuses its result."""
     metrics_max_runs: int = Field(default=500, ge=1)
-    """Hard bound on the runs /metrics exposes (most recently seen first), whatever their state."""
+    """Bound on the runs /metrics exposes: every live run, then finished ones (most recently seen first) up to this."""
 
     @field_validator("database_url")
     @classmethod

@@ -7,13 +7,14 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
-from sqlalchemy import or_, select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from .models import Policy, Run, RunFaultCounter, RunOpCounter, RunResidualBucket, RunTierCounter, utcnow
@@ -43,6 +44,7 @@ METRIC_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "attnchecker_agent_events_spooled_total": ("counter", ("run",)),
     "attnchecker_agent_events_dropped_total": ("counter", ("run",)),
     "attnchecker_coverage_ops": ("gauge", ("run", "state")),
+    "attnchecker_metrics_runs_omitted": ("gauge", ()),
     "attnchecker_ingest_events_total": ("counter", ()),
     "attnchecker_ingest_requests_total": ("counter", ("endpoint", "status")),
     "attnchecker_ingest_request_duration_seconds": ("histogram", ("endpoint",)),
@@ -98,149 +100,206 @@ class DbCollector(Collector):
     def invalidate(self) -> None:
         self._cached_at = -math.inf
 
+    def _runs(self, session: Session) -> tuple[list[Run], int]:
+        """Every live run, whatever the cap (a live run whose agent went quiet is exactly what "agent silent"
+        watches), then the most recently seen finished runs in the room the cap leaves; and how many finished
+        runs within recent_seconds did not fit."""
+        cutoff = utcnow() - self._recent
+        live = list(session.scalars(select(Run).where(Run.status == "running").order_by(Run.last_seen_at.desc())))
+        recent = (Run.status != "running", Run.last_seen_at >= cutoff)
+        room = max(0, self._max_runs - len(live))
+        finished = list(session.scalars(select(Run).where(*recent).order_by(Run.last_seen_at.desc()).limit(room)))
+        omitted = 0
+        if len(finished) == room:
+            omitted = int(session.scalar(select(func.count()).select_from(Run).where(*recent)) or 0) - room
+        return live + finished, omitted
+
     def _read(self) -> Iterator[Metric]:
-        with self._session_factory() as session:
-            cutoff = utcnow() - self._recent
-            runs = list(
-                session.scalars(
-                    select(Run)
-                    .where(or_(Run.status == "running", Run.last_seen_at >= cutoff))
-                    .order_by(Run.last_seen_at.desc())
-                    .limit(self._max_runs)
-                )
-            )
-            names = {run.id: run.name for run in runs}
-            ids = list(names)
-            op_rows = session.scalars(select(RunOpCounter).where(RunOpCounter.run_id.in_(ids))).all() if ids else []
-            fault_rows = (
-                session.scalars(select(RunFaultCounter).where(RunFaultCounter.run_id.in_(ids))).all() if ids else []
-            )
-            bucket_rows = (
-                session.scalars(select(RunResidualBucket).where(RunResidualBucket.run_id.in_(ids))).all() if ids else []
-            )
-            tier_rows = (
-                session.scalars(select(RunTierCounter).where(RunTierCounter.run_id.in_(ids))).all() if ids else []
-            )
-            policies = {p.scope: p for p in session.scalars(select(Policy).where(Policy.scope.in_(ids)))} if ids else {}
-
-        def counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
-            return CounterMetricFamily(_strip_total(name), doc, labels=labels)
-
-        checks = counter("attnchecker_checks_total", "Protected op calls checked.", ["run", "op"])
-        period = GaugeMetricFamily(
-            "attnchecker_check_period_steps",
-            "Check period per op the agent last reported, in steps.",
-            labels=["run", "op"],
-        )
-        for row in op_rows:
-            checks.add_metric([names[row.run_id], row.op], row.checks)
-            if row.period is not None:
-                period.add_metric([names[row.run_id], row.op], row.period)
-
-        detected = counter("attnchecker_faults_detected_total", "Faults detected.", ["run", "op", "kind"])
-        corrected = counter(
-            "attnchecker_faults_corrected_total",
-            "Faults corrected (from checksums or by recompute).",
-            ["run", "op", "kind"],
-        )
-        uncorrectable = counter(
-            "attnchecker_faults_uncorrectable_total", "Faults still wrong after recompute.", ["run", "op", "kind"]
-        )
-        for fault in fault_rows:
-            labels = [names[fault.run_id], fault.op, fault.kind]
-            detected.add_metric(labels, fault.detected)
-            corrected.add_metric(labels, fault.corrected)
-            uncorrectable.add_metric(labels, fault.uncorrectable)
-
-        per_run: list[tuple[str, str, str, Callable[[Run], float | None]]] = [
-            ("counter", "attnchecker_check_seconds_total", "Time spent checking.", lambda r: r.check_seconds_total),
-            ("counter", "attnchecker_step_seconds_total", "Training step time.", lambda r: r.step_seconds_total),
-            ("counter", "attnchecker_steps_total", "Training steps reported.", lambda r: r.steps_total),
-            (
-                "gauge",
-                "attnchecker_run_live",
-                "1 while the run is running, 0 once finished.",
-                lambda r: 1.0 if r.status == "running" else 0.0,
-            ),
-            (
-                "gauge",
-                "attnchecker_run_last_seen_timestamp_seconds",
-                "Unix time the run was last heard from.",
-                lambda r: r.last_seen_at.timestamp(),
-            ),
-            ("gauge", "attnchecker_run_last_step", "Highest step reported.", lambda r: r.last_step),
-            (
-                "gauge",
-                "attnchecker_policy_applied_version",
-                "Policy version the agent reports applied.",
-                lambda r: r.applied_policy_version,
-            ),
-            ("counter", "attnchecker_agent_events_sent_total", "Events the agent sent.", lambda r: r.events_sent_total),
-            (
-                "counter",
-                "attnchecker_agent_events_spooled_total",
-                "Events the agent spooled to disk.",
-                lambda r: r.events_spooled_total,
-            ),
-            (
-                "counter",
-                "attnchecker_agent_events_dropped_total",
-                "Events the agent dropped.",
-                lambda r: r.events_dropped_total,
+        snapshot = self._snapshot()
+        names = {run.id: run.name for run in snapshot.runs}
+        checks, period = _op_families(snapshot.op_rows, names)
+        families: list[Metric] = [
+            checks,
+            *_fault_families(snapshot.fault_rows, names),
+            *_tier_families(snapshot.tier_rows, names),
+            *_run_families(snapshot.runs),
+            *_policy_families(snapshot.runs, snapshot.policies),
+            period,
+            _coverage(snapshot.runs),
+            _residual_family(snapshot.runs, snapshot.bucket_rows),
+            GaugeMetricFamily(
+                "attnchecker_metrics_runs_omitted",
+                "Finished runs seen within metrics_recent_seconds left out by metrics_max_runs (live runs never are).",
+                value=snapshot.omitted,
             ),
         ]
-        tier_checks = counter("attnchecker_tier_checks_total", "Checks per protection tier (tripwire, abft, "
-                              "optimizer).", ["run", "tier", "op"])
-        tier_catches = counter("attnchecker_tier_catches_total", "Faults caught per protection tier.",
-                               ["run", "tier", "op"])
-        for tier_row in tier_rows:
-            labels = [names[tier_row.run_id], tier_row.tier, tier_row.op]
-            tier_checks.add_metric(labels, tier_row.checks)
-            tier_catches.add_metric(labels, tier_row.catches)
-
-        families: list[Metric] = [checks, detected, corrected, uncorrectable, tier_checks, tier_catches]
-        for kind, name, doc, value_of in per_run:
-            family: Metric = (
-                counter(name, doc, ["run"]) if kind == "counter" else GaugeMetricFamily(name, doc, labels=["run"])
-            )
-            for run in runs:
-                value = value_of(run)
-                if value is not None:
-                    family.add_metric([run.name], float(value))  # type: ignore[attr-defined]
-            families.append(family)
-
-        requested = GaugeMetricFamily(
-            "attnchecker_policy_requested_version", "Current policy version on the collector.", labels=["run"]
-        )
-        budget = GaugeMetricFamily(
-            "attnchecker_overhead_budget_ratio", "Policy's allowed check-time / step-time ratio.", labels=["run"]
-        )
-        for run in runs:
-            policy = policies.get(run.id)
-            if policy is not None:
-                requested.add_metric([run.name], policy.version)
-                budget.add_metric([run.name], float(policy.body.get("overhead_budget", 0.0)))
-        families += [requested, budget, period, _coverage(runs)]
-
-        residual = HistogramMetricFamily(
-            "attnchecker_checksum_residual_ratio", "Worst |d1| / bound of each clean check.", labels=["run"]
-        )
-        buckets: dict[str, list[tuple[float, int]]] = {}
-        for bucket in bucket_rows:
-            buckets.setdefault(bucket.run_id, []).append((float(bucket.le), bucket.count))
-        for run in runs:
-            if run.id not in buckets:
-                continue
-            cumulative, rows = 0, sorted(buckets[run.id])
-            series = []
-            for le, count in rows:
-                cumulative += count
-                series.append((floatToGoString(le), cumulative))  # type: ignore[no-untyped-call]
-            if not math.isinf(rows[-1][0]):
-                series.append(("+Inf", cumulative))
-            residual.add_metric([run.name], series, sum_value=run.residual_sum)
-        families.append(residual)
         return iter(families)
+
+    def _snapshot(self) -> "_Snapshot":
+        """Every row one refresh needs, read in one session (a few small queries)."""
+        with self._session_factory() as session:
+            runs, omitted = self._runs(session)
+            ids = [run.id for run in runs]
+            if not ids:
+                return _Snapshot(runs, omitted, [], [], [], [], {})
+            return _Snapshot(
+                runs=runs,
+                omitted=omitted,
+                op_rows=list(session.scalars(select(RunOpCounter).where(RunOpCounter.run_id.in_(ids)))),
+                fault_rows=list(session.scalars(select(RunFaultCounter).where(RunFaultCounter.run_id.in_(ids)))),
+                bucket_rows=list(session.scalars(select(RunResidualBucket).where(RunResidualBucket.run_id.in_(ids)))),
+                tier_rows=list(session.scalars(select(RunTierCounter).where(RunTierCounter.run_id.in_(ids)))),
+                policies={p.scope: p for p in session.scalars(select(Policy).where(Policy.scope.in_(ids)))},
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    runs: list[Run]
+    omitted: int
+    op_rows: list[RunOpCounter]
+    fault_rows: list[RunFaultCounter]
+    bucket_rows: list[RunResidualBucket]
+    tier_rows: list[RunTierCounter]
+    policies: dict[str, Policy]
+
+
+def _counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+    return CounterMetricFamily(_strip_total(name), doc, labels=labels)
+
+
+def _op_families(rows: list[RunOpCounter], names: dict[str, str]) -> tuple[Metric, Metric]:
+    checks = _counter("attnchecker_checks_total", "Protected op calls checked.", ["run", "op"])
+    period = GaugeMetricFamily(
+        "attnchecker_check_period_steps",
+        "Check period per op the agent last reported, in steps.",
+        labels=["run", "op"],
+    )
+    for row in rows:
+        checks.add_metric([names[row.run_id], row.op], row.checks)
+        if row.period is not None:
+            period.add_metric([names[row.run_id], row.op], row.period)
+    return checks, period
+
+
+def _fault_families(rows: list[RunFaultCounter], names: dict[str, str]) -> list[Metric]:
+    detected = _counter("attnchecker_faults_detected_total", "Faults detected.", ["run", "op", "kind"])
+    corrected = _counter(
+        "attnchecker_faults_corrected_total",
+        "Faults corrected (from checksums or by recompute).",
+        ["run", "op", "kind"],
+    )
+    uncorrectable = _counter(
+        "attnchecker_faults_uncorrectable_total", "Faults still wrong after recompute.", ["run", "op", "kind"]
+    )
+    for fault in rows:
+        labels = [names[fault.run_id], fault.op, fault.kind]
+        detected.add_metric(labels, fault.detected)
+        corrected.add_metric(labels, fault.corrected)
+        uncorrectable.add_metric(labels, fault.uncorrectable)
+    return [detected, corrected, uncorrectable]
+
+
+def _tier_families(rows: list[RunTierCounter], names: dict[str, str]) -> list[Metric]:
+    checks = _counter("attnchecker_tier_checks_total", "Checks per protection tier (tripwire, abft, optimizer).",
+                      ["run", "tier", "op"])
+    catches = _counter("attnchecker_tier_catches_total", "Faults caught per protection tier.", ["run", "tier", "op"])
+    for row in rows:
+        labels = [names[row.run_id], row.tier, row.op]
+        checks.add_metric(labels, row.checks)
+        catches.add_metric(labels, row.catches)
+    return [checks, catches]
+
+
+# (type, name, help, value of a run; None: no sample) of every per-run family.
+_PER_RUN: list[tuple[str, str, str, Callable[[Run], float | None]]] = [
+    ("counter", "attnchecker_check_seconds_total", "Time spent checking.", lambda r: r.check_seconds_total),
+    ("counter", "attnchecker_step_seconds_total", "Training step time.", lambda r: r.step_seconds_total),
+    ("counter", "attnchecker_steps_total", "Training steps reported.", lambda r: r.steps_total),
+    (
+        "gauge",
+        "attnchecker_run_live",
+        "1 while the run is running, 0 once finished.",
+        lambda r: 1.0 if r.status == "running" else 0.0,
+    ),
+    (
+        "gauge",
+        "attnchecker_run_last_seen_timestamp_seconds",
+        "Unix time the run was last heard from.",
+        lambda r: r.last_seen_at.timestamp(),
+    ),
+    ("gauge", "attnchecker_run_last_step", "Highest step reported.", lambda r: r.last_step),
+    (
+        "gauge",
+        "attnchecker_policy_applied_version",
+        "Policy version the agent reports applied.",
+        lambda r: r.applied_policy_version,
+    ),
+    ("counter", "attnchecker_agent_events_sent_total", "Events the agent sent.", lambda r: r.events_sent_total),
+    (
+        "counter",
+        "attnchecker_agent_events_spooled_total",
+        "Events the agent spooled to disk.",
+        lambda r: r.events_spooled_total,
+    ),
+    (
+        "counter",
+        "attnchecker_agent_events_dropped_total",
+        "Events the agent dropped.",
+        lambda r: r.events_dropped_total,
+    ),
+]
+
+
+def _run_families(runs: list[Run]) -> list[Metric]:
+    families: list[Metric] = []
+    for kind, name, doc, value_of in _PER_RUN:
+        family: Metric = (
+            _counter(name, doc, ["run"]) if kind == "counter" else GaugeMetricFamily(name, doc, labels=["run"])
+        )
+        for run in runs:
+            value = value_of(run)
+            if value is not None:
+                family.add_metric([run.name], float(value))  # type: ignore[attr-defined]
+        families.append(family)
+    return families
+
+
+def _policy_families(runs: list[Run], policies: dict[str, Policy]) -> list[Metric]:
+    requested = GaugeMetricFamily(
+        "attnchecker_policy_requested_version", "Current policy version on the collector.", labels=["run"]
+    )
+    budget = GaugeMetricFamily(
+        "attnchecker_overhead_budget_ratio", "Policy's allowed check-time / step-time ratio.", labels=["run"]
+    )
+    for run in runs:
+        policy = policies.get(run.id)
+        if policy is not None:
+            requested.add_metric([run.name], policy.version)
+            budget.add_metric([run.name], float(policy.body.get("overhead_budget", 0.0)))
+    return [requested, budget]
+
+
+def _residual_family(runs: list[Run], rows: list[RunResidualBucket]) -> Metric:
+    """The agents' non-cumulative buckets (the union of their le values), made cumulative per run."""
+    residual = HistogramMetricFamily(
+        "attnchecker_checksum_residual_ratio", "Worst |d1| / bound of each clean check.", labels=["run"]
+    )
+    buckets: dict[str, list[tuple[float, int]]] = {}
+    for bucket in rows:
+        buckets.setdefault(bucket.run_id, []).append((float(bucket.le), bucket.count))
+    for run in runs:
+        if run.id not in buckets:
+            continue
+        cumulative, ordered = 0, sorted(buckets[run.id])
+        series = []
+        for le, count in ordered:
+            cumulative += count
+            series.append((floatToGoString(le), cumulative))  # type: ignore[no-untyped-call]
+        if not math.isinf(ordered[-1][0]):
+            series.append(("+Inf", cumulative))
+        residual.add_metric([run.name], series, sum_value=run.residual_sum)
+    return residual
 
 
 def _coverage(runs: list[Run]) -> GaugeMetricFamily:

@@ -83,6 +83,9 @@ class Run(Base):
     host: Mapped[str | None] = mapped_column(String(200))
     agent_version: Mapped[str | None] = mapped_column(String(50))
     config: Mapped[dict[str, Any]] = mapped_column(JsonType, default=dict)
+    owner_token_id: Mapped[int | None] = mapped_column(Integer)
+    """The agent token that created the run: only it (and tokens bound to the run's name) may write to it.
+    NULL for runs created before ownership existed; the next agent token that registers the run claims it."""
     status: Mapped[str] = mapped_column(String(16), default="running")
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     last_seen_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
@@ -105,8 +108,9 @@ class Run(Base):
 class FaultEvent(Base):
     __tablename__ = "fault_event"
 
+    # Ids are unique per run (composite key): the same id in another run is another event.
+    run_id: Mapped[str] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"))
     batch_id: Mapped[str] = mapped_column(String(36))
     ts: Mapped[datetime] = mapped_column(UtcDateTime)
     step: Mapped[int] = mapped_column(Integer)
@@ -133,8 +137,8 @@ class FaultEvent(Base):
 class EventBatch(Base):
     __tablename__ = "event_batch"
 
+    run_id: Mapped[str] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    run_id: Mapped[str] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
     received_at: Mapped[datetime] = mapped_column(UtcDateTime)
     accepted: Mapped[int] = mapped_column(Integer)
     duplicates: Mapped[int] = mapped_column(Integer)
@@ -143,9 +147,9 @@ class EventBatch(Base):
 class StatsInterval(Base):
     __tablename__ = "stats_interval"
 
+    run_id: Mapped[str] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    """The agent's interval_id."""
-    run_id: Mapped[str] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
+    """The agent's interval_id (unique per run)."""
     rank: Mapped[int] = mapped_column(Integer)
     step_start: Mapped[int] = mapped_column(Integer)
     step_end: Mapped[int] = mapped_column(Integer)
@@ -239,3 +243,8 @@ class ApiToken(Base):
     secret_sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UtcDateTime)
     revoked_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    """After this the token is refused (401); NULL: never expires."""
+    run_name: Mapped[str | None] = mapped_column(String(200))
+    """An agent token bound to this run name may register (create or resume) and write to it, whoever created it:
+    the ranks of one job share one run this way."""

@@ -3,7 +3,10 @@
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from typing_extensions import TypeAliasType
+
+from .bounds import TS_PATTERN, bounded_json, in_range_utc, valid_text
 
 __all__ = [
     "OPS",
@@ -36,8 +39,15 @@ Tolerance = Literal["roundoff", "extreme"]
 OnUncorrectable = Literal["log", "skip_step", "raise"]
 RunStatus = Literal["running", "finished"]
 
-NonNegInt = Annotated[int, Field(ge=0, le=2**62)]
-PositiveInt = Annotated[int, Field(ge=1, le=2**31 - 1)]
+# A counter delta: at most 2^53 - 1, so that every client (and JSON Schema validators that compare in doubles) reads
+# the bound exactly; the run totals these add up to are 64-bit and guarded against overflow at ingest.
+NonNegInt = Annotated[int, Field(ge=0, le=2**53 - 1)]
+def _integral(value: Any) -> Any:
+    # JSON Schema's "integer" includes 4.0; strict models still refuse "4" and true.
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+PositiveInt = Annotated[int, Field(ge=1, le=2**31 - 1), BeforeValidator(_integral)]
 # Stored in 32-bit integer columns; larger values are a client bug, answered with a 422 rather than a DB error.
 SmallNonNegInt = Annotated[int, Field(ge=0, le=2**31 - 1)]
 NonNegFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -51,17 +61,42 @@ class _In(BaseModel):
 # --- runs -------------------------------------------------------------------------------------------------------
 
 
+# Text the database can store and give back: no NUL (PostgreSQL refuses it). Lone surrogates are refused by
+# bounds.valid_text; a schema pattern cannot say that. The config's type is spelled out recursively so that the
+# OpenAPI document says what is accepted.
+NoNulText = Annotated[str, Field(pattern=r"^[^\x00]*$")]
+# Keys are only those matching the pattern (patternProperties alone would allow any other key).
+_KEYS_BY_PATTERN = Field(json_schema_extra={"additionalProperties": False})
+ConfigValue = TypeAliasType(
+    "ConfigValue",
+    "bool | int | float | NoNulText | list[ConfigValue] | "  # type: ignore[misc]
+    "Annotated[dict[NoNulText, ConfigValue], _KEYS_BY_PATTERN] | None",
+)
+
+
 class RunRegisterIn(_In):
     # The name is a Prometheus label value and a path in dashboards: printable text only.
     name: str = Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
-    model: str | None = Field(default=None, max_length=200)
+    model: str | None = Field(default=None, max_length=200, pattern=r"^[^\x00]*$")
     world_size: PositiveInt = 1
     rank: SmallNonNegInt = 0
-    host: str | None = Field(default=None, max_length=200)
-    agent_version: str | None = Field(default=None, max_length=50)
-    config: dict[str, Any] = Field(default_factory=dict)
+    host: str | None = Field(default=None, max_length=200, pattern=r"^[^\x00]*$")
+    agent_version: str | None = Field(default=None, max_length=50, pattern=r"^[^\x00]*$")
+    config: dict[NoNulText, ConfigValue] = Field(
+        default_factory=dict, json_schema_extra={"additionalProperties": False}
+    )
     # The new run's starting policy (version 1) instead of a copy of the default; ignored when the run is resumed.
     policy: "PolicyIn | None" = None
+
+    @field_validator("name", "model", "host", "agent_version")
+    @classmethod
+    def _text(cls, value: str | None) -> str | None:
+        return None if value is None else valid_text(value)
+
+    @field_validator("config")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return bounded_json(value)
 
 
 class RunFinishIn(_In):
@@ -131,10 +166,22 @@ class PolicyIn(_In):
 RunRegisterIn.model_rebuild()
 
 
+def _absent_not_null(schema: dict[str, Any]) -> None:
+    # The fields are optional (leave one out to keep it), but null is not a value: say so in the OpenAPI document.
+    for prop in schema.get("properties", {}).values():
+        options = [o for o in prop.pop("anyOf", []) if o != {"type": "null"}]
+        if len(options) == 1:
+            prop.update(options[0])
+        elif options:
+            prop["anyOf"] = options
+        if prop.get("default", 0) is None:
+            del prop["default"]
+
+
 class PolicyUpdate(_In):
     """A sparse policy (PATCH): the fields given replace the current ones, then the whole is validated again."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_absent_not_null)
 
     mode: Mode | None = None
     period: PositiveInt | None = None
@@ -199,7 +246,7 @@ class Location(_In):
 
 class FaultEventIn(_In):
     id: Uuid
-    ts: datetime
+    ts: datetime = Field(json_schema_extra={"pattern": TS_PATTERN})
     step: SmallNonNegInt
     rank: SmallNonNegInt
     layer: SmallNonNegInt
@@ -208,7 +255,7 @@ class FaultEventIn(_In):
     kind: Kind
     action: Action
     location: Location
-    value: str = Field(min_length=1, max_length=64)
+    value: str = Field(min_length=1, max_length=64, pattern=r"^[^\x00]+$")
     residual: NonNegFloat | None = None
     bound: NonNegFloat
     policy_version: SmallNonNegInt | None = None
@@ -216,9 +263,12 @@ class FaultEventIn(_In):
     @field_validator("ts")
     @classmethod
     def _zoned(cls, value: datetime) -> datetime:
-        if value.tzinfo is None:
-            raise ValueError("ts needs a zone (RFC 3339, e.g. 2026-11-29T15:32:40.123Z)")
-        return value
+        return in_range_utc(value)
+
+    @field_validator("value")
+    @classmethod
+    def _text(cls, value: str) -> str:
+        return valid_text(value)
 
 
 class EventBatchIn(_In):
@@ -315,7 +365,7 @@ class StatsIn(_In):
     rank: SmallNonNegInt = 0
     step_start: SmallNonNegInt
     step_end: SmallNonNegInt
-    steps: NonNegInt
+    steps: SmallNonNegInt  # also stored per interval, in a 32-bit column
     applied_policy_version: SmallNonNegInt | None = None
     step_seconds: NonNegFloat = 0.0
     check_seconds: NonNegFloat = 0.0

@@ -1,4 +1,4 @@
-"""The transport against the real collector (uvicorn subprocess on SQLite, from attnchecker_server.testing):
+"""The transport against the real collector (uvicorn subprocess on SQLite, from tests/collector_testing.py):
 every event exactly once across a collector kill and restart, sync of an offline spool, policy changes over REST,
 and a bad event that costs only itself."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from attnchecker.cli.sync import sync_main
 from attnchecker.transport import Transport
 
-testing = pytest.importorskip("attnchecker_server.testing")
+testing = pytest.importorskip("collector_testing")
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 

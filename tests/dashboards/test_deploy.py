@@ -196,7 +196,7 @@ def test_demo_trainer_installs_cpu_torch_before_the_agent() -> None:
 def test_bootstrap_migrates_and_creates_the_stack_tokens_once(tmp_path: Path) -> None:
     """deploy/bootstrap.sh (the compose `migrate` one-shot) run for real, on SQLite instead of PostgreSQL."""
     auth = pytest.importorskip("attnchecker_server.auth")
-    testing = pytest.importorskip("attnchecker_server.testing")
+    testing = pytest.importorskip("collector_testing")
     from attnchecker_server.db import make_engine, make_session_factory
 
     settings = testing.make_settings("sqlite", tmp_path)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from attnchecker_server import testing
+    import collector_testing as testing
 except ImportError:  # only the agent is installed: running_collector() skips
     testing = None
 

@@ -27,7 +27,7 @@ import httpx
 import pytest
 import yaml
 
-testing = pytest.importorskip("attnchecker_server.testing")
+testing = pytest.importorskip("collector_testing")
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import pytest
 from attnchecker_server.config import Settings
 from attnchecker_server.db import make_engine
 from attnchecker_server.models import Base
-from attnchecker_server.testing import (
+from collector_testing import (
     create_postgres_database,
     drop_postgres_database,
     make_settings,

@@ -9,7 +9,7 @@ from attnchecker_server.config import Settings
 from attnchecker_server.db import make_engine
 from attnchecker_server.main import create_app
 from attnchecker_server.models import Base
-from attnchecker_server.testing import make_token
+from collector_testing import make_token
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 

@@ -110,3 +110,33 @@ def test_open_reads_opens_gets_and_metrics_but_not_writes(make_test_settings: An
         assert api.client.get("/api/v1/runs", headers=api.headers("agent")).status_code == 200
         assert api.client.patch(f"/api/v1/runs/{run_id}/policy", json={"period": 2}).status_code == 401
         assert api.client.post("/api/v1/runs", json={"name": "x"}).status_code == 401
+
+
+def test_authentication_and_the_handler_share_one_database_session(api: Api) -> None:
+    """One pool checkout per authenticated request: the token lookup uses the route's session, not a second one."""
+    from sqlalchemy import event
+
+    run_id = api.register("one-session")["id"]
+    engine = api.client.app.state.engine  # type: ignore[attr-defined]
+    checkouts: list[int] = []
+
+    def count(*_args: Any) -> None:
+        checkouts.append(1)
+
+    event.listen(engine, "checkout", count)
+    try:
+        for method, path, body, role in [
+            ("GET", f"/api/v1/runs/{run_id}", None, "viewer"),
+            ("POST", f"/api/v1/runs/{run_id}/events:batch", make_batch(), "agent"),
+            ("POST", f"/api/v1/runs/{run_id}/stats", make_stats(), "agent"),
+            ("PATCH", f"/api/v1/runs/{run_id}/policy", {"period": 2}, "operator"),
+        ]:
+            checkouts.clear()
+            response = api.client.request(method, path, json=body, headers=api.headers(role))
+            assert response.status_code == 200, response.text
+            assert len(checkouts) == 1, f"{method} {path}: {len(checkouts)} pool checkouts"
+        checkouts.clear()
+        assert api.client.get("/api/v1/runs", headers={"Authorization": "Bearer atk_x_y"}).status_code == 401
+        assert len(checkouts) == 1
+    finally:
+        event.remove(engine, "checkout", count)

@@ -14,7 +14,7 @@ from attnchecker_server.cli import main
 from attnchecker_server.db import make_engine, make_session_factory
 from attnchecker_server.main import create_app
 from attnchecker_server.models import ApiToken
-from attnchecker_server.testing import free_port, make_settings, make_token, run_collector
+from collector_testing import free_port, make_settings, make_token, run_collector
 from fastapi.testclient import TestClient
 from server_helpers import make_batch
 from sqlalchemy import select
@@ -120,3 +120,50 @@ def test_serve_comes_up_on_sqlite_with_no_configuration(tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.wait(10)
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+@pytest.mark.postgres
+def test_serve_workers_runs_several_processes_that_share_postgres(make_test_settings: Any, backend: str) -> None:
+    if backend != "postgres":
+        pytest.skip("--workers is for PostgreSQL; the SQLite refusal has its own test")
+    settings = make_test_settings()
+    headers = {"Authorization": f"Bearer {make_token(settings, 'agent', 'agent-0')}"}
+    viewer = {"Authorization": f"Bearer {make_token(settings, 'viewer', 'grafana')}"}
+    with run_collector(settings, workers=2) as collector:
+        deadline = time.monotonic() + 30
+        while len(_children(collector.process.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(_children(collector.process.pid)) >= 2, collector.log()  # uvicorn's supervisor and 2 workers
+        run_id = httpx.post(f"{collector.url}/api/v1/runs", json={"name": "workers"}, headers=headers).json()["id"]
+        batches = [make_batch(n=10) for _ in range(6)]
+        results: list[dict[str, int]] = []
+
+        def post(batch: dict[str, Any]) -> None:
+            # Every batch twice, concurrently: whichever workers answer, each event is stored once.
+            for _ in range(2):
+                url = f"{collector.url}/api/v1/runs/{run_id}/events:batch"
+                results.append(httpx.post(url, json=batch, headers=headers, timeout=30).json())
+
+        threads = [threading.Thread(target=post, args=(batch,)) for batch in batches]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert sum(r["accepted"] for r in results) == 60
+        assert sum(r["duplicates"] for r in results) == 60
+        events = httpx.get(f"{collector.url}/api/v1/runs/{run_id}/events?limit=1000", headers=viewer).json()["data"]
+        assert len(events) == 60
+        for _ in range(4):  # any worker answers the run metrics from the database
+            assert 'run="workers"' in httpx.get(f"{collector.url}/metrics", headers=viewer).text
+    assert collector.process.returncode is not None
+
+
+def test_serve_workers_refuses_sqlite(env_settings: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--workers", "2", "--port", str(free_port())]) == 2
+    assert "needs PostgreSQL" in capsys.readouterr().err
+    assert main(["serve", "--workers", "0", "--port", str(free_port())]) == 2

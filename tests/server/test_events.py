@@ -212,7 +212,8 @@ def test_events_query_cursor_pages_in_step_ts_id_order(api: Api) -> None:
     assert seen == sorted(seen)
     bad = api.client.get(f"/api/v1/runs/{run_id}/events?cursor=garbage", headers=api.headers("viewer"))
     assert bad.status_code == 422
-    assert "cursor" in bad.json()["detail"]
+    assert "cursor" in bad.json()["message"]
+    assert bad.json()["detail"][0]["loc"] == ["query", "cursor"]  # a 422 body has the one documented shape
 
 
 def test_events_survive_a_new_app_on_the_same_database(api: Api) -> None:
@@ -221,3 +222,15 @@ def test_events_survive_a_new_app_on_the_same_database(api: Api) -> None:
     with TestClient(create_app(api.settings)) as client:
         response = client.get(f"/api/v1/runs/{run_id}/events", headers=api.headers("viewer"))
     assert len(response.json()["data"]) == 2
+
+
+def test_event_and_batch_ids_are_unique_per_run_not_global(api: Api) -> None:
+    """The same batch (same batch id, same event ids) posted into two runs is stored in both; a repeat in one is not."""
+    first, second = api.register("run-a")["id"], api.register("run-b")["id"]
+    batch = make_batch(n=3)
+    assert _post(api, first, batch).json() == {"batch_id": batch["batch_id"], "accepted": 3, "duplicates": 0}
+    assert _post(api, second, batch).json() == {"batch_id": batch["batch_id"], "accepted": 3, "duplicates": 0}
+    again = make_batch(batch["events"])  # a new batch id, old event ids: duplicates within the run
+    assert _post(api, second, again).json()["duplicates"] == 3
+    expected = sorted(e["id"] for e in batch["events"])
+    assert sorted(_stored_ids(api, first)) == sorted(_stored_ids(api, second)) == expected

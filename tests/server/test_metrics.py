@@ -217,3 +217,44 @@ def test_coverage_gauge_from_the_registered_coverage_map(api: Api) -> None:
     assert _value(samples, "attnchecker_coverage_ops", run="lora-run", state="protected") == 8
     assert _value(samples, "attnchecker_coverage_ops", run="lora-run", state="unprotected") == 4
     assert not [key for key in samples if key[0] == "attnchecker_coverage_ops" and ("run", "lora-run") not in key[1]]
+
+
+def _set_last_seen(api: Api, ages: dict[str, timedelta]) -> None:
+    engine = make_engine(api.settings, pooled=False)
+    with session_scope(make_session_factory(engine)) as session:
+        for run_id, age in ages.items():
+            session.execute(update(Run).where(Run.id == run_id).values(last_seen_at=utcnow() - age))
+    engine.dispose()
+
+
+def test_metrics_cap_never_drops_a_live_run_and_counts_what_it_left_out(make_test_settings: Any) -> None:
+    for api in make_api(make_test_settings(metrics_max_runs=3, metrics_cache_seconds=0)):
+        # A live run whose agent went quiet an hour ago, then many newer runs: it used to be the first to go.
+        quiet = api.register("quiet")["id"]
+        finished = {name: api.register(name)["id"] for name in ("f1", "f2", "f3", "f4")}
+        for run_id in finished.values():
+            api.client.post(f"/api/v1/runs/{run_id}/finish", json={}, headers=api.headers("agent"))
+        api.register("busy")
+        ages = {run_id: timedelta(minutes=i) for i, run_id in enumerate(finished.values())}
+        _set_last_seen(api, {quiet: timedelta(hours=1), **ages})
+        samples = _scrape(api.client, api)
+        state = {name: _value(samples, "attnchecker_run_live", run=name) for name in ("quiet", "busy", *finished)}
+        live = {name for name, value in state.items() if value == 1}
+        exported = {name for name, value in state.items() if value is not None}
+        assert live == {"quiet", "busy"}
+        assert exported == {"quiet", "busy", "f1"}  # the cap of 3 leaves room for the most recent finished run
+        assert _value(samples, "attnchecker_metrics_runs_omitted") == 3
+        # More live runs than the cap: all of them, no finished ones, all four finished counted as left out.
+        for name in ("l1", "l2", "l3"):
+            api.register(name)
+        samples = _scrape(api.client, api)
+        for name in ("quiet", "busy", "l1", "l2", "l3"):
+            assert _value(samples, "attnchecker_run_live", run=name) == 1, name
+        assert all(_value(samples, "attnchecker_run_live", run=name) is None for name in finished)
+        assert _value(samples, "attnchecker_metrics_runs_omitted") == 4
+
+
+
+def test_metrics_omitted_is_zero_under_the_cap(api: Api) -> None:
+    api.register("only")
+    assert _value(_scrape(api.client, api), "attnchecker_metrics_runs_omitted") == 0

@@ -7,8 +7,9 @@ from alembic import command
 from attnchecker_server.db import make_engine
 from attnchecker_server.migrate import alembic_config
 from attnchecker_server.models import Base
-from attnchecker_server.testing import postgres_available, postgres_database
-from sqlalchemy import inspect
+from collector_testing import postgres_available, postgres_database
+from sqlalchemy import inspect, text
+from sqlalchemy.exc import IntegrityError
 
 
 def _tables(url: str) -> set[str]:
@@ -41,3 +42,103 @@ def test_migrations_round_trip_on_postgres() -> None:
         pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432 (set ATTNCHECKER_TEST_DATABASE_URL)")
     with postgres_database(prefix="attnchecker_migrations") as url:
         _round_trip(url)
+
+
+def _insert_0001_rows(url: str) -> None:
+    """A run with one event, batch and interval, written at revision 0001 (global ids)."""
+    engine = make_engine(url, pooled=False)
+    now = "2026-11-29 15:00:00+00:00"
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO run (id, name, world_size, config, status, created_at, last_seen_at, steps_total, "
+                "step_seconds_total, check_seconds_total, events_sent_total, events_spooled_total, "
+                "events_dropped_total, residual_sum, residual_count) VALUES (:id, :name, 1, '{}', 'running', :now, "
+                ":now, 0, 0, 0, 0, 0, 0, 0, 0)"
+            ),
+            [{"id": "run-a", "name": "a", "now": now}, {"id": "run-b", "name": "b", "now": now}],
+        )
+        conn.execute(
+            text("INSERT INTO event_batch (id, run_id, received_at, accepted, duplicates) VALUES ('b1', 'run-a', :now, 1, 0)"),
+            {"now": now},
+        )
+        conn.execute(
+            text(
+                "INSERT INTO fault_event (id, run_id, batch_id, ts, step, rank, layer, op, pattern, kind, action, "
+                "value, bound, received_at) VALUES ('e1', 'run-a', 'b1', :now, 1, 0, 0, 'q', '0d', 'inf', "
+                "'corrected', 'inf', 0.0, :now)"
+            ),
+            {"now": now},
+        )
+        conn.execute(
+            text(
+                "INSERT INTO stats_interval (id, run_id, rank, step_start, step_end, steps, step_seconds, "
+                "check_seconds, payload, received_at) VALUES ('i1', 'run-a', 0, 0, 1, 1, 0, 0, '{}', :now)"
+            ),
+            {"now": now},
+        )
+    engine.dispose()
+
+
+def _copy_into_run_b(url: str) -> None:
+    engine = make_engine(url, pooled=False)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO event_batch (id, run_id, received_at, accepted, duplicates) "
+                "SELECT id, 'run-b', received_at, accepted, duplicates FROM event_batch WHERE run_id = 'run-a'"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO fault_event (id, run_id, batch_id, ts, step, rank, layer, op, pattern, kind, action, "
+                "value, bound, received_at) SELECT id, 'run-b', batch_id, ts, step, rank, layer, op, pattern, kind, "
+                "action, value, bound, received_at FROM fault_event WHERE run_id = 'run-a'"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO stats_interval (id, run_id, rank, step_start, step_end, steps, step_seconds, "
+                "check_seconds, payload, received_at) SELECT id, 'run-b', rank, step_start, step_end, steps, "
+                "step_seconds, check_seconds, payload, received_at FROM stats_interval WHERE run_id = 'run-a'"
+            )
+        )
+    engine.dispose()
+
+
+def _count(url: str, table: str) -> int:
+    engine = make_engine(url, pooled=False)
+    with engine.connect() as conn:
+        n = int(conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one())
+    engine.dispose()
+    return n
+
+
+def _per_run_ids(url: str) -> None:
+    """0001 -> head keeps existing rows, makes ids unique per run (not global), and downgrade refuses to merge them."""
+    config = alembic_config(url)
+    command.upgrade(config, "0001")
+    _insert_0001_rows(url)
+    with pytest.raises(IntegrityError):  # at 0001 an id is global
+        _copy_into_run_b(url)
+    command.upgrade(config, "head")
+    assert {t: _count(url, t) for t in ("fault_event", "event_batch", "stats_interval")} == dict.fromkeys(
+        ("fault_event", "event_batch", "stats_interval"), 1
+    )
+    _copy_into_run_b(url)  # the same ids in another run are other rows now
+    assert _count(url, "fault_event") == 2
+    with pytest.raises(RuntimeError, match="more than one run"):
+        command.downgrade(config, "0001")
+    assert _count(url, "fault_event") == 2
+
+
+def test_migration_to_per_run_ids_on_sqlite(tmp_path: Path) -> None:
+    _per_run_ids(f"sqlite:///{tmp_path / 'per-run.db'}")
+
+
+@pytest.mark.postgres
+def test_migration_to_per_run_ids_on_postgres() -> None:
+    if not postgres_available():
+        pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432 (set ATTNCHECKER_TEST_DATABASE_URL)")
+    with postgres_database(prefix="attnchecker_migrations") as url:
+        _per_run_ids(url)

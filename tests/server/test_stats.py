@@ -41,3 +41,16 @@ def test_stats_invalid_is_422_and_stores_nothing(api: Api) -> None:
     backwards = make_stats(step_start=10, step_end=5)
     assert _post(api, run_id, backwards).status_code == 422
     assert table_counts(api.settings) == before
+
+
+def test_stats_interval_ids_are_unique_per_run_not_global(api: Api) -> None:
+    first, second = api.register("run-a")["id"], api.register("run-b")["id"]
+    stats = make_stats()
+    for run_id in (first, second):
+        response = api.client.post(f"/api/v1/runs/{run_id}/stats", json=stats, headers=api.headers("agent"))
+        assert response.json() == {"interval_id": stats["interval_id"], "duplicate": False}
+    replay = api.client.post(f"/api/v1/runs/{second}/stats", json=stats, headers=api.headers("agent"))
+    assert replay.json()["duplicate"] is True
+    for run_id in (first, second):
+        totals = api.client.get(f"/api/v1/runs/{run_id}", headers=api.headers("viewer")).json()["totals"]
+        assert totals["checks"] == 30

@@ -58,7 +58,9 @@ BearerDep = Annotated[
 def require(*roles: Role, read: bool = False) -> Callable[..., Principal]:
     """A dependency admitting the given roles; read=True routes are open to everyone under open_reads."""
 
-    def dependency(state: StateDep, credentials: BearerDep) -> Principal:
+    # The route's own SessionDep: FastAPI caches a dependency per request, so the token lookup and the handler share
+    # one session (one pool checkout, one pre-ping) instead of opening a second one for authentication.
+    def dependency(state: StateDep, credentials: BearerDep, session: SessionDep) -> Principal:
         token = credentials.credentials.strip() if credentials is not None else ""
         if read and state.settings.open_reads and not token:
             return Principal(name="anonymous", role=None)
@@ -69,11 +71,10 @@ def require(*roles: Role, read: bool = False) -> Callable[..., Principal]:
                 "`attnchecker-server token create --role R --name N`)",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        with state.session_factory() as session:
-            principal = authenticate(session, token)
+        principal = authenticate(session, token)
         if principal is None:
             raise HTTPException(
-                401, "unknown or revoked token", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}
+                401, "unknown, revoked or expired token", headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}
             )
         # Under open_reads anyone may read, so any valid token may too.
         if principal.role not in roles and not (read and state.settings.open_reads):

@@ -8,13 +8,14 @@ from ..auth import Principal
 from ..schemas import Action, FaultEventsPublic, Kind, Op
 from ..services.events import EventFilters, query_events
 from .deps import READ, SessionDep
+from .responses import errors
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/api/v1/runs", tags=["events"])
 
 
-@router.get("/{run_id}/events", response_model=FaultEventsPublic)
+@router.get("/{run_id}/events", response_model=FaultEventsPublic, responses=errors(403, 404))
 def list_events(
     run_id: str,
     session: SessionDep,

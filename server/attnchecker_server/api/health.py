@@ -9,6 +9,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 
 from ..auth import Principal
+from ..errors import RETRY_AFTER_SECONDS
 from ..migrate import current_revisions, head_revisions
 from .deps import READ, StateDep
 
@@ -29,7 +30,11 @@ def readyz(state: StateDep) -> JSONResponse:
             session.execute(text("SELECT 1"))
             current = current_revisions(session.connection())
     except SQLAlchemyError as exc:
-        return JSONResponse({"status": "unavailable", "detail": f"database unreachable: {exc.__class__.__name__}"}, 503)
+        return JSONResponse(
+            {"status": "unavailable", "detail": f"database unreachable: {exc.__class__.__name__}"},
+            503,
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
     heads = head_revisions()
     if current != heads:
         return JSONResponse(
@@ -39,6 +44,7 @@ def readyz(state: StateDep) -> JSONResponse:
                 "run `attnchecker-server migrate`",
             },
             503,
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         )
     return JSONResponse({"status": "ready", "revision": sorted(heads)})
 

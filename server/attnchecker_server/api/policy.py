@@ -10,13 +10,17 @@ from ..errors import PreconditionFailed
 from ..schemas import PolicyHistoryPublic, PolicyIn, PolicyPublic, PolicyUpdate
 from ..services import policy as service
 from .deps import OPERATOR, POLICY_READ, READ, SessionDep
+from .responses import errors
 
 __all__ = ["router"]
 
 router = APIRouter(tags=["policy"])
 
 _NOT_MODIFIED: dict[int | str, dict[str, Any]] = {304: {"description": "If-None-Match equals the current version"}}
-_STALE: dict[int | str, dict[str, Any]] = {412: {"description": "If-Match names a version that is no longer current"}}
+_RUN_READ = {**_NOT_MODIFIED, **errors(403, 404)}
+_RUN_WRITE = errors(403, 404, 412, 413)
+_DEFAULT_READ = {**_NOT_MODIFIED, **errors(403)}
+_DEFAULT_WRITE = errors(403, 412, 413)
 
 
 def _versions(header: str) -> list[str]:
@@ -65,68 +69,76 @@ def _change(
 
 
 IfNoneMatch = Annotated[str | None, Header()]
-IfMatch = Annotated[str | None, Header()]
+# One ETag as GET sends it ("4"; W/"4" and 4 are read the same) or *.
+# Typed str (not str | None, whose OpenAPI form lets clients send the text "null"); absent means None.
+IfMatch = Annotated[str, Header(pattern=r'^(\*|(W/)?"?[0-9]{1,10}"?)$')]
 
 
-@router.get("/api/v1/runs/{run_id}/policy", response_model=PolicyPublic, responses=_NOT_MODIFIED)
+@router.get("/api/v1/runs/{run_id}/policy", response_model=PolicyPublic, responses=_RUN_READ)
 def get_run_policy(
     run_id: str, session: SessionDep, _: Annotated[Principal, POLICY_READ], if_none_match: IfNoneMatch = None
 ) -> Response:
     return _get(session, run_id, if_none_match)
 
 
-@router.put("/api/v1/runs/{run_id}/policy", response_model=PolicyPublic, responses=_STALE)
+@router.put("/api/v1/runs/{run_id}/policy", response_model=PolicyPublic, responses=_RUN_WRITE)
 def put_run_policy(
     run_id: str,
     policy: PolicyIn,
     session: SessionDep,
     principal: Annotated[Principal, OPERATOR],
-    if_match: IfMatch = None,
+    if_match: IfMatch = None,  # type: ignore[assignment]
 ) -> Response:
     return _change(
         session, run_id, policy.model_dump(mode="json"), replace=True, actor=principal.name, if_match=if_match
     )
 
 
-@router.patch("/api/v1/runs/{run_id}/policy", response_model=PolicyPublic, responses=_STALE)
+@router.patch("/api/v1/runs/{run_id}/policy", response_model=PolicyPublic, responses=_RUN_WRITE)
 def patch_run_policy(
     run_id: str,
     patch: PolicyUpdate,
     session: SessionDep,
     principal: Annotated[Principal, OPERATOR],
-    if_match: IfMatch = None,
+    if_match: IfMatch = None,  # type: ignore[assignment]
 ) -> Response:
     changes = patch.model_dump(mode="json", exclude_unset=True)
     return _change(session, run_id, changes, replace=False, actor=principal.name, if_match=if_match)
 
 
-@router.get("/api/v1/runs/{run_id}/policy/history", response_model=PolicyHistoryPublic)
+@router.get("/api/v1/runs/{run_id}/policy/history", response_model=PolicyHistoryPublic, responses=errors(403, 404))
 def get_run_policy_history(run_id: str, session: SessionDep, _: Annotated[Principal, READ]) -> PolicyHistoryPublic:
     return PolicyHistoryPublic(data=service.policy_history(session, scope=service.policy_scope(session, run_id)))
 
 
-@router.get("/api/v1/policy/default", response_model=PolicyPublic, responses=_NOT_MODIFIED)
+@router.get("/api/v1/policy/default", response_model=PolicyPublic, responses=_DEFAULT_READ)
 def get_default_policy(
     session: SessionDep, _: Annotated[Principal, POLICY_READ], if_none_match: IfNoneMatch = None
 ) -> Response:
     return _get(session, None, if_none_match)
 
 
-@router.put("/api/v1/policy/default", response_model=PolicyPublic, responses=_STALE)
+@router.put("/api/v1/policy/default", response_model=PolicyPublic, responses=_DEFAULT_WRITE)
 def put_default_policy(
-    policy: PolicyIn, session: SessionDep, principal: Annotated[Principal, OPERATOR], if_match: IfMatch = None
+    policy: PolicyIn,
+    session: SessionDep,
+    principal: Annotated[Principal, OPERATOR],
+    if_match: IfMatch = None,  # type: ignore[assignment]
 ) -> Response:
     return _change(session, None, policy.model_dump(mode="json"), replace=True, actor=principal.name, if_match=if_match)
 
 
-@router.patch("/api/v1/policy/default", response_model=PolicyPublic, responses=_STALE)
+@router.patch("/api/v1/policy/default", response_model=PolicyPublic, responses=_DEFAULT_WRITE)
 def patch_default_policy(
-    patch: PolicyUpdate, session: SessionDep, principal: Annotated[Principal, OPERATOR], if_match: IfMatch = None
+    patch: PolicyUpdate,
+    session: SessionDep,
+    principal: Annotated[Principal, OPERATOR],
+    if_match: IfMatch = None,  # type: ignore[assignment]
 ) -> Response:
     changes = patch.model_dump(mode="json", exclude_unset=True)
     return _change(session, None, changes, replace=False, actor=principal.name, if_match=if_match)
 
 
-@router.get("/api/v1/policy/default/history", response_model=PolicyHistoryPublic)
+@router.get("/api/v1/policy/default/history", response_model=PolicyHistoryPublic, responses=errors(403))
 def get_default_policy_history(session: SessionDep, _: Annotated[Principal, READ]) -> PolicyHistoryPublic:
     return PolicyHistoryPublic(data=service.policy_history(session, scope=service.DEFAULT_SCOPE))

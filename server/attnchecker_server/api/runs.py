@@ -20,34 +20,37 @@ from ..schemas import (
 from ..services import ingest, runs
 from ..services.policy import to_public
 from .deps import AGENT_WRITE, READ, SessionDep, StateDep
+from .responses import errors
 
 __all__ = ["router"]
 
 router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
 
-@router.post("", response_model=RunRegistered, status_code=201, responses={200: {"model": RunRegistered}})
+@router.post(
+    "", response_model=RunRegistered, status_code=201, responses={200: {"model": RunRegistered}, **errors(403, 413)}
+)
 def register_run(
     run_in: RunRegisterIn, response: Response, session: SessionDep, principal: Annotated[Principal, AGENT_WRITE]
 ) -> RunRegistered:
-    run, policy, created = runs.register_run(session, run_in=run_in, actor=principal.name)
+    run, policy, created = runs.register_run(session, run_in=run_in, principal=principal)
     result = RunRegistered(id=run.id, name=run.name, created=created, status="running", policy=to_public(policy))
     session.commit()
     response.status_code = 201 if created else 200
     return result
 
 
-@router.post("/{run_id}/finish", response_model=RunPublic)
+@router.post("/{run_id}/finish", response_model=RunPublic, responses=errors(403, 404, 413))
 def finish_run(
-    run_id: str, finish_in: RunFinishIn, session: SessionDep, _: Annotated[Principal, AGENT_WRITE]
+    run_id: str, finish_in: RunFinishIn, session: SessionDep, principal: Annotated[Principal, AGENT_WRITE]
 ) -> RunPublic:
-    run = runs.finish_run(session, run_id=run_id, finish_in=finish_in)
+    run = runs.finish_run(session, run_id=run_id, finish_in=finish_in, principal=principal)
     result = runs.run_public(session, run)
     session.commit()
     return result
 
 
-@router.get("", response_model=RunsPublic)
+@router.get("", response_model=RunsPublic, responses=errors(403))
 def list_runs(
     session: SessionDep,
     _: Annotated[Principal, READ],
@@ -59,18 +62,18 @@ def list_runs(
     return RunsPublic(data=data, next_cursor=next_cursor)
 
 
-@router.get("/{run_id}", response_model=RunPublic)
+@router.get("/{run_id}", response_model=RunPublic, responses=errors(403, 404))
 def get_run(run_id: str, session: SessionDep, _: Annotated[Principal, READ]) -> RunPublic:
     return runs.get_run(session, run_id=run_id)
 
 
-@router.post("/{run_id}/events:batch", response_model=EventBatchResult)
+@router.post("/{run_id}/events:batch", response_model=EventBatchResult, responses=errors(403, 404, 413))
 def post_events(
     run_id: str,
     batch: EventBatchIn,
     session: SessionDep,
     state: StateDep,
-    _: Annotated[Principal, AGENT_WRITE],
+    principal: Annotated[Principal, AGENT_WRITE],
 ) -> EventBatchResult:
     limit = state.settings.max_events_per_batch
     if len(batch.events) > limit:
@@ -84,14 +87,16 @@ def post_events(
                 }
             ]
         )
-    result = ingest.ingest_events(session, run_id=run_id, batch=batch)
+    result = ingest.ingest_events(session, run_id=run_id, batch=batch, principal=principal)
     session.commit()
     state.ingest.events.inc(result.accepted)
     return result
 
 
-@router.post("/{run_id}/stats", response_model=StatsResult)
-def post_stats(run_id: str, stats: StatsIn, session: SessionDep, _: Annotated[Principal, AGENT_WRITE]) -> StatsResult:
-    result = ingest.ingest_stats(session, run_id=run_id, stats=stats)
+@router.post("/{run_id}/stats", response_model=StatsResult, responses=errors(403, 404, 413))
+def post_stats(
+    run_id: str, stats: StatsIn, session: SessionDep, principal: Annotated[Principal, AGENT_WRITE]
+) -> StatsResult:
+    result = ingest.ingest_stats(session, run_id=run_id, stats=stats, principal=principal)
     session.commit()
     return result

@@ -3,11 +3,15 @@
 import base64
 import binascii
 import json
+from datetime import datetime
 from typing import Any
 
+from ..bounds import in_range_utc
 from ..errors import InvalidRequest
 
-__all__ = ["decode_cursor", "encode_cursor"]
+__all__ = ["cursor_id", "cursor_int", "cursor_time", "decode_cursor", "encode_cursor"]
+
+_NOT_OURS = "cursor: not a cursor this server issued; pass next_cursor back unchanged"
 
 
 def encode_cursor(key: list[Any]) -> str:
@@ -20,5 +24,27 @@ def decode_cursor(cursor: str, *, length: int) -> list[Any]:
     except (binascii.Error, ValueError, UnicodeDecodeError):
         key = None
     if not isinstance(key, list) or len(key) != length:
-        raise InvalidRequest("cursor: not a cursor this server issued; pass next_cursor back unchanged")
+        raise InvalidRequest(_NOT_OURS, field="cursor")
     return key
+
+
+# A forged cursor must not reach the query: each part is checked against what the server itself could have issued.
+
+
+def cursor_time(value: Any) -> datetime:
+    try:
+        return in_range_utc(datetime.fromisoformat(value))
+    except (TypeError, ValueError):
+        raise InvalidRequest(_NOT_OURS, field="cursor") from None
+
+
+def cursor_int(value: Any, *, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= high:
+        raise InvalidRequest(_NOT_OURS, field="cursor")
+    return value
+
+
+def cursor_id(value: Any) -> str:
+    if not isinstance(value, str) or not 1 <= len(value) <= 36 or not value.isascii():
+        raise InvalidRequest(_NOT_OURS, field="cursor")
+    return value

@@ -1,14 +1,12 @@
 """The fault-event query: filters, (step, ts, id) order, opaque cursor."""
 
-from datetime import datetime
 
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
-from ..errors import InvalidRequest
 from ..models import FaultEvent
 from ..schemas import FaultEventPublic, Location
-from .cursor import decode_cursor, encode_cursor
+from .cursor import cursor_id, cursor_int, cursor_time, decode_cursor, encode_cursor
 from .runs import require_run
 
 __all__ = ["EventFilters", "query_events"]
@@ -64,12 +62,8 @@ def query_events(
     if filters.step_max is not None:
         stmt = stmt.where(FaultEvent.step <= filters.step_max)
     if cursor is not None:
-        step, ts_text, last_id = decode_cursor(cursor, length=3)
-        try:
-            ts = datetime.fromisoformat(ts_text)
-            step = int(step)
-        except (TypeError, ValueError):
-            raise InvalidRequest("cursor: not a cursor this server issued; pass next_cursor back unchanged") from None
+        step_key, ts_key, id_key = decode_cursor(cursor, length=3)
+        step, ts, last_id = cursor_int(step_key, high=2**31 - 1), cursor_time(ts_key), cursor_id(id_key)
         # Expanded row-value comparison: (step, ts, id) > (cursor) on every backend.
         stmt = stmt.where(
             or_(

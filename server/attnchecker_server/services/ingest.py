@@ -9,9 +9,12 @@ from datetime import datetime
 from typing import Any
 
 from pydantic import TypeAdapter
-from sqlalchemy import text, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
+from ..auth import Principal
+from ..bounds import BIGINT_MAX
+from ..errors import InvalidRequest
 from ..models import (
     EventBatch,
     FaultEvent,
@@ -23,7 +26,7 @@ from ..models import (
     utcnow,
 )
 from ..schemas import EventBatchIn, EventBatchResult, FaultEventIn, StatsIn, StatsResult
-from .runs import require_run
+from .runs import require_writable_run
 from .sql import greatest, upsert_insert
 from .tiers import add_tier_counts
 
@@ -70,13 +73,13 @@ _INSERT_EVENTS_POSTGRES = text(
     + ", ".join(_SELECTED.get(name, f"e.{name}") for name in _EVENT_COLUMNS)
     + f" FROM json_to_recordset(CAST(:events AS json)) AS e({_RECORD}) "
     'ORDER BY e.id COLLATE "C" '
-    "ON CONFLICT (id) DO NOTHING RETURNING 1), "
+    "ON CONFLICT (run_id, id) DO NOTHING RETURNING 1), "
     "n AS (SELECT count(*) AS accepted FROM inserted), "
     # Runs after the events (nothing reads it), as _touch did: the run row is locked last, in every transaction.
     f"touched AS (UPDATE {Run.__tablename__} SET last_seen_at = :seen_at, "
     "last_step = GREATEST(last_step, :max_step) WHERE id = :run_id) "
     f"UPDATE {EventBatch.__tablename__} SET accepted = n.accepted, duplicates = :total - n.accepted "
-    "FROM n WHERE id = :batch_id RETURNING n.accepted"
+    "FROM n WHERE run_id = :run_id AND id = :batch_id RETURNING n.accepted"
 )
 _EVENTS_JSON = TypeAdapter(list[FaultEventIn])
 
@@ -134,28 +137,30 @@ def _insert_events_executemany(
         table = FaultEvent.__table__
         accepted = len(
             session.execute(
-                upsert_insert(session, table).on_conflict_do_nothing(index_elements=["id"]).returning(table.c.id),
+                upsert_insert(session, table)
+                .on_conflict_do_nothing(index_elements=["run_id", "id"])
+                .returning(table.c.id),
                 rows,
             ).all()
         )
     session.execute(
         update(EventBatch)
-        .where(EventBatch.id == batch_id)
+        .where(EventBatch.run_id == run_id, EventBatch.id == batch_id)
         .values(accepted=accepted, duplicates=len(events) - accepted)
         .execution_options(synchronize_session=False)
     )
     return accepted
 
 
-def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn) -> EventBatchResult:
-    require_run(session, run_id)
+def ingest_events(session: Session, *, run_id: str, batch: EventBatchIn, principal: Principal) -> EventBatchResult:
+    require_writable_run(session, run_id, principal)
     now = utcnow()
     # The batch row is written first: a concurrent copy of the same batch blocks on its key until this
     # transaction ends, then sees it and stores nothing.
     new_batch = session.execute(
         upsert_insert(session, EventBatch)
         .values(id=batch.batch_id, run_id=run_id, received_at=now, accepted=0, duplicates=0)
-        .on_conflict_do_nothing(index_elements=["id"])
+        .on_conflict_do_nothing(index_elements=["run_id", "id"])
         .returning(EventBatch.id)
     ).first()
     if new_batch is None:
@@ -180,8 +185,62 @@ def _le_key(le: float) -> str:
     return "+Inf" if math.isinf(le) else repr(float(le))
 
 
-def ingest_stats(session: Session, *, run_id: str, stats: StatsIn) -> StatsResult:
-    require_run(session, run_id)
+def _check_headroom(session: Session, run_id: str, stats: StatsIn) -> None:
+    """422 naming the field when adding this interval would take one of the run's totals past its 64-bit column
+    (or a float total to infinity). Checked against the stored sums, so no sequence of valid payloads overflows:
+    on PostgreSQL an overflow would fail every later interval of the run, on SQLite it would silently turn the
+    totals into floats."""
+    run = session.get(Run, run_id, populate_existing=True)
+    assert run is not None
+    checks = session.scalar(
+        select(func.coalesce(func.sum(RunOpCounter.checks), 0)).where(RunOpCounter.run_id == run_id)
+    )
+    op_seconds: dict[str, float] = dict(
+        session.execute(select(RunOpCounter.op, RunOpCounter.check_seconds).where(RunOpCounter.run_id == run_id)).all()
+    )
+    detected, corrected, uncorrectable = session.execute(
+        select(
+            func.coalesce(func.sum(RunFaultCounter.detected), 0),
+            func.coalesce(func.sum(RunFaultCounter.corrected), 0),
+            func.coalesce(func.sum(RunFaultCounter.uncorrectable), 0),
+        ).where(RunFaultCounter.run_id == run_id)
+    ).one()
+    hist = stats.residual_ratio
+    integers: list[tuple[str, int, int]] = [
+        ("steps", run.steps_total, stats.steps),
+        ("transport.sent", run.events_sent_total, stats.transport.sent),
+        ("transport.spooled", run.events_spooled_total, stats.transport.spooled),
+        ("transport.dropped", run.events_dropped_total, stats.transport.dropped),
+        ("ops.checks", int(checks or 0), sum(op.checks for op in stats.ops)),
+        ("faults.detected", detected, sum(f.detected for f in stats.faults)),
+        ("faults.corrected", corrected, sum(f.corrected for f in stats.faults)),
+        ("faults.uncorrectable", uncorrectable, sum(f.uncorrectable for f in stats.faults)),
+        ("residual_ratio.counts", run.residual_count, sum(hist.counts) if hist else 0),
+    ]
+    for field, stored, delta in integers:
+        if int(stored) + delta > BIGINT_MAX:
+            raise InvalidRequest(
+                f"{field}: adding {delta} takes the run's total past {BIGINT_MAX} (a 64-bit counter); stats carry "
+                "deltas since the previous interval, not running totals",
+                field=field,
+            )
+    # Per op, with the deltas of an op listed twice in one interval added up, as the upserts will.
+    op_deltas: dict[str, float] = {}
+    for op in stats.ops:
+        op_deltas[op.op] = op_deltas.get(op.op, 0.0) + op.check_seconds
+    floats: list[tuple[str, float, float]] = [
+        ("step_seconds", run.step_seconds_total, stats.step_seconds),
+        ("check_seconds", run.check_seconds_total, stats.check_seconds),
+        *(("ops.check_seconds", op_seconds.get(op, 0.0), delta) for op, delta in op_deltas.items()),
+        ("residual_ratio.sum", run.residual_sum, hist.sum if hist else 0.0),
+    ]
+    for field, total, seconds in floats:
+        if not math.isfinite(float(total) + seconds):
+            raise InvalidRequest(f"{field}: adding {seconds} takes the run's total to infinity", field=field)
+
+
+def ingest_stats(session: Session, *, run_id: str, stats: StatsIn, principal: Principal) -> StatsResult:
+    require_writable_run(session, run_id, principal)
     new = session.execute(
         upsert_insert(session, StatsInterval)
         .values(
@@ -197,11 +256,13 @@ def ingest_stats(session: Session, *, run_id: str, stats: StatsIn) -> StatsResul
             payload=stats.model_dump(mode="json"),
             received_at=utcnow(),
         )
-        .on_conflict_do_nothing(index_elements=["id"])
+        .on_conflict_do_nothing(index_elements=["run_id", "id"])
         .returning(StatsInterval.id)
     ).first()
     if new is None:
         return StatsResult(interval_id=stats.interval_id, duplicate=True)
+    # After the duplicate check (a replay of an accepted interval is "duplicate", not a 422), before any counter.
+    _check_headroom(session, run_id, stats)
 
     # Upserts in key order, so two intervals of one run posted at once lock counter rows in the same order.
     for op in sorted(stats.ops, key=lambda o: o.op):

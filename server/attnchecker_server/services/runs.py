@@ -1,20 +1,29 @@
 """Run registration (idempotent by name, so every rank of a job lands on one run), finish, list and totals."""
 
 import uuid
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from ..errors import InvalidRequest, NotFound
+from ..auth import Principal
+from ..errors import NotFound
 from ..models import Policy, Run, RunFaultCounter, RunOpCounter, utcnow
 from ..schemas import RunFinishIn, RunPublic, RunRegisterIn, RunTotals
-from .cursor import decode_cursor, encode_cursor
+from .access import check_may_register, check_may_write
+from .cursor import cursor_id, cursor_time, decode_cursor, encode_cursor
 from .policy import create_run_policy
 from .sql import greatest, upsert_insert
 
-__all__ = ["finish_run", "get_run", "list_runs", "register_run", "require_run", "run_public"]
+__all__ = [
+    "finish_run",
+    "get_run",
+    "list_runs",
+    "register_run",
+    "require_run",
+    "require_writable_run",
+    "run_public",
+]
 
 
 def require_run(session: Session, run_id: str) -> Run:
@@ -24,11 +33,38 @@ def require_run(session: Session, run_id: str) -> Run:
     return run
 
 
-def register_run(session: Session, *, run_in: RunRegisterIn, actor: str) -> tuple[Run, Policy, bool]:
-    """Creates the run, or resumes the one with that name; returns (run, its policy, created).
+def require_writable_run(session: Session, run_id: str, principal: Principal) -> Run:
+    """The run (404 if unknown) when principal may write to it, else 403."""
+    run = require_run(session, run_id)
+    check_may_write(principal, run)
+    return run
+
+
+def _claim_or_check(session: Session, run_id: str, principal: Principal) -> None:
+    """A resume: the owner, a bound token or an operator may; an unowned (pre-ownership) run is claimed by the
+    unbound agent token that resumes it first. Anyone else gets 403 before anything is changed."""
+    run = session.get(Run, run_id, populate_existing=True)
+    assert run is not None
+    if run.owner_token_id is None and principal.role == "agent" and principal.run_name is None:
+        session.execute(
+            update(Run)
+            .where(Run.id == run_id, Run.owner_token_id.is_(None))
+            .values(owner_token_id=principal.token_id)
+            .execution_options(synchronize_session=False)
+        )
+        run = session.get(Run, run_id, populate_existing=True)
+        assert run is not None
+    check_may_write(principal, run)
+
+
+def register_run(session: Session, *, run_in: RunRegisterIn, principal: Principal) -> tuple[Run, Policy, bool]:
+    """Creates the run (owned by principal's token), or resumes the one with that name; returns (run, its policy,
+    created). Raises Forbidden when principal may not write to the existing run (nothing is changed then).
 
     A created run starts with ``run_in.policy`` when given (else the default); a resumed run keeps its policy.
     """
+    check_may_register(principal, run_in.name)
+    actor = principal.name
     now = utcnow()
     values: dict[str, Any] = {
         "model": run_in.model,
@@ -54,6 +90,7 @@ def register_run(session: Session, *, run_in: RunRegisterIn, actor: str) -> tupl
             events_dropped_total=0,
             residual_sum=0.0,
             residual_count=0,
+            owner_token_id=principal.token_id,
             **values,
         )
         .on_conflict_do_nothing(index_elements=["name"])
@@ -66,6 +103,7 @@ def register_run(session: Session, *, run_in: RunRegisterIn, actor: str) -> tupl
         return run, policy, True
     run_id = session.scalar(select(Run.id).where(Run.name == run_in.name))
     assert run_id is not None
+    _claim_or_check(session, run_id, principal)
     # Rank 0 describes the job; other ranks only mark it alive so they don't overwrite its host.
     changes: dict[str, Any] = {"status": "running", "last_seen_at": now, "finished_at": None}
     if run_in.rank == 0:
@@ -78,8 +116,8 @@ def register_run(session: Session, *, run_in: RunRegisterIn, actor: str) -> tupl
     return resumed, resumed_policy, False
 
 
-def finish_run(session: Session, *, run_id: str, finish_in: RunFinishIn) -> Run:
-    require_run(session, run_id)
+def finish_run(session: Session, *, run_id: str, finish_in: RunFinishIn, principal: Principal) -> Run:
+    require_writable_run(session, run_id, principal)
     values: dict[str, Any] = {"status": "finished", "finished_at": utcnow(), "last_seen_at": utcnow()}
     if finish_in.last_step is not None:
         values["last_step"] = greatest(session, Run.last_step, finish_in.last_step)
@@ -157,11 +195,8 @@ def list_runs(
     if status is not None:
         stmt = stmt.where(Run.status == status)
     if cursor is not None:
-        created_text, last_id = decode_cursor(cursor, length=2)
-        try:
-            created = datetime.fromisoformat(created_text)
-        except (TypeError, ValueError):
-            raise InvalidRequest("cursor: not a cursor this server issued; pass next_cursor back unchanged") from None
+        created_key, id_key = decode_cursor(cursor, length=2)
+        created, last_id = cursor_time(created_key), cursor_id(id_key)
         stmt = stmt.where(or_(Run.created_at < created, and_(Run.created_at == created, Run.id < str(last_id))))
     rows = session.execute(stmt.order_by(Run.created_at.desc(), Run.id.desc()).limit(limit + 1)).all()
     page = rows[:limit]

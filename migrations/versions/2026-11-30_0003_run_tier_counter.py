@@ -1,11 +1,8 @@
 """Per-tier check and catch counters (issue 10: tripwire, abft, optimizer).
 
-Revision ID: 0010
-Revises: 0001
+Revision ID: 0003
+Revises: 0002
 Create Date: 2026-11-30 19:20:00
-
-Numbered 0010 so that it does not collide with other 0002 migrations made at the same time; when merged after
-one, only down_revision changes.
 """
 
 from collections.abc import Sequence
@@ -13,8 +10,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0010"
-down_revision: str | Sequence[str] | None = "0001"
+revision: str = "0003"
+down_revision: str | Sequence[str] | None = "0002"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

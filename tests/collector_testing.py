@@ -1,10 +1,14 @@
-"""Test helpers shared by tests/server, tests/e2e and tests/dashboards: throwaway databases, settings, tokens,
-and a real collector (uvicorn in a subprocess) on a free loopback port.
+"""Test helpers shared by tests/server, tests/agent, tests/e2e, tests/dashboards and bench/: throwaway databases,
+settings, tokens, and a real collector (uvicorn in a subprocess) on a free loopback port.
+
+It lives under tests/ (pytest.ini puts tests/ on sys.path; bench/_common.setup_path does the same), not in the
+server package, which ships without it.
 
 Importing this module has no side effects; PostgreSQL is only contacted by the functions that need it.
 """
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,18 +17,18 @@ import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+from attnchecker_server.auth import Role, create_token
+from attnchecker_server.config import Settings, normalise_database_url
+from attnchecker_server.db import make_engine, make_session_factory, session_scope
+from attnchecker_server.migrate import upgrade
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
-
-from .auth import Role, create_token
-from .config import Settings, normalise_database_url
-from .db import make_engine, make_session_factory, session_scope
-from .migrate import upgrade
 
 __all__ = [
     "DEFAULT_POSTGRES_URL",
@@ -107,12 +111,21 @@ def migrate(settings: Settings) -> None:
     upgrade(settings)
 
 
-def make_token(settings: Settings, role: Role, name: str | None = None) -> str:
-    """Creates a token in the settings' (migrated) database and returns it."""
+def make_token(
+    settings: Settings,
+    role: Role,
+    name: str | None = None,
+    *,
+    run_name: str | None = None,
+    expires_in: timedelta | None = None,
+) -> str:
+    """Creates a token in the settings' (migrated) database and returns it (run_name binds an agent token)."""
     engine = make_engine(settings, pooled=False)
     try:
         with session_scope(make_session_factory(engine)) as session:
-            return create_token(session, name=name or f"test-{role}", role=role)
+            return create_token(
+                session, name=name or f"test-{role}", role=role, run_name=run_name, expires_in=expires_in
+            )
     finally:
         engine.dispose()
 
@@ -163,7 +176,10 @@ class RunningCollector:
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                if os.getpgid(self.process.pid) == self.process.pid:  # --workers: its own group, workers included
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                else:
+                    self.process.kill()
                 self.process.wait(timeout)
 
 
@@ -175,6 +191,7 @@ def start_collector(
     env: Mapping[str, str] | None = None,
     startup_timeout: float = 30.0,
     log_path: Path | None = None,
+    workers: int = 1,
 ) -> RunningCollector:
     """Starts `attnchecker-server serve` on 127.0.0.1 in a subprocess and waits until /healthz answers.
 
@@ -184,6 +201,7 @@ def start_collector(
         migrate_first: upgrade the database to head in this process before starting.
         env: extra environment variables for the child.
         log_path: where the child's stdout/stderr go (default: <settings.data_dir>/collector-<port>.log).
+        workers: `serve --workers` (more than 1 needs PostgreSQL).
     """
     if migrate_first:
         upgrade(settings)
@@ -208,10 +226,14 @@ def start_collector(
                     "--no-migrate",
                     "--log-level",
                     "warning",
+                    "--workers",
+                    str(workers),
                 ],
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 env=child_env,
+                # Worker processes are children of the supervisor: a group lets stop() kill them all if need be.
+                start_new_session=workers > 1,
             )
         collector = RunningCollector(
             url=f"http://127.0.0.1:{chosen}", port=chosen, process=process, log_path=path, settings=settings
