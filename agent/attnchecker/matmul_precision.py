@@ -7,15 +7,19 @@ legacy getters (`allow_tf32`, `get_float32_matmul_precision()`) once a program h
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
 
 from .abft.tolerance import BF16_OPERAND_ROUNDOFF, TF32_OPERAND_ROUNDOFF
 
-__all__ = ["fp32_matmul_operand_roundoff", "ieee_fp32_matmul"]
+__all__ = ["current_fp32_precision", "fp32_matmul_operand_roundoff", "ieee_fp32_matmul"]
 
 _ROUNDOFF = {"tf32": TF32_OPERAND_ROUNDOFF, "bf16": BF16_OPERAND_ROUNDOFF}
+# Per thread and device kind: the precision in force outside the innermost ieee_fp32_matmul scope, i.e. the one the
+# model's own GEMMs ran in. The checks run inside that scope and must still bound with it.
+_outer = threading.local()
 
 
 def _matmul_flags(kind: str) -> object | None:
@@ -24,6 +28,12 @@ def _matmul_flags(kind: str) -> object | None:
     if kind == "cpu":
         return getattr(torch.backends.mkldnn, "matmul", None)
     return None
+
+
+def current_fp32_precision(kind: str) -> str:
+    """"ieee", "tf32" or "bf16": what an fp32 matmul on this device kind runs in right now (inside an
+    ieee_fp32_matmul scope: "ieee")."""
+    return _precision(kind)
 
 
 def _precision(kind: str) -> str:
@@ -39,7 +49,8 @@ def _precision(kind: str) -> str:
 
 
 def fp32_matmul_operand_roundoff(device: torch.device | str) -> float | None:
-    """The relative rounding an fp32 GEMM on `device` applies to its operands, or None for IEEE fp32 products.
+    """The relative rounding an fp32 GEMM on `device` applies to its operands, or None for IEEE fp32 products. Inside
+    ieee_fp32_matmul: the precision in force outside it (the model's GEMMs), which is what the checks bound.
 
     CUDA: TF32 when torch.backends.cuda.matmul.fp32_precision is "tf32" (allow_tf32 = True, or
     set_float32_matmul_precision("high"/"medium")). CPU: oneDNN's fp32 matmul mode (mkldnn.matmul.fp32_precision:
@@ -47,7 +58,9 @@ def fp32_matmul_operand_roundoff(device: torch.device | str) -> float | None:
     bound as if it were, since a looser bound costs sensitivity, never a false alarm. cudnn.allow_tf32 governs
     convolutions, not the matmuls checked here.
     """
-    return _ROUNDOFF.get(_precision(torch.device(device).type))
+    kind = torch.device(device).type
+    stashed = getattr(_outer, kind, None)
+    return _ROUNDOFF.get(stashed if stashed is not None else _precision(kind))
 
 
 @contextlib.contextmanager
@@ -58,11 +71,13 @@ def ieee_fp32_matmul(device: torch.device | str) -> Iterator[None]:
     kind = torch.device(device).type
     flags = _matmul_flags(kind)
     prec = getattr(flags, "fp32_precision", None) if flags is not None else None
-    if prec is None or _precision(kind) == "ieee":
+    if prec is None or _precision(kind) == "ieee" or getattr(_outer, kind, None) is not None:
         yield
         return
+    setattr(_outer, kind, _precision(kind))
     flags.fp32_precision = "ieee"  # type: ignore[union-attr]
     try:
         yield
     finally:
         flags.fp32_precision = prec  # type: ignore[union-attr]
+        setattr(_outer, kind, None)
