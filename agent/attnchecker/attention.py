@@ -149,12 +149,13 @@ def _any_bad(checks: Checks) -> torch.Tensor:
 
 
 def _observe(ctx: LayerContext, checks: Checks) -> None:
-    """Histogram of the worst residual/bound ratio among the unflagged vectors of one check, kept on the device."""
+    """Histogram of the worst residual/bound ratio (d1 and d2, both flag) among the unflagged vectors of one check,
+    kept on the device: the dashboard's margin is its inverse."""
     stats = ctx.runtime.stats
     if stats is None or not checks:
         return
     worst = torch.stack([
-        torch.where(chk.bad, 0.0, chk.diff[..., 0].abs() / chk.bound.clamp_min(1e-30)).amax().float()
+        torch.where(chk.bad, 0.0, _ratio(chk)).amax().float()
         for chk in checks.values()
     ]).amax()
     device = worst.device
@@ -171,6 +172,14 @@ def _observe(ctx: LayerContext, checks: Checks) -> None:
     stats.residual_counts.index_add_(0, bucket.view(1), valid.view(1).to(torch.int64))
     stats.residual_sum += torch.where(valid, worst, 0.0).double()
     stats.residual_count += valid.to(torch.int64)
+
+
+def _ratio(chk: DirectionCheck) -> torch.Tensor:
+    """(..., V) the larger of |d1|/bound and |d2|/bound2."""
+    ratio = chk.diff[..., 0].abs() / chk.bound.clamp_min(1e-30)
+    if chk.bound2 is None:
+        return ratio
+    return torch.maximum(ratio, chk.diff[..., 1].abs() / chk.bound2.clamp_min(1e-30))
 
 
 def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: bool) -> None:
