@@ -191,6 +191,51 @@ def bit_sweep(op: Op, trials: int, seed: int, tol: Tolerance) -> dict[str, dict[
     return out
 
 
+def residual_model(dtype_name: str, ks: tuple[int, ...], n: int, seed: int) -> list[dict[str, Any]]:
+    """Clean residuals against the model: z = |d| / modelled std per row and column vector of an (n, K) @ (K, n)
+    product of LLM-like operands, for each K. The threshold is `sigmas` z; the model is validated when the worst z
+    stays well below it."""
+    from attnchecker.abft import bounds, checksum_weights, checksums_of, verify_direction
+
+    dtype = DTYPES[dtype_name]
+    out = []
+    for k in ks:
+        gen = torch.Generator().manual_seed(seed + k)
+        a = activations((1, n, k), gen).to(dtype)
+        b = (activations((1, n, k), gen, outliers=1.0) / math.sqrt(k)).mT.contiguous().to(dtype)
+        with emulate_fp32_matmul("tf32") if dtype_name == "tf32" else _null(), torch.no_grad():
+            c = product(a, b, dtype_name)
+            a32, b32 = a.float(), b.float()
+            from attnchecker.matmul_precision import fp32_matmul_operand_roundoff, ieee_fp32_matmul
+
+            with ieee_fp32_matmul("cpu"):
+                w_c, w_r = checksum_weights(n, a.device, torch.float32), checksum_weights(n, a.device, torch.float32)
+                bw, wa = b32 @ w_c, w_r.T @ a32
+                refs = {"row": a32 @ bw, "col": (wa @ b32).mT}
+                rows, cols, sums = checksums_of(c, with_abs=dtype != torch.float32, with_sq=True)
+                u_op = fp32_matmul_operand_roundoff("cpu") if dtype == torch.float32 else None
+                rules = dict(zip(("row", "col"), bounds(
+                    torch.linalg.vector_norm(a32, dim=-1), torch.linalg.vector_norm(b32, dim=-2), k=k,
+                    out_dtype=c.dtype, tol=Tolerance(), use_abs=dtype != torch.float32, operand_roundoff=u_op,
+                    ref_norms=(torch.linalg.vector_norm(bw, dim=-2), torch.linalg.vector_norm(wa, dim=-1))),
+                    strict=True))
+            got = {"row": rows, "col": cols}
+            z1, z2, flagged = [], [], 0
+            for d in ("row", "col"):
+                chk = verify_direction(refs[d], got[d], rules[d], *sums.of(d))
+                s1, s2 = rules[d].sigma(sums.of(d)[1])
+                z1.append((chk.diff[..., 0].abs() / s1).flatten())
+                z2.append((chk.diff[..., 1].abs() / s2).flatten())
+                flagged += int(chk.bad.sum())
+            z1_all, z2_all = torch.cat(z1).double(), torch.cat(z2).double()
+        out.append({"k": k, "n": n, "vectors": int(z1_all.numel()), "flagged": flagged,
+                    "z_d1": {"max": float(z1_all.max()), "p99": float(z1_all.quantile(0.99)),
+                             "rms": float(z1_all.square().mean().sqrt())},
+                    "z_d2": {"max": float(z2_all.max()), "p99": float(z2_all.quantile(0.99)),
+                             "rms": float(z2_all.square().mean().sqrt())}})
+    return out
+
+
 def clean_campaign(dtype_name: str, checks: int, seed: int) -> dict[str, Any]:
     """Many clean small checks on realistic data (outlier features, causal and padding masks, fully masked rows):
     flagged matrices per op. A check = one verified matrix: a batch element's projection, a (batch, head)'s scores
@@ -237,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", default="q,out,scores,context")
     p.add_argument("--trials", type=int, default=1024, help="single-error trials per magnitude / bit and op")
     p.add_argument("--clean-checks", type=int, default=100_000, help="clean checks per dtype (0: skip)")
+    p.add_argument("--parts", default="faults,model,clean",
+                   help="faults: injection sweeps; model: clean residuals vs the model (K up to 8192); clean: "
+                        "false positives over --clean-checks")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out")
@@ -253,9 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     clean_checks = min(args.clean_checks, 2000) if args.tiny else args.clean_checks
     trials = min(args.trials, 64) if args.tiny else args.trials
     cal, rig = Tolerance(), Tolerance(calibrated=False)
+    parts = set(args.parts.split(","))
     results: list[dict[str, Any]] = []
     rows: list[list[Any]] = []
-    for shape_name in shapes:
+    for shape_name in shapes if "faults" in parts else []:
         for dtype_name in dtypes:
             for op_name in args.ops.split(","):
                 t0 = time.perf_counter()
@@ -279,16 +328,23 @@ def main(argv: list[str] | None = None) -> int:
                              entry["magnitude"]["rigorous"]["2.0"], s["exponent_bits"], s["top8_mantissa_bits"],
                              s["flips_ge_2rms"]])
                 print(f"  {shape_name}/{dtype_name}/{op_name}: {entry['seconds']:.1f}s", flush=True)
-    print(_common.table(rows, ["shape", "dtype", "op", "clean |d1|/bound", "bound/RMS", "2xRMS det", "2xRMS rigorous",
-                               "exp-bit flips", "top-8 mantissa", "flips >=2RMS"]))
+    if rows:
+        print(_common.table(rows, ["shape", "dtype", "op", "clean |d1|/bound", "bound/RMS", "2xRMS det",
+                                   "2xRMS rigorous", "exp-bit flips", "top-8 mantissa", "flips >=2RMS"]))
+    ks = (16, 64) if args.tiny else (64, 512, 2048, 4096, 8192)
+    model = {d: residual_model(d, ks, 64 if args.tiny else 1024, args.seed) for d in dtypes} if "model" in parts else {}
+    if model:
+        print(_common.table([[d, r["k"], r["vectors"], r["z_d1"]["rms"], r["z_d1"]["max"], r["z_d2"]["max"],
+                              r["flagged"]] for d, rs in model.items() for r in rs],
+                            ["dtype", "K", "vectors", "rms z(d1)", "max z(d1)", "max z(d2)", "flagged"]))
     clean = {}
-    if clean_checks:
+    if clean_checks and "clean" in parts:
         for dtype_name in dtypes:
             clean[dtype_name] = clean_campaign(dtype_name, clean_checks, args.seed)
         print(_common.table([[k, v["total_checks"], v["false_positives"]] for k, v in clean.items()],
                             ["dtype", "clean checks", "false positives"]))
     payload = {"magnitudes": list(MAGNITUDES), "trials": trials, "sigmas": cal.sigmas, "results": results,
-               "clean": clean}
+               "residual_model": model, "clean": clean}
     path = _common.write_result("coverage", _no_nan(payload), args.out)
     print(f"wrote {path}")
     return 0

@@ -139,6 +139,15 @@ class Bound:
         # infinite bound.
         return _clamp(rig), _clamp(rig2)
 
+    def sigma(self, sq_sum_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The modelled standard deviation of (d1, d2) per vector, before `sigmas`, the offset and the ceiling (for
+        validating the model: measured |d| / sigma is a z-score)."""
+        if self.var_NV2 is None:
+            raise ValueError("sigma() needs a calibrated bound (Tolerance(calibrated=True), mode 'roundoff')")
+        sq_NV = sq_sum_NV.to(self.var_NV2.dtype)
+        return ((self.var_NV2[..., 0] + self.sq_coef[0] * sq_NV).sqrt(),
+                (self.var_NV2[..., 1] + self.sq_coef[1] * sq_NV).sqrt())
+
     def plus(self, extra_NV: torch.Tensor) -> Bound:
         """This bound with an absolute error (a passed reference's own round-off) added to both parts."""
         return dataclasses.replace(self, base=self.base + extra_NV, offset_NV=self.offset_NV + extra_NV)

@@ -1,4 +1,4 @@
-"""`attnchecker bench overhead|recovery|ingest [...]`: run the repository's bench/ scripts (docs/performance.md).
+"""`attnchecker bench overhead|recovery|ingest|coverage [...]`: run the repository's bench/ scripts (docs/performance.md).
 
 The benchmarks live in the checkout, not in the installed package; without a checkout this module raises
 ImportError and the `bench` command is simply absent.
@@ -19,6 +19,7 @@ SCRIPTS = {
     "overhead": "training-step overhead per protection variant (GPT-2, Llama)",
     "recovery": "in-line correction vs checkpoint/restore",
     "ingest": "collector events/s and latency, enqueue cost, transport step cost",
+    "coverage": "fault coverage: detection vs error magnitude and vs flipped bit, clean false positives",
 }
 
 
