@@ -112,9 +112,28 @@ def vector_sums(c_NRC: torch.Tensor, *, with_abs: bool, with_sq: bool) -> Vector
         c_abs = c_NRC.abs()
         abs_sums = (c_abs.sum(-1), c_abs.sum(-2))
     if with_sq:
-        c_sq = c_NRC.square()
-        sq_sums = (c_sq.sum(-1), c_sq.sum(-2))
+        sq_sums = _square_sums(c_NRC)
     return VectorSums(abs_sums, sq_sums)
+
+
+_SQ_ROWS_PER_BLOCK = 32
+
+
+def _square_sums(c_NRC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ_j C_ij² (..., R), Σ_i C_ij² (..., C)). On CPU a block of rows at a time, both directions from one squared
+    block: squaring all of C allocates a copy of it and ran ~3× slower than this (12×1024×1024 fp32, measured).
+    One fused pass elsewhere (a loop would be many small kernel launches on a GPU)."""
+    if c_NRC.device.type != "cpu" or c_NRC.shape[-2] <= _SQ_ROWS_PER_BLOCK:
+        c_sq = c_NRC.square()
+        return c_sq.sum(-1), c_sq.sum(-2)
+    rows_NR = torch.empty(c_NRC.shape[:-1], dtype=c_NRC.dtype, device=c_NRC.device)
+    cols_NC = torch.zeros(c_NRC.shape[:-2] + c_NRC.shape[-1:], dtype=c_NRC.dtype, device=c_NRC.device)
+    for i in range(0, c_NRC.shape[-2], _SQ_ROWS_PER_BLOCK):
+        blk = c_NRC[..., i : i + _SQ_ROWS_PER_BLOCK, :]
+        blk_sq = blk * blk
+        torch.sum(blk_sq, -1, out=rows_NR[..., i : i + _SQ_ROWS_PER_BLOCK])
+        cols_NC += blk_sq.sum(-2)
+    return rows_NR, cols_NC
 
 
 @dataclass(frozen=True, slots=True)
