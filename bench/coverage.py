@@ -236,7 +236,7 @@ def residual_model(dtype_name: str, ks: tuple[int, ...], n: int, seed: int) -> l
     return out
 
 
-def clean_campaign(dtype_name: str, checks: int, seed: int) -> dict[str, Any]:
+def clean_campaign(dtype_name: str, checks: int, seed: int, tol: Tolerance | None = None) -> dict[str, Any]:
     """Many clean small checks on realistic data (outlier features, causal and padding masks, fully masked rows):
     flagged matrices per op. A check = one verified matrix: a batch element's projection, a (batch, head)'s scores
     or context."""
@@ -247,6 +247,13 @@ def clean_campaign(dtype_name: str, checks: int, seed: int) -> dict[str, Any]:
     flagged: list[Any] = []
     runtime = Runtime(step=0, config=CheckConfig(), injector=None, on_detection=flagged.append, stats=OpStats())
     ctx = LayerContext(layer=0, runtime=runtime)
+    if tol is not None and tol.sigmas != Tolerance().sigmas:
+        # The policy has no `sigmas` (it is not a user setting): for a what-if run at another quantile the
+        # engine's tolerance builder is replaced for this process only.
+        import attnchecker.attention as engine
+
+        engine._tolerance = lambda c: Tolerance(mode=c.config.tolerance, factor=c.config.tolerance_factor,
+                                                sigmas=tol.sigmas)
     counts = {"projection": 0, "scores": 0, "context": 0}
     gen = torch.Generator().manual_seed(seed)
     i = 0
@@ -285,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="faults,model,clean",
                    help="faults: injection sweeps; model: clean residuals vs the model (K up to 8192); clean: "
                         "false positives over --clean-checks")
+    p.add_argument("--sigmas", type=float, default=None,
+                   help="the calibrated threshold in modelled standard deviations (default: the library's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out")
@@ -300,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown dtype {name!r}: choose from {sorted(DTYPES)}")
     clean_checks = min(args.clean_checks, 2000) if args.tiny else args.clean_checks
     trials = min(args.trials, 64) if args.tiny else args.trials
-    cal, rig = Tolerance(), Tolerance(calibrated=False)
+    cal = Tolerance() if args.sigmas is None else Tolerance(sigmas=args.sigmas)
+    rig = Tolerance(calibrated=False)
     parts = set(args.parts.split(","))
     results: list[dict[str, Any]] = []
     rows: list[list[Any]] = []
@@ -340,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     clean = {}
     if clean_checks and "clean" in parts:
         for dtype_name in dtypes:
-            clean[dtype_name] = clean_campaign(dtype_name, clean_checks, args.seed)
+            clean[dtype_name] = clean_campaign(dtype_name, clean_checks, args.seed, cal)
         print(_common.table([[k, v["total_checks"], v["false_positives"]] for k, v in clean.items()],
                             ["dtype", "clean checks", "false positives"]))
     payload = {"magnitudes": list(MAGNITUDES), "trials": trials, "sigmas": cal.sigmas, "results": results,
