@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                     ax.plot(mags, [y if y is not None else float("nan") for y in ys], style, marker=".",
                             label=f"{r['op']} ({kind})")
             ax.set_xscale("log")
+            ax.set_ylim(-0.03, 1.03)
             ax.axvline(2, color="grey", linewidth=0.6)
             ax.set_title(f"{shape} / {dtype}", fontsize=9)
             if i == len(shapes) - 1:
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                 ax.axvspan(man - 0.5, man + r["layout"]["exponent_bits"] - 0.5, color="orange", alpha=0.08)
             ax.set_title(f"{shape} / {dtype}", fontsize=9)
             if i == len(shapes) - 1:
-                ax.set_xlabel("flipped bit (0 = mantissa LSB; shaded: exponent)")
+                ax.set_xlabel("flipped bit (shaded: exponent)", fontsize=8)
             if j == 0:
                 ax.set_ylabel("detected")
     handles, labels = axes[0][0].get_legend_handles_labels()
