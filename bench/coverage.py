@@ -31,7 +31,12 @@ _common.setup_path()
 import torch
 import torch.nn.functional as F
 from attnchecker.abft import Tolerance
-from attnchecker.attention import _context_checks, _ProjectionInput, _scores_checks, _verify
+from attnchecker.attention import (
+    _context_checks,
+    _ProjectionInput,
+    _scores_checks,
+    _verify,
+)
 from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
 
 # name -> (tokens T, model width, heads checked in scores/context, head dim D, heads in the clean-check batches)
@@ -195,7 +200,12 @@ def residual_model(dtype_name: str, ks: tuple[int, ...], n: int, seed: int) -> l
     """Clean residuals against the model: z = |d| / modelled std per row and column vector of an (n, K) @ (K, n)
     product of LLM-like operands, for each K. The threshold is `sigmas` z; the model is validated when the worst z
     stays well below it."""
-    from attnchecker.abft import bounds, checksum_weights, checksums_of, verify_direction
+    from attnchecker.abft import (
+        bounds,
+        checksum_weights,
+        checksums_of,
+        verify_direction,
+    )
 
     dtype = DTYPES[dtype_name]
     out = []
@@ -206,7 +216,10 @@ def residual_model(dtype_name: str, ks: tuple[int, ...], n: int, seed: int) -> l
         with emulate_fp32_matmul("tf32") if dtype_name == "tf32" else _null(), torch.no_grad():
             c = product(a, b, dtype_name)
             a32, b32 = a.float(), b.float()
-            from attnchecker.matmul_precision import fp32_matmul_operand_roundoff, ieee_fp32_matmul
+            from attnchecker.matmul_precision import (
+                fp32_matmul_operand_roundoff,
+                ieee_fp32_matmul,
+            )
 
             with ieee_fp32_matmul("cpu"):
                 w_c, w_r = checksum_weights(n, a.device, torch.float32), checksum_weights(n, a.device, torch.float32)

@@ -65,7 +65,7 @@ def emulate_fp32_matmul(precision: str = "tf32", *, truncate: bool = False) -> I
     "bf16": 7), and oneDNN's fp32 precision flag says so. Restores the flag on exit."""
     if precision not in _MANTISSA_BITS:
         raise ValueError(f"precision must be one of {sorted(_MANTISSA_BITS)}, got {precision!r}")
-    flags = torch.backends.mkldnn.matmul
+    flags: Any = getattr(torch.backends.mkldnn, "matmul")  # noqa: B009  (untyped in torch's stubs)
     before = flags.fp32_precision
     flags.fp32_precision = precision
     try:

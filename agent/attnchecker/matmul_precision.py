@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -22,7 +23,7 @@ _ROUNDOFF = {"tf32": TF32_OPERAND_ROUNDOFF, "bf16": BF16_OPERAND_ROUNDOFF}
 _outer = threading.local()
 
 
-def _matmul_flags(kind: str) -> object | None:
+def _matmul_flags(kind: str) -> Any:
     if kind == "cuda":
         return torch.backends.cuda.matmul
     if kind == "cpu":
@@ -75,9 +76,9 @@ def ieee_fp32_matmul(device: torch.device | str) -> Iterator[None]:
         yield
         return
     setattr(_outer, kind, _precision(kind))
-    flags.fp32_precision = "ieee"  # type: ignore[union-attr]
+    flags.fp32_precision = "ieee"
     try:
         yield
     finally:
-        flags.fp32_precision = prec  # type: ignore[union-attr]
+        flags.fp32_precision = prec
         setattr(_outer, kind, None)

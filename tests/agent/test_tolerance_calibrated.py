@@ -12,7 +12,11 @@ from attnchecker.abft import CALIBRATED_SIGMAS, Tolerance, bounds
 from attnchecker.attention import check_linear, protected_sdpa
 from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
 from attnchecker.inject import Fault
-from attnchecker.matmul_precision import current_fp32_precision, fp32_matmul_operand_roundoff, ieee_fp32_matmul
+from attnchecker.matmul_precision import (
+    current_fp32_precision,
+    fp32_matmul_operand_roundoff,
+    ieee_fp32_matmul,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

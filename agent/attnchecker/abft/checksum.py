@@ -19,11 +19,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DirectionCheck",
+    "VectorSums",
     "acc_dtype",
     "checksum_weights",
     "checksums_of",
     "col_norms",
-    "VectorSums",
     "times_skinny",
     "vector_sums",
     "verify_direction",
@@ -80,8 +80,8 @@ def col_norms(a_NRK: torch.Tensor) -> torch.Tensor:
 
 def checksums_of(
     c_NRC: torch.Tensor, *, with_abs: bool = False, with_sq: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-    """The checksums of C as computed: (row sums (..., R, 2), column sums (..., C, 2), abs sums or None) in the
+) -> tuple[torch.Tensor, torch.Tensor, VectorSums | None]:
+    """The checksums of C as computed: (row sums (..., R, 2), column sums (..., C, 2), VectorSums or None) in the
     accumulation dtype. A half-precision C is upcast once (both directions reuse the copy); an fp32 C is read in
     place. with_abs adds (Σ_j |C_ij| (..., R), Σ_i |C_ij| (..., C)) for the tighter half-precision bound.
     with_sq adds (Σ_j C_ij² (..., R), Σ_i C_ij² (..., C)) for the calibrated bound (see vector_sums)."""
