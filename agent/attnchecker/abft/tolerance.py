@@ -48,7 +48,8 @@ the published V-ABFT thresholds use, and the Gaussian tail at 10σ is ~1e-23 per
 TF32_OPERAND_ROUNDOFF = 2.0**-10
 """TF32 keeps 10 mantissa bits. Tensor cores may truncate fp32 operands instead of rounding them (up to one TF32 ulp,
 2^-10 relative, biased), so the bound uses the truncation unit, not 2^-11."""
-BF16_OPERAND_ROUNDOFF = 2.0**-9
+BF16_OPERAND_ROUNDOFF = 2.0**-8
+"""bf16 keeps 7 explicit mantissa bits: unit round-off 2^-8 (round to nearest)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
