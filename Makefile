@@ -28,6 +28,14 @@ system-deps:
 test: install system-deps
 	$(PY) -m pytest tests
 
+# Lint: ruff (one config, ruff.toml), mypy (mypy.ini: strict on abft/, policy, transport/ and the server) and the
+# import contracts of DESIGN.md's layering (.importlinter). `make test` runs it first, so CI enforces it.
+LINT_PATHS := agent/attnchecker server/attnchecker_server bench
+lint: install
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/mypy --config-file mypy.ini
+	PYTHONPATH=agent:server $(VENV)/bin/lint-imports
+
 demo: install
 	$(PY) -m attnchecker.cli demo
 

@@ -7,6 +7,9 @@ command -v prometheus >/dev/null || need+=(prometheus)
 command -v promtool >/dev/null || need+=(prometheus)
 command -v docker-compose >/dev/null || need+=(docker-compose)
 command -v pg_isready >/dev/null || need+=(postgresql-15)
+# The dashboard page's browser test (tests/e2e/test_web_ui.py) drives the distribution's Chromium through Playwright;
+# `playwright install` (a browser download) is never needed.
+command -v chromium >/dev/null || need+=(chromium fonts-dejavu-core)
 if [ ${#need[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq

@@ -8,11 +8,13 @@ with ABFT checksums that detect and correct INF/NaN/near-INF and silent errors w
 
 from __future__ import annotations
 
+from .coverage import Coverage
 from .errors import (
     AlreadyProtectedError,
     AttnCheckerError,
     NoProtectableAttentionError,
     UncorrectableFault,
+    UnprotectedAttentionError,
     UnsupportedDeviceError,
     UnsupportedDtypeError,
 )
@@ -21,9 +23,25 @@ from .guard import FaultCounts, Guard, Report, is_protected, protect, unprotect
 from .inject import Fault, FaultPlan
 from .policy import Policy, PolicyError
 
+# The trainer callbacks import transformers / lightning when they exist: loaded on first use, so that
+# `import attnchecker` stays light for a plain PyTorch training script.
+_LAZY = {"AttnCheckerCallback", "AttnCheckerLightningCallback"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from . import callbacks
+
+        return getattr(callbacks, name)
+    raise AttributeError(f"module 'attnchecker' has no attribute {name!r}")
+
+
 __all__ = [
     "AlreadyProtectedError",
+    "AttnCheckerCallback",
     "AttnCheckerError",
+    "AttnCheckerLightningCallback",
+    "Coverage",
     "Detection",
     "Fault",
     "FaultCounts",
@@ -34,6 +52,7 @@ __all__ = [
     "PolicyError",
     "Report",
     "UncorrectableFault",
+    "UnprotectedAttentionError",
     "UnsupportedDeviceError",
     "UnsupportedDtypeError",
     "is_protected",

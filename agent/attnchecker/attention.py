@@ -38,6 +38,8 @@ from .abft import (
 from .context import RESIDUAL_RATIO_BUCKETS, LayerContext
 from .events import Detection, kind_of, value_to_wire
 from .matmul_precision import fp32_matmul_operand_roundoff, ieee_fp32_matmul
+from .tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound
+from .tiled_attention import choose_tiles, tiled_sdpa
 
 __all__ = [
     "PassedProjection",
@@ -158,6 +160,14 @@ def _observe(ctx: LayerContext, checks: Checks) -> None:
         torch.where(chk.bad, 0.0, _ratio(chk)).amax().float()
         for chk in checks.values()
     ]).amax()
+    _record_ratio(ctx, worst)
+
+
+def _record_ratio(ctx: LayerContext, worst: torch.Tensor) -> None:
+    """Add one check's worst residual/bound ratio (a device scalar) to the histogram (also the tiled path's)."""
+    stats = ctx.runtime.stats
+    if stats is None:
+        return
     device = worst.device
     if stats.residual_counts is None or stats.residual_counts.device != device:
         stats.residual_counts = torch.zeros(len(RESIDUAL_RATIO_BUCKETS) + 1, device=device, dtype=torch.int64)
@@ -182,8 +192,8 @@ def _ratio(chk: DirectionCheck) -> torch.Tensor:
     return torch.maximum(ratio, chk.diff[..., 1].abs() / chk.bound2.clamp_min(1e-30))
 
 
-def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: bool) -> None:
-    """One Detection per flagged matrix: to the runtime's callback and its counters."""
+def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: bool, tier: str = "abft") -> None:
+    """One Detection per flagged matrix: to the runtime's callback and its counters. tier: who caught it."""
     rt = ctx.runtime
     for rep in reports:
         kind = kind_of(rep.value)
@@ -201,9 +211,10 @@ def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: boo
             value=value_to_wire(rep.value),
             residual=rep.residual,
             bound=rep.bound,
+            tier=tier,
         )
         if rt.stats is not None:
-            rt.stats.add_fault(op, kind, rep.action)
+            rt.stats.add_fault(op, kind, rep.action, tier)
         if rt.on_detection is not None:
             rt.on_detection(det)
 
@@ -213,6 +224,17 @@ def _count(ctx: LayerContext, op: str, seconds: float) -> None:
     if stats is not None:
         stats.checks[op] = stats.checks.get(op, 0) + 1
         stats.check_seconds[op] = stats.check_seconds.get(op, 0.0) + seconds
+
+
+def _count_trips(ctx: LayerContext, ops: Sequence[str], seconds: float) -> None:
+    """Tier-1 checks of ``ops`` (one each) and their time (recovery after a trip too: ``ops`` empty). Kept apart from
+    check_seconds: the scheduler's overhead rule relaxes tier 2, which cannot make tier 1 cheaper."""
+    stats = ctx.runtime.stats
+    if stats is None:
+        return
+    for name in ops:
+        stats.trip_checks[name] = stats.trip_checks.get(name, 0) + 1
+    stats.trip_seconds += seconds
 
 
 def _gemm_accumulation(c: torch.Tensor) -> torch.dtype | None:
@@ -371,7 +393,18 @@ def check_linear(
     # Under autocast the module's fp32 input and weight were rounded to the output's dtype for the GEMM.
     cast_to = y.dtype if x.dtype != y.dtype or weight.dtype != y.dtype else None
     shared: _ProjectionInput | None = None
-    pending: list[tuple[str, torch.Tensor, Checks, Callable[[], torch.Tensor], _Exact, float]] = []
+    pending: list[tuple[str, torch.Tensor, Checks, Callable[[], torch.Tensor], _Exact, float, str]] = []
+    # Tier 1: (name, y_s, w_s, b_s) of the slices only the tripwire looks at on this step.
+    wired: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    def full_checks(y_s: torch.Tensor, w_s: torch.Tensor, b_s: torch.Tensor | None) -> Checks:
+        nonlocal shared
+        shared = shared or _ProjectionInput.of(x_NTI.detach())
+        w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
+        return _verify(y_s.detach(), shared.feature_ref(w_s, b_s), shared.token_ref(w_s, b_s), shared.x_norm_NT,
+                       w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs, operands_cast_to=cast_to,
+                       ref_norms=shared.ref_norms(w_s))
+
     offset = 0
     for name, size in splits:
         y_s = y_NTO[..., offset : offset + size]
@@ -379,15 +412,17 @@ def check_linear(
         b_s = bias[offset : offset + size].detach() if bias is not None else None
         offset += size
         _inject(ctx, name, y_s)
+        if cfg.trips(name):
+            wired.append((name, y_s, w_s, b_s))
         paper_pass = name in ("q", "k", "v") and not cfg.source_repair
         if cfg.mode == "off" or not (cfg.checks(name) or paper_pass):
             continue
         t0 = time.perf_counter()
         with _exact_math(y):
             shared = shared or _ProjectionInput.of(x_NTI.detach())
-            w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
             if paper_pass:
                 # Paper mode keeps the operand-only bound: the output it would be measured on is unverified.
+                w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
                 token_rule = bounds(shared.x_norm_NT, w_norm_O, k=w_s.shape[1], out_dtype=y.dtype, tol=tol,
                                     bias_abs_C=bias_abs, operands_cast_to=cast_to)[1]
                 token_bound = token_rule.of(None).expand(y_s.shape[0], -1)
@@ -395,25 +430,46 @@ def check_linear(
                                                     x_NTI=x_NTI.detach(), weight_OI=w_s, bias_O=b_s,
                                                     x_norm_NT=shared.x_norm_NT, out_dtype=y.dtype, tol=tol)
                 continue
-            checks = _verify(y_s.detach(), shared.feature_ref(w_s, b_s), shared.token_ref(w_s, b_s), shared.x_norm_NT,
-                             w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs, operands_cast_to=cast_to,
-                             ref_norms=shared.ref_norms(w_s))
+            checks = full_checks(y_s, w_s, b_s)
             _observe(ctx, checks)
 
         recompute = functools.partial(_recompute_linear, ctx, name, x_NTI.detach(), w_s, b_s)
         exact = functools.partial(_exact_linear, x_NTI.detach(), w_s, b_s)
-        pending.append((name, y_s, checks, recompute, exact, time.perf_counter() - t0))
-    if not pending:
+        pending.append((name, y_s, checks, recompute, exact, time.perf_counter() - t0, "abft"))
+    flags = [_any_bad(item[2]) for item in pending]
+    trip_s = 0.0
+    if wired:
+        t0 = time.perf_counter()
+        # All slices wired (the usual tier-1 step): one sum over y, not one per strided column slice.
+        flags.append(extreme(y) if len(wired) == len(splits) else extreme(*(item[1] for item in wired)))
+        trip_s = time.perf_counter() - t0
+    if not flags:
         return y
-    any_bad = torch.stack([_any_bad(item[2]) for item in pending]).any()
-    slow = bool(any_bad)  # sync: the one per protected projection call; decides whether the slow path runs
-    for name, y_s, checks, redo, refresh, seconds in pending:
+    slow = bool(torch.stack(flags).any())  # sync: the one per protected projection call; decides the slow path
+    if slow and wired:
+        t0 = time.perf_counter()
+        for name, y_s, w_s, b_s in wired:
+            if not bool(extreme(y_s)):  # sync: slow path only, which slice tripped
+                continue
+            # A trip: this slice gets the full check now, which locates and corrects (or recomputes) the fault.
+            with _exact_math(y):
+                checks = full_checks(y_s, w_s, b_s)
+            recompute = functools.partial(_recompute_linear, ctx, name, x_NTI.detach(), w_s, b_s)
+            exact = functools.partial(_exact_linear, x_NTI.detach(), w_s, b_s)
+            pending.append((name, y_s, checks, recompute, exact, 0.0, "tripwire"))
+        trip_s += time.perf_counter() - t0
+    if wired:
+        _count_trips(ctx, [item[0] for item in wired], trip_s)
+    for name, y_s, checks, redo, refresh, seconds, tier in pending:
         t0 = time.perf_counter()
         if slow:
             with _exact_math(y):
                 reports = repair(y_s, checks, tol, correct=cfg.mode == "correct", recompute=redo, exact=refresh)
-            _emit(ctx, name, reports, heads=False)
-        _count(ctx, name, seconds + time.perf_counter() - t0)
+            _emit(ctx, name, reports, heads=False, tier=tier)
+        if tier == "abft":
+            _count(ctx, name, seconds + time.perf_counter() - t0)
+        else:
+            _count_trips(ctx, [], time.perf_counter() - t0)
     return y
 
 
@@ -472,9 +528,11 @@ def _probs_lse(
     dropout_p: float,
     keep_BHTS: torch.Tensor | None,
     with_lse: bool = False,
+    probs_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """_probs, and with_lse also the row log-sum-exp of scale·AS + mask (B, H, T) in fp32, +INF on rows with every
-    key masked (so that exp(s - lse) = 0 there, as AP), for the fused backward (_VerifiedAttention)."""
+    key masked (so that exp(s - lse) = 0 there, as AP), for the fused backward (_VerifiedAttention). probs_dtype: AP's
+    dtype (V's) when AS was formed wider than the operands (fp16, _scores_product); default AS's."""
     # One new tensor, then in place: out-of-place masking copied the (B, H, T, S) scores once per mask.
     s = scores_BHTS * scale
     t, n_keys = s.shape[-2:]
@@ -493,7 +551,7 @@ def _probs_lse(
         # p = exp(m - lse): lse = m - log max(p), with max(p) >= 1/S (no cancellation). Two max passes (values only:
         # max with indices is ~15x slower on CPU) instead of torch.logsumexp's three.
         lse_BHT = s.amax(-1).float() - probs32.amax(-1).log()
-    probs = probs32.to(s.dtype)
+    probs = probs32.to(probs_dtype or s.dtype)
     dead = _dead_rows(attn_mask)
     if dead is not None:
         probs = probs.masked_fill(dead, 0.0)
@@ -512,11 +570,26 @@ def _future_mask(t: int, n_keys: int, device: torch.device) -> torch.Tensor:
     return torch.ones(t, n_keys, dtype=torch.bool, device=device).triu(1)
 
 
-def _fused_backward_ok(q_BHTD: torch.Tensor, dropout_p: float, return_probs: bool) -> bool:
+def _fused_backward_ok(
+    q_BHTD: torch.Tensor, dropout_p: float, return_probs: bool, attn_mask: torch.Tensor | None = None
+) -> bool:
     """Whether the CPU flash-attention backward can stand in for autograd through the unfused forward: it recomputes
     AP from Q, K and the row log-sum-exp, so it cannot reproduce our dropout mask, and return_probs hands AP itself
-    to the caller's graph."""
-    return q_BHTD.device.type == "cpu" and dropout_p == 0.0 and not return_probs
+    to the caller's graph. Nor does it return a gradient for the mask: a mask that requires grad (a learned relative
+    bias, T5/Swin/ALiBi style) is differentiated through the unfused graph instead, as PyTorch's own SDPA then runs
+    its math backend."""
+    mask_grad = attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
+    return q_BHTD.device.type == "cpu" and dropout_p == 0.0 and not return_probs and not mask_grad
+
+
+def _scores_product(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor) -> torch.Tensor:
+    """AS = Q Kᵀ (B, H, T, S). fp16 operands are multiplied into fp32: the unscaled logits pass fp16's 65504 well
+    before the scaled ones do, and PyTorch's attention (flash/efficient kernels, the CPU kernel) accumulates them in
+    fp32, so an fp16 AS would turn a finite attention into INF/NaN and a false "uncorrectable". fp16 values are exact
+    in fp32 (and in TF32), so the checksums of this product are those of an fp32 GEMM. bf16 has fp32's range."""
+    if q_BHTD.dtype == torch.float16:
+        return q_BHTD.float() @ k_BHSD.float().transpose(-2, -1)
+    return q_BHTD @ k_BHSD.transpose(-2, -1)
 
 
 @dataclass(slots=True)
@@ -555,11 +628,15 @@ class _VerifiedAttention(torch.autograd.Function):
 
 
 def _additive_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask as the fused backward takes it: additive, 4-D. A 3-D (H, T, S) mask, valid for SDPA (it broadcasts
+    from the right), is misread by the CPU kernel's backward, which then fails on its size."""
     if attn_mask is None:
         return None
     if attn_mask.dtype == torch.bool:
-        return torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(~attn_mask, -math.inf)
-    return attn_mask.to(dtype)
+        mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(~attn_mask, -math.inf)
+    else:
+        mask = attn_mask.to(dtype)
+    return mask.view(*(1,) * (4 - mask.dim()), *mask.shape) if mask.dim() < 4 else mask
 
 
 def _suspect_heads(passed: PassedProjection | None, x_BHSD: torch.Tensor, heads: int, tol: Tolerance) -> torch.Tensor | None:
@@ -635,13 +712,42 @@ def protected_sdpa(
         # kernel, exactly what the unprotected model runs. Passed checksums of this layer are dropped unused.
         for name in ("q", "k", "v"):
             ctx.passed.pop(name, None)
-        return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-    fused_grad = _fused_backward_ok(q_BHTD, dropout_p, return_probs)
+        if not (cfg.trips("scores") or cfg.trips("context")):
+            return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        fused, trip = _tripwire_sdpa(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal,
+                                     scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)
+        if trip is None or cfg.mode != "correct":
+            if trip is not None:
+                _emit_trip(ctx, trip, action="detected")
+            return fused
+        # Tier 1 tripped: drop the fused result and run the layer's attention again through the checked path, both
+        # ops verified (a transient fault does not repeat; one that does is located and corrected there).
+        force = frozenset(("scores", "context"))
+    else:
+        trip, force = None, frozenset()
+    caught: list[int] = [0]
+    tiles = choose_tiles(q_BHTD.shape[-2], k_BHSD.shape[-2], device=q_BHTD.device, dropout_p=dropout_p,
+                         return_probs=return_probs, paper=not cfg.source_repair and use_passed)
+    # The tiled path's CPU backward is the fused kernel, which has no gradient for the mask: a learned bias stays
+    # on the unfused path (its graph differentiates through the mask).
+    if tiles is not None and not (attn_mask is not None and attn_mask.requires_grad):
+        # O(T) extra memory instead of the T×S scores and probabilities (issue 12, tiled_attention.py).
+        for name in ("q", "k", "v"):
+            ctx.passed.pop(name, None)
+        out = tiled_sdpa(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                         tiles=tiles, force=force, caught=caught)
+        if trip is not None and not caught[0]:
+            _emit_trip(ctx, trip, action="recomputed")
+        return out
+    fused_grad = _fused_backward_ok(q_BHTD, dropout_p, return_probs, attn_mask)
     with torch.no_grad() if fused_grad else contextlib.nullcontext():
         out, probs, lse = _checked_attention(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask,
                                              is_causal=is_causal, scale=scale, dropout_p=dropout_p,
-                                             use_passed=use_passed, with_lse=fused_grad)
+                                             use_passed=use_passed and not force, with_lse=fused_grad, force=force,
+                                             caught=caught)
+    if trip is not None and not caught[0]:
+        _emit_trip(ctx, trip, action="recomputed")
     if fused_grad and torch.is_grad_enabled() and (q_BHTD.requires_grad or k_BHSD.requires_grad
                                                    or v_BHSD.requires_grad):
         assert lse is not None
@@ -664,8 +770,12 @@ def _checked_attention(
     dropout_p: float,
     use_passed: bool,
     with_lse: bool,
+    force: frozenset[str] = frozenset(),
+    caught: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """protected_sdpa's unfused forward with its checks and repairs: (out, AP, row log-sum-exp if with_lse)."""
+    """protected_sdpa's unfused forward with its checks and repairs: (out, AP, row log-sum-exp if with_lse).
+    force: ops verified whatever the step's config says (a tier-1 recovery; their events say tier "tripwire").
+    caught: [n], incremented by the number of detections emitted."""
     b, h, t, _ = q_BHTD.shape
     hk, s = k_BHSD.shape[-3], k_BHSD.shape[-2]
     cfg = ctx.config
@@ -677,34 +787,56 @@ def _checked_attention(
         for name, x in (("q", q_BHTD), ("k", k_BHSD), ("v", v_BHSD))
     }
     k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
-    scores = q_BHTD @ k_rep.transpose(-2, -1)
+    scores = _scores_product(q_BHTD, k_rep)
     _inject(ctx, "scores", scores)
     checks: dict[str, Checks] = {}
     seconds = dict.fromkeys(("scores", "context"), 0.0)
-    if cfg.checks("scores"):
+    tier = {op: "tripwire" if op in force else "abft" for op in ("scores", "context")}
+    wired: dict[str, torch.Tensor] = {}
+    """Tier 1: op -> its trip flag, for the ops only the tripwire looks at on this step."""
+    trip_s = 0.0
+    if cfg.checks("scores") or "scores" in force:
         t0 = time.perf_counter()
         checks["scores"] = _scores_checks(q_BHTD, k_rep, scores.detach(), passed, h, tol)
         _observe(ctx, checks["scores"])
         seconds["scores"] += time.perf_counter() - t0
+    elif cfg.trips("scores"):
+        t0 = time.perf_counter()
+        wired["scores"] = extreme(scores)
+        trip_s += time.perf_counter() - t0
     probs, keep, lse = _probs_lse(scores, scale=scale, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
-                                  keep_BHTS=None, with_lse=with_lse)
+                                  keep_BHTS=None, with_lse=with_lse, probs_dtype=v_rep.dtype)
     out = probs @ v_rep
     _inject(ctx, "context", out)
-    if cfg.checks("context"):
+    if cfg.checks("context") or "context" in force:
         t0 = time.perf_counter()
         checks["context"] = _context_checks(probs.detach(), v_rep, out.detach(), passed.get("v"), h, tol, dropout_p)
         _observe(ctx, checks["context"])
         seconds["context"] += time.perf_counter() - t0
-    if checks:
-        any_bad = torch.stack([_any_bad(c) for c in checks.values()]).any()
+    elif cfg.trips("context"):
+        t0 = time.perf_counter()
+        wired["context"] = extreme(out)
+        trip_s += time.perf_counter() - t0
+    if checks or wired:
+        any_bad = torch.stack([_any_bad(c) for c in checks.values()] + list(wired.values())).any()
         if bool(any_bad):  # sync: the one per protected attention call; decides whether the slow path runs
             t0 = time.perf_counter()
+            for op, flag in wired.items():
+                if not bool(flag):  # sync: slow path only, which op tripped
+                    continue
+                # A trip: the op gets its full check now, which locates and corrects (or recomputes) the fault.
+                tier[op] = "tripwire"
+                if op == "scores":
+                    checks[op] = _scores_checks(q_BHTD, k_rep, scores.detach(), passed, h, tol)
+                else:
+                    checks[op] = _context_checks(probs.detach(), v_rep, out.detach(), passed.get("v"), h, tol,
+                                                 dropout_p)
             correct = cfg.mode == "correct"
             if "scores" in checks:
                 trusted = _trusted(passed.get("q"), passed.get("k"), q_BHTD, k_BHSD, h, hk, tol)
 
                 def recompute_scores() -> torch.Tensor:
-                    fresh = q_BHTD.detach() @ k_rep.detach().transpose(-2, -1)
+                    fresh = _scores_product(q_BHTD.detach(), k_rep.detach())
                     _inject(ctx, "scores", fresh, attempt=1)
                     return fresh
 
@@ -714,11 +846,14 @@ def _checked_attention(
                 with _exact_math(scores):
                     reports = repair(scores, checks["scores"], tol, correct=correct, recompute=recompute_scores,
                                      trusted=trusted, exact=None if paper else exact_scores)
-                _emit(ctx, "scores", reports, heads=True)
+                _emit(ctx, "scores", reports, heads=True, tier=tier["scores"])
+                if caught is not None:
+                    caught[0] += len(reports)
                 if correct and any(r.action in ("corrected", "recomputed") for r in reports):
                     # AS was repaired in place: rebuild AP and CL from it, reusing the dropout mask.
                     probs, _, lse = _probs_lse(scores, scale=scale, attn_mask=attn_mask, is_causal=is_causal,
-                                               dropout_p=dropout_p, keep_BHTS=keep, with_lse=with_lse)
+                                               dropout_p=dropout_p, keep_BHTS=keep, with_lse=with_lse,
+                                               probs_dtype=v_rep.dtype)
                     out = probs @ v_rep
                     _inject(ctx, "context", out, attempt=1)
                     if "context" in checks:
@@ -742,11 +877,99 @@ def _checked_attention(
                 with _exact_math(out):
                     reports = repair(out, checks["context"], tol, correct=correct, recompute=recompute_context,
                                      trusted=trusted, exact=None if paper else exact_context)
-                _emit(ctx, "context", reports, heads=True)
+                _emit(ctx, "context", reports, heads=True, tier=tier["context"])
+                if caught is not None:
+                    caught[0] += len(reports)
             seconds["context"] += time.perf_counter() - t0
+    if wired:
+        _count_trips(ctx, list(wired), trip_s)
     for op in checks:
-        _count(ctx, op, seconds[op])
+        if tier[op] == "abft":
+            _count(ctx, op, seconds[op])
+        else:
+            _count_trips(ctx, [], seconds[op])
     return out, probs, lse
+
+
+@dataclass(frozen=True, slots=True)
+class _Trip:
+    """What tier 1 saw in a fused attention call: which op, the extreme value and where (batch, head, row[, col])."""
+
+    op: str
+    value: float
+    index: tuple[int, ...]
+
+
+def _tripwire_sdpa(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    *,
+    ctx: LayerContext,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    dropout_p: float,
+    enable_gqa: bool,
+) -> tuple[torch.Tensor, _Trip | None]:
+    """Tier 1 on the fused kernel: (out, None), or (out, what tripped). On CPU without dropout the kernel is called
+    directly for its row log-sum-exp, checked against the q/k norm bound (tripwire.lse_over_bound); elsewhere the
+    output alone is checked (INF/NaN in AS reach it; a finite near-INF score that does not is left to tier 2)."""
+    h = q_BHTD.shape[1]
+    lse_BHT: torch.Tensor | None = None
+    mask_add: torch.Tensor | None = None
+    # The CPU flash kernel takes 2-D or 4-D masks and one head size for q, k and v, and has no gradient for the mask;
+    # F.sdpa falls back to its math path otherwise (a learned bias: a mask that requires grad), and so does tier 1
+    # (output test only).
+    flash = (q_BHTD.device.type == "cpu" and dropout_p == 0.0 and q_BHTD.dim() == 4
+             and (attn_mask is None or (attn_mask.dim() in (2, 4) and not attn_mask.requires_grad))
+             and v_BHSD.shape[-1] == q_BHTD.shape[-1])
+    if flash:
+        k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
+        mask_add = _additive_mask(attn_mask, q_BHTD.dtype)
+        # What F.scaled_dot_product_attention runs on CPU for these inputs, with its log-sum-exp kept.
+        out, lse_BHT = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_BHTD, k_rep, v_rep, 0.0, is_causal, attn_mask=mask_add, scale=scale)
+        t0 = time.perf_counter()  # tier-1 time is the tests, not the attention the unprotected model runs too
+        # The mask's largest value joins the bound only after a trip (masks are <= 0 but for ALiBi-style biases):
+        # reading it on every call would cost as much as the rest of the tripwire.
+        flags = [extreme(out), lse_over_bound(q_BHTD, k_rep, lse_BHT, scale=scale)]
+    else:
+        k_rep = k_BHSD
+        out = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=attn_mask, dropout_p=dropout_p,
+                                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        t0 = time.perf_counter()
+        flags = [extreme(out)]
+    trip: _Trip | None = None
+    if bool(torch.stack(flags).any()):  # sync: the one per attention call on a tier-1 step
+        if bool(extreme(out)):  # sync: slow path only
+            value, index = extreme_value(out)
+            trip = _Trip("context", value, index[:3])
+        elif lse_BHT is not None:
+            mask_max = 0.0 if mask_add is None else float(mask_add.amax())  # sync: slow path only
+            if bool(lse_over_bound(q_BHTD, k_rep, lse_BHT, scale=scale, mask_max=mask_max)):  # sync: slow path
+                value, index = extreme_value(lse_BHT)
+                trip = _Trip("scores", value, index)
+    _count_trips(ctx, ["scores", "context"], time.perf_counter() - t0)
+    return out, trip
+
+
+def _emit_trip(ctx: LayerContext, trip: _Trip, *, action: str) -> None:
+    """The event of a tier-1 trip that the full check run after it had nothing left to locate (the fault was in a
+    result that was thrown away and computed again)."""
+    rt = ctx.runtime
+    kind = kind_of(trip.value)
+    if trip.op == "scores" and kind == "silent":
+        kind = "near_inf"  # a log-sum-exp over its bound: a score near INF, scaled and logged down
+    idx = trip.index
+    det = Detection(op=trip.op, layer=ctx.layer, step=ctx.step, pattern="0d", kind=kind, action=action,
+                    batch=idx[0] if idx else None, head=idx[1] if len(idx) > 1 else None,
+                    row=idx[2] if len(idx) > 2 else None, value=value_to_wire(trip.value), residual=None,
+                    bound=NEAR_INF, tier="tripwire")
+    if rt.stats is not None:
+        rt.stats.add_fault(trip.op, kind, action, "tripwire")
+    if rt.on_detection is not None:
+        rt.on_detection(det)
 
 
 def _trusted(

@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from .policy import MODES, OPS, TIERS, TOLERANCES
+
 if TYPE_CHECKING:
     from .events import Detection
     from .inject import Injector
 
-OPS: tuple[str, ...] = ("q", "k", "v", "scores", "context", "out")
-"""The protected operations, in the order they run in a layer."""
-
-MODES = ("off", "detect", "correct")
-TOLERANCES = ("roundoff", "extreme")
+__all__ = [
+    "MODES", "OPS", "RESIDUAL_RATIO_BUCKETS", "TIERS", "TOLERANCES", "CheckConfig", "LayerContext", "OpStats", "Runtime",
+]
 
 # Upper bounds of the residual/bound histogram the agent keeps on the device (wire: stats.residual_ratio.le).
 RESIDUAL_RATIO_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 1.0, 10.0, 1000.0)
@@ -41,9 +41,16 @@ class CheckConfig:
     False: paper-faithful checksum passing; q/k/v are only verified through scores and context."""
     checked_ops: frozenset[str] = frozenset(OPS)
     """Ops verified on the current step (the scheduler decides); the others are computed (and injected) only."""
+    tripwire: bool = True
+    """Tier 1: every op that is not verified on this step still gets the extreme-value tripwire (INF/NaN/near-INF),
+    and a trip recovers through the full check (docs/abft.md, "Tier 1")."""
 
     def checks(self, op: str) -> bool:
         return self.mode != "off" and op in self.checked_ops
+
+    def trips(self, op: str) -> bool:
+        """Whether ``op`` gets the tier-1 tripwire on this step (it is on, and the op is not fully checked)."""
+        return self.tripwire and self.mode != "off" and op not in self.checked_ops
 
 
 @dataclass(slots=True)
@@ -55,12 +62,21 @@ class OpStats:
     check_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPS, 0.0))
     # (op, kind) -> [detected, corrected, uncorrectable]
     faults: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    trip_checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
+    """Tier-1 tripwire checks per op (op calls not fully checked on their step)."""
+    catches: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(tier, op) -> faults caught; tier is one of TIERS. The optimizer net counts under op "grad"."""
+    trip_seconds: float = 0.0
+    """Time spent in tier 1 (and recovering from its trips), all ops."""
+    grad_checks: int = 0
+    """Optimizer steps whose gradients the last net looked at."""
     # Device tensors, created lazily on the first check's device: bucket counts (len(buckets)+1,), sum, count.
     residual_counts: torch.Tensor | None = None
     residual_sum: torch.Tensor | None = None
     residual_count: torch.Tensor | None = None
 
-    def add_fault(self, op: str, kind: str, action: str) -> None:
+    def add_fault(self, op: str, kind: str, action: str, tier: str = "abft") -> None:
+        self.catches[(tier, op)] = self.catches.get((tier, op), 0) + 1
         row = self.faults.setdefault((op, kind), [0, 0, 0])
         row[0] += 1
         if action in ("corrected", "recomputed"):

@@ -15,6 +15,7 @@ __all__ = [
     "NoProtectableAttentionError",
     "UncorrectableFault",
     "UnsupportedDeviceError",
+    "UnprotectedAttentionError",
     "UnsupportedDtypeError",
 ]
 
@@ -37,6 +38,10 @@ class UnsupportedDtypeError(AttnCheckerError, TypeError):
 
 class UnsupportedDeviceError(AttnCheckerError, TypeError):
     """The attention's parameters live on a device the engine does not run on."""
+
+
+class UnprotectedAttentionError(AttnCheckerError, RuntimeError):
+    """``protect(..., strict=True)``: some attention op would run unprotected (the message lists which and why)."""
 
 
 class UncorrectableFault(AttnCheckerError, RuntimeError):

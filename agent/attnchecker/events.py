@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from .abft.tolerance import NEAR_INF
+
 KINDS = ("inf", "neg_inf", "nan", "near_inf", "silent")
 PATTERNS = ("0d", "1d", "2d")
 ACTIONS = ("corrected", "recomputed", "detected", "uncorrectable")
@@ -21,7 +23,7 @@ def value_to_wire(x: float) -> str:
     return repr(float(x))
 
 
-def kind_of(x: float, *, near_inf: float = 1e10) -> str:
+def kind_of(x: float, *, near_inf: float = NEAR_INF) -> str:
     if math.isnan(x):
         return "nan"
     if math.isinf(x):
@@ -51,11 +53,16 @@ class Detection:
     bound: float = 0.0
     rank: int = 0
     policy_version: int = 0
+    tier: str = "abft"
+    """Which tier caught it (context.TIERS): "tripwire" (tier 1, every step), "abft" (tier 2, scheduled), "optimizer"
+    (the net at the optimizer step). Local only for now: the event wire format has no field for it (docs/wire.md);
+    the stats payload carries the per-tier counts."""
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
     ts: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="milliseconds"))
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)
+        d.pop("tier")
         loc = {k: d.pop(k) for k in ("batch", "head", "row", "col")}
         d["location"] = loc
         if d["residual"] is not None and not math.isfinite(d["residual"]):

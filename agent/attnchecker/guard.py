@@ -20,16 +20,18 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .context import OPS, CheckConfig, OpStats, Runtime
+from .context import OPS, TIERS, CheckConfig, OpStats, Runtime
+from .coverage import Coverage
 from .errors import (
     AlreadyProtectedError,
     NoProtectableAttentionError,
     UncorrectableFault,
+    UnprotectedAttentionError,
     UnsupportedDeviceError,
     UnsupportedDtypeError,
 )
@@ -37,6 +39,9 @@ from .events import Detection
 from .integrations._common import Binder, Site
 from .policy import Policy, PolicyError, Scheduler
 from .streaming import IntervalStats, add_counts
+
+if TYPE_CHECKING:
+    from .transport import TransportConfig
 
 __all__ = ["FaultCounts", "Guard", "Report", "is_protected", "protect", "unprotect"]
 
@@ -77,7 +82,14 @@ class Report:
     faults: Mapping[tuple[str, str], FaultCounts]
     """Per (op, kind); kinds are events.KINDS."""
     skipped_steps: int = 0
-    """Optimizer steps skipped under ``on_uncorrectable="skip_step"``."""
+    """Optimizer steps skipped under ``on_uncorrectable="skip_step"`` (and by the optimizer net)."""
+    tier_checks: Mapping[str, int] = field(default_factory=dict)
+    """Checks per tier (context.TIERS): tripwire = op calls only tier 1 looked at, abft = ``sum(checks)``,
+    optimizer = optimizer steps whose gradients the last net looked at."""
+    tier_catches: Mapping[str, int] = field(default_factory=dict)
+    """Faults caught per tier (each Detection once)."""
+    coverage: Coverage | None = None
+    """Per layer and op: protected by which path, or not and why; and calls that fell back at run time."""
 
     @property
     def detected(self) -> int:
@@ -116,6 +128,9 @@ class Report:
             "corrected": self.corrected,
             "uncorrectable": self.uncorrectable,
             "skipped_steps": self.skipped_steps,
+            "tier_checks": dict(self.tier_checks),
+            "tier_catches": dict(self.tier_catches),
+            "coverage": self.coverage.as_dict() if self.coverage is not None else None,
         }
 
 
@@ -124,8 +139,16 @@ class _Totals:
     checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
     faults: dict[tuple[str, str], list[int]] = field(default_factory=dict)
 
+    tier_checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    tier_catches: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+
     def add(self, stats: OpStats) -> None:
         add_counts(self.checks, self.faults, stats)
+        self.tier_checks["tripwire"] += sum(stats.trip_checks.values())
+        self.tier_checks["abft"] += sum(stats.checks.values())
+        self.tier_checks["optimizer"] += stats.grad_checks
+        for (tier, _op), n in stats.catches.items():
+            self.tier_catches[tier] = self.tier_catches.get(tier, 0) + n
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +162,7 @@ class _Streaming:
     spool_dir: Path
     interval_s: float
     interval_steps: int
-    transport_options: Mapping[str, Any]
+    transport: TransportConfig
     register_policy: bool = False
     """protect() was given ``policy=`` explicitly: send it as a new run's starting policy (docs/wire.md)."""
 
@@ -163,6 +186,7 @@ def _config_from(policy: Policy, checked_ops: frozenset[str]) -> CheckConfig:
         tolerance_factor=policy.tolerance_factor,
         source_repair=policy.source_repair,
         checked_ops=checked_ops,
+        tripwire=policy.tripwire,
     )
 
 
@@ -184,6 +208,7 @@ class Guard:
         rank: int,
         max_detections: int,
         streaming: _Streaming | None = None,
+        strict: bool = False,
     ) -> None:
         self.model = model
         self.run = run
@@ -195,6 +220,7 @@ class Guard:
             step=0, injector=_make_injector(faults), on_detection=self._on_detection, stats=OpStats()
         )
         self._binder = Binder(self.runtime)
+        self._binder.strict = strict
         self._detections: deque[Detection] = deque(maxlen=max_detections)
         self._totals = _Totals()
         self._steps = 0
@@ -217,6 +243,7 @@ class Guard:
                     f"Supported: {SUPPORTED_MODELS}."
                 )
             _require_supported_params(model, self._binder)
+            _check_coverage(self._binder.coverage(), strict=strict)
             pre = model.register_forward_pre_hook(self._root_pre_hook)
             post = model.register_forward_hook(self._root_post_hook, always_call=True)
             self._binder.on_close(pre.remove)
@@ -254,6 +281,12 @@ class Guard:
     def sites(self) -> tuple[Site, ...]:
         """The protected attention layers: module name, layer index, integration, ops verified."""
         return tuple(self._binder.sites)
+
+    @property
+    def coverage(self) -> Coverage:
+        """What is protected, per layer and op and by which path, and what is not and why (docs/architectures.md),
+        including calls that fell back to an unprotected kernel so far."""
+        return self._binder.coverage()
 
     @property
     def detections(self) -> list[Detection]:
@@ -330,7 +363,8 @@ class Guard:
 
     def report(self) -> Report:
         """Counts since ``protect()``, including the step in progress."""
-        totals = _Totals(checks=dict(self._totals.checks), faults={k: list(v) for k, v in self._totals.faults.items()})
+        totals = _Totals(checks=dict(self._totals.checks), faults={k: list(v) for k, v in self._totals.faults.items()},
+                         tier_checks=dict(self._totals.tier_checks), tier_catches=dict(self._totals.tier_catches))
         if self.runtime.stats is not None:
             totals.add(self.runtime.stats)
         return Report(
@@ -338,6 +372,9 @@ class Guard:
             checks=MappingProxyType(totals.checks),
             faults=MappingProxyType({k: FaultCounts(*v) for k, v in totals.faults.items()}),
             skipped_steps=self._skipped_steps,
+            tier_checks=MappingProxyType(totals.tier_checks),
+            tier_catches=MappingProxyType(totals.tier_catches),
+            coverage=self._binder.coverage(),
         )
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, step: bool = True) -> None:
@@ -418,7 +455,7 @@ class Guard:
 
         self._transport = Transport(
             s.collector, s.token, s.run, spool_dir=s.spool_dir, run_info=self._run_info(register_policy=s.register_policy),
-            **s.transport_options
+            config=s.transport,
         ).start()
         self._interval = IntervalStats(self._transport.emit_stats, rank=self.rank, interval_s=s.interval_s,
                                        interval_steps=s.interval_steps)
@@ -451,6 +488,7 @@ class Guard:
                 "layers": len(self._binder.sites),
                 "integrations": sorted({site.integration for site in self._binder.sites}),
                 "ops": sorted({op for site in self._binder.sites for op in site.ops}),
+                "coverage": self._binder.coverage().to_wire(),
                 "parameters": sum(p.numel() for p in self.model.parameters()),
                 "device": str(param.device) if param is not None else None,
                 "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
@@ -466,7 +504,8 @@ class Guard:
         """At close: fold a step in progress (a forward after the last ``step()``) into the last interval, so the
         stats count every event that was sent, and send it. Returns the last step for the finish record."""
         stats, self.runtime.stats = self.runtime.stats, None
-        partial = stats is not None and (any(stats.checks.values()) or bool(stats.faults))
+        partial = stats is not None and (any(stats.checks.values()) or bool(stats.faults)
+                                         or any(stats.trip_checks.values()) or stats.grad_checks > 0)
         if partial:
             assert stats is not None
             self._totals.add(stats)  # report() keeps counting it after close
@@ -542,6 +581,8 @@ class Guard:
             self._raise_uncorrectable()
 
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._skip_next_step and self._policy.tripwire and self._policy.mode != "off":
+            self._gradient_net(optimizer)
         if not self._skip_next_step:
             return
         self._skip_next_step = False
@@ -550,6 +591,43 @@ class Guard:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
+
+    def _gradient_net(self, optimizer: torch.optim.Optimizer) -> None:
+        """The last net (tier "optimizer"): a non-finite gradient means a fault got past both tiers (outside the
+        protected GEMMs, or in backward). The optimizer never steps on it: "log" and "skip_step" both skip this step
+        (stepping would write INF/NaN into the weights, which no later step undoes), "raise" raises. Every period
+        snaps to min_period and a Detection (op "grad") is recorded, locally only: the event wire knows the six ops."""
+        stats = self.runtime.stats
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None and not p.grad.is_sparse]
+        if not grads:
+            return
+        if stats is not None:
+            stats.grad_checks += 1
+        norms = torch._foreach_norm(grads, float("inf"))
+        if bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):  # sync: one per optimizer step
+            return
+        self._scheduler.snap_all()
+        action = self._policy.on_uncorrectable
+        det = Detection(op="grad", layer=0, step=self.runtime.step, pattern="2d", kind="nan", action="uncorrectable",
+                        value="nan", residual=None, bound=0.0, tier="optimizer", rank=self.rank,
+                        policy_version=self._policy.version)
+        for n in norms:
+            if not bool(torch.isfinite(n)):  # sync: slow path only, the first bad tensor's kind
+                det.kind = "nan" if bool(torch.isnan(n)) else "inf"
+                break
+        self._detections.append(det)
+        if stats is not None:
+            # Not in stats.faults: those are per protected op, and "grad" is none of them.
+            stats.catches[("optimizer", "grad")] = stats.catches.get(("optimizer", "grad"), 0) + 1
+        log.warning("attnchecker: non-finite gradient (%s) at the optimizer at step %d: a fault outside the checked "
+                    "ops; %s (on_uncorrectable=%s), every check period back to min_period", det.kind,
+                    self.runtime.step, "raising" if action == "raise" else "skipping this optimizer step", action)
+        if action == "raise":
+            raise UncorrectableFault(
+                f"non-finite gradient ({det.kind}) at the optimizer at step {self.runtime.step}; policy "
+                "on_uncorrectable='raise'", [det])
+        self._skip_next_step = True
 
     def _optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step()
@@ -603,6 +681,21 @@ def _attach(binder: Binder, model: nn.Module) -> None:
     torch_mha.attach(binder, model)
 
 
+def _check_coverage(coverage: Coverage, *, strict: bool) -> None:
+    """Never silent: one warning listing every op left unprotected (or, strict, an error instead)."""
+    gaps = coverage.gaps()
+    if not gaps:
+        return
+    listing = "; ".join(gaps)
+    if strict:
+        raise UnprotectedAttentionError(
+            f"{len(coverage.unprotected)} attention op(s) would run unprotected: {listing}. "
+            "Leave out strict=True to train with them unprotected (Guard.coverage lists them)."
+        )
+    log.warning("attnchecker: %d attention op(s) left unprotected (Guard.coverage): %s",
+                len(coverage.unprotected), listing)
+
+
 def _iter_site_params(binder: Binder) -> Iterator[tuple[str, torch.Tensor]]:
     names = {site.layer: site.name for site in binder.sites}
     for module, ctx in binder.contexts.items():
@@ -639,7 +732,8 @@ def protect(
     max_detections: int = 10_000,
     stats_interval_s: float = 1.0,
     stats_interval_steps: int = 100,
-    transport_options: Mapping[str, Any] | None = None,
+    transport_options: TransportConfig | Mapping[str, Any] | None = None,
+    strict: bool = False,
 ) -> Guard:
     """Protect the attention of an unmodified model with ABFT checksums. Returns a :class:`Guard`; also usable as
     ``with protect(model) as guard: ...``.
@@ -665,12 +759,15 @@ def protect(
         max_detections: how many recent detections ``Guard.detections`` keeps.
         stats_interval_s, stats_interval_steps: one stats interval goes to the collector every this many seconds
             or steps, whichever comes first (and at a policy change, and at close).
-        transport_options: keyword arguments for :class:`attnchecker.transport.Transport` (timeouts, batch size,
-            ``poll_interval_s``, ...).
+        transport_options: an :class:`attnchecker.transport.TransportConfig`, or a mapping of its fields (timeouts,
+            batch size, ``poll_interval_s``, ...); an unknown key is a ValueError that lists the known ones.
+        strict: raise ``UnprotectedAttentionError`` instead of warning when an attention op would run unprotected
+            (a projection wrapper or attention variant the engine does not support: ``Guard.coverage``), here and at
+            a run-time fallback.
 
     Raises:
         NoProtectableAttentionError, AlreadyProtectedError, UnsupportedDtypeError, UnsupportedDeviceError,
-        PolicyError, ValueError (bad arguments).
+        UnprotectedAttentionError (strict), PolicyError, ValueError (bad arguments).
     """
     if not isinstance(model, nn.Module):
         raise NoProtectableAttentionError(f"protect() needs a torch.nn.Module, got {type(model).__name__}")
@@ -704,6 +801,7 @@ def protect(
         rank=rank,
         max_detections=max_detections,
         streaming=streaming,
+        strict=strict,
     )
 
 
@@ -716,7 +814,7 @@ def _streaming_config(
     spool_dir: str | os.PathLike[str] | None,
     interval_s: float,
     interval_steps: int,
-    transport_options: Mapping[str, Any] | None,
+    transport_options: TransportConfig | Mapping[str, Any] | None,
     register_policy: bool = False,
 ) -> _Streaming | None:
     if collector is None:
@@ -742,9 +840,16 @@ def _streaming_config(
         spool_dir=Path(spool_dir),
         interval_s=interval_s,
         interval_steps=interval_steps,
-        transport_options=dict(transport_options or {}),
+        transport=_transport_config(transport_options),
         register_policy=register_policy,
     )
+
+
+def _transport_config(options: TransportConfig | Mapping[str, Any] | None) -> TransportConfig:
+    # httpx and the sender load only for a guard that streams.
+    from .transport import TransportConfig
+
+    return TransportConfig.from_options(options)
 
 
 def is_protected(model: nn.Module) -> bool:

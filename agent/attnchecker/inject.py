@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from .context import OPS
+from .policy import OPS
 
-__all__ = ["FAULT_KINDS", "FAULT_PATTERNS", "Fault", "FaultPlan", "Injected", "Injector", "bitflip"]
+__all__ = ["FAULT_KINDS", "FAULT_PATTERNS", "Fault", "FaultPlan", "Injected", "Injector", "WindowHit", "bitflip"]
 
 FAULT_KINDS = ("inf", "neg_inf", "nan", "near_inf", "bitflip", "add")
 """add: a finite error of `value` added to the element (an ordinary silent error)."""
@@ -165,15 +165,75 @@ class Injector:
                 self.injected.append(_inject_one(out, fault, attempt))
 
 
+    def resolve(
+        self, *, op: str, layer: int, step: int, shape: Sequence[int], attempt: int = 0
+    ) -> list[WindowHit]:
+        """For an op computed in tiles (the tiled attention): the faults that fire on this computation of the op,
+        located on its whole (..., R, C) shape as ``apply`` would, to be written tile by tile with
+        :meth:`WindowHit.apply`. Firing follows ``apply``: a transient fault fires once, a persistent one on every
+        computation."""
+        planned = self._by_slot.get((op, layer, step))
+        if not planned:
+            return []
+        hits = []
+        for i, fault in planned:
+            if i in self._fired and not fault.persistent:
+                continue
+            self._fired.add(i)
+            lead, rows, cols = _locate(tuple(shape), fault)
+            hits.append(WindowHit(fault=fault, lead=lead, rows=rows, cols=cols, attempt=attempt, sink=self.injected))
+        return hits
+
+
+@dataclass(slots=True, kw_only=True)
+class WindowHit:
+    """One resolved fault of an op computed in tiles: its elements in whole-matrix coordinates."""
+
+    fault: Fault
+    lead: list[int]
+    rows: list[int]
+    cols: list[int]
+    attempt: int
+    sink: list[Injected]
+    recorded: bool = False
+
+    def apply(self, tile: torch.Tensor, r0: int, c0: int) -> None:
+        """Corrupt the part of the fault inside the tile whose top-left element is (r0, c0) of the whole matrix. The
+        ground truth is recorded once, at the tile holding the fault's first element."""
+        n_rows, n_cols = tile.shape[-2:]
+        rows = [r - r0 for r in self.rows if r0 <= r < r0 + n_rows]
+        cols = [c - c0 for c in self.cols if c0 <= c < c0 + n_cols]
+        if not rows or not cols:
+            return
+        with torch.no_grad():
+            index: tuple[Any, ...] = (*self.lead, torch.tensor(rows, device=tile.device)[:, None],
+                                      torch.tensor(cols, device=tile.device)[None, :])
+            before = tile[index].clone()
+            tile[index] = _corrupt(before, self.fault)
+            first = (self.rows[0] - r0, self.cols[0] - c0)
+            if not self.recorded and first == (rows[0], cols[0]):
+                self.recorded = True
+                f = self.fault
+                self.sink.append(Injected(
+                    fault=f, op=f.op, layer=f.layer, step=f.step, kind=f.kind, pattern=f.pattern,
+                    batch=self.lead[0] if self.lead else None, head=self.lead[1] if len(self.lead) > 1 else None,
+                    rows=tuple(self.rows), cols=tuple(self.cols),
+                    original=float(before.flatten()[0]),  # sync: injection only, never on a fault-free call
+                    value=float(tile[index].flatten()[0]),  # sync: injection only
+                    attempt=self.attempt,
+                ))
+
+
 def _draw(gen: torch.Generator, n: int) -> int:
     return int(torch.randint(n, (1,), generator=gen))
 
 
-def _inject_one(out: torch.Tensor, fault: Fault, attempt: int) -> Injected:
-    if out.dim() < 2:
-        raise ValueError(f"cannot inject into a tensor of shape {tuple(out.shape)}")
+def _locate(shape: tuple[int, ...], fault: Fault) -> tuple[list[int], list[int], list[int]]:
+    """(leading index, rows, cols) the fault hits in a tensor of this shape, drawn from the fault's seed."""
+    if len(shape) < 2:
+        raise ValueError(f"cannot inject into a tensor of shape {shape}")
     gen = torch.Generator().manual_seed(fault.seed)
-    lead_shape, (n_rows, n_cols) = out.shape[:-2], out.shape[-2:]
+    lead_shape, (n_rows, n_cols) = shape[:-2], shape[-2:]
     lead = [_draw(gen, n) for n in lead_shape]
     if lead and fault.batch is not None:
         lead[0] = fault.batch
@@ -190,6 +250,11 @@ def _inject_one(out: torch.Tensor, fault: Fault, attempt: int) -> Injected:
         bh, bw = min(fault.block[0], n_rows), min(fault.block[1], n_cols)
         r0, c0 = min(row, n_rows - bh), min(col, n_cols - bw)
         rows, cols = list(range(r0, r0 + bh)), list(range(c0, c0 + bw))
+    return lead, rows, cols
+
+
+def _inject_one(out: torch.Tensor, fault: Fault, attempt: int) -> Injected:
+    lead, rows, cols = _locate(tuple(out.shape), fault)
     rows_t = torch.tensor(rows, device=out.device)[:, None]
     cols_t = torch.tensor(cols, device=out.device)[None, :]
     index: tuple[Any, ...] = (*lead, rows_t, cols_t)

@@ -17,10 +17,13 @@ from .errors import AttnCheckerError
 
 __all__ = ["OPS", "Policy", "PolicyError", "Scheduler"]
 
-# The op vocabulary of the wire format. Mirrors attnchecker.context.OPS, which imports torch; a test pins the two
-# together so they cannot drift.
+# The agent's vocabulary, torch-free so that the transport, the CLI and the wire contract read it without torch.
+# The engine (context.py) re-exports these; nothing defines them a second time.
 OPS: tuple[str, ...] = ("q", "k", "v", "scores", "context", "out")
+"""The protected operations, in the order they run in a layer."""
 MODES: tuple[str, ...] = ("off", "detect", "correct")
+TIERS: tuple[str, ...] = ("tripwire", "abft", "optimizer")
+"""Who caught a fault: tier 1 (every step, extreme values), tier 2 (scheduled full ABFT), the optimizer net."""
 TOLERANCES: tuple[str, ...] = ("roundoff", "extreme")
 ON_UNCORRECTABLE: tuple[str, ...] = ("log", "skip_step", "raise")
 
@@ -81,6 +84,10 @@ class Policy:
     source_repair: bool = True
     overhead_budget: float = 0.05
     """Check time / step time the adaptive scheduler keeps the run under (0 < x <= 1)."""
+    tripwire: bool = True
+    """Tier 1: on the steps an op's full check is not due, its output still gets the extreme-value tripwire
+    (INF/NaN/near-INF), a trip recovers through the full check, and the optimizer never steps on non-finite
+    gradients (docs/adaptive.md). False leaves those steps unchecked, as before tiers existed."""
 
     def __post_init__(self) -> None:
         _require_int("version", self.version, minimum=0)
@@ -105,6 +112,7 @@ class Policy:
             raise PolicyError(f"policy.tolerance_factor must be a finite number > 0, got {self.tolerance_factor!r}")
         _require_choice("on_uncorrectable", self.on_uncorrectable, ON_UNCORRECTABLE)
         _require_bool("source_repair", self.source_repair)
+        _require_bool("tripwire", self.tripwire)
         if not _is_number(self.overhead_budget) or not 0 < self.overhead_budget <= 1:
             raise PolicyError(f"policy.overhead_budget must be a number with 0 < x <= 1, got {self.overhead_budget!r}")
         # A read-only copy: the caller's dict can change later without changing this version of the policy.
@@ -279,6 +287,16 @@ class Scheduler:
                     st.hot = False
         if overhead_ratio is not None and adapting:
             self._observe_overhead(overhead_ratio)
+
+    def snap_all(self) -> None:
+        """A fault the ops' own checks did not catch (the optimizer net saw non-finite gradients): every unpinned op
+        goes to ``min_period``, as after a detection in it, since nobody can tell which op let it through."""
+        pol = self._policy
+        if not pol.adaptive or pol.mode == "off":
+            return
+        for op, st in self._state.items():
+            if op not in pol.op_periods:
+                st.period, st.quiet, st.hot = pol.min_period, 0, True
 
     def _observe_overhead(self, ratio: float) -> None:
         pol = self._policy

@@ -82,6 +82,10 @@ class IntervalStats:
         self._check_seconds = dict.fromkeys(OPS, 0.0)
         self._faults: dict[tuple[str, str], list[int]] = {}
         self._residual: torch.Tensor | None = None
+        self._trip_checks = dict.fromkeys(OPS, 0)
+        self._trip_seconds = 0.0
+        self._catches: dict[tuple[str, str], int] = {}
+        self._grad_checks = 0
 
     @property
     def pending_steps(self) -> int:
@@ -100,6 +104,12 @@ class IntervalStats:
         for op, s in stats.check_seconds.items():
             self._check_seconds[op] = self._check_seconds.get(op, 0.0) + s
         self._add_residual(stats)
+        for op, n in stats.trip_checks.items():
+            self._trip_checks[op] = self._trip_checks.get(op, 0) + n
+        self._trip_seconds += stats.trip_seconds
+        for key, n in stats.catches.items():
+            self._catches[key] = self._catches.get(key, 0) + n
+        self._grad_checks += stats.grad_checks
 
     def _add_residual(self, stats: OpStats) -> None:
         counts, total, count = stats.residual_counts, stats.residual_sum, stats.residual_count
@@ -147,9 +157,16 @@ class IntervalStats:
             "check_seconds": sum(self._check_seconds.values()),
             "ops": [
                 {"op": op, "checks": self._checks.get(op, 0), "check_seconds": self._check_seconds.get(op, 0.0),
-                 "period": int(periods[op])}
+                 "period": int(periods[op]),
+                 # Per tier (docs/wire.md): tier-1 checks, and what each tier caught.
+                 "tripwire_checks": self._trip_checks.get(op, 0),
+                 "tripwire_catches": self._catches.get(("tripwire", op), 0),
+                 "abft_catches": self._catches.get(("abft", op), 0)}
                 for op in OPS
             ],
+            "tripwire_seconds": self._trip_seconds,
+            "optimizer_checks": self._grad_checks,
+            "optimizer_catches": self._catches.get(("optimizer", "grad"), 0),
             "faults": [
                 {"op": op, "kind": kind, "detected": row[0], "corrected": row[1], "uncorrectable": row[2]}
                 for (op, kind), row in sorted(self._faults.items())

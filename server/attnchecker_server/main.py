@@ -14,6 +14,7 @@ from .db import make_engine, make_session_factory
 from .errors import install_error_handlers
 from .metrics import DbCollector, IngestMetrics
 from .middleware import BodyLimitMiddleware, IngestMetricsMiddleware
+from .webui import install_web_ui
 
 __all__ = ["create_app"]
 
@@ -52,6 +53,7 @@ def create_app(settings: Settings | None = None, registry: CollectorRegistry | N
     install_error_handlers(app)
     for router in (runs.router, events.router, policy.router, health.router, health.metrics_route(registry)):
         app.include_router(router)
+    install_web_ui(app)
     # Outermost last: the ingest metrics also count the 413s the body limit answers.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(IngestMetricsMiddleware, metrics=ingest)

@@ -16,13 +16,15 @@ from prometheus_client.utils import floatToGoString
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from .models import Policy, Run, RunFaultCounter, RunOpCounter, RunResidualBucket, utcnow
+from .models import Policy, Run, RunFaultCounter, RunOpCounter, RunResidualBucket, RunTierCounter, utcnow
 
 __all__ = ["METRIC_NAMES", "DbCollector", "IngestMetrics"]
 
 # name -> (type, labels); the wire contract's table.
 METRIC_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "attnchecker_checks_total": ("counter", ("run", "op")),
+    "attnchecker_tier_checks_total": ("counter", ("run", "tier", "op")),
+    "attnchecker_tier_catches_total": ("counter", ("run", "tier", "op")),
     "attnchecker_faults_detected_total": ("counter", ("run", "op", "kind")),
     "attnchecker_faults_corrected_total": ("counter", ("run", "op", "kind")),
     "attnchecker_faults_uncorrectable_total": ("counter", ("run", "op", "kind")),
@@ -40,6 +42,7 @@ METRIC_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "attnchecker_agent_events_sent_total": ("counter", ("run",)),
     "attnchecker_agent_events_spooled_total": ("counter", ("run",)),
     "attnchecker_agent_events_dropped_total": ("counter", ("run",)),
+    "attnchecker_coverage_ops": ("gauge", ("run", "state")),
     "attnchecker_ingest_events_total": ("counter", ()),
     "attnchecker_ingest_requests_total": ("counter", ("endpoint", "status")),
     "attnchecker_ingest_request_duration_seconds": ("histogram", ("endpoint",)),
@@ -115,6 +118,9 @@ class DbCollector(Collector):
             bucket_rows = (
                 session.scalars(select(RunResidualBucket).where(RunResidualBucket.run_id.in_(ids))).all() if ids else []
             )
+            tier_rows = (
+                session.scalars(select(RunTierCounter).where(RunTierCounter.run_id.in_(ids))).all() if ids else []
+            )
             policies = {p.scope: p for p in session.scalars(select(Policy).where(Policy.scope.in_(ids)))} if ids else {}
 
         def counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
@@ -183,7 +189,16 @@ class DbCollector(Collector):
                 lambda r: r.events_dropped_total,
             ),
         ]
-        families: list[Metric] = [checks, detected, corrected, uncorrectable]
+        tier_checks = counter("attnchecker_tier_checks_total", "Checks per protection tier (tripwire, abft, "
+                              "optimizer).", ["run", "tier", "op"])
+        tier_catches = counter("attnchecker_tier_catches_total", "Faults caught per protection tier.",
+                               ["run", "tier", "op"])
+        for tier_row in tier_rows:
+            labels = [names[tier_row.run_id], tier_row.tier, tier_row.op]
+            tier_checks.add_metric(labels, tier_row.checks)
+            tier_catches.add_metric(labels, tier_row.catches)
+
+        families: list[Metric] = [checks, detected, corrected, uncorrectable, tier_checks, tier_catches]
         for kind, name, doc, value_of in per_run:
             family: Metric = (
                 counter(name, doc, ["run"]) if kind == "counter" else GaugeMetricFamily(name, doc, labels=["run"])
@@ -205,7 +220,7 @@ class DbCollector(Collector):
             if policy is not None:
                 requested.add_metric([run.name], policy.version)
                 budget.add_metric([run.name], float(policy.body.get("overhead_budget", 0.0)))
-        families += [requested, budget, period]
+        families += [requested, budget, period, _coverage(runs)]
 
         residual = HistogramMetricFamily(
             "attnchecker_checksum_residual_ratio", "Worst |d1| / bound of each clean check.", labels=["run"]
@@ -226,6 +241,25 @@ class DbCollector(Collector):
             residual.add_metric([run.name], series, sum_value=run.residual_sum)
         families.append(residual)
         return iter(families)
+
+
+def _coverage(runs: list[Run]) -> GaugeMetricFamily:
+    """Attention ops protected / left unprotected, from the coverage map the agent registered (config.coverage,
+    docs/wire.md). The config is free-form JSON: anything but a non-negative integer count is skipped."""
+    family = GaugeMetricFamily(
+        "attnchecker_coverage_ops",
+        "Attention ops (per layer and op) the agent protects, and leaves unprotected, as registered.",
+        labels=["run", "state"],
+    )
+    for run in runs:
+        coverage = run.config.get("coverage") if isinstance(run.config, dict) else None
+        if not isinstance(coverage, dict):
+            continue
+        for state in ("protected", "unprotected"):
+            count = coverage.get(state)
+            if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+                family.add_metric([run.name, state], float(count))
+    return family
 
 
 class IngestMetrics:

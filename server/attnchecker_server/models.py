@@ -29,6 +29,7 @@ __all__ = [
     "RunFaultCounter",
     "RunOpCounter",
     "RunResidualBucket",
+    "RunTierCounter",
     "StatsInterval",
     "utcnow",
 ]
@@ -176,6 +177,19 @@ class RunFaultCounter(Base):
     detected: Mapped[int] = mapped_column(BigInteger, default=0)
     corrected: Mapped[int] = mapped_column(BigInteger, default=0)
     uncorrectable: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class RunTierCounter(Base):
+    """Checks and catches per protection tier (docs/adaptive.md): "tripwire" and "abft" per op, "optimizer" under
+    op "grad". Rows appear only for what an agent reported (agents from before the tiers send none)."""
+
+    __tablename__ = "run_tier_counter"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
+    tier: Mapped[str] = mapped_column(String(16), primary_key=True)
+    op: Mapped[str] = mapped_column(String(16), primary_key=True)
+    checks: Mapped[int] = mapped_column(BigInteger, default=0)
+    catches: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class RunResidualBucket(Base):

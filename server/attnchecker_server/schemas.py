@@ -116,6 +116,7 @@ class PolicyIn(_In):
     on_uncorrectable: OnUncorrectable = "log"
     source_repair: bool = True
     overhead_budget: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] = 0.05
+    tripwire: bool = True
 
     @model_validator(mode="after")
     def _min_le_max(self) -> "PolicyIn":
@@ -146,6 +147,7 @@ class PolicyUpdate(_In):
     on_uncorrectable: OnUncorrectable | None = None
     source_repair: bool | None = None
     overhead_budget: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    tripwire: bool | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -270,6 +272,10 @@ class OpStatsIn(_In):
     checks: NonNegInt
     check_seconds: NonNegFloat = 0.0
     period: PositiveInt | None = None
+    # Per tier (issue 10); optional, so agents from before the tiers still validate.
+    tripwire_checks: NonNegInt = 0
+    tripwire_catches: NonNegInt = 0
+    abft_catches: NonNegInt = 0
 
 
 class FaultStatsIn(_In):
@@ -317,6 +323,9 @@ class StatsIn(_In):
     faults: list[FaultStatsIn] = Field(default_factory=list, max_length=256)
     residual_ratio: ResidualHistogramIn | None = None
     transport: TransportStatsIn = Field(default_factory=TransportStatsIn)
+    tripwire_seconds: NonNegFloat = 0.0
+    optimizer_checks: NonNegInt = 0
+    optimizer_catches: NonNegInt = 0
 
     @model_validator(mode="after")
     def _consistent(self) -> "StatsIn":

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 from attnchecker import FaultPlan, Policy
-from attnchecker.integrations.callbacks import AttnCheckerCallback, AttnCheckerLightningCallback
+from attnchecker import AttnCheckerCallback, AttnCheckerLightningCallback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

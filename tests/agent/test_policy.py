@@ -11,7 +11,7 @@ from attnchecker.policy import OPS, Policy, PolicyError
 WIRE_EXAMPLE = {
     "version": 4, "mode": "correct", "period": 1, "op_periods": {"scores": 4}, "adaptive": True,
     "min_period": 1, "max_period": 8, "tolerance": "roundoff", "tolerance_factor": 1.0,
-    "on_uncorrectable": "log", "source_repair": True, "overhead_budget": 0.05,
+    "on_uncorrectable": "log", "source_repair": True, "overhead_budget": 0.05, "tripwire": True,
     "updated_at": "2026-11-29T15:32:40.123Z", "updated_by": "alice",
 }
 
@@ -112,8 +112,17 @@ def test_policy_pickles():
     assert pickle.loads(pickle.dumps(p)) == p
 
 
-def test_policy_ops_match_the_engine_vocabulary():
-    from attnchecker.context import MODES, OPS as CONTEXT_OPS, TOLERANCES
-    from attnchecker.policy import MODES as P_MODES, TOLERANCES as P_TOL
+def test_the_engine_uses_the_policy_vocabulary_not_a_copy():
+    from attnchecker import context, policy
 
-    assert (OPS, P_MODES, P_TOL) == (CONTEXT_OPS, MODES, TOLERANCES)
+    assert (context.OPS, context.MODES, context.TOLERANCES) == (policy.OPS, policy.MODES, policy.TOLERANCES)
+    assert context.OPS is policy.OPS and context.MODES is policy.MODES and context.TOLERANCES is policy.TOLERANCES
+    assert context.TIERS is policy.TIERS
+
+
+def test_tripwire_is_on_by_default_and_a_bool():
+    assert Policy().tripwire is True
+    assert Policy.from_wire({}).tripwire is True  # a collector from before the tiers sends no such field
+    assert Policy(tripwire=False).to_wire()["tripwire"] is False
+    with pytest.raises(PolicyError, match="policy.tripwire must be a bool"):
+        Policy(tripwire=1)

@@ -11,9 +11,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-
+from attnchecker.cli.sync import sync_main
 from attnchecker.policy import Policy
-from attnchecker.transport import Transport, replay_spool, sync_main
+from attnchecker.transport import Transport, replay_spool
 from attnchecker.transport.spool import SpoolWriter, list_files, read_records
 
 # The loopback collector lives next to this file; make it importable under either pytest import mode.

@@ -34,6 +34,7 @@ class LoopbackCollector:
                                        "source_repair": True, "overhead_budget": 0.05,
                                        "updated_at": "2026-11-29T15:00:00Z", "updated_by": "test"}
         self.mode = "ok"  # ok | fail503 | hang | store_then_hang_once
+        self.retry_after: str | None = None  # the Retry-After header of a fail503 answer
         self.release = threading.Event()
         self.port = 0
         self._server: ThreadingHTTPServer | None = None
@@ -83,6 +84,8 @@ class LoopbackCollector:
     # Request handling (runs on the server's handler threads).
 
     def handle(self, method: str, path: str, headers: dict[str, str], body: Any) -> tuple[int, Any, dict[str, str]]:
+        if method == "GET" and path == "/readyz":  # like the real one: no token needed
+            return 200, {"status": "ready"}, {}
         if headers.get("authorization") != f"Bearer {TOKEN}":
             return 401, {"detail": "bad token"}, {}
         parts = path.split("?")[0].strip("/").split("/")
@@ -156,7 +159,8 @@ def _handler(c: LoopbackCollector) -> type[BaseHTTPRequestHandler]:
                 c.release.wait(60)
                 return
             if mode == "fail503":
-                status, body, extra = 503, {"detail": "down for maintenance"}, {}
+                status, body = 503, {"detail": [{"msg": "database unavailable"}]}
+                extra = {"Retry-After": c.retry_after} if c.retry_after is not None else {}
             else:
                 status, body, extra = c.handle(method, self.path, headers, json.loads(raw) if raw else None)
                 if mode == "store_then_hang_once" and self.path.endswith("events:batch") and status == 200:

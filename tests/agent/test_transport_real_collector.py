@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-
-from attnchecker.transport import Transport, sync_main
+from attnchecker.cli.sync import sync_main
+from attnchecker.transport import Transport
 
 testing = pytest.importorskip("attnchecker_server.testing")
 

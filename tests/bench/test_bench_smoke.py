@@ -45,7 +45,8 @@ def test_overhead_bench_writes_every_variant(tmp_path):
     doc = run_bench("overhead", tmp_path, "--rounds", "2")
     assert [m["model"] for m in doc["models"]] == ["gpt2", "llama"]
     for m in doc["models"]:
-        assert set(m["variants"]) == {"baseline", "full", "adaptive", "paper", "skip", "finite", "dmr", "floor"}
+        assert set(m["variants"]) == {"baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr",
+                                      "floor"}
         for v in m["variants"].values():
             check_summary(v["step_s"])
             assert positive(v["step_s"]["median"])
@@ -56,6 +57,10 @@ def test_overhead_bench_writes_every_variant(tmp_path):
         assert full["checked_step_fraction"] == 1.0
         assert set(full["check_s_per_step"]) == {"q", "k", "v", "scores", "context", "out"}
         assert m["variants"]["skip"]["checked_step_fraction"] == 0.0
+        assert m["variants"]["skip"]["tier1_checks_per_step"] == 0.0  # mode off: no tier either
+        tier1 = m["variants"]["tier1"]
+        assert tier1["checked_step_fraction"] == 0.0
+        assert tier1["tier1_checks_per_step"] > 0  # the tripwire ran on every timed step, nothing else did
 
 
 def test_recovery_bench_corrects_every_injected_fault(tmp_path):
@@ -83,3 +88,18 @@ def test_ingest_bench_reports_throughput_and_enqueue_cost(tmp_path):
         assert positive(doc["enqueue"][side]["us_per_event"]["median"])
         assert doc["enqueue"][side]["dropped"] == 0
     assert set(doc["step"]["step_s"]) == {"none", "up", "down"}
+
+
+def test_memory_bench_measures_every_variant_in_its_own_process(tmp_path):
+    doc = run_bench("memory", tmp_path, "--repeats", "1", "--time")
+    assert [e["seq"] for e in doc["memory"]] == [64, 128]
+    for entry in doc["memory"]:
+        assert set(entry["variants"]) == {"baseline", "tiled", "unfused"}
+        for v in entry["variants"].values():
+            check_summary(v["step_mb"])
+            assert positive(v["process_mb"]["median"]) and v["step_mb"]["n"] == 1
+            assert positive(v["step_ratio_vs_baseline"])
+    for entry in doc["time"]:
+        for v in entry["variants"].values():
+            check_summary(v["step_s"])
+            assert positive(v["ratio_vs_baseline"]["median"])

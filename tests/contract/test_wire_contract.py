@@ -113,7 +113,10 @@ def test_registration_describes_the_run(spooled) -> None:
 def test_events_cover_the_whole_vocabulary(spooled) -> None:
     records, guard = spooled
     events = [e for b in _kinds(records, "events") for e in schemas.EventBatchIn.model_validate(b).events]
-    assert sorted(e.id for e in events) == sorted(d.id for d in guard.detections)
+    # The optimizer net's detections (tier "optimizer", op "grad") stay local: the event vocabulary is the six ops,
+    # and the stats carry their count (optimizer_catches).
+    sent = [d for d in guard.detections if d.tier != "optimizer"]
+    assert sorted(e.id for e in events) == sorted(d.id for d in sent)
     for name in ("Kind", "Pattern", "Action"):
         vocabulary = set(typing.get_args(getattr(schemas, name)))
         seen = {getattr(e, name.lower()) for e in events}
@@ -137,6 +140,11 @@ def test_stats_intervals_agree_with_the_events(spooled) -> None:
     report = guard.report()
     for op in schemas.OPS:
         assert sum(o.checks for i in intervals for o in i.ops if o.op == op) == report.checks[op]
+    # Per tier: the ops' counts add up to the guard's; each sent event was caught by the tripwire or by ABFT.
+    assert sum(o.tripwire_checks for i in intervals for o in i.ops) == report.tier_checks["tripwire"]
+    assert sum(o.abft_catches + o.tripwire_catches for i in intervals for o in i.ops) == len(events)
+    assert sum(i.optimizer_checks for i in intervals) == report.tier_checks["optimizer"] > 0
+    assert sum(i.optimizer_catches for i in intervals) == report.tier_catches["optimizer"]
     # Every interval had clean checks, and the residual histogram travelled (finite) with each.
     assert all(i.residual_ratio is not None and i.residual_ratio.count > 0 for i in intervals)
     assert sum(i.transport.spooled for i in intervals) <= len(events)
@@ -146,7 +154,7 @@ def test_a_registration_policy_of_every_field_validates(tmp_path: Path) -> None:
     """A policy with no field at its default, from protect(policy=...) to the registration body the server parses."""
     policy = Policy(mode="detect", period=3, op_periods={"scores": 2, "out": 5}, adaptive=False, min_period=2,
                     max_period=12, tolerance="extreme", tolerance_factor=2, on_uncorrectable="raise",
-                    source_repair=False, overhead_budget=0.2)
+                    source_repair=False, overhead_budget=0.2, tripwire=False)
     model = _model()
     guard = attnchecker.protect(model, policy=policy, run="contract-policy", collector="offline", spool_dir=tmp_path)
     guard.close(flush_timeout_s=5.0)

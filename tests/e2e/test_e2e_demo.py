@@ -71,6 +71,11 @@ def test_demo_streams_to_its_own_collector_and_applies_a_policy_change(data_dir:
     # The URLs it printed are the real ones: the run's id, the API, /metrics.
     run_id = re.search(rf"^collector API  {re.escape(url)}/api/v1/runs/([0-9a-f-]{{36}})", out, re.MULTILINE).group(1)
     assert f"curl -X PATCH {url}/api/v1/runs/{run_id}/policy" in out
+    # The first URL it prints is the collector's own dashboard page, opened on the run; the collector serves it.
+    first = next(line for line in out.splitlines() if url in line)
+    assert first.startswith(f"dashboard page {url}/#/runs/{run_id} "), first
+    page = httpx.get(f"{url}/", timeout=10)
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     headers = {"Authorization": f"Bearer {state['operator_token']}"}
     run = httpx.get(f"{url}/api/v1/runs/{run_id}", headers=headers, timeout=10).json()
     events = httpx.get(f"{url}/api/v1/runs/{run_id}/events", params={"limit": 500}, headers=headers, timeout=10).json()

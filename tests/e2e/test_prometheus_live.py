@@ -88,7 +88,10 @@ class ApiFedAgent:
                 "rank": 0,
                 "host": "ci",
                 "agent_version": "api-fed",
-                "config": {"source": "tests/e2e/test_prometheus_live.py"},
+                # The coverage map a real agent registers (attnchecker.coverage, compact form): the coverage panel.
+                "config": {"source": "tests/e2e/test_prometheus_live.py",
+                           "coverage": {"protected": 12, "unprotected": 0,
+                                        "layers": ["0-1 q,k,v,out:hook scores,context:transformers"], "gaps": []}},
             },
         )
         answer.raise_for_status()

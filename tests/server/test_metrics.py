@@ -203,3 +203,17 @@ def test_metrics_pass_promtool_check_metrics(api: Api) -> None:
     text = api.client.get("/metrics", headers=api.headers("viewer")).text
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_coverage_gauge_from_the_registered_coverage_map(api: Api) -> None:
+    coverage = {"protected": 8, "unprotected": 4, "layers": ["0-1 k,v:hook scores,context:transformers"],
+                "gaps": ["layers 0-1 q,out: peft LoRA variant Dora (m.layers.0.self_attn, …)"]}
+    api.register("lora-run", config={"layers": 2, "coverage": coverage})
+    # Free-form config: counts that are not non-negative integers give no sample (and no failed scrape).
+    api.register("odd-run", config={"coverage": {"protected": "8", "unprotected": -1}})
+    api.register("bool-run", config={"coverage": {"protected": True, "unprotected": [1]}})
+    api.register("no-map-run", config={"coverage": "full"})
+    samples = _scrape(api.client, api)
+    assert _value(samples, "attnchecker_coverage_ops", run="lora-run", state="protected") == 8
+    assert _value(samples, "attnchecker_coverage_ops", run="lora-run", state="unprotected") == 4
+    assert not [key for key in samples if key[0] == "attnchecker_coverage_ops" and ("run", "lora-run") not in key[1]]

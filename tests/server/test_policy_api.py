@@ -88,6 +88,7 @@ def test_policy_history_keeps_every_revision_with_actor_and_time(api: Api) -> No
         ({"on_uncorrectable": "panic"}, "on_uncorrectable"),
         ({"overhead_budget": 0}, "overhead_budget"),
         ({"overhead_budget": 1.5}, "overhead_budget"),
+        ({"tripwire": 1}, "tripwire"),
         ({"min_period": 9, "max_period": 4}, "min_period"),
         ({"check_every": 3}, "check_every"),
         ({"period": None}, "period"),

@@ -102,6 +102,7 @@ REGISTERED_POLICY = {
     "on_uncorrectable": "skip_step",
     "source_repair": False,
     "overhead_budget": 0.1,
+    "tripwire": False,
 }
 
 

@@ -18,8 +18,8 @@ def _build_parser() -> argparse.ArgumentParser:
     try:  # bench/ lives at the repository root; it is there in a checkout, not in an installed wheel
         from . import bench
     except ImportError:  # pragma: no cover - depends on the install layout
-        bench = None
-    if bench is not None:
+        pass
+    else:
         bench.add_parser(sub)
     return parser
 

@@ -131,7 +131,9 @@ def run(args: argparse.Namespace) -> int:
 
     local: LocalCollector | None = None
     url = token = operator_token = None
-    policy = Policy(period=1, adaptive=False)  # every op checked every step: each injected fault is seen
+    # The default policy, as a user gets it: full checks on the adaptive schedule, the tripwire on every other step,
+    # so each injected (extreme) fault is caught and corrected on whatever step it lands.
+    policy = Policy()
     if args.collector == "auto":
         print(f"starting a collector on SQLite under {args.data_dir} …", flush=True)
         local = start_local_collector(args.data_dir, port=args.port)
@@ -207,13 +209,19 @@ def _wait_for_run_id(guard: Any, timeout_s: float = 10.0) -> str | None:
     return _run_id(guard)
 
 
+def _page_url(url: str, run_id: str | None) -> str:
+    """The collector's own dashboard page (served at /), opened on the run when its id is known."""
+    return f"{url}/#/runs/{run_id}" if run_id else f"{url}/"
+
+
 def _print_urls(url: str, run_name: str, guard: Any, operator_token: str | None) -> None:
     run_id = _wait_for_run_id(guard)
     run_ref = run_id or "<run id from GET /api/v1/runs>"
+    print(f"dashboard page {_page_url(url, run_id)}   (open it in a browser; sign in there as operator to edit)")
     print(f"collector API  {url}/api/v1/runs/{run_ref}   (run {run_name})")
     print(f"events         {url}/api/v1/runs/{run_ref}/events")
     print(f"metrics        {url}/metrics")
-    print(f"dashboard      dashboards/json/attnchecker-overview.json (Grafana uid {DASHBOARD_UID}); "
+    print(f"grafana        dashboards/json/attnchecker-overview.json (Grafana uid {DASHBOARD_UID}); "
           "`docker compose up` serves it at http://localhost:3000/d/" + DASHBOARD_UID)
     if run_id is None:
         print("(the collector has not answered yet: events are spooled and sent once it does)")
@@ -338,10 +346,11 @@ def _summary(args: argparse.Namespace, guard: Any, plan: Any, protected: Trainer
         if held is not None:
             print(f"collector holds          {held['events']} events; run {held['status']}, policy requested "
                   f"v{held['requested']} applied v{held['applied']}")
-        print(f"\ncollector API  {url}/api/v1/runs/{run_id or '<run id>'}   run {run_name}")
+        print(f"\ndashboard page {_page_url(url, run_id)}")
+        print(f"collector API  {url}/api/v1/runs/{run_id or '<run id>'}   run {run_name}")
         print(f"events         {url}/api/v1/runs/{run_id or '<run id>'}/events")
         print(f"metrics        {url}/metrics")
-        print(f"dashboard      `docker compose up`, then http://localhost:3000/d/{DASHBOARD_UID} "
+        print(f"grafana        `docker compose up`, then http://localhost:3000/d/{DASHBOARD_UID} "
               "(or import dashboards/json/attnchecker-overview.json)")
     if local is not None:
         print(f"\nthe collector keeps running (pid {local.pid}, data in {local.data_dir}); "

@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from ..context import LayerContext, Runtime
+from ..coverage import Coverage, OpCoverage
+from ..errors import UnprotectedAttentionError
 
-__all__ = ["Binder", "ContextRef", "Site", "engine_call", "forward_source_mentions", "rotates_qk"]
+__all__ = ["Binder", "ContextRef", "Site", "engine_call", "forward_source_mentions", "projection_gap", "rotates_qk"]
 
 log = logging.getLogger("attnchecker")
 
@@ -37,6 +39,10 @@ class Site:
     """transformers | gpt_neo | sdpa | sdpa-order | torch_mha"""
     ops: tuple[str, ...]
     """The ops verified in this layer (a subset of context.OPS)."""
+    paths: tuple[tuple[str, str], ...] = ()
+    """(op, path) for each verified op (coverage.PATHS)."""
+    gaps: tuple[tuple[str, str], ...] = ()
+    """(op, reason) for each op of this layer left unprotected."""
 
 
 class Binder:
@@ -51,6 +57,10 @@ class Binder:
         # (layer, op) -> (storage, numel) of the projection output last checked: tells whether the q/k/v an
         # attention call gets are still those outputs (views: reshape, transpose, split) or new tensors.
         self._outputs: dict[tuple[int, str], tuple[int, int]] = {}
+        # Attention modules left out whole (no layer), and calls that fell back to an unprotected kernel at run time.
+        self.unprotected: list[OpCoverage] = []
+        self.fallbacks: dict[tuple[int, str, str], int] = {}
+        self.strict = False
 
     def new_context(self) -> LayerContext:
         ctx = LayerContext(layer=self._next_layer, runtime=self.runtime)
@@ -63,8 +73,50 @@ class Binder:
             ctx = self.contexts[module] = self.new_context()
         return ctx
 
-    def add_site(self, ctx: LayerContext, name: str, integration: str, ops: tuple[str, ...]) -> None:
-        self.sites.append(Site(layer=ctx.layer, name=name, integration=integration, ops=ops))
+    def add_site(
+        self,
+        ctx: LayerContext,
+        name: str,
+        integration: str,
+        ops: tuple[str, ...],
+        *,
+        paths: dict[str, str] | None = None,
+        gaps: dict[str, str] | None = None,
+    ) -> None:
+        """paths: op -> path for the projections (default: the integration's own path); gaps: op -> why not."""
+        paths = paths or {}
+        self.sites.append(Site(
+            layer=ctx.layer, name=name, integration=integration, ops=ops,
+            paths=tuple((op, paths.get(op, integration)) for op in ops),
+            gaps=tuple((op, why) for op, why in (gaps or {}).items() if op not in ops),
+        ))
+
+    def add_unprotected(self, name: str, ops: tuple[str, ...], reason: str) -> None:
+        """An attention module left unprotected whole (it gets no layer)."""
+        self.unprotected += [OpCoverage(layer=None, name=name, op=op, reason=reason) for op in ops]
+
+    def fallback(self, ctx: LayerContext, reason: str, ops: str = "scores,context") -> None:
+        """A call of a protected layer that runs unprotected (a variant the engine does not implement): counted in
+        the coverage map, warned about once per reason, an error under ``protect(strict=True)``."""
+        key = (ctx.layer, ops, reason)
+        first = not any(r == reason for _, _, r in self.fallbacks)
+        self.fallbacks[key] = self.fallbacks.get(key, 0) + 1
+        if self.strict:
+            raise UnprotectedAttentionError(
+                f"layer {ctx.layer} {ops}: {reason}; protect(strict=True) allows no fallback")
+        if first:
+            log.warning("attnchecker: layer %d %s runs unprotected: %s (Guard.coverage counts every such call)",
+                        ctx.layer, ops, reason)
+
+    def coverage(self) -> Coverage:
+        entries = [
+            OpCoverage(layer=site.layer, name=site.name, op=op, path=path) for site in self.sites
+            for op, path in site.paths
+        ] + [
+            OpCoverage(layer=site.layer, name=site.name, op=op, reason=why) for site in self.sites
+            for op, why in site.gaps
+        ] + self.unprotected
+        return Coverage(entries=tuple(entries), fallbacks=dict(self.fallbacks))
 
     def on_close(self, fn: Callable[[], None]) -> None:
         self._undo.append(fn)
@@ -77,12 +129,19 @@ class Binder:
         op: str | None = None,
         splits: Splits | None = None,
         weight_layout: str = "out_in",
-    ) -> None:
-        """Verify (and correct in place) the output of an unmodified projection module after it runs."""
+    ) -> str:
+        """Verify (and correct in place) the output of an unmodified projection module after it runs. A PEFT LoRA
+        wrapper (integrations/peft.py) is verified against its effective product. Returns the coverage path."""
+        from . import peft
+
         names = tuple(name for name, _ in splits) if splits is not None else (op or "",)
+        if peft.is_lora(proj):
+            peft.hook_lora(self, proj, ctx, op=op, splits=splits, names=names)
+            return "peft-lora"
         hook = functools.partial(_projection_hook, self._outputs, ctx, op, splits, names, weight_layout)
         handle = proj.register_forward_hook(hook, with_kwargs=True)
         self.on_close(handle.remove)
+        return "hook"
 
     def passed_matches(self, ctx: LayerContext, *, rotates: bool, **qkv: torch.Tensor) -> bool:
         """Whether the checksums the layer's projections passed on still describe these q/k/v (``use_passed`` of
@@ -111,6 +170,21 @@ class Binder:
         self._outputs.clear()
         if first is not None:
             raise first
+
+
+def projection_gap(module: nn.Module | None, role: str = "projection") -> str:
+    """Why a projection is not protected, for the coverage map."""
+    from . import peft
+
+    if module is None:
+        return f"no {role} recognised (by name and shape: docs/architectures.md)"
+    why = peft.why_unsupported(module)
+    if why is not None:
+        return why
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and not weight.is_floating_point():
+        return f"quantized weight ({type(module).__name__}, {weight.dtype})"
+    return f"{type(module).__name__} is not an nn.Linear / HF Conv1D (or a PEFT LoRA around one)"
 
 
 def engine_call(fn: Callable[..., T], *tensors: torch.Tensor | None, **kwargs: Any) -> T:
@@ -145,13 +219,34 @@ def _projection_hook(
     kwargs: dict[str, Any],
     output: torch.Tensor,
 ) -> torch.Tensor:
-    from ..attention import check_linear
-
     # nn.Linear names its input `input`, HF Conv1D names it `x`; positional is the common case.
     x = args[0] if args else next(iter(kwargs.values()))
     weight: torch.Tensor = module.weight  # type: ignore[assignment]  # nn.Linear / HF Conv1D parameters
     bias: torch.Tensor | None = module.bias  # type: ignore[assignment]
     ctx = ctx_ref if isinstance(ctx_ref, LayerContext) else ctx_ref()
+    return check_projection(outputs, ctx, x, output, weight, bias, op=op, splits=splits, names=names,
+                            weight_layout=weight_layout)
+
+
+def check_projection(
+    outputs: dict[tuple[int, str], tuple[int, int]],
+    ctx: LayerContext,
+    x: torch.Tensor,
+    output: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    op: str | None,
+    splits: Splits | None,
+    names: tuple[str, ...],
+    weight_layout: str,
+    cast_operands: bool = True,
+) -> torch.Tensor:
+    """check_linear on a projection's output = x·W (+ b) as its module computed it, under autocast too; records the
+    output's storage for ``Binder.passed_matches``. cast_operands=False: x and W are given wider than the output on
+    purpose (the bound then covers the rounding of the operands and of the intermediate sums: peft.py)."""
+    from ..attention import check_linear
+
     ptr, rows = output.untyped_storage().data_ptr(), output.numel() // output.shape[-1]
     sizes = [size for _, size in splits] if splits is not None else [output.shape[-1]]
     for name, size in zip(names, sizes, strict=True):
@@ -161,9 +256,10 @@ def _projection_hook(
         return check_linear(x, output, weight, bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout)
     # Autocast computed `output` from x, W, b cast to its dtype: check against exactly those (never cast `output`:
     # the repair must land in the tensor the model goes on with), and keep the engine's own math out of autocast.
-    dtype = output.dtype
-    x, weight = x.to(dtype), weight.to(dtype)
-    bias = bias.to(dtype) if bias is not None else None
+    if cast_operands:
+        dtype = output.dtype
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
     with torch.autocast(device_type, enabled=False):
         return check_linear(x, output, weight, bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout)
 

@@ -24,7 +24,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..context import LayerContext
-from ._common import Binder, ContextRef, engine_call, forward_source_mentions, rotates_qk
+from ._common import Binder, ContextRef, engine_call, forward_source_mentions, projection_gap, rotates_qk
+from .peft import base_linear
 
 __all__ = ["attach"]
 
@@ -46,6 +47,8 @@ class _Owner:
     ops: tuple[str, ...]
     rotates: bool = False
     """The module rotates Q/K (RoPE) between its projections and SDPA."""
+    paths: dict[str, str] = field(default_factory=dict)
+    gaps: dict[str, str] = field(default_factory=dict)
     contexts: list[LayerContext] = field(default_factory=list)
     calls: int = 0
     proj_calls: dict[int, int] = field(default_factory=dict)
@@ -56,7 +59,7 @@ class _Owner:
             ctx = self.binder.new_context()
             name = self.name if not self.contexts else f"{self.name}#{len(self.contexts)}"
             self.contexts.append(ctx)
-            self.binder.add_site(ctx, name, "sdpa", self.ops)
+            self.binder.add_site(ctx, name, "sdpa", self.ops, paths=self.paths, gaps=self.gaps)
         return self.contexts[k]
 
     def reset(self) -> None:
@@ -89,7 +92,9 @@ class _SDPAMode(TorchFunctionMode):
                 bound.update(kwargs)
                 if bound["query"].dim() == 4:
                     return _call_protected(owner, owner.next_sdpa_context(), bound)
-                log.debug("attnchecker: SDPA call with %d-D query left unprotected", bound["query"].dim())
+                # Counted against the module's first layer: it takes no layer of its own.
+                owner.binder.fallback(owner.context(0),
+                                      f"SDPA call with a {bound['query'].dim()}-D query (not (B, H, T, D))")
         return func(*args, **kwargs)
 
 
@@ -140,29 +145,33 @@ class _Router:
         return self._stack[-1] if self._stack else None
 
 
-def _fused(children: dict[str, nn.Module]) -> tuple[str, nn.Linear] | None:
-    for n in _FUSED_NAMES:
-        m = children.get(n)
-        if isinstance(m, nn.Linear) and m.out_features == 3 * m.in_features:
-            return n, m
-    for n, m in children.items():
-        if isinstance(m, nn.Linear) and m.out_features == 3 * m.in_features:
-            return n, m
+def _linear(m: nn.Module | None) -> nn.Linear | None:
+    """The nn.Linear a child is, or stands for (a PEFT LoRA wrapper around one: hooked as the wrapper)."""
+    base = base_linear(m) if m is not None else None
+    return base if isinstance(base, nn.Linear) else None
+
+
+def _fused(children: dict[str, nn.Module]) -> tuple[str, nn.Module] | None:
+    for n in (*_FUSED_NAMES, *children):
+        lin = _linear(children.get(n))
+        if lin is not None and lin.out_features == 3 * lin.in_features:
+            return n, children[n]
     return None
 
 
-def _separate(children: dict[str, nn.Module]) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
+def _separate(children: dict[str, nn.Module]) -> tuple[nn.Module, nn.Module, nn.Module] | None:
     for names in _SEPARATE_NAMES:
         mods = [children.get(n) for n in names]
-        if all(isinstance(m, nn.Linear) for m in mods):
+        if all(_linear(m) is not None for m in mods):
             return mods[0], mods[1], mods[2]  # type: ignore[return-value]
     return None
 
 
-def _out(children: dict[str, nn.Module], width: int, taken: set[str]) -> nn.Linear | None:
+def _out(children: dict[str, nn.Module], width: int, taken: set[str]) -> nn.Module | None:
     for n in _OUT_NAMES:
         m = children.get(n)
-        if n not in taken and isinstance(m, nn.Linear) and m.in_features == width:
+        lin = _linear(m)
+        if n not in taken and lin is not None and lin.in_features == width:
             return m
     return None
 
@@ -173,6 +182,7 @@ def _has_projections(module: nn.Module) -> bool:
 
 
 def _hook_projections(binder: Binder, owner_module: nn.Module, owner: _Owner) -> list[str]:
+    """Hook the recognised projections; fills owner.paths (op -> coverage path) and owner.gaps (op -> why not)."""
     children = dict(owner_module.named_children())
 
     def ctx(proj: nn.Module) -> ContextRef:
@@ -184,23 +194,39 @@ def _hook_projections(binder: Binder, owner_module: nn.Module, owner: _Owner) ->
     taken: set[str] = set()
     if fused is not None:
         name, lin = fused
-        third = lin.out_features // 3
-        binder.hook_projection(lin, ctx(lin), splits=(("q", third), ("k", third), ("v", third)))
+        third = _linear(lin).out_features // 3  # type: ignore[union-attr]
+        path = binder.hook_projection(lin, ctx(lin), splits=(("q", third), ("k", third), ("v", third)))
+        owner.paths.update(dict.fromkeys(("q", "k", "v"), path))
         ops += ["q", "k", "v"]
         width, taken = third, {name}
     else:
         sep = _separate(children)
         if sep is not None:
             for op, lin in zip(("q", "k", "v"), sep, strict=True):
-                binder.hook_projection(lin, ctx(lin), op=op)
+                owner.paths[op] = binder.hook_projection(lin, ctx(lin), op=op)
             ops += ["q", "k", "v"]
-            width = sep[0].out_features
+            width = _linear(sep[0]).out_features  # type: ignore[union-attr]
             taken = {n for names in _SEPARATE_NAMES for n in names}
+        else:
+            owner.gaps.update(dict.fromkeys(("q", "k", "v"), _qkv_gap(children)))
     out = _out(children, width, taken) if width else None
     if out is not None:
-        binder.hook_projection(out, ctx(out), op="out")
+        owner.paths["out"] = binder.hook_projection(out, ctx(out), op="out")
         ops.append("out")
+    elif not width:
+        owner.gaps["out"] = "output projection not matched: it is found by the q/k/v width, and q/k/v were not"
+    else:
+        named = next((children[n] for n in _OUT_NAMES if n in children and n not in taken), None)
+        owner.gaps["out"] = projection_gap(named, "output projection")
     return ops
+
+
+def _qkv_gap(children: dict[str, nn.Module]) -> str:
+    """Why no q/k/v projection was recognised: a named child that is wrapped or quantized, or none at all."""
+    for n in (*_FUSED_NAMES, *(name for names in _SEPARATE_NAMES for name in names)):
+        if n in children:
+            return projection_gap(children[n])
+    return projection_gap(None, "fused or q/k/v projection")
 
 
 def _candidates(model: nn.Module, exclude: set[nn.Module]) -> list[tuple[str, nn.Module]]:

@@ -173,7 +173,9 @@ def attach(binder: Binder, model: nn.Module) -> None:
             continue
         why = _why_unsupported(module)
         if why is not None:
-            log.warning("attnchecker: %s (nn.MultiheadAttention with %s) is left unprotected", name, why)
+            log.debug("attnchecker: %s (nn.MultiheadAttention with %s) is left unprotected", name, why)
+            binder.add_unprotected(name, ("q", "k", "v", "scores", "context", "out"),
+                                   f"nn.MultiheadAttention with {why}")
             continue
         ctx = binder.context_for(module)
         had_own = "forward" in module.__dict__

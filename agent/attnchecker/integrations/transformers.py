@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from ..context import LayerContext
-from ._common import Binder, engine_call, forward_source_mentions, rotates_qk
+from ._common import Binder, engine_call, forward_source_mentions, projection_gap, rotates_qk
+from .peft import base_linear
 
 __all__ = ["ATTN_IMPLEMENTATION", "attach", "attnchecker_attention", "transformers_roots"]
 
@@ -32,8 +33,8 @@ ATTN_IMPLEMENTATION = "attnchecker"
 # without an entry runs plain SDPA.
 _CONTEXTS: weakref.WeakKeyDictionary[nn.Module, tuple[LayerContext, Binder, bool]] = weakref.WeakKeyDictionary()
 
-_SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"))
-_OUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense")
+_SEPARATE_QKV = (("q_proj", "k_proj", "v_proj"), ("query", "key", "value"), ("q", "k", "v"))
+_OUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "o")
 
 
 def transformers_roots(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -68,11 +69,22 @@ def attnchecker_attention(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     entry = _CONTEXTS.get(module)
-    unsupported = any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux"))
+    position_bias = kwargs.pop("position_bias", None)
+    unsupported = any(kwargs.get(k) is not None for k in ("softcap", "s_aux"))
+    if unsupported:
+        # A variant the protected kernel does not implement (and SDPA neither: transformers' sdpa function refuses
+        # softcap): the model's own eager attention, and, when the layer is ours, a counted fallback.
+        what = ", ".join(k for k in ("softcap", "s_aux") if kwargs.get(k) is not None)
+        if entry is not None:
+            entry[1].fallback(entry[0], f"attention with {what} runs the model's eager attention")
+        eager = _eager_fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+        if eager is not None:
+            return eager
     if entry is None or unsupported:
         # Not ours (closed guard, another model) or a variant the protected kernel does not implement: stay correct.
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+            position_bias=position_bias, **kwargs
         )
     from ..attention import protected_sdpa
 
@@ -84,6 +96,12 @@ def attnchecker_attention(
     causal = bool(q_len > 1 and attention_mask is None and causal)
     if causal and key.shape[2] > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
+        position_bias = position_bias[..., :q_len] if position_bias is not None else None
+    if position_bias is not None:
+        # T5-style learned relative bias (B|1, H, T, S): folded into one additive mask as sdpa_attention_forward
+        # does; it keeps its gradient (protected_sdpa differentiates a mask that requires it).
+        attention_mask = _position_bias_mask(position_bias, attention_mask, causal, query.shape[2], key)
+        causal = False
     # RoPE (Llama) or a KV cache rebuild Q/K after their projections: then the scores need checksums of these.
     use_passed = binder.passed_matches(ctx, rotates=rotates, q=query, k=key, v=value)
     out_BHTD = engine_call(
@@ -103,6 +121,51 @@ def attnchecker_attention(
     return out_BHTD.transpose(1, 2).contiguous(), None
 
 
+def _eager_fallback(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool | None,
+    kwargs: dict[str, Any],
+) -> Any:
+    """``eager_attention_forward`` of the module's own modeling file, given the additive mask it expects (the masks
+    built for "attnchecker" are SDPA's: boolean, or None where SDPA's is_causal would do). None without one."""
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        return None
+    q_len = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if attention_mask is None and causal and q_len > 1:
+        # transformers leaves the mask out only where SDPA's top-left is_causal is exact: the first q_len keys.
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+        attention_mask = torch.ones(q_len, q_len, dtype=torch.bool, device=query.device).tril()[None, None]
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _position_bias_mask(
+    bias_BHTS: torch.Tensor, mask: torch.Tensor | None, causal: bool, q_len: int, key: torch.Tensor
+) -> torch.Tensor:
+    """transformers' create_position_bias_mask (not in every 5.x): the bias where attention is allowed, finfo.min
+    where the bool mask or causality forbids, or bias + mask for an additive mask."""
+    min_value = torch.finfo(key.dtype).min
+    if mask is None:
+        if not causal:
+            return bias_BHTS.contiguous()
+        s = key.shape[2]
+        allowed_TS = torch.arange(q_len, device=key.device)[:, None] >= torch.arange(s, device=key.device)[None, :]
+        return torch.where(allowed_TS, bias_BHTS, min_value).contiguous()
+    if mask.dtype == torch.bool:
+        return torch.where(mask, bias_BHTS, min_value).contiguous()
+    return (bias_BHTS + mask).contiguous()
+
+
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -116,20 +179,27 @@ def _register() -> None:
 def _layout(proj: nn.Module) -> str | None:
     from transformers.pytorch_utils import Conv1D
 
+    proj = base_linear(proj)  # a PEFT LoRA wrapper has its base layer's layout (integrations/peft.py)
     if isinstance(proj, Conv1D):
         return "in_out"
     if isinstance(proj, nn.Linear):
         return "out_in"
-    return None  # quantized / adapter-wrapped projections: leave them alone rather than guess their math
+    return None  # quantized / other adapter-wrapped projections: leave them alone rather than guess their math
 
 
 def _out_features(proj: Any) -> int:
-    return int(proj.weight.shape[1] if _layout(proj) == "in_out" else proj.weight.shape[0])
+    weight: torch.Tensor = base_linear(proj).weight  # type: ignore[assignment]  # Linear / Conv1D
+    return int(weight.shape[1] if _layout(proj) == "in_out" else weight.shape[0])
 
 
-def _hook_projections(binder: Binder, module: nn.Module, parent: nn.Module | None, ctx: LayerContext) -> list[str]:
-    """Hook the q/k/v/out projections of one attention module; returns the ops hooked."""
+def _hook_projections(
+    binder: Binder, module: nn.Module, parent: nn.Module | None, ctx: LayerContext
+) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """Hook the q/k/v/out projections of one attention module; returns the ops hooked, their coverage paths, and
+    why each op that was not hooked was not."""
     ops: list[str] = []
+    paths: dict[str, str] = {}
+    gaps: dict[str, str] = {}
     children = dict(module.named_children())
     c_attn = children.get("c_attn")
     c_layout = _layout(c_attn) if c_attn is not None else None
@@ -139,23 +209,33 @@ def _hook_projections(binder: Binder, module: nn.Module, parent: nn.Module | Non
         q_layout = _layout(q_attn) if q_attn is not None else None
         if getattr(module, "is_cross_attention", False) and q_attn is not None and q_layout is not None:
             # GPT-2 cross-attention: q from q_attn, k and v fused in c_attn over the encoder states.
-            binder.hook_projection(q_attn, ctx, op="q", weight_layout=q_layout)
-            binder.hook_projection(c_attn, ctx, splits=(("k", n // 2), ("v", n // 2)), weight_layout=c_layout)
+            paths["q"] = binder.hook_projection(q_attn, ctx, op="q", weight_layout=q_layout)
+            paths["k"] = paths["v"] = binder.hook_projection(c_attn, ctx, splits=(("k", n // 2), ("v", n // 2)),
+                                                             weight_layout=c_layout)
             ops += ["q", "k", "v"]
         elif n % 3 == 0:
             third = n // 3
             splits = (("q", third), ("k", third), ("v", third))
-            binder.hook_projection(c_attn, ctx, splits=splits, weight_layout=c_layout)
+            paths["q"] = paths["k"] = paths["v"] = binder.hook_projection(c_attn, ctx, splits=splits,
+                                                                          weight_layout=c_layout)
             ops += ["q", "k", "v"]
+        else:
+            gaps.update(dict.fromkeys(("q", "k", "v"), f"c_attn width {n} is not 3 x the head width"))
+    elif c_attn is not None:
+        gaps.update(dict.fromkeys(("q", "k", "v"), projection_gap(c_attn)))
     else:
         for names in _SEPARATE_QKV:
             if all(n in children for n in names):
                 for op, child in zip(("q", "k", "v"), names, strict=True):
                     layout = _layout(children[child])
                     if layout is not None:
-                        binder.hook_projection(children[child], ctx, op=op, weight_layout=layout)
+                        paths[op] = binder.hook_projection(children[child], ctx, op=op, weight_layout=layout)
                         ops.append(op)
+                    else:
+                        gaps[op] = projection_gap(children[child])
                 break
+        else:
+            gaps.update(dict.fromkeys(("q", "k", "v"), projection_gap(None, "q/k/v projection")))
     out = next((children[n] for n in _OUT_NAMES if n in children), None)
     if out is None and parent is not None:
         # BERT/RoBERTa: the output projection is `output.dense`, a sibling of the attention module.
@@ -163,9 +243,11 @@ def _hook_projections(binder: Binder, module: nn.Module, parent: nn.Module | Non
         out = getattr(sibling, "dense", None) if isinstance(sibling, nn.Module) else None
     out_layout = _layout(out) if out is not None else None
     if out is not None and out_layout is not None:
-        binder.hook_projection(out, ctx, op="out", weight_layout=out_layout)
+        paths["out"] = binder.hook_projection(out, ctx, op="out", weight_layout=out_layout)
         ops.append("out")
-    return ops
+    else:
+        gaps["out"] = projection_gap(out, "output projection")
+    return ops, paths, gaps
 
 
 def _is_gpt_neo_attention(module: nn.Module) -> bool:
@@ -234,14 +316,19 @@ def attach(binder: Binder, model: Any, *, prefix: str = "") -> None:
             "they stay unprotected",
             type(model).__name__,
         )
+        for name, _module in interface_modules:
+            binder.add_unprotected(name, ("q", "k", "v", "scores", "context", "out"),
+                                   f"{type(model).__name__} cannot switch its attention implementation at run time")
         return
     _register()
     for name, module in interface_modules:
         ctx = binder.context_for(module)
-        ops = _hook_projections(binder, module, parents.get(module), ctx)
+        ops, paths, gaps = _hook_projections(binder, module, parents.get(module), ctx)
         _CONTEXTS[module] = (ctx, binder, rotates_qk(module))
         binder.on_close(functools.partial(_forget, module))
-        binder.add_site(ctx, name, "transformers", (*ops[:3], "scores", "context", *ops[3:]))
+        qkv = [op for op in ops if op != "out"]
+        binder.add_site(ctx, name, "transformers", (*qkv, "scores", "context", *(["out"] if "out" in ops else [])),
+                        paths=paths, gaps=gaps)
     original = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     binder.on_close(functools.partial(_restore_implementation, model, original))
@@ -260,14 +347,16 @@ def _attach_gpt_neo(binder: Binder, name: str, module: Any) -> None:
     ctx = binder.context_for(module)
     children = dict(module.named_children())
     ops: list[str] = []
-    for op, n in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj")):
-        if isinstance(children.get(n), nn.Linear):
-            binder.hook_projection(children[n], ctx, op=op)
+    paths: dict[str, str] = {}
+    gaps: dict[str, str] = {}
+    for op, n in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("out", "out_proj")):
+        if op == "out":
+            ops += ["scores", "context"]
+        if n in children and isinstance(base_linear(children[n]), nn.Linear):
+            paths[op] = binder.hook_projection(children[n], ctx, op=op)
             ops.append(op)
-    ops += ["scores", "context"]
-    if isinstance(children.get("out_proj"), nn.Linear):
-        binder.hook_projection(children["out_proj"], ctx, op="out")
-        ops.append("out")
+        else:
+            gaps[op] = projection_gap(children.get(n))
     had_own = "_attn" in module.__dict__
     previous = module.__dict__.get("_attn")
     # An instance attribute shadows the class method for this module only; deleting it restores the class method.
@@ -280,4 +369,4 @@ def _attach_gpt_neo(binder: Binder, name: str, module: Any) -> None:
             del module._attn
 
     binder.on_close(restore)
-    binder.add_site(ctx, name, "gpt_neo", tuple(ops))
+    binder.add_site(ctx, name, "gpt_neo", tuple(ops), paths=paths, gaps=gaps)

@@ -4,7 +4,8 @@ Torch-free (it may not import ``torch`` at all); see docs/transport.md.
 """
 from __future__ import annotations
 
-from .replay import ReplaySummary, replay_spool, sync_main
+from .config import TransportConfig
+from .replay import ReplaySummary, replay_spool
 from .sender import Transport
 
-__all__ = ["ReplaySummary", "Transport", "replay_spool", "sync_main"]
+__all__ = ["ReplaySummary", "Transport", "TransportConfig", "replay_spool"]

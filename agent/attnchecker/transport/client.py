@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any
 
 import httpx
@@ -25,6 +27,30 @@ def encode(obj: Any) -> bytes:
     return json.dumps(obj, allow_nan=False, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def registration_body(run_name: str, run_info: Mapping[str, Any] | None) -> tuple[bytes, dict[str, Any]]:
+    """The ``POST /runs`` body (encoded, and as a dict): ``run_info`` plus the name and defaults for rank, world size,
+    host and agent version. ValueError naming the argument when it cannot be sent."""
+    if not run_name:
+        raise ValueError("transport.run_name must be a non-empty string")
+    info = dict(run_info or {})
+    info["name"] = run_name
+    info.setdefault("rank", 0)
+    info.setdefault("world_size", 1)
+    info.setdefault("host", socket.gethostname())
+    info.setdefault("agent_version", _agent_version())
+    try:
+        return encode(info), info
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"transport.run_info must be JSON-serialisable without INF/NaN: {e}") from None
+
+
+def _agent_version() -> str:
+    try:
+        return metadata.version("attnchecker")
+    except metadata.PackageNotFoundError:
+        return "0.0.0"
+
+
 @dataclass(frozen=True, slots=True)
 class Reply:
     status: int | None
@@ -32,6 +58,8 @@ class Reply:
     body: Any = None
     etag: str | None = None
     error: str = ""
+    retry_after_s: float | None = None
+    """The collector's ``Retry-After`` (seconds) on a 503 or 429: do not come back sooner."""
 
     @property
     def ok(self) -> bool:
@@ -39,8 +67,9 @@ class Reply:
 
     @property
     def transient(self) -> bool:
-        """Worth retrying later: no answer, the server is overloaded or failing, or it does not know the run
-        (a wiped database: register again). 401/403 count too: a token can be fixed, and the data stays spooled."""
+        """Worth retrying later: no answer, the server is overloaded or failing (503 with ``Retry-After`` while its
+        database is down), or it does not know the run (a wiped database: register again). 401/403 count too: a token
+        can be fixed, and the data stays spooled."""
         return self.status is None or self.status >= 500 or self.status in (401, 403, 404, 408, 429)
 
     @property
@@ -71,13 +100,14 @@ class CollectorClient:
 
     def request(
         self, method: str, path: str, *, body: bytes | None = None, etag: str | None = None,
-        budget_s: float | None = None,
+        budget_s: float | None = None, prefix: str = API,
     ) -> Reply:
         if budget_s is not None and budget_s < 0.05:
             return Reply(None, error="deadline reached before the request")
         headers = {"If-None-Match": etag} if etag else None
         try:
-            r = self._http.request(method, API + path, content=body, headers=headers, timeout=self._timeout(budget_s))
+            r = self._http.request(method, prefix + path, content=body, headers=headers,
+                                   timeout=self._timeout(budget_s))
         except httpx.HTTPError as e:
             return Reply(None, error=f"{type(e).__name__}: {e}")
         try:
@@ -85,7 +115,11 @@ class CollectorClient:
         except ValueError:
             data = None
         error = "" if r.is_success or r.status_code == 304 else f"HTTP {r.status_code}: {r.text[:300]}"
-        return Reply(r.status_code, data, r.headers.get("ETag"), error)
+        return Reply(r.status_code, data, r.headers.get("ETag"), error, _retry_after_s(r.headers.get("Retry-After")))
+
+    def ready(self, *, budget_s: float | None = None) -> Reply:
+        """``GET /readyz``: 200 once the collector and its database answer. Cheap; probed while backing off."""
+        return self.request("GET", "/readyz", budget_s=budget_s, prefix="")
 
     def register(self, run_body: bytes, *, budget_s: float | None = None) -> Reply:
         return self.request("POST", "/runs", body=run_body, budget_s=budget_s)
@@ -96,6 +130,15 @@ class CollectorClient:
 
     def get_policy(self, run_id: str, etag: str | None, *, budget_s: float | None = None) -> Reply:
         return self.request("GET", f"/runs/{run_id}/policy", etag=etag, budget_s=budget_s)
+
+
+def _retry_after_s(value: str | None) -> float | None:
+    """Delta-seconds only: the HTTP-date form needs a clock shared with the server, and collectors send seconds."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and 0 <= seconds < 86_400 else None
 
 
 _ENDPOINT = {"events": "events:batch", "stats": "stats", "finish": "finish"}

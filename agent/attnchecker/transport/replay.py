@@ -1,22 +1,23 @@
-"""Uploading spooled payloads: automatically by the sender thread after a reconnect, or by hand with
-``attnchecker sync DIR`` (:func:`sync_main`). Oldest file first, ids preserved, a file deleted only after every record
+"""Uploading spooled payloads: automatically by the sender thread (its own files after a reconnect, earlier
+transports' files once the collector answers, see leftovers.py), or by hand with ``attnchecker sync DIR``
+(:func:`replay_spool`; its command line is attnchecker/cli/sync.py).
+
+Oldest file first, ids preserved, a file deleted only after every record
 in it got a 2xx, so running it again uploads nothing and a retried record never duplicates (the collector dedups by
 batch id, event id and interval id).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .client import CollectorClient, Reply, encode, send_events
-from .spool import claim, list_files, read_records, rewrite
+from .spool import claim, claim_writer, list_files, read_records, rewrite, writer_of
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class ReplaySummary:
     """Events (or stats/finish records) the collector refused for good (a 4xx that is not about auth, a missing run,
     rate or size); logged and dropped."""
     skipped: int = 0
-    """Files a live writer still holds (left for later)."""
+    """Files a live writer still holds or owns (left for later)."""
     remaining: list[str] = field(default_factory=list)
     """Files left because the collector stopped answering; run again later."""
     errors: list[str] = field(default_factory=list)
@@ -51,6 +52,10 @@ def _run_key(body: Any) -> str:
     return json.dumps(body, sort_keys=True)
 
 
+PAUSED = Reply(None, error="paused: the caller's time slice is used up")
+"""What :func:`replay_file` returns when ``stop()`` asked it to pause: the file keeps what is left; no failure."""
+
+
 def replay_file(
     client: CollectorClient,
     path: Path,
@@ -58,9 +63,11 @@ def replay_file(
     summary: ReplaySummary,
     *,
     budget_s: Callable[[], float | None] = lambda: None,
+    stop: Callable[[], bool] = lambda: False,
 ) -> Reply | None:
     """Upload one spool file. Returns None on success (file deleted), else the failing reply (file keeps what is
-    left). ``run_ids`` caches registration per run body, so a run's many files register once."""
+    left), or :data:`PAUSED` when ``stop()`` turned true between two records (checked after the first one sent).
+    ``run_ids`` caches registration per run body, so a run's many files register once."""
     with claim(path) as mine:
         if not mine:
             summary.skipped += 1
@@ -68,8 +75,12 @@ def replay_file(
         records = read_records(path)
         run_id: str | None = None
         header: dict[str, Any] | None = None
+        sent_any = False
         for i, rec in enumerate(records):
             kind, body = rec["kind"], rec["body"]
+            if sent_any and kind != "run" and stop():
+                _keep_rest(path, header, records[i:], PAUSED, run_ids)
+                return PAUSED
             if kind == "run":
                 header = rec
                 key = _run_key(body)
@@ -84,6 +95,7 @@ def replay_file(
             if run_id is None:
                 summary.errors.append(f"{path}: record {i} has no run record before it; skipped")
                 continue
+            sent_any = True
             if kind == "events":
                 out = send_events(client, run_id, [encode(e) for e in body.get("events", ())], body=encode(body),
                                   budget_s=budget_s)
@@ -134,7 +146,10 @@ def replay_spool(
     try:
         files = list_files(spool_dir)
         for n, path in enumerate(files):
-            failed = replay_file(client, path, run_ids, summary)
+            with claim_writer(Path(spool_dir), writer_of(path)) as free:
+                # A live transport owns its finished files until it closes: it replays them itself.
+                failed = replay_file(client, path, run_ids, summary) if free else None
+                summary.skipped += not free
             if failed is not None:
                 summary.remaining = [str(p) for p in files[n:] if p.exists()]
                 summary.errors.append(f"{path}: stopped: {failed.error or failed.status}")
@@ -142,20 +157,3 @@ def replay_spool(
     finally:
         client.close()
     return summary
-
-
-def sync_main(argv: Sequence[str] | None = None) -> int:
-    """``attnchecker sync DIR``: upload a spool directory. Exit status 0 when nothing is left, 1 otherwise."""
-    p = argparse.ArgumentParser(prog="attnchecker sync", description="Upload spooled ATTNChecker payloads once.")
-    p.add_argument("spool_dir", help="the agent's spool directory")
-    p.add_argument("--collector", default=os.environ.get("ATTNCHECKER_COLLECTOR_URL", "http://127.0.0.1:8000"),
-                   help="collector base URL (default: $ATTNCHECKER_COLLECTOR_URL or http://127.0.0.1:8000)")
-    p.add_argument("--token", default=os.environ.get("ATTNCHECKER_TOKEN"),
-                   help="agent token (default: $ATTNCHECKER_TOKEN)")
-    args = p.parse_args(argv)
-    if not Path(args.spool_dir).is_dir():
-        p.error(f"{args.spool_dir} is not a directory")
-    s = replay_spool(args.spool_dir, args.collector, args.token)
-    # A CLI's report goes to stdout; the library itself only logs.
-    sys.stdout.write(json.dumps(s.to_dict(), indent=2) + "\n")
-    return 0 if not s.remaining and not s.rejected else 1

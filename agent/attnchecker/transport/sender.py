@@ -1,5 +1,6 @@
-"""The agent's connection to the collector: a bounded queue the training thread drops records into, and one daemon
-sender thread that batches, sends, spools, replays and polls the policy (docs/transport.md).
+"""The agent's connection to the collector: the sender thread behind a :class:`Transport`. The training thread drops
+records into its outbox (outbox.py); one daemon thread batches, sends, spools, replays, probes and polls the policy
+(docs/transport.md).
 
 Nothing here blocks or raises into the training thread: ``emit_event``/``emit_stats`` are a ``put_nowait`` (a full
 queue drops and counts), ``latest_policy`` is one attribute read, and ``close`` returns within its deadline whatever
@@ -11,53 +12,33 @@ import atexit
 import json
 import logging
 import os
-import queue
-import random
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from ..policy import Policy, PolicyError
-from .client import CollectorClient, Reply, encode, events_body, send_events
+from .backoff import Backoff
+from .client import (
+    CollectorClient,
+    Reply,
+    encode,
+    events_body,
+    registration_body,
+    send_events,
+)
+from .config import TransportConfig
+from .leftovers import Leftovers
+from .outbox import Outbox
 from .replay import ReplaySummary, _run_key, replay_file
 from .spool import SpoolWriter, list_files
 
 log = logging.getLogger(__name__)
 
-_WAKE = object()
-"""Put on the event queue to wake the sender now (flush, close) instead of at its next timeout."""
-
-
-def _agent_version() -> str:
-    try:
-        return metadata.version("attnchecker")
-    except metadata.PackageNotFoundError:
-        return "0.0.0"
-
-
-@dataclass(slots=True)
-class Backoff:
-    """Exponential backoff with "equal jitter": half the delay fixed, half random, so many agents that lost the same
-    collector do not come back in lockstep, and none retries at once."""
-
-    base_s: float = 0.5
-    max_s: float = 30.0
-    failures: int = 0
-    rng: random.Random | None = None
-
-    def next_delay(self) -> float:
-        self.failures += 1
-        d = min(self.max_s, self.base_s * 2 ** min(self.failures - 1, 30))
-        return d / 2 + (self.rng or random).uniform(0, d / 2)
-
-    def reset(self) -> None:
-        self.failures = 0
+LEFTOVER_SLICE_S = 0.5
+"""Seconds per sender round spent on earlier transports' spool files: new events wait at most about this long."""
 
 
 class Transport:
@@ -65,11 +46,12 @@ class Transport:
 
     Args:
         collector_url: base URL (``http://127.0.0.1:8000``); None runs fully offline (everything is spooled for
-            ``attnchecker sync``).
+            ``attnchecker sync``, or for the next transport on the same spool directory).
         token: the agent's bearer token.
         run_name: the run to register or resume.
         spool_dir: where payloads go while the collector is unreachable.
         run_info: the rest of the registration body (model, world_size, rank, host, agent_version, config).
+        config: the settings (:class:`TransportConfig`); or give its fields as keyword arguments.
     """
 
     def __init__(
@@ -80,90 +62,54 @@ class Transport:
         *,
         spool_dir: str | os.PathLike[str],
         run_info: Mapping[str, Any] | None = None,
-        batch_size: int = 500,
-        flush_interval_s: float = 1.0,
-        queue_max: int = 10_000,
-        stats_queue_max: int = 1_000,
-        connect_timeout_s: float = 1.0,
-        read_timeout_s: float = 2.0,
-        max_backoff_s: float = 30.0,
-        poll_interval_s: float = 2.0,
-        max_batch_bytes: int = 900_000,
-        max_spool_bytes: int = 1 << 30,
+        config: TransportConfig | None = None,
+        **options: Any,
     ) -> None:
-        for name, value in (("batch_size", batch_size), ("queue_max", queue_max), ("stats_queue_max", stats_queue_max),
-                            ("max_batch_bytes", max_batch_bytes), ("max_spool_bytes", max_spool_bytes)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"transport.{name} must be an int >= 1, got {value!r}")
-        for name, fvalue in (("flush_interval_s", flush_interval_s), ("connect_timeout_s", connect_timeout_s),
-                             ("read_timeout_s", read_timeout_s), ("max_backoff_s", max_backoff_s),
-                             ("poll_interval_s", poll_interval_s)):
-            if not isinstance(fvalue, (int, float)) or isinstance(fvalue, bool) or not fvalue > 0:
-                raise ValueError(f"transport.{name} must be a number > 0, got {fvalue!r}")
-        if not run_name:
-            raise ValueError("transport.run_name must be a non-empty string")
-        info = dict(run_info or {})
-        info["name"] = run_name
-        info.setdefault("rank", 0)
-        info.setdefault("world_size", 1)
-        info.setdefault("host", socket.gethostname())
-        info.setdefault("agent_version", _agent_version())
-        try:
-            self.run_body = encode(info)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"transport.run_info must be JSON-serialisable without INF/NaN: {e}") from None
+        if config is not None and options:
+            raise ValueError("Transport takes config= or its fields as keyword arguments, not both")
+        self.config = config if config is not None else TransportConfig.from_options(options)
+        self.run_body, info = registration_body(run_name, run_info)
+        cfg = self.config
         self.collector_url = collector_url
         self.token = token
         self.run_name = run_name
         self.rank: int = info["rank"]
         self.spool_dir = Path(spool_dir)
-        self.batch_size = batch_size
-        self.flush_interval_s = float(flush_interval_s)
-        self.poll_interval_s = float(poll_interval_s)
-        self.max_batch_bytes = max_batch_bytes
-        self.connect_timeout_s = float(connect_timeout_s)
-        self.read_timeout_s = float(read_timeout_s)
+        self.batch_size = cfg.batch_size
+        self.read_timeout_s = float(cfg.read_timeout_s)
 
-        # Shared with the training thread: the two queues, the policy slot, the flags and the counters below.
-        self._events: queue.Queue[Any] = queue.Queue(maxsize=queue_max)
-        self._stats: queue.Queue[bytes] = queue.Queue(maxsize=stats_queue_max)
+        # Shared with the training thread: the outbox, the policy slot, the flags and the counters below.
+        self._outbox = Outbox(cfg, self._warn_once)
         self._latest_policy: Policy | None = None
-        self._closed = False
         self._stop = threading.Event()
         self._flush_req = threading.Event()
         self._flush_done = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._deadline = float("inf")
-        # `+=` is not atomic across threads: each counter has one writing thread (dropped is split by who drops), or
-        # is updated under _lock where close() may write it too (spooled, _dropped_sender).
+        # `+=` is not atomic across threads: each counter has one writing thread, or is updated under _lock where
+        # close() may write it too (spooled, _dropped_sender).
+        self._lock = threading.Lock()
         self._sent = 0
         self._spooled = 0
-        self._dropped_full = 0  # training thread: queue full or transport closed
-        self._dropped_sender = 0  # sender thread: unencodable, rejected by the collector, spool full
+        self._dropped_sender = 0  # rejected by the collector, spool full
         self._last_counts = (0, 0, 0)
         self._final_last_step: int | None = None
-
-        # Sender thread, and close() when the sender misses its deadline: the records not yet in flight, guarded by
-        # _lock (held only for list operations, never across I/O; the training thread's emit never takes it).
-        self._lock = threading.Lock()
-        self._pending: list[bytes] = []
-        self._pending_bytes = 0
-        self._pending_since = 0.0
-        self._stats_pending: list[bytes] = []
         self._finish_spooled = False
 
         # Sender thread only.
-        self._spool = SpoolWriter(self.spool_dir, self.run_body, max_total_bytes=max_spool_bytes)
-        self._backoff = Backoff(max_s=float(max_backoff_s))
+        self._spool = SpoolWriter(self.spool_dir, self.run_body, max_total_bytes=cfg.max_spool_bytes)
+        self._leftovers = Leftovers(self.spool_dir, self._spool.prefix) if cfg.replay_leftovers else None
+        self._backoff = Backoff(max_s=float(cfg.max_backoff_s))
         self._run_id: str | None = None
         self._register_rejected = False
         self._etag: str | None = None
         self._retry_at = 0.0
+        self._probe_at = 0.0
         self._next_poll_at = 0.0
         self._outage: str | None = None
         self._spool_dirty = False
-        self._last_step: int | None = None
+        self._leftovers_scanned = False
         self._warned: set[str] = set()
 
     # --- the training thread ------------------------------------------------------------------------------------
@@ -171,9 +117,12 @@ class Transport:
     def start(self) -> Transport:
         """Start the sender thread (idempotent). Touches no network itself: registration happens on the thread."""
         with self._start_lock:
-            if self._thread is None and not self._closed:
+            if self._thread is None and not self._outbox.closed:
                 leftovers = list_files(self.spool_dir)
-                if leftovers:
+                if leftovers and self._leftovers is not None and self.collector_url:
+                    log.info("%d spool file(s) from earlier transports in %s: uploading them once the collector "
+                             "answers", len(leftovers), self.spool_dir)
+                elif leftovers:
                     log.info("%d spool file(s) from earlier runs in %s: upload them with `attnchecker sync %s`",
                              len(leftovers), self.spool_dir, self.spool_dir)
                 self._thread = threading.Thread(target=self._run, name="attnchecker-sender", daemon=True)
@@ -184,18 +133,12 @@ class Transport:
     def emit_event(self, event: Any) -> None:
         """Queue one event: a wire dict (``Detection.to_wire()``) or any object with ``to_wire()``, which is then
         called on the sender thread. The transport owns it from here: do not mutate it. Never blocks."""
-        if self._closed:
-            self._dropped_full += 1
-            return
-        try:
-            self._events.put_nowait(event)
-        except queue.Full:
-            self._dropped_full += 1
+        self._outbox.put_event(event)
 
     def emit_stats(self, stats: Mapping[str, Any]) -> None:
         """Queue one interval's stats (docs/wire.md). ``interval_id`` and ``transport`` (this transport's counter
         deltas, see ``take_deltas``) are filled in when missing. Never blocks."""
-        if self._closed:
+        if self._outbox.closed:
             return
         body = dict(stats)
         body.setdefault("interval_id", str(uuid.uuid4()))
@@ -206,9 +149,7 @@ class Transport:
         except (TypeError, ValueError) as e:
             self._warn_once("stats-encode", "stats payload not JSON-serialisable, dropped: %s", e)
             return
-        try:
-            self._stats.put_nowait(encoded)
-        except queue.Full:
+        if not self._outbox.put_stats(encoded):
             self._warn_once("stats-full", "stats queue full (collector slow or down for long): stats dropped")
 
     def latest_policy(self) -> Policy | None:
@@ -229,7 +170,12 @@ class Transport:
     @property
     def dropped(self) -> int:
         """Events lost: queue full, transport closed, not encodable, rejected by the collector, or spool full."""
-        return self._dropped_full + self._dropped_sender
+        return self._outbox.dropped_full + self._outbox.dropped_unencodable + self._dropped_sender
+
+    @property
+    def leftover_events(self) -> int:
+        """Events this transport uploaded from spool files that earlier transports left (not in ``sent``)."""
+        return self._leftovers.events if self._leftovers is not None else 0
 
     @property
     def run_id(self) -> str | None:
@@ -249,14 +195,14 @@ class Transport:
             return False
         self._flush_done.clear()
         self._flush_req.set()
-        self._wake()
+        self._outbox.wake()
         return self._flush_done.wait(timeout_s)
 
     def close(self, deadline_s: float = 5.0, *, last_step: int | None = None) -> None:
         """Send what is queued and tell the collector the run finished, within ``deadline_s``; whatever cannot go
         by then is spooled. Never hangs. ``last_step`` goes into the finish record (default: the largest step
         seen in the events and stats)."""
-        if self._closed:
+        if self._outbox.closed:
             return
         self._final_last_step = last_step
         start = time.monotonic()
@@ -264,10 +210,10 @@ class Transport:
         self._deadline = start + max(0.0, deadline_s - min(0.5, 0.2 * deadline_s))
         if self._thread is None:
             self.start()
-        self._closed = True
+        self._outbox.closed = True
         atexit.unregister(self._atexit_close)
         self._stop.set()
-        self._wake()
+        self._outbox.wake()
         assert self._thread is not None
         self._thread.join(max(0.0, start + deadline_s - time.monotonic()))
         if self._thread.is_alive():
@@ -279,19 +225,13 @@ class Transport:
     def _atexit_close(self) -> None:
         self.close()
 
-    def _wake(self) -> None:
-        try:
-            self._events.put_nowait(_WAKE)
-        except queue.Full:
-            pass  # a full queue wakes the sender anyway
-
     # --- the sender thread --------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         client = None
         if self.collector_url:
-            client = CollectorClient(self.collector_url, self.token, connect_timeout_s=self.connect_timeout_s,
-                                     read_timeout_s=self.read_timeout_s)
+            client = CollectorClient(self.collector_url, self.token, connect_timeout_s=self.config.connect_timeout_s,
+                                     read_timeout_s=self.config.read_timeout_s)
         try:
             while True:
                 try:
@@ -312,106 +252,57 @@ class Transport:
     def _iterate(self, client: CollectorClient | None) -> bool:
         """One round: collect, then send or spool. True when the transport is closed and done."""
         stopping = self._stop.is_set()
-        self._collect(0.0 if stopping else self._wait_s(client), drain_all=stopping)
-        self._drain_stats()
+        self._outbox.collect(0.0 if stopping else self._wait_s(client), drain_all=stopping)
+        self._outbox.drain_stats()
         if stopping:
             self._final(client)
             return True
         flushing = self._flush_req.is_set()
-        if client is not None and not self._register_rejected and time.monotonic() >= self._retry_at:
+        if client is not None and not self._register_rejected and self._try_now(client):
             self._online(client, flushing)
         else:
             self._offline(flushing)
-        if flushing and self._events.empty() and not self._pending and not self._stats_pending:
+        if flushing and self._outbox.empty():
             self._flush_req.clear()
             self._flush_done.set()
         return False
 
+    def _try_now(self, client: CollectorClient, budget: Callable[[], float | None] = lambda: None) -> bool:
+        """Whether to use the API this round: the backoff is over, or a ``/readyz`` probe (due while backing off)
+        says the collector is back. The probe is what brings the agent back within about ``probe_interval_s`` of
+        the collector, instead of up to ``max_backoff_s``."""
+        now = time.monotonic()
+        if now >= self._retry_at:
+            return True
+        if now < self._probe_at:
+            return False
+        b = budget()
+        r = client.ready(budget_s=self.config.connect_timeout_s if b is None else min(self.config.connect_timeout_s, b))
+        self._probe_at = time.monotonic() + max(self._backoff.probe_delay(self.config.probe_interval_s),
+                                                min(r.retry_after_s or 0.0, self.config.max_backoff_s))
+        if r.status != 200:
+            return False
+        self._retry_at = 0.0
+        return True
+
     def _wait_s(self, client: CollectorClient | None) -> float:
         now = time.monotonic()
         wake = now + 1.0
-        if self._pending:
-            wake = min(wake, self._pending_since + self.flush_interval_s)
+        batch_at = self._outbox.next_batch_at()
+        if batch_at is not None:
+            wake = min(wake, batch_at)
         if client is not None and not self._register_rejected:
-            wake = min(wake, max(self._retry_at, self._next_poll_at if self._run_id else now))
+            retry = self._retry_at if now >= self._retry_at else min(self._retry_at, self._probe_at)
+            wake = min(wake, max(retry, self._next_poll_at if self._run_id else now))
+            if self._leftovers is not None and self._leftovers.due and now >= self._retry_at:
+                wake = now
         return min(1.0, max(0.0, wake - now))
-
-    def _collect(self, timeout_s: float, *, drain_all: bool = False) -> None:
-        try:
-            item = self._events.get(timeout=timeout_s) if timeout_s > 0 else self._events.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            if item is not _WAKE:
-                b = self._encode_event(item)
-                if b is not None:
-                    with self._lock:
-                        if not self._pending:
-                            self._pending_since = time.monotonic()
-                        self._pending.append(b)
-                        self._pending_bytes += len(b) + 1
-            if not drain_all and (len(self._pending) >= self.batch_size or self._pending_bytes >= self.max_batch_bytes):
-                return  # the rest waits in the queue, which is what bounds memory
-            try:
-                item = self._events.get_nowait()
-            except queue.Empty:
-                return
-
-    def _encode_event(self, item: Any) -> bytes | None:
-        try:
-            wire = item if isinstance(item, Mapping) else item.to_wire()
-            b = encode(wire)
-        except Exception as e:  # a bad record must not take the others down with it
-            self._count_dropped(1)
-            self._warn_once("event-encode", "event not JSON-serialisable (INF/NaN must be strings), dropped: %s", e)
-            return None
-        step = wire.get("step")
-        if isinstance(step, int) and (self._last_step is None or step > self._last_step):
-            self._last_step = step
-        return b
-
-    def _drain_stats(self) -> None:
-        while True:
-            try:
-                b = self._stats.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                step_end = json.loads(b).get("step_end")
-            except ValueError:
-                step_end = None
-            if isinstance(step_end, int) and (self._last_step is None or step_end > self._last_step):
-                self._last_step = step_end
-            with self._lock:
-                self._stats_pending.append(b)
-
-    def _batch_due(self, flushing: bool) -> bool:
-        if not self._pending:
-            return False
-        return (flushing or len(self._pending) >= self.batch_size or self._pending_bytes >= self.max_batch_bytes
-                or time.monotonic() - self._pending_since >= self.flush_interval_s)
-
-    def _take_batch(self) -> list[bytes]:
-        with self._lock:
-            n, size = 0, 0
-            while n < len(self._pending) and n < self.batch_size and (n == 0 or size < self.max_batch_bytes):
-                size += len(self._pending[n]) + 1
-                n += 1
-            chunk, self._pending = self._pending[:n], self._pending[n:]
-            self._pending_bytes -= size
-            if self._pending:
-                self._pending_since = time.monotonic()
-            return chunk
-
-    def _take_stats(self) -> bytes | None:
-        with self._lock:
-            return self._stats_pending.pop(0) if self._stats_pending else None
 
     # --- online / offline ---------------------------------------------------------------------------------------
 
     def _online(self, client: CollectorClient, flushing: bool, budget: Callable[[], float | None] = lambda: None) -> bool:
-        """Register, replay the spool, send stats and due batches, poll the policy. False when the collector
-        failed us (then we are in backoff and what was due is spooled)."""
+        """Register, replay the spool, send stats and due batches, poll the policy, upload leftovers. False when the
+        collector failed us (then we are in backoff and what was due is spooled)."""
         failed = self._online_steps(client, flushing, budget)
         if failed is not None:
             self._went_offline(failed)
@@ -420,6 +311,8 @@ class Transport:
         if self._outage is not None:
             log.info("collector %s reachable again", self.collector_url)
             self._outage = None
+            if self._leftovers is not None:
+                self._leftovers.rescan()  # files other transports left during the outage
         self._backoff.reset()
         return True
 
@@ -436,31 +329,37 @@ class Transport:
                 return Reply(r.status, error="registration answer had no run id")
             self._run_id = str(body["id"])
             self._set_policy(body.get("policy"), r.etag)
-            self._next_poll_at = time.monotonic() + self.poll_interval_s
+            self._next_poll_at = time.monotonic() + self.config.poll_interval_s
+            if self._leftovers is not None and not self._leftovers_scanned:
+                self._leftovers_scanned = True
+                self._leftovers.rescan()
         if self._spool_dirty:
             r2 = self._replay_own(client, budget)
             if r2 is not None:
                 return r2
-        while (stats := self._take_stats()) is not None:
+        while (stats := self._outbox.take_stats()) is not None:
             r = client.post("stats", self._run_id, stats, budget_s=budget())
             if r.transient:
                 self._spool_append("stats", stats, 0)
                 return self._run_missing(r)
             if not r.ok:
                 self._warn_once("stats-rejected", "collector rejected a stats payload, dropped: %s", r.error)
-        while self._batch_due(flushing):
-            r = self._send_events(client, self._take_batch(), budget)
+        while self._outbox.batch_due(flushing):
+            r = self._send_events(client, self._outbox.take_batch(), budget)
             if r is not None:
                 return r
         if time.monotonic() >= self._next_poll_at and not self._stop.is_set():
             r = client.get_policy(self._run_id, self._etag, budget_s=budget())
-            self._next_poll_at = time.monotonic() + self.poll_interval_s
+            self._next_poll_at = time.monotonic() + self.config.poll_interval_s
             if r.transient:
                 return self._run_missing(r)
             if r.ok:
                 self._set_policy(r.body, r.etag)
             elif r.status != 304:
                 self._warn_once("poll", "policy poll failed: %s", r.error)
+        if self._leftovers is not None and self._leftovers.due and not self._stop.is_set():
+            # After this round's own data, and a slice at a time: a big backlog never holds new events for long.
+            return self._leftovers.upload_some(client, LEFTOVER_SLICE_S, budget)
         return None
 
     def _run_missing(self, r: Reply) -> Reply:
@@ -499,8 +398,12 @@ class Transport:
         return None
 
     def _went_offline(self, r: Reply) -> None:
-        delay = self._backoff.next_delay()
-        self._retry_at = time.monotonic() + delay
+        # A Retry-After (503 while the collector's database is down, 429) is the earliest the collector wants us
+        # back; the probe honours it too (see _try_now).
+        hint = min(r.retry_after_s or 0.0, self.config.max_backoff_s)
+        now = time.monotonic()
+        self._retry_at = now + max(self._backoff.next_delay(), hint)
+        self._probe_at = now + max(self._backoff.probe_delay(self.config.probe_interval_s), hint)
         if self._stop.is_set():
             log.info("collector %s: close deadline reached (%s); spooling the rest to %s", self.collector_url,
                      r.error or f"HTTP {r.status}", self.spool_dir)
@@ -510,10 +413,10 @@ class Transport:
                         self.collector_url, self._outage, self.spool_dir)
 
     def _offline(self, flushing: bool) -> None:
-        while (stats := self._take_stats()) is not None:
+        while (stats := self._outbox.take_stats()) is not None:
             self._spool_append("stats", stats, 0)
-        while self._batch_due(flushing):
-            self._spool_events(self._take_batch())
+        while self._outbox.batch_due(flushing):
+            self._spool_events(self._outbox.take_batch())
 
     def _spool_events(self, chunk: list[bytes]) -> None:
         self._spool_append("events", events_body(chunk), len(chunk))
@@ -539,18 +442,8 @@ class Transport:
 
     def _spool_rest(self) -> None:
         """Spool everything not in flight, and the finish record once. Safe from the sender and from close()."""
-        items = []
-        while True:
-            try:
-                item = self._events.get_nowait()
-            except queue.Empty:
-                break
-            if item is not _WAKE:
-                items.append(item)
-        encoded = [b for b in map(self._encode_event, items) if b is not None]
+        pending, stats = self._outbox.take_all()
         with self._lock:
-            pending, self._pending, self._pending_bytes = self._pending + encoded, [], 0
-            stats, self._stats_pending = self._stats_pending, []
             write_finish, self._finish_spooled = not self._finish_spooled, True
         for b in stats:
             self._spool_append("stats", b, 0)
@@ -560,7 +453,7 @@ class Transport:
             self._spool_append("finish", self._finish_body(), 0)
 
     def _finish_body(self) -> bytes:
-        last = self._final_last_step if self._final_last_step is not None else self._last_step
+        last = self._final_last_step if self._final_last_step is not None else self._outbox.last_step
         return encode({"rank": self.rank, "last_step": last})
 
     def _final(self, client: CollectorClient | None) -> None:
@@ -568,8 +461,10 @@ class Transport:
         def budget() -> float:
             return self._deadline - time.monotonic()
 
-        # Known down (in backoff) or no time left: do not spend the deadline on the network.
-        if (client is None or self._register_rejected or time.monotonic() < self._retry_at or budget() < 0.05
+        # Known down (in backoff, and a quick probe says still down) or no time left: do not spend the deadline on
+        # the network. The probe is forced: a collector back since the last probe still gets the finish.
+        self._probe_at = 0.0
+        if (client is None or self._register_rejected or budget() < 0.05 or not self._try_now(client, budget)
                 or not self._online(client, True, budget)):
             self._spool_rest()
             return

@@ -4,8 +4,13 @@ Each file starts with a ``run`` record (the registration body, so an offline run
 by one record per request: ``{"v": 1, "kind": "events"|"stats"|"finish", "n": <events>, "body": {...}}``. Bodies keep
 their ids (batch_id, event ids, interval_id), so uploading a record twice never duplicates anything.
 
-A writer holds an exclusive ``flock`` on the file it appends to; readers skip locked files, so ``attnchecker sync``
-never uploads a file a live run is still writing. The lock dies with the process, so a crashed run's files are free.
+Two kinds of ``flock``, both released by the kernel when the process dies, so a crashed run's files are free:
+
+- A writer holds an exclusive lock on the file it appends to; readers skip locked files, so nothing uploads a file a
+  live run is still writing, and two uploaders never upload the same file at once.
+- A writer also holds its *owner lock* (``.<writer>.owner``) from its first record until it is closed. Its finished
+  files wait for its own replay; another transport or ``attnchecker sync`` uploads them only once it can take that
+  lock (the writer closed or died), see :func:`claim_writer`.
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ class SpoolWriter:
         self.max_file_bytes = max_file_bytes
         self.max_total_bytes = max_total_bytes
         self.prefix = uuid.uuid4().hex[:12]
+        self._owner: IO[bytes] | None = None
         self._seq = 0
         self._file: IO[bytes] | None = None
         self._path: Path | None = None
@@ -66,6 +72,10 @@ class SpoolWriter:
 
     def _open(self) -> IO[bytes]:
         self.dir.mkdir(parents=True, exist_ok=True)
+        if self._owner is None:
+            # Taken before the first file exists, so no other uploader ever sees this writer's files unowned.
+            self._owner = open(owner_path(self.dir, self.prefix), "ab")  # noqa: SIM115 - held until close()
+            fcntl.flock(self._owner.fileno(), fcntl.LOCK_EX)
         self._seq += 1
         # time first: names sort oldest first across writers, which is the order replay wants.
         path = self.dir / f"{time.time_ns():020d}-{self.prefix}-{self._seq:05d}{SUFFIX}"
@@ -115,7 +125,26 @@ class SpoolWriter:
             self._total_bytes = max(0, self._total_bytes - nbytes)
 
     def close(self) -> None:
-        self.rotate()
+        """Close the current file and give up ownership: what is left may now be uploaded by anyone."""
+        with self._lock:
+            self._rotate_locked()
+            if self._owner is None:
+                return
+            if not any(writer_of(p) == self.prefix for p in list_files(self.dir)):
+                owner_path(self.dir, self.prefix).unlink(missing_ok=True)  # nothing left to own
+            self._owner.close()
+            self._owner = None
+
+
+def writer_of(path: Path) -> str | None:
+    """The writer prefix in a spool file's name (``<time_ns>-<writer>-<seq>.jsonl``), or None for another name."""
+    parts = path.name.split("-")
+    return parts[1] if len(parts) == 3 and path.name.endswith(SUFFIX) else None
+
+
+def owner_path(spool_dir: Path, prefix: str) -> Path:
+    # A dot file without the spool suffix: list_files() never takes it for data.
+    return spool_dir / f".{prefix}.owner"
 
 
 def list_files(spool_dir: str | os.PathLike[str]) -> list[Path]:
@@ -125,21 +154,53 @@ def list_files(spool_dir: str | os.PathLike[str]) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.name.endswith(SUFFIX) and p.is_file())
 
 
+def _lock_now(f: IO[bytes], path: Path) -> bool:
+    """Take ``f``'s lock without waiting. False when someone holds it, or when ``path`` no longer names the file we
+    opened: an uploader that held the lock rewrote (replaced) or deleted it meanwhile, and the old copy is stale."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    try:
+        return os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
 @contextmanager
 def claim(path: Path) -> Iterator[bool]:
-    """Try to take a file's lock without waiting; yields False when a live writer (or another replay) holds it."""
+    """Try to take a file's lock without waiting; yields False when a live writer (or another replay) holds it, or
+    the file is gone."""
     try:
         f = open(path, "rb")  # noqa: SIM115
     except FileNotFoundError:
         yield False
         return
     with f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
+        yield _lock_now(f, path)
+
+
+@contextmanager
+def claim_writer(spool_dir: Path, prefix: str | None) -> Iterator[bool]:
+    """Take a writer's owner lock without waiting; yields False while that writer is alive (or another uploader holds
+    it). A file name without a writer prefix has no owner: always True. On the way out the lock file is deleted when
+    the writer has no files left."""
+    if prefix is None:
         yield True
+        return
+    path = owner_path(spool_dir, prefix)
+    try:
+        f = open(path, "ab")  # noqa: SIM115 - creates it for a writer that died before taking it
+    except OSError:
+        yield False
+        return
+    with f:
+        mine = _lock_now(f, path)
+        try:
+            yield mine
+        finally:
+            if mine and not any(writer_of(p) == prefix for p in list_files(spool_dir)):
+                path.unlink(missing_ok=True)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

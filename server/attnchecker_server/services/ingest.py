@@ -25,6 +25,7 @@ from ..models import (
 from ..schemas import EventBatchIn, EventBatchResult, FaultEventIn, StatsIn, StatsResult
 from .runs import require_run
 from .sql import greatest, upsert_insert
+from .tiers import add_tier_counts
 
 __all__ = ["ingest_events", "ingest_stats"]
 
@@ -237,6 +238,7 @@ def ingest_stats(session: Session, *, run_id: str, stats: StatsIn) -> StatsResul
                 },
             )
         )
+    add_tier_counts(session, run_id, stats)
     hist = stats.residual_ratio
     if hist is not None:
         for le, count in zip([*hist.le, math.inf], hist.counts, strict=True):

@@ -1,0 +1,190 @@
+"""The tile contract of protected attention with O(T) extra memory (flash-style, issue 12). Pure math: tensors in,
+tensors out; no modules, no I/O, no host-device sync.
+
+Legend: N leading dims (batch, heads), Tq query rows of one tile, Tk key columns of one tile, D head dim, 2 a
+checksum pair (weights ones and 1..n, tile-local).
+
+The contract a backend implements (the PyTorch loop in ``attnchecker.tiled_attention`` does; a fused GPU kernel can
+do the same per program), for each query block i and each key block j it visits:
+
+1. AS_ij = Q_i K_jᵀ. Its references come from the operands only: rows Q_i (K_jᵀ w) and columns K_j (Q_iᵀ w)
+   (:func:`scores_refs`). The checksum identities hold per tile because a tile is itself a matrix product.
+2. Online softmax (:func:`fold_scores`): running row max m and row sum l; P̃_ij = exp(scale·AS_ij + mask - m_new)
+   (unnormalised, every entry in [0, 1]).
+3. CL_ij = P̃_ij V_j, referenced by P̃_ij (V_j w) and (wᵀ P̃_ij) V_j (:func:`context_refs`). ‖P̃_t‖₂ <= sqrt(Σ P̃_t)
+   because 0 <= P̃ <= 1, so the round-off bound needs no extra pass over P̃.
+4. Fold: O_i <- alpha·O_i + CL_ij (fp32), with alpha = exp(m_old - m_new).
+5. After the last key block: out_i = O_i / l, lse_i = m + log l (+INF and 0 for a row with every key masked), which
+   is exactly what the fused backward needs.
+
+Per tile the extra memory is O(N·Tq·Tk); per call O(N·T·D) for the output, the log-sum-exp and the O(T) checksums,
+independent of T·S. Verification of a tile uses only that tile's operands, so a kernel can check (and, with the
+per-tile summaries of :func:`summarize`, report) each tile before folding it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .checksum import times_skinny, weighted_cols, weighted_rows
+
+__all__ = [
+    "SUMMARY_FIELDS",
+    "TilePlan",
+    "context_refs",
+    "finish",
+    "fold_scores",
+    "scores_refs",
+    "summarize",
+    "tile_mask",
+    "v_row_checksums",
+]
+
+SUMMARY_FIELDS = ("n_bad", "first_bad", "worst_d1", "worst_bound", "worst_index")
+"""What :func:`summarize` keeps per matrix and direction of a flagged tile: enough to report a fault after the tile
+itself is gone (the slow path recomputes it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TilePlan:
+    """Which tiles of a T × S attention matrix are computed. A causal (top-left aligned, as SDPA's is_causal) tile
+    entirely above the diagonal is skipped: every score in it is masked."""
+
+    t: int
+    s: int
+    block_q: int
+    block_k: int
+    is_causal: bool
+
+    def __post_init__(self) -> None:
+        if self.block_q < 1 or self.block_k < 1:
+            raise ValueError(f"tile sizes must be >= 1, got block_q={self.block_q}, block_k={self.block_k}")
+
+    @property
+    def n_q(self) -> int:
+        return -(-self.t // self.block_q)
+
+    @property
+    def n_k(self) -> int:
+        return -(-self.s // self.block_k)
+
+    def rows(self, i: int) -> tuple[int, int]:
+        return i * self.block_q, min(self.t, (i + 1) * self.block_q)
+
+    def keys(self, i: int) -> Iterator[tuple[int, int, int]]:
+        """(j, c0, c1) for the key blocks query block i visits."""
+        _, r1 = self.rows(i)
+        for j in range(self.n_k):
+            c0, c1 = j * self.block_k, min(self.s, (j + 1) * self.block_k)
+            if self.is_causal and c0 > r1 - 1:
+                break
+            yield j, c0, c1
+
+
+def tile_mask(
+    attn_mask_NTS: torch.Tensor | None, r0: int, r1: int, c0: int, c1: int, *, is_causal: bool, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(blocked, additive) for one tile: a bool (..., Tq, Tk) True where the score is masked (causal or a False in a
+    bool mask), and an additive float mask slice, either None. attn_mask_NTS is already broadcast to (B, H, T, S)
+    (a view: slicing it costs nothing)."""
+    blocked = None
+    if is_causal and c1 - 1 > r0:
+        rows = torch.arange(r0, r1, device=device)[:, None]
+        cols = torch.arange(c0, c1, device=device)[None, :]
+        blocked = cols > rows
+    additive = None
+    if attn_mask_NTS is not None:
+        part = attn_mask_NTS[..., r0:r1, c0:c1]
+        if part.dtype == torch.bool:
+            blocked = ~part if blocked is None else blocked | ~part
+        else:
+            additive = part
+    return blocked, additive
+
+
+def scores_refs(
+    q_acc_NTqD: torch.Tensor, k_acc_NTkD: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row references (..., Tq, 2), column references (..., Tk, 2)) of AS_ij = Q_i K_jᵀ, in the acc dtype."""
+    kbar_ND2 = weighted_cols(k_acc_NTkD)
+    qbar_ND2 = weighted_cols(q_acc_NTqD)
+    return times_skinny(q_acc_NTqD, kbar_ND2), times_skinny(k_acc_NTkD, qbar_ND2)
+
+
+def context_refs(
+    p_acc_NTqTk: torch.Tensor, v_acc_NTkD: torch.Tensor, vw_NTk2: torch.Tensor, p_sum_NTq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row refs (..., Tq, 2), column refs (..., D, 2), ‖P̃_t‖₂ bound (..., Tq)) of CL_ij = P̃_ij V_j. vw: V_j w
+    (the row checksums of V over features, sliced from one pass over the whole V); p_sum: Σ P̃ per row, as the
+    softmax fold computed it."""
+    row_NTq2 = times_skinny(p_acc_NTqTk, vw_NTk2)
+    col_ND2 = (weighted_cols(p_acc_NTqTk).mT @ v_acc_NTkD).mT
+    # 0 <= P̃ <= 1 (rounded P̃ too): Σ P̃² <= Σ P̃. 1.01 covers the rounding of a half-precision P̃ and of the sum.
+    p_norm_NTq = p_sum_NTq.to(p_acc_NTqTk.dtype).sqrt() * 1.01
+    return row_NTq2, col_ND2, p_norm_NTq
+
+
+def fold_scores(
+    s_NTqTk: torch.Tensor,
+    m_NTq: torch.Tensor,
+    l_NTq: torch.Tensor,
+    *,
+    scale: float,
+    blocked: torch.Tensor | None,
+    additive: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One online-softmax step: (P̃ (..., Tq, Tk), alpha (..., Tq), new m, new l, Σ P̃ per row). P̃ = exp(z - m_new) with
+    z = scale·AS + mask; alpha rescales what was folded so far. m starts at -INF and l at 0, in fp32 (fp64 for fp64
+    inputs): the softmax runs in m's dtype, like SDPA's kernels for half inputs."""
+    # One new tile, then in place: every pass over a tile is memory traffic the fused kernel does not pay.
+    z = s_NTqTk.to(m_NTq.dtype) * scale
+    if additive is not None:
+        z.add_(additive)
+    if blocked is not None:
+        z.masked_fill_(blocked, -math.inf)
+    m_new = torch.maximum(m_NTq, z.amax(-1))
+    # A row with every key so far masked has m = -INF; exp(-INF - -INF) is NaN, so shift by 0 there (P̃ = 0).
+    m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
+    p = z.sub_(m_safe[..., None]).exp_()
+    p_sum = p.sum(-1)
+    alpha = torch.exp(m_NTq - m_safe)
+    return p, alpha, m_new, l_NTq * alpha + p_sum, p_sum
+
+
+def finish(
+    o_NTqD: torch.Tensor, m_NTq: torch.Tensor, l_NTq: torch.Tensor, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (..., Tq, D) in out_dtype, row log-sum-exp (..., Tq) fp32). A row with every key masked gets out 0 (SDPA's
+    safe softmax) and lse +INF (so that exp(s - lse) = 0 in the backward, as the unfused path)."""
+    dead = l_NTq == 0
+    out = torch.where(dead[..., None], 0.0, o_NTqD / torch.where(dead, 1.0, l_NTq)[..., None])
+    lse = torch.where(dead, math.inf, m_NTq + torch.log(torch.where(dead, 1.0, l_NTq)))
+    return out.to(out_dtype), lse
+
+
+def summarize(bad_NV: torch.Tensor, diff_NV2: torch.Tensor, bound_NV: torch.Tensor) -> torch.Tensor:
+    """(..., 5) float: SUMMARY_FIELDS of one direction's check of a tile, per matrix. worst_*: the flagged vector
+    with the largest |d1|/bound (a non-finite d1 counts as infinitely bad); first_bad and worst index -1 if none."""
+    d1_NV = diff_NV2[..., 0].float()
+    bound_NV = bound_NV.float()
+    n_bad = bad_NV.sum(-1)
+    any_bad = n_bad > 0
+    first = torch.where(any_bad, bad_NV.to(torch.int8).argmax(-1), -1)
+    ratio = torch.where(torch.isfinite(d1_NV), d1_NV.abs() / bound_NV.clamp_min(1e-30), math.inf)
+    ratio = torch.where(bad_NV, ratio, -1.0)
+    worst = ratio.argmax(-1, keepdim=True)
+    return torch.stack([
+        n_bad.float(),
+        first.float(),
+        d1_NV.gather(-1, worst)[..., 0],
+        bound_NV.gather(-1, worst)[..., 0],
+        torch.where(any_bad, worst[..., 0], -1).float(),
+    ], dim=-1)
+
+
+def v_row_checksums(v_acc_NSD: torch.Tensor) -> torch.Tensor:
+    """(..., S, 2): V w per key, computed once per call; each key tile slices its rows."""
+    return weighted_rows(v_acc_NSD)

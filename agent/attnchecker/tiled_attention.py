@@ -1,0 +1,472 @@
+"""Protected attention in tiles (issue 12): the PyTorch backend of the tile contract in ``abft.tiled``.
+
+Legend as in attention.py: B batch, H query heads, T queries, S keys, D head dim; Tq / Tk one tile's rows / keys.
+
+Why tiles: the unfused checked path holds AS and AP (B·H·T·S) per protected layer; this one holds one tile of each
+(B·H·Tq·Tk) plus O(B·H·T·D), so a protected step at long context fits where the unprotected (fused) one does.
+
+Flow, with at most one host-device sync on clean input:
+- Fast pass: for every query block, every key block it needs: AS tile, its checks, online-softmax fold, CL tile
+  (P̃·V), its checks, fold into the running output. Flags and a small per-tile summary (``abft.tiled.summarize``)
+  stay on the device; nothing waits for them.
+- One sync: did any tile flag?
+- Slow path (only then): every query block with a flagged tile is recomputed from Q, K and V, tile by tile, each
+  tile verified and repaired (``abft.repair``) before it is folded in, so a persistent fault is located and corrected
+  as on the unfused path. A tile flagged in the fast pass that comes back clean held a transient fault: it is
+  reported from its summary with action "recomputed". In detect mode nothing is recomputed (the output keeps the
+  fault, as the unfused path's does) and every flagged tile is reported "detected".
+A fused GPU kernel can move the verify-and-repair of step 3 inside the tile loop; the contract is the same.
+
+Backward: the verified output and row log-sum-exp feed the fused CPU kernel (attention._VerifiedAttention), as on
+the unfused path. On other devices the gradient comes from recomputing the (unprotected) fused SDPA in backward,
+which is the gradient of the same function at the same verified q, k, v (backward is unprotected either way).
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .abft import Tolerance, acc_dtype, col_norms, repair
+from .abft.repair import MatrixReport
+from .abft.tiled import (
+    TilePlan,
+    context_refs,
+    finish,
+    fold_scores,
+    scores_refs,
+    summarize,
+    tile_mask,
+    v_row_checksums,
+)
+from .context import LayerContext
+
+__all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "choose_tiles", "tiled_sdpa"]
+
+PATH_ENV = "ATTNCHECKER_ATTENTION"
+"""auto (default): tiled when T·S >= the threshold; tiled / unfused: always that path (where it applies)."""
+TILED_MIN_ENV = "ATTNCHECKER_TILED_MIN_TS"
+"""The T·S from which auto picks the tiled path."""
+TILE_ENV = "ATTNCHECKER_TILE"
+"""Tile size "Tq,Tk" (or one number for both)."""
+
+DEFAULT_MIN_TS = 512 * 512
+"""Measured on CPU (docs/performance.md §4), forward + backward of one causal layer, tiled / unfused time: 1.15× at
+T = 256, 0.82× at 512, 0.63× at 1024. Below the crossover the unfused path's T×S tensors are small anyway."""
+DEFAULT_TILE = (256, 256)
+"""Large enough that Python's per-op cost stays small against the GEMMs, small enough that one tile's temporaries
+(B·H·Tq·Tk fp32, a handful of them) are a few MB at B·H = 8."""
+
+
+@dataclass(frozen=True, slots=True)
+class TileChoice:
+    block_q: int
+    block_k: int
+
+
+def _env_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer; unset it or give a positive whole number") from None
+    if value < 1:
+        raise ValueError(f"{name}={raw!r} must be >= 1")
+    return value
+
+
+def choose_tiles(
+    t: int, s: int, *, device: torch.device, dropout_p: float, return_probs: bool, paper: bool
+) -> TileChoice | None:
+    """The tile sizes when this call takes the tiled path, else None (the unfused path). device: for a future
+    device-specific backend (a fused GPU kernel); the PyTorch backend runs on any device.
+
+    Never tiled: dropout (the fused backward cannot replay our dropout mask), return_probs (AP itself is asked for),
+    paper-faithful checksum passing (its passed references sum over all T tokens, not one tile's)."""
+    mode = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "tiled", "unfused"):
+        raise ValueError(f"{PATH_ENV}={mode!r}: use auto, tiled or unfused")
+    if mode == "unfused" or dropout_p > 0.0 or return_probs or paper:
+        return None
+    if mode == "auto":
+        raw = os.environ.get(TILED_MIN_ENV)
+        threshold = DEFAULT_MIN_TS if raw is None else _env_int(TILED_MIN_ENV, raw)
+        if t * s < threshold:
+            return None
+    raw_tile = os.environ.get(TILE_ENV)
+    if raw_tile is None:
+        return TileChoice(*DEFAULT_TILE)
+    parts = [p for p in raw_tile.replace("x", ",").split(",") if p.strip()]
+    if len(parts) not in (1, 2):
+        raise ValueError(f"{TILE_ENV}={raw_tile!r}: give 'Tq,Tk' or one size for both, e.g. 256,256")
+    sizes = [_env_int(TILE_ENV, p.strip()) for p in parts]
+    return TileChoice(sizes[0], sizes[-1])
+
+
+@dataclass(slots=True)
+class _Pass:
+    """One pass's device-side record of the checks: per query block, per op, the flag per key tile (n_k, B, H) and
+    the summary (n_k, B, H, 2 directions, 5); plus the worst clean residual/bound ratio per op for the histogram."""
+
+    flags: dict[str, list[torch.Tensor | None]]
+    summaries: dict[str, list[torch.Tensor | None]]
+    worst: dict[str, torch.Tensor | None]
+    seconds: dict[str, float]
+
+
+def tiled_sdpa(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    *,
+    ctx: LayerContext,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    tiles: TileChoice,
+    force: frozenset[str] = frozenset(),
+    caught: list[int] | None = None,
+) -> torch.Tensor:
+    """protected_sdpa's tiled path: out (B, H, T, D), verified and repaired, with autograd attached.
+    force: ops verified whatever the step's config says (a tier-1 recovery). An op that is not due but has the
+    tier-1 tripwire is verified in full here too (per tile that costs about what the tripwire would), its events
+    under tier "tripwire". caught: [n], incremented by the number of detections emitted."""
+    from . import attention as eng
+
+    h = q_BHTD.shape[1]
+    k_rep, v_rep = eng._expand_heads(k_BHSD, h), eng._expand_heads(v_BHSD, h)
+    with torch.no_grad():
+        out, lse = _forward(q_BHTD.detach(), k_rep.detach(), v_rep.detach(), ctx=ctx, attn_mask=attn_mask,
+                            is_causal=is_causal, scale=scale, tiles=tiles, force=force, caught=caught)
+    if not (torch.is_grad_enabled() and (q_BHTD.requires_grad or k_BHSD.requires_grad or v_BHSD.requires_grad)):
+        return out
+    if q_BHTD.device.type == "cpu":
+        return eng._VerifiedAttention.apply(q_BHTD, k_rep, v_rep, eng._Forward(
+            out_BHTD=out, lse_BHT=lse, mask_add=eng._additive_mask(attn_mask, q_BHTD.dtype), scale=scale,
+            is_causal=is_causal))
+    if is_causal and attn_mask is not None:
+        attn_mask, is_causal = _causal_into_mask(attn_mask, q_BHTD.shape[-2], k_BHSD.shape[-2]), False
+    return _RecomputedBackward.apply(q_BHTD, k_rep, v_rep, out, (attn_mask, is_causal, scale))
+
+
+def _causal_into_mask(attn_mask: torch.Tensor, t: int, s: int) -> torch.Tensor:
+    """SDPA takes is_causal or attn_mask, not both: one mask with the future (top-left aligned) masked too. T×S, but
+    only in backward off CPU, and only for this rare combination."""
+    future_TS = torch.ones(t, s, dtype=torch.bool, device=attn_mask.device).triu(1)
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & ~future_TS
+    return attn_mask.masked_fill(future_TS, -math.inf)
+
+
+class _RecomputedBackward(torch.autograd.Function):
+    """Off CPU: the gradient of fused SDPA at the verified q, k, v, by recomputing it in backward (no T×S kept)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                how: tuple[torch.Tensor | None, bool, float]) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v)
+        ctx.how = how
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v = (x.detach().requires_grad_() for x in ctx.saved_tensors)
+        attn_mask, is_causal, scale = ctx.how
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+        return dq, dk, dv, None, None
+
+
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    ctx: LayerContext,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    tiles: TileChoice,
+    force: frozenset[str] = frozenset(),
+    caught: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from . import attention as eng
+
+    b, h, t, d = q.shape
+    s = k.shape[-2]
+    cfg = ctx.config
+    tol = eng._tolerance(ctx)
+    plan = TilePlan(t, s, tiles.block_q, tiles.block_k, is_causal)
+    mask = None if attn_mask is None else torch.broadcast_to(attn_mask, (b, h, t, s))
+    tiers = {op: "abft" if cfg.checks(op) and op not in force else "tripwire"
+             for op in ("scores", "context") if cfg.checks(op) or op in force or cfg.trips(op)}
+    ops = tuple(tiers)
+    acc = acc_dtype(q.dtype)
+    with eng._exact_math(q):
+        # O(T·D) per call: the operands in the acc dtype (contiguous: heads are strided views) and what every tile
+        # of them shares.
+        q_acc, k_acc = q.to(acc).contiguous(), k.to(acc).contiguous()
+        v_acc = v.to(acc).contiguous()
+        q_norm, k_norm = torch.linalg.vector_norm(q_acc, dim=-1), torch.linalg.vector_norm(k_acc, dim=-1)
+        vw = v_row_checksums(v_acc)
+    shared = _Shared(q=q, k=k, v=v, q_acc=q_acc, k_acc=k_acc, v_acc=v_acc, q_norm=q_norm, k_norm=k_norm, vw=vw,
+                     mask=mask, is_causal=is_causal, scale=scale, tol=tol, plan=plan, ops=ops, tiers=tiers,
+                     caught=caught)
+    injector = ctx.runtime.injector
+    hits = {op: [] if injector is None else injector.resolve(op=op, layer=ctx.layer, step=ctx.step, shape=shape)
+            for op, shape in (("scores", (b, h, t, s)), ("context", (b, h, t, d)))}
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, t, device=q.device, dtype=torch.promote_types(q.dtype, torch.float32))
+    record = _Pass({op: [] for op in ops}, {op: [] for op in ops}, dict.fromkeys(ops), dict.fromkeys(ops, 0.0))
+    for i in range(plan.n_q):
+        _query_block(shared, i, out, lse, hits, record=record)
+    for op in ops:
+        worst = record.worst[op]
+        if worst is not None:
+            eng._record_ratio(ctx, worst)
+    if ops:
+        flat = [f for op in ops for f in record.flags[op] if f is not None]
+        any_bad = torch.stack([f.any() for f in flat]).any() if flat else torch.zeros((), dtype=torch.bool)
+        if bool(any_bad):  # sync: the one per protected attention call; decides whether the slow path runs
+            t0 = time.perf_counter()
+            _slow_path(shared, ctx, record, out, lse)
+            record.seconds["scores" if "scores" in ops else "context"] += time.perf_counter() - t0
+    for op in ops:
+        if tiers[op] == "abft":
+            eng._count(ctx, op, record.seconds[op])
+        else:
+            eng._count_trips(ctx, [op], record.seconds[op])
+    return out, lse
+
+
+@dataclass(slots=True, kw_only=True)
+class _Shared:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_acc: torch.Tensor
+    k_acc: torch.Tensor
+    v_acc: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    vw: torch.Tensor
+    mask: torch.Tensor | None
+    is_causal: bool
+    scale: float
+    tol: Tolerance
+    plan: TilePlan
+    ops: tuple[str, ...]
+    tiers: dict[str, str]
+    """op -> who verifies it on this call: "abft" (due on this step) or "tripwire" (tier 1, or its recovery)."""
+    caught: list[int] | None
+
+
+@dataclass(slots=True)
+class _Repair:
+    """Slow path: the query block being recomputed is verified and repaired tile by tile."""
+
+    ctx: LayerContext
+    tol: Tolerance
+    flagged: dict[str, dict[int, list[tuple[int, int]]]]
+    """op -> key tile j -> [(batch, head)] flagged in the fast pass."""
+    summaries: dict[str, torch.Tensor | None]
+    """op -> (n_k, B, H, 2, 5) summaries of this query block from the fast pass."""
+    shared: _Shared
+
+
+def _query_block(
+    sh: _Shared,
+    i: int,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    hits: dict[str, list[Any]],
+    *,
+    record: _Pass | None = None,
+    fix: _Repair | None = None,
+) -> None:
+    """Compute query block i over its key tiles and write its rows of out and lse. Fast pass (record): checks are
+    kept on the device. Slow path (fix): each tile is verified and repaired before it is folded."""
+    from . import attention as eng
+
+    plan = sh.plan
+    r0, r1 = plan.rows(i)
+    q_i = sh.q[..., r0:r1, :]
+    lead = q_i.shape[:-2]
+    soft = torch.promote_types(q_i.dtype, torch.float32)
+    m = torch.full((*lead, r1 - r0), -math.inf, device=q_i.device, dtype=soft)
+    l_ = torch.zeros_like(m)
+    o = torch.zeros((*lead, r1 - r0, sh.v.shape[-1]), device=q_i.device, dtype=soft)
+    rows_by_op: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {
+        op: [] for op in sh.ops}
+    with eng._exact_math(q_i):
+        qbar_src = sh.q_acc[..., r0:r1, :]
+        for j, c0, c1 in plan.keys(i):
+            k_j, v_j = sh.k[..., c0:c1, :], sh.v[..., c0:c1, :]
+            s_ij = q_i @ k_j.mT
+            for hit in hits["scores"]:
+                hit.apply(s_ij, r0, c0)
+            if "scores" in sh.ops:
+                t0 = time.perf_counter()
+                row_ref, col_ref = scores_refs(qbar_src, sh.k_acc[..., c0:c1, :])
+                checks = eng._verify(s_ij, row_ref, col_ref, sh.q_norm[..., r0:r1], sh.k_norm[..., c0:c1],
+                                     k=sh.q.shape[-1], tol=sh.tol)
+                if fix is not None:
+                    _repair_tile(fix, "scores", s_ij, checks, j, r0, c0,
+                                 lambda key, rows, cols, q_i=q_i, k_j=k_j: eng._dot(q_i[key][rows], k_j[key][cols]))
+                else:
+                    rows_by_op["scores"].append(_keep(checks))
+                if record is not None:
+                    record.seconds["scores"] += time.perf_counter() - t0
+            blocked, additive = tile_mask(sh.mask, r0, r1, c0, c1, is_causal=sh.is_causal, device=q_i.device)
+            p, alpha, m, l_, p_sum = fold_scores(s_ij, m, l_, scale=sh.scale, blocked=blocked, additive=additive)
+            p_c = p.to(v_j.dtype)
+            pv = p_c @ v_j
+            if j == 0:
+                # A fault in CL (B, H, T, D) lands in the first partial product its row block folds in.
+                for hit in hits["context"]:
+                    hit.apply(pv, r0, 0)
+            if "context" in sh.ops:
+                t0 = time.perf_counter()
+                row_ref, col_ref, p_norm = context_refs(p_c.to(sh.v_acc.dtype), sh.v_acc[..., c0:c1, :],
+                                                        sh.vw[..., c0:c1, :], p_sum)
+                checks = eng._verify(pv, row_ref, col_ref, p_norm.to(sh.v_acc.dtype), col_norms(sh.v_acc[..., c0:c1, :]),
+                                     k=c1 - c0, tol=sh.tol)
+                if fix is not None:
+                    _repair_tile(fix, "context", pv, checks, j, r0, 0,
+                                 lambda key, rows, cols, p_c=p_c, v_j=v_j: eng._dot(p_c[key][rows], v_j[key].mT[cols]))
+                else:
+                    rows_by_op["context"].append(_keep(checks))
+                if record is not None:
+                    record.seconds["context"] += time.perf_counter() - t0
+            o = o * alpha[..., None] + pv.to(soft)
+        res_out, res_lse = finish(o, m, l_, out.dtype)
+        out[..., r0:r1, :] = res_out
+        lse[..., r0:r1] = res_lse
+        if record is not None:
+            for op, kept in rows_by_op.items():
+                _summarize_block(record, op, kept)
+
+
+def _keep(checks: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(flag (B, H), row summary (B, H, 5), column summary (B, H, 5), worst clean ratio ()) of one tile."""
+    row, col = checks["row"], checks["col"]
+    flag = row.bad.any(-1) | col.bad.any(-1)
+    worst = torch.stack([torch.where(c.bad, 0.0, c.diff[..., 0].abs() / c.bound.clamp_min(1e-30)).amax().float()
+                         for c in (row, col)]).amax()
+    return flag, summarize(row.bad, row.diff, row.bound), summarize(col.bad, col.diff, col.bound), worst
+
+
+_Kept = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _summarize_block(record: _Pass, op: str, kept: list[_Kept]) -> None:
+    if not kept:
+        record.flags[op].append(None)
+        record.summaries[op].append(None)
+        return
+    record.flags[op].append(torch.stack([k[0] for k in kept]))
+    record.summaries[op].append(torch.stack([torch.stack([k[1], k[2]], dim=-2) for k in kept]))
+    worst = torch.stack([k[3] for k in kept]).amax()
+    # A non-finite ratio is a check whose inputs already carried a fault reported elsewhere: left out (as _observe).
+    worst = torch.where(torch.isfinite(worst), worst, 0.0)
+    prev = record.worst[op]
+    record.worst[op] = worst if prev is None else torch.maximum(prev, worst)
+
+
+def _slow_path(sh: _Shared, ctx: LayerContext, record: _Pass, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Report every flagged tile; in correct mode recompute its query block tile by tile, repairing as it goes."""
+    from . import attention as eng
+
+    correct = ctx.config.mode == "correct"
+    blocks: dict[int, dict[str, dict[int, list[tuple[int, int]]]]] = {}
+    for op in sh.ops:
+        for i, flags in enumerate(record.flags[op]):
+            if flags is None:
+                continue
+            for j, b, h in flags.nonzero().tolist():  # sync: slow path only
+                blocks.setdefault(i, {o: {} for o in sh.ops})[op].setdefault(j, []).append((b, h))
+    if not correct:
+        r0_of = {i: sh.plan.rows(i)[0] for i in blocks}
+        for i, by_op in sorted(blocks.items()):
+            for op, tiles in by_op.items():
+                summaries = record.summaries[op][i]
+                assert summaries is not None
+                reports = [_shift(_from_summary(summaries[j, b, h], (b, h), None, "detected"), r0_of[i],
+                                  _col0(sh.plan, op, j))
+                           for j, pairs in sorted(tiles.items()) for b, h in pairs]
+                _emit(sh, ctx, op, reports)
+        return
+    injector = ctx.runtime.injector
+    b, h, t, s = sh.q.shape[0], sh.q.shape[1], sh.q.shape[2], sh.k.shape[-2]
+    hits = {op: [] if injector is None else injector.resolve(op=op, layer=ctx.layer, step=ctx.step, shape=shape,
+                                                             attempt=1)
+            for op, shape in (("scores", (b, h, t, s)), ("context", (b, h, t, sh.q.shape[-1])))}
+    for i, by_op in sorted(blocks.items()):
+        fix = _Repair(ctx, sh.tol, by_op, {op: record.summaries[op][i] for op in sh.ops}, sh)
+        _query_block(sh, i, out, lse, hits, fix=fix)
+
+
+def _col0(plan: TilePlan, op: str, j: int) -> int:
+    return j * plan.block_k if op == "scores" else 0
+
+
+def _repair_tile(
+    fix: _Repair, op: str, c: torch.Tensor, checks: dict[str, Any], j: int, r0: int, c0: int, exact: Any
+) -> None:
+    """Verify a recomputed tile and repair it in place (the recompute already happened: no further rung), then
+    report what the fast pass flagged here and the recompute cleared."""
+    from . import attention as eng
+
+    reports = repair(c, checks, fix.tol, correct=True, recompute=None, exact=exact)
+    seen = {r.index for r in reports}
+    summaries = fix.summaries.get(op)
+    for b, h in fix.flagged.get(op, {}).get(j, []):
+        if (b, h) not in seen and summaries is not None:
+            reports.append(_from_summary(summaries[j, b, h], (b, h), c[b, h], "recomputed"))
+    _emit(fix.shared, fix.ctx, op, [_shift(r, r0, c0) for r in reports])
+
+
+def _emit(sh: _Shared, ctx: LayerContext, op: str, reports: list[MatrixReport]) -> None:
+    from . import attention as eng
+
+    eng._emit(ctx, op, reports, heads=True, tier=sh.tiers[op])
+    if sh.caught is not None:
+        sh.caught[0] += len(reports)
+
+
+def _from_summary(summary_25: torch.Tensor, index: tuple[int, int], clean_RC: torch.Tensor | None,
+                  action: str) -> MatrixReport:
+    """A report for a tile flagged in the fast pass whose values are gone: pattern and location from the counts and
+    first flagged vectors; value = the clean element minus the row residual for a single element (exact for INF, NaN
+    and near-INF), else the residual's error sum as seen through the checksum."""
+    (nr, fr, d1r, br, _), (nc, fc, d1c, bc, _) = summary_25.tolist()  # sync: slow path only
+    nr, nc, fr, fc = int(nr), int(nc), int(fr), int(fc)
+    if nr >= 2 and nc >= 2:
+        pattern = "2d"
+    elif nr <= 1 and nc <= 1:
+        pattern = "0d"
+    else:
+        pattern = "1d"
+    row = fr if nr == 1 else None
+    col = fc if nc == 1 else None
+    d1, bound = (d1r, br) if nr >= 1 else (d1c, bc)
+    value = -d1
+    if pattern == "0d" and clean_RC is not None and row is not None and col is not None:
+        value = float(clean_RC[row, col]) - d1  # sync: slow path only
+    return MatrixReport(index=index, pattern=pattern, row=row, col=col, value=value,
+                        residual=abs(d1) if math.isfinite(d1) else None, bound=bound, action=action)
+
+
+def _shift(rep: MatrixReport, r0: int, c0: int) -> MatrixReport:
+    """Tile-local row/col to whole-matrix coordinates."""
+    if rep.row is not None:
+        rep.row += r0
+    if rep.col is not None:
+        rep.col += c0
+    return rep
+
