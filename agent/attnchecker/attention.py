@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 
 from .abft import (
-    Bound,
     DirectionCheck,
     MatrixReport,
     Tolerance,
@@ -38,6 +37,7 @@ from .abft import (
 )
 from .context import RESIDUAL_RATIO_BUCKETS, LayerContext
 from .events import Detection, kind_of, value_to_wire
+from .matmul_precision import fp32_matmul_operand_roundoff, ieee_fp32_matmul
 from .tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound
 from .tiled_attention import choose_tiles, tiled_sdpa
 
@@ -118,11 +118,13 @@ class PassedProjection:
 
 
 def _exact_math(like: torch.Tensor) -> contextlib.ExitStack:
-    """no_grad and autocast off: checksums must run in the dtypes we chose (under autocast a fp32 checksum matmul
-    would silently run in bf16 and flag clean data); autograd must not see them."""
+    """no_grad, autocast off and IEEE fp32 matmuls: checksums must run in the dtypes we chose (under autocast a fp32
+    checksum matmul would silently run in bf16, under TF32 with 10-bit operands, and flag clean data); autograd must
+    not see them."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch.no_grad())
     stack.enter_context(torch.autocast(device_type=like.device.type, enabled=False))
+    stack.enter_context(ieee_fp32_matmul(like.device))
     return stack
 
 
@@ -149,12 +151,13 @@ def _any_bad(checks: Checks) -> torch.Tensor:
 
 
 def _observe(ctx: LayerContext, checks: Checks) -> None:
-    """Histogram of the worst residual/bound ratio among the unflagged vectors of one check, kept on the device."""
+    """Histogram of the worst residual/bound ratio (d1 and d2, both flag) among the unflagged vectors of one check,
+    kept on the device: the dashboard's margin is its inverse."""
     stats = ctx.runtime.stats
     if stats is None or not checks:
         return
     worst = torch.stack([
-        torch.where(chk.bad, 0.0, chk.diff[..., 0].abs() / chk.bound.clamp_min(1e-30)).amax().float()
+        torch.where(chk.bad, 0.0, _ratio(chk)).amax().float()
         for chk in checks.values()
     ]).amax()
     _record_ratio(ctx, worst)
@@ -179,6 +182,14 @@ def _record_ratio(ctx: LayerContext, worst: torch.Tensor) -> None:
     stats.residual_counts.index_add_(0, bucket.view(1), valid.view(1).to(torch.int64))
     stats.residual_sum += torch.where(valid, worst, 0.0).double()
     stats.residual_count += valid.to(torch.int64)
+
+
+def _ratio(chk: DirectionCheck) -> torch.Tensor:
+    """(..., V) the larger of |d1|/bound and |d2|/bound2."""
+    ratio = chk.diff[..., 0].abs() / chk.bound.clamp_min(1e-30)
+    if chk.bound2 is None:
+        return ratio
+    return torch.maximum(ratio, chk.diff[..., 1].abs() / chk.bound2.clamp_min(1e-30))
 
 
 def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: bool, tier: str = "abft") -> None:
@@ -252,23 +263,29 @@ def _verify(
     extra_row_NR: torch.Tensor | None = None,
     extra_col_NC: torch.Tensor | None = None,
     operands_cast_to: torch.dtype | None = None,
+    ref_norms: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> Checks:
     """Both directions of C = A·B against references derived from the inputs (no sync). extra_*: error already in
     a passed reference (paper-faithful mode), added to the bound. operands_cast_to: autocast ran the product on
-    operands rounded to this dtype."""
-    use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and tol.mode == "roundoff"
-    got_rows, got_cols, c_abs = checksums_of(c_NRC, with_abs=use_abs)
+    operands rounded to this dtype. ref_norms: (‖B w‖, ‖wᵀA‖) per batch (..., 2), for the calibrated bound."""
+    roundoff = tol.mode == "roundoff"
+    use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and roundoff
+    got_rows, got_cols, sums = checksums_of(c_NRC, with_abs=use_abs, with_sq=roundoff and tol.calibrated)
+    # An fp32 product under TF32 (or oneDNN bf16) rounded its operands; autocast already says so for half products.
+    operand_u = fp32_matmul_operand_roundoff(c_NRC.device) if c_NRC.dtype == torch.float32 else None
     row_rule, col_rule = bounds(
         a_norm_NR, b_norm_NC, k=k, out_dtype=c_NRC.dtype, tol=tol, bias_abs_C=bias_abs_C, use_abs=use_abs,
         gemm_accumulates_in=_gemm_accumulation(c_NRC), operands_cast_to=operands_cast_to,
+        operand_roundoff=operand_u, ref_norms=ref_norms,
     )
-    if extra_row_NR is not None and tol.mode == "roundoff":
-        row_rule = Bound(row_rule.base + extra_row_NR, row_rule.abs_coef)
-    if extra_col_NC is not None and tol.mode == "roundoff":
-        col_rule = Bound(col_rule.base + extra_col_NC, col_rule.abs_coef)
+    if extra_row_NR is not None and roundoff:
+        row_rule = row_rule.plus(extra_row_NR)
+    if extra_col_NC is not None and roundoff:
+        col_rule = col_rule.plus(extra_col_NC)
+    row_sums, col_sums = (sums.of("row"), sums.of("col")) if sums is not None else ((None, None), (None, None))
     return {
-        "row": verify_direction(row_ref_NR2, got_rows, row_rule, None if c_abs is None else c_abs[0]),
-        "col": verify_direction(col_ref_NC2, got_cols, col_rule, None if c_abs is None else c_abs[1]),
+        "row": verify_direction(row_ref_NR2, got_rows, row_rule, *row_sums),
+        "col": verify_direction(col_ref_NC2, got_cols, col_rule, *col_sums),
     }
 
 
@@ -307,6 +324,11 @@ class _ProjectionInput:
         if bias_O is not None:
             ref_NT2 = ref_NT2 + weighted_rows(bias_O.to(acc)[None])[0]
         return ref_NT2
+
+    def ref_norms(self, weight_OI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(‖Wᵀw‖ (2,), ‖wᵀX‖ (N, 2)): the vectors the row (column) references dot with, for the calibrated bound."""
+        ww_I2 = weighted_cols(weight_OI.to(self.x_acc_NTI.dtype))
+        return torch.linalg.vector_norm(ww_I2, dim=-2), torch.linalg.vector_norm(self.xsum_N2I, dim=-1)
 
     def weight_norms(
         self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None
@@ -380,7 +402,8 @@ def check_linear(
         shared = shared or _ProjectionInput.of(x_NTI.detach())
         w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
         return _verify(y_s.detach(), shared.feature_ref(w_s, b_s), shared.token_ref(w_s, b_s), shared.x_norm_NT,
-                       w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs, operands_cast_to=cast_to)
+                       w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs, operands_cast_to=cast_to,
+                       ref_norms=shared.ref_norms(w_s))
 
     offset = 0
     for name, size in splits:
@@ -1008,6 +1031,7 @@ def _scores_checks(
             tol=tol,
             extra_row_NR=extra_row,
             extra_col_NC=extra_col,
+            ref_norms=(torch.linalg.vector_norm(kbar_BHD2, dim=-2), torch.linalg.vector_norm(qbar_BHD2, dim=-2)),
         )
 
 
@@ -1034,8 +1058,10 @@ def _context_checks(
             vbound_BHS1 = _expand_heads(passed_v.feature_bound(kv_heads)[..., None], h)
             row_BHTc = times_skinny(p_acc, torch.cat([vw_BHS2, vbound_BHS1], dim=-1))
         else:
-            row_BHTc = times_skinny(p_acc, weighted_rows(v_acc))
-        col_ref_BHD2 = (weighted_cols(p_acc).mT @ v_acc).mT
+            vw_BHS2 = weighted_rows(v_acc)
+            row_BHTc = times_skinny(p_acc, vw_BHS2)
+        pw_BHS2 = weighted_cols(p_acc)
+        col_ref_BHD2 = (pw_BHS2.mT @ v_acc).mT
         p_norm_BHT = torch.full(row_BHTc.shape[:-1], 1.01 / (1.0 - dropout_p), device=p_acc.device, dtype=acc)
         return _verify(
             out_BHTD,
@@ -1046,6 +1072,7 @@ def _context_checks(
             k=s,
             tol=tol,
             extra_row_NR=row_BHTc[..., 2] if passed_v is not None else None,
+            ref_norms=(torch.linalg.vector_norm(vw_BHS2, dim=-2), torch.linalg.vector_norm(pw_BHS2, dim=-2)),
         )
 
 

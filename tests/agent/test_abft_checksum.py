@@ -38,19 +38,24 @@ def references(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def check(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tol: Tolerance) -> dict[str, DirectionCheck]:
     acc = acc_dtype(a.dtype)
     row_ref, col_ref = references(a, b)
-    got_rows, got_cols, c_abs = checksums_of(c, with_abs=acc != c.dtype)
+    use_abs = acc != c.dtype and tol.mode == "roundoff"
+    got_rows, got_cols, sums = checksums_of(c, with_abs=use_abs, with_sq=tol.mode == "roundoff" and tol.calibrated)
+    a32, b32 = a.to(acc), b.to(acc)
+    # ‖B w‖ and ‖wᵀA‖ (..., 2): what the engine passes for the calibrated model's reference terms.
+    bw_norm = torch.linalg.vector_norm(b32 @ checksum_weights(b.shape[-1], a.device, acc), dim=-2)
+    wa_norm = torch.linalg.vector_norm(checksum_weights(a.shape[-2], a.device, acc).T @ a32, dim=-1)
     row_rule, col_rule = bounds(
-        torch.linalg.vector_norm(a.to(acc), dim=-1),
-        torch.linalg.vector_norm(b.to(acc), dim=-2),
+        torch.linalg.vector_norm(a32, dim=-1),
+        torch.linalg.vector_norm(b32, dim=-2),
         k=a.shape[-1],
         out_dtype=c.dtype,
         tol=tol,
-        use_abs=c_abs is not None,
+        use_abs=use_abs,
+        ref_norms=(bw_norm, wa_norm),
     )
-    abs_rows, abs_cols = c_abs if c_abs is not None else (None, None)
     return {
-        "row": verify_direction(row_ref, got_rows, row_rule, abs_rows),
-        "col": verify_direction(col_ref, got_cols, col_rule, abs_cols),
+        "row": verify_direction(row_ref, got_rows, row_rule, *(sums.of("row") if sums else (None, None))),
+        "col": verify_direction(col_ref, got_cols, col_rule, *(sums.of("col") if sums else (None, None))),
     }
 
 

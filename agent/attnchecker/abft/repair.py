@@ -19,7 +19,7 @@ from .checksum import (
     checksums_of,
     verify_direction,
 )
-from .tolerance import Bound, Tolerance
+from .tolerance import Tolerance
 
 __all__ = ["MatrixReport", "locate_and_fix", "repair"]
 
@@ -81,10 +81,11 @@ def locate_and_fix(
 def _recheck(work_MRC: torch.Tensor, refs: dict[str, DirectionCheck]) -> dict[str, DirectionCheck]:
     """Verify C as it stands against the original references, bounds re-evaluated on it."""
     use_abs = any(chk.rule.abs_coef for chk in refs.values())
-    rows_MR2, cols_MC2, c_abs = checksums_of(work_MRC, with_abs=use_abs)
+    use_sq = any(chk.rule.var_NV2 is not None and chk.rule.sq_coef != (0.0, 0.0) for chk in refs.values())
+    rows_MR2, cols_MC2, sums = checksums_of(work_MRC, with_abs=use_abs, with_sq=use_sq)
     got = {"row": rows_MR2, "col": cols_MC2}
-    abs_sums = {"row": c_abs[0], "col": c_abs[1]} if c_abs is not None else {"row": None, "col": None}
-    return {d: verify_direction(chk.ref, got[d], chk.rule, abs_sums[d]) for d, chk in refs.items()}
+    return {d: verify_direction(chk.ref, got[d], chk.rule, *(sums.of(d) if sums is not None else (None, None)))
+            for d, chk in refs.items()}
 
 
 def _fix_pass(work_MRC: torch.Tensor, direction: str, chk: DirectionCheck, allowed_MV: torch.Tensor, tol: Tolerance) -> None:
@@ -243,8 +244,10 @@ def _accepted(
         n = shape_RC[1] if d == "row" else shape_RC[0]
         tol_MV = chk.bound + extra[d]
         d1_ok = ~torch.isfinite(chk.ref[..., 0]) | (chk.diff[..., 0].abs() <= tol_MV)
-        # Weights up to n: d2 within n × the d1 tolerance. Catches a wrong fix that zeroed d1 but not d2.
-        d2_ok = ~torch.isfinite(chk.ref[..., 1]) | (chk.diff[..., 1].abs() <= n * tol_MV)
+        # Weights up to n: d2 within its own tolerance (n × the d1 one without it), the crossing vectors' slack
+        # weighted by at most n. Catches a wrong fix that zeroed d1 but not d2, and a balanced pattern left in place.
+        tol2_MV = n * tol_MV if chk.bound2 is None else chk.bound2 + n * extra[d]
+        d2_ok = ~torch.isfinite(chk.ref[..., 1]) | (chk.diff[..., 1].abs() <= tol2_MV)
         clean_M = (d1_ok & d2_ok).all(-1) | ~trust[d]
         ok = clean_M if ok is None else ok & clean_M
         any_trusted = trust[d] if any_trusted is None else any_trusted | trust[d]
@@ -261,9 +264,9 @@ def _verify_one(c_RC: torch.Tensor, sub: dict[str, DirectionCheck], trust: dict[
 
 def _select(chk: DirectionCheck, idx: Any) -> DirectionCheck:
     """The matrices `idx` of a check (leading dims), the bound rule's base included."""
-    base = chk.rule.base.expand(chk.bad.shape)[idx]
     return DirectionCheck(ref=chk.ref[idx], diff=chk.diff[idx], bound=chk.bound[idx], bad=chk.bad[idx],
-                          rule=Bound(base, chk.rule.abs_coef))
+                          rule=chk.rule.select(idx, chk.bad.shape),
+                          bound2=None if chk.bound2 is None else chk.bound2[idx])
 
 
 def _region(orig_RC: torch.Tensor, bad_rows: list[int], bad_cols: list[int]) -> torch.Tensor:

@@ -1,4 +1,11 @@
-"""Tolerances on the checksum residual |d1|: the paper's absolute threshold ("extreme") and a round-off bound.
+"""Tolerances on the checksum residuals (d1, d2): the paper's absolute threshold ("extreme") and a round-off bound.
+
+The round-off bound has two parts. The rigorous one (below) holds for any data and any summation order, and grows
+like u·n·(K+n) times the operand norms: at 7B shapes an error must be ~100× the RMS element to exceed it. The
+calibrated one (`calibrated_*`) is a probabilistic model: rounding errors as independent, mean-zero variables of
+variance ≤ u²/3 relative to the partial sum they round (Higham & Mary 2019), so the residual's variance adds up over
+the K products and n summed elements instead of its magnitude; the threshold is `sigmas` standard deviations, capped by
+the rigorous bound. docs/abft.md has the model, its terms and the measurements that chose `sigmas`.
 
 Derivation (docs/abft.md has the long form). For C = A·B (+ bias b), row i, weights w over the C columns:
   computed C_ij = fl(A_i·B_j + b_j):  |err| <= γ_K P_ij + u_out (P_ij + |b_j|),  P_ij = Σ_k |A_ik||B_kj| <= ‖A_i‖‖B_j‖
@@ -10,36 +17,64 @@ Only row norms of A and column norms of B are needed: no |A|·|B| product is eve
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .checksum import acc_dtype
 
-__all__ = ["NEAR_INF", "Bound", "Tolerance", "bounds", "gamma"]
+__all__ = [
+    "BF16_OPERAND_ROUNDOFF",
+    "CALIBRATED_SIGMAS",
+    "NEAR_INF",
+    "TF32_OPERAND_ROUNDOFF",
+    "Bound",
+    "Tolerance",
+    "bounds",
+    "gamma",
+]
 
 NEAR_INF = 1e10
 """|x| above this is "near-INF" (ATTNChecker's T_big): located by value, rebuilt from the checksum."""
+
+CALIBRATED_SIGMAS = 10.0
+"""Standard deviations of the modelled residual at which the calibrated tolerance flags. The model overestimates
+the measured clean residual (worst measured z-score over the validation sweep, docs/abft.md); 10 is inside the 7-20×
+the published V-ABFT thresholds use, and the Gaussian tail at 10σ is ~1e-23 per vector."""
+
+TF32_OPERAND_ROUNDOFF = 2.0**-10
+"""TF32 keeps 10 mantissa bits. Tensor cores may truncate fp32 operands instead of rounding them (up to one TF32 ulp,
+2^-10 relative, biased), so the bound uses the truncation unit, not 2^-11."""
+BF16_OPERAND_ROUNDOFF = 2.0**-8
+"""bf16 keeps 7 explicit mantissa bits: unit round-off 2^-8 (round to nearest)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Tolerance:
     mode: str = "roundoff"
-    """roundoff: the bound above; extreme: the paper's absolute threshold E on |d1|."""
+    """roundoff: the bounds above; extreme: the paper's absolute threshold E on |d1|."""
     factor: float = 1.0
-    """Multiplies the round-off bound or E."""
+    """Multiplies the round-off bound (both parts) or E."""
     extreme_threshold: float = 1.0
     """ATTNChecker's E."""
     near_inf: float = NEAR_INF
     fix_threshold: float = 1e3
     """|d1| above this rebuilds the element as checksum minus the healthy elements instead of adding d1 back
     (ATTNChecker's T_fix): adding a difference to a huge value keeps none of its digits."""
+    calibrated: bool = True
+    """roundoff only: flag at min(rigorous bound, `sigmas` × modelled std) instead of the rigorous bound alone."""
+    sigmas: float = CALIBRATED_SIGMAS
 
     def __post_init__(self) -> None:
         if self.mode not in ("roundoff", "extreme"):
             raise ValueError(f"tolerance.mode must be 'roundoff' or 'extreme', got {self.mode!r}")
         if not self.factor > 0:
             raise ValueError(f"tolerance.factor must be > 0, got {self.factor!r}")
+        if not (self.sigmas > 0 and math.isfinite(self.sigmas)):
+            raise ValueError(f"tolerance.sigmas must be a finite number > 0, got {self.sigmas!r}")
 
 
 def gamma(n: int, dtype: torch.dtype, *, accumulate_in: torch.dtype | None = None) -> float:
@@ -58,21 +93,120 @@ def _underflow(dtype: torch.dtype) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Bound:
-    """A tolerance on |d1| per vector: base + abs_coef × Σ|C| over the vector, clamped to NEAR_INF.
+    """A tolerance on (|d1|, |d2|) per vector.
 
-    The Σ|C| part is re-evaluated on C as it stands, so after a correction the bound no longer carries the faulty
-    value (a 1e20 in a half-precision row would otherwise loosen its own re-verification).
+    Rigorous part: base + abs_coef × Σ|C| over the vector, on d1; n × that on d2 (weights ≤ n).
+    Calibrated part (when `var_NV2` is set): sigmas × sqrt(var_NV2 + sq_coef_2 × ΣC²) + offset per (d1, d2), the
+    smaller of the two parts wins. The Σ|C| and ΣC² parts are re-evaluated on C as it stands, so after a correction the
+    bound no longer carries the faulty value (a 1e20 in a half-precision row would otherwise loosen its own
+    re-verification).
     """
 
     base: torch.Tensor
     """(..., V)"""
     abs_coef: float = 0.0
+    var_NV2: torch.Tensor | None = None
+    """(..., V, 2): modelled variance of (d1, d2) from the operand norms."""
+    sq_coef: tuple[float, float] = (0.0, 0.0)
+    """Variance per unit of ΣC² over the vector, for (d1, d2)."""
+    offset_NV: torch.Tensor | float = 0.0
+    """Absolute slack added to the calibrated part (underflow, error already in a passed reference)."""
+    sigmas: float = 0.0
+    n: int = 1
+    """Vector length (the largest d2 weight)."""
 
-    def of(self, abs_sum_NV: torch.Tensor | None) -> torch.Tensor:
-        bound = self.base if abs_sum_NV is None or self.abs_coef == 0.0 else self.base + self.abs_coef * abs_sum_NV
+    def of(self, abs_sum_NV: torch.Tensor | None, sq_sum_NV: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., V) the tolerance on |d1|."""
+        return self.pair(abs_sum_NV, sq_sum_NV)[0]
+
+    def of2(self, abs_sum_NV: torch.Tensor | None, sq_sum_NV: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., V) the tolerance on |d2|."""
+        return self.pair(abs_sum_NV, sq_sum_NV)[1]
+
+    def pair(self, abs_sum_NV: torch.Tensor | None, sq_sum_NV: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """((..., V) tolerance on |d1|, (..., V) on |d2|). Without ΣC² (sq_sum_NV None) a rule that needs it falls back
+        to its rigorous part."""
+        rig = self.base if abs_sum_NV is None or self.abs_coef == 0.0 else self.base + self.abs_coef * abs_sum_NV
+        rig2 = rig * self.n
+        needs_sq = self.sq_coef != (0.0, 0.0)
+        if self.var_NV2 is not None and (sq_sum_NV is not None or not needs_sq):
+            var1_NV, var2_NV = self.var_NV2[..., 0], self.var_NV2[..., 1]
+            if needs_sq and sq_sum_NV is not None:
+                sq_NV = sq_sum_NV.to(var1_NV.dtype)
+                var1_NV, var2_NV = var1_NV + self.sq_coef[0] * sq_NV, var2_NV + self.sq_coef[1] * sq_NV
+            rig = torch.minimum(rig, self.sigmas * var1_NV.sqrt() + self.offset_NV)
+            rig2 = torch.minimum(rig2, self.sigmas * var2_NV.sqrt() + self.offset_NV)
         # A corrupt operand norm (an unverified input holding 1e20) must not hide an extreme residual behind an
         # infinite bound.
-        return torch.nan_to_num(bound, nan=NEAR_INF, posinf=NEAR_INF).clamp(max=NEAR_INF)
+        return _clamp(rig), _clamp(rig2)
+
+    def sigma(self, sq_sum_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The modelled standard deviation of (d1, d2) per vector, before `sigmas`, the offset and the ceiling (for
+        validating the model: measured |d| / sigma is a z-score)."""
+        if self.var_NV2 is None:
+            raise ValueError("sigma() needs a calibrated bound (Tolerance(calibrated=True), mode 'roundoff')")
+        sq_NV = sq_sum_NV.to(self.var_NV2.dtype)
+        return ((self.var_NV2[..., 0] + self.sq_coef[0] * sq_NV).sqrt(),
+                (self.var_NV2[..., 1] + self.sq_coef[1] * sq_NV).sqrt())
+
+    def plus(self, extra_NV: torch.Tensor) -> Bound:
+        """This bound with an absolute error (a passed reference's own round-off) added to both parts."""
+        return dataclasses.replace(self, base=self.base + extra_NV, offset_NV=self.offset_NV + extra_NV)
+
+    def select(self, idx: Any, shape: torch.Size) -> Bound:
+        """The vectors of the matrices `idx` (leading dims of `shape` (..., V))."""
+        var = None if self.var_NV2 is None else self.var_NV2.expand(*shape, 2)[idx]
+        off = self.offset_NV if isinstance(self.offset_NV, float) else self.offset_NV.expand(shape)[idx]
+        return dataclasses.replace(self, base=self.base.expand(shape)[idx], var_NV2=var, offset_NV=off)
+
+
+def _clamp(bound: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(bound, nan=NEAR_INF, posinf=NEAR_INF).clamp(max=NEAR_INF)
+
+
+def _weighted_sq(norm_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ_v norm_v², Σ_v v² norm_v²) over the last dim, keepdim: the d1/d2 sums of squared operand norms."""
+    sq_NV = norm_NV.square()
+    n = norm_NV.shape[-1]
+    w2_V = torch.arange(1, n + 1, device=norm_NV.device, dtype=norm_NV.dtype).square()
+    return sq_NV.sum(-1, keepdim=True), (sq_NV * w2_V).sum(-1, keepdim=True)
+
+
+def _weighted_sum(norm_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ_v norm_v, Σ_v v·norm_v), keepdim: triangle-inequality bounds on ‖B w‖ when the caller has no better."""
+    n = norm_NV.shape[-1]
+    w_V = torch.arange(1, n + 1, device=norm_NV.device, dtype=norm_NV.dtype)
+    return norm_NV.sum(-1, keepdim=True), (norm_NV * w_V).sum(-1, keepdim=True)
+
+
+def _calibrated_var(
+    a_norm_NR: torch.Tensor,
+    b_norm_NC: torch.Tensor,
+    ref_norm_N2: torch.Tensor | None,
+    *,
+    k: int,
+    u_acc: float,
+    prod_var: float,
+) -> torch.Tensor:
+    """(..., R, 2) modelled variance of (d1, d2) for the row direction of C = A·B (swap the arguments for columns).
+
+    Per row i, for weights w (1, or 1..n over the n columns j), each term is (rounding variance) × (what it scales):
+      product C_ij (K-long dot, each step's error ≤ u·|partial sum| ≤ u‖A_i‖‖B_j‖; plus operand rounding):
+                                                        prod_var·‖A_i‖²·Σ_j w_j²‖B_j‖²
+      reference A_i·(Bw) (K-long dot):                  K·u²/3·‖A_i‖²·‖Bw‖²
+      forming Bw (n-long sums per k):                   n·u²/3·‖A_i‖²·Σ_j w_j²‖B_j‖²
+    The output-rounding and checksum-summation terms scale with ΣC² of the vector and live in Bound.sq_coef.
+    """
+    a_sq_NR1 = a_norm_NR.square()[..., None]
+    bsq_1, bsq_2 = _weighted_sq(b_norm_NC)
+    if ref_norm_N2 is None:
+        ref1, ref2 = _weighted_sum(b_norm_NC)
+    else:
+        ref1, ref2 = ref_norm_N2[..., :1], ref_norm_N2[..., 1:]
+    n = b_norm_NC.shape[-1]
+    per_b_N2 = torch.cat([bsq_1, bsq_2], -1) * (prod_var + n * u_acc**2 / 3)
+    per_b_N2 = per_b_N2 + torch.cat([ref1, ref2], -1).square() * (k * u_acc**2 / 3)
+    return a_sq_NR1 * per_b_N2[..., None, :]
 
 
 def bounds(
@@ -86,6 +220,8 @@ def bounds(
     use_abs: bool = False,
     gemm_accumulates_in: torch.dtype | None = None,
     operands_cast_to: torch.dtype | None = None,
+    operand_roundoff: float | None = None,
+    ref_norms: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[Bound, Bound]:
     """(row bound over (..., R), column bound over (..., C)) on |d1| for C = A·B (+ bias).
 
@@ -97,11 +233,17 @@ def bounds(
     run yet): see docs/abft.md.
     operands_cast_to: the product ran on A and B rounded to this dtype (autocast: fp32 tensors, bf16 GEMM), while
     the references use them as given: each operand's rounding adds u·P_ij (and u·|b_j| for the bias).
+    operand_roundoff: the same for an fp32 GEMM that rounds its operands itself (TF32, oneDNN bf16:
+    attnchecker.matmul_precision); the references must then run in IEEE fp32 (ieee_fp32_matmul there).
+    ref_norms: (‖B w‖ (..., 2), ‖wᵀA‖ (..., 2)) for w = ones and 1..n, the vectors the row (column) references are
+    dotted with, for the calibrated model; None falls back to the triangle inequality (Σ_j w_j ‖B_j‖), which is
+    √n looser on uncorrelated columns.
     """
     n_rows, n_cols = a_norm_NR.shape[-1], b_norm_NC.shape[-1]
     if tol.mode == "extreme":
+        # The paper flags on d1 only: d2's bound is n × E, which only an extreme d2 exceeds.
         e = tol.extreme_threshold * tol.factor
-        return Bound(torch.full_like(a_norm_NR, e)), Bound(torch.full_like(b_norm_NC, e))
+        return Bound(torch.full_like(a_norm_NR, e), n=n_cols), Bound(torch.full_like(b_norm_NC, e), n=n_rows)
     u_out = torch.finfo(out_dtype).eps / 2
     g_c, g_r = gamma(n_cols, out_dtype), gamma(n_rows, out_dtype)
     # γ_K twice: once for the reference, once for the product C. A product reduced in half precision is modelled as
@@ -126,8 +268,8 @@ def bounds(
         col_NC = col_NC * (slack * (2 * g_k + 2 * g_r + n_round * u_out))
         coef_row = coef_col = 0.0
         bias_row, bias_col = slack * (2 * g_c + u_out), slack * (2 * g_r + u_out)
-    if operands_cast_to is not None:
-        u_in = torch.finfo(operands_cast_to).eps / 2
+    u_in = max(torch.finfo(operands_cast_to).eps / 2 if operands_cast_to is not None else 0.0, operand_roundoff or 0.0)
+    if u_in > 0.0:
         row_NR = row_NR + slack * 2 * u_in * a_norm_NR * b_norm_NC.sum(-1, keepdim=True)
         col_NC = col_NC + slack * 2 * u_in * b_norm_NC * a_norm_NR.sum(-1, keepdim=True)
         bias_row, bias_col = bias_row + slack * u_in, bias_col + slack * u_in
@@ -137,6 +279,39 @@ def bounds(
     # Gradual underflow: results below the smallest normal carry an absolute error (half a subnormal step) that no
     # relative term covers; it matters for fp16 (step 2^-24), not for bf16/fp32.
     eta_out, eta_acc = _underflow(out_dtype), _underflow(acc_dtype(out_dtype))
-    row_NR = row_NR + slack * n_cols * (eta_out + (k + 2 * n_cols + 2) * eta_acc)
-    col_NC = col_NC + slack * n_rows * (eta_out + (k + 2 * n_rows + 2) * eta_acc)
-    return Bound(row_NR, coef_row), Bound(col_NC, coef_col)
+    under_row = slack * n_cols * (eta_out + (k + 2 * n_cols + 2) * eta_acc)
+    under_col = slack * n_rows * (eta_out + (k + 2 * n_rows + 2) * eta_acc)
+    row_NR, col_NC = row_NR + under_row, col_NC + under_col
+    if not tol.calibrated:
+        return Bound(row_NR, coef_row, n=n_cols), Bound(col_NC, coef_col, n=n_rows)
+
+    # The calibrated model (module docstring, docs/abft.md): variances, not magnitudes, add up.
+    acc = acc_dtype(out_dtype)
+    u_acc = torch.finfo(acc).eps / 2
+    prod_var = k * u_acc**2 / 3
+    if gemm_accumulates_in is not None:
+        prod_var += min(k, 64) * (torch.finfo(gemm_accumulates_in).eps / 2) ** 2 / 3
+    u_ops = [torch.finfo(operands_cast_to).eps / 2] if operands_cast_to is not None else []
+    u_ops += [operand_roundoff] if operand_roundoff is not None else []
+    if u_ops:
+        # Each product a_k b_k carries both operands' rounding: 2u²/3 relative variance, ≤ ‖A_i‖²‖B_j‖² in all.
+        prod_var += 2 * max(u_ops) ** 2 / 3
+    # Output rounding (half dtypes: fp32 outputs round inside the K-long sum) and the checksum's own n-long sum
+    # (partial sums ≤ ‖w∘C‖₁ ≤ √n ‖w∘C‖₂), both per unit of ΣC²; Σ_j j² C_ij² ≤ n² ΣC² for d2.
+    u_out_var = n_round * u_out**2 / 3 if acc != out_dtype else 0.0
+    row_ref, col_ref = ref_norms
+    var_row = _calibrated_var(a_norm_NR, b_norm_NC, row_ref, k=k, u_acc=u_acc, prod_var=prod_var)
+    var_col = _calibrated_var(b_norm_NC, a_norm_NR, col_ref, k=k, u_acc=u_acc, prod_var=prod_var)
+    if bias_abs_C is not None:
+        # Row references add b·w (n-long sums); column references add (Σw) b_j: both rounded once more.
+        bsq_1, bsq_2 = _weighted_sq(bias_abs_C)
+        var_row = var_row + (n_cols * u_acc**2 / 3) * torch.cat([bsq_1, bsq_2], -1)[..., None, :]
+        sums_C2 = torch.stack([bias_abs_C * n_rows, bias_abs_C * (n_rows * (n_rows + 1) / 2)], -1)
+        var_col = var_col + (u_acc**2 / 3) * sums_C2.square()
+    z = tol.sigmas * tol.factor
+    c_row = u_out_var + n_cols**2 * u_acc**2 / 3
+    c_col = u_out_var + n_rows**2 * u_acc**2 / 3
+    return (
+        Bound(row_NR, coef_row, var_row, (c_row, c_row * n_cols**2), under_row, z, n_cols),
+        Bound(col_NC, coef_col, var_col, (c_col, c_col * n_rows**2), under_col, z, n_rows),
+    )

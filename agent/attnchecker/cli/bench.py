@@ -1,5 +1,5 @@
-"""`attnchecker bench overhead|recovery|ingest|reconnect|setups|memory [...]`: run the repository's bench/ scripts
-(docs/performance.md).
+"""`attnchecker bench overhead|recovery|ingest|reconnect|setups|memory|coverage [...]`: run the repository's bench/
+scripts (docs/performance.md).
 
 The benchmarks live in the checkout, not in the installed package; without a checkout this module raises
 ImportError and the `bench` command is simply absent.
@@ -20,6 +20,7 @@ SCRIPTS = {
     "overhead": "training-step overhead per protection variant (GPT-2, Llama)",
     "recovery": "in-line correction vs checkpoint/restore",
     "ingest": "collector events/s and latency, enqueue cost, transport step cost",
+    "coverage": "fault coverage: detection vs error magnitude and vs flipped bit, clean false positives",
     "reconnect": "how long after a killed collector is back the agent resumes sending",
     "setups": "LoRA projection check, fp16 scores in fp32, learned-bias backward (issue 11)",
     "memory": "peak memory of a protected training step per T (tiled vs unfused vs unprotected), and step time",

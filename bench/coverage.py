@@ -1,0 +1,401 @@
+"""Fault coverage of the checksum tolerance: detection rate of single finite errors vs magnitude (in RMS elements of
+the product) and of single bit flips vs bit, per op, shape and dtype; clean residuals as a fraction of the threshold;
+false positives over many clean checks. docs/fault-coverage.md shows the figures.
+
+How it stays cheap (a 4096³ fp32 GEMM takes seconds here): every clean product is computed once; each trial pass
+copies the output, injects one error into each of P distinct rows and columns (so every row and column vector holds
+at most one error: P independent single-error trials) and runs the engine's own verification (attention._verify via
+its projection/scores/context entry points) on the copy, an O(n²) pass. A trial is detected when its row or its
+column is flagged, as the engine's slow path would be entered.
+
+Products: fp32 and tf32 (operands rounded to 10 mantissa bits, attnchecker.emulate, the engine told TF32 is in
+force) run as fp32 GEMMs; bf16 and fp16 operands are multiplied in fp32 and rounded to the dtype, as a GPU GEMM with
+fp32 accumulation does (CPU half GEMMs are slow).
+
+    python bench/coverage.py [--tiny] [--shapes tiny,gpt2,7b] [--dtypes fp32,tf32,bf16,fp16] [--trials 1024]
+                             [--clean-checks 100000] [--out bench/results/coverage.json]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
+
+_common.setup_path()
+import torch
+import torch.nn.functional as F
+from attnchecker.abft import Tolerance
+from attnchecker.attention import (
+    _context_checks,
+    _ProjectionInput,
+    _scores_checks,
+    _verify,
+)
+from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
+
+# name -> (tokens T, model width, heads checked in scores/context, head dim D, heads in the clean-check batches)
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": {"t": 16, "d_model": 32, "heads": 4, "d_head": 8},
+    "gpt2": {"t": 1024, "d_model": 768, "heads": 2, "d_head": 64},
+    "7b": {"t": 4096, "d_model": 4096, "heads": 1, "d_head": 128},
+}
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MAGNITUDES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 100.0, 1000.0)
+BITS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
+# (exponent bits, mantissa bits) per dtype: bit i < mantissa is mantissa, then exponent, then the sign.
+LAYOUT = {torch.float32: (8, 23), torch.bfloat16: (8, 7), torch.float16: (5, 10)}
+INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def activations(shape: tuple[int, ...], gen: torch.Generator, *, outliers: float = 30.0) -> torch.Tensor:
+    """LLM-like hidden states: a few feature channels `outliers` × larger, a shared offset, token scales over a
+    decade (the same recipe as tests/agent/test_tolerance_calibrated.py)."""
+    x = torch.randn(shape, generator=gen)
+    channels = torch.randperm(shape[-1], generator=gen)[: max(1, shape[-1] // 64)]
+    x[..., channels] *= outliers
+    x = x + 0.5 * torch.randn(shape[-1], generator=gen)
+    return x * 10 ** (torch.rand(*shape[:-1], 1, generator=gen) - 0.5)
+
+
+def product(a: torch.Tensor, b: torch.Tensor, dtype_name: str) -> torch.Tensor:
+    """a @ b as the dtype's GEMM computes it (see module docstring)."""
+    if dtype_name == "tf32":
+        return round_mantissa(a, 10) @ round_mantissa(b, 10)
+    if a.dtype == torch.float32:
+        return a @ b
+    return (a.float() @ b.float()).to(a.dtype)
+
+
+class Op:
+    """One op's clean operands and product, and how the engine verifies a (corrupted) copy of the product."""
+
+    def __init__(self, name: str, shape: dict[str, int], dtype_name: str, seed: int) -> None:
+        dtype = DTYPES[dtype_name]
+        gen = torch.Generator().manual_seed(seed)
+        t, dm, h, d = shape["t"], shape["d_model"], shape["heads"], shape["d_head"]
+        self.name, self.dtype_name = name, dtype_name
+        if name in ("q", "out"):
+            # q: the residual stream with outlier features; out: the merged attention context (no outliers).
+            x = activations((1, t, dm), gen, outliers=30.0 if name == "q" else 1.0).to(dtype)
+            w = (torch.randn(dm, dm, generator=gen) / math.sqrt(dm)).to(dtype)
+            self.x, self.w = x, w
+            self.c = product(x, w.T, dtype_name)
+        else:
+            x = activations((1, t, dm), gen).to(torch.float32)
+            wq = torch.randn(h * d, dm, generator=gen) / math.sqrt(dm)
+            wk = torch.randn(h * d, dm, generator=gen) / math.sqrt(dm)
+            q = (x @ wq.T).view(1, t, h, d).transpose(1, 2).contiguous().to(dtype)
+            k = ((x @ wk.T).view(1, t, h, d).transpose(1, 2) + 2.0).contiguous().to(dtype)  # a shared key direction
+            scores = product(q, k.mT, dtype_name)
+            self.q, self.k, self.h = q, k, h
+            if name == "scores":
+                self.c = scores
+            else:
+                causal = torch.ones(t, t, dtype=torch.bool).triu(1)
+                probs = torch.softmax((scores.float() / math.sqrt(d)).masked_fill(causal, -math.inf), -1).to(dtype)
+                v = activations((1, h, t, d), gen, outliers=1.0).to(dtype)
+                self.probs, self.v = probs, v
+                self.c = product(probs, v, dtype_name)
+        self.rms = float(self.c.float().square().mean().sqrt())
+
+    def verify(self, c: torch.Tensor, tol: Tolerance) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row flags (R,), column flags (C,)) of the first matrix of c."""
+        with emulate_fp32_matmul("tf32") if self.dtype_name == "tf32" else _null(), torch.no_grad():
+            if self.name in ("q", "out"):
+                shared = _ProjectionInput.of(self.x)
+                w_norm, _ = shared.weight_norms(self.w, None)
+                k = self.w.shape[1]
+                checks = _verify(c, shared.feature_ref(self.w, None), shared.token_ref(self.w, None),
+                                 shared.x_norm_NT, w_norm, k=k, tol=tol, ref_norms=shared.ref_norms(self.w))
+            elif self.name == "scores":
+                checks = _scores_checks(self.q, self.k, c, {}, self.h, tol)
+            else:
+                checks = _context_checks(self.probs, self.v, c, None, self.h, tol)
+        first = (0,) * (c.dim() - 2)
+        return checks["row"].bad[first], checks["col"].bad[first]
+
+    def clean_ratios(self, tol: Tolerance) -> dict[str, float]:
+        """Worst clean |d1|/bound and |d2|/bound2 over both directions of the clean product."""
+        with emulate_fp32_matmul("tf32") if self.dtype_name == "tf32" else _null(), torch.no_grad():
+            if self.name in ("q", "out"):
+                shared = _ProjectionInput.of(self.x)
+                w_norm, _ = shared.weight_norms(self.w, None)
+                checks = _verify(self.c, shared.feature_ref(self.w, None), shared.token_ref(self.w, None),
+                                 shared.x_norm_NT, w_norm, k=self.w.shape[1], tol=tol, ref_norms=shared.ref_norms(self.w))
+            elif self.name == "scores":
+                checks = _scores_checks(self.q, self.k, self.c, {}, self.h, tol)
+            else:
+                checks = _context_checks(self.probs, self.v, self.c, None, self.h, tol)
+        d1 = max(float((chk.diff[..., 0].abs() / chk.bound).max()) for chk in checks.values())
+        d2 = max(float((chk.diff[..., 1].abs() / chk.bound2).max()) for chk in checks.values())
+        bound = min(float(chk.bound.median()) for chk in checks.values())
+        return {"worst_d1_over_bound": d1, "worst_d2_over_bound": d2, "median_bound_over_rms": bound / self.rms,
+                "flagged_vectors": int(sum(int(chk.bad.sum()) for chk in checks.values()))}
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def positions(op: Op, trials: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    r, c = op.c.shape[-2:]
+    gen = torch.Generator().manual_seed(seed)
+    n = min(trials, r, c)
+    return torch.randperm(r, generator=gen)[:n], torch.randperm(c, generator=gen)[:n]
+
+
+def detected(op: Op, bad: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, tol: Tolerance) -> torch.Tensor:
+    row_bad, col_bad = op.verify(bad, tol)
+    return row_bad[rows] | col_bad[cols]
+
+
+def magnitude_sweep(op: Op, trials: int, seed: int, tol: Tolerance) -> dict[str, float]:
+    out = {}
+    for m in MAGNITUDES:
+        rows, cols = positions(op, trials, seed)
+        sign = torch.randint(0, 2, rows.shape, generator=torch.Generator().manual_seed(seed + 1)) * 2 - 1
+        bad = op.c.clone()
+        first = (0,) * (bad.dim() - 2)
+        orig = bad[first][rows, cols].float()
+        bad[first + (rows, cols)] = (orig + sign * m * op.rms).to(bad.dtype)
+        changed = bad[first][rows, cols] != op.c[first][rows, cols]  # a half-precision value may round back
+        hit = detected(op, bad, rows, cols, tol)
+        out[str(m)] = float(hit[changed].float().mean()) if bool(changed.any()) else float("nan")
+    return out
+
+
+def bit_sweep(op: Op, trials: int, seed: int, tol: Tolerance) -> dict[str, dict[str, float]]:
+    """Per bit: detection rate over all flips, and over flips that moved the value by >= 2x RMS (or to INF/NaN)."""
+    dtype = op.c.dtype
+    out = {}
+    for bit in range(BITS[dtype]):
+        rows, cols = positions(op, trials, seed + bit)
+        bad = op.c.clone()
+        first = (0,) * (bad.dim() - 2)
+        ints = bad.view(INT_VIEW[dtype])
+        mask = torch.tensor(1 << bit if bit < BITS[dtype] - 1 else -(1 << bit), dtype=INT_VIEW[dtype])
+        ints[first + (rows, cols)] ^= mask
+        new = bad[first][rows, cols].float()
+        old = op.c[first][rows, cols].float()
+        delta = (new - old).abs()
+        big = ~torch.isfinite(new) | (delta >= 2 * op.rms)
+        hit = detected(op, bad, rows, cols, tol)
+        out[str(bit)] = {"rate": float(hit.float().mean()),
+                         "rate_if_ge_2rms": float(hit[big].float().mean()) if bool(big.any()) else float("nan"),
+                         "share_ge_2rms": float(big.float().mean())}
+    return out
+
+
+def residual_model(dtype_name: str, ks: tuple[int, ...], n: int, seed: int) -> list[dict[str, Any]]:
+    """Clean residuals against the model: z = |d| / modelled std per row and column vector of an (n, K) @ (K, n)
+    product of LLM-like operands, for each K. The threshold is `sigmas` z; the model is validated when the worst z
+    stays well below it."""
+    from attnchecker.abft import (
+        bounds,
+        checksum_weights,
+        checksums_of,
+        verify_direction,
+    )
+
+    dtype = DTYPES[dtype_name]
+    out = []
+    for k in ks:
+        gen = torch.Generator().manual_seed(seed + k)
+        a = activations((1, n, k), gen).to(dtype)
+        b = (activations((1, n, k), gen, outliers=1.0) / math.sqrt(k)).mT.contiguous().to(dtype)
+        with emulate_fp32_matmul("tf32") if dtype_name == "tf32" else _null(), torch.no_grad():
+            c = product(a, b, dtype_name)
+            a32, b32 = a.float(), b.float()
+            from attnchecker.matmul_precision import (
+                fp32_matmul_operand_roundoff,
+                ieee_fp32_matmul,
+            )
+
+            with ieee_fp32_matmul("cpu"):
+                w_c, w_r = checksum_weights(n, a.device, torch.float32), checksum_weights(n, a.device, torch.float32)
+                bw, wa = b32 @ w_c, w_r.T @ a32
+                refs = {"row": a32 @ bw, "col": (wa @ b32).mT}
+                rows, cols, sums = checksums_of(c, with_abs=dtype != torch.float32, with_sq=True)
+                u_op = fp32_matmul_operand_roundoff("cpu") if dtype == torch.float32 else None
+                rules = dict(zip(("row", "col"), bounds(
+                    torch.linalg.vector_norm(a32, dim=-1), torch.linalg.vector_norm(b32, dim=-2), k=k,
+                    out_dtype=c.dtype, tol=Tolerance(), use_abs=dtype != torch.float32, operand_roundoff=u_op,
+                    ref_norms=(torch.linalg.vector_norm(bw, dim=-2), torch.linalg.vector_norm(wa, dim=-1))),
+                    strict=True))
+            got = {"row": rows, "col": cols}
+            z1, z2, flagged = [], [], 0
+            for d in ("row", "col"):
+                chk = verify_direction(refs[d], got[d], rules[d], *sums.of(d))
+                s1, s2 = rules[d].sigma(sums.of(d)[1])
+                z1.append((chk.diff[..., 0].abs() / s1).flatten())
+                z2.append((chk.diff[..., 1].abs() / s2).flatten())
+                flagged += int(chk.bad.sum())
+            z1_all, z2_all = torch.cat(z1).double(), torch.cat(z2).double()
+        out.append({"k": k, "n": n, "vectors": int(z1_all.numel()), "flagged": flagged,
+                    "z_d1": {"max": float(z1_all.max()), "p99": float(z1_all.quantile(0.99)),
+                             "rms": float(z1_all.square().mean().sqrt())},
+                    "z_d2": {"max": float(z2_all.max()), "p99": float(z2_all.quantile(0.99)),
+                             "rms": float(z2_all.square().mean().sqrt())}})
+    return out
+
+
+def clean_campaign(dtype_name: str, checks: int, seed: int, tol: Tolerance | None = None) -> dict[str, Any]:
+    """Many clean small checks on realistic data (outlier features, causal and padding masks, fully masked rows):
+    flagged matrices per op. A check = one verified matrix: a batch element's projection, a (batch, head)'s scores
+    or context."""
+    from attnchecker.attention import check_linear, protected_sdpa
+    from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
+
+    dtype = DTYPES[dtype_name]
+    flagged: list[Any] = []
+    runtime = Runtime(step=0, config=CheckConfig(), injector=None, on_detection=flagged.append, stats=OpStats())
+    ctx = LayerContext(layer=0, runtime=runtime)
+    if tol is not None and tol.sigmas != Tolerance().sigmas:
+        # The policy has no `sigmas` (it is not a user setting): for a what-if run at another quantile the
+        # engine's tolerance builder is replaced for this process only.
+        import attnchecker.attention as engine
+
+        engine._tolerance = lambda c: Tolerance(mode=c.config.tolerance, factor=c.config.tolerance_factor,
+                                                sigmas=tol.sigmas)
+    counts = {"projection": 0, "scores": 0, "context": 0}
+    gen = torch.Generator().manual_seed(seed)
+    i = 0
+    with emulate_fp32_matmul("tf32") if dtype_name == "tf32" else _null(), torch.no_grad():
+        while sum(counts.values()) < checks:
+            b, t, dm, heads = 64, (16, 48, 96)[i % 3], (64, 128, 256)[i % 3], 4
+            x = activations((b, t, dm), gen, outliers=(1.0, 30.0, 100.0)[i % 3] if dtype != torch.float16 else 30.0)
+            w = torch.randn(3 * dm, dm, generator=gen) / math.sqrt(dm)
+            bias = torch.randn(3 * dm, generator=gen) * 0.1
+            x, w, bias = x.to(dtype), w.to(dtype), bias.to(dtype)
+            qkv = F.linear(x, w, bias) if dtype_name in ("fp32", "tf32") else F.linear(x.float(), w.float(),
+                                                                                        bias.float()).to(dtype)
+            check_linear(x, qkv, w, bias, ctx=ctx, splits=(("q", dm), ("k", dm), ("v", dm)))
+            q, k, v = (z.view(b, t, heads, -1).transpose(1, 2) for z in qkv.split(dm, -1))
+            mask = None
+            if i % 2:
+                lengths = torch.randint(0, t + 1, (b,), generator=gen)
+                mask = (torch.arange(t)[None, :] < lengths[:, None])[:, None, None, :].expand(b, 1, t, t)
+            protected_sdpa(q, k, v, ctx=ctx, attn_mask=mask, is_causal=i % 2 == 0)
+            counts["projection"] += 3 * b
+            counts["scores"] += b * heads
+            counts["context"] += b * heads
+            i += 1
+    return {"checks": counts, "total_checks": sum(counts.values()), "false_positives": len(flagged),
+            "false_positive_ops": sorted({d.op for d in flagged})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shapes and few trials (the smoke test)")
+    p.add_argument("--shapes", default="tiny,gpt2,7b")
+    p.add_argument("--dtypes", default="fp32,tf32,bf16,fp16")
+    p.add_argument("--ops", default="q,out,scores,context")
+    p.add_argument("--trials", type=int, default=1024, help="single-error trials per magnitude / bit and op")
+    p.add_argument("--clean-checks", type=int, default=100_000, help="clean checks per dtype (0: skip)")
+    p.add_argument("--parts", default="faults,model,clean",
+                   help="faults: injection sweeps; model: clean residuals vs the model (K up to 8192); clean: "
+                        "false positives over --clean-checks")
+    p.add_argument("--sigmas", type=float, default=None,
+                   help="the calibrated threshold in modelled standard deviations (default: the library's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shapes = ["tiny"] if args.tiny else args.shapes.split(",")
+    dtypes = args.dtypes.split(",")
+    for name in shapes:
+        if name not in SHAPES:
+            p.error(f"unknown shape {name!r}: choose from {sorted(SHAPES)}")
+    for name in dtypes:
+        if name not in DTYPES:
+            p.error(f"unknown dtype {name!r}: choose from {sorted(DTYPES)}")
+    clean_checks = min(args.clean_checks, 2000) if args.tiny else args.clean_checks
+    trials = min(args.trials, 64) if args.tiny else args.trials
+    cal = Tolerance() if args.sigmas is None else Tolerance(sigmas=args.sigmas)
+    rig = Tolerance(calibrated=False)
+    parts = set(args.parts.split(","))
+    results: list[dict[str, Any]] = []
+    rows: list[list[Any]] = []
+    for shape_name in shapes if "faults" in parts else []:
+        for dtype_name in dtypes:
+            for op_name in args.ops.split(","):
+                t0 = time.perf_counter()
+                op = Op(op_name, SHAPES[shape_name], dtype_name, args.seed)
+                entry = {
+                    "shape": shape_name, "dtype": dtype_name, "op": op_name, "product_shape": list(op.c.shape),
+                    "rms": op.rms,
+                    "clean": op.clean_ratios(cal),
+                    "clean_rigorous": op.clean_ratios(rig),
+                    "magnitude": {"calibrated": magnitude_sweep(op, trials, args.seed, cal),
+                                  "rigorous": magnitude_sweep(op, trials, args.seed, rig)},
+                    "bits": bit_sweep(op, trials, args.seed, cal),
+                    "layout": dict(zip(("exponent_bits", "mantissa_bits"), LAYOUT[op.c.dtype], strict=True)),
+                }
+                entry["summary"] = summarize(entry)
+                entry["seconds"] = time.perf_counter() - t0
+                results.append(entry)
+                s = entry["summary"]
+                rows.append([shape_name, dtype_name, op_name, entry["clean"]["worst_d1_over_bound"],
+                             entry["clean"]["median_bound_over_rms"], entry["magnitude"]["calibrated"]["2.0"],
+                             entry["magnitude"]["rigorous"]["2.0"], s["exponent_bits"], s["top8_mantissa_bits"],
+                             s["flips_ge_2rms"]])
+                print(f"  {shape_name}/{dtype_name}/{op_name}: {entry['seconds']:.1f}s", flush=True)
+    if rows:
+        print(_common.table(rows, ["shape", "dtype", "op", "clean |d1|/bound", "bound/RMS", "2xRMS det",
+                                   "2xRMS rigorous", "exp-bit flips", "top-8 mantissa", "flips >=2RMS"]))
+    ks = (16, 64) if args.tiny else (64, 512, 2048, 4096, 8192)
+    model = {d: residual_model(d, ks, 64 if args.tiny else 1024, args.seed) for d in dtypes} if "model" in parts else {}
+    if model:
+        print(_common.table([[d, r["k"], r["vectors"], r["z_d1"]["rms"], r["z_d1"]["max"], r["z_d2"]["max"],
+                              r["flagged"]] for d, rs in model.items() for r in rs],
+                            ["dtype", "K", "vectors", "rms z(d1)", "max z(d1)", "max z(d2)", "flagged"]))
+    clean = {}
+    if clean_checks and "clean" in parts:
+        for dtype_name in dtypes:
+            clean[dtype_name] = clean_campaign(dtype_name, clean_checks, args.seed, cal)
+        print(_common.table([[k, v["total_checks"], v["false_positives"]] for k, v in clean.items()],
+                            ["dtype", "clean checks", "false positives"]))
+    payload = {"magnitudes": list(MAGNITUDES), "trials": trials, "sigmas": cal.sigmas, "results": results,
+               "residual_model": model, "clean": clean}
+    path = _common.write_result("coverage", _no_nan(payload), args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def _no_nan(x: Any) -> Any:
+    """NaN (no trial of that kind, e.g. no flip moved a value by 2x RMS) as null: JSON has no NaN."""
+    if isinstance(x, float) and x != x:  # noqa: PLR0124
+        return None
+    if isinstance(x, dict):
+        return {k: _no_nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_no_nan(v) for v in x]
+    return x
+
+
+def summarize(entry: dict[str, Any]) -> dict[str, float]:
+    """Detection over the exponent bits, the top 8 mantissa bits (all of bf16's 7), and over flips of any bit that
+    moved the value by >= 2x RMS."""
+    exp_bits, man_bits = entry["layout"]["exponent_bits"], entry["layout"]["mantissa_bits"]
+    bits = entry["bits"]
+    exp = [bits[str(b)]["rate"] for b in range(man_bits, man_bits + exp_bits)]
+    top = [bits[str(b)]["rate"] for b in range(max(0, man_bits - 8), man_bits)]
+    big = [(v["rate_if_ge_2rms"], v["share_ge_2rms"]) for v in bits.values() if v["share_ge_2rms"] > 0]
+    weight = sum(s for _, s in big)
+    return {"exponent_bits": sum(exp) / len(exp), "top8_mantissa_bits": sum(top) / len(top),
+            "flips_ge_2rms": sum(r * s for r, s in big) / weight if weight else float("nan")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""`attnchecker bench coverage --tiny` runs end to end through the CLI and writes the documented JSON."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_coverage_bench_writes_rates_per_op_dtype_magnitude_and_bit(tmp_path):
+    out = tmp_path / "coverage.json"
+    proc = subprocess.run([sys.executable, "-m", "attnchecker.cli", "bench", "coverage", "--tiny", "--dtypes",
+                           "fp32,bf16", "--clean-checks", "600", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "|" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "coverage"
+    assert {(r["dtype"], r["op"]) for r in doc["results"]} == {
+        (d, op) for d in ("fp32", "bf16") for op in ("q", "out", "scores", "context")}
+    for r in doc["results"]:
+        assert set(r["magnitude"]["calibrated"]) == {str(m) for m in doc["magnitudes"]}
+        assert len(r["bits"]) == (32 if r["dtype"] == "fp32" else 16)
+        # Tiny shapes: every error of 2x RMS or more is caught, and no clean vector is flagged.
+        assert all(r["magnitude"]["calibrated"][str(m)] == 1.0 for m in doc["magnitudes"] if m >= 2)
+        assert r["clean"]["flagged_vectors"] == 0
+        assert 0 <= r["summary"]["exponent_bits"] <= 1
+    for d in ("fp32", "bf16"):
+        assert doc["clean"][d]["total_checks"] >= 600
+        assert doc["clean"][d]["false_positives"] == 0
