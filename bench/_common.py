@@ -103,7 +103,7 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
 
 def _fmt(x: Any) -> str:
     if isinstance(x, float):
-        if x != x:  # noqa: PLR0124  (NaN)
+        if x != x:
             return "n/a"
         return f"{x:.4g}" if abs(x) < 1e4 else f"{x:,.0f}"
     return str(x)

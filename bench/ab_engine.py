@@ -18,9 +18,10 @@ from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
-import attnchecker.attention as engine_a
 import overhead as ov
 import torch
+
+import attnchecker.attention as engine_a
 
 
 def load(path: str) -> ModuleType:

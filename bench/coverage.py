@@ -18,6 +18,7 @@ fp32 accumulation does (CPU half GEMMs are slow).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 import time
@@ -30,6 +31,7 @@ import _common
 _common.setup_path()
 import torch
 import torch.nn.functional as F
+
 from attnchecker.abft import Tolerance
 from attnchecker.attention import (
     _context_checks,
@@ -106,7 +108,7 @@ class Op:
 
     def verify(self, c: torch.Tensor, tol: Tolerance) -> tuple[torch.Tensor, torch.Tensor]:
         """(row flags (R,), column flags (C,)) of the first matrix of c."""
-        with emulate_fp32_matmul("tf32") if self.dtype_name == "tf32" else _null(), torch.no_grad():
+        with emulate_fp32_matmul("tf32") if self.dtype_name == "tf32" else contextlib.nullcontext(), torch.no_grad():
             if self.name in ("q", "out"):
                 shared = _ProjectionInput.of(self.x)
                 w_norm, _ = shared.weight_norms(self.w, None)
@@ -122,12 +124,13 @@ class Op:
 
     def clean_ratios(self, tol: Tolerance) -> dict[str, float]:
         """Worst clean |d1|/bound and |d2|/bound2 over both directions of the clean product."""
-        with emulate_fp32_matmul("tf32") if self.dtype_name == "tf32" else _null(), torch.no_grad():
+        with emulate_fp32_matmul("tf32") if self.dtype_name == "tf32" else contextlib.nullcontext(), torch.no_grad():
             if self.name in ("q", "out"):
                 shared = _ProjectionInput.of(self.x)
                 w_norm, _ = shared.weight_norms(self.w, None)
                 checks = _verify(self.c, shared.feature_ref(self.w, None), shared.token_ref(self.w, None),
-                                 shared.x_norm_NT, w_norm, k=self.w.shape[1], tol=tol, ref_norms=shared.ref_norms(self.w))
+                                 shared.x_norm_NT, w_norm, k=self.w.shape[1], tol=tol,
+                                 ref_norms=shared.ref_norms(self.w))
             elif self.name == "scores":
                 checks = _scores_checks(self.q, self.k, self.c, {}, self.h, tol)
             else:
@@ -137,14 +140,6 @@ class Op:
         bound = min(float(chk.bound.median()) for chk in checks.values())
         return {"worst_d1_over_bound": d1, "worst_d2_over_bound": d2, "median_bound_over_rms": bound / self.rms,
                 "flagged_vectors": int(sum(int(chk.bad.sum()) for chk in checks.values()))}
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def positions(op: Op, trials: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,7 +162,7 @@ def magnitude_sweep(op: Op, trials: int, seed: int, tol: Tolerance) -> dict[str,
         bad = op.c.clone()
         first = (0,) * (bad.dim() - 2)
         orig = bad[first][rows, cols].float()
-        bad[first + (rows, cols)] = (orig + sign * m * op.rms).to(bad.dtype)
+        bad[(*first, rows, cols)] = (orig + sign * m * op.rms).to(bad.dtype)
         changed = bad[first][rows, cols] != op.c[first][rows, cols]  # a half-precision value may round back
         hit = detected(op, bad, rows, cols, tol)
         out[str(m)] = float(hit[changed].float().mean()) if bool(changed.any()) else float("nan")
@@ -184,7 +179,7 @@ def bit_sweep(op: Op, trials: int, seed: int, tol: Tolerance) -> dict[str, dict[
         first = (0,) * (bad.dim() - 2)
         ints = bad.view(INT_VIEW[dtype])
         mask = torch.tensor(1 << bit if bit < BITS[dtype] - 1 else -(1 << bit), dtype=INT_VIEW[dtype])
-        ints[first + (rows, cols)] ^= mask
+        ints[(*first, rows, cols)] ^= mask
         new = bad[first][rows, cols].float()
         old = op.c[first][rows, cols].float()
         delta = (new - old).abs()
@@ -213,7 +208,7 @@ def residual_model(dtype_name: str, ks: tuple[int, ...], n: int, seed: int) -> l
         gen = torch.Generator().manual_seed(seed + k)
         a = activations((1, n, k), gen).to(dtype)
         b = (activations((1, n, k), gen, outliers=1.0) / math.sqrt(k)).mT.contiguous().to(dtype)
-        with emulate_fp32_matmul("tf32") if dtype_name == "tf32" else _null(), torch.no_grad():
+        with emulate_fp32_matmul("tf32") if dtype_name == "tf32" else contextlib.nullcontext(), torch.no_grad():
             c = product(a, b, dtype_name)
             a32, b32 = a.float(), b.float()
             from attnchecker.matmul_precision import (
@@ -270,7 +265,7 @@ def clean_campaign(dtype_name: str, checks: int, seed: int, tol: Tolerance | Non
     counts = {"projection": 0, "scores": 0, "context": 0}
     gen = torch.Generator().manual_seed(seed)
     i = 0
-    with emulate_fp32_matmul("tf32") if dtype_name == "tf32" else _null(), torch.no_grad():
+    with emulate_fp32_matmul("tf32") if dtype_name == "tf32" else contextlib.nullcontext(), torch.no_grad():
         while sum(counts.values()) < checks:
             b, t, dm, heads = 64, (16, 48, 96)[i % 3], (64, 128, 256)[i % 3], 4
             x = activations((b, t, dm), gen, outliers=(1.0, 30.0, 100.0)[i % 3] if dtype != torch.float16 else 30.0)
@@ -375,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _no_nan(x: Any) -> Any:
     """NaN (no trial of that kind, e.g. no flip moved a value by 2x RMS) as null: JSON has no NaN."""
-    if isinstance(x, float) and x != x:  # noqa: PLR0124
+    if isinstance(x, float) and x != x:
         return None
     if isinstance(x, dict):
         return {k: _no_nan(v) for k, v in x.items()}

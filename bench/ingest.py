@@ -32,6 +32,7 @@ import _common
 _common.setup_path()
 
 import httpx
+
 from attnchecker.events import Detection
 from attnchecker.transport import Transport
 from attnchecker.transport.client import encode, events_body
@@ -124,8 +125,9 @@ def ingest(backend: str, agents: list[int], batches: int, per_batch: int, worker
 
 def stored_counts(settings: Any) -> dict[str, int]:
     """Rows in fault_event and distinct (run, id) keys: lost = sent - distinct, duplicated = rows - distinct."""
-    from attnchecker_server.db import make_engine
     from sqlalchemy import text
+
+    from attnchecker_server.db import make_engine
 
     engine = make_engine(settings, pooled=False)
     with engine.connect() as conn:

@@ -19,6 +19,7 @@ _common.setup_path()
 
 import collector_testing as testing
 import ingest as ib
+
 from attnchecker_server.auth import Principal
 from attnchecker_server.db import make_engine, make_session_factory
 from attnchecker_server.models import EventBatch, FaultEvent, utcnow

@@ -12,8 +12,8 @@ Variants:
 
 Memory: each measurement is a fresh process (`--child`), so no allocator cache or earlier peak leaks into the next.
 The child builds the model, runs one warm-up step (AdamW's state and the gradients exist from then on), then resets
-the kernel's peak-RSS counter (writing 5 to /proc/self/clear_refs, Linux >= 4.0; glibc's malloc_trim first, so the resident size before the step
-counts live memory only), runs the measured step and reads
+the kernel's peak-RSS counter (writing 5 to /proc/self/clear_refs, Linux >= 4.0; glibc's malloc_trim first, so the
+resident size before the step counts live memory only), runs the measured step and reads
 VmHWM from /proc/self/status. `step_mb` = that peak minus the resident size just before the step: what one training
 step needs on top of the model, its gradients and optimizer state, for every tensor the step allocates (torch's CPU
 allocator returns large blocks to the OS on free, so RSS follows live tensors). `process_mb` is the whole process's

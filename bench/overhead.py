@@ -39,11 +39,12 @@ import _common
 
 _common.setup_path()
 
-import attnchecker
 import torch
 import torch.nn.functional as F
-from attnchecker import Policy
 from torch import nn
+
+import attnchecker
+from attnchecker import Policy
 
 VARIANTS = ("baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor")
 SIZES = {

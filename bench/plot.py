@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("CPU time per step vs unprotected SDPA (%)")
     ax.set_title("Training-step overhead per variant (median of per-round ratios, bars: IQR)\n"
-                 f"{doc['machine'].get('cpu', '?')}, {doc['machine'].get('torch_threads', '?')} torch thread(s), no GPU")
+                 f"{doc['machine'].get('cpu', '?')}, {doc['machine'].get('torch_threads', '?')} torch thread(s), "
+                 "no GPU")
     ax.legend()
     fig.tight_layout()
     dst.parent.mkdir(parents=True, exist_ok=True)

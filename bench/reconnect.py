@@ -28,9 +28,10 @@ import _common
 
 _common.setup_path()
 
-import httpx
-from attnchecker.transport import Transport
 import collector_testing as testing
+import httpx
+
+from attnchecker.transport import Transport
 
 VARIANTS = {"probe (default)": {}, "backoff only": {"probe_interval_s": 30.0}}
 

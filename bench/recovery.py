@@ -27,9 +27,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
-import attnchecker
 import overhead
 import torch
+
+import attnchecker
 from attnchecker import Policy
 from attnchecker.inject import Fault, FaultPlan, Injector
 

@@ -23,11 +23,12 @@ import _common
 
 _common.setup_path()
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402, N812
-from attnchecker import attention  # noqa: E402
-from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime  # noqa: E402
-from attnchecker.integrations._common import Binder  # noqa: E402
+import torch
+import torch.nn.functional as F
+
+from attnchecker import attention
+from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
+from attnchecker.integrations._common import Binder
 
 
 def _ctx() -> LayerContext:

@@ -38,8 +38,8 @@ from .abft import (
 from .context import RESIDUAL_RATIO_BUCKETS, LayerContext
 from .events import Detection, kind_of, value_to_wire
 from .matmul_precision import fp32_matmul_operand_roundoff, ieee_fp32_matmul
-from .tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound
 from .tiled_attention import choose_tiles, tiled_sdpa
+from .tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound
 
 __all__ = [
     "PassedProjection",
@@ -426,7 +426,8 @@ def check_linear(
                 token_rule = bounds(shared.x_norm_NT, w_norm_O, k=w_s.shape[1], out_dtype=y.dtype, tol=tol,
                                     bias_abs_C=bias_abs, operands_cast_to=cast_to)[1]
                 token_bound = token_rule.of(None).expand(y_s.shape[0], -1)
-                ctx.passed[name] = PassedProjection(token_ref_NO2=shared.token_ref(w_s, b_s), token_bound_NO=token_bound,
+                ctx.passed[name] = PassedProjection(token_ref_NO2=shared.token_ref(w_s, b_s),
+                                                    token_bound_NO=token_bound,
                                                     x_NTI=x_NTI.detach(), weight_OI=w_s, bias_O=b_s,
                                                     x_norm_NT=shared.x_norm_NT, out_dtype=y.dtype, tol=tol)
                 continue
@@ -566,7 +567,8 @@ def _probs_lse(
 
 @functools.lru_cache(maxsize=32)
 def _future_mask(t: int, n_keys: int, device: torch.device) -> torch.Tensor:
-    """(T, S) bool, True above the diagonal (top-left aligned, as SDPA's is_causal). Cached: callers must not write it."""
+    """(T, S) bool, True above the diagonal (top-left aligned, as SDPA's is_causal). Cached: callers must not
+    write it."""
     return torch.ones(t, n_keys, dtype=torch.bool, device=device).triu(1)
 
 
@@ -639,7 +641,7 @@ def _additive_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.
     return mask.view(*(1,) * (4 - mask.dim()), *mask.shape) if mask.dim() < 4 else mask
 
 
-def _suspect_heads(passed: PassedProjection | None, x_BHSD: torch.Tensor, heads: int, tol: Tolerance) -> torch.Tensor | None:
+def _suspect_heads(passed: PassedProjection | None, x_BHSD: torch.Tensor, heads: int) -> torch.Tensor | None:
     """(B, H) bool, slow path only: this head's q/k/v disagrees with the checksums passed from its projection, so a
     reference built from it is not clean."""
     if passed is None:
@@ -833,7 +835,7 @@ def _checked_attention(
                                                  dropout_p)
             correct = cfg.mode == "correct"
             if "scores" in checks:
-                trusted = _trusted(passed.get("q"), passed.get("k"), q_BHTD, k_BHSD, h, hk, tol)
+                trusted = _trusted(passed.get("q"), passed.get("k"), q_BHTD, k_BHSD, h, hk)
 
                 def recompute_scores() -> torch.Tensor:
                     fresh = _scores_product(q_BHTD.detach(), k_rep.detach())
@@ -863,7 +865,7 @@ def _checked_attention(
             t0 = time.perf_counter()
             if "context" in checks:
                 # CL's column references (wᵀAP)V are built from V, unverified in paper-faithful mode.
-                v_bad = _suspect_heads(passed.get("v"), v_BHSD, hk, tol)
+                v_bad = _suspect_heads(passed.get("v"), v_BHSD, hk)
                 trusted = None if v_bad is None else {"col": _expand_heads(~v_bad[..., None, None], h)[..., 0, 0]}
 
                 def recompute_context() -> torch.Tensor:
@@ -979,12 +981,11 @@ def _trusted(
     k_BHSD: torch.Tensor,
     h: int,
     hk: int,
-    tol: Tolerance,
 ) -> dict[str, torch.Tensor] | None:
     """Paper-faithful mode: AS's row references are built from Q and its column references from K, both unverified.
     A head whose Q (K) disagrees with the passed checksums has untrusted row (column) references."""
-    q_bad = _suspect_heads(passed_q, q_BHTD, h, tol)
-    k_bad = _suspect_heads(passed_k, k_BHSD, hk, tol)
+    q_bad = _suspect_heads(passed_q, q_BHTD, h)
+    k_bad = _suspect_heads(passed_k, k_BHSD, hk)
     trusted = {}
     if q_bad is not None:
         trusted["row"] = ~q_bad

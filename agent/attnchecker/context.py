@@ -7,8 +7,9 @@ and swapped by the guard at step boundaries.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
     from .inject import Injector
 
 __all__ = [
-    "MODES", "OPS", "RESIDUAL_RATIO_BUCKETS", "TIERS", "TOLERANCES", "CheckConfig", "LayerContext", "OpStats", "Runtime",
+    "MODES", "OPS", "RESIDUAL_RATIO_BUCKETS", "TIERS", "TOLERANCES",
+    "CheckConfig", "LayerContext", "OpStats", "Runtime",
 ]
 
 # Upper bounds of the residual/bound histogram the agent keeps on the device (wire: stats.residual_ratio.le).

@@ -14,8 +14,8 @@ __all__ = [
     "AttnCheckerError",
     "NoProtectableAttentionError",
     "UncorrectableFault",
-    "UnsupportedDeviceError",
     "UnprotectedAttentionError",
+    "UnsupportedDeviceError",
     "UnsupportedDtypeError",
 ]
 

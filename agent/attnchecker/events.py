@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from .abft.tolerance import NEAR_INF
@@ -58,7 +58,7 @@ class Detection:
     (the net at the optimizer step). Local only for now: the event wire format has no field for it (docs/wire.md);
     the stats payload carries the per-tier counts."""
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    ts: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="milliseconds"))
+    ts: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="milliseconds"))
 
     def to_wire(self) -> dict[str, Any]:
         d = asdict(self)

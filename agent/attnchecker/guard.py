@@ -454,8 +454,8 @@ class Guard:
         from .transport import Transport
 
         self._transport = Transport(
-            s.collector, s.token, s.run, spool_dir=s.spool_dir, run_info=self._run_info(register_policy=s.register_policy),
-            config=s.transport,
+            s.collector, s.token, s.run, spool_dir=s.spool_dir,
+            run_info=self._run_info(register_policy=s.register_policy), config=s.transport,
         ).start()
         self._interval = IntervalStats(self._transport.emit_stats, rank=self.rank, interval_s=s.interval_s,
                                        interval_steps=s.interval_steps)

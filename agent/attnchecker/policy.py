@@ -77,7 +77,8 @@ class Policy:
     adaptive: bool = True
     min_period: int = 1
     max_period: int = 8
-    """Upper bound of the adaptive period; 8 keeps a quiet run at <= 1/8 of the full checking cost (docs/adaptive.md)."""
+    """Upper bound of the adaptive period; 8 keeps a quiet run at <= 1/8 of the full checking cost
+    (docs/adaptive.md)."""
     tolerance: str = "roundoff"
     tolerance_factor: float = 1.0
     on_uncorrectable: str = "log"
@@ -132,7 +133,9 @@ class Policy:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known - _WIRE_IGNORED)
         if unknown:
-            raise PolicyError(f"policy has unknown field(s) {', '.join(unknown)}; known fields are {', '.join(sorted(known))}")
+            raise PolicyError(
+                f"policy has unknown field(s) {', '.join(unknown)}; known fields are {', '.join(sorted(known))}"
+            )
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def to_wire(self) -> dict[str, Any]:
@@ -168,7 +171,8 @@ class _OpState:
     quiet: int = 0
     """Consecutive quiet checks since the period last changed."""
     hot: bool = False
-    """A fault was seen and the op has not yet had ``quiet_checks`` quiet checks since; exempt from the overhead rule."""
+    """A fault was seen and the op has not yet had ``quiet_checks`` quiet checks since; exempt from the overhead
+    rule."""
 
 
 class Scheduler:

@@ -80,7 +80,13 @@ def _env_int(name: str, raw: str) -> int:
 
 
 def choose_tiles(
-    t: int, s: int, *, device: torch.device, dropout_p: float, return_probs: bool, paper: bool
+    t: int,
+    s: int,
+    *,
+    device: torch.device,  # noqa: ARG001 - the contract's, for a device-specific kernel
+    dropout_p: float,
+    return_probs: bool,
+    paper: bool,
 ) -> TileChoice | None:
     """The tile sizes when this call takes the tiled path, else None (the unfused path). device: for a future
     device-specific backend (a fused GPU kernel); the PyTorch backend runs on any device.
@@ -334,8 +340,8 @@ def _query_block(
                 t0 = time.perf_counter()
                 row_ref, col_ref, p_norm = context_refs(p_c.to(sh.v_acc.dtype), sh.v_acc[..., c0:c1, :],
                                                         sh.vw[..., c0:c1, :], p_sum)
-                checks = eng._verify(pv, row_ref, col_ref, p_norm.to(sh.v_acc.dtype), col_norms(sh.v_acc[..., c0:c1, :]),
-                                     k=c1 - c0, tol=sh.tol)
+                checks = eng._verify(pv, row_ref, col_ref, p_norm.to(sh.v_acc.dtype),
+                                     col_norms(sh.v_acc[..., c0:c1, :]), k=c1 - c0, tol=sh.tol)
                 if fix is not None:
                     _repair_tile(fix, "context", pv, checks, j, r0, 0,
                                  lambda key, rows, cols, p_c=p_c, v_j=v_j: eng._dot(p_c[key][rows], v_j[key].mT[cols]))
@@ -380,7 +386,6 @@ def _summarize_block(record: _Pass, op: str, kept: list[_Kept]) -> None:
 
 def _slow_path(sh: _Shared, ctx: LayerContext, record: _Pass, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Report every flagged tile; in correct mode recompute its query block tile by tile, repairing as it goes."""
-    from . import attention as eng
 
     correct = ctx.config.mode == "correct"
     blocks: dict[int, dict[str, dict[int, list[tuple[int, int]]]]] = {}
@@ -420,7 +425,6 @@ def _repair_tile(
 ) -> None:
     """Verify a recomputed tile and repair it in place (the recompute already happened: no further rung), then
     report what the fast pass flagged here and the recompute cleared."""
-    from . import attention as eng
 
     reports = repair(c, checks, fix.tol, correct=True, recompute=None, exact=exact)
     seen = {r.index for r in reports}

@@ -1,4 +1,5 @@
-"""Pure EEC-ABFT math: checksums, tolerances, locate/correct. Tensors in, tensors and reports out; no modules, no I/O."""
+"""Pure EEC-ABFT math: checksums, tolerances, locate/correct. Tensors in, tensors and reports out; no modules,
+no I/O."""
 from .checksum import (
     DirectionCheck,
     VectorSums,

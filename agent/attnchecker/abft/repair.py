@@ -88,7 +88,9 @@ def _recheck(work_MRC: torch.Tensor, refs: dict[str, DirectionCheck]) -> dict[st
             for d, chk in refs.items()}
 
 
-def _fix_pass(work_MRC: torch.Tensor, direction: str, chk: DirectionCheck, allowed_MV: torch.Tensor, tol: Tolerance) -> None:
+def _fix_pass(
+    work_MRC: torch.Tensor, direction: str, chk: DirectionCheck, allowed_MV: torch.Tensor, tol: Tolerance
+) -> None:
     """Correct each flagged, allowed vector of one direction in place (one element per vector)."""
     vecs_MVL = work_MRC if direction == "row" else work_MRC.transpose(-2, -1)
     todo_MV = chk.bad & allowed_MV
@@ -170,8 +172,8 @@ def repair(
     acc = acc_dtype(c_NRC.dtype)
     orig_MRC = c_NRC[idx].detach().clone()
     sub = {d: _select(chk, idx) for d, chk in checks.items()}
-    trust = {d: torch.ones(idx_MK.shape[0], dtype=torch.bool, device=c_NRC.device) if trusted is None or d not in trusted
-             else trusted[d].expand(batch_shape)[idx] for d in checks}
+    trust = {d: torch.ones(idx_MK.shape[0], dtype=torch.bool, device=c_NRC.device)
+             if trusted is None or d not in trusted else trusted[d].expand(batch_shape)[idx] for d in checks}
 
     work_MRC = orig_MRC.to(acc, copy=True)
     current = sub

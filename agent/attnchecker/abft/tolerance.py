@@ -123,7 +123,9 @@ class Bound:
         """(..., V) the tolerance on |d2|."""
         return self.pair(abs_sum_NV, sq_sum_NV)[1]
 
-    def pair(self, abs_sum_NV: torch.Tensor | None, sq_sum_NV: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def pair(
+        self, abs_sum_NV: torch.Tensor | None, sq_sum_NV: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """((..., V) tolerance on |d1|, (..., V) on |d2|). Without ΣC² (sq_sum_NV None) a rule that needs it falls back
         to its rigorous part."""
         rig = self.base if abs_sum_NV is None or self.abs_coef == 0.0 else self.base + self.abs_coef * abs_sum_NV

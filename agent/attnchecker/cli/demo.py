@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     if tty:
         print()
     guard.close(flush_timeout_s=10.0)
-    _summary(args, guard, plan, protected, reference, faulty, url, run_name, local)
+    _summary(args, guard, protected, reference, faulty, url, run_name, local)
     return 0
 
 
@@ -305,7 +305,7 @@ def _progress(step: int, steps: int, loss: float, guard: Any, reference: Trainer
         print(line, flush=True)
 
 
-def _summary(args: argparse.Namespace, guard: Any, plan: Any, protected: Trainer, reference: Trainer | None,
+def _summary(args: argparse.Namespace, guard: Any, protected: Trainer, reference: Trainer | None,
              faulty: Trainer | None, url: str | None, run_name: str, local: LocalCollector | None) -> None:
     report = guard.report()
     injected = guard.injector.injected if guard.injector is not None else []
@@ -317,12 +317,13 @@ def _summary(args: argparse.Namespace, guard: Any, plan: Any, protected: Trainer
     print(f"uncorrectable            {report.uncorrectable}")
     print(f"final loss (protected)   {protected.losses[-1]:.4f}")
     if reference is not None:
-        rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(protected.losses, reference.losses)]
+        rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(protected.losses, reference.losses, strict=False)]
         early = min(len(rel), EARLY_STEPS)
         print(f"final loss (fault-free)  {reference.losses[-1]:.4f}   max per-step relative difference "
               f"{max(rel[:early]):.2e} over the first {early} steps")
         if len(rel) > early:
-            print(f"                         (later steps drift apart at floating-point-noise level, {max(rel[early:]):.1e}: "
+            print("                         (later steps drift apart at floating-point-noise level, "
+                  f"{max(rel[early:]):.1e}: "
                   "the fault-free copy runs PyTorch's fused SDPA kernel, which rounds differently, and training "
                   "amplifies any 1e-7 difference)")
         ratio = statistics.median(protected.seconds) / statistics.median(reference.seconds)

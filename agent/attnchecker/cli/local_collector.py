@@ -68,7 +68,9 @@ def _token(data_dir: Path, role: str, name: str) -> str:
     return out.stdout.strip().splitlines()[0]
 
 
-def start_local_collector(data_dir: str | os.PathLike[str], *, port: int = 8000, timeout_s: float = 60.0) -> LocalCollector:
+def start_local_collector(
+    data_dir: str | os.PathLike[str], *, port: int = 8000, timeout_s: float = 60.0
+) -> LocalCollector:
     """Reuse the collector a previous demo left running in `data_dir`, or migrate and start a new one."""
     data = Path(data_dir).resolve()
     data.mkdir(parents=True, exist_ok=True)
@@ -84,7 +86,7 @@ def start_local_collector(data_dir: str | os.PathLike[str], *, port: int = 8000,
     operator_token = _token(data, "operator", "demo-operator")
     if not _port_free(port):
         port = _free_port()
-    log = open(data / "collector.log", "ab")  # noqa: SIM115 - handed to the child process
+    log = open(data / "collector.log", "ab")
     proc = subprocess.Popen([*cmd, "serve", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
                             env=_env(data), stdout=log, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

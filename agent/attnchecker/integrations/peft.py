@@ -16,7 +16,7 @@ quantized or other non-Linear base layers, and mixed-adapter batches (``adapter_
 sub-batches.
 """
 
-# ruff: noqa: N806 - tensors carry shape suffixes (x_cat_NTK), the house style for attention code
+
 from __future__ import annotations
 
 import functools

@@ -9,7 +9,7 @@ The encoder layers' inference fast path (``torch._transformer_encoder_layer_fwd`
 it is switched off (``torch.backends.mha``) only while the protected model runs.
 """
 
-# ruff: noqa: N806 - tensors carry shape suffixes (q_NHLD), the house style for attention code
+
 from __future__ import annotations
 
 import functools

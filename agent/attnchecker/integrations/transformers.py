@@ -6,7 +6,7 @@ LayerContext through a dict (nothing is stored on the module, so ``state_dict`` 
 forward hooks. GPT-Neo calls ``GPTNeoSelfAttention._attn`` directly, so each instance gets a protected ``_attn``.
 """
 
-# ruff: noqa: N806 - tensors carry shape suffixes (out_BHTD), the house style for attention code
+
 from __future__ import annotations
 
 import functools

@@ -18,8 +18,8 @@ class Backoff:
 
     def next_delay(self) -> float:
         self.failures += 1
-        d = min(self.max_s, self.base_s * 2 ** min(self.failures - 1, 30))
-        return d / 2 + (self.rng or random).uniform(0, d / 2)
+        d = min(self.max_s, self.base_s * 2.0 ** min(self.failures - 1, 30))
+        return d / 2 + float((self.rng or random).uniform(0, d / 2))
 
     def reset(self) -> None:
         self.failures = 0

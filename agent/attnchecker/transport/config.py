@@ -49,7 +49,7 @@ class TransportConfig:
                 raise ValueError(f"transport.{name} must be a number > 0, got {value!r}")
         if not isinstance(self.replay_leftovers, bool):
             got = self.replay_leftovers
-            raise ValueError(f"transport.replay_leftovers must be True or False, got {got!r}")  # noqa: TRY004
+            raise ValueError(f"transport.replay_leftovers must be True or False, got {got!r}")
 
     @classmethod
     def from_options(cls, options: TransportConfig | Mapping[str, Any] | None) -> TransportConfig:
@@ -60,7 +60,7 @@ class TransportConfig:
         if isinstance(options, TransportConfig):
             return options
         if not isinstance(options, Mapping):
-            raise ValueError(  # noqa: TRY004 - protect() raises ValueError for bad arguments
+            raise ValueError(
                 f"transport_options must be a TransportConfig or a mapping of its fields, got {type(options).__name__}"
             )
         known = [f.name for f in dataclasses.fields(cls)]

@@ -300,7 +300,9 @@ class Transport:
 
     # --- online / offline ---------------------------------------------------------------------------------------
 
-    def _online(self, client: CollectorClient, flushing: bool, budget: Callable[[], float | None] = lambda: None) -> bool:
+    def _online(
+        self, client: CollectorClient, flushing: bool, budget: Callable[[], float | None] = lambda: None
+    ) -> bool:
         """Register, replay the spool, send stats and due batches, poll the policy, upload leftovers. False when the
         collector failed us (then we are in backoff and what was due is spooled)."""
         failed = self._online_steps(client, flushing, budget)
@@ -316,7 +318,9 @@ class Transport:
         self._backoff.reset()
         return True
 
-    def _online_steps(self, client: CollectorClient, flushing: bool, budget: Callable[[], float | None]) -> Reply | None:
+    def _online_steps(
+        self, client: CollectorClient, flushing: bool, budget: Callable[[], float | None]
+    ) -> Reply | None:
         if self._run_id is None:
             r = client.register(self.run_body, budget_s=budget())
             if not r.ok:
@@ -345,18 +349,18 @@ class Transport:
             if not r.ok:
                 self._warn_once("stats-rejected", "collector rejected a stats payload, dropped: %s", r.error)
         while self._outbox.batch_due(flushing):
-            r = self._send_events(client, self._outbox.take_batch(), budget)
-            if r is not None:
-                return r
+            failed = self._send_events(client, self._outbox.take_batch(), budget)
+            if failed is not None:
+                return failed
         if time.monotonic() >= self._next_poll_at and not self._stop.is_set():
-            r = client.get_policy(self._run_id, self._etag, budget_s=budget())
+            polled = client.get_policy(self._run_id, self._etag, budget_s=budget())
             self._next_poll_at = time.monotonic() + self.config.poll_interval_s
-            if r.transient:
-                return self._run_missing(r)
-            if r.ok:
-                self._set_policy(r.body, r.etag)
-            elif r.status != 304:
-                self._warn_once("poll", "policy poll failed: %s", r.error)
+            if polled.transient:
+                return self._run_missing(polled)
+            if polled.ok:
+                self._set_policy(polled.body, polled.etag)
+            elif polled.status != 304:
+                self._warn_once("poll", "policy poll failed: %s", polled.error)
         if self._leftovers is not None and self._leftovers.due and not self._stop.is_set():
             # After this round's own data, and a slice at a time: a big backlog never holds new events for long.
             return self._leftovers.upload_some(client, LEFTOVER_SLICE_S, budget)
@@ -367,7 +371,9 @@ class Transport:
             self._run_id = None  # the collector lost the run (a wiped database): register again on the next try
         return r
 
-    def _send_events(self, client: CollectorClient, chunk: list[bytes], budget: Callable[[], float | None]) -> Reply | None:
+    def _send_events(
+        self, client: CollectorClient, chunk: list[bytes], budget: Callable[[], float | None]
+    ) -> Reply | None:
         assert self._run_id is not None
         out = send_events(client, self._run_id, chunk, budget_s=budget)
         self._sent += out.sent

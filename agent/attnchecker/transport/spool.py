@@ -74,12 +74,12 @@ class SpoolWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         if self._owner is None:
             # Taken before the first file exists, so no other uploader ever sees this writer's files unowned.
-            self._owner = open(owner_path(self.dir, self.prefix), "ab")  # noqa: SIM115 - held until close()
+            self._owner = open(owner_path(self.dir, self.prefix), "ab")
             fcntl.flock(self._owner.fileno(), fcntl.LOCK_EX)
         self._seq += 1
         # time first: names sort oldest first across writers, which is the order replay wants.
         path = self.dir / f"{time.time_ns():020d}-{self.prefix}-{self._seq:05d}{SUFFIX}"
-        f = open(path, "ab")  # noqa: SIM115 - kept open across appends, closed by rotate()
+        f = open(path, "ab")
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         header = b'{"v":%d,"kind":"run","n":0,"body":%s}\n' % (SPOOL_VERSION, self.run_body)
         f.write(header)
@@ -172,7 +172,7 @@ def claim(path: Path) -> Iterator[bool]:
     """Try to take a file's lock without waiting; yields False when a live writer (or another replay) holds it, or
     the file is gone."""
     try:
-        f = open(path, "rb")  # noqa: SIM115
+        f = open(path, "rb")
     except FileNotFoundError:
         yield False
         return
@@ -190,7 +190,7 @@ def claim_writer(spool_dir: Path, prefix: str | None) -> Iterator[bool]:
         return
     path = owner_path(spool_dir, prefix)
     try:
-        f = open(path, "ab")  # noqa: SIM115 - creates it for a writer that died before taking it
+        f = open(path, "ab")
     except OSError:
         yield False
         return
