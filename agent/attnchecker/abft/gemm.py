@@ -1,0 +1,85 @@
+"""Checksums for one plain GEMM C = A·B (+ bias), the building block of whole-step protection (issue 17).
+
+The same algebra as the attention products, for any GEMM whose operands are at hand: the row references are
+A (B w) (+ b·w), the column references (wᵀA) B (+ Σw·b), both made by skinny products from the operands, never
+from C. Used for nn.Linear / Conv1D forward (Y = X Wᵀ + b) and backward (dX = dY W, dW = dYᵀ X).
+
+Legend: M rows of C, K reduction length, N columns of C, 2 a checksum pair (weights ones and 1..n).
+Pure functions: tensors in, tensors out; no host-device sync here.
+"""
+from __future__ import annotations
+
+import torch
+
+from .checksum import (
+    DirectionCheck,
+    acc_dtype,
+    checksum_weights,
+    checksums_of,
+    col_norms,
+    times_skinny,
+    verify_direction,
+    weighted_cols,
+    weighted_rows,
+)
+from .tolerance import Tolerance, bounds
+
+__all__ = ["exact_gemm_elements", "verify_gemm"]
+
+
+def verify_gemm(
+    c_MN: torch.Tensor,
+    a_MK: torch.Tensor,
+    b_KN: torch.Tensor,
+    tol: Tolerance,
+    *,
+    bias_N: torch.Tensor | None = None,
+) -> dict[str, DirectionCheck]:
+    """Both directions of C = A·B (+ bias) against references from A and B. The checks carry a leading batch dim of 1
+    ((1, M) and (1, N)), the layout ``abft.repair`` expects, so ``repair(c_MN[None], ...)`` works on C in place.
+
+    Operands may be strided views (dYᵀ); they are read once each in the accumulation dtype.
+    """
+    if c_MN.dim() != 2 or a_MK.dim() != 2 or b_KN.dim() != 2:
+        raise ValueError(f"verify_gemm takes 2-D operands, got C {tuple(c_MN.shape)}, A {tuple(a_MK.shape)}, "
+                         f"B {tuple(b_KN.shape)}")
+    m, k = a_MK.shape
+    if b_KN.shape[0] != k or c_MN.shape != (m, b_KN.shape[1]):
+        raise ValueError(f"shapes do not form C = A·B: C {tuple(c_MN.shape)}, A {tuple(a_MK.shape)}, "
+                         f"B {tuple(b_KN.shape)}")
+    acc = acc_dtype(c_MN.dtype)
+    a, b = a_MK.to(acc), b_KN.to(acc)
+    row_ref_M2 = times_skinny(a, weighted_rows(b))
+    col_ref_N2 = (weighted_cols(a).mT @ b).mT
+    bias_abs_N = None
+    if bias_N is not None:
+        bias = bias_N.to(acc)
+        row_ref_M2 = row_ref_M2 + weighted_rows(bias[None])[0]
+        # Σw from the cached weights, on the device: a host-built tensor would be a host-to-device copy.
+        col_ref_N2 = col_ref_N2 + bias[:, None] * checksum_weights(m, c_MN.device, acc).sum(0)
+        bias_abs_N = bias.abs()
+    # Operands in a wider dtype than C (autocast's fp32 master copy): the GEMM ran on them rounded to C's dtype.
+    cast_to = c_MN.dtype if (a_MK.dtype != c_MN.dtype or b_KN.dtype != c_MN.dtype) else None
+    use_abs = c_MN.dtype != acc and tol.mode == "roundoff"
+    got_rows_M2, got_cols_N2, c_abs = checksums_of(c_MN, with_abs=use_abs)
+    row_rule, col_rule = bounds(torch.linalg.vector_norm(a, dim=-1), col_norms(b), k=k, out_dtype=c_MN.dtype,
+                                tol=tol, bias_abs_C=bias_abs_N, use_abs=use_abs, operands_cast_to=cast_to)
+    row = verify_direction(row_ref_M2, got_rows_M2, row_rule, None if c_abs is None else c_abs[0])
+    col = verify_direction(col_ref_N2, got_cols_N2, col_rule, None if c_abs is None else c_abs[1])
+    return {"row": _batched(row), "col": _batched(col)}
+
+
+def _batched(chk: DirectionCheck) -> DirectionCheck:
+    return DirectionCheck(ref=chk.ref[None], diff=chk.diff[None], bound=chk.bound[None], bad=chk.bad[None],
+                          rule=type(chk.rule)(chk.rule.base.expand(chk.bad.shape)[None], chk.rule.abs_coef))
+
+
+def exact_gemm_elements(
+    a_MK: torch.Tensor, b_KN: torch.Tensor, rows_P: torch.Tensor, cols_P: torch.Tensor,
+    bias_N: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(P,) C[rows, cols] recomputed as dot products in the accumulation dtype: a located element is replaced by its
+    value, not by checksum arithmetic (which carries the whole vector's round-off)."""
+    acc = acc_dtype(a_MK.dtype)
+    out_P = (a_MK[rows_P].to(acc) * b_KN[:, cols_P].mT.to(acc)).sum(-1)
+    return out_P if bias_N is None else out_P + bias_N[cols_P].to(acc)
