@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "FAULT_OPS",
     "OPS",
     "EventBatchIn",
     "EventBatchResult",
@@ -28,6 +29,10 @@ __all__ = [
 
 Op = Literal["q", "k", "v", "scores", "context", "out"]
 OPS: tuple[str, ...] = ("q", "k", "v", "scores", "context", "out")
+# Ops a fault event (and fault stats) may name: the attention ops, plus the whole-step GEMMs of protect(scope="all")
+# (a Linear/Conv1D output, its input gradient, its weight gradient). Not policy ops: they follow the "out" schedule.
+FaultOp = Literal["q", "k", "v", "scores", "context", "out", "linear", "linear_dx", "linear_dw"]
+FAULT_OPS: tuple[str, ...] = OPS + ("linear", "linear_dx", "linear_dw")
 Kind = Literal["inf", "neg_inf", "nan", "near_inf", "silent"]
 Pattern = Literal["0d", "1d", "2d"]
 Action = Literal["corrected", "recomputed", "detected", "uncorrectable"]
@@ -201,7 +206,7 @@ class FaultEventIn(_In):
     step: SmallNonNegInt
     rank: SmallNonNegInt
     layer: SmallNonNegInt
-    op: Op
+    op: FaultOp
     pattern: Pattern
     kind: Kind
     action: Action
@@ -245,7 +250,7 @@ class FaultEventPublic(BaseModel):
     step: int
     rank: int
     layer: int
-    op: Op
+    op: FaultOp
     pattern: Pattern
     kind: Kind
     action: Action
@@ -273,7 +278,7 @@ class OpStatsIn(_In):
 
 
 class FaultStatsIn(_In):
-    op: Op
+    op: FaultOp
     kind: Kind
     detected: NonNegInt = 0
     corrected: NonNegInt = 0
