@@ -15,6 +15,8 @@ Variants:
   dmr        duplicate-and-compare: every projection and the attention core recomputed under no_grad and compared
   floor      read each protected output once (q/k/v/out, AS as a tensor of its shape, CL): the memory-traffic
              lower bound of any checker that looks at every output
+  all_full   protect(scope="all") with Policy.full(): also every Linear/Conv1D GEMM forward and backward (dX, dW)
+  all_adaptive  protect(scope="all") with Policy(), warmed up like adaptive
 
     python bench/overhead.py [--models gpt2,llama] [--rounds 16] [--tiny]
 """
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 from attnchecker import Policy
 from torch import nn
 
-VARIANTS = ("baseline", "full", "adaptive", "paper", "skip", "finite", "dmr", "floor")
+VARIANTS = ("baseline", "full", "adaptive", "paper", "skip", "finite", "dmr", "floor", "all_full", "all_adaptive")
 SIZES = {
     # The issue's sizes; vocab 8192 (not GPT-2's 50257) keeps the LM head from dwarfing the layers the checks are
     # in, which makes the measured overhead larger, not smaller.
@@ -169,7 +171,11 @@ class HookChecker:
 POLICIES = {"full": Policy.full, "paper": Policy.paper, "adaptive": Policy,
             # A fresh guard checks everything on its first step: "nothing due" is mode off, which takes the same
             # path through the engine as a step the scheduler skips.
-            "skip": functools.partial(Policy, mode="off")}
+            "skip": functools.partial(Policy, mode="off"),
+            "all_full": Policy.full, "all_adaptive": Policy}
+SCOPE = {"all_full": "all", "all_adaptive": "all"}
+"""protect(scope=...) per variant; "attention" when absent."""
+ADAPTIVE = ("adaptive", "all_adaptive")
 
 
 class Variant:
@@ -182,7 +188,7 @@ class Variant:
                  tiny_batch: torch.Tensor) -> None:
         self.name = name
         self.batch = batch
-        self.own = name == "adaptive"
+        self.own = name in ADAPTIVE
         if self.own:
             self.model = copy.deepcopy(shared[0])
             self.opt: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
@@ -202,7 +208,8 @@ class Variant:
 
     def _attach(self) -> None:
         if self.name in POLICIES:
-            self.guard = attnchecker.protect(self.model, policy=POLICIES[self.name]())
+            self.guard = attnchecker.protect(self.model, policy=POLICIES[self.name](),
+                                             scope=SCOPE.get(self.name, "attention"))
         elif self.name in ("finite", "dmr", "floor"):
             self.hooks = HookChecker(self.name, self.model)
 
@@ -283,12 +290,13 @@ def run_model(arch: str, size: dict[str, int], rounds: int, variants: tuple[str,
             # Host time inside the checks per step (OpStats.check_seconds); CPU kernels are synchronous, so on
             # this machine it is the checks' compute time too.
             entry["check_s_per_step"] = {op: statistics.fmean(xs[warmup:]) for op, xs in v.check_seconds.items()}
-            if v.name == "adaptive":
+            if v.name in ADAPTIVE:
                 # Steady state: one step in max_period checks everything, the others check nothing. Rounds rarely
                 # cover whole cycles, so estimate from what a checked step (full) and an unchecked one (skip) cost.
                 f = 1 / Policy().max_period
-                if "full" in vs and "skip" in vs:
-                    entry["steady_state_ratio"] = {c: f * rat[c]["full"]["median"] + (1 - f) * rat[c]["skip"]["median"]
+                full = "full" if v.name == "adaptive" else "all_full"
+                if full in vs and "skip" in vs:
+                    entry["steady_state_ratio"] = {c: f * rat[c][full]["median"] + (1 - f) * rat[c]["skip"]["median"]
                                                    for c in clocks}
         result["variants"][n] = entry
     if "floor" in vs and "full" in vs:
@@ -323,10 +331,11 @@ def print_model(res: dict[str, Any]) -> None:
         names = sorted({op for d in ops.values() for op in d})
         print(_common.table([[n, *(d.get(op, 0.0) * 1e3 for op in names)] for n, d in ops.items()],
                             ["check ms/step", *names]))
-    steady = res["variants"].get("adaptive", {}).get("steady_state_ratio")
-    if steady:
-        print(f"adaptive steady state (1/max_period full + rest skip): CPU {_common.pct(steady['cpu'])}, "
-              f"wall {_common.pct(steady['wall'])}")
+    for name in ADAPTIVE:
+        steady = res["variants"].get(name, {}).get("steady_state_ratio")
+        if steady:
+            print(f"{name} steady state (1/max_period {'all_full' if name != 'adaptive' else 'full'} + rest skip): "
+                  f"CPU {_common.pct(steady['cpu'])}, wall {_common.pct(steady['wall'])}")
     ff = res.get("full_over_floor")
     if ff:
         print("full / floor (extra time over baseline): " + ", ".join(

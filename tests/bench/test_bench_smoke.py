@@ -45,7 +45,8 @@ def test_overhead_bench_writes_every_variant(tmp_path):
     doc = run_bench("overhead", tmp_path, "--rounds", "2")
     assert [m["model"] for m in doc["models"]] == ["gpt2", "llama"]
     for m in doc["models"]:
-        assert set(m["variants"]) == {"baseline", "full", "adaptive", "paper", "skip", "finite", "dmr", "floor"}
+        assert set(m["variants"]) == {"baseline", "full", "adaptive", "paper", "skip", "finite", "dmr", "floor",
+                                      "all_full", "all_adaptive"}
         for v in m["variants"].values():
             check_summary(v["step_s"])
             assert positive(v["step_s"]["median"])
@@ -56,6 +57,8 @@ def test_overhead_bench_writes_every_variant(tmp_path):
         assert full["checked_step_fraction"] == 1.0
         assert set(full["check_s_per_step"]) == {"q", "k", "v", "scores", "context", "out"}
         assert m["variants"]["skip"]["checked_step_fraction"] == 0.0
+        # scope="all" checks the Linear GEMMs forward and backward as well.
+        assert {"linear", "linear_dx", "linear_dw"} <= set(m["variants"]["all_full"]["check_s_per_step"])
 
 
 def test_recovery_bench_corrects_every_injected_fault(tmp_path):
