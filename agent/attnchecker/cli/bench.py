@@ -19,6 +19,7 @@ SCRIPTS = {
     "overhead": "training-step overhead per protection variant (GPT-2, Llama)",
     "recovery": "in-line correction vs checkpoint/restore",
     "ingest": "collector events/s and latency, enqueue cost, transport step cost",
+    "gemm_coverage": "share of a training step's GEMM FLOPs each protect() scope verifies",
 }
 
 
