@@ -16,7 +16,6 @@ Syncs: one per checked forward and one per checked backward (the slow-path decis
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .abft import Tolerance, repair
-from .abft.checksum import DirectionCheck
-from .abft.gemm import exact_gemm_elements, verify_gemm
-from .attention import _count, _emit, _exact_math, _observe
 from .context import LayerContext, Runtime
+from .gemm_check import Gemm, check_gemms
 from .integrations._common import Binder, _projection_hook
 
 __all__ = ["GEMM_OPS", "SCOPES", "attach", "gemm_due", "linear_layout"]
@@ -143,7 +139,7 @@ class _CheckedLinear(torch.autograd.Function):
         y_MO = F.linear(x_MI, weight, bias) if site.layout == "out_in" else (
             x_MI @ weight if bias is None else torch.addmm(bias, x_MI, weight))
         if site.check_forward:
-            _check(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)])
+            check_gemms(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)])
         ctx.save_for_backward(x_MI, weight, bias)
         ctx.site = site
         return y_MO
@@ -155,7 +151,7 @@ class _CheckedLinear(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy_MO = grad_y.contiguous()
         w_OI = weight if site.layout == "out_in" else weight.T
-        todo: list[_Gemm] = []
+        todo: list[Gemm] = []
         dx_MI = dw = None
         if need_x:
             dx_MI = dy_MO.mm(w_OI)
@@ -168,53 +164,6 @@ class _CheckedLinear(torch.autograd.Function):
             else:
                 dw = x_MI.t().mm(dy_MO)
                 todo.append(("linear_dw", dw, x_MI.t(), dy_MO, None))
-        _check(site.ctx, todo)
+        check_gemms(site.ctx, todo)
         db = dy_MO.sum(0) if need_b and bias is not None else None
         return dx_MI, dw, db, None
-
-
-_Gemm = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
-"""(op, C (M, N), A (M, K), B (K, N), bias (N,) or None): one GEMM C = A·B (+ bias) to verify in place."""
-
-
-def _tolerance(ctx: LayerContext) -> Tolerance:
-    cfg = ctx.config
-    return Tolerance(mode=cfg.tolerance, factor=cfg.tolerance_factor)
-
-
-def _check(ctx: LayerContext, gemms: list[_Gemm]) -> None:
-    """Verify every GEMM, then (one sync) run the recovery ladder on those flagged. C is repaired in place."""
-    if not gemms:
-        return
-    tol = _tolerance(ctx)
-    pending: list[tuple[_Gemm, dict[str, DirectionCheck], float]] = []
-    for gemm in gemms:
-        op, c_MN, a_MK, b_KN, bias_N = gemm
-        t0 = time.perf_counter()
-        with _exact_math(c_MN):
-            checks = verify_gemm(c_MN, a_MK.detach(), b_KN.detach(), tol,
-                                 bias_N=None if bias_N is None else bias_N.detach())
-            _observe(ctx, checks)
-        pending.append((gemm, checks, time.perf_counter() - t0))
-    flags = torch.stack([chk.bad.any() for _, checks, _ in pending for chk in checks.values()])
-    slow = bool(flags.any())  # sync: the one per checked linear call (forward, or backward); decides the slow path
-    correct = ctx.config.mode == "correct"
-    for (op, c_MN, a_MK, b_KN, bias_N), checks, seconds in pending:
-        t0 = time.perf_counter()
-        if slow:
-            a, b = a_MK.detach(), b_KN.detach()
-            bias = None if bias_N is None else bias_N.detach()
-
-            def recompute(a: torch.Tensor = a, b: torch.Tensor = b, bias: torch.Tensor | None = bias) -> torch.Tensor:
-                # A transient fault does not repeat: the same GEMM again, then verified against the same checksums.
-                fresh_MN = a @ b if bias is None else torch.addmm(bias, a, b)
-                return fresh_MN[None]
-
-            def exact(key: tuple[int, ...], rows: torch.Tensor, cols: torch.Tensor, a: torch.Tensor = a,
-                      b: torch.Tensor = b, bias: torch.Tensor | None = bias) -> torch.Tensor:
-                return exact_gemm_elements(a, b, rows, cols, bias)
-
-            with _exact_math(c_MN):
-                reports = repair(c_MN[None], checks, tol, correct=correct, recompute=recompute, exact=exact)
-            _emit(ctx, op, reports, heads=False)
-        _count(ctx, op, seconds + time.perf_counter() - t0)

@@ -95,3 +95,30 @@ def test_shapes_that_do_not_form_a_product_are_refused() -> None:
         verify_gemm(torch.ones(4, 7), a, b, Tolerance())
     with pytest.raises(ValueError, match="2-D operands"):
         verify_gemm(torch.ones(1, 4, 6), a, b, Tolerance())
+    with pytest.raises(ValueError, match="do not form C = A·B"):
+        verify_gemm(torch.ones(2, 4, 6), torch.ones(3, 4, 5), torch.ones(2, 5, 6), Tolerance())
+    with pytest.raises(ValueError, match="bias goes with a 2-D product"):
+        verify_gemm(torch.ones(2, 4, 6), torch.ones(2, 4, 5), torch.ones(2, 5, 6), Tolerance(), bias_N=torch.ones(6))
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 3), heads=st.integers(1, 3), m=st.integers(2, 24), k=st.integers(2, 24),
+       n=st.integers(2, 24), dtype=st.sampled_from(DTYPES), kind=st.sampled_from(["inf", "nan", "clean"]),
+       seed=st.integers(0, 10_000))
+def test_batched_products_are_verified_and_repaired_per_matrix(batch: int, heads: int, m: int, k: int, n: int,
+                                                               dtype: torch.dtype, kind: str, seed: int) -> None:
+    """(B, H) batches, as the attention backward products are checked; A a transposed view (Pᵀ, dSᵀ)."""
+    a = randn((batch, heads, k, m), seed, dtype).mT
+    b = randn((batch, heads, k, n), seed + 1, dtype)
+    clean = a @ b
+    c = clean.clone()
+    if kind != "clean":
+        c[batch - 1, heads - 1, m // 2, n // 3] = math.inf if kind == "inf" else math.nan
+    checks = verify_gemm(c, a, b, Tolerance())
+    assert flagged(checks) == (0 if kind == "clean" else 2)
+    reports = repair(c, checks, Tolerance(), correct=True, recompute=lambda: a @ b,
+                     exact=lambda key, r, cc: exact_gemm_elements(a[key], b[key], r, cc))
+    assert [(r.index, r.action) for r in reports] == ([] if kind == "clean" else
+                                                      [((batch - 1, heads - 1), "corrected")])
+    scale = float(a.float().norm(dim=-1).max() * b.float().norm(dim=-2).max()) + 1.0
+    assert (c.float() - clean.float()).abs().max() <= 4 * torch.finfo(dtype).eps * scale

@@ -35,18 +35,23 @@ def verify_gemm(
     *,
     bias_N: torch.Tensor | None = None,
 ) -> dict[str, DirectionCheck]:
-    """Both directions of C = A·B (+ bias) against references from A and B. The checks carry a leading batch dim of 1
-    ((1, M) and (1, N)), the layout ``abft.repair`` expects, so ``repair(c_MN[None], ...)`` works on C in place.
+    """Both directions of C = A·B (+ bias) against references from A and B, for 2-D operands or batches of them (the
+    same leading dims on all three, e.g. (B, H) for attention; bias 2-D only). The checks carry C's leading dims, a
+    2-D product getting one of size 1 ((1, M), (1, N)): the layout ``abft.repair`` expects, so a 2-D C is repaired as
+    ``repair(c_MN[None], ...)``, a batched one as ``repair(c, ...)``.
 
     Operands may be strided views (dYᵀ); they are read once each in the accumulation dtype.
     """
-    if c_MN.dim() != 2 or a_MK.dim() != 2 or b_KN.dim() != 2:
-        raise ValueError(f"verify_gemm takes 2-D operands, got C {tuple(c_MN.shape)}, A {tuple(a_MK.shape)}, "
-                         f"B {tuple(b_KN.shape)}")
-    m, k = a_MK.shape
-    if b_KN.shape[0] != k or c_MN.shape != (m, b_KN.shape[1]):
+    if c_MN.dim() < 2 or c_MN.dim() != a_MK.dim() or c_MN.dim() != b_KN.dim():
+        raise ValueError(f"verify_gemm takes 2-D operands (or batches with equal leading dims), got C "
+                         f"{tuple(c_MN.shape)}, A {tuple(a_MK.shape)}, B {tuple(b_KN.shape)}")
+    m, k = a_MK.shape[-2:]
+    if (b_KN.shape[-2] != k or c_MN.shape[-2:] != (m, b_KN.shape[-1])
+            or not c_MN.shape[:-2] == a_MK.shape[:-2] == b_KN.shape[:-2]):
         raise ValueError(f"shapes do not form C = A·B: C {tuple(c_MN.shape)}, A {tuple(a_MK.shape)}, "
                          f"B {tuple(b_KN.shape)}")
+    if bias_N is not None and c_MN.dim() != 2:
+        raise ValueError("verify_gemm: a bias goes with a 2-D product only")
     acc = acc_dtype(c_MN.dtype)
     a, b = a_MK.to(acc), b_KN.to(acc)
     row_ref_M2 = times_skinny(a, weighted_rows(b))
@@ -66,7 +71,15 @@ def verify_gemm(
                                 tol=tol, bias_abs_C=bias_abs_N, use_abs=use_abs, operands_cast_to=cast_to)
     row = verify_direction(row_ref_M2, got_rows_M2, row_rule, None if c_abs is None else c_abs[0])
     col = verify_direction(col_ref_N2, got_cols_N2, col_rule, None if c_abs is None else c_abs[1])
+    if c_MN.dim() > 2:
+        return {"row": _full(row), "col": _full(col)}
     return {"row": _batched(row), "col": _batched(col)}
+
+
+def _full(chk: DirectionCheck) -> DirectionCheck:
+    """The bound rule's base expanded to the check's shape: ``abft.repair`` indexes it per matrix."""
+    return DirectionCheck(ref=chk.ref, diff=chk.diff, bound=chk.bound, bad=chk.bad,
+                          rule=type(chk.rule)(chk.rule.base.expand(chk.bad.shape), chk.rule.abs_coef))
 
 
 def _batched(chk: DirectionCheck) -> DirectionCheck:
@@ -78,8 +91,9 @@ def exact_gemm_elements(
     a_MK: torch.Tensor, b_KN: torch.Tensor, rows_P: torch.Tensor, cols_P: torch.Tensor,
     bias_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(P,) C[rows, cols] recomputed as dot products in the accumulation dtype: a located element is replaced by its
-    value, not by checksum arithmetic (which carries the whole vector's round-off)."""
+    """(P,) C[rows, cols] of one 2-D product (a batched one: pass A[key], B[key]) recomputed as dot products in the
+    accumulation dtype: a located element is replaced by its value, not by checksum arithmetic (which carries the
+    whole vector's round-off)."""
     acc = acc_dtype(a_MK.dtype)
     out_P = (a_MK[rows_P].to(acc) * b_KN[:, cols_P].mT.to(acc)).sum(-1)
     return out_P if bias_N is None else out_P + bias_N[cols_P].to(acc)
