@@ -244,8 +244,11 @@ class Variant:
             self.cpu_s.append(dc)
             if stats is not None:
                 self.checked.append(any(stats.checks.values()))
-                for op, sec in stats.check_seconds.items():
-                    self.check_seconds.setdefault(op, []).append(sec)
+                # Whole-step ops appear only on the steps that check them: 0 s on the others, so every op's list
+                # lines up with the steps.
+                before = len(self.cpu_s) - 1
+                for op in set(self.check_seconds) | set(stats.check_seconds):
+                    self.check_seconds.setdefault(op, [0.0] * before).append(stats.check_seconds.get(op, 0.0))
         return dt
 
     def close(self) -> None:

@@ -28,12 +28,21 @@ from .context import LayerContext, Runtime
 from .gemm_check import Gemm, check_gemms
 from .integrations._common import Binder, _projection_hook
 
-__all__ = ["GEMM_OPS", "SCOPES", "attach", "gemm_due", "linear_layout"]
+__all__ = ["GEMM_OPS", "SCOPES", "attach", "gemm_due", "linear_layout", "whole_step_due"]
 
 SCOPES: tuple[str, ...] = ("attention", "all")
 """What protect() covers: the attention ops only, or also every Linear/Conv1D GEMM forward and backward."""
 GEMM_OPS: tuple[str, ...] = ("linear", "linear_dx", "linear_dw")
 """Event ops of the whole-step GEMMs: the forward output, the input gradient, the weight gradient."""
+
+
+# Runtimes (by id) of the guards attached with scope="all": the attention backward asks whether its guard is one.
+_WHOLE_STEP: set[int] = set()
+
+
+def whole_step_due(runtime: Runtime) -> bool:
+    """Whether this guard protects the whole step (scope="all") and its GEMMs are checked on the current step."""
+    return id(runtime) in _WHOLE_STEP and gemm_due(runtime)
 
 
 def gemm_due(runtime: Runtime) -> bool:
@@ -74,6 +83,9 @@ def attach(binder: Binder, model: nn.Module) -> int:
     """Wrap every Linear/Conv1D module of ``model``; returns how many. Run after the attention integrations, so their
     projection hooks are in place and the forward check is not doubled."""
     count = 0
+    key = id(binder.runtime)
+    _WHOLE_STEP.add(key)
+    binder.on_close(lambda: _WHOLE_STEP.discard(key))
     for name, module in model.named_modules():
         layout = linear_layout(module)
         if layout is None:

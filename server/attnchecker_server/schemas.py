@@ -30,9 +30,12 @@ __all__ = [
 Op = Literal["q", "k", "v", "scores", "context", "out"]
 OPS: tuple[str, ...] = ("q", "k", "v", "scores", "context", "out")
 # Ops a fault event (and fault stats) may name: the attention ops, plus the whole-step GEMMs of protect(scope="all")
-# (a Linear/Conv1D output, its input gradient, its weight gradient). Not policy ops: they follow the "out" schedule.
-FaultOp = Literal["q", "k", "v", "scores", "context", "out", "linear", "linear_dx", "linear_dw"]
-FAULT_OPS: tuple[str, ...] = OPS + ("linear", "linear_dx", "linear_dw")
+# (a Linear/Conv1D output, its input and weight gradients; the attention core's backward products). Not policy ops:
+# they follow the "out" schedule.
+FaultOp = Literal["q", "k", "v", "scores", "context", "out", "linear", "linear_dx", "linear_dw", "scores_bwd",
+                  "grad_probs", "grad_v", "grad_q", "grad_k"]
+FAULT_OPS: tuple[str, ...] = OPS + ("linear", "linear_dx", "linear_dw", "scores_bwd", "grad_probs", "grad_v", "grad_q",
+                                    "grad_k")
 Kind = Literal["inf", "neg_inf", "nan", "near_inf", "silent"]
 Pattern = Literal["0d", "1d", "2d"]
 Action = Literal["corrected", "recomputed", "detected", "uncorrectable"]
