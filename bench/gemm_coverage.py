@@ -4,12 +4,12 @@ One forward + backward of a transformers GPT-2 or Llama (bench/overhead.py's siz
 so that every matrix product of the step is an aten mm / addmm / bmm that a TorchDispatchMode sees; FLOPs = 2·M·N·K
 per product (times the batch for bmm). Each product is classed by phase (forward / backward) and by where it runs:
 an attention projection that protect() hooks (q/k/v/out, GPT-2's c_attn), another Linear/Conv1D (MLP, LM head), or
-the attention core (bmm: QKᵀ and AP·V forward; dV, dAP, dQ, dK backward). Then, per scope:
+the attention core (bmm: QKᵀ and AP·V forward; dV, dAP, dQ, dK backward), or another product (an mm outside any
+Linear, or an outer product with reduction length 1; none in these two models). Then, per scope:
 
   attention  projections forward + attention core forward
-  all        every Linear/Conv1D forward and backward (dX, dW) + attention core forward
-
-The attention core's backward (the fused kernel's in the protected run) is covered by neither.
+  all        every Linear/Conv1D forward and backward (dX, dW) + attention core forward and backward (its backward
+             checked by attention_backward where the fused-backward path applies: CPU, no dropout, no return_probs)
 
     python bench/gemm_coverage.py [--models gpt2,llama] [--tiny]
 """
@@ -34,11 +34,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-CLASSES = ("projection", "other_linear", "attention_core")
+CLASSES = ("projection", "other_linear", "attention_core", "other")
 COVERED = {
     "attention": {("forward", "projection"), ("forward", "attention_core")},
-    "all": {("forward", "projection"), ("forward", "other_linear"), ("backward", "projection"),
-            ("backward", "other_linear"), ("forward", "attention_core")},
+    "all": {(phase, cls) for phase in ("forward", "backward") for cls in ("projection", "other_linear",
+                                                                           "attention_core")},
 }
 
 
@@ -56,8 +56,12 @@ class _GemmFlops(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in (aten.mm.default, aten.addmm.default, aten.bmm.default):
             a = args[1] if func is aten.addmm.default else args[0]
-            flops = 2 * math.prod(out.shape) * int(a.shape[-1])
-            cls = "attention_core" if func is aten.bmm.default else (self.linear or "other_linear")
+            k = int(a.shape[-1])
+            flops = 2 * math.prod(out.shape) * k
+            if func is aten.bmm.default:
+                cls = "attention_core" if k > 1 else "other"
+            else:
+                cls = self.linear or "other"
             self.flops[(self.phase, cls)] = self.flops.get((self.phase, cls), 0) + flops
         return out
 
