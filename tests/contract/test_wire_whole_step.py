@@ -21,19 +21,23 @@ SCHEMA_OF = {"run": schemas.RunRegisterIn, "events": schemas.EventBatchIn, "stat
 
 
 class _InfInto(TorchDispatchMode):
-    """Writes INF into element 5 of the n-th mm/addmm output of each listed shape (shape -> n, from 0)."""
+    """Writes INF into element 5 of the listed occurrences of mm/addmm/bmm outputs by shape (shape -> {n, ...},
+    counted from 0)."""
 
-    def __init__(self, shapes: dict[tuple[int, ...], int]) -> None:
+    def __init__(self, shapes: dict[tuple[int, ...], set[int]]) -> None:
         super().__init__()
         self.todo = dict(shapes)
+        self.seen: dict[tuple[int, ...], int] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and tuple(out.shape) in self.todo:
+        gemms = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+        if func in gemms and tuple(out.shape) in self.todo:
             shape = tuple(out.shape)
-            if self.todo[shape] == 0:
+            n = self.seen.get(shape, 0)
+            if n in self.todo[shape]:
                 out.view(-1)[5] = float("inf")
-            self.todo[shape] -= 1
+            self.seen[shape] = n + 1
         return out
 
 
@@ -59,8 +63,10 @@ def test_whole_step_events_and_stats_validate(tmp_path: Path) -> None:
                                 spool_dir=tmp_path, scope="all")
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     # Tokens M = 32: the head's forward (32, 64), its weight gradient (64, 48) and its input gradient dX = dY W
-    # (32, 48): the second GEMM of that shape, after the hidden layer's forward output.
-    with _InfInto({(32, 64): 0, (64, 48): 0, (32, 48): 1}):
+    # (32, 48): the second GEMM of that shape, after the hidden layer's forward output. Attention (B·H = 4, T = S =
+    # D = 16): every product is (4, 16, 16); the forward's scores and context come first, then the backward's S, dP,
+    # dV, dQ, dK.
+    with _InfInto({(32, 64): {0}, (64, 48): {0}, (32, 48): {1}, (4, 16, 16): {2, 3, 4, 5, 6}}):
         logits = model(ids)
         torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids.reshape(-1)).backward()
     opt.step()
@@ -70,8 +76,8 @@ def test_whole_step_events_and_stats_validate(tmp_path: Path) -> None:
     for r in records:
         SCHEMA_OF[r["kind"]].model_validate_json(json.dumps(r["body"]))
     events = [e for r in records if r["kind"] == "events" for e in r["body"]["events"]]
-    assert {(e["op"], e["action"]) for e in events} == {
-        ("linear", "corrected"), ("linear_dw", "corrected"), ("linear_dx", "corrected")}
+    ops = {"linear", "linear_dx", "linear_dw", "scores_bwd", "grad_probs", "grad_v", "grad_q", "grad_k"}
+    assert {(e["op"], e["action"]) for e in events} == {(op, "corrected") for op in ops}
     faults = [f for r in records if r["kind"] == "stats" for f in r["body"]["faults"]]
-    assert {f["op"] for f in faults} == {"linear", "linear_dx", "linear_dw"}
+    assert {f["op"] for f in faults} == ops
     assert set(schemas.FAULT_OPS) >= {e["op"] for e in events}
