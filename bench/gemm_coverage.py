@@ -89,10 +89,10 @@ def measure(arch: str, size: dict[str, int]) -> dict[str, Any]:
             continue
         cls = "projection" if m in projections else "other_linear"
 
-        def enter(mod: nn.Module, *_: Any, cls: str = cls) -> None:
+        def enter(_mod: nn.Module, *_: Any, cls: str = cls) -> None:
             counter.linear = cls
 
-        def leave(mod: nn.Module, *_: Any) -> None:
+        def leave(_mod: nn.Module, *_: Any) -> None:
             counter.linear = None
 
         handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave),
@@ -105,7 +105,8 @@ def measure(arch: str, size: dict[str, int]) -> dict[str, Any]:
     for h in handles:
         h.remove()
     total = sum(counter.flops.values())
-    rows = {f"{phase}/{cls}": counter.flops.get((phase, cls), 0) for phase in ("forward", "backward") for cls in CLASSES}
+    rows = {f"{phase}/{cls}": counter.flops.get((phase, cls), 0)
+            for phase in ("forward", "backward") for cls in CLASSES}
     share = {scope: sum(counter.flops.get(k, 0) for k in keys) / total for scope, keys in COVERED.items()}
     return {"model": arch, "size": size, "gflops": {k: v / 1e9 for k, v in rows.items()}, "total_gflops": total / 1e9,
             "covered_share": share}

@@ -141,7 +141,8 @@ def _apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, sit
 
 
 class _CheckedLinear(torch.autograd.Function):
-    """y = x Wᵀ + b (or x W + b for Conv1D), x (M, I), with the forward output and both backward GEMMs verified and repaired."""
+    """y = x Wᵀ + b (or x W + b for Conv1D), x (M, I), with the forward output and both backward GEMMs verified and
+    repaired."""
 
     @staticmethod
     def forward(ctx: Any, x_MI: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: _Site

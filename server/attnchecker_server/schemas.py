@@ -34,8 +34,8 @@ OPS: tuple[str, ...] = ("q", "k", "v", "scores", "context", "out")
 # they follow the "out" schedule.
 FaultOp = Literal["q", "k", "v", "scores", "context", "out", "linear", "linear_dx", "linear_dw", "scores_bwd",
                   "grad_probs", "grad_v", "grad_q", "grad_k"]
-FAULT_OPS: tuple[str, ...] = OPS + ("linear", "linear_dx", "linear_dw", "scores_bwd", "grad_probs", "grad_v", "grad_q",
-                                    "grad_k")
+FAULT_OPS: tuple[str, ...] = (*OPS, "linear", "linear_dx", "linear_dw", "scores_bwd", "grad_probs", "grad_v",
+                               "grad_q", "grad_k")
 Kind = Literal["inf", "neg_inf", "nan", "near_inf", "silent"]
 Pattern = Literal["0d", "1d", "2d"]
 Action = Literal["corrected", "recomputed", "detected", "uncorrectable"]
