@@ -67,13 +67,28 @@ def verify_gemm(
     cast_to = c_MN.dtype if (a_MK.dtype != c_MN.dtype or b_KN.dtype != c_MN.dtype) else None
     use_abs = c_MN.dtype != acc and tol.mode == "roundoff"
     got_rows_M2, got_cols_N2, c_abs = checksums_of(c_MN, with_abs=use_abs)
-    row_rule, col_rule = bounds(torch.linalg.vector_norm(a, dim=-1), col_norms(b), k=k, out_dtype=c_MN.dtype,
+    row_rule, col_rule = bounds(_row_norms(a), _col_norms(b), k=k, out_dtype=c_MN.dtype,
                                 tol=tol, bias_abs_C=bias_abs_N, use_abs=use_abs, operands_cast_to=cast_to)
     row = verify_direction(row_ref_M2, got_rows_M2, row_rule, None if c_abs is None else c_abs[0])
     col = verify_direction(col_ref_N2, got_cols_N2, col_rule, None if c_abs is None else c_abs[1])
     if c_MN.dim() > 2:
         return {"row": _full(row), "col": _full(col)}
     return {"row": _batched(row), "col": _batched(col)}
+
+
+def _row_norms(a_MK: torch.Tensor) -> torch.Tensor:
+    """(..., M) ‖A_m‖₂. A transposed view (dYᵀ, dSᵀ) is reduced as its contiguous transpose's columns: vector_norm
+    along a strided dim is ~8× slower than the GEMM it guards (measured: dW of a 8192-wide LM head)."""
+    if not a_MK.is_contiguous() and a_MK.mT.is_contiguous():
+        return col_norms(a_MK.mT)
+    return torch.linalg.vector_norm(a_MK, dim=-1)
+
+
+def _col_norms(b_KN: torch.Tensor) -> torch.Tensor:
+    """(..., N) ‖B_:,n‖₂; a transposed view (Vᵀ, Kᵀ) as its contiguous transpose's rows."""
+    if not b_KN.is_contiguous() and b_KN.mT.is_contiguous():
+        return torch.linalg.vector_norm(b_KN.mT, dim=-1)
+    return col_norms(b_KN)
 
 
 def _full(chk: DirectionCheck) -> DirectionCheck:
