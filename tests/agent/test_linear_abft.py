@@ -13,7 +13,8 @@ import pytest
 import torch
 from attnchecker import Policy
 from gemm_injector import GemmCall, GemmInjector, is_model_gemm
-from model_zoo import batch, build, loss_of
+from model_zoo import ARCHS as ZOO
+from model_zoo import batch, build, loss_of, train
 from torch import nn
 
 ARCHS = ("gpt2", "llama", "bert")
@@ -132,3 +133,27 @@ def test_a_step_that_does_not_check_out_runs_the_plain_linear() -> None:
 def test_unknown_scope_is_refused() -> None:
     with pytest.raises(ValueError, match="scope must be 'attention' or 'all'"):
         attnchecker.protect(build("gpt2"), scope="mlp")
+
+
+@pytest.mark.parametrize("arch", ZOO)
+def test_clean_training_under_scope_all_matches_unprotected_and_flags_nothing(arch: str) -> None:
+    model = build(arch)
+    guard = attnchecker.protect(model, policy=Policy.full(), scope="all")
+    result = train(arch, model, 3, on_step=guard.step)
+    reference = train(arch, build(arch), 3)
+    assert not guard.detections
+    assert guard.report().checks.get("linear_dw", 0) > 0
+    assert result.finite_weights
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(result.losses, reference.losses, strict=True))
+    guard.close()
+
+
+@pytest.mark.parametrize("arch", ("gpt2", "llama"))
+def test_bf16_autocast_under_scope_all_flags_nothing_and_trains(arch: str) -> None:
+    model = build(arch)
+    guard = attnchecker.protect(model, policy=Policy.full(), scope="all")
+    result = train(arch, model, 3, on_step=guard.step, autocast=torch.bfloat16)
+    assert not guard.detections, [(d.op, d.layer, d.residual, d.bound) for d in guard.detections[:5]]
+    assert guard.report().checks.get("linear", 0) > 0
+    assert result.finite_weights and all(math.isfinite(x) for x in result.losses)
+    guard.close()
