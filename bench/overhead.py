@@ -19,6 +19,8 @@ Variants:
   dmr        duplicate-and-compare: every projection and the attention core recomputed under no_grad and compared
   floor      read each protected output once (q/k/v/out, AS as a tensor of its shape, CL): the memory-traffic
              lower bound of any checker that looks at every output
+  all_full   protect(scope="all") with Policy.full(): also every Linear/Conv1D GEMM forward and backward (dX, dW)
+  all_adaptive  protect(scope="all") with Policy(), warmed up like adaptive
 
     python bench/overhead.py [--models gpt2,llama] [--rounds 16] [--tiny]
 """
@@ -46,7 +48,8 @@ from torch import nn
 import attnchecker
 from attnchecker import Policy
 
-VARIANTS = ("baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor")
+VARIANTS = ("baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor", "all_full",
+            "all_adaptive")
 SIZES = {
     # The issue's sizes; vocab 8192 (not GPT-2's 50257) keeps the LM head from dwarfing the layers the checks are
     # in, which makes the measured overhead larger, not smaller.
@@ -178,7 +181,11 @@ POLICIES = {"full": Policy.full, "paper": Policy.paper, "adaptive": Policy,
             "skip": functools.partial(Policy, mode="off"),
             # Attached fresh each step (on the shared model), then the step's config is set to check no op in full:
             # exactly the engine path of a step the scheduler leaves to tier 1.
-            "tier1": Policy}
+            "tier1": Policy,
+            "all_full": Policy.full, "all_adaptive": Policy}
+SCOPE = {"all_full": "all", "all_adaptive": "all"}
+"""protect(scope=...) per variant; "attention" when absent."""
+ADAPTIVE = ("adaptive", "all_adaptive")
 
 
 class Variant:
@@ -191,7 +198,7 @@ class Variant:
                  tiny_batch: torch.Tensor) -> None:
         self.name = name
         self.batch = batch
-        self.own = name == "adaptive"
+        self.own = name in ADAPTIVE
         if self.own:
             self.model = copy.deepcopy(shared[0])
             self.opt: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
@@ -213,7 +220,8 @@ class Variant:
 
     def _attach(self) -> None:
         if self.name in POLICIES:
-            self.guard = attnchecker.protect(self.model, policy=POLICIES[self.name]())
+            self.guard = attnchecker.protect(self.model, policy=POLICIES[self.name](),
+                                             scope=SCOPE.get(self.name, "attention"))
             if self.name == "tier1":
                 self.guard.runtime.config = dataclasses.replace(self.guard.runtime.config, checked_ops=frozenset())
         elif self.name in ("finite", "dmr", "floor"):
@@ -252,8 +260,11 @@ class Variant:
             self.cpu_s.append(dc)
             if stats is not None:
                 self.checked.append(any(stats.checks.values()))
-                for op, sec in stats.check_seconds.items():
-                    self.check_seconds.setdefault(op, []).append(sec)
+                # Whole-step ops appear only on the steps that check them: 0 s on the others, so every op's list
+                # lines up with the steps.
+                before = len(self.cpu_s) - 1
+                for op in set(self.check_seconds) | set(stats.check_seconds):
+                    self.check_seconds.setdefault(op, [0.0] * before).append(stats.check_seconds.get(op, 0.0))
         return dt
 
     def close(self) -> None:
@@ -301,14 +312,16 @@ def run_model(arch: str, size: dict[str, int], rounds: int, variants: tuple[str,
             entry["tier1_checks_per_step"] = statistics.fmean(v.tier1_checks[-len(checked):]) if checked else 0.0
             # Host time inside tier 1 (OpStats.trip_seconds), per step.
             entry["tier1_s_per_step"] = statistics.fmean(v.tier1_s[-len(checked):]) if checked else 0.0
-            if v.name == "adaptive":
+            if v.name in ADAPTIVE:
                 # Steady state: one step in max_period checks everything, the others run tier 1 only. Besides the
                 # direct measurement (this variant's own figure, over whole cycles), an estimate from what a
                 # checked step (full) and a tier-1 step (tier1) cost on the shared model, free of copy-to-copy bias.
+                # scope="all" has no tier 1 of its own for the Linear GEMMs: its unchecked step is the tier1 row.
                 f = 1 / Policy().max_period
+                full = "full" if v.name == "adaptive" else "all_full"
                 other = "tier1" if "tier1" in vs else "skip"
-                if "full" in vs and other in vs:
-                    entry["steady_state_ratio"] = {c: f * rat[c]["full"]["median"] + (1 - f) * rat[c][other]["median"]
+                if full in vs and other in vs:
+                    entry["steady_state_ratio"] = {c: f * rat[c][full]["median"] + (1 - f) * rat[c][other]["median"]
                                                    for c in clocks}
         result["variants"][n] = entry
     if "floor" in vs and "full" in vs:
@@ -345,10 +358,12 @@ def print_model(res: dict[str, Any]) -> None:
         names = sorted({op for d in ops.values() for op in d})
         print(_common.table([[n, *(d.get(op, 0.0) * 1e3 for op in names)] for n, d in ops.items()],
                             ["check ms/step", *names]))
-    steady = res["variants"].get("adaptive", {}).get("steady_state_ratio")
-    if steady:
-        print(f"default steady state, estimated (1/max_period full + rest tier1): CPU {_common.pct(steady['cpu'])}, "
-              f"wall {_common.pct(steady['wall'])}")
+    for name in ADAPTIVE:
+        steady = res["variants"].get(name, {}).get("steady_state_ratio")
+        if steady:
+            full = "all_full" if name != "adaptive" else "full"
+            print(f"{name} steady state, estimated (1/max_period {full} + rest tier1): "
+                  f"CPU {_common.pct(steady['cpu'])}, wall {_common.pct(steady['wall'])}")
     ff = res.get("full_over_floor")
     if ff:
         print("full / floor (extra time over baseline): " + ", ".join(

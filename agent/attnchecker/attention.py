@@ -603,6 +603,8 @@ class _Forward:
     mask_add: torch.Tensor | None
     scale: float
     is_causal: bool
+    layer: LayerContext | None = None
+    """Set: under protect(scope="all") backward may run the checked products (attention_backward) instead."""
 
 
 class _VerifiedAttention(torch.autograd.Function):
@@ -618,12 +620,20 @@ class _VerifiedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd: _Forward) -> torch.Tensor:
         ctx.save_for_backward(q, k, v, fwd.out_BHTD, fwd.lse_BHT, fwd.mask_add)
-        ctx.scale, ctx.is_causal = fwd.scale, fwd.is_causal
+        ctx.scale, ctx.is_causal, ctx.layer = fwd.scale, fwd.is_causal, fwd.layer
         return fwd.out_BHTD
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, out, lse, mask_add = ctx.saved_tensors
+        if ctx.layer is not None:
+            from .attention_backward import checked_backward
+            from .linear_abft import whole_step_due
+
+            if whole_step_due(ctx.layer.runtime):
+                dq, dk, dv = checked_backward(ctx.layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
+                                              is_causal=ctx.is_causal)
+                return dq, dk, dv, None
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask_add, scale=ctx.scale)
         return dq, dk, dv, None
@@ -756,7 +766,7 @@ def protected_sdpa(
         k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
         out = _VerifiedAttention.apply(q_BHTD, k_rep, v_rep, _Forward(
             out_BHTD=out, lse_BHT=lse, mask_add=_additive_mask(attn_mask, q_BHTD.dtype), scale=scale,
-            is_causal=is_causal))
+            is_causal=is_causal, layer=ctx))
     return (out, probs) if return_probs else out
 
 

@@ -209,6 +209,7 @@ class Guard:
         max_detections: int,
         streaming: _Streaming | None = None,
         strict: bool = False,
+        scope: str = "attention",
     ) -> None:
         self.model = model
         self.run = run
@@ -244,6 +245,10 @@ class Guard:
                 )
             _require_supported_params(model, self._binder)
             _check_coverage(self._binder.coverage(), strict=strict)
+            if scope == "all":
+                from . import linear_abft  # after the attention integrations: their projection hooks must exist
+
+                linear_abft.attach(self._binder, model)
             pre = model.register_forward_pre_hook(self._root_pre_hook)
             post = model.register_forward_hook(self._root_post_hook, always_call=True)
             self._binder.on_close(pre.remove)
@@ -339,7 +344,8 @@ class Guard:
         config = self.runtime.config
         faults_by_op: dict[str, int] = {}
         for (op, _kind), row in stats.faults.items():
-            faults_by_op[op] = faults_by_op.get(op, 0) + row[0]
+            if op in OPS:  # whole-step GEMM ops (linear_abft) follow the "out" schedule, not one of their own
+                faults_by_op[op] = faults_by_op.get(op, 0) + row[0]
         # An op that was due but never ran (no forward this step, or not present in this model) was not checked.
         checked = frozenset(op for op in config.checked_ops if stats.checks.get(op, 0) > 0)
         check_s = sum(stats.check_seconds.values())
@@ -734,6 +740,7 @@ def protect(
     stats_interval_steps: int = 100,
     transport_options: TransportConfig | Mapping[str, Any] | None = None,
     strict: bool = False,
+    scope: str = "attention",
 ) -> Guard:
     """Protect the attention of an unmodified model with ABFT checksums. Returns a :class:`Guard`; also usable as
     ``with protect(model) as guard: ...``.
@@ -764,6 +771,9 @@ def protect(
         strict: raise ``UnprotectedAttentionError`` instead of warning when an attention op would run unprotected
             (a projection wrapper or attention variant the engine does not support: ``Guard.coverage``), here and at
             a run-time fallback.
+        scope: ``"attention"`` (default) protects the attention ops; ``"all"`` also checks every nn.Linear /
+            transformers Conv1D GEMM forward and backward (dX and dW), on the steps the ``out`` op is checked
+            (docs/fault-coverage.md). Chosen at protect() time: it decides which modules are wrapped.
 
     Raises:
         NoProtectableAttentionError, AlreadyProtectedError, UnsupportedDtypeError, UnsupportedDeviceError,
@@ -789,6 +799,8 @@ def protect(
         raise ValueError(f"rank must be an int >= 0, got {rank!r}")
     if max_detections < 1:
         raise ValueError(f"max_detections must be >= 1, got {max_detections!r}")
+    if scope not in ("attention", "all"):
+        raise ValueError(f"scope must be 'attention' or 'all', got {scope!r}")
     streaming = _streaming_config(model, run=run, collector=collector, token=token, spool_dir=spool_dir,
                                   interval_s=stats_interval_s, interval_steps=stats_interval_steps,
                                   transport_options=transport_options, register_policy=policy is not None)
@@ -802,6 +814,7 @@ def protect(
         max_detections=max_detections,
         streaming=streaming,
         strict=strict,
+        scope=scope,
     )
 
 

@@ -9,6 +9,7 @@ from typing_extensions import TypeAliasType
 from .bounds import TS_PATTERN, bounded_json, in_range_utc, valid_text
 
 __all__ = [
+    "FAULT_OPS",
     "OPS",
     "EventBatchIn",
     "EventBatchResult",
@@ -31,6 +32,13 @@ __all__ = [
 
 Op = Literal["q", "k", "v", "scores", "context", "out"]
 OPS: tuple[str, ...] = ("q", "k", "v", "scores", "context", "out")
+# Ops a fault event (and fault stats) may name: the attention ops, plus the whole-step GEMMs of protect(scope="all")
+# (a Linear/Conv1D output, its input and weight gradients; the attention core's backward products). Not policy ops:
+# they follow the "out" schedule.
+FaultOp = Literal["q", "k", "v", "scores", "context", "out", "linear", "linear_dx", "linear_dw", "scores_bwd",
+                  "grad_probs", "grad_v", "grad_q", "grad_k"]
+FAULT_OPS: tuple[str, ...] = (*OPS, "linear", "linear_dx", "linear_dw", "scores_bwd", "grad_probs", "grad_v",
+                               "grad_q", "grad_k")
 Kind = Literal["inf", "neg_inf", "nan", "near_inf", "silent"]
 Pattern = Literal["0d", "1d", "2d"]
 Action = Literal["corrected", "recomputed", "detected", "uncorrectable"]
@@ -250,7 +258,7 @@ class FaultEventIn(_In):
     step: SmallNonNegInt
     rank: SmallNonNegInt
     layer: SmallNonNegInt
-    op: Op
+    op: FaultOp
     pattern: Pattern
     kind: Kind
     action: Action
@@ -297,7 +305,7 @@ class FaultEventPublic(BaseModel):
     step: int
     rank: int
     layer: int
-    op: Op
+    op: FaultOp
     pattern: Pattern
     kind: Kind
     action: Action
@@ -329,7 +337,7 @@ class OpStatsIn(_In):
 
 
 class FaultStatsIn(_In):
-    op: Op
+    op: FaultOp
     kind: Kind
     detected: NonNegInt = 0
     corrected: NonNegInt = 0

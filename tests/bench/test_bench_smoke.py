@@ -46,7 +46,7 @@ def test_overhead_bench_writes_every_variant(tmp_path):
     assert [m["model"] for m in doc["models"]] == ["gpt2", "llama"]
     for m in doc["models"]:
         assert set(m["variants"]) == {"baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr",
-                                      "floor"}
+                                      "floor", "all_full", "all_adaptive"}
         for v in m["variants"].values():
             check_summary(v["step_s"])
             assert positive(v["step_s"]["median"])
@@ -61,6 +61,8 @@ def test_overhead_bench_writes_every_variant(tmp_path):
         tier1 = m["variants"]["tier1"]
         assert tier1["checked_step_fraction"] == 0.0
         assert tier1["tier1_checks_per_step"] > 0  # the tripwire ran on every timed step, nothing else did
+        # scope="all" checks the Linear GEMMs forward and backward as well.
+        assert {"linear", "linear_dx", "linear_dw"} <= set(m["variants"]["all_full"]["check_s_per_step"])
 
 
 def test_recovery_bench_corrects_every_injected_fault(tmp_path):

@@ -24,6 +24,7 @@ SCRIPTS = {
     "reconnect": "how long after a killed collector is back the agent resumes sending",
     "setups": "LoRA projection check, fp16 scores in fp32, learned-bias backward (issue 11)",
     "memory": "peak memory of a protected training step per T (tiled vs unfused vs unprotected), and step time",
+    "gemm_coverage": "share of a training step's GEMM FLOPs each protect() scope verifies",
 }
 
 

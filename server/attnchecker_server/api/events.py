@@ -5,7 +5,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from ..auth import Principal
-from ..schemas import Action, FaultEventsPublic, Kind, Op
+from ..schemas import Action, FaultEventsPublic, FaultOp, Kind
 from ..services.events import EventFilters, query_events
 from .deps import READ, SessionDep
 from .responses import errors
@@ -20,7 +20,7 @@ def list_events(
     run_id: str,
     session: SessionDep,
     _principal: Annotated[Principal, READ],
-    op: Op | None = None,
+    op: FaultOp | None = None,
     kind: Kind | None = None,
     layer: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
     rank: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,

@@ -1,0 +1,68 @@
+"""The attention core's backward with every product verified (issue 17), for ``protect(scope="all")``.
+
+``_VerifiedAttention`` (attention.py) normally differentiates through the fused CPU flash-attention backward, where no
+checksum reaches the intermediate products. On a step the whole-step checks are due, its backward calls
+``checked_backward`` instead, which recomputes the products explicitly and verifies each one (``gemm_check``):
+
+  S  = Q Kᵀ          (op ``scores_bwd``: the scores again, to rebuild AP from the forward's row log-sum-exp)
+  dP = dO Vᵀ         (op ``grad_probs``)
+  AP = exp(scale·S + mask - lse);  dS = AP ⊙ (dP - rowsum(dO ⊙ O))   (elementwise: not a GEMM, not checked)
+  dV = APᵀ dO        (op ``grad_v``)
+  dQ = scale · dS K  (op ``grad_q``);   dK = scale · dSᵀ Q  (op ``grad_k``)
+
+Same function as the fused kernel's, in another summation order (gradients agree to round-off). Two host-device
+syncs per layer's backward: S and dP are verified before AP and dS are built from them.
+
+Legend: B batch, H heads (K/V already expanded to H), T query tokens, S key tokens, D head dim.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .attention import _future_mask
+from .context import LayerContext
+from .gemm_check import check_gemms
+
+__all__ = ["BACKWARD_OPS", "checked_backward"]
+
+BACKWARD_OPS: tuple[str, ...] = ("scores_bwd", "grad_probs", "grad_v", "grad_q", "grad_k")
+
+
+def checked_backward(
+    layer: LayerContext,
+    grad_out_BHTD: torch.Tensor,
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    out_BHTD: torch.Tensor,
+    lse_BHT: torch.Tensor,
+    mask_add: torch.Tensor | None,
+    *,
+    scale: float,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) of softmax(scale·QKᵀ + mask)·V at the verified forward's q, k, v, out and row log-sum-exp."""
+    do_BHTD = grad_out_BHTD.contiguous()
+    s_BHTS = q_BHTD @ k_BHSD.mT
+    dp_BHTS = do_BHTD @ v_BHSD.mT
+    check_gemms(layer, [("scores_bwd", s_BHTS, q_BHTD, k_BHSD.mT, None),
+                        ("grad_probs", dp_BHTS, do_BHTD, v_BHSD.mT, None)])
+    # In fp32, like the fused kernel: exp(s - lse) of half-precision scores loses the digits the gradient needs.
+    z_BHTS = s_BHTS.float() * scale
+    if is_causal:
+        z_BHTS.masked_fill_(_future_mask(*z_BHTS.shape[-2:], z_BHTS.device), -math.inf)
+    if mask_add is not None:
+        z_BHTS = z_BHTS + mask_add.float()
+    # Rows with every key masked carry lse = +INF: exp(-INF) = 0 there, as AP.
+    p32_BHTS = torch.exp(z_BHTS - lse_BHT[..., None])
+    delta_BHT1 = (do_BHTD.float() * out_BHTD.float()).sum(-1, keepdim=True)
+    ds_BHTS = (p32_BHTS * (dp_BHTS.float() - delta_BHT1)).to(q_BHTD.dtype)
+    p_BHTS = p32_BHTS.to(q_BHTD.dtype)
+    dv_BHSD = p_BHTS.mT @ do_BHTD
+    dq_BHTD = ds_BHTS @ k_BHSD
+    dk_BHSD = ds_BHTS.mT @ q_BHTD
+    check_gemms(layer, [("grad_v", dv_BHSD, p_BHTS.mT, do_BHTD, None), ("grad_q", dq_BHTD, ds_BHTS, k_BHSD, None),
+                        ("grad_k", dk_BHSD, ds_BHTS.mT, q_BHTD, None)])
+    return dq_BHTD * scale, dk_BHSD * scale, dv_BHSD

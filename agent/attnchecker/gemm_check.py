@@ -1,0 +1,73 @@
+"""Verify and repair plain GEMMs inside the engine: ``abft.gemm`` checks, the ``abft.repair`` ladder, and the engine's
+records (detections, counts, residual histogram). Shared by the whole-step Linear checks (linear_abft) and the
+attention backward (attention_backward).
+
+Legend: N leading batch dims (none for a Linear GEMM; (B, H) for attention), M, K, N rows/reduction/columns.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .abft import Tolerance, repair
+from .abft.checksum import DirectionCheck
+from .abft.gemm import exact_gemm_elements, verify_gemm
+from .attention import _count, _emit, _exact_math, _observe
+from .context import LayerContext
+from .matmul_precision import fp32_matmul_operand_roundoff
+
+__all__ = ["Gemm", "check_gemms"]
+
+Gemm = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+"""(op, C (..., M, N), A (..., M, K), B (..., K, N), bias (N,) or None): one GEMM C = A·B (+ bias) to verify in
+place. A batched C (attention) is reported per (batch, head)."""
+
+
+def _tolerance(ctx: LayerContext) -> Tolerance:
+    cfg = ctx.config
+    return Tolerance(mode=cfg.tolerance, factor=cfg.tolerance_factor)
+
+
+def check_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
+    """Verify every GEMM, then (one sync) run the recovery ladder on those flagged. C is repaired in place."""
+    if not gemms or ctx.config.mode == "off":
+        return
+    tol = _tolerance(ctx)
+    pending: list[tuple[Gemm, dict[str, DirectionCheck], float]] = []
+    for gemm in gemms:
+        _op, c, a, b, bias = gemm
+        t0 = time.perf_counter()
+        with _exact_math(c):
+            checks = verify_gemm(c, a.detach(), b.detach(), tol, bias_N=None if bias is None else bias.detach(),
+                                 operand_roundoff=fp32_matmul_operand_roundoff(c.device))
+            _observe(ctx, checks)
+        pending.append((gemm, checks, time.perf_counter() - t0))
+    flags = torch.stack([chk.bad.any() for _, checks, _ in pending for chk in checks.values()])
+    slow = bool(flags.any())  # sync: the one per checked call (a layer's forward, or its backward); gates the slow path
+    correct = ctx.config.mode == "correct"
+    for (op, c, a, b, bias), checks, seconds in pending:
+        t0 = time.perf_counter()
+        if slow:
+            with _exact_math(c):
+                reports = _repair(c, a.detach(), b.detach(), None if bias is None else bias.detach(), checks, tol,
+                                  correct)
+            _emit(ctx, op, reports, heads=c.dim() > 2)
+        _count(ctx, op, seconds + time.perf_counter() - t0)
+
+
+def _repair(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
+            checks: dict[str, DirectionCheck], tol: Tolerance, correct: bool) -> list:
+    batched = c.dim() > 2
+
+    def recompute() -> torch.Tensor:
+        # A transient fault does not repeat: the same GEMM again, then verified against the same checksums.
+        fresh = a @ b if bias is None else torch.addmm(bias, a, b)
+        return fresh if batched else fresh[None]
+
+    def exact(key: tuple[int, ...], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        if batched:
+            return exact_gemm_elements(a[key], b[key], rows, cols)
+        return exact_gemm_elements(a, b, rows, cols, bias)
+
+    return repair(c if batched else c[None], checks, tol, correct=correct, recompute=recompute, exact=exact)

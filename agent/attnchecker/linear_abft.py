@@ -1,0 +1,182 @@
+"""Whole-step protection (issue 17): every nn.Linear / transformers Conv1D GEMM checked forward and backward.
+
+Under ``protect(model, scope="all")`` each Linear/Conv1D module's forward is replaced (on the instance, undone by
+``Guard.close()``) by one that, on a step where ``gemm_due`` says so, runs the layer through ``_CheckedLinear``:
+
+- forward:  Y = X Wᵀ + b, verified by checksums (op ``linear``), located and corrected or recomputed;
+- backward: dX = dY W (op ``linear_dx``) and dW = dYᵀ X (op ``linear_dw``), each verified, corrected or recomputed
+  before autograd hands them on, so a fault in the MLP or in a weight gradient never reaches the optimizer.
+
+Projections the attention integration already verifies in forward (q/k/v/out, GPT-2's c_attn) keep that check; here
+they get only the backward checks, so no output is verified twice. The math is ``abft.gemm`` over ``abft.repair``.
+
+Legend: M tokens (all leading dims flattened), I input features, O output features, 2 a checksum pair.
+Syncs: one per checked forward and one per checked backward (the slow-path decision), more only on the slow path.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .context import LayerContext, Runtime
+from .gemm_check import Gemm, check_gemms
+from .integrations._common import Binder, _projection_hook
+
+__all__ = ["GEMM_OPS", "SCOPES", "attach", "gemm_due", "linear_layout", "whole_step_due"]
+
+SCOPES: tuple[str, ...] = ("attention", "all")
+"""What protect() covers: the attention ops only, or also every Linear/Conv1D GEMM forward and backward."""
+GEMM_OPS: tuple[str, ...] = ("linear", "linear_dx", "linear_dw")
+"""Event ops of the whole-step GEMMs: the forward output, the input gradient, the weight gradient."""
+
+
+# Runtimes (by id) of the guards attached with scope="all": the attention backward asks whether its guard is one.
+_WHOLE_STEP: set[int] = set()
+
+
+def whole_step_due(runtime: Runtime) -> bool:
+    """Whether this guard protects the whole step (scope="all") and its GEMMs are checked on the current step."""
+    return id(runtime) in _WHOLE_STEP and gemm_due(runtime)
+
+
+def gemm_due(runtime: Runtime) -> bool:
+    """Whether the whole-step GEMMs are fully checked on the current step: the one place that decides, so it can
+    follow a tier/schedule of its own later. Today they ride on the output projection's schedule (the adaptive
+    scheduler's ``out`` op: the last GEMM of a layer, checked when the layer is)."""
+    return runtime.config.checks("out")
+
+
+def linear_layout(module: nn.Module) -> str | None:
+    """``out_in`` for nn.Linear (W is (O, I)), ``in_out`` for transformers' Conv1D (W is (I, O)), else None."""
+    if isinstance(module, nn.Linear):
+        return "out_in"
+    conv1d = _conv1d_class()
+    if conv1d is not None and isinstance(module, conv1d):
+        return "in_out"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _conv1d_class() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return Conv1D
+
+
+@dataclass(slots=True)
+class _Site:
+    ctx: LayerContext
+    layout: str
+    check_forward: bool
+    """False when the attention integration's projection hook verifies this module's output already."""
+
+
+def attach(binder: Binder, model: nn.Module) -> int:
+    """Wrap every Linear/Conv1D module of ``model``; returns how many. Run after the attention integrations, so their
+    projection hooks are in place and the forward check is not doubled."""
+    count = 0
+    key = id(binder.runtime)
+    _WHOLE_STEP.add(key)
+    binder.on_close(lambda: _WHOLE_STEP.discard(key))
+    for name, module in model.named_modules():
+        layout = linear_layout(module)
+        if layout is None:
+            continue
+        hooked = any(getattr(h, "func", None) is _projection_hook for h in module._forward_hooks.values())
+        ctx = binder.new_context()
+        site = _Site(ctx=ctx, layout=layout, check_forward=not hooked)
+        _wrap_forward(binder, module, site)
+        ops = GEMM_OPS if site.check_forward else GEMM_OPS[1:]
+        binder.add_site(ctx, name, "linear", ops)
+        count += 1
+    return count
+
+
+def _wrap_forward(binder: Binder, module: nn.Module, site: _Site) -> None:
+    own = vars(module).get("forward")
+    original = module.forward
+    module.forward = functools.partial(_forward, site, module, original)  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own  # type: ignore[method-assign]
+
+    binder.on_close(undo)
+
+
+def _forward(site: _Site, module: nn.Module, original: Callable[..., torch.Tensor], *args: Any, **kwargs: Any
+             ) -> torch.Tensor:
+    if not gemm_due(site.ctx.runtime):
+        return original(*args, **kwargs)
+    x = args[0] if args else next(iter(kwargs.values()))
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]  # nn.Linear / Conv1D parameters
+    bias: torch.Tensor | None = module.bias  # type: ignore[assignment]
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return _apply(x, weight, bias, site)
+    # Autocast would cast the operands of the GEMM it replaces: do the same outside, then check in that dtype, with
+    # the engine's own fp32 checksum products out of autocast's reach.
+    dtype = torch.get_autocast_dtype(device_type)
+    x, weight = x.to(dtype), weight.to(dtype)
+    bias = bias.to(dtype) if bias is not None else None
+    with torch.autocast(device_type, enabled=False):
+        return _apply(x, weight, bias, site)
+
+
+def _apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: _Site) -> torch.Tensor:
+    # The Function works on (M, I) and returns (M, O); the view back to (..., O) is made out here, where autograd can
+    # track it (a view returned from inside a Function may not be modified in place, and projection hooks repair it).
+    y_MO: torch.Tensor = _CheckedLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, site)
+    return y_MO.view(*x.shape[:-1], y_MO.shape[-1])
+
+
+class _CheckedLinear(torch.autograd.Function):
+    """y = x Wᵀ + b (or x W + b for Conv1D), x (M, I), with the forward output and both backward GEMMs verified and
+    repaired."""
+
+    @staticmethod
+    def forward(ctx: Any, x_MI: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: _Site
+                ) -> torch.Tensor:
+        w_IO = weight.T if site.layout == "out_in" else weight
+        # The same aten call the unprotected module makes (addmm with a bias), so a clean step is bitwise the same.
+        y_MO = F.linear(x_MI, weight, bias) if site.layout == "out_in" else (
+            x_MI @ weight if bias is None else torch.addmm(bias, x_MI, weight))
+        if site.check_forward:
+            check_gemms(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)])
+        ctx.save_for_backward(x_MI, weight, bias)
+        ctx.site = site
+        return y_MO
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x_MI, weight, bias = ctx.saved_tensors
+        site: _Site = ctx.site
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dy_MO = grad_y.contiguous()
+        w_OI = weight if site.layout == "out_in" else weight.T
+        todo: list[Gemm] = []
+        dx_MI = dw = None
+        if need_x:
+            dx_MI = dy_MO.mm(w_OI)
+            todo.append(("linear_dx", dx_MI, dy_MO, w_OI, None))
+        if need_w:
+            # The orientation autograd itself uses per layout: W's gradient in W's own shape, no transpose copy.
+            if site.layout == "out_in":
+                dw = dy_MO.t().mm(x_MI)
+                todo.append(("linear_dw", dw, dy_MO.t(), x_MI, None))
+            else:
+                dw = x_MI.t().mm(dy_MO)
+                todo.append(("linear_dw", dw, x_MI.t(), dy_MO, None))
+        check_gemms(site.ctx, todo)
+        db = dy_MO.sum(0) if need_b and bias is not None else None
+        return dx_MI, dw, db, None

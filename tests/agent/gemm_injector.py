@@ -1,0 +1,80 @@
+"""A fault injector below autograd: a TorchDispatchMode that sees every aten mm / addmm / bmm the process runs, in
+forward and in backward, and corrupts one output element of one chosen call. Independent of attnchecker's own
+injector (which only reaches the ops the engine names), so it also hits the MLP and the backward GEMMs.
+No tests here; test_linear_abft.py imports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+
+
+@dataclass(frozen=True)
+class GemmCall:
+    index: int
+    op: str
+    shape: tuple[int, ...]
+    k: int
+    """The reduction length."""
+    phase: str
+
+
+def _reduction(func: Any, args: tuple[Any, ...]) -> int:
+    a = args[1] if func is aten.addmm.default else args[0]
+    return int(a.shape[-1])
+
+
+def corrupt(value: torch.Tensor, kind: str) -> torch.Tensor:
+    """A 0-d tensor holding the corrupted version of ``value``."""
+    if kind == "inf":
+        return torch.full_like(value, float("inf"))
+    if kind == "nan":
+        return torch.full_like(value, float("nan"))
+    if kind == "near_inf":
+        return torch.full_like(value, 3e20)
+    if kind == "bitflip":
+        # The top exponent bit of an fp32 value: a moderate value becomes ~1e38 (or a tiny one ~2^-126 becomes ~1).
+        bits = value.detach().clone().view(torch.int32) ^ (1 << 30)
+        return bits.view(torch.float32)
+    raise ValueError(kind)
+
+
+@dataclass
+class GemmInjector(TorchDispatchMode):
+    """Records every GEMM call (``calls``); corrupts element ``element`` (flat, modulo size) of call ``target``.
+    ``phase`` is set by the test around backward so each call is labelled forward or backward."""
+
+    target: int | None = None
+    kind: str = "inf"
+    element: int = 0
+    phase: str = "forward"
+    calls: list[GemmCall] = field(default_factory=list)
+    hit: GemmCall | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in GEMMS:
+            call = GemmCall(len(self.calls), func.__name__.split(".")[0], tuple(out.shape), _reduction(func, args),
+                            self.phase)
+            self.calls.append(call)
+            if call.index == self.target:
+                flat = out.view(-1)
+                i = self.element % flat.numel()
+                flat[i] = corrupt(flat[i], self.kind)
+                self.hit = call
+        return out
+
+
+def is_model_gemm(call: GemmCall) -> bool:
+    """A GEMM of the model (Linear/Conv1D, attention scores/context), not one of the checks' own skinny products
+    (an output dim of 1 or 2) nor an outer product (RoPE's frequency table, reduction length 1)."""
+    return min(call.shape[-2:]) > 2 and call.k > 1

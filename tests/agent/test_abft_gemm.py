@@ -1,0 +1,124 @@
+"""attnchecker.abft.gemm: one GEMM C = A·B (+ bias) verified against references from its operands, repaired in place
+(the math under whole-step protection: Linear forward, dX = dY·W, dW = dYᵀ·X)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from attnchecker.abft import Tolerance, repair
+from attnchecker.abft.gemm import exact_gemm_elements, verify_gemm
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def randn(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return a @ b if bias is None else torch.addmm(bias, a, b)
+
+
+def flagged(checks: dict) -> int:
+    return int(sum(int(chk.bad.sum()) for chk in checks.values()))
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 70), n=st.integers(1, 40), dtype=st.sampled_from(DTYPES),
+       with_bias=st.booleans(), transposed=st.booleans(), seed=st.integers(0, 10_000))
+def test_clean_gemms_are_never_flagged(m: int, k: int, n: int, dtype: torch.dtype, with_bias: bool,
+                                       transposed: bool, seed: int) -> None:
+    # transposed: A is a strided view (dYᵀ in the weight gradient), as the backward check passes it.
+    a = randn((k, m), seed, dtype).T if transposed else randn((m, k), seed, dtype)
+    b = randn((k, n), seed + 1, dtype)
+    bias = randn((n,), seed + 2, dtype) if with_bias else None
+    c = product(a, b, bias)
+    assert flagged(verify_gemm(c, a, b, Tolerance(), bias_N=bias)) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(2, 40), k=st.integers(2, 70), n=st.integers(2, 40), dtype=st.sampled_from(DTYPES),
+       with_bias=st.booleans(), kind=st.sampled_from(["inf", "nan", "near_inf", "add"]), seed=st.integers(0, 10_000))
+def test_single_fault_is_located_and_corrected_to_the_clean_product(
+    m: int, k: int, n: int, dtype: torch.dtype, with_bias: bool, kind: str, seed: int
+) -> None:
+    a, b = randn((m, k), seed, dtype), randn((k, n), seed + 1, dtype)
+    bias = randn((n,), seed + 2, dtype) if with_bias else None
+    clean = product(a, b, bias)
+    c = clean.clone()
+    g = torch.Generator().manual_seed(seed)
+    i, j = int(torch.randint(m, (1,), generator=g)), int(torch.randint(n, (1,), generator=g))
+    # "add": a finite silent error far above round-off (1000x the element scale).
+    c[i, j] = {"inf": math.inf, "nan": math.nan, "near_inf": 3e20 if dtype != torch.float16 else 6e4}.get(
+        kind, float(c[i, j]) + 1000.0 * math.sqrt(k))
+    checks = verify_gemm(c, a, b, Tolerance(), bias_N=bias)
+    assert flagged(checks) > 0
+    reports = repair(c[None], checks, Tolerance(), correct=True, recompute=lambda: product(a, b, bias)[None],
+                     exact=lambda key, r, cc: exact_gemm_elements(a, b, r, cc, bias))
+    assert [r.action for r in reports] in (["corrected"], ["recomputed"])
+    assert (reports[0].row, reports[0].col) in ((i, j), (None, None))
+    # The repaired element is its dot product recomputed in the accumulation dtype: equal to the GEMM's own value up
+    # to the summation order (a few ulps of the output dtype, relative to the operand scale).
+    scale = float(a.float().norm(dim=-1).max() * b.float().norm(dim=0).max()) + 1.0
+    ulp = torch.finfo(dtype).eps
+    assert torch.isfinite(c).all()
+    assert (c.float() - clean.float()).abs().max() <= 4 * ulp * scale
+
+
+def test_detect_mode_reports_and_leaves_the_product_alone() -> None:
+    a, b = randn((8, 16), 0, torch.float32), randn((16, 12), 1, torch.float32)
+    c = a @ b
+    c[3, 5] = math.inf
+    before = c.clone()
+    reports = repair(c[None], verify_gemm(c, a, b, Tolerance()), Tolerance(), correct=False)
+    assert [(r.action, r.row, r.col) for r in reports] == [("detected", 3, 5)]
+    assert torch.equal(c.isinf(), before.isinf())
+
+
+def test_a_block_fault_is_recomputed() -> None:
+    a, b = randn((8, 16), 0, torch.float32), randn((16, 12), 1, torch.float32)
+    clean = a @ b
+    c = clean.clone()
+    c[2:4, 3:6] = math.nan
+    reports = repair(c[None], verify_gemm(c, a, b, Tolerance()), Tolerance(), correct=True,
+                     recompute=lambda: (a @ b)[None])
+    assert [(r.action, r.pattern) for r in reports] == [("recomputed", "2d")]
+    assert torch.equal(c, clean)
+
+
+def test_shapes_that_do_not_form_a_product_are_refused() -> None:
+    a, b = torch.ones(4, 5), torch.ones(5, 6)
+    with pytest.raises(ValueError, match="do not form C = A·B"):
+        verify_gemm(torch.ones(4, 7), a, b, Tolerance())
+    with pytest.raises(ValueError, match="2-D operands"):
+        verify_gemm(torch.ones(1, 4, 6), a, b, Tolerance())
+    with pytest.raises(ValueError, match="do not form C = A·B"):
+        verify_gemm(torch.ones(2, 4, 6), torch.ones(3, 4, 5), torch.ones(2, 5, 6), Tolerance())
+    with pytest.raises(ValueError, match="bias goes with a 2-D product"):
+        verify_gemm(torch.ones(2, 4, 6), torch.ones(2, 4, 5), torch.ones(2, 5, 6), Tolerance(), bias_N=torch.ones(6))
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=st.integers(1, 3), heads=st.integers(1, 3), m=st.integers(2, 24), k=st.integers(2, 24),
+       n=st.integers(2, 24), dtype=st.sampled_from(DTYPES), kind=st.sampled_from(["inf", "nan", "clean"]),
+       seed=st.integers(0, 10_000))
+def test_batched_products_are_verified_and_repaired_per_matrix(batch: int, heads: int, m: int, k: int, n: int,
+                                                               dtype: torch.dtype, kind: str, seed: int) -> None:
+    """(B, H) batches, as the attention backward products are checked; A a transposed view (Pᵀ, dSᵀ)."""
+    a = randn((batch, heads, k, m), seed, dtype).mT
+    b = randn((batch, heads, k, n), seed + 1, dtype)
+    clean = a @ b
+    c = clean.clone()
+    if kind != "clean":
+        c[batch - 1, heads - 1, m // 2, n // 3] = math.inf if kind == "inf" else math.nan
+    checks = verify_gemm(c, a, b, Tolerance())
+    assert flagged(checks) == (0 if kind == "clean" else 2)
+    reports = repair(c, checks, Tolerance(), correct=True, recompute=lambda: a @ b,
+                     exact=lambda key, r, cc: exact_gemm_elements(a[key], b[key], r, cc))
+    assert [(r.index, r.action) for r in reports] == ([] if kind == "clean" else
+                                                      [((batch - 1, heads - 1), "corrected")])
+    scale = float(a.float().norm(dim=-1).max() * b.float().norm(dim=-2).max()) + 1.0
+    assert (c.float() - clean.float()).abs().max() <= 4 * torch.finfo(dtype).eps * scale

@@ -1,0 +1,159 @@
+"""Whole-step protection (protect(scope="all")): a fault in any forward or backward GEMM of attention and MLP (the
+attention core's backward included: attention_backward), injected
+below autograd (gemm_injector: a TorchDispatchMode on aten mm/addmm/bmm), is corrected before it reaches a gradient.
+
+Every model GEMM of one training step is hit once (the injection kinds cycle over the calls), and the gradients must
+equal the fault-free protected step's to <= 1e-5 relative, every weight finite after the optimizer step."""
+from __future__ import annotations
+
+import math
+
+import attnchecker
+import pytest
+import torch
+from attnchecker import Policy
+from gemm_injector import GemmCall, GemmInjector, is_model_gemm
+from model_zoo import ARCHS as ZOO
+from model_zoo import batch, build, loss_of, train
+from torch import nn
+
+ARCHS = ("gpt2", "llama", "bert")
+KINDS = ("inf", "nan", "near_inf", "bitflip")
+
+
+def one_step(arch: str, scope: str | None, injector: GemmInjector, *, eager: bool = False
+             ) -> tuple[dict[str, torch.Tensor], bool, list]:
+    """One forward/backward/SGD step of a fresh seeded model: (gradients, weights finite after the step, detections).
+    scope None: unprotected; eager: its attention unfused (every product an aten bmm)."""
+    model = build(arch)
+    if eager:
+        model.set_attn_implementation("eager")
+    guard = attnchecker.protect(model, policy=Policy.full(), scope=scope) if scope else None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with injector:
+        loss = loss_of(arch, model, batch(arch, 0))
+        injector.phase = "backward"
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    opt.step()
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    detections = guard.detections if guard else []
+    if guard:
+        guard.close()
+    return grads, finite, detections
+
+
+def worst_rel(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """max over tensors of ‖g - g_ref‖ / ‖g_ref‖, the denominator floored at 1e-6 × the whole gradient's norm: a key
+    projection's bias has a gradient of exactly 0 in exact arithmetic (softmax ignores a per-row shift), so its
+    computed gradient (~1e-11 here) is pure round-off, and any other summation order changes all of it."""
+    assert grads.keys() == ref.keys()
+    floor = 1e-6 * float(torch.sqrt(sum(g.double().square().sum() for g in ref.values())))
+    worst = 0.0
+    for name, g in grads.items():
+        if not bool(torch.isfinite(g).all()):
+            return math.inf
+        worst = max(worst, float((g - ref[name]).norm()) / max(float(ref[name].norm()), floor))
+    return worst
+
+
+def model_gemms(arch: str, protected_calls: list[GemmCall]) -> list[GemmCall]:
+    """The protected step's GEMM calls that the unprotected model, attention unfused, also makes (same output shape
+    and reduction length): the model's own GEMMs, not the checks' checksum products."""
+    plain = GemmInjector()
+    one_step(arch, None, plain, eager=True)
+    signature = {(c.shape, c.k) for c in plain.calls if is_model_gemm(c)}
+    return [c for c in protected_calls if (c.shape, c.k) in signature and is_model_gemm(c)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_fault_in_any_forward_or_backward_gemm_is_corrected(arch: str) -> None:
+    recorder = GemmInjector()
+    clean, finite, detections = one_step(arch, "all", recorder)
+    assert finite and not detections
+    # The checked step's gradients are the unprotected model's, to round-off (the attention backward's products run
+    # in another order than the fused kernel's).
+    plain, _, _ = one_step(arch, None, GemmInjector())
+    assert worst_rel(clean, plain) <= 1e-5
+    targets = model_gemms(arch, recorder.calls)
+    kinds = {(c.phase, c.op) for c in targets}
+    # Linear GEMMs both ways, the attention core's forward and (checked_backward) backward products.
+    assert {("forward", "bmm"), ("backward", "bmm"), ("backward", "mm")} <= kinds, kinds
+    failures = []
+    for n, call in enumerate(targets):
+        kind = KINDS[n % len(KINDS)]
+        inj = GemmInjector(target=call.index, kind=kind, element=7 + 13 * n)
+        grads, finite, detections = one_step(arch, "all", inj)
+        assert inj.hit == call, "the faulty run made different GEMM calls before the target"
+        worst = worst_rel(grads, clean)
+        actions = {d.action for d in detections}
+        if not (finite and worst <= 1e-5 and detections and actions <= {"corrected", "recomputed"}):
+            failures.append((call, kind, worst, [(d.op, d.action) for d in detections]))
+    assert not failures, failures
+
+
+def test_attention_scope_lets_an_mlp_gradient_fault_through() -> None:
+    """The gap scope="all" closes: the same fault in an MLP weight-gradient GEMM under the default scope."""
+    recorder = GemmInjector()
+    one_step("gpt2", "all", recorder)
+    # GPT-2's MLP c_fc weight gradient: dW (I=64, O=256) = Xᵀ dY over the 48 tokens.
+    target = next(c for c in recorder.calls if c.phase == "backward" and c.shape == (64, 256) and c.k == 48)
+    plain = GemmInjector()
+    one_step("gpt2", "attention", plain)
+    index = [c for c in plain.calls if c.phase == "backward" and c.shape == target.shape][0].index
+    grads, finite, detections = one_step("gpt2", "attention", GemmInjector(target=index, kind="inf"))
+    assert not finite and not detections
+
+
+def test_close_restores_every_linear_forward() -> None:
+    model = build("llama")
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    guard = attnchecker.protect(model, scope="all")
+    assert all("forward" in vars(m) for m in linears)
+    assert {s.integration for s in guard.sites} >= {"linear"}
+    assert sum(s.integration == "linear" for s in guard.sites) == len(linears)
+    guard.close()
+    assert not any("forward" in vars(m) for m in linears)
+
+
+def test_a_step_that_does_not_check_out_runs_the_plain_linear() -> None:
+    """gemm_due follows the out op's schedule: with out pinned to every 2nd step, step 1 makes no linear checks."""
+    model = build("gpt2")
+    guard = attnchecker.protect(model, policy=Policy(op_periods={"out": 2}, adaptive=False), scope="all")
+    for _ in range(2):
+        loss_of("gpt2", model, batch("gpt2", 0)).backward()
+        guard.step()
+    checks = guard.report().checks
+    # Step 0 checks each of the 2 layers' c_fc/c_proj MLP GEMMs and the lm_head once; step 1 none.
+    assert checks["linear"] == 5
+    assert checks["linear_dw"] == checks["linear_dx"] > 0
+    guard.close()
+
+
+def test_unknown_scope_is_refused() -> None:
+    with pytest.raises(ValueError, match="scope must be 'attention' or 'all'"):
+        attnchecker.protect(build("gpt2"), scope="mlp")
+
+
+@pytest.mark.parametrize("arch", ZOO)
+def test_clean_training_under_scope_all_matches_unprotected_and_flags_nothing(arch: str) -> None:
+    model = build(arch)
+    guard = attnchecker.protect(model, policy=Policy.full(), scope="all")
+    result = train(arch, model, 3, on_step=guard.step)
+    reference = train(arch, build(arch), 3)
+    assert not guard.detections
+    assert guard.report().checks.get("linear_dw", 0) > 0
+    assert result.finite_weights
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(result.losses, reference.losses, strict=True))
+    guard.close()
+
+
+@pytest.mark.parametrize("arch", ("gpt2", "llama"))
+def test_bf16_autocast_under_scope_all_flags_nothing_and_trains(arch: str) -> None:
+    model = build(arch)
+    guard = attnchecker.protect(model, policy=Policy.full(), scope="all")
+    result = train(arch, model, 3, on_step=guard.step, autocast=torch.bfloat16)
+    assert not guard.detections, [(d.op, d.layer, d.residual, d.bound) for d in guard.detections[:5]]
+    assert guard.report().checks.get("linear", 0) > 0
+    assert result.finite_weights and all(math.isfinite(x) for x in result.losses)
+    guard.close()

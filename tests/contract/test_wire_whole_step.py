@@ -1,0 +1,83 @@
+"""The wire contract for whole-step protection (protect(scope="all")): events and fault stats of the Linear GEMMs
+(ops ``linear``, ``linear_dx``, ``linear_dw``) validate against the collector's schemas, and a run registered with
+them still validates. Faults come from a TorchDispatchMode below autograd, so the backward GEMMs are hit too."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attnchecker
+import pytest
+import torch
+from attnchecker import Policy
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+schemas = pytest.importorskip("attnchecker_server.schemas")
+
+SCHEMA_OF = {"run": schemas.RunRegisterIn, "events": schemas.EventBatchIn, "stats": schemas.StatsIn,
+             "finish": schemas.RunFinishIn}
+
+
+class _InfInto(TorchDispatchMode):
+    """Writes INF into element 5 of the listed occurrences of mm/addmm/bmm outputs by shape (shape -> {n, ...},
+    counted from 0)."""
+
+    def __init__(self, shapes: dict[tuple[int, ...], set[int]]) -> None:
+        super().__init__()
+        self.todo = dict(shapes)
+        self.seen: dict[tuple[int, ...], int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        gemms = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+        if func in gemms and tuple(out.shape) in self.todo:
+            shape = tuple(out.shape)
+            n = self.seen.get(shape, 0)
+            if n in self.todo[shape]:
+                out.view(-1)[5] = float("inf")
+            self.seen[shape] = n + 1
+        return out
+
+
+class _Attn(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (y.reshape(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(x).chunk(3, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+def test_whole_step_events_and_stats_validate(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 32), _Attn(), nn.Linear(32, 48), nn.Linear(48, 64)).train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = attnchecker.protect(model, policy=Policy.full(), optimizer=opt, run="whole-step", collector="offline",
+                                spool_dir=tmp_path, scope="all")
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    # Tokens M = 32: the head's forward (32, 64), its weight gradient (64, 48) and its input gradient dX = dY W
+    # (32, 48): the second GEMM of that shape, after the hidden layer's forward output. Attention (B·H = 4, T = S =
+    # D = 16): every product is (4, 16, 16); the forward's scores and context come first, then the backward's S, dP,
+    # dV, dQ, dK.
+    with _InfInto({(32, 64): {0}, (64, 48): {0}, (32, 48): {1}, (4, 16, 16): {2, 3, 4, 5, 6}}):
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids.reshape(-1)).backward()
+    opt.step()
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    guard.close(flush_timeout_s=5.0)
+    records = [json.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_text().splitlines()]
+    for r in records:
+        SCHEMA_OF[r["kind"]].model_validate_json(json.dumps(r["body"]))
+    events = [e for r in records if r["kind"] == "events" for e in r["body"]["events"]]
+    ops = {"linear", "linear_dx", "linear_dw", "scores_bwd", "grad_probs", "grad_v", "grad_q", "grad_k"}
+    assert {(e["op"], e["action"]) for e in events} == {(op, "corrected") for op in ops}
+    faults = [f for r in records if r["kind"] == "stats" for f in r["body"]["faults"]]
+    assert {f["op"] for f in faults} == ops
+    assert set(schemas.FAULT_OPS) >= {e["op"] for e in events}
