@@ -25,7 +25,7 @@ install: $(STAMP)
 system-deps:
 	bash scripts/system-deps.sh
 
-test: install system-deps
+test: install lint system-deps
 	$(PY) -m pytest tests
 
 # Lint: ruff (one config, ruff.toml), mypy (mypy.ini: strict on abft/, policy, transport/ and the server) and the

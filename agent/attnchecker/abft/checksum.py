@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .tolerance import Bound
+# acc_dtype is defined with the bounds (the precision model) and re-exported here; the checksums import from the
+# tolerance module, never the other way round.
+from .tolerance import Bound, acc_dtype
 
 __all__ = [
     "DirectionCheck",
@@ -30,12 +30,6 @@ __all__ = [
     "weighted_cols",
     "weighted_rows",
 ]
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Checksums of half-precision data accumulate in fp32: bf16/fp16 sums of a few hundred terms lose the digits the
-    residual test needs (DESIGN.md, issue 2)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 @functools.lru_cache(maxsize=256)
