@@ -120,7 +120,7 @@ def test_without_a_token_the_page_shows_the_sign_in_form_and_no_data(setup: Setu
     # A wrong token is refused with the API's reason, and nothing is stored for the session.
     page.get_by_label("Token").fill("atk_000000000000_not-a-token")
     page.get_by_role("button", name="Sign in").click()
-    expect(page.locator("#signin-error")).to_have_text("unknown or revoked token")
+    expect(page.locator("#signin-error")).to_have_text("unknown, revoked or expired token")
     assert page.evaluate("sessionStorage.length") == 0
     # An agent token may ingest but not read: the API's 403 shows, not the runs.
     page.get_by_label("Token").fill(setup.collector.agent)
