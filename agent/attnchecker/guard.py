@@ -8,24 +8,20 @@ an undo action, so ``close()`` restores the model exactly.
 
 from __future__ import annotations
 
-import atexit
+import dataclasses
 import logging
 import os
-import re
-import socket
 import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .context import OPS, TIERS, CheckConfig, OpStats, Runtime
+from .context import OPS, CheckConfig, OpStats, Runtime
 from .coverage import Coverage
 from .errors import (
     AlreadyProtectedError,
@@ -37,11 +33,12 @@ from .errors import (
 )
 from .events import Detection
 from .integrations._common import Binder, Site
+from .link import RunLink, StreamingConfig, run_info, streaming_config
 from .policy import Policy, PolicyError, Scheduler
-from .streaming import IntervalStats, add_counts
+from .report import FaultCounts, Report, Totals
 
 if TYPE_CHECKING:
-    from .transport import TransportConfig
+    from .transport import Transport, TransportConfig
 
 __all__ = ["FaultCounts", "Guard", "Report", "is_protected", "protect", "unprotect"]
 
@@ -61,110 +58,6 @@ SUPPORTED_MODELS = (
 # a part of one, twice). Weak, so a model that is dropped without close() does not stay alive because of us.
 _GUARDS: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
 _OWNED: weakref.WeakKeyDictionary[nn.Module, Guard] = weakref.WeakKeyDictionary()
-
-
-@dataclass(frozen=True, slots=True)
-class FaultCounts:
-    detected: int = 0
-    corrected: int = 0
-    """Corrected in place or by recomputation."""
-    uncorrectable: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Report:
-    """What the guard has counted since ``protect()``. Plain data; ``as_dict()`` is JSON-ready."""
-
-    steps: int
-    """Step boundaries passed (``Guard.step()`` calls)."""
-    checks: Mapping[str, int]
-    """Verified op calls, per op."""
-    faults: Mapping[tuple[str, str], FaultCounts]
-    """Per (op, kind); kinds are events.KINDS."""
-    skipped_steps: int = 0
-    """Optimizer steps skipped under ``on_uncorrectable="skip_step"`` (and by the optimizer net)."""
-    tier_checks: Mapping[str, int] = field(default_factory=dict)
-    """Checks per tier (context.TIERS): tripwire = op calls only tier 1 looked at, abft = ``sum(checks)``,
-    optimizer = optimizer steps whose gradients the last net looked at."""
-    tier_catches: Mapping[str, int] = field(default_factory=dict)
-    """Faults caught per tier (each Detection once)."""
-    coverage: Coverage | None = None
-    """Per layer and op: protected by which path, or not and why; and calls that fell back at run time."""
-
-    @property
-    def detected(self) -> int:
-        return sum(c.detected for c in self.faults.values())
-
-    @property
-    def corrected(self) -> int:
-        return sum(c.corrected for c in self.faults.values())
-
-    @property
-    def uncorrectable(self) -> int:
-        return sum(c.uncorrectable for c in self.faults.values())
-
-    def by_op(self) -> dict[str, FaultCounts]:
-        out: dict[str, list[int]] = {}
-        for (op, _kind), c in self.faults.items():
-            row = out.setdefault(op, [0, 0, 0])
-            row[0] += c.detected
-            row[1] += c.corrected
-            row[2] += c.uncorrectable
-        return {op: FaultCounts(*row) for op, row in out.items()}
-
-    def as_dict(self) -> dict[str, Any]:
-        faults: dict[str, dict[str, dict[str, int]]] = {}
-        for (op, kind), c in sorted(self.faults.items()):
-            faults.setdefault(op, {})[kind] = {
-                "detected": c.detected,
-                "corrected": c.corrected,
-                "uncorrectable": c.uncorrectable,
-            }
-        return {
-            "steps": self.steps,
-            "checks": dict(self.checks),
-            "faults": faults,
-            "detected": self.detected,
-            "corrected": self.corrected,
-            "uncorrectable": self.uncorrectable,
-            "skipped_steps": self.skipped_steps,
-            "tier_checks": dict(self.tier_checks),
-            "tier_catches": dict(self.tier_catches),
-            "coverage": self.coverage.as_dict() if self.coverage is not None else None,
-        }
-
-
-@dataclass(slots=True)
-class _Totals:
-    checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
-    faults: dict[tuple[str, str], list[int]] = field(default_factory=dict)
-
-    tier_checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    tier_catches: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-
-    def add(self, stats: OpStats) -> None:
-        add_counts(self.checks, self.faults, stats)
-        self.tier_checks["tripwire"] += sum(stats.trip_checks.values())
-        self.tier_checks["abft"] += sum(stats.checks.values())
-        self.tier_checks["optimizer"] += stats.grad_checks
-        for (tier, _op), n in stats.catches.items():
-            self.tier_catches[tier] = self.tier_catches.get(tier, 0) + n
-
-
-@dataclass(frozen=True, slots=True)
-class _Streaming:
-    """What protect() was told about streaming; the guard starts the transport once the model is attached."""
-
-    collector: str | None
-    """Base URL, or None: offline (everything spooled for ``attnchecker sync``)."""
-    token: str | None
-    run: str
-    spool_dir: Path
-    interval_s: float
-    interval_steps: int
-    transport: TransportConfig
-    register_policy: bool = False
-    """protect() was given ``policy=`` explicitly: send it as a new run's starting policy (docs/wire.md)."""
 
 
 def _coerce_policy(policy: Policy | Mapping[str, Any] | None) -> Policy:
@@ -207,7 +100,7 @@ class Guard:
         faults: Any,
         rank: int,
         max_detections: int,
-        streaming: _Streaming | None = None,
+        streaming: StreamingConfig | None = None,
         strict: bool = False,
         scope: str = "attention",
     ) -> None:
@@ -223,7 +116,7 @@ class Guard:
         self._binder = Binder(self.runtime)
         self._binder.strict = strict
         self._detections: deque[Detection] = deque(maxlen=max_detections)
-        self._totals = _Totals()
+        self._totals = Totals()
         self._steps = 0
         self._skipped_steps = 0
         self._skip_next_step = False
@@ -232,10 +125,8 @@ class Guard:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._closed = False
         self._step_started = time.perf_counter()
-        self._transport: Any = None
-        self._atexit: Any = None
-        self._interval: IntervalStats | None = None
-        self._remote_policy: Policy | None = None
+        self._last_overhead: float | None = None
+        self._link: RunLink | None = None
         try:
             _attach(self._binder, model)
             if not self._binder.sites:
@@ -261,7 +152,8 @@ class Guard:
         if streaming is not None:
             # Only once the model is attached: a protect() that raises leaves no sender thread behind.
             try:
-                self._start_streaming(streaming)
+                self._link = RunLink(streaming, self.run_info(register_policy=streaming.register_policy),
+                                     rank=rank, close_at_exit=self.close)
             except BaseException:
                 self._binder.undo_all()
                 raise
@@ -300,8 +192,36 @@ class Guard:
 
     @property
     def injector(self) -> Any:
-        """The fault injector (``faults=``), or None. ``injector.injected`` is the ground truth of what was hit."""
+        """The fault injector (``faults=``), or None. ``injector.injected`` is the ground truth of what was hit.
+        Settable (a FaultPlan, an Injector, or None): a campaign plans each step's faults as it goes."""
         return self.runtime.injector
+
+    @injector.setter
+    def injector(self, faults: Any) -> None:
+        self.runtime.injector = _make_injector(faults)
+
+    @property
+    def check_config(self) -> CheckConfig:
+        """What the engine checks on the step in progress: mode, tolerance, the ops due (``checked_ops``), tripwire.
+        Chosen at each step boundary from the policy and the scheduler."""
+        return self.runtime.config
+
+    @property
+    def step_stats(self) -> OpStats | None:
+        """The counters of the step in progress (checks, faults, check and tripwire time); a fresh object after each
+        ``step()``, None once closed. Read-only by contract: the guard folds it into ``report()``."""
+        return self.runtime.stats
+
+    @property
+    def last_overhead_ratio(self) -> float | None:
+        """Check time / step time of the last finished step, as the adaptive scheduler saw it (0.0 for a step with
+        nothing checked); None before the first ``step()`` and when the step's clock did not move."""
+        return self._last_overhead
+
+    def tripwire_only_this_step(self) -> None:
+        """Check no op in full on the step in progress (the tripwire still runs, when the policy has it): what a
+        step between two full checks costs. For benchmarks; the next ``step()`` picks the due ops as usual."""
+        self.runtime.config = dataclasses.replace(self.runtime.config, checked_ops=frozenset())
 
     @property
     def closed(self) -> bool:
@@ -317,13 +237,17 @@ class Guard:
     def intervals(self) -> list[dict[str, Any]]:
         """The most recent stats intervals sent to the collector (wire payloads, docs/wire.md), oldest first;
         empty without streaming."""
-        return list(self._interval.sent) if self._interval is not None else []
+        return self._link.intervals if self._link is not None else []
 
     @property
-    def transport(self) -> Any:
-        """The :class:`attnchecker.transport.Transport` streaming to the collector (``collector=``), or None.
-        ``transport.run_id`` is the collector's id of the run once it registered."""
-        return self._transport
+    def transport(self) -> Transport | None:
+        """The :class:`attnchecker.transport.Transport` streaming to the collector (``collector=``), or None."""
+        return self._link.transport if self._link is not None else None
+
+    @property
+    def run_id(self) -> str | None:
+        """The collector's id of the run once it registered; None before that, and without a collector."""
+        return self._link.run_id if self._link is not None else None
 
     def set_policy(self, policy: Policy | Mapping[str, Any]) -> None:
         """Use ``policy`` from the next step boundary on. Validated now; a bad policy raises ``PolicyError``."""
@@ -352,36 +276,21 @@ class Guard:
         # A measured step with nothing checked costs 0, and the scheduler's window must see it as such; None means
         # "not measured" (a clock that did not move) and is left out of the average.
         overhead = check_s / step_s if step_s > 0 else None
+        self._last_overhead = overhead
         self._scheduler.observe(self.runtime.step, checked=checked, faults=faults_by_op, overhead_ratio=overhead)
         changed = self._apply_policy_update()
         finished = self.runtime.step
         self.runtime.step += 1
         self._steps += 1
         self._configure_step()
-        if self._interval is not None:
-            try:
-                self._interval.add(finished, stats, step_s)
-                # A new policy version goes out at once, so the collector shows it as applied at this boundary.
-                self._interval.maybe_send(applied_policy_version=self._policy.version,
-                                          periods=self._scheduler.periods(), force=changed)
-            except Exception:  # telemetry must never stop training
-                log.exception("attnchecker: stats interval failed at step %d; training goes on", finished)
+        if self._link is not None:
+            self._link.end_step(finished, stats, step_s, policy_version=self._policy.version,
+                                periods=self._scheduler.periods(), force=changed)
 
     def report(self) -> Report:
         """Counts since ``protect()``, including the step in progress."""
-        totals = _Totals(checks=dict(self._totals.checks), faults={k: list(v) for k, v in self._totals.faults.items()},
-                         tier_checks=dict(self._totals.tier_checks), tier_catches=dict(self._totals.tier_catches))
-        if self.runtime.stats is not None:
-            totals.add(self.runtime.stats)
-        return Report(
-            steps=self._steps,
-            checks=MappingProxyType(totals.checks),
-            faults=MappingProxyType({k: FaultCounts(*v) for k, v in totals.faults.items()}),
-            skipped_steps=self._skipped_steps,
-            tier_checks=MappingProxyType(totals.tier_checks),
-            tier_catches=MappingProxyType(totals.tier_catches),
-            coverage=self._binder.coverage(),
-        )
+        return self._totals.report(in_progress=self.runtime.stats, steps=self._steps,
+                                   skipped_steps=self._skipped_steps, coverage=self._binder.coverage())
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, step: bool = True) -> None:
         """Hook an optimizer: ``step=True`` calls ``Guard.step()`` after each ``optimizer.step()``; either way
@@ -402,8 +311,6 @@ class Guard:
         if self._closed:
             return
         self._closed = True
-        if self._atexit is not None:
-            atexit.unregister(self._atexit)
         try:
             last_step = self._final_interval()
         except Exception:  # the model is restored whatever happens to telemetry
@@ -418,8 +325,8 @@ class Guard:
         try:
             self._binder.undo_all()
         finally:
-            if self._transport is not None:
-                self._transport.close(flush_timeout_s, last_step=last_step)
+            if self._link is not None:
+                self._link.close(flush_timeout_s, last_step=last_step)
 
     def __enter__(self) -> Guard:
         return self
@@ -434,77 +341,22 @@ class Guard:
     # ----------------------------------------------------------------- internals
 
     def _apply_policy_update(self) -> bool:
-        """At a step boundary: switch to a newer collector policy or a ``set_policy`` one. True when it changed.
-
-        With a collector, the run's policy there is authoritative: the version it answered at registration, then
-        every version an operator makes, each applied at the first step boundary after the sender thread saw it
-        (``Transport.latest_policy`` is one attribute read). A ``set_policy`` pending at the same boundary wins for
-        that boundary; the next collector version replaces it.
-        """
+        """At a step boundary: switch to a newer collector policy (``RunLink.policy_at_boundary``) or a
+        ``set_policy`` one. True when it changed."""
         new, self._pending_policy = self._pending_policy, None
-        if self._transport is not None:
-            remote = self._transport.latest_policy()
-            if remote is not None and remote is not self._remote_policy:
-                self._remote_policy = remote
-                if new is None:
-                    new = remote
-                    if self._policy.version == 0:
-                        _warn_replaced(self._policy, remote, self.run)
+        if self._link is not None:
+            new = self._link.policy_at_boundary(self._policy, new)
         if new is None:
             return False
         self._policy = new
         self._scheduler.set_policy(new)
         return True
 
-    def _start_streaming(self, s: _Streaming) -> None:
-        from .transport import Transport
-
-        self._transport = Transport(
-            s.collector, s.token, s.run, spool_dir=s.spool_dir,
-            run_info=self._run_info(register_policy=s.register_policy), config=s.transport,
-        ).start()
-        self._interval = IntervalStats(self._transport.emit_stats, rank=self.rank, interval_s=s.interval_s,
-                                       interval_steps=s.interval_steps)
-        # A script that never calls close() still sends its last interval and finishes the run at exit. Weak, so
-        # the hook does not keep a dropped model alive.
-        ref = weakref.ref(self)
-
-        def close_at_exit() -> None:
-            guard = ref()
-            if guard is not None:
-                guard.close()
-
-        self._atexit = close_at_exit
-        atexit.register(close_at_exit)
-
-    def _run_info(self, *, register_policy: bool = False) -> dict[str, Any]:
-        """The registration body besides the name (docs/wire.md): what an operator needs to recognise the run, and
-        with ``register_policy`` the policy given to protect() as a new run's starting policy (a resumed run keeps
-        the collector's)."""
-        world_size = 1
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            world_size = torch.distributed.get_world_size()
-        param = next(iter(self.model.parameters()), None)
-        info: dict[str, Any] = {
-            "model": type(self.model).__name__[:200],
-            "world_size": world_size,
-            "rank": self.rank,
-            "host": socket.gethostname()[:200],
-            "config": {
-                "layers": len(self._binder.sites),
-                "integrations": sorted({site.integration for site in self._binder.sites}),
-                "ops": sorted({op for site in self._binder.sites for op in site.ops}),
-                "coverage": self._binder.coverage().to_wire(),
-                "parameters": sum(p.numel() for p in self.model.parameters()),
-                "device": str(param.device) if param is not None else None,
-                "dtype": str(param.dtype).removeprefix("torch.") if param is not None else None,
-                "torch": torch.__version__,
-                "policy": self._policy.to_wire(),
-            },
-        }
-        if register_policy:
-            info["policy"] = {k: v for k, v in self._policy.to_wire().items() if k != "version"}
-        return info
+    def run_info(self, *, register_policy: bool = False) -> dict[str, Any]:
+        """The body this guard registers its run with (docs/wire.md): model, world size, rank, host, and in
+        ``config`` the protected layers, integrations, ops, coverage and policy."""
+        return run_info(self.model, sites=self._binder.sites, coverage=self._binder.coverage(), policy=self._policy,
+                        rank=self.rank, register_policy=register_policy)
 
     def _final_interval(self) -> int | None:
         """At close: fold a step in progress (a forward after the last ``step()``) into the last interval, so the
@@ -515,13 +367,10 @@ class Guard:
         if partial:
             assert stats is not None
             self._totals.add(stats)  # report() keeps counting it after close
-        if self._interval is None:
+        if self._link is None:
             return None
-        if partial:
-            assert stats is not None
-            self._interval.add(self.runtime.step, stats, 0.0, count_step=False)
-        self._interval.maybe_send(applied_policy_version=self._policy.version, periods=self._scheduler.periods(),
-                                  force=True)
+        self._link.last_interval(self.runtime.step, stats if partial else None, policy_version=self._policy.version,
+                                 periods=self._scheduler.periods())
         if partial:
             return self.runtime.step
         return self.runtime.step - 1 if self._steps else None
@@ -535,8 +384,8 @@ class Guard:
         det.rank = self.rank
         det.policy_version = self._policy.version
         self._detections.append(det)
-        if self._transport is not None:
-            self._transport.emit_event(det)  # a put_nowait: never blocks; to_wire() runs on the sender thread
+        if self._link is not None:
+            self._link.emit_event(det)
         if det.action != "uncorrectable":
             log.debug(
                 "attnchecker: %s %s %s in layer %d op %s at step %d",
@@ -646,20 +495,6 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
         optimizer = optimizer.optimizer
     inner: torch.optim.Optimizer = optimizer
     return inner
-
-
-def _warn_replaced(local: Policy, remote: Policy, run: str | None) -> None:
-    """The collector's first policy takes over from the local one: say so when they differ (a resumed run keeps its
-    policy on the collector; a new run registered without ``policy=`` gets the collector's default)."""
-    mine, theirs = local.to_wire(), remote.to_wire()
-    changed = sorted(k for k in mine if k != "version" and mine[k] != theirs.get(k))
-    if changed:
-        log.warning(
-            "attnchecker: run %s now follows the collector's policy v%d, which differs from the local policy in %s "
-            "(an existing run keeps its policy on the collector); change the run's policy there (PUT/PATCH "
-            "/api/v1/runs/{id}/policy) to use those settings",
-            run, remote.version, ", ".join(changed),
-        )
 
 
 def _make_injector(faults: Any) -> Any:
@@ -801,7 +636,7 @@ def protect(
         raise ValueError(f"max_detections must be >= 1, got {max_detections!r}")
     if scope not in ("attention", "all"):
         raise ValueError(f"scope must be 'attention' or 'all', got {scope!r}")
-    streaming = _streaming_config(model, run=run, collector=collector, token=token, spool_dir=spool_dir,
+    streaming = streaming_config(model, run=run, collector=collector, token=token, spool_dir=spool_dir,
                                   interval_s=stats_interval_s, interval_steps=stats_interval_steps,
                                   transport_options=transport_options, register_policy=policy is not None)
     return Guard(
@@ -816,53 +651,6 @@ def protect(
         strict=strict,
         scope=scope,
     )
-
-
-def _streaming_config(
-    model: nn.Module,
-    *,
-    run: str | None,
-    collector: str | None,
-    token: str | None,
-    spool_dir: str | os.PathLike[str] | None,
-    interval_s: float,
-    interval_steps: int,
-    transport_options: TransportConfig | Mapping[str, Any] | None,
-    register_policy: bool = False,
-) -> _Streaming | None:
-    if collector is None:
-        if token is not None or spool_dir is not None or transport_options:
-            raise ValueError(
-                "protect(token=/spool_dir=/transport_options=) configure streaming, which needs collector= "
-                "(a URL such as http://127.0.0.1:8000, or 'offline' to spool only)"
-            )
-        return None
-    if not isinstance(collector, str) or not (collector == "offline" or collector.startswith(("http://", "https://"))):
-        raise ValueError(f"collector must be an http(s):// URL or 'offline', got {collector!r}")
-    name = run or os.environ.get("ATTNCHECKER_RUN") or (
-        f"{type(model).__name__}-{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}")
-    if spool_dir is None:
-        base = os.environ.get("ATTNCHECKER_SPOOL_DIR") or Path.home() / ".cache" / "attnchecker" / "spool"
-        # One directory per run, so `attnchecker sync DIR` uploads exactly that run.
-        spool_dir = Path(base) / (re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "run")
-    IntervalStats(lambda _: None, interval_s=interval_s, interval_steps=interval_steps)  # validates both, now
-    return _Streaming(
-        collector=None if collector == "offline" else collector.rstrip("/"),
-        token=token if token is not None else os.environ.get("ATTNCHECKER_TOKEN"),
-        run=name,
-        spool_dir=Path(spool_dir),
-        interval_s=interval_s,
-        interval_steps=interval_steps,
-        transport=_transport_config(transport_options),
-        register_policy=register_policy,
-    )
-
-
-def _transport_config(options: TransportConfig | Mapping[str, Any] | None) -> TransportConfig:
-    # httpx and the sender load only for a guard that streams.
-    from .transport import TransportConfig
-
-    return TransportConfig.from_options(options)
 
 
 def is_protected(model: nn.Module) -> bool:
