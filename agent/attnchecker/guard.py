@@ -13,29 +13,33 @@ import logging
 import os
 import time
 import weakref
-from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from .attach import (
+    SUPPORTED_MODELS,
+    attach_integrations,
+    check_coverage,
+    make_injector,
+    require_supported_params,
+    unwrap_optimizer,
+)
 from .context import OPS, CheckConfig, OpStats, Runtime
 from .coverage import Coverage
 from .errors import (
     AlreadyProtectedError,
     NoProtectableAttentionError,
-    UncorrectableFault,
-    UnprotectedAttentionError,
-    UnsupportedDeviceError,
-    UnsupportedDtypeError,
 )
 from .events import Detection
 from .integrations._common import Binder, Site
 from .link import RunLink, StreamingConfig, run_info, streaming_config
 from .policy import Policy, PolicyError, Scheduler
 from .report import FaultCounts, Report, Totals
+from .response import FaultResponse
 
 if TYPE_CHECKING:
     from .transport import Transport, TransportConfig
@@ -43,16 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["FaultCounts", "Guard", "Report", "is_protected", "protect", "unprotect"]
 
 log = logging.getLogger("attnchecker")
-
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-SUPPORTED_DEVICES = ("cpu", "cuda")
-SUPPORTED_MODELS = (
-    "Hugging Face transformers models whose attention goes through the AttentionInterface "
-    "(tested: GPT-2, BERT, RoBERTa, Llama), and GPT-Neo; "
-    "plain PyTorch modules that call torch.nn.functional.scaled_dot_product_attention (nanoGPT style); "
-    "torch.nn.MultiheadAttention and the nn.Transformer*Layer modules built on it "
-    "(see docs/architectures.md)"
-)
 
 # Live guards by the model they protect, and by every attention module they own (to refuse protecting a model, or
 # a part of one, twice). Weak, so a model that is dropped without close() does not stay alive because of us.
@@ -110,38 +104,33 @@ class Guard:
         self._policy = policy
         self._pending_policy: Policy | None = None
         self._scheduler = Scheduler(policy)
-        self.runtime = Runtime(
-            step=0, injector=_make_injector(faults), on_detection=self._on_detection, stats=OpStats()
+        self._runtime = Runtime(
+            step=0, injector=make_injector(faults), on_detection=self._on_detection, stats=OpStats()
         )
-        self._binder = Binder(self.runtime)
+        self._response = FaultResponse(self._runtime, self._scheduler, rank=rank, max_detections=max_detections)
+        self._binder = Binder(self._runtime)
         self._binder.strict = strict
-        self._detections: deque[Detection] = deque(maxlen=max_detections)
         self._totals = Totals()
         self._steps = 0
-        self._skipped_steps = 0
-        self._skip_next_step = False
-        self._raise_pending: list[Detection] = []
-        self._forward_depth = 0
-        self._optimizers: list[torch.optim.Optimizer] = []
         self._closed = False
         self._step_started = time.perf_counter()
         self._last_overhead: float | None = None
         self._link: RunLink | None = None
         try:
-            _attach(self._binder, model)
+            attach_integrations(self._binder, model)
             if not self._binder.sites:
                 raise NoProtectableAttentionError(
                     f"attnchecker found no attention it can protect in {type(model).__name__}. "
                     f"Supported: {SUPPORTED_MODELS}."
                 )
-            _require_supported_params(model, self._binder)
-            _check_coverage(self._binder.coverage(), strict=strict)
+            require_supported_params(model, self._binder)
+            check_coverage(self._binder.coverage(), strict=strict)
             if scope == "all":
                 from . import linear_abft  # after the attention integrations: their projection hooks must exist
 
                 linear_abft.attach(self._binder, model)
-            pre = model.register_forward_pre_hook(self._root_pre_hook)
-            post = model.register_forward_hook(self._root_post_hook, always_call=True)
+            pre = model.register_forward_pre_hook(self._response.root_pre_hook)
+            post = model.register_forward_hook(self._response.root_post_hook, always_call=True)
             self._binder.on_close(pre.remove)
             self._binder.on_close(post.remove)
             if optimizer is not None:
@@ -166,8 +155,8 @@ class Guard:
 
     @property
     def step_count(self) -> int:
-        """The current step (``runtime.step``): the number of ``step()`` calls so far."""
-        return self.runtime.step
+        """The current step (the engine runtime's step): the number of ``step()`` calls so far."""
+        return self._runtime.step
 
     @property
     def policy(self) -> Policy:
@@ -188,29 +177,29 @@ class Guard:
     @property
     def detections(self) -> list[Detection]:
         """The most recent detections, oldest first (bounded: ``max_detections``)."""
-        return list(self._detections)
+        return list(self._response.detections)
 
     @property
     def injector(self) -> Any:
         """The fault injector (``faults=``), or None. ``injector.injected`` is the ground truth of what was hit.
         Settable (a FaultPlan, an Injector, or None): a campaign plans each step's faults as it goes."""
-        return self.runtime.injector
+        return self._runtime.injector
 
     @injector.setter
     def injector(self, faults: Any) -> None:
-        self.runtime.injector = _make_injector(faults)
+        self._runtime.injector = make_injector(faults)
 
     @property
     def check_config(self) -> CheckConfig:
         """What the engine checks on the step in progress: mode, tolerance, the ops due (``checked_ops``), tripwire.
         Chosen at each step boundary from the policy and the scheduler."""
-        return self.runtime.config
+        return self._runtime.config
 
     @property
     def step_stats(self) -> OpStats | None:
         """The counters of the step in progress (checks, faults, check and tripwire time); a fresh object after each
         ``step()``, None once closed. Read-only by contract: the guard folds it into ``report()``."""
-        return self.runtime.stats
+        return self._runtime.stats
 
     @property
     def last_overhead_ratio(self) -> float | None:
@@ -221,7 +210,7 @@ class Guard:
     def tripwire_only_this_step(self) -> None:
         """Check no op in full on the step in progress (the tripwire still runs, when the policy has it): what a
         step between two full checks costs. For benchmarks; the next ``step()`` picks the due ops as usual."""
-        self.runtime.config = dataclasses.replace(self.runtime.config, checked_ops=frozenset())
+        self._runtime.config = dataclasses.replace(self._runtime.config, checked_ops=frozenset())
 
     @property
     def closed(self) -> bool:
@@ -257,15 +246,15 @@ class Guard:
         """Close the current step: feed the scheduler, apply a pending policy, pick the ops of the next step."""
         if self._closed:
             return
-        stats = self.runtime.stats
+        stats = self._runtime.stats
         assert stats is not None
         # A fresh interval first: anything the engine records from now on belongs to the next step.
-        self.runtime.stats = OpStats()
+        self._runtime.stats = OpStats()
         self._totals.add(stats)
         now = time.perf_counter()
         step_s = now - self._step_started
         self._step_started = now
-        config = self.runtime.config
+        config = self._runtime.config
         faults_by_op: dict[str, int] = {}
         for (op, _kind), row in stats.faults.items():
             if op in OPS:  # whole-step GEMM ops (linear_abft) follow the "out" schedule, not one of their own
@@ -277,10 +266,10 @@ class Guard:
         # "not measured" (a clock that did not move) and is left out of the average.
         overhead = check_s / step_s if step_s > 0 else None
         self._last_overhead = overhead
-        self._scheduler.observe(self.runtime.step, checked=checked, faults=faults_by_op, overhead_ratio=overhead)
+        self._scheduler.observe(self._runtime.step, checked=checked, faults=faults_by_op, overhead_ratio=overhead)
         changed = self._apply_policy_update()
-        finished = self.runtime.step
-        self.runtime.step += 1
+        finished = self._runtime.step
+        self._runtime.step += 1
         self._steps += 1
         self._configure_step()
         if self._link is not None:
@@ -289,20 +278,20 @@ class Guard:
 
     def report(self) -> Report:
         """Counts since ``protect()``, including the step in progress."""
-        return self._totals.report(in_progress=self.runtime.stats, steps=self._steps,
-                                   skipped_steps=self._skipped_steps, coverage=self._binder.coverage())
+        return self._totals.report(in_progress=self._runtime.stats, steps=self._steps,
+                                   skipped_steps=self._response.skipped_steps, coverage=self._binder.coverage())
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, step: bool = True) -> None:
         """Hook an optimizer: ``step=True`` calls ``Guard.step()`` after each ``optimizer.step()``; either way
         ``on_uncorrectable="skip_step"`` can skip its next step (by setting the gradients to None, which every torch
         optimizer treats as "no update" for that parameter)."""
-        optimizer = _unwrap_optimizer(optimizer)
-        pre = optimizer.register_step_pre_hook(self._optimizer_pre_hook)
+        optimizer = unwrap_optimizer(optimizer)
+        pre = optimizer.register_step_pre_hook(self._response.optimizer_pre_hook)
         self._binder.on_close(pre.remove)
         if step:
             post = optimizer.register_step_post_hook(self._optimizer_post_hook)
             self._binder.on_close(post.remove)
-        self._optimizers.append(optimizer)
+        self._response.optimizers.append(optimizer)
 
     def close(self, *, flush_timeout_s: float = 5.0) -> None:
         """Undo everything ``protect()`` did, newest change first, then (when streaming) send the last stats
@@ -321,7 +310,7 @@ class Guard:
         for module in list(self._binder.contexts):
             if _OWNED.get(module) is self:
                 del _OWNED[module]
-        self._optimizers.clear()
+        self._response.optimizers.clear()
         try:
             self._binder.undo_all()
         finally:
@@ -335,7 +324,7 @@ class Guard:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"step={self.runtime.step}"
+        state = "closed" if self._closed else f"step={self._runtime.step}"
         return f"Guard({type(self.model).__name__}, layers={len(self._binder.sites)}, {state})"
 
     # ----------------------------------------------------------------- internals
@@ -361,7 +350,7 @@ class Guard:
     def _final_interval(self) -> int | None:
         """At close: fold a step in progress (a forward after the last ``step()``) into the last interval, so the
         stats count every event that was sent, and send it. Returns the last step for the finish record."""
-        stats, self.runtime.stats = self.runtime.stats, None
+        stats, self._runtime.stats = self._runtime.stats, None
         partial = stats is not None and (any(stats.checks.values()) or bool(stats.faults)
                                          or any(stats.trip_checks.values()) or stats.grad_checks > 0)
         if partial:
@@ -369,194 +358,26 @@ class Guard:
             self._totals.add(stats)  # report() keeps counting it after close
         if self._link is None:
             return None
-        self._link.last_interval(self.runtime.step, stats if partial else None, policy_version=self._policy.version,
+        self._link.last_interval(self._runtime.step, stats if partial else None, policy_version=self._policy.version,
                                  periods=self._scheduler.periods())
         if partial:
-            return self.runtime.step
-        return self.runtime.step - 1 if self._steps else None
+            return self._runtime.step
+        return self._runtime.step - 1 if self._steps else None
 
     def _configure_step(self) -> None:
         # One new frozen object, swapped in by a single assignment: a layer never sees half a config.
-        due = self._scheduler.due(self.runtime.step)
-        self.runtime.config = _config_from(self._policy, due)
+        due = self._scheduler.due(self._runtime.step)
+        self._runtime.config = _config_from(self._policy, due)
 
     def _on_detection(self, det: Detection) -> None:
         det.rank = self.rank
         det.policy_version = self._policy.version
-        self._detections.append(det)
         if self._link is not None:
             self._link.emit_event(det)
-        if det.action != "uncorrectable":
-            log.debug(
-                "attnchecker: %s %s %s in layer %d op %s at step %d",
-                det.action,
-                det.pattern,
-                det.kind,
-                det.layer,
-                det.op,
-                det.step,
-            )
-            return
-        action = self._policy.on_uncorrectable
-        log.warning(
-            "attnchecker: uncorrectable %s %s fault in layer %d op %s at step %d (on_uncorrectable=%s)",
-            det.pattern,
-            det.kind,
-            det.layer,
-            det.op,
-            det.step,
-            action,
-        )
-        if action == "skip_step":
-            if not self._optimizers:
-                log.warning("attnchecker: on_uncorrectable=skip_step but no optimizer is attached; nothing skipped")
-            self._skip_next_step = True
-        elif action == "raise":
-            self._raise_pending.append(det)
-            if self._forward_depth == 0:
-                # Not inside the protected model's own forward (a submodule called directly): raise now.
-                self._raise_uncorrectable()
-
-    def _raise_uncorrectable(self) -> None:
-        dets, self._raise_pending = self._raise_pending, []
-        first = dets[0]
-        raise UncorrectableFault(
-            f"uncorrectable {first.pattern} {first.kind} fault in layer {first.layer} op {first.op} at step "
-            f"{first.step} ({len(dets)} in this forward); policy on_uncorrectable='raise'",
-            dets,
-        )
-
-    def _root_pre_hook(self, module: nn.Module, args: Any) -> None:
-        self._forward_depth += 1
-
-    def _root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._forward_depth -= 1
-        if self._forward_depth == 0 and self._raise_pending:
-            # Deferred to the end of the forward so the engine finishes its record of every layer first.
-            self._raise_uncorrectable()
-
-    def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._skip_next_step and self._policy.tripwire and self._policy.mode != "off":
-            self._gradient_net(optimizer)
-        if not self._skip_next_step:
-            return
-        self._skip_next_step = False
-        self._skipped_steps += 1
-        log.warning("attnchecker: skipping optimizer step at step %d after an uncorrectable fault", self.runtime.step)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                p.grad = None
-
-    def _gradient_net(self, optimizer: torch.optim.Optimizer) -> None:
-        """The last net (tier "optimizer"): a non-finite gradient means a fault got past both tiers (outside the
-        protected GEMMs, or in backward). The optimizer never steps on it: "log" and "skip_step" both skip this step
-        (stepping would write INF/NaN into the weights, which no later step undoes), "raise" raises. Every period
-        snaps to min_period and a Detection (op "grad") is recorded, locally only: the event wire knows the six ops."""
-        stats = self.runtime.stats
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
-                 if p.grad is not None and not p.grad.is_sparse]
-        if not grads:
-            return
-        if stats is not None:
-            stats.grad_checks += 1
-        norms = torch._foreach_norm(grads, float("inf"))
-        if bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):  # sync: one per optimizer step
-            return
-        self._scheduler.snap_all()
-        action = self._policy.on_uncorrectable
-        det = Detection(op="grad", layer=0, step=self.runtime.step, pattern="2d", kind="nan", action="uncorrectable",
-                        value="nan", residual=None, bound=0.0, tier="optimizer", rank=self.rank,
-                        policy_version=self._policy.version)
-        for n in norms:
-            if not bool(torch.isfinite(n)):  # sync: slow path only, the first bad tensor's kind
-                det.kind = "nan" if bool(torch.isnan(n)) else "inf"
-                break
-        self._detections.append(det)
-        if stats is not None:
-            # Not in stats.faults: those are per protected op, and "grad" is none of them.
-            stats.catches[("optimizer", "grad")] = stats.catches.get(("optimizer", "grad"), 0) + 1
-        log.warning("attnchecker: non-finite gradient (%s) at the optimizer at step %d: a fault outside the checked "
-                    "ops; %s (on_uncorrectable=%s), every check period back to min_period", det.kind,
-                    self.runtime.step, "raising" if action == "raise" else "skipping this optimizer step", action)
-        if action == "raise":
-            raise UncorrectableFault(
-                f"non-finite gradient ({det.kind}) at the optimizer at step {self.runtime.step}; policy "
-                "on_uncorrectable='raise'", [det])
-        self._skip_next_step = True
+        self._response.on_detection(det)  # may raise UncorrectableFault (on_uncorrectable="raise")
 
     def _optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step()
-
-
-def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    # Wrappers (accelerate's AcceleratedOptimizer, Lightning's) subclass Optimizer without its hook state and forward
-    # step() to the optimizer they hold: hook that one.
-    while "_optimizer_step_pre_hooks" not in vars(optimizer) and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    inner: torch.optim.Optimizer = optimizer
-    return inner
-
-
-def _make_injector(faults: Any) -> Any:
-    if faults is None:
-        return None
-    from .inject import FaultPlan, Injector
-
-    if isinstance(faults, Injector):
-        return faults
-    if not isinstance(faults, FaultPlan):
-        raise TypeError(f"faults must be an attnchecker.FaultPlan (or Injector), got {type(faults).__name__}")
-    return Injector(faults)
-
-
-def _attach(binder: Binder, model: nn.Module) -> None:
-    from .integrations import sdpa, torch_mha
-    from .integrations import transformers as hf
-
-    # transformers models anywhere in the tree (the model itself, or inside DDP, a LightningModule, a wrapper).
-    inside_hf: set[nn.Module] = set()
-    for prefix, root in hf.transformers_roots(model):
-        hf.attach(binder, root, prefix=prefix)
-        inside_hf.update(root.modules())
-    sdpa.attach(binder, model, exclude=inside_hf)
-    torch_mha.attach(binder, model)
-
-
-def _check_coverage(coverage: Coverage, *, strict: bool) -> None:
-    """Never silent: one warning listing every op left unprotected (or, strict, an error instead)."""
-    gaps = coverage.gaps()
-    if not gaps:
-        return
-    listing = "; ".join(gaps)
-    if strict:
-        raise UnprotectedAttentionError(
-            f"{len(coverage.unprotected)} attention op(s) would run unprotected: {listing}. "
-            "Leave out strict=True to train with them unprotected (Guard.coverage lists them)."
-        )
-    log.warning("attnchecker: %d attention op(s) left unprotected (Guard.coverage): %s",
-                len(coverage.unprotected), listing)
-
-
-def _iter_site_params(binder: Binder) -> Iterator[tuple[str, torch.Tensor]]:
-    names = {site.layer: site.name for site in binder.sites}
-    for module, ctx in binder.contexts.items():
-        for pname, p in module.named_parameters():
-            yield f"{names.get(ctx.layer, '?')}.{pname}".lstrip("."), p
-
-
-def _require_supported_params(model: nn.Module, binder: Binder) -> None:
-    params = list(_iter_site_params(binder)) or [(n, p) for n, p in model.named_parameters()]
-    for name, p in params:
-        if p.dtype not in SUPPORTED_DTYPES:
-            raise UnsupportedDtypeError(
-                f"attnchecker supports float32, bfloat16 and float16 attention; parameter {name!r} is {p.dtype}. "
-                "Cast the model (e.g. model.float()) before protect(), or use autocast for mixed precision."
-            )
-        if p.device.type not in SUPPORTED_DEVICES:
-            raise UnsupportedDeviceError(
-                f"attnchecker runs on {', '.join(SUPPORTED_DEVICES)}; parameter {name!r} is on {p.device}. "
-                "Move the model to a supported device before protect()."
-            )
 
 
 def protect(
