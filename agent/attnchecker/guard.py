@@ -1,9 +1,11 @@
 """``protect(model) -> Guard``: attach the protected attention to an unmodified model, and take it off exactly.
 
-The guard owns the run-time side: the step counter, the policy (applied only at step boundaries), the scheduler
-that picks the ops to check, the counters, the bounded detection log and what to do about uncorrectable faults.
-Integrations (``integrations/``) own how a given architecture is attached; every change they make is recorded as
-an undo action, so ``close()`` restores the model exactly.
+The guard owns attach/undo and the step clock: at each step boundary it closes the step's counters, feeds the
+scheduler, applies a pending policy (only there) and picks the next step's ops. Beside it: ``attach.py`` (what is
+attached and checked at protect()), ``response.py`` (the detection log, uncorrectable faults, the optimizer net),
+``link.py`` (the collector link), ``report.py`` (the Report). Integrations (``integrations/``) own how a given
+architecture is attached; every change they make is recorded as an undo action, so ``close()`` restores the model
+exactly. Layers and owners: docs/architecture.md.
 """
 
 from __future__ import annotations
