@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import functools
 import statistics
 import sys
@@ -223,7 +222,7 @@ class Variant:
             self.guard = attnchecker.protect(self.model, policy=POLICIES[self.name](),
                                              scope=SCOPE.get(self.name, "attention"))
             if self.name == "tier1":
-                self.guard.runtime.config = dataclasses.replace(self.guard.runtime.config, checked_ops=frozenset())
+                self.guard.tripwire_only_this_step()
         elif self.name in ("finite", "dmr", "floor"):
             self.hooks = HookChecker(self.name, self.model)
 
@@ -248,7 +247,7 @@ class Variant:
         self.opt.step()
         if self.hooks is not None:
             self.hooks.end_step()
-        stats = self.guard.runtime.stats if self.guard is not None else None
+        stats = self.guard.step_stats if self.guard is not None else None
         if self.guard is not None:
             self.tier1_checks.append(sum(stats.trip_checks.values()) if stats is not None else 0)
             self.tier1_s.append(stats.trip_seconds if stats is not None else 0.0)

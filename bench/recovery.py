@@ -66,14 +66,14 @@ class Protected:
                       step=step, seed=step)]
 
     def step(self, scenario: str) -> float:
-        self.guard.runtime.injector = Injector(FaultPlan(self._faults(scenario, self.guard.step_count)))
+        self.guard.injector = Injector(FaultPlan(self._faults(scenario, self.guard.step_count)))
         before = self.guard.report()
         c0, t0 = time.process_time(), time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = self.model(input_ids=self.batch, labels=self.batch).loss
         loss.backward()
         self.opt.step()
-        stats = self.guard.runtime.stats
+        stats = self.guard.step_stats
         self.guard.step()
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         after = self.guard.report()

@@ -3,6 +3,9 @@ intervals it hands to the transport, and the overhead the scheduler sees. (Again
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import attnchecker
@@ -109,15 +112,9 @@ def test_a_measured_step_with_nothing_checked_costs_zero_overhead() -> None:
     model = _model()
     guard = attnchecker.protect(model, policy=Policy(period=4, adaptive=False))
     seen: list[float | None] = []
-    observe = guard._scheduler.observe
-
-    def spy(step: int, **kw: object) -> None:
-        seen.append(kw["overhead_ratio"])  # type: ignore[arg-type]
-        observe(step, **kw)  # type: ignore[arg-type]
-
-    guard._scheduler.observe = spy  # type: ignore[method-assign]
     for _ in range(3):
         _step(model, guard)
+        seen.append(guard.last_overhead_ratio)  # what the scheduler was given for that step
     guard.close()
     assert seen[0] is not None and seen[0] > 0  # step 0 checks every op
     assert seen[1:] == [0.0, 0.0]  # nothing due on steps 1 and 2: measured, and free
@@ -135,4 +132,33 @@ def test_close_sends_the_step_in_progress_and_the_finish_record(tmp_path: Path) 
     assert (stats["step_start"], stats["step_end"], stats["steps"]) == (0, 1, 1)
     assert {o["op"]: o["checks"] for o in stats["ops"]}["scores"] == 4  # 2 layers x (step 0 + the extra forward)
     assert guard.report().checks["scores"] == 4
+    assert [r["body"] for r in records if r["kind"] == "finish"] == [{"rank": 0, "last_step": 1}]
+
+
+_NEVER_CLOSED = """
+import sys, torch
+from torch import nn
+import attnchecker
+torch.manual_seed(0)
+model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True),
+                              num_layers=2, enable_nested_tensor=False)
+guard = attnchecker.protect(model, policy=attnchecker.Policy.full(), collector="offline", spool_dir=sys.argv[1],
+                            run="at-exit")
+model(torch.randn(2, 8, 16)).sum().backward()
+guard.step()
+model(torch.randn(1, 8, 16))  # a step in progress at exit
+"""
+
+
+def test_a_script_that_never_closes_still_sends_its_last_interval_and_finishes_once(tmp_path: Path) -> None:
+    # One atexit hook (the RunLink's) closes the guard, which sends the last interval and then closes the transport:
+    # the step in progress is in the stats, and the run is finished exactly once.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _NEVER_CLOSED, str(tmp_path)], env=env, check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_text().splitlines()]
+    (stats,) = [r["body"] for r in records if r["kind"] == "stats"]
+    assert (stats["step_start"], stats["step_end"], stats["steps"]) == (0, 1, 1)
+    assert {o["op"]: o["checks"] for o in stats["ops"]}["scores"] == 4  # 2 layers x (step 0 + the extra forward)
     assert [r["body"] for r in records if r["kind"] == "finish"] == [{"rank": 0, "last_step": 1}]

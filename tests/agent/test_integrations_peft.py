@@ -240,7 +240,7 @@ def test_mixed_adapter_batch_is_a_counted_fallback() -> None:
     model = peft.get_peft_model(_Proj(16, 8, True), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     model.eval()
     layer = model.base_model.model.q_proj
-    binder = Binder(attnchecker.guard.Runtime(step=0, stats=attnchecker.guard.OpStats()))
+    binder = Binder(attnchecker.context.Runtime(step=0, stats=attnchecker.context.OpStats()))
     ctx = binder.new_context()
     binder.add_site(ctx, "q_proj", "sdpa", ("q",), paths={"q": binder.hook_projection(layer, ctx, op="q")})
     layer(torch.randn(2, 3, 16), adapter_names=["default", "__base__"])

@@ -34,7 +34,7 @@ def test_zoo_models_are_fully_covered(arch, caplog) -> None:
     model = build(arch)
     with caplog.at_level(logging.WARNING, logger="attnchecker"), attnchecker.protect(model, strict=True) as guard:
         cov = guard.coverage
-        wire = guard._run_info()["config"]["coverage"]
+        wire = guard.run_info()["config"]["coverage"]
         rep = guard.report().as_dict()["coverage"]
     assert cov.complete
     assert len(cov.protected) == 2 * len(OPS)
@@ -56,7 +56,7 @@ def test_lora_variant_is_listed_warned_once_and_refused_when_strict(caplog) -> N
     model = _dora_llama()
     with caplog.at_level(logging.WARNING, logger="attnchecker"), attnchecker.protect(model) as guard:
         cov = guard.coverage
-        wire = guard._run_info()["config"]["coverage"]
+        wire = guard.run_info()["config"]["coverage"]
     warnings = [r.getMessage() for r in caplog.records if r.name == "attnchecker" and "unprotected" in r.getMessage()]
     assert len(warnings) == 1
     assert "layers 0-1 q,out: peft LoRA variant Dora" in warnings[0]

@@ -100,10 +100,10 @@ def test_guard_set_policy_validates_now_and_applies_at_the_next_step() -> None:
             guard.set_policy({"period": 0})
         guard.set_policy(Policy.full(mode="detect", version=7))
         assert guard.policy.mode == "correct"
-        assert guard.runtime.config.mode == "correct"
+        assert guard.check_config.mode == "correct"
         guard.step()
         assert guard.policy.version == 7
-        assert guard.runtime.config.mode == "detect"
+        assert guard.check_config.mode == "detect"
 
 
 def test_unprotect_closes_the_guard() -> None:

@@ -56,13 +56,13 @@ def _run_with_fault(arch: str, value: str, seed: int, policy: Policy, steps: int
     candidates = 0
     for step in range(steps):
         if step == count_step:
-            assert not guard.runtime.config.checked_ops, "the counting step must be a tier-1-only step"
+            assert not guard.check_config.checked_ops, "the counting step must be a tier-1-only step"
             counter = ShapeFaults(model, count_only=True, ops=ops)
             losses.append(_step(arch, model, opt, step, counter))
             candidates = counter.seen
             continue
         if step == fault_step:
-            assert not guard.runtime.config.checked_ops, f"step {step} must have no op fully checked"
+            assert not guard.check_config.checked_ops, f"step {step} must have no op fully checked"
             assert candidates > 0, "no attention GEMM or fused-attention output to corrupt"
             injector = ShapeFaults(model, target=rng.randrange(candidates), value=value, seed=seed, ops=ops)
             losses.append(_step(arch, model, opt, step, injector))
@@ -118,7 +118,7 @@ def test_trip_snaps_the_period_to_min_period() -> None:
     assert op in ("q", "k", "v")
     assert guard.periods[op] == 1
     assert guard.periods["out"] == 4
-    assert op in guard.runtime.config.checked_ops  # the next step checks it in full
+    assert op in guard.check_config.checked_ops  # the next step checks it in full
     guard.close()
 
 

@@ -14,12 +14,15 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .corpus import Batches, stdlib_corpus
 from .local_collector import LocalCollector, start_local_collector
+
+if TYPE_CHECKING:
+    from ..guard import Guard
 
 DASHBOARD_UID = "attnchecker-overview"
 EARLY_STEPS = 50
@@ -190,9 +193,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_id(guard: Any) -> str | None:
-    transport = getattr(guard, "transport", None)
-    return getattr(transport, "run_id", None) if transport is not None else None
+def _run_id(guard: Guard) -> str | None:
+    return guard.run_id
 
 
 def _policy_curl(url: str, run_ref: str) -> str:
@@ -201,7 +203,7 @@ def _policy_curl(url: str, run_ref: str) -> str:
             "-H 'Content-Type: application/json' -d '{\"tolerance_factor\": 2.0}'")
 
 
-def _wait_for_run_id(guard: Any, timeout_s: float = 10.0) -> str | None:
+def _wait_for_run_id(guard: Guard, timeout_s: float = 10.0) -> str | None:
     """The sender thread registers the run in the background; wait a little for its id (bounded)."""
     deadline = time.monotonic() + timeout_s
     while _run_id(guard) is None and time.monotonic() < deadline:
@@ -214,7 +216,7 @@ def _page_url(url: str, run_id: str | None) -> str:
     return f"{url}/#/runs/{run_id}" if run_id else f"{url}/"
 
 
-def _print_urls(url: str, run_name: str, guard: Any, operator_token: str | None) -> None:
+def _print_urls(url: str, run_name: str, guard: Guard, operator_token: str | None) -> None:
     run_id = _wait_for_run_id(guard)
     run_ref = run_id or "<run id from GET /api/v1/runs>"
     print(f"dashboard page {_page_url(url, run_id)}   (open it in a browser; sign in there as operator to edit)")
@@ -231,7 +233,7 @@ def _print_urls(url: str, run_name: str, guard: Any, operator_token: str | None)
     print("  " + _policy_curl(url, run_ref))
 
 
-def _change_policy(url: str, operator_token: str, guard: Any) -> bool:
+def _change_policy(url: str, operator_token: str, guard: Guard) -> bool:
     """What the printed curl does, sent by the demo itself so the change is seen even when nobody types it."""
     import httpx
 
@@ -284,10 +286,10 @@ def _collector_view(url: str, token: str | None, run_id: str | None) -> dict[str
             "applied": run.get("applied_policy_version")}
 
 
-def _progress(step: int, steps: int, loss: float, guard: Any, reference: Trainer | None, faulty: Trainer | None,
+def _progress(step: int, steps: int, loss: float, guard: Guard, reference: Trainer | None, faulty: Trainer | None,
               tty: bool) -> None:
     report = guard.report()
-    periods = getattr(guard, "periods", None)
+    periods = guard.periods
     period_text = ""
     if periods:
         p = dict(periods)
@@ -305,7 +307,7 @@ def _progress(step: int, steps: int, loss: float, guard: Any, reference: Trainer
         print(line, flush=True)
 
 
-def _summary(args: argparse.Namespace, guard: Any, protected: Trainer, reference: Trainer | None,
+def _summary(args: argparse.Namespace, guard: Guard, protected: Trainer, reference: Trainer | None,
              faulty: Trainer | None, url: str | None, run_name: str, local: LocalCollector | None) -> None:
     report = guard.report()
     injected = guard.injector.injected if guard.injector is not None else []
@@ -341,6 +343,7 @@ def _summary(args: argparse.Namespace, guard: Any, protected: Trainer, reference
     if url:
         run_id = _run_id(guard)
         transport = guard.transport
+        assert transport is not None  # url means the demo protected with collector=url
         print(f"events streamed          sent {transport.sent}, spooled {transport.spooled}, dropped "
               f"{transport.dropped}")
         held = _collector_view(url, local.operator_token if local is not None else args.operator_token, run_id)

@@ -114,8 +114,9 @@ class Transport:
 
     # --- the training thread ------------------------------------------------------------------------------------
 
-    def start(self) -> Transport:
-        """Start the sender thread (idempotent). Touches no network itself: registration happens on the thread."""
+    def start(self, *, at_exit: bool = True) -> Transport:
+        """Start the sender thread (idempotent). Touches no network itself: registration happens on the thread.
+        ``at_exit``: close at interpreter exit; False when the owner's own hook closes it (a guard's RunLink)."""
         with self._start_lock:
             if self._thread is None and not self._outbox.closed:
                 leftovers = list_files(self.spool_dir)
@@ -127,7 +128,8 @@ class Transport:
                              len(leftovers), self.spool_dir, self.spool_dir)
                 self._thread = threading.Thread(target=self._run, name="attnchecker-sender", daemon=True)
                 self._thread.start()
-                atexit.register(self._atexit_close)
+                if at_exit:
+                    atexit.register(self._atexit_close)
         return self
 
     def emit_event(self, event: Any) -> None:
