@@ -27,6 +27,7 @@ from torch import nn
 
 from .context import OPS, TIERS, CheckConfig, OpStats, Runtime
 from .coverage import Coverage
+from .engine_caches import engine_caches
 from .errors import (
     AlreadyProtectedError,
     NoProtectableAttentionError,
@@ -418,6 +419,7 @@ class Guard:
         try:
             self._binder.undo_all()
         finally:
+            engine_caches.clear()  # cached engine tensors (a causal mask: ~2 GiB at 8k context) go with the guard
             if self._transport is not None:
                 self._transport.close(flush_timeout_s, last_step=last_step)
 
