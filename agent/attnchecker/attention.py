@@ -21,10 +21,11 @@ from .attention_tripwire import _emit_trip, _tripwire_sdpa
 from .context import LayerContext
 from .engine_caches import _future_mask
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
+from .passed_checksums import PassedProjection
 from .product_check import Checks, _dot, _exact_math, _tolerance
 from .product_check import _verify as _verify  # re-exported: tests and bench/coverage.py verify through it
-from .projection import PassedProjection, check_linear, protected_linear
 from .projection import _ProjectionInput as _ProjectionInput  # re-exported, as _verify
+from .projection import check_linear, protected_linear
 from .records import _any_bad, _count, _count_trips, _emit, _inject, _observe
 from .tiled_attention import choose_tiles, tiled_sdpa
 from .tripwire import extreme
@@ -148,8 +149,8 @@ def _disagrees(passed: PassedProjection, x_BHSD: torch.Tensor, heads: int) -> to
 
 
 def _take_passed(ctx: LayerContext, name: str, n: int, tokens: int, heads: int, d: int) -> PassedProjection | None:
-    passed = ctx.passed.pop(name, None)
-    if not isinstance(passed, PassedProjection):
+    passed = ctx.passed.take(name)
+    if passed is None:
         return None
     if passed.token_ref_NO2.shape != (n, heads * d, 2) or passed.tokens != tokens:
         return None
@@ -190,7 +191,7 @@ def protected_sdpa(
         # Nothing to verify or inject in this call (an adaptive step that skips both ops, or mode off): the fused
         # kernel, exactly what the unprotected model runs. Passed checksums of this layer are dropped unused.
         for name in ("q", "k", "v"):
-            ctx.passed.pop(name, None)
+            ctx.passed.take(name)
         if not (cfg.trips("scores") or cfg.trips("context")):
             return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=attn_mask, dropout_p=dropout_p,
                                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -213,7 +214,7 @@ def protected_sdpa(
     if tiles is not None and not (attn_mask is not None and attn_mask.requires_grad):
         # O(T) extra memory instead of the T×S scores and probabilities (issue 12, tiled_attention.py).
         for name in ("q", "k", "v"):
-            ctx.passed.pop(name, None)
+            ctx.passed.take(name)
         out = tiled_sdpa(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                          tiles=tiles, force=force, caught=caught)
         if trip is not None and not caught[0]:

@@ -12,67 +12,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .abft import Tolerance, acc_dtype, bounds, checksum_weights, repair, times_skinny, weighted_cols, weighted_rows
+from .abft import acc_dtype, bounds, checksum_weights, repair, times_skinny, weighted_cols, weighted_rows
 from .context import LayerContext
+from .passed_checksums import PassedProjection
 from .product_check import Checks, _dot, _Exact, _exact_math, _tolerance, _verify
 from .records import _any_bad, _count, _count_trips, _emit, _inject, _observe
 from .tripwire import extreme
 
 __all__ = ["PassedProjection", "check_linear", "protected_linear"]
-
-
-@dataclass(slots=True, kw_only=True)
-class PassedProjection:
-    """Checksum passing (paper-faithful mode): what a q/k/v projection hands to the attention of its layer.
-
-    Stored in ``ctx.passed[op]`` by check_linear; protected_sdpa pops it. All derived from the projection's input X
-    and weights, never from its (unverified) output.
-    """
-
-    token_ref_NO2: torch.Tensor
-    """Token-direction checksums (wᵀX)Wᵀ + (Σw)b of the projection output, acc dtype."""
-    token_bound_NO: torch.Tensor
-    """Round-off bound on their d1, to tell whether the actual output agrees (slow path only)."""
-    x_NTI: torch.Tensor
-    weight_OI: torch.Tensor
-    bias_O: torch.Tensor | None
-    x_norm_NT: torch.Tensor
-    out_dtype: torch.dtype
-    tol: Tolerance
-
-    @property
-    def tokens(self) -> int:
-        return self.x_NTI.shape[-2]
-
-    def token_bound_norm(self, heads: int) -> torch.Tensor:
-        """(N, heads, 1): ‖per-feature bound‖₂ over each head's features. The passed q̄ (k̄) differs from wᵀQ (wᵀK)
-        as computed by up to the projection's bound per feature, so a reference q̄ Kᵀ is off by up to this × ‖K_s‖."""
-        n = self.token_bound_NO.shape[0]
-        norm_NH1: torch.Tensor = torch.linalg.vector_norm(self.token_bound_NO.view(n, heads, -1), dim=-1, keepdim=True)
-        return norm_NH1
-
-    def feature_bound(self, heads: int) -> torch.Tensor:
-        """(N, heads, T): bound on |v̂ - V w| per token and head (the projection's round-off, per head)."""
-        in_features = self.weight_OI.shape[1]
-        acc = self.token_ref_NO2.dtype
-        w_norm_HD = torch.linalg.vector_norm(self.weight_OI.to(acc), dim=-1).view(heads, -1)
-        bias_abs_HD = None if self.bias_O is None else self.bias_O.to(acc).abs().view(heads, -1)
-        row_rule, _ = bounds(self.x_norm_NT[:, None, :], w_norm_HD[None], k=in_features, out_dtype=self.out_dtype,
-                             tol=self.tol, bias_abs_C=bias_abs_HD)
-        return row_rule.of(None)
-
-    def feature_ref(self, heads: int) -> torch.Tensor:
-        """(N, heads, T, 2): per-token, per-head feature-direction checksums X (W_hᵀ w) + b_h·w (V's v̂)."""
-        acc = self.token_ref_NO2.dtype
-        out_features, in_features = self.weight_OI.shape
-        d = out_features // heads
-        w_D2 = checksum_weights(d, self.x_NTI.device, acc)
-        w_HDI = self.weight_OI.to(acc).view(heads, d, in_features)
-        ww_IH2 = torch.einsum("hdi,dc->ihc", w_HDI, w_D2).reshape(in_features, heads * 2)
-        ref_NTH2 = times_skinny(self.x_NTI.to(acc), ww_IH2).view(*self.x_NTI.shape[:-1], heads, 2)
-        if self.bias_O is not None:
-            ref_NTH2 = ref_NTH2 + self.bias_O.to(acc).view(heads, d) @ w_D2
-        return ref_NTH2.transpose(-3, -2)
 
 
 @dataclass(slots=True)
@@ -209,10 +156,10 @@ def check_linear(
                 token_rule = bounds(shared.x_norm_NT, w_norm_O, k=w_s.shape[1], out_dtype=y.dtype, tol=tol,
                                     bias_abs_C=bias_abs, operands_cast_to=cast_to)[1]
                 token_bound = token_rule.of(None).expand(y_s.shape[0], -1)
-                ctx.passed[name] = PassedProjection(token_ref_NO2=shared.token_ref(w_s, b_s),
-                                                    token_bound_NO=token_bound,
-                                                    x_NTI=x_NTI.detach(), weight_OI=w_s, bias_O=b_s,
-                                                    x_norm_NT=shared.x_norm_NT, out_dtype=y.dtype, tol=tol)
+                ctx.passed.put(name, PassedProjection(token_ref_NO2=shared.token_ref(w_s, b_s),
+                                                      token_bound_NO=token_bound,
+                                                      x_NTI=x_NTI.detach(), weight_OI=w_s, bias_O=b_s,
+                                                      x_norm_NT=shared.x_norm_NT, out_dtype=y.dtype, tol=tol))
                 continue
             checks = full_checks(y_s, w_s, b_s)
             _observe(ctx, checks)
