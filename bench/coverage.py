@@ -258,10 +258,16 @@ def clean_campaign(dtype_name: str, checks: int, seed: int, tol: Tolerance | Non
     if tol is not None and tol.sigmas != Tolerance().sigmas:
         # The policy has no `sigmas` (it is not a user setting): for a what-if run at another quantile the
         # engine's tolerance builder is replaced for this process only.
-        import attnchecker.attention as engine
+        import attnchecker.attention
+        import attnchecker.projection
+        import attnchecker.tiled_attention
 
-        engine._tolerance = lambda c: Tolerance(mode=c.config.tolerance, factor=c.config.tolerance_factor,
-                                                sigmas=tol.sigmas)
+        def what_if(c: Any) -> Tolerance:
+            return Tolerance(mode=c.config.tolerance, factor=c.config.tolerance_factor, sigmas=tol.sigmas)
+
+        # Every engine module that builds a tolerance holds its own reference to product_check._tolerance.
+        for engine in (attnchecker.attention, attnchecker.projection, attnchecker.tiled_attention):
+            engine._tolerance = what_if  # type: ignore[attr-defined]
     counts = {"projection": 0, "scores": 0, "context": 0}
     gen = torch.Generator().manual_seed(seed)
     i = 0

@@ -21,8 +21,8 @@ import math
 
 import torch
 
-from .attention import _future_mask
 from .context import LayerContext
+from .engine_caches import _future_mask
 from .gemm_check import check_gemms
 
 __all__ = ["BACKWARD_OPS", "checked_backward"]

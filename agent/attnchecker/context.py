@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from .passed_checksums import PassedChecksums
 from .policy import MODES, OPS, TIERS, TOLERANCES
 
 if TYPE_CHECKING:
@@ -104,8 +105,8 @@ class LayerContext:
 
     layer: int
     runtime: Runtime
-    passed: dict[str, Any] = field(default_factory=dict)
-    """Scratch space for checksum passing within one forward of this layer (projections write, attention reads)."""
+    passed: PassedChecksums = field(default_factory=PassedChecksums)
+    """Checksum passing within one forward of this layer (projections put, the attention takes)."""
 
     @property
     def step(self) -> int:

@@ -13,9 +13,10 @@ import torch
 from .abft import Tolerance, repair
 from .abft.checksum import DirectionCheck
 from .abft.gemm import exact_gemm_elements, verify_gemm
-from .attention import _count, _emit, _exact_math, _observe
 from .context import LayerContext
 from .matmul_precision import fp32_matmul_operand_roundoff
+from .product_check import _exact_math
+from .records import _count, _emit, _observe
 
 __all__ = ["Gemm", "check_gemms"]
 

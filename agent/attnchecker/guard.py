@@ -32,6 +32,7 @@ from .attach import (
 )
 from .context import OPS, CheckConfig, OpStats, Runtime
 from .coverage import Coverage
+from .engine_caches import engine_caches
 from .errors import (
     AlreadyProtectedError,
     NoProtectableAttentionError,
@@ -316,6 +317,7 @@ class Guard:
         try:
             self._binder.undo_all()
         finally:
+            engine_caches.clear()  # cached engine tensors (a causal mask: ~2 GiB at 8k context) go with the guard
             if self._link is not None:
                 self._link.close(flush_timeout_s, last_step=last_step)
 

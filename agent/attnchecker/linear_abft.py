@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .context import LayerContext, Runtime
+from .context import LayerContext
 from .gemm_check import Gemm, check_gemms
 from .integrations._common import Binder, _projection_hook
+from .whole_step import _WHOLE_STEP, gemm_due, whole_step_due
 
 __all__ = ["GEMM_OPS", "SCOPES", "attach", "gemm_due", "linear_layout", "whole_step_due"]
 
@@ -34,22 +35,6 @@ SCOPES: tuple[str, ...] = ("attention", "all")
 """What protect() covers: the attention ops only, or also every Linear/Conv1D GEMM forward and backward."""
 GEMM_OPS: tuple[str, ...] = ("linear", "linear_dx", "linear_dw")
 """Event ops of the whole-step GEMMs: the forward output, the input gradient, the weight gradient."""
-
-
-# Runtimes (by id) of the guards attached with scope="all": the attention backward asks whether its guard is one.
-_WHOLE_STEP: set[int] = set()
-
-
-def whole_step_due(runtime: Runtime) -> bool:
-    """Whether this guard protects the whole step (scope="all") and its GEMMs are checked on the current step."""
-    return id(runtime) in _WHOLE_STEP and gemm_due(runtime)
-
-
-def gemm_due(runtime: Runtime) -> bool:
-    """Whether the whole-step GEMMs are fully checked on the current step: the one place that decides, so it can
-    follow a tier/schedule of its own later. Today they ride on the output projection's schedule (the adaptive
-    scheduler's ``out`` op: the last GEMM of a layer, checked when the layer is)."""
-    return runtime.config.checks("out")
 
 
 def linear_layout(module: nn.Module) -> str | None:

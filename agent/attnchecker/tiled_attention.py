@@ -17,7 +17,7 @@ Flow, with at most one host-device sync on clean input:
   fault, as the unfused path's does) and every flagged tile is reported "detected".
 A fused GPU kernel can move the verify-and-repair of step 3 inside the tile loop; the contract is the same.
 
-Backward: the verified output and row log-sum-exp feed the fused CPU kernel (attention._VerifiedAttention), as on
+Backward: the verified output and row log-sum-exp feed the fused CPU kernel (fused_backward._VerifiedAttention), as on
 the unfused path. On other devices the gradient comes from recomputing the (unprotected) fused SDPA in backward,
 which is the gradient of the same function at the same verified q, k, v (backward is unprotected either way).
 """
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import records
 from .abft import Tolerance, acc_dtype, col_norms, repair
 from .abft.repair import MatrixReport
 from .abft.tiled import (
@@ -45,6 +46,9 @@ from .abft.tiled import (
     v_row_checksums,
 )
 from .context import LayerContext
+from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
+from .product_check import _dot, _exact_math, _tolerance, _verify
+from .records import _count, _count_trips, _record_ratio
 
 __all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "choose_tiles", "tiled_sdpa"]
 
@@ -141,18 +145,17 @@ def tiled_sdpa(
     force: ops verified whatever the step's config says (a tier-1 recovery). An op that is not due but has the
     tier-1 tripwire is verified in full here too (per tile that costs about what the tripwire would), its events
     under tier "tripwire". caught: [n], incremented by the number of detections emitted."""
-    from . import attention as eng
 
     h = q_BHTD.shape[1]
-    k_rep, v_rep = eng._expand_heads(k_BHSD, h), eng._expand_heads(v_BHSD, h)
+    k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
     with torch.no_grad():
         out, lse = _forward(q_BHTD.detach(), k_rep.detach(), v_rep.detach(), ctx=ctx, attn_mask=attn_mask,
                             is_causal=is_causal, scale=scale, tiles=tiles, force=force, caught=caught)
     if not (torch.is_grad_enabled() and (q_BHTD.requires_grad or k_BHSD.requires_grad or v_BHSD.requires_grad)):
         return out
     if q_BHTD.device.type == "cpu":
-        return eng._VerifiedAttention.apply(q_BHTD, k_rep, v_rep, eng._Forward(
-            out_BHTD=out, lse_BHT=lse, mask_add=eng._additive_mask(attn_mask, q_BHTD.dtype), scale=scale,
+        return _VerifiedAttention.apply(q_BHTD, k_rep, v_rep, _Forward(
+            out_BHTD=out, lse_BHT=lse, mask_add=_additive_mask(attn_mask, q_BHTD.dtype), scale=scale,
             is_causal=is_causal))
     if is_causal and attn_mask is not None:
         attn_mask, is_causal = _causal_into_mask(attn_mask, q_BHTD.shape[-2], k_BHSD.shape[-2]), False
@@ -201,19 +204,18 @@ def _forward(
     force: frozenset[str] = frozenset(),
     caught: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from . import attention as eng
 
     b, h, t, d = q.shape
     s = k.shape[-2]
     cfg = ctx.config
-    tol = eng._tolerance(ctx)
+    tol = _tolerance(ctx)
     plan = TilePlan(t, s, tiles.block_q, tiles.block_k, is_causal)
     mask = None if attn_mask is None else torch.broadcast_to(attn_mask, (b, h, t, s))
     tiers = {op: "abft" if cfg.checks(op) and op not in force else "tripwire"
              for op in ("scores", "context") if cfg.checks(op) or op in force or cfg.trips(op)}
     ops = tuple(tiers)
     acc = acc_dtype(q.dtype)
-    with eng._exact_math(q):
+    with _exact_math(q):
         # O(T·D) per call: the operands in the acc dtype (contiguous: heads are strided views) and what every tile
         # of them shares.
         q_acc, k_acc = q.to(acc).contiguous(), k.to(acc).contiguous()
@@ -234,7 +236,7 @@ def _forward(
     for op in ops:
         worst = record.worst[op]
         if worst is not None:
-            eng._record_ratio(ctx, worst)
+            _record_ratio(ctx, worst)
     if ops:
         flat = [f for op in ops for f in record.flags[op] if f is not None]
         any_bad = torch.stack([f.any() for f in flat]).any() if flat else torch.zeros((), dtype=torch.bool)
@@ -244,9 +246,9 @@ def _forward(
             record.seconds["scores" if "scores" in ops else "context"] += time.perf_counter() - t0
     for op in ops:
         if tiers[op] == "abft":
-            eng._count(ctx, op, record.seconds[op])
+            _count(ctx, op, record.seconds[op])
         else:
-            eng._count_trips(ctx, [op], record.seconds[op])
+            _count_trips(ctx, [op], record.seconds[op])
     return out, lse
 
 
@@ -297,7 +299,6 @@ def _query_block(
 ) -> None:
     """Compute query block i over its key tiles and write its rows of out and lse. Fast pass (record): checks are
     kept on the device. Slow path (fix): each tile is verified and repaired before it is folded."""
-    from . import attention as eng
 
     plan = sh.plan
     r0, r1 = plan.rows(i)
@@ -309,7 +310,7 @@ def _query_block(
     o = torch.zeros((*lead, r1 - r0, sh.v.shape[-1]), device=q_i.device, dtype=soft)
     rows_by_op: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {
         op: [] for op in sh.ops}
-    with eng._exact_math(q_i):
+    with _exact_math(q_i):
         qbar_src = sh.q_acc[..., r0:r1, :]
         for j, c0, c1 in plan.keys(i):
             k_j, v_j = sh.k[..., c0:c1, :], sh.v[..., c0:c1, :]
@@ -319,11 +320,11 @@ def _query_block(
             if "scores" in sh.ops:
                 t0 = time.perf_counter()
                 row_ref, col_ref = scores_refs(qbar_src, sh.k_acc[..., c0:c1, :])
-                checks = eng._verify(s_ij, row_ref, col_ref, sh.q_norm[..., r0:r1], sh.k_norm[..., c0:c1],
+                checks = _verify(s_ij, row_ref, col_ref, sh.q_norm[..., r0:r1], sh.k_norm[..., c0:c1],
                                      k=sh.q.shape[-1], tol=sh.tol)
                 if fix is not None:
                     _repair_tile(fix, "scores", s_ij, checks, j, r0, c0,
-                                 lambda key, rows, cols, q_i=q_i, k_j=k_j: eng._dot(q_i[key][rows], k_j[key][cols]))
+                                 lambda key, rows, cols, q_i=q_i, k_j=k_j: _dot(q_i[key][rows], k_j[key][cols]))
                 else:
                     rows_by_op["scores"].append(_keep(checks))
                 if record is not None:
@@ -340,11 +341,11 @@ def _query_block(
                 t0 = time.perf_counter()
                 row_ref, col_ref, p_norm = context_refs(p_c.to(sh.v_acc.dtype), sh.v_acc[..., c0:c1, :],
                                                         sh.vw[..., c0:c1, :], p_sum)
-                checks = eng._verify(pv, row_ref, col_ref, p_norm.to(sh.v_acc.dtype),
+                checks = _verify(pv, row_ref, col_ref, p_norm.to(sh.v_acc.dtype),
                                      col_norms(sh.v_acc[..., c0:c1, :]), k=c1 - c0, tol=sh.tol)
                 if fix is not None:
                     _repair_tile(fix, "context", pv, checks, j, r0, 0,
-                                 lambda key, rows, cols, p_c=p_c, v_j=v_j: eng._dot(p_c[key][rows], v_j[key].mT[cols]))
+                                 lambda key, rows, cols, p_c=p_c, v_j=v_j: _dot(p_c[key][rows], v_j[key].mT[cols]))
                 else:
                     rows_by_op["context"].append(_keep(checks))
                 if record is not None:
@@ -436,9 +437,7 @@ def _repair_tile(
 
 
 def _emit(sh: _Shared, ctx: LayerContext, op: str, reports: list[MatrixReport]) -> None:
-    from . import attention as eng
-
-    eng._emit(ctx, op, reports, heads=True, tier=sh.tiers[op])
+    records._emit(ctx, op, reports, heads=True, tier=sh.tiers[op])
     if sh.caught is not None:
         sh.caught[0] += len(reports)
 

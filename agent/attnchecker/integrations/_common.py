@@ -17,15 +17,13 @@ from torch import nn
 from ..context import LayerContext, Runtime
 from ..coverage import Coverage, OpCoverage
 from ..errors import UnprotectedAttentionError
+from .projection_hook import ContextRef, Outputs, Splits, check_projection
 
 __all__ = ["Binder", "ContextRef", "Site", "engine_call", "forward_source_mentions", "projection_gap", "rotates_qk"]
 
 log = logging.getLogger("attnchecker")
 
-Splits = tuple[tuple[str, int], ...]
 T = TypeVar("T")
-ContextRef = LayerContext | Callable[[], LayerContext]
-"""A projection's layer: fixed, or resolved per call (a module that runs several attentions per forward)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +54,7 @@ class Binder:
         self._next_layer = 0
         # (layer, op) -> (storage, numel) of the projection output last checked: tells whether the q/k/v an
         # attention call gets are still those outputs (views: reshape, transpose, split) or new tensors.
-        self._outputs: dict[tuple[int, str], tuple[int, int]] = {}
+        self._outputs: Outputs = {}
         # Attention modules left out whole (no layer), and calls that fell back to an unprotected kernel at run time.
         self.unprotected: list[OpCoverage] = []
         self.fallbacks: dict[tuple[int, str, str], int] = {}
@@ -226,42 +224,6 @@ def _projection_hook(
     ctx = ctx_ref if isinstance(ctx_ref, LayerContext) else ctx_ref()
     return check_projection(outputs, ctx, x, output, weight, bias, op=op, splits=splits, names=names,
                             weight_layout=weight_layout)
-
-
-def check_projection(
-    outputs: dict[tuple[int, str], tuple[int, int]],
-    ctx: LayerContext,
-    x: torch.Tensor,
-    output: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    op: str | None,
-    splits: Splits | None,
-    names: tuple[str, ...],
-    weight_layout: str,
-    cast_operands: bool = True,
-) -> torch.Tensor:
-    """check_linear on a projection's output = x·W (+ b) as its module computed it, under autocast too; records the
-    output's storage for ``Binder.passed_matches``. cast_operands=False: x and W are given wider than the output on
-    purpose (the bound then covers the rounding of the operands and of the intermediate sums: peft.py)."""
-    from ..attention import check_linear
-
-    ptr, rows = output.untyped_storage().data_ptr(), output.numel() // output.shape[-1]
-    sizes = [size for _, size in splits] if splits is not None else [output.shape[-1]]
-    for name, size in zip(names, sizes, strict=True):
-        outputs[(ctx.layer, name)] = (ptr, rows * size)
-    device_type = output.device.type
-    if not torch.is_autocast_enabled(device_type):
-        return check_linear(x, output, weight, bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout)
-    # Autocast computed `output` from x, W, b cast to its dtype: check against exactly those (never cast `output`:
-    # the repair must land in the tensor the model goes on with), and keep the engine's own math out of autocast.
-    if cast_operands:
-        dtype = output.dtype
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
-    with torch.autocast(device_type, enabled=False):
-        return check_linear(x, output, weight, bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout)
 
 
 # Read once per class: inspect.getsource re-reads the file.

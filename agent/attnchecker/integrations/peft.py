@@ -29,9 +29,10 @@ import torch
 from torch import nn
 
 from ..context import LayerContext
+from .projection_hook import check_projection
 
 if TYPE_CHECKING:
-    from ._common import Binder, ContextRef, Splits
+    from .projection_hook import ContextRef, HookOwner, Splits
 
 __all__ = ["base_linear", "hook_lora", "is_lora", "why_unsupported"]
 
@@ -101,7 +102,7 @@ class _Call:
 
 
 def hook_lora(
-    binder: Binder,
+    binder: HookOwner,
     layer: nn.Module,
     ctx: ContextRef,
     *,
@@ -125,7 +126,7 @@ def hook_lora(
 
 
 def _pre(
-    binder: Binder,
+    binder: HookOwner,
     call: _Call,
     ctx_ref: ContextRef,
     names: tuple[str, ...],
@@ -154,8 +155,6 @@ def _due(ctx: LayerContext, names: tuple[str, ...]) -> bool:
 
 
 def _a_hook(call: _Call, adapter: str, op: str, module: nn.Module, args: tuple[Any, ...], z: torch.Tensor) -> Any:
-    from ._common import check_projection
-
     if call.ctx is None or call.skip:
         return None
     x_d = args[0]
@@ -167,7 +166,7 @@ def _a_hook(call: _Call, adapter: str, op: str, module: nn.Module, args: tuple[A
 
 
 def _post(
-    binder: Binder,
+    binder: HookOwner,
     call: _Call,
     op: str | None,
     splits: Splits | None,
@@ -177,8 +176,6 @@ def _post(
     kwargs: dict[str, Any],
     y: torch.Tensor,
 ) -> Any:
-    from ._common import check_projection
-
     ctx, z, call.ctx = call.ctx, dict(call.z), None
     call.z.clear()
     if ctx is None or call.skip or not _due(ctx, names):

@@ -1,0 +1,80 @@
+"""Autograd for an attention output computed and verified outside autograd: the fused CPU kernel's backward at the
+verified q, k, v, output and row log-sum-exp (or, under protect(scope="all"), the checked products of
+attention_backward), and the mask and head layout that kernel takes. Shared by the unfused and the tiled attention."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .context import LayerContext
+
+
+@dataclass(slots=True)
+class _Forward:
+    """What _VerifiedAttention's backward needs besides q, k, v: the verified output and how AP was formed."""
+
+    out_BHTD: torch.Tensor
+    lse_BHT: torch.Tensor
+    mask_add: torch.Tensor | None
+    scale: float
+    is_causal: bool
+    layer: LayerContext | None = None
+    """Set: under protect(scope="all") backward may run the checked products (attention_backward) instead."""
+
+
+class _VerifiedAttention(torch.autograd.Function):
+    """Autograd for an attention output computed, verified and repaired outside autograd (under no_grad).
+
+    The gradient is the fused CPU kernel's backward (aten._scaled_dot_product_flash_attention_for_cpu_backward) at
+    q, k, v, the verified output and the row log-sum-exp: the gradient of softmax(scale·QKᵀ + mask)·V, the same
+    function the unfused graph would differentiate, without keeping AS and AP alive for backward or running softmax
+    backward over them. Backward is unprotected either way (DESIGN.md); what it reads (q, k, v, out) is what the
+    checks verified. docs/abft.md (performance) has the reasoning.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd: _Forward) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, fwd.out_BHTD, fwd.lse_BHT, fwd.mask_add)
+        ctx.scale, ctx.is_causal, ctx.layer = fwd.scale, fwd.is_causal, fwd.layer
+        return fwd.out_BHTD
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, k, v, out, lse, mask_add = ctx.saved_tensors
+        if ctx.layer is not None:
+            from .attention_backward import checked_backward
+            from .whole_step import whole_step_due
+
+            if whole_step_due(ctx.layer.runtime):
+                dq, dk, dv = checked_backward(ctx.layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
+                                              is_causal=ctx.is_causal)
+                return dq, dk, dv, None
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask_add, scale=ctx.scale)
+        return dq, dk, dv, None
+
+
+def _additive_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask as the fused backward takes it: additive, 4-D. A 3-D (H, T, S) mask, valid for SDPA (it broadcasts
+    from the right), is misread by the CPU kernel's backward, which then fails on its size."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dtype == torch.bool:
+        mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(~attn_mask, -math.inf)
+    else:
+        mask = attn_mask.to(dtype)
+    return mask.view(*(1,) * (4 - mask.dim()), *mask.shape) if mask.dim() < 4 else mask
+
+
+def _expand_heads(x_BHSD: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA: repeat each key/value head for its query-head group (SDPA's enable_gqa). expand + reshape rather than
+    repeat_interleave, which syncs on CUDA to size its output."""
+    hk = x_BHSD.shape[-3]
+    if hk == heads:
+        return x_BHSD
+    lead, tail = x_BHSD.shape[:-3], x_BHSD.shape[-2:]
+    grouped = x_BHSD.unsqueeze(-3).expand(*lead, hk, heads // hk, *tail)
+    return grouped.reshape(*lead, heads, *tail)

@@ -1,0 +1,93 @@
+"""How the engine checks one product C = A·B: the exact-math context its checksums run in, the tolerance in force, and
+both directions verified against input-derived references (no sync). Shared by the attention, the projections, the
+tiled attention and the whole-step GEMM checks."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from .abft import DirectionCheck, Tolerance, acc_dtype, bounds, checksums_of, verify_direction
+from .context import LayerContext
+from .matmul_precision import fp32_matmul_operand_roundoff, ieee_fp32_matmul
+
+Checks = dict[str, DirectionCheck]
+
+
+_Exact = Callable[[tuple[int, ...], torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _dot(a_PK: torch.Tensor, b_PK: torch.Tensor, bias_P: torch.Tensor | None = None) -> torch.Tensor:
+    """Row-wise dot products in the accumulation dtype: single elements of a product, recomputed exactly."""
+    acc = acc_dtype(a_PK.dtype)
+    out_P = (a_PK.to(acc) * b_PK.to(acc)).sum(-1)
+    return out_P if bias_P is None else out_P + bias_P.to(acc)
+
+
+def _exact_math(like: torch.Tensor) -> contextlib.ExitStack:
+    """no_grad, autocast off and IEEE fp32 matmuls: checksums must run in the dtypes we chose (under autocast a fp32
+    checksum matmul would silently run in bf16, under TF32 with 10-bit operands, and flag clean data); autograd must
+    not see them."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    stack.enter_context(torch.autocast(device_type=like.device.type, enabled=False))
+    stack.enter_context(ieee_fp32_matmul(like.device))
+    return stack
+
+
+def _tolerance(ctx: LayerContext) -> Tolerance:
+    cfg = ctx.config
+    return Tolerance(mode=cfg.tolerance, factor=cfg.tolerance_factor)
+
+
+def _gemm_accumulation(c: torch.Tensor) -> torch.dtype | None:
+    """The precision a half-precision product may have been reduced in: its own dtype when cuBLAS is allowed
+    reduced-precision reductions (PyTorch's default), else fp32 (None)."""
+    if not c.is_cuda:
+        return None
+    flags = torch.backends.cuda.matmul
+    if c.dtype == torch.float16 and flags.allow_fp16_reduced_precision_reduction:
+        return torch.float16
+    if c.dtype == torch.bfloat16 and flags.allow_bf16_reduced_precision_reduction:
+        return torch.bfloat16
+    return None
+
+
+def _verify(
+    c_NRC: torch.Tensor,
+    row_ref_NR2: torch.Tensor,
+    col_ref_NC2: torch.Tensor,
+    a_norm_NR: torch.Tensor,
+    b_norm_NC: torch.Tensor,
+    *,
+    k: int,
+    tol: Tolerance,
+    bias_abs_C: torch.Tensor | None = None,
+    extra_row_NR: torch.Tensor | None = None,
+    extra_col_NC: torch.Tensor | None = None,
+    operands_cast_to: torch.dtype | None = None,
+    ref_norms: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+) -> Checks:
+    """Both directions of C = A·B against references derived from the inputs (no sync). extra_*: error already in
+    a passed reference (paper-faithful mode), added to the bound. operands_cast_to: autocast ran the product on
+    operands rounded to this dtype. ref_norms: (‖B w‖, ‖wᵀA‖) per batch (..., 2), for the calibrated bound."""
+    roundoff = tol.mode == "roundoff"
+    use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and roundoff
+    got_rows, got_cols, sums = checksums_of(c_NRC, with_abs=use_abs, with_sq=roundoff and tol.calibrated)
+    # An fp32 product under TF32 (or oneDNN bf16) rounded its operands; autocast already says so for half products.
+    operand_u = fp32_matmul_operand_roundoff(c_NRC.device) if c_NRC.dtype == torch.float32 else None
+    row_rule, col_rule = bounds(
+        a_norm_NR, b_norm_NC, k=k, out_dtype=c_NRC.dtype, tol=tol, bias_abs_C=bias_abs_C, use_abs=use_abs,
+        gemm_accumulates_in=_gemm_accumulation(c_NRC), operands_cast_to=operands_cast_to,
+        operand_roundoff=operand_u, ref_norms=ref_norms,
+    )
+    if extra_row_NR is not None and roundoff:
+        row_rule = row_rule.plus(extra_row_NR)
+    if extra_col_NC is not None and roundoff:
+        col_rule = col_rule.plus(extra_col_NC)
+    row_sums, col_sums = (sums.of("row"), sums.of("col")) if sums is not None else ((None, None), (None, None))
+    return {
+        "row": verify_direction(row_ref_NR2, got_rows, row_rule, *row_sums),
+        "col": verify_direction(col_ref_NC2, got_cols, col_rule, *col_sums),
+    }

@@ -1,0 +1,223 @@
+"""The projection checks: y = x Wᵀ + b (q/k/v/out, GPT-2's fused c_attn, any Linear/Conv1D) verified by checksums and
+repaired in place, and in paper-faithful mode the input-derived checksums a q/k/v projection passes to the attention
+of its layer (PassedProjection). Legend as in attention.py: N leading dims flattened, T tokens, I input features,
+O output features, 2 a checksum pair."""
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .abft import acc_dtype, bounds, checksum_weights, repair, times_skinny, weighted_cols, weighted_rows
+from .context import LayerContext
+from .passed_checksums import PassedProjection
+from .product_check import Checks, _dot, _Exact, _exact_math, _tolerance, _verify
+from .records import _any_bad, _count, _count_trips, _emit, _inject, _observe
+from .tripwire import extreme
+
+__all__ = ["PassedProjection", "check_linear", "protected_linear"]
+
+
+@dataclass(slots=True)
+class _ProjectionInput:
+    """What every column slice of one projection shares: X in the acc dtype, its token checksums and row norms."""
+
+    x_NTI: torch.Tensor
+    x_acc_NTI: torch.Tensor
+    xsum_N2I: torch.Tensor
+    x_norm_NT: torch.Tensor
+
+    @classmethod
+    def of(cls, x_NTI: torch.Tensor) -> _ProjectionInput:
+        x_acc = x_NTI.to(acc_dtype(x_NTI.dtype))
+        return cls(x_NTI, x_acc, weighted_cols(x_acc).mT, torch.linalg.vector_norm(x_acc, dim=-1))
+
+    def token_ref(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
+        """(N, O, 2): (wᵀX) Wᵀ + (Σw) b, the column-direction reference of Y = X Wᵀ + b."""
+        acc = self.x_acc_NTI.dtype
+        ref_N2O = self.xsum_N2I @ weight_OI.to(acc).T
+        if bias_O is not None:
+            # Σw from the cached weights, on the device: a host-built tensor would be a host-to-device copy.
+            wsum_21 = checksum_weights(self.x_NTI.shape[-2], ref_N2O.device, acc).sum(0)[:, None]
+            ref_N2O = ref_N2O + wsum_21 * bias_O.to(acc)
+        return ref_N2O.transpose(-2, -1)
+
+    def feature_ref(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
+        """(N, T, 2): X (Wᵀ w) + b·w, the row-direction reference."""
+        acc = self.x_acc_NTI.dtype
+        ww_I2 = weighted_cols(weight_OI.to(acc))
+        ref_NT2 = times_skinny(self.x_acc_NTI, ww_I2)
+        if bias_O is not None:
+            ref_NT2 = ref_NT2 + weighted_rows(bias_O.to(acc)[None])[0]
+        return ref_NT2
+
+    def ref_norms(self, weight_OI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(‖Wᵀw‖ (2,), ‖wᵀX‖ (N, 2)): the vectors the row (column) references dot with, for the calibrated bound."""
+        ww_I2 = weighted_cols(weight_OI.to(self.x_acc_NTI.dtype))
+        return torch.linalg.vector_norm(ww_I2, dim=-2), torch.linalg.vector_norm(self.xsum_N2I, dim=-1)
+
+    def weight_norms(
+        self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(‖W_o‖₂ per output feature, |b|): the column norms of B = Wᵀ for the round-off bound."""
+        acc = self.x_acc_NTI.dtype
+        # Square-sum-root: for an HF Conv1D weight (in, out) each W_o is a strided column, and vector_norm along it is
+        # ~10x slower (the bound has 1% slack; the two differ in the last bits).
+        w_norm_O = weight_OI.to(acc).square().sum(-1).sqrt()
+        return w_norm_O, None if bias_O is None else bias_O.to(acc).abs()
+
+
+def _recompute_linear(
+    ctx: LayerContext, name: str, x_NTI: torch.Tensor, w_OI: torch.Tensor, b_O: torch.Tensor | None
+) -> torch.Tensor:
+    fresh_NTO = F.linear(x_NTI, w_OI, b_O)
+    _inject(ctx, name, fresh_NTO, attempt=1)
+    return fresh_NTO
+
+
+def _exact_linear(
+    x_NTI: torch.Tensor,
+    w_OI: torch.Tensor,
+    b_O: torch.Tensor | None,
+    key: tuple[int, ...],
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+) -> torch.Tensor:
+    return _dot(x_NTI[key][rows], w_OI[cols], None if b_O is None else b_O[cols])
+
+
+def check_linear(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    ctx: LayerContext,
+    op: str | None = None,
+    splits: Sequence[tuple[str, int]] | None = None,
+    weight_layout: str = "out_in",
+) -> torch.Tensor:
+    """Inject planned faults into y = x Wᵀ + b (``out_in``, nn.Linear) or x W + b (``in_out``, HF Conv1D), then verify
+    and repair it in place. x: (..., T, I), y: (..., T, O). ``splits`` names column slices of a fused projection
+    (GPT-2 c_attn), each its own op. Returns y. Syncs with the device once (clean input), more only when a fault is
+    found. In paper-faithful mode (config.source_repair False) q/k/v are not verified here: their input-derived
+    checksums go to ``ctx.passed`` for protected_sdpa.
+    """
+    if weight_layout not in ("out_in", "in_out"):
+        raise ValueError(f"weight_layout must be 'out_in' or 'in_out', got {weight_layout!r}")
+    if splits is None:
+        if op is None:
+            raise ValueError("check_linear needs op= or splits=")
+        splits = ((op, y.shape[-1]),)
+    if sum(size for _, size in splits) != y.shape[-1]:
+        raise ValueError(f"splits {list(splits)} do not add up to the {y.shape[-1]} output features")
+    cfg = ctx.config
+    x_NTI = x.reshape(-1, *x.shape[-2:]) if x.dim() != 2 else x[None]
+    y_NTO = y.view(-1, *y.shape[-2:]) if y.dim() != 2 else y[None]
+    weight_OI = weight if weight_layout == "out_in" else weight.T
+    tol = _tolerance(ctx)
+    # Under autocast the module's fp32 input and weight were rounded to the output's dtype for the GEMM.
+    cast_to = y.dtype if x.dtype != y.dtype or weight.dtype != y.dtype else None
+    shared: _ProjectionInput | None = None
+    pending: list[tuple[str, torch.Tensor, Checks, Callable[[], torch.Tensor], _Exact, float, str]] = []
+    # Tier 1: (name, y_s, w_s, b_s) of the slices only the tripwire looks at on this step.
+    wired: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+
+    def full_checks(y_s: torch.Tensor, w_s: torch.Tensor, b_s: torch.Tensor | None) -> Checks:
+        nonlocal shared
+        shared = shared or _ProjectionInput.of(x_NTI.detach())
+        w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
+        return _verify(y_s.detach(), shared.feature_ref(w_s, b_s), shared.token_ref(w_s, b_s), shared.x_norm_NT,
+                       w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs, operands_cast_to=cast_to,
+                       ref_norms=shared.ref_norms(w_s))
+
+    offset = 0
+    for name, size in splits:
+        y_s = y_NTO[..., offset : offset + size]
+        w_s = weight_OI[offset : offset + size].detach()
+        b_s = bias[offset : offset + size].detach() if bias is not None else None
+        offset += size
+        _inject(ctx, name, y_s)
+        if cfg.trips(name):
+            wired.append((name, y_s, w_s, b_s))
+        paper_pass = name in ("q", "k", "v") and not cfg.source_repair
+        if cfg.mode == "off" or not (cfg.checks(name) or paper_pass):
+            continue
+        t0 = time.perf_counter()
+        with _exact_math(y):
+            shared = shared or _ProjectionInput.of(x_NTI.detach())
+            if paper_pass:
+                # Paper mode keeps the operand-only bound: the output it would be measured on is unverified.
+                w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
+                token_rule = bounds(shared.x_norm_NT, w_norm_O, k=w_s.shape[1], out_dtype=y.dtype, tol=tol,
+                                    bias_abs_C=bias_abs, operands_cast_to=cast_to)[1]
+                token_bound = token_rule.of(None).expand(y_s.shape[0], -1)
+                ctx.passed.put(name, PassedProjection(token_ref_NO2=shared.token_ref(w_s, b_s),
+                                                      token_bound_NO=token_bound,
+                                                      x_NTI=x_NTI.detach(), weight_OI=w_s, bias_O=b_s,
+                                                      x_norm_NT=shared.x_norm_NT, out_dtype=y.dtype, tol=tol))
+                continue
+            checks = full_checks(y_s, w_s, b_s)
+            _observe(ctx, checks)
+
+        recompute = functools.partial(_recompute_linear, ctx, name, x_NTI.detach(), w_s, b_s)
+        exact = functools.partial(_exact_linear, x_NTI.detach(), w_s, b_s)
+        pending.append((name, y_s, checks, recompute, exact, time.perf_counter() - t0, "abft"))
+    flags = [_any_bad(item[2]) for item in pending]
+    trip_s = 0.0
+    if wired:
+        t0 = time.perf_counter()
+        # All slices wired (the usual tier-1 step): one sum over y, not one per strided column slice.
+        flags.append(extreme(y) if len(wired) == len(splits) else extreme(*(item[1] for item in wired)))
+        trip_s = time.perf_counter() - t0
+    if not flags:
+        return y
+    slow = bool(torch.stack(flags).any())  # sync: the one per protected projection call; decides the slow path
+    if slow and wired:
+        t0 = time.perf_counter()
+        for name, y_s, w_s, b_s in wired:
+            if not bool(extreme(y_s)):  # sync: slow path only, which slice tripped
+                continue
+            # A trip: this slice gets the full check now, which locates and corrects (or recomputes) the fault.
+            with _exact_math(y):
+                checks = full_checks(y_s, w_s, b_s)
+            recompute = functools.partial(_recompute_linear, ctx, name, x_NTI.detach(), w_s, b_s)
+            exact = functools.partial(_exact_linear, x_NTI.detach(), w_s, b_s)
+            pending.append((name, y_s, checks, recompute, exact, 0.0, "tripwire"))
+        trip_s += time.perf_counter() - t0
+    if wired:
+        _count_trips(ctx, [item[0] for item in wired], trip_s)
+    for name, y_s, checks, redo, refresh, seconds, tier in pending:
+        t0 = time.perf_counter()
+        if slow:
+            with _exact_math(y):
+                reports = repair(y_s, checks, tol, correct=cfg.mode == "correct", recompute=redo, exact=refresh)
+            _emit(ctx, name, reports, heads=False, tier=tier)
+        if tier == "abft":
+            _count(ctx, name, seconds + time.perf_counter() - t0)
+        else:
+            _count_trips(ctx, [], time.perf_counter() - t0)
+    return y
+
+
+def protected_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    ctx: LayerContext,
+    op: str | None = None,
+    splits: Sequence[tuple[str, int]] | None = None,
+    weight_layout: str = "out_in",
+) -> torch.Tensor:
+    """Compute x Wᵀ + b (or x W + b for ``in_out``) and check it (check_linear)."""
+    if weight_layout == "out_in":
+        y = F.linear(x, weight, bias)
+    else:
+        y = x @ weight if bias is None else torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(
+            *x.shape[:-1], weight.shape[-1])
+    return check_linear(x, y, weight, bias, ctx=ctx, op=op, splits=splits, weight_layout=weight_layout)

@@ -1,0 +1,121 @@
+"""What a check reports to the runtime: planned faults injected, one Detection per flagged matrix, check counts and
+their time, and the histogram of residual/bound ratios (kept on the device, no sync)."""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from .abft import DirectionCheck, MatrixReport
+from .context import RESIDUAL_RATIO_BUCKETS, LayerContext
+from .engine_caches import engine_caches
+from .events import Detection, kind_of, value_to_wire
+from .product_check import Checks
+
+
+def _inject(ctx: LayerContext, op: str, out: torch.Tensor, attempt: int = 0) -> None:
+    injector = ctx.runtime.injector
+    if injector is not None:
+        with torch.no_grad():
+            injector.apply(out, op=op, layer=ctx.layer, step=ctx.step, attempt=attempt)
+
+
+@functools.lru_cache(maxsize=16)
+def _bucket_edges(device: torch.device) -> torch.Tensor:
+    return torch.tensor(RESIDUAL_RATIO_BUCKETS, device=device, dtype=torch.float32)
+
+
+engine_caches.register(_bucket_edges)
+
+
+def _any_bad(checks: Checks) -> torch.Tensor:
+    flags = [chk.bad.any() for chk in checks.values()]
+    return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
+
+
+def _observe(ctx: LayerContext, checks: Checks) -> None:
+    """Histogram of the worst residual/bound ratio (d1 and d2, both flag) among the unflagged vectors of one check,
+    kept on the device: the dashboard's margin is its inverse."""
+    stats = ctx.runtime.stats
+    if stats is None or not checks:
+        return
+    worst = torch.stack([
+        torch.where(chk.bad, 0.0, _ratio(chk)).amax().float()
+        for chk in checks.values()
+    ]).amax()
+    _record_ratio(ctx, worst)
+
+
+def _record_ratio(ctx: LayerContext, worst: torch.Tensor) -> None:
+    """Add one check's worst residual/bound ratio (a device scalar) to the histogram (also the tiled path's)."""
+    stats = ctx.runtime.stats
+    if stats is None:
+        return
+    device = worst.device
+    if stats.residual_counts is None or stats.residual_counts.device != device:
+        stats.residual_counts = torch.zeros(len(RESIDUAL_RATIO_BUCKETS) + 1, device=device, dtype=torch.int64)
+        stats.residual_sum = torch.zeros((), device=device, dtype=torch.float64)
+        stats.residual_count = torch.zeros((), device=device, dtype=torch.int64)
+    # A non-finite ratio is a check that could not be evaluated (its inputs already carried a fault that another op
+    # reports, e.g. context computed from scores before their repair): it is left out, so one such check does not
+    # turn the interval's sum into NaN (JSON cannot carry it, and the whole histogram would be lost).
+    valid = torch.isfinite(worst)
+    bucket = torch.bucketize(torch.where(valid, worst, 0.0), _bucket_edges(device))
+    assert stats.residual_sum is not None and stats.residual_count is not None
+    stats.residual_counts.index_add_(0, bucket.view(1), valid.view(1).to(torch.int64))
+    stats.residual_sum += torch.where(valid, worst, 0.0).double()
+    stats.residual_count += valid.to(torch.int64)
+
+
+def _ratio(chk: DirectionCheck) -> torch.Tensor:
+    """(..., V) the larger of |d1|/bound and |d2|/bound2."""
+    ratio = chk.diff[..., 0].abs() / chk.bound.clamp_min(1e-30)
+    if chk.bound2 is None:
+        return ratio
+    return torch.maximum(ratio, chk.diff[..., 1].abs() / chk.bound2.clamp_min(1e-30))
+
+
+def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: bool, tier: str = "abft") -> None:
+    """One Detection per flagged matrix: to the runtime's callback and its counters. tier: who caught it."""
+    rt = ctx.runtime
+    for rep in reports:
+        kind = kind_of(rep.value)
+        det = Detection(
+            op=op,
+            layer=ctx.layer,
+            step=ctx.step,
+            pattern=rep.pattern,
+            kind=kind,
+            action=rep.action,
+            batch=rep.index[0] if rep.index else None,
+            head=rep.index[1] if heads and len(rep.index) > 1 else None,
+            row=rep.row,
+            col=rep.col,
+            value=value_to_wire(rep.value),
+            residual=rep.residual,
+            bound=rep.bound,
+            tier=tier,
+        )
+        if rt.stats is not None:
+            rt.stats.add_fault(op, kind, rep.action, tier)
+        if rt.on_detection is not None:
+            rt.on_detection(det)
+
+
+def _count(ctx: LayerContext, op: str, seconds: float) -> None:
+    stats = ctx.runtime.stats
+    if stats is not None:
+        stats.checks[op] = stats.checks.get(op, 0) + 1
+        stats.check_seconds[op] = stats.check_seconds.get(op, 0.0) + seconds
+
+
+def _count_trips(ctx: LayerContext, ops: Sequence[str], seconds: float) -> None:
+    """Tier-1 checks of ``ops`` (one each) and their time (recovery after a trip too: ``ops`` empty). Kept apart from
+    check_seconds: the scheduler's overhead rule relaxes tier 2, which cannot make tier 1 cheaper."""
+    stats = ctx.runtime.stats
+    if stats is None:
+        return
+    for name in ops:
+        stats.trip_checks[name] = stats.trip_checks.get(name, 0) + 1
+    stats.trip_seconds += seconds

@@ -1,0 +1,23 @@
+"""Whether the whole step is protected (protect(scope="all")) and its GEMMs checked on this step: asked by the
+attention's backward (fused_backward) and decided here, below both it and linear_abft, which registers the guards."""
+from __future__ import annotations
+
+from .context import Runtime
+
+__all__ = ["gemm_due", "whole_step_due"]
+
+
+# Runtimes (by id) of the guards attached with scope="all": the attention backward asks whether its guard is one.
+_WHOLE_STEP: set[int] = set()
+
+
+def whole_step_due(runtime: Runtime) -> bool:
+    """Whether this guard protects the whole step (scope="all") and its GEMMs are checked on the current step."""
+    return id(runtime) in _WHOLE_STEP and gemm_due(runtime)
+
+
+def gemm_due(runtime: Runtime) -> bool:
+    """Whether the whole-step GEMMs are fully checked on the current step: the one place that decides, so it can
+    follow a tier/schedule of its own later. Today they ride on the output projection's schedule (the adaptive
+    scheduler's ``out`` op: the last GEMM of a layer, checked when the layer is)."""
+    return runtime.config.checks("out")
