@@ -7,7 +7,6 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -19,30 +18,18 @@ from attnchecker.transport.spool import SpoolWriter, list_files, read_records
 # The loopback collector lives next to this file; make it importable under either pytest import mode.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_transport_collector import TOKEN, LoopbackCollector  # noqa: E402
+from test_transport_collector import (  # noqa: E402, F401 (collector is a fixture)
+    TOKEN,
+    LoopbackCollector,
+    collector,
+    dead_url,
+    event,
+    stats,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
 RUN_INFO = {"model": "TinyGPT", "world_size": 1, "rank": 0, "config": {"lr": 1e-3}}
-
-
-def event(step: int = 0, **extra) -> dict:
-    return {"id": str(uuid.uuid4()), "ts": "2026-11-29T15:32:40.123Z", "step": step, "rank": 0, "layer": 0,
-            "op": "scores", "pattern": "0d", "kind": "inf", "action": "corrected",
-            "location": {"batch": 0, "head": 0, "row": 1, "col": 2}, "value": "inf", "residual": None,
-            "bound": 0.001, "policy_version": 1, **extra}
-
-
-def stats(step_start: int, step_end: int) -> dict:
-    return {"rank": 0, "step_start": step_start, "step_end": step_end, "steps": step_end - step_start + 1,
-            "applied_policy_version": 1, "step_seconds": 0.5, "check_seconds": 0.01, "ops": [], "faults": []}
-
-
-@pytest.fixture
-def collector():
-    c = LoopbackCollector().start()
-    yield c
-    c.close()
 
 
 @pytest.fixture
@@ -65,13 +52,6 @@ def make_transport(tmp_path):
     for t in made:
         t.close(deadline_s=2.0)
 
-
-def dead_url() -> str:
-    """A loopback port nobody listens on (connections are refused)."""
-    c = LoopbackCollector().start()
-    url = c.url
-    c.close()
-    return url
 
 
 def test_transport_sends_batches_stats_and_finish(collector, make_transport):

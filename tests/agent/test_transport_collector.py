@@ -10,8 +10,11 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import pytest
 
 TOKEN = "agent-token"
 
@@ -186,6 +189,37 @@ def _handler(c: LoopbackCollector) -> type[BaseHTTPRequestHandler]:
             self._serve("POST")
 
     return Handler
+
+
+# What the transport tests (test_transport.py, test_transport_redelivery.py) send through it: one valid event and
+# one valid stats interval, a loopback collector per test, and a URL that refuses connections.
+
+
+def event(step: int = 0, **extra: Any) -> dict:
+    return {"id": str(uuid.uuid4()), "ts": "2026-11-29T15:32:40.123Z", "step": step, "rank": 0, "layer": 0,
+            "op": "scores", "pattern": "0d", "kind": "inf", "action": "corrected",
+            "location": {"batch": 0, "head": 0, "row": 1, "col": 2}, "value": "inf", "residual": None,
+            "bound": 0.001, "policy_version": 1, **extra}
+
+
+def stats(step_start: int, step_end: int) -> dict:
+    return {"rank": 0, "step_start": step_start, "step_end": step_end, "steps": step_end - step_start + 1,
+            "applied_policy_version": 1, "step_seconds": 0.5, "check_seconds": 0.01, "ops": [], "faults": []}
+
+
+@pytest.fixture
+def collector() -> Iterator[LoopbackCollector]:
+    c = LoopbackCollector().start()
+    yield c
+    c.close()
+
+
+def dead_url() -> str:
+    """A loopback port nobody listens on (connections are refused)."""
+    c = LoopbackCollector().start()
+    url = c.url
+    c.close()
+    return url
 
 
 def test_loopback_collector_dedups_batches_and_events():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import sys
 import threading
-import uuid
 from pathlib import Path
 
 import pytest
@@ -24,32 +23,13 @@ from attnchecker.transport.spool import (
 
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_transport_collector import TOKEN, LoopbackCollector
+from test_transport_collector import TOKEN, LoopbackCollector, collector, dead_url, event, stats  # noqa: F401
 
 pytestmark = pytest.mark.timeout(90)
 
 RUN_INFO = {"model": "TinyGPT", "world_size": 1, "rank": 0}
 FAST = {"flush_interval_s": 0.05, "max_backoff_s": 0.2, "probe_interval_s": 0.1, "poll_interval_s": 0.1,
         "read_timeout_s": 0.5, "connect_timeout_s": 0.5}
-
-
-def event(step: int = 0) -> dict:
-    return {"id": str(uuid.uuid4()), "ts": "2026-11-29T15:32:40.123Z", "step": step, "rank": 0, "layer": 0,
-            "op": "scores", "pattern": "0d", "kind": "inf", "action": "corrected",
-            "location": {"batch": 0, "head": 0, "row": 1, "col": 2}, "value": "inf", "residual": None,
-            "bound": 0.001, "policy_version": 1}
-
-
-def stats(step_start: int, step_end: int) -> dict:
-    return {"rank": 0, "step_start": step_start, "step_end": step_end, "steps": step_end - step_start + 1,
-            "applied_policy_version": 1, "step_seconds": 0.5, "check_seconds": 0.01, "ops": [], "faults": []}
-
-
-@pytest.fixture
-def collector():
-    c = LoopbackCollector().start()
-    yield c
-    c.close()
 
 
 @pytest.fixture
@@ -66,12 +46,6 @@ def make_transport(tmp_path):
     for t in made:
         t.close(deadline_s=2.0)
 
-
-def dead_url() -> str:
-    c = LoopbackCollector().start()
-    url = c.url
-    c.close()
-    return url
 
 
 def offline_run(make_transport, name: str, n: int, **kw) -> list[dict]:
