@@ -74,9 +74,10 @@ def _probs_lse(
     with_lse: bool = False,
     probs_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """_probs, and with_lse also the row log-sum-exp of scale·AS + mask (B, H, T) in fp32, +INF on rows with every
-    key masked (so that exp(s - lse) = 0 there, as AP), for the fused backward (_VerifiedAttention). probs_dtype: AP's
-    dtype (V's) when AS was formed wider than the operands (fp16, _scores_product); default AS's."""
+    """_probs, and with_lse also the row log-sum-exp of scale·AS + mask (B, H, T) in fp32 (fp64 for fp64 inputs),
+    +INF on rows with every key masked (so that exp(s - lse) = 0 there, as AP), for the fused backward
+    (_VerifiedAttention). probs_dtype: AP's dtype (V's) when AS was formed wider than the operands (fp16,
+    _scores_product); default AS's."""
     # One new tensor, then in place: out-of-place masking copied the (B, H, T, S) scores once per mask.
     s = scores_BHTS * scale
     t, n_keys = s.shape[-2:]
@@ -87,15 +88,17 @@ def _probs_lse(
             s.masked_fill_(~attn_mask, -math.inf)
         else:
             s.add_(attn_mask)
-    # Softmax in fp32 for half inputs, like SDPA's kernels: the row sums feed the checksum bound.
-    probs32 = torch.softmax(s, dim=-1, dtype=torch.float32)
+    # Softmax in fp32 for half inputs, like SDPA's kernels: the row sums feed the checksum bound. fp64 stays fp64 (the
+    # fused backward wants lse in the inputs' dtype, and an fp32 softmax would cost fp64 inputs their precision).
+    soft = torch.promote_types(s.dtype, torch.float32)
+    probs_w = torch.softmax(s, dim=-1, dtype=soft)
     lse_BHT = None
     if with_lse:
         # From what softmax already computed: softmax is monotone, so the largest p sits at the largest s = m, where
         # p = exp(m - lse): lse = m - log max(p), with max(p) >= 1/S (no cancellation). Two max passes (values only:
         # max with indices is ~15x slower on CPU) instead of torch.logsumexp's three.
-        lse_BHT = s.amax(-1).float() - probs32.amax(-1).log()
-    probs = probs32.to(probs_dtype or s.dtype)
+        lse_BHT = s.amax(-1).to(soft) - probs_w.amax(-1).log()
+    probs = probs_w.to(probs_dtype or s.dtype)
     dead = _dead_rows(attn_mask)
     if dead is not None:
         probs = probs.masked_fill(dead, 0.0)
