@@ -211,7 +211,8 @@ def protected_sdpa(
         trip, force = None, frozenset()
     caught: list[int] = [0]
     tiles = choose_tiles(q_BHTD.shape[-2], k_BHSD.shape[-2], device=q_BHTD.device, dropout_p=dropout_p,
-                         return_probs=return_probs, paper=not cfg.source_repair and use_passed)
+                         return_probs=return_probs, paper=not cfg.source_repair and use_passed,
+                         batch_heads=q_BHTD.shape[:-2].numel())
     # The tiled path's CPU backward is the fused kernel, which has no gradient for the mask: a learned bias stays
     # on the unfused path (its graph differentiates through the mask).
     if tiles is not None and not (attn_mask is not None and attn_mask.requires_grad):

@@ -37,6 +37,8 @@ from .abft import Tolerance, acc_dtype, col_norms, repair
 from .abft.repair import MatrixReport
 from .abft.tiled import (
     TilePlan,
+    augment_v,
+    causal_offset,
     context_refs,
     finish,
     fold_scores,
@@ -50,7 +52,7 @@ from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAt
 from .product_check import _dot, _exact_math, _tolerance, _verify
 from .records import _count, _count_trips, _record_ratio
 
-__all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "choose_tiles", "tiled_sdpa"]
+__all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "choose_tiles", "default_tiles", "tiled_sdpa"]
 
 PATH_ENV = "ATTNCHECKER_ATTENTION"
 """auto (default): tiled when T·S >= the threshold; tiled / unfused: always that path (where it applies)."""
@@ -62,9 +64,14 @@ TILE_ENV = "ATTNCHECKER_TILE"
 DEFAULT_MIN_TS = 512 * 512
 """Measured on CPU (docs/performance.md §4), forward + backward of one causal layer, tiled / unfused time: 1.15× at
 T = 256, 0.82× at 512, 0.63× at 1024. Below the crossover the unfused path's T×S tensors are small anyway."""
-DEFAULT_TILE = (256, 256)
-"""Large enough that Python's per-op cost stays small against the GEMMs, small enough that one tile's temporaries
-(B·H·Tq·Tk fp32, a handful of them) are a few MB at B·H = 8."""
+DEFAULT_BLOCK_Q = 256
+"""Query rows per block. Measured on CPU (docs/performance.md §4), one causal layer at T = 2048, B·H = 8, all keys in
+one tile: 256 rows ran the checked forward in 0.75× the time of 64 (fewer Python iterations of the per-tile checks;
+the unchecked passes alone prefer smaller tiles, which stay in cache)."""
+TILE_BUDGET = 1 << 23
+"""Elements (B·H·Tq·Tk) of one score tile: 32 MB in fp32. Up to it the keys are not blocked at all (one tile per query
+block: exact softmax, no online rescaling); beyond it (long S) they are, so the extra memory stays O(budget + T)."""
+MIN_BLOCK_K = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,9 +98,11 @@ def choose_tiles(
     dropout_p: float,
     return_probs: bool,
     paper: bool,
+    batch_heads: int = 1,
 ) -> TileChoice | None:
     """The tile sizes when this call takes the tiled path, else None (the unfused path). device: for a future
-    device-specific backend (a fused GPU kernel); the PyTorch backend runs on any device.
+    device-specific backend (a fused GPU kernel); the PyTorch backend runs on any device. batch_heads: B·H, which
+    with the tile sizes sets one tile's memory (TILE_BUDGET).
 
     Never tiled: dropout (the fused backward cannot replay our dropout mask), return_probs (AP itself is asked for),
     paper-faithful checksum passing (its passed references sum over all T tokens, not one tile's)."""
@@ -109,12 +118,18 @@ def choose_tiles(
             return None
     raw_tile = os.environ.get(TILE_ENV)
     if raw_tile is None:
-        return TileChoice(*DEFAULT_TILE)
+        return default_tiles(s, batch_heads)
     parts = [p for p in raw_tile.replace("x", ",").split(",") if p.strip()]
     if len(parts) not in (1, 2):
         raise ValueError(f"{TILE_ENV}={raw_tile!r}: give 'Tq,Tk' or one size for both, e.g. 256,256")
     sizes = [_env_int(TILE_ENV, p.strip()) for p in parts]
     return TileChoice(sizes[0], sizes[-1])
+
+
+def default_tiles(s: int, batch_heads: int) -> TileChoice:
+    """DEFAULT_BLOCK_Q query rows; all S keys in one tile while B·H·Tq·S <= TILE_BUDGET, else key blocks that fit it."""
+    fit = TILE_BUDGET // max(1, batch_heads * DEFAULT_BLOCK_Q)
+    return TileChoice(DEFAULT_BLOCK_Q, s if s <= fit else max(MIN_BLOCK_K, fit))
 
 
 @dataclass(slots=True)
@@ -218,11 +233,15 @@ def _forward(
     with _exact_math(q):
         # O(T·D) per call: the operands in the acc dtype (contiguous: heads are strided views) and what every tile
         # of them shares.
-        q_acc, k_acc = q.to(acc).contiguous(), k.to(acc).contiguous()
-        v_acc = v.to(acc).contiguous()
+        # The products run on contiguous operands too: heads split out of a fused projection are strided, and a tile
+        # GEMM on K_jᵀ of such a view ran ~5× slower on CPU than on a contiguous copy (BLAS cannot take that layout).
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q_acc, k_acc, v_acc = q.to(acc), k.to(acc), v.to(acc)
         q_norm, k_norm = torch.linalg.vector_norm(q_acc, dim=-1), torch.linalg.vector_norm(k_acc, dim=-1)
         vw = v_row_checksums(v_acc)
+        v_aug = augment_v(v, vw) if "context" in ops else None
     shared = _Shared(q=q, k=k, v=v, q_acc=q_acc, k_acc=k_acc, v_acc=v_acc, q_norm=q_norm, k_norm=k_norm, vw=vw,
+                     v_aug=v_aug,
                      mask=mask, is_causal=is_causal, scale=scale, tol=tol, plan=plan, ops=ops, tiers=tiers,
                      caught=caught)
     injector = ctx.runtime.injector
@@ -263,6 +282,8 @@ class _Shared:
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     vw: torch.Tensor
+    v_aug: torch.Tensor | None
+    """(B, H, S, D + 2) [V | V w] (abft.tiled.augment_v), or None."""
     mask: torch.Tensor | None
     is_causal: bool
     scale: float
@@ -329,10 +350,17 @@ def _query_block(
                     rows_by_op["scores"].append(_keep(checks))
                 if record is not None:
                     record.seconds["scores"] += time.perf_counter() - t0
-            blocked, additive = tile_mask(sh.mask, r0, r1, c0, c1, is_causal=sh.is_causal, device=q_i.device)
-            p, alpha, m, l_, p_sum = fold_scores(s_ij, m, l_, scale=sh.scale, blocked=blocked, additive=additive)
+            blocked, additive = tile_mask(sh.mask, r0, r1, c0, c1)
+            p, alpha, m, l_, p_sum = fold_scores(s_ij, m, l_, scale=sh.scale, blocked=blocked, additive=additive,
+                                                 causal_offset=causal_offset(r0, c0, c1, is_causal=sh.is_causal))
             p_c = p.to(v_j.dtype)
-            pv = p_c @ v_j
+            cl_rows: torch.Tensor | None = None
+            if sh.v_aug is not None:
+                # One GEMM for CL and its row references: (Tq, Tk) @ (Tk, D + 2).
+                pv_aug = p_c @ sh.v_aug[..., c0:c1, :]
+                pv, cl_rows = pv_aug[..., :-2], pv_aug[..., -2:]
+            else:
+                pv = p_c @ v_j
             if j == 0:
                 # A fault in CL (B, H, T, D) lands in the first partial product its row block folds in.
                 for hit in hits["context"]:
@@ -340,7 +368,7 @@ def _query_block(
             if "context" in sh.ops:
                 t0 = time.perf_counter()
                 row_ref, col_ref, p_norm = context_refs(p_c.to(sh.v_acc.dtype), sh.v_acc[..., c0:c1, :],
-                                                        sh.vw[..., c0:c1, :], p_sum)
+                                                        sh.vw[..., c0:c1, :], p_sum, cl_rows)
                 checks = _verify(pv, row_ref, col_ref, p_norm.to(sh.v_acc.dtype),
                                      col_norms(sh.v_acc[..., c0:c1, :]), k=c1 - c0, tol=sh.tol)
                 if fix is not None:

@@ -34,6 +34,8 @@ from .checksum import times_skinny, weighted_cols, weighted_rows
 __all__ = [
     "SUMMARY_FIELDS",
     "TilePlan",
+    "augment_v",
+    "causal_offset",
     "context_refs",
     "finish",
     "fold_scores",
@@ -75,34 +77,33 @@ class TilePlan:
         return i * self.block_q, min(self.t, (i + 1) * self.block_q)
 
     def keys(self, i: int) -> Iterator[tuple[int, int, int]]:
-        """(j, c0, c1) for the key blocks query block i visits."""
+        """(j, c0, c1) for the key blocks query block i visits. Causal: a block reaching past the block's last row is
+        cut there (its columns beyond are all masked), so a key block as wide as S costs what the causal prefix does."""
         _, r1 = self.rows(i)
         for j in range(self.n_k):
             c0, c1 = j * self.block_k, min(self.s, (j + 1) * self.block_k)
-            if self.is_causal and c0 > r1 - 1:
-                break
+            if self.is_causal:
+                if c0 > r1 - 1:
+                    break
+                c1 = min(c1, r1)
             yield j, c0, c1
 
 
 def tile_mask(
-    attn_mask_NTS: torch.Tensor | None, r0: int, r1: int, c0: int, c1: int, *, is_causal: bool, device: torch.device
+    attn_mask_NTS: torch.Tensor | None, r0: int, r1: int, c0: int, c1: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(blocked, additive) for one tile: a bool (..., Tq, Tk) True where the score is masked (causal or a False in a
-    bool mask), and an additive float mask slice, either None. attn_mask_NTS is already broadcast to (B, H, T, S)
-    (a view: slicing it costs nothing)."""
-    blocked = None
-    if is_causal and c1 - 1 > r0:
-        rows = torch.arange(r0, r1, device=device)[:, None]
-        cols = torch.arange(c0, c1, device=device)[None, :]
-        blocked = cols > rows
-    additive = None
-    if attn_mask_NTS is not None:
-        part = attn_mask_NTS[..., r0:r1, c0:c1]
-        if part.dtype == torch.bool:
-            blocked = ~part if blocked is None else blocked | ~part
-        else:
-            additive = part
-    return blocked, additive
+    """(blocked, additive) of an explicit mask for one tile: a bool (..., Tq, Tk) True where a bool mask says False, or
+    an additive float mask slice, either None. attn_mask_NTS is already broadcast to (B, H, T, S) (a view: slicing
+    it costs nothing). The causal part is not here: fold_scores masks it in place (causal_offset)."""
+    if attn_mask_NTS is None:
+        return None, None
+    part = attn_mask_NTS[..., r0:r1, c0:c1]
+    return (~part, None) if part.dtype == torch.bool else (None, part)
+
+
+def causal_offset(r0: int, c0: int, c1: int, *, is_causal: bool) -> int | None:
+    """r0 - c0 when the causal diagonal crosses tile (r0.., c0..c1) (some key past some row), else None."""
+    return r0 - c0 if is_causal and c1 - 1 > r0 else None
 
 
 def scores_refs(
@@ -115,12 +116,18 @@ def scores_refs(
 
 
 def context_refs(
-    p_acc_NTqTk: torch.Tensor, v_acc_NTkD: torch.Tensor, vw_NTk2: torch.Tensor, p_sum_NTq: torch.Tensor
+    p_acc_NTqTk: torch.Tensor,
+    v_acc_NTkD: torch.Tensor,
+    vw_NTk2: torch.Tensor,
+    p_sum_NTq: torch.Tensor,
+    row_NTq2: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(row refs (..., Tq, 2), column refs (..., D, 2), ‖P̃_t‖₂ bound (..., Tq)) of CL_ij = P̃_ij V_j. vw: V_j w
     (the row checksums of V over features, sliced from one pass over the whole V); p_sum: Σ P̃ per row, as the
-    softmax fold computed it."""
-    row_NTq2 = times_skinny(p_acc_NTqTk, vw_NTk2)
+    softmax fold computed it. row_NTq2: P̃ (V_j w) when the tile GEMM already produced it (V augmented with its
+    checksum columns, :func:`augment_v`), else computed here (one more pass over P̃)."""
+    if row_NTq2 is None:
+        row_NTq2 = times_skinny(p_acc_NTqTk, vw_NTk2)
     col_ND2 = (weighted_cols(p_acc_NTqTk).mT @ v_acc_NTkD).mT
     # 0 <= P̃ <= 1 (rounded P̃ too): Σ P̃² <= Σ P̃. 1.01 covers the rounding of a half-precision P̃ and of the sum.
     p_norm_NTq = p_sum_NTq.to(p_acc_NTqTk.dtype).sqrt() * 1.01
@@ -135,16 +142,27 @@ def fold_scores(
     scale: float,
     blocked: torch.Tensor | None,
     additive: torch.Tensor | None,
+    causal_offset: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One online-softmax step: (P̃ (..., Tq, Tk), alpha (..., Tq), new m, new l, Σ P̃ per row). P̃ = exp(z - m_new) with
     z = scale·AS + mask; alpha rescales what was folded so far. m starts at -INF and l at 0, in fp32 (fp64 for fp64
-    inputs): the softmax runs in m's dtype, like SDPA's kernels for half inputs."""
-    # One new tile, then in place: every pass over a tile is memory traffic the fused kernel does not pay.
-    z = s_NTqTk.to(m_NTq.dtype) * scale
+    inputs): the softmax runs in m's dtype, like SDPA's kernels for half inputs. causal_offset: r0 - c0 of a tile the
+    causal diagonal crosses (key c masked past row r where c > r + offset).
+
+    AS is consumed: when it already has m's dtype, P̃ is written over it (every pass over a tile is memory traffic the
+    fused kernel does not pay, and a fresh tile-sized tensor costs page faults on CPU)."""
+    z = s_NTqTk.mul_(scale) if s_NTqTk.dtype == m_NTq.dtype else s_NTqTk.to(m_NTq.dtype).mul_(scale)
     if additive is not None:
         z.add_(additive)
     if blocked is not None:
         z.masked_fill_(blocked, -math.inf)
+    if causal_offset is not None:
+        # Only the columns right of the first row's diagonal hold masked keys: mask that slice, not the whole tile.
+        tq, tk = z.shape[-2:]
+        lo = max(0, causal_offset + 1)
+        if lo < tk:
+            future = torch.ones(tq, tk - lo, dtype=torch.bool, device=z.device).triu_(causal_offset + 1 - lo)
+            z[..., lo:].masked_fill_(future, -math.inf)
     m_new = torch.maximum(m_NTq, z.amax(-1))
     # A row with every key so far masked has m = -INF; exp(-INF - -INF) is NaN, so shift by 0 there (P̃ = 0).
     m_safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
@@ -188,3 +206,12 @@ def summarize(bad_NV: torch.Tensor, diff_NV2: torch.Tensor, bound_NV: torch.Tens
 def v_row_checksums(v_acc_NSD: torch.Tensor) -> torch.Tensor:
     """(..., S, 2): V w per key, computed once per call; each key tile slices its rows."""
     return weighted_rows(v_acc_NSD)
+
+
+def augment_v(v_NSD: torch.Tensor, vw_NS2: torch.Tensor) -> torch.Tensor | None:
+    """(..., S, D + 2) = [V | V w], so that one tile GEMM P̃_ij [V_j | V_j w] gives CL_ij and its row references
+    together (one pass over P̃ instead of two); None when V is narrower than the accumulation dtype (a bf16 copy of
+    V w would round the reference)."""
+    if vw_NS2.dtype != v_NSD.dtype:
+        return None
+    return torch.cat([v_NSD, vw_NS2], dim=-1)
