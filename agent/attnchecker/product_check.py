@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from .abft import DirectionCheck, Tolerance, acc_dtype, bounds, checksums_of, verify_direction
+from .abft.checksum import VectorSums
 from .context import LayerContext
 from .matmul_precision import fp32_matmul_operand_roundoff, ieee_fp32_matmul
 
@@ -68,13 +69,21 @@ def _verify(
     extra_col_NC: torch.Tensor | None = None,
     operands_cast_to: torch.dtype | None = None,
     ref_norms: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    sq_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Checks:
     """Both directions of C = A·B against references derived from the inputs (no sync). extra_*: error already in
     a passed reference (paper-faithful mode), added to the bound. operands_cast_to: autocast ran the product on
-    operands rounded to this dtype. ref_norms: (‖B w‖, ‖wᵀA‖) per batch (..., 2), for the calibrated bound."""
+    operands rounded to this dtype. ref_norms: (‖B w‖, ‖wᵀA‖) per batch (..., 2), for the calibrated bound.
+    sq_sums: (Σ_j C_ij² (..., R), Σ_i C_ij² (..., C)) from the operands (abft.tiled.square_sums), for a C in the
+    accumulation dtype: the calibrated bound then needs no pass over C for them."""
     roundoff = tol.mode == "roundoff"
     use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and roundoff
-    got_rows, got_cols, sums = checksums_of(c_NRC, with_abs=use_abs, with_sq=roundoff and tol.calibrated)
+    want_sq = roundoff and tol.calibrated
+    given_sq = want_sq and sq_sums is not None and not use_abs
+    got_rows, got_cols, sums = checksums_of(c_NRC, with_abs=use_abs, with_sq=want_sq and not given_sq)
+    if given_sq:
+        assert sq_sums is not None
+        sums = VectorSums(None, sq_sums)
     # An fp32 product under TF32 (or oneDNN bf16) rounded its operands; autocast already says so for half products.
     operand_u = fp32_matmul_operand_roundoff(c_NRC.device) if c_NRC.dtype == torch.float32 else None
     row_rule, col_rule = bounds(

@@ -43,6 +43,7 @@ from .abft.tiled import (
     finish,
     fold_scores,
     scores_refs,
+    square_sums,
     summarize,
     tile_mask,
     v_row_checksums,
@@ -341,8 +342,10 @@ def _query_block(
             if "scores" in sh.ops:
                 t0 = time.perf_counter()
                 row_ref, col_ref = scores_refs(qbar_src, sh.k_acc[..., c0:c1, :])
+                # ΣAS² for the calibrated bound from D × D Grams (no pass over the tile) where AS is in the acc dtype.
+                sq = square_sums(qbar_src, sh.k_acc[..., c0:c1, :]) if s_ij.dtype == sh.q_acc.dtype else None
                 checks = _verify(s_ij, row_ref, col_ref, sh.q_norm[..., r0:r1], sh.k_norm[..., c0:c1],
-                                     k=sh.q.shape[-1], tol=sh.tol)
+                                 k=sh.q.shape[-1], tol=sh.tol, sq_sums=sq)
                 if fix is not None:
                     _repair_tile(fix, "scores", s_ij, checks, j, r0, c0,
                                  lambda key, rows, cols, q_i=q_i, k_j=k_j: _dot(q_i[key][rows], k_j[key][cols]))

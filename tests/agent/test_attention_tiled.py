@@ -16,7 +16,7 @@ import test_attention_fused_backward as fused_suite
 import test_attention_layer as layer_suite
 import torch
 import torch.nn.functional as F
-from attnchecker.abft.tiled import TilePlan, finish, fold_scores
+from attnchecker.abft.tiled import TilePlan, finish, fold_scores, square_sums
 from attnchecker.attention import protected_sdpa
 from attnchecker.inject import Fault
 from attnchecker.tiled_attention import (
@@ -180,6 +180,21 @@ def test_the_tile_contract_computes_softmax_attention_and_its_log_sum_exp(t, s, 
     live = torch.isfinite(want_lse)
     torch.testing.assert_close(lse[live], want_lse[live], **TOL[dtype])
     assert torch.isposinf(lse[~live]).all()
+
+
+@settings(max_examples=30)
+@given(tq=st.integers(1, 40), tk=st.integers(1, 40), d=st.integers(1, 16), scale=st.floats(1e-3, 1e3),
+       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**20))
+def test_square_sums_from_the_operands_equal_the_tile_s(tq, tk, d, scale, dtype, seed) -> None:
+    """The calibrated bound's ΣAS² per row and column, from D × D Grams, is the squaring pass's (to round-off)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(2, n, d, generator=g, dtype=torch.float64) * scale for n in (tq, tk))
+    rows, cols = square_sums(q.to(dtype), k.to(dtype))
+    s = q @ k.mT
+    tol = {"rtol": 1e-4, "atol": 1e-5 * scale**4 * d} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 0.0}
+    torch.testing.assert_close(rows.double(), s.square().sum(-1), **tol)
+    torch.testing.assert_close(cols.double(), s.square().sum(-2), **tol)
+    assert (rows >= 0).all() and (cols >= 0).all()
 
 
 def test_layer_with_grouped_query_heads_and_a_sliding_window_matches_sdpa(make_ctx) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "finish",
     "fold_scores",
     "scores_refs",
+    "square_sums",
     "summarize",
     "tile_mask",
     "v_row_checksums",
@@ -113,6 +114,17 @@ def scores_refs(
     kbar_ND2 = weighted_cols(k_acc_NTkD)
     qbar_ND2 = weighted_cols(q_acc_NTqD)
     return times_skinny(q_acc_NTqD, kbar_ND2), times_skinny(k_acc_NTkD, qbar_ND2)
+
+
+def square_sums(q_acc_NTqD: torch.Tensor, k_acc_NTkD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ_j AS_ij² (..., Tq), Σ_i AS_ij² (..., Tk)) of AS = Q Kᵀ from the operands: Σ_j (q_i·k_j)² = q_iᵀ (KᵀK) q_i,
+    and by columns k_jᵀ (QᵀQ) k_j. O((Tq + Tk)·D²) GEMM work instead of a squaring pass over the Tq × Tk tile (the
+    calibrated bound's ΣC², docs/abft.md). The clean values: a fault in the tile cannot loosen its own bound."""
+    gram_k_NDD = k_acc_NTkD.mT @ k_acc_NTkD
+    gram_q_NDD = q_acc_NTqD.mT @ q_acc_NTqD
+    rows_NTq = ((q_acc_NTqD @ gram_k_NDD) * q_acc_NTqD).sum(-1).clamp_min_(0.0)
+    cols_NTk = ((k_acc_NTkD @ gram_q_NDD) * k_acc_NTkD).sum(-1).clamp_min_(0.0)
+    return rows_NTq, cols_NTk
 
 
 def context_refs(
