@@ -262,6 +262,29 @@ def test_path_choice_by_size_and_by_environment(monkeypatch) -> None:
         assert choose_tiles(4096, 4096, **{**kw, **never}) is None
 
 
+def test_default_tiles_take_all_keys_up_to_the_budget_then_block_them(monkeypatch) -> None:
+    from attnchecker.tiled_attention import DEFAULT_BLOCK_Q, MIN_BLOCK_K, TILE_BUDGET, default_tiles
+
+    monkeypatch.setenv(PATH_ENV, "tiled")
+    monkeypatch.delenv(TILE_ENV)
+    kw: dict[str, Any] = {"device": torch.device("cpu"), "dropout_p": 0.0, "return_probs": False, "paper": False}
+    fit = TILE_BUDGET // (8 * DEFAULT_BLOCK_Q)
+    got = choose_tiles(fit, fit, batch_heads=8, **kw)
+    assert got is not None and (got.block_q, got.block_k) == (DEFAULT_BLOCK_Q, fit)  # one tile per query block
+    long = default_tiles(4 * fit, 8)
+    assert long.block_k == fit and 8 * long.block_q * long.block_k <= TILE_BUDGET  # O(budget), whatever S is
+    assert default_tiles(1 << 30, 1 << 10).block_k == MIN_BLOCK_K
+
+
+def test_causal_tiles_stop_at_the_diagonal() -> None:
+    """A key block reaching past a causal query block's last row is cut there; blocks wholly above it are skipped."""
+    plan = TilePlan(t=10, s=10, block_q=4, block_k=100, is_causal=True)
+    assert [list(plan.keys(i)) for i in range(plan.n_q)] == [[(0, 0, 4)], [(0, 0, 8)], [(0, 0, 10)]]
+    plan = TilePlan(t=8, s=8, block_q=4, block_k=3, is_causal=True)
+    assert list(plan.keys(0)) == [(0, 0, 3), (1, 3, 4)]
+    assert list(TilePlan(t=8, s=8, block_q=4, block_k=3, is_causal=False).keys(0))[-1] == (2, 6, 8)
+
+
 @pytest.mark.parametrize(("env", "value", "message"), [
     (PATH_ENV, "fast", "use auto, tiled or unfused"),
     (TILE_ENV, "64,32,16", "give 'Tq,Tk'"),

@@ -1,5 +1,5 @@
-"""`attnchecker bench overhead|recovery|ingest|reconnect|setups|memory|coverage [...]`: run the repository's bench/
-scripts (docs/performance.md).
+"""`attnchecker bench overhead|recovery|ingest|reconnect|setups|memory|coverage|tiled_profile [...]`: run the
+repository's bench/ scripts (docs/performance.md).
 
 The benchmarks live in the checkout, not in the installed package; without a checkout this module raises
 ImportError and the `bench` command is simply absent.
@@ -25,6 +25,7 @@ SCRIPTS = {
     "setups": "LoRA projection check, fp16 scores in fp32, learned-bias backward (issue 11)",
     "memory": "peak memory of a protected training step per T (tiled vs unfused vs unprotected), and step time",
     "gemm_coverage": "share of a training step's GEMM FLOPs each protect() scope verifies",
+    "tiled_profile": "where one protected attention layer's time goes on the tiled path, against fused SDPA",
 }
 
 
