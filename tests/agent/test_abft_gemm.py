@@ -146,3 +146,6 @@ def test_column_norms_and_skinny_products_match_their_plain_forms(rows: int, col
     torch.testing.assert_close(col_norms(a), torch.linalg.vector_norm(a.double(), dim=0).float(), rtol=1e-5, atol=0)
     m = randn((cols, 2), seed + 1, torch.float32)
     torch.testing.assert_close(times_skinny(a, m), (a.double() @ m.double()).float(), rtol=1e-4, atol=1e-4)
+    batch = torch.stack([a, 2 * a, -a])  # (3, rows, cols): blocked along the rows of every matrix at once
+    torch.testing.assert_close(col_norms(batch), torch.linalg.vector_norm(batch.double(), dim=-2).float(), rtol=1e-5,
+                               atol=0)

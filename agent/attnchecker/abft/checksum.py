@@ -45,6 +45,10 @@ def checksum_weights(n: int, device: torch.device, dtype: torch.dtype) -> torch.
 def weighted_rows(a_NRK: torch.Tensor) -> torch.Tensor:
     """(..., R, 2) = A w over the last dim. A plain sum and a matrix-vector product: CPU BLAS runs A @ (K, 2) (an
     output two columns wide) many times slower than either."""
+    if a_NRK.dim() == 2 and not a_NRK.is_contiguous() and a_NRK.mT.is_contiguous():
+        # A transposed view (a weight's Wᵀ, dYᵀ): (wᵀ Aᵀ)ᵀ, one wide product on the contiguous layout, where reshape
+        # would copy all of it first (4 M elements for an 8192-wide LM head's weight).
+        return weighted_cols(a_NRK.mT)
     # As one (M, K) matrix: a column slice of a fused projection is a view with a row stride (no copy); heads split
     # out of a projection cannot be folded so, and reshape copies them once (both reductions on the strided view
     # are several times slower than that copy).
@@ -78,14 +82,15 @@ def col_norms(a_NRK: torch.Tensor) -> torch.Tensor:
     On CPU a block of rows at a time: squaring all of a wide A allocates a copy of it, which cost 34 ms for a
     (1024, 8192) gradient against 4 ms blocked (one thread, measured)."""
     rows = a_NRK.shape[-2]
-    step = max(1, _BLOCK_ELEMENTS // max(1, a_NRK.shape[-1]))
-    if a_NRK.device.type != "cpu" or a_NRK.dim() != 2 or rows <= step:
+    # A batch (attention's (B, H, T, S) probabilities) is blocked along its rows too, every matrix at once.
+    step = max(1, _BLOCK_ELEMENTS * rows // max(1, a_NRK.numel()))
+    if a_NRK.device.type != "cpu" or rows <= step:
         return a_NRK.square().sum(-2).sqrt()
-    sq_K = torch.zeros(a_NRK.shape[-1], dtype=a_NRK.dtype, device=a_NRK.device)
+    sq_NK = torch.zeros(a_NRK.shape[:-2] + a_NRK.shape[-1:], dtype=a_NRK.dtype, device=a_NRK.device)
     for i in range(0, rows, step):
-        blk = a_NRK[i : i + step]
-        sq_K += (blk * blk).sum(0)
-    return sq_K.sqrt()
+        blk = a_NRK[..., i : i + step, :]
+        sq_NK += (blk * blk).sum(-2)
+    return sq_NK.sqrt()
 
 
 def checksums_of(
