@@ -50,15 +50,17 @@ def checked_backward(
     check_gemms(layer, [("scores_bwd", s_BHTS, q_BHTD, k_BHSD.mT, None),
                         ("grad_probs", dp_BHTS, do_BHTD, v_BHSD.mT, None)])
     # In fp32, like the fused kernel: exp(s - lse) of half-precision scores loses the digits the gradient needs.
+    # In place on one fp32 buffer: each (B, H, T, S) temporary is a fresh allocation (page faults) and a pass over
+    # memory, which is what this elementwise part costs on CPU; same values as the out-of-place form.
     z_BHTS = s_BHTS.float() * scale
     if is_causal:
         z_BHTS.masked_fill_(_future_mask(*z_BHTS.shape[-2:], z_BHTS.device), -math.inf)
     if mask_add is not None:
-        z_BHTS = z_BHTS + mask_add.float()
+        z_BHTS = _add_mask(z_BHTS, mask_add.float())
     # Rows with every key masked carry lse = +INF: exp(-INF) = 0 there, as AP.
-    p32_BHTS = torch.exp(z_BHTS - lse_BHT[..., None])
+    p32_BHTS = z_BHTS.sub_(lse_BHT[..., None]).exp_()
     delta_BHT1 = (do_BHTD.float() * out_BHTD.float()).sum(-1, keepdim=True)
-    ds_BHTS = (p32_BHTS * (dp_BHTS.float() - delta_BHT1)).to(q_BHTD.dtype)
+    ds_BHTS = (dp_BHTS.float() - delta_BHT1).mul_(p32_BHTS).to(q_BHTD.dtype)
     p_BHTS = p32_BHTS.to(q_BHTD.dtype)
     dv_BHSD = p_BHTS.mT @ do_BHTD
     dq_BHTD = ds_BHTS @ k_BHSD
@@ -66,3 +68,10 @@ def checked_backward(
     check_gemms(layer, [("grad_v", dv_BHSD, p_BHTS.mT, do_BHTD, None), ("grad_q", dq_BHTD, ds_BHTS, k_BHSD, None),
                         ("grad_k", dk_BHSD, ds_BHTS.mT, q_BHTD, None)])
     return dq_BHTD * scale, dk_BHSD * scale, dv_BHSD
+
+
+def _add_mask(z_BHTS: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """z + mask, in place when the mask broadcasts to z's shape (a mask wider than z, e.g. over more heads, cannot)."""
+    if torch.broadcast_shapes(z_BHTS.shape, mask.shape) == z_BHTS.shape:
+        return z_BHTS.add_(mask)
+    return z_BHTS + mask

@@ -12,7 +12,7 @@ import torch
 
 from .abft import Tolerance, repair
 from .abft.checksum import DirectionCheck
-from .abft.gemm import exact_gemm_elements, verify_gemm
+from .abft.gemm import DIRECTIONS, exact_gemm_elements, verify_gemm
 from .context import LayerContext
 from .matmul_precision import fp32_matmul_operand_roundoff
 from .product_check import _exact_math
@@ -30,8 +30,14 @@ def _tolerance(ctx: LayerContext) -> Tolerance:
     return Tolerance(mode=cfg.tolerance, factor=cfg.tolerance_factor)
 
 
+FAST_DIRECTIONS: tuple[str, ...] = ("row",)
+"""What a clean check computes: one direction (it detects any single corrupted element); both, and the location, only
+after it flags. Row: its checksums and bound sums are contiguous reductions of C."""
+
+
 def check_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
-    """Verify every GEMM, then (one sync) run the recovery ladder on those flagged. C is repaired in place."""
+    """Verify every GEMM in one direction, then (one sync) run the recovery ladder, with both directions, on those
+    flagged. C is repaired in place."""
     if not gemms or ctx.config.mode == "off":
         return
     tol = _tolerance(ctx)
@@ -40,21 +46,30 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
         _op, c, a, b, bias = gemm
         t0 = time.perf_counter()
         with _exact_math(c):
-            checks = verify_gemm(c, a.detach(), b.detach(), tol, bias_N=None if bias is None else bias.detach(),
-                                 operand_roundoff=fp32_matmul_operand_roundoff(c.device))
+            checks = _verify(gemm, tol, FAST_DIRECTIONS)
             _observe(ctx, checks)
         pending.append((gemm, checks, time.perf_counter() - t0))
     flags = torch.stack([chk.bad.any() for _, checks, _ in pending for chk in checks.values()])
     slow = bool(flags.any())  # sync: the one per checked call (a layer's forward, or its backward); gates the slow path
     correct = ctx.config.mode == "correct"
-    for (op, c, a, b, bias), checks, seconds in pending:
+    for gemm, checks, seconds in pending:
+        op, c, a, b, bias = gemm
         t0 = time.perf_counter()
-        if slow:
+        if slow and bool(torch.stack([chk.bad.any() for chk in checks.values()]).any()):  # sync: slow path only
             with _exact_math(c):
-                reports = _repair(c, a.detach(), b.detach(), None if bias is None else bias.detach(), checks, tol,
+                # Both directions from the same operands: the flagged one again (bitwise the same), and the other,
+                # which locates what one direction cannot (a corrupted column, a block).
+                full = _verify(gemm, tol, DIRECTIONS)
+                reports = _repair(c, a.detach(), b.detach(), None if bias is None else bias.detach(), full, tol,
                                   correct)
             _emit(ctx, op, reports, heads=c.dim() > 2)
         _count(ctx, op, seconds + time.perf_counter() - t0)
+
+
+def _verify(gemm: Gemm, tol: Tolerance, directions: tuple[str, ...]) -> dict[str, DirectionCheck]:
+    _op, c, a, b, bias = gemm
+    return verify_gemm(c, a.detach(), b.detach(), tol, bias_N=None if bias is None else bias.detach(),
+                       operand_roundoff=fp32_matmul_operand_roundoff(c.device), directions=directions)
 
 
 def _repair(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,

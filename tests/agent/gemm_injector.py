@@ -47,12 +47,15 @@ def corrupt(value: torch.Tensor, kind: str) -> torch.Tensor:
 
 @dataclass
 class GemmInjector(TorchDispatchMode):
-    """Records every GEMM call (``calls``); corrupts element ``element`` (flat, modulo size) of call ``target``.
-    ``phase`` is set by the test around backward so each call is labelled forward or backward."""
+    """Records every GEMM call (``calls``); corrupts element ``element`` (flat, modulo size) of call ``target``,
+    or with ``pattern`` "row" / "col" every element of that element's row / column (a 1-D fault: the checks must
+    locate it with the direction across it). ``phase`` is set by the test around backward so each call is labelled
+    forward or backward."""
 
     target: int | None = None
     kind: str = "inf"
     element: int = 0
+    pattern: str = "0d"
     phase: str = "forward"
     calls: list[GemmCall] = field(default_factory=list)
     hit: GemmCall | None = None
@@ -69,7 +72,14 @@ class GemmInjector(TorchDispatchMode):
             if call.index == self.target:
                 flat = out.view(-1)
                 i = self.element % flat.numel()
-                flat[i] = corrupt(flat[i], self.kind)
+                if self.pattern == "0d":
+                    flat[i] = corrupt(flat[i], self.kind)
+                else:
+                    mat = out.view(-1, out.shape[-1])
+                    r, c = divmod(i, out.shape[-1])
+                    r %= mat.shape[0]
+                    line = mat[r] if self.pattern == "row" else mat[:, c]
+                    line.copy_(torch.stack([corrupt(v, self.kind) for v in line]))
                 self.hit = call
         return out
 

@@ -28,15 +28,18 @@ def flagged(checks: dict) -> int:
 
 @settings(max_examples=40, deadline=None)
 @given(m=st.integers(1, 40), k=st.integers(1, 70), n=st.integers(1, 40), dtype=st.sampled_from(DTYPES),
-       with_bias=st.booleans(), transposed=st.booleans(), seed=st.integers(0, 10_000))
+       with_bias=st.booleans(), transposed=st.booleans(), seed=st.integers(0, 10_000),
+       directions=st.sampled_from([("row", "col"), ("row",), ("col",)]))
 def test_clean_gemms_are_never_flagged(m: int, k: int, n: int, dtype: torch.dtype, with_bias: bool,
-                                       transposed: bool, seed: int) -> None:
+                                       transposed: bool, seed: int, directions: tuple[str, ...]) -> None:
     # transposed: A is a strided view (dYᵀ in the weight gradient), as the backward check passes it.
     a = randn((k, m), seed, dtype).T if transposed else randn((m, k), seed, dtype)
     b = randn((k, n), seed + 1, dtype)
     bias = randn((n,), seed + 2, dtype) if with_bias else None
     c = product(a, b, bias)
-    assert flagged(verify_gemm(c, a, b, Tolerance(), bias_N=bias)) == 0
+    checks = verify_gemm(c, a, b, Tolerance(), bias_N=bias, directions=directions)
+    assert set(checks) == set(directions)
+    assert flagged(checks) == 0
 
 
 @settings(max_examples=40, deadline=None)
@@ -56,6 +59,10 @@ def test_single_fault_is_located_and_corrected_to_the_clean_product(
         kind, float(c[i, j]) + 1000.0 * math.sqrt(k))
     checks = verify_gemm(c, a, b, Tolerance(), bias_N=bias)
     assert flagged(checks) > 0
+    # Either direction alone (the fast path's) flags it too, at the same vector as the full check.
+    for d in ("row", "col"):
+        one = verify_gemm(c, a, b, Tolerance(), bias_N=bias, directions=(d,))
+        assert torch.equal(one[d].bad, checks[d].bad)
     reports = repair(c[None], checks, Tolerance(), correct=True, recompute=lambda: product(a, b, bias)[None],
                      exact=lambda key, r, cc: exact_gemm_elements(a, b, r, cc, bias))
     assert [r.action for r in reports] in (["corrected"], ["recomputed"])
@@ -99,6 +106,8 @@ def test_shapes_that_do_not_form_a_product_are_refused() -> None:
         verify_gemm(torch.ones(2, 4, 6), torch.ones(3, 4, 5), torch.ones(2, 5, 6), Tolerance())
     with pytest.raises(ValueError, match="bias goes with a 2-D product"):
         verify_gemm(torch.ones(2, 4, 6), torch.ones(2, 4, 5), torch.ones(2, 5, 6), Tolerance(), bias_N=torch.ones(6))
+    with pytest.raises(ValueError, match="directions must be"):
+        verify_gemm(torch.ones(4, 6), a, torch.ones(5, 6), Tolerance(), directions=("diagonal",))
 
 
 @settings(max_examples=25, deadline=None)
@@ -122,3 +131,21 @@ def test_batched_products_are_verified_and_repaired_per_matrix(batch: int, heads
                                                       [((batch - 1, heads - 1), "corrected")])
     scale = float(a.float().norm(dim=-1).max() * b.float().norm(dim=-2).max()) + 1.0
     assert (c.float() - clean.float()).abs().max() <= 4 * torch.finfo(dtype).eps * scale
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 700), cols=st.sampled_from([1, 3, 512, 1500]), seed=st.integers(0, 10_000),
+       transposed=st.booleans())
+def test_column_norms_and_skinny_products_match_their_plain_forms(rows: int, cols: int, seed: int,
+                                                                   transposed: bool) -> None:
+    """col_norms reduces a block of rows at a time on CPU and times_skinny takes a transposed view through its
+    contiguous layout: the same values as the one-op forms (to fp32 round-off), whatever the shape or layout."""
+    from attnchecker.abft import col_norms, times_skinny
+
+    a = randn((cols, rows), seed, torch.float32).T if transposed else randn((rows, cols), seed, torch.float32)
+    torch.testing.assert_close(col_norms(a), torch.linalg.vector_norm(a.double(), dim=0).float(), rtol=1e-5, atol=0)
+    m = randn((cols, 2), seed + 1, torch.float32)
+    torch.testing.assert_close(times_skinny(a, m), (a.double() @ m.double()).float(), rtol=1e-4, atol=1e-4)
+    batch = torch.stack([a, 2 * a, -a])  # (3, rows, cols): blocked along the rows of every matrix at once
+    torch.testing.assert_close(col_norms(batch), torch.linalg.vector_norm(batch.double(), dim=-2).float(), rtol=1e-5,
+                               atol=0)

@@ -157,3 +157,24 @@ def test_bf16_autocast_under_scope_all_flags_nothing_and_trains(arch: str) -> No
     assert guard.report().checks.get("linear", 0) > 0
     assert result.finite_weights and all(math.isfinite(x) for x in result.losses)
     guard.close()
+
+
+@pytest.mark.parametrize("pattern", ("row", "col"))
+def test_a_corrupted_row_or_column_is_located_with_one_fast_direction(pattern: str) -> None:
+    """A clean check verifies one direction only (gemm_check.FAST_DIRECTIONS); a whole corrupted row (or column) of
+    a forward, input-gradient and weight-gradient GEMM needs the direction across it to be located, which the slow
+    path computes after the flag. Each is corrected in place (not recomputed: one direction alone would see several
+    faults in one vector and fall back to recomputing) to the fault-free gradients."""
+    recorder = GemmInjector()
+    clean, _, _ = one_step("gpt2", "all", recorder)
+    targets = model_gemms("gpt2", recorder.calls)
+    # GPT-2's MLP c_fc: forward (48, 256), input gradient (48, 64), weight gradient (64, 256), over 48 tokens.
+    picks = [next(c for c in targets if c.phase == phase and c.shape == shape)
+             for phase, shape in (("forward", (48, 256)), ("backward", (48, 64)), ("backward", (64, 256)))]
+    for n, call in enumerate(picks):
+        inj = GemmInjector(target=call.index, kind=("inf", "bitflip", "near_inf")[n], element=5 + 17 * n,
+                           pattern=pattern)
+        grads, finite, detections = one_step("gpt2", "all", inj)
+        assert inj.hit == call
+        assert finite and detections and worst_rel(grads, clean) <= 1e-5, (call, detections)
+        assert [(d.action, d.pattern) for d in detections] == [("corrected", "1d")], detections

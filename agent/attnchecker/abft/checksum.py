@@ -45,6 +45,10 @@ def checksum_weights(n: int, device: torch.device, dtype: torch.dtype) -> torch.
 def weighted_rows(a_NRK: torch.Tensor) -> torch.Tensor:
     """(..., R, 2) = A w over the last dim. A plain sum and a matrix-vector product: CPU BLAS runs A @ (K, 2) (an
     output two columns wide) many times slower than either."""
+    if a_NRK.dim() == 2 and not a_NRK.is_contiguous() and a_NRK.mT.is_contiguous():
+        # A transposed view (a weight's Wᵀ, dYᵀ): (wᵀ Aᵀ)ᵀ, one wide product on the contiguous layout, where reshape
+        # would copy all of it first (4 M elements for an 8192-wide LM head's weight).
+        return weighted_cols(a_NRK.mT)
     # As one (M, K) matrix: a column slice of a fused projection is a view with a row stride (no copy); heads split
     # out of a projection cannot be folded so, and reshape copies them once (both reductions on the strided view
     # are several times slower than that copy).
@@ -60,16 +64,33 @@ def weighted_cols(a_NRK: torch.Tensor) -> torch.Tensor:
 
 
 def times_skinny(a_NRK: torch.Tensor, m_NKc: torch.Tensor) -> torch.Tensor:
-    """(..., R, c) = A @ M for a few columns c. For a contiguous A, computed as (Mᵀ Aᵀ)ᵀ: the transposed form maps to
-    a wide BLAS call (2-3× faster on CPU than A @ M, no copy). A strided A (a head view) is faster as A @ M."""
-    if a_NRK.is_contiguous():
+    """(..., R, c) = A @ M for a few columns c. For a contiguous A, or a transposed view of one (dYᵀ of a weight
+    gradient), computed as (Mᵀ Aᵀ)ᵀ: the transposed form maps to a wide BLAS call (2-3× faster on CPU than A @ M, no
+    copy; on a transposed view A @ M ran 20× slower: 12 ms for a (2048, 1024) dYᵀ). A head view (strided, neither
+    layout) is faster as A @ M."""
+    if a_NRK.is_contiguous() or a_NRK.mT.is_contiguous():
         return (m_NKc.mT @ a_NRK.mT).mT
     return a_NRK @ m_NKc
 
 
+# Rows per block of the column reductions on CPU: about 2^18 elements, a block that stays in cache.
+_BLOCK_ELEMENTS = 1 << 18
+
+
 def col_norms(a_NRK: torch.Tensor) -> torch.Tensor:
-    """(..., K): ‖A_:,k‖₂ over the rows. Square-sum-root: vector_norm over dim -2 of a strided view is ~10× slower."""
-    return a_NRK.square().sum(-2).sqrt()
+    """(..., K): ‖A_:,k‖₂ over the rows. Square-sum-root: vector_norm over dim -2 of a strided view is ~10× slower.
+    On CPU a block of rows at a time: squaring all of a wide A allocates a copy of it, which cost 34 ms for a
+    (1024, 8192) gradient against 4 ms blocked (one thread, measured)."""
+    rows = a_NRK.shape[-2]
+    # A batch (attention's (B, H, T, S) probabilities) is blocked along its rows too, every matrix at once.
+    step = max(1, _BLOCK_ELEMENTS * rows // max(1, a_NRK.numel()))
+    if a_NRK.device.type != "cpu" or rows <= step:
+        return a_NRK.square().sum(-2).sqrt()
+    sq_NK = torch.zeros(a_NRK.shape[:-2] + a_NRK.shape[-1:], dtype=a_NRK.dtype, device=a_NRK.device)
+    for i in range(0, rows, step):
+        blk = a_NRK[..., i : i + step, :]
+        sq_NK += (blk * blk).sum(-2)
+    return sq_NK.sqrt()
 
 
 def checksums_of(

@@ -26,7 +26,10 @@ from .checksum import (
 )
 from .tolerance import Tolerance, bounds
 
-__all__ = ["exact_gemm_elements", "verify_gemm"]
+__all__ = ["DIRECTIONS", "exact_gemm_elements", "verify_gemm"]
+
+
+DIRECTIONS: tuple[str, ...] = ("row", "col")
 
 
 def verify_gemm(
@@ -37,15 +40,69 @@ def verify_gemm(
     *,
     bias_N: torch.Tensor | None = None,
     operand_roundoff: float | None = None,
+    directions: tuple[str, ...] = DIRECTIONS,
 ) -> dict[str, DirectionCheck]:
-    """Both directions of C = A·B (+ bias) against references from A and B, for 2-D operands or batches of them (the
-    same leading dims on all three, e.g. (B, H) for attention; bias 2-D only). The checks carry C's leading dims, a
-    2-D product getting one of size 1 ((1, M), (1, N)): the layout ``abft.repair`` expects, so a 2-D C is repaired as
-    ``repair(c_MN[None], ...)``, a batched one as ``repair(c, ...)``.
+    """The requested directions of C = A·B (+ bias) against references from A and B, for 2-D operands or batches of
+    them (the same leading dims on all three, e.g. (B, H) for attention; bias 2-D only). The checks carry C's leading
+    dims, a 2-D product getting one of size 1 ((1, M), (1, N)): the layout ``abft.repair`` expects, so a 2-D C is
+    repaired as ``repair(c_MN[None], ...)``, a batched one as ``repair(c, ...)``.
+
+    directions: ("row",) is the fast path (issue 17): one direction detects any single corrupted element (it changes
+    its row's sum as much as its column's) and reads C once for the checksums, once for its bound; locating a 1-D or
+    2-D pattern needs both, which the slow path computes after a flag (``gemm_check``).
 
     Operands may be strided views (dYᵀ); they are read once each in the accumulation dtype. operand_roundoff: an
     fp32 GEMM that rounded its operands itself (TF32, oneDNN bf16; ``tolerance.bounds``).
     """
+    _check_shapes(c_MN, a_MK, b_KN, bias_N)
+    if not directions or any(d not in DIRECTIONS for d in directions):
+        raise ValueError(f"verify_gemm: directions must be a non-empty subset of {DIRECTIONS}, got {directions!r}")
+    m, k = a_MK.shape[-2:]
+    acc = acc_dtype(c_MN.dtype)
+    a, b = a_MK.to(acc), b_KN.to(acc)
+    both = len(set(directions)) == 2
+    refs: dict[str, torch.Tensor] = {}
+    if "row" in directions:
+        refs["row"] = times_skinny(a, weighted_rows(b))
+    if "col" in directions:
+        refs["col"] = (weighted_cols(a).mT @ b).mT
+    bias_abs_N = None
+    if bias_N is not None:
+        bias = bias_N.to(acc)
+        if "row" in refs:
+            refs["row"] = refs["row"] + weighted_rows(bias[None])[0]
+        if "col" in refs:
+            # Σw from the cached weights, on the device: a host-built tensor would be a host-to-device copy.
+            refs["col"] = refs["col"] + bias[:, None] * checksum_weights(m, c_MN.device, acc).sum(0)
+        bias_abs_N = bias.abs()
+    # Operands in a wider dtype than C (autocast's fp32 master copy): the GEMM ran on them rounded to C's dtype.
+    cast_to = c_MN.dtype if (a_MK.dtype != c_MN.dtype or b_KN.dtype != c_MN.dtype) else None
+    roundoff = tol.mode == "roundoff"
+    use_abs = c_MN.dtype != acc and roundoff
+    with_sq = roundoff and tol.calibrated
+    got: dict[str, torch.Tensor]
+    sums: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]
+    if both:
+        got_rows_M2, got_cols_N2, vsums = checksums_of(c_MN, with_abs=use_abs, with_sq=with_sq)
+        got = {"row": got_rows_M2, "col": got_cols_N2}
+        sums = {d: vsums.of(d) if vsums is not None else (None, None) for d in DIRECTIONS}
+    else:
+        c = c_MN.to(acc)
+        got = {"row": weighted_rows(c)} if "row" in directions else {"col": weighted_cols(c)}
+        sums = {d: _one_direction_sums(c, d, with_abs=use_abs, with_sq=with_sq) for d in got}
+    row_rule, col_rule = bounds(_row_norms(a), _col_norms(b), k=k, out_dtype=c_MN.dtype,
+                                tol=tol, bias_abs_C=bias_abs_N, use_abs=use_abs, operands_cast_to=cast_to,
+                                operand_roundoff=operand_roundoff if c_MN.dtype == torch.float32 else None)
+    rules = {"row": row_rule, "col": col_rule}
+    out = {}
+    for d in DIRECTIONS:
+        if d in got:
+            chk = verify_direction(refs[d], got[d], rules[d], *sums[d])
+            out[d] = _full(chk) if c_MN.dim() > 2 else _batched(chk)
+    return out
+
+
+def _check_shapes(c_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | None) -> None:
     if c_MN.dim() < 2 or c_MN.dim() != a_MK.dim() or c_MN.dim() != b_KN.dim():
         raise ValueError(f"verify_gemm takes 2-D operands (or batches with equal leading dims), got C "
                          f"{tuple(c_MN.shape)}, A {tuple(a_MK.shape)}, B {tuple(b_KN.shape)}")
@@ -56,31 +113,25 @@ def verify_gemm(
                          f"B {tuple(b_KN.shape)}")
     if bias_N is not None and c_MN.dim() != 2:
         raise ValueError("verify_gemm: a bias goes with a 2-D product only")
-    acc = acc_dtype(c_MN.dtype)
-    a, b = a_MK.to(acc), b_KN.to(acc)
-    row_ref_M2 = times_skinny(a, weighted_rows(b))
-    col_ref_N2 = (weighted_cols(a).mT @ b).mT
-    bias_abs_N = None
-    if bias_N is not None:
-        bias = bias_N.to(acc)
-        row_ref_M2 = row_ref_M2 + weighted_rows(bias[None])[0]
-        # Σw from the cached weights, on the device: a host-built tensor would be a host-to-device copy.
-        col_ref_N2 = col_ref_N2 + bias[:, None] * checksum_weights(m, c_MN.device, acc).sum(0)
-        bias_abs_N = bias.abs()
-    # Operands in a wider dtype than C (autocast's fp32 master copy): the GEMM ran on them rounded to C's dtype.
-    cast_to = c_MN.dtype if (a_MK.dtype != c_MN.dtype or b_KN.dtype != c_MN.dtype) else None
-    roundoff = tol.mode == "roundoff"
-    use_abs = c_MN.dtype != acc and roundoff
-    got_rows_M2, got_cols_N2, sums = checksums_of(c_MN, with_abs=use_abs, with_sq=roundoff and tol.calibrated)
-    row_rule, col_rule = bounds(_row_norms(a), _col_norms(b), k=k, out_dtype=c_MN.dtype,
-                                tol=tol, bias_abs_C=bias_abs_N, use_abs=use_abs, operands_cast_to=cast_to,
-                                operand_roundoff=operand_roundoff if c_MN.dtype == torch.float32 else None)
-    row_sums, col_sums = (sums.of("row"), sums.of("col")) if sums is not None else ((None, None), (None, None))
-    row = verify_direction(row_ref_M2, got_rows_M2, row_rule, *row_sums)
-    col = verify_direction(col_ref_N2, got_cols_N2, col_rule, *col_sums)
-    if c_MN.dim() > 2:
-        return {"row": _full(row), "col": _full(col)}
-    return {"row": _batched(row), "col": _batched(col)}
+
+
+def _one_direction_sums(
+    c_MN: torch.Tensor, direction: str, *, with_abs: bool, with_sq: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(Σ|C|, ΣC²) per vector of one direction (None where not asked for): the same sums ``checksums_of`` makes for
+    both, without the pass over the other direction (a column reduction of a row-major C is the slow one)."""
+    abs_sum = sq_sum = None
+    if direction == "row":
+        if with_abs:
+            abs_sum = c_MN.abs().sum(-1)
+        if with_sq:
+            sq_sum = torch.linalg.vector_norm(c_MN, dim=-1).square()
+        return abs_sum, sq_sum
+    if with_abs:
+        abs_sum = c_MN.abs().sum(-2)
+    if with_sq:
+        sq_sum = col_norms(c_MN).square()
+    return abs_sum, sq_sum
 
 
 def _row_norms(a_MK: torch.Tensor) -> torch.Tensor:
