@@ -117,8 +117,11 @@ def spread(values_MV: torch.Tensor, direction: str, groups: int, shape_RC: tuple
 
 def vector_sum(values_MRC: torch.Tensor, direction: str, groups: int) -> torch.Tensor:
     """(..., V): the sum of `values` over each vector's elements in `direction` (inverse layout of `spread`)."""
-    per = values_MRC if direction == "row" else values_MRC.transpose(-2, -1)
-    return per.reshape(*per.shape[:-1], groups, -1).sum(-1).flatten(-2)
+    if direction == "row":
+        return values_MRC.reshape(*values_MRC.shape[:-1], groups, -1).sum(-1).flatten(-2)
+    # Sum runs of rows in place, then transpose the small (..., g, C) result: transposing C first copies all of it.
+    per_gC = values_MRC.reshape(*values_MRC.shape[:-2], groups, -1, values_MRC.shape[-1]).sum(-2)
+    return per_gC.transpose(-2, -1).flatten(-2)
 
 
 def times_skinny(a_NRK: torch.Tensor, m_NKc: torch.Tensor) -> torch.Tensor:
