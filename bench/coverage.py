@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -32,7 +33,7 @@ _common.setup_path()
 import torch
 import torch.nn.functional as F
 
-from attnchecker.abft import Tolerance
+from attnchecker.abft import Tolerance, vector_of
 from attnchecker.attention import (
     _context_checks,
     _ProjectionInput,
@@ -40,6 +41,7 @@ from attnchecker.attention import (
     _verify,
 )
 from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
+from attnchecker.product_check import _groups
 
 # name -> (tokens T, model width, heads checked in scores/context, head dim D, heads in the clean-check batches)
 SHAPES: dict[str, dict[str, int]] = {
@@ -106,35 +108,44 @@ class Op:
                 self.c = product(probs, v, dtype_name)
         self.rms = float(self.c.float().square().mean().sqrt())
 
-    def verify(self, c: torch.Tensor, tol: Tolerance) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row flags (R,), column flags (C,)) of the first matrix of c."""
+    def checks(self, c: torch.Tensor, tol: Tolerance) -> dict[str, Any]:
+        """The engine's verification of (a corrupted copy of) the product: {"row", "col"} DirectionChecks."""
         with emulate_fp32_matmul("tf32") if self.dtype_name == "tf32" else contextlib.nullcontext(), torch.no_grad():
             if self.name in ("q", "out"):
                 shared = _ProjectionInput.of(self.x)
                 w_norm, _ = shared.weight_norms(self.w, None)
-                k = self.w.shape[1]
-                checks = _verify(c, shared.feature_ref(self.w, None), shared.token_ref(self.w, None),
-                                 shared.x_norm_NT, w_norm, k=k, tol=tol, ref_norms=shared.ref_norms(self.w))
-            elif self.name == "scores":
-                checks = _scores_checks(self.q, self.k, c, {}, self.h, tol)
-            else:
-                checks = _context_checks(self.probs, self.v, c, None, self.h, tol)
+                g_r, g_c = _groups(tol, self.w.shape[0]), _groups(tol, self.x.shape[-2])
+                return _verify(c, shared.feature_ref(self.w, None, g_r), shared.token_ref(self.w, None,
+                               grouped=g_c > 1), shared.x_norm_NT, w_norm, k=self.w.shape[1], tol=tol,
+                               ref_norms=shared.ref_norms(self.w, (g_r, g_c)), groups=(g_r, g_c))
+            if self.name == "scores":
+                return _scores_checks(self.q, self.k, c, {}, self.h, tol)
+            return _context_checks(self.probs, self.v, c, None, self.h, tol)
+
+    def check_seconds(self, tols: dict[str, Tolerance], reps: int = 3) -> dict[str, float]:
+        """Median seconds of one verification of the clean product per tolerance, interleaved (a loaded machine
+        slows every variant alike)."""
+        times: dict[str, list[float]] = {name: [] for name in tols}
+        for _ in range(reps):
+            for name, tol in tols.items():
+                t0 = time.perf_counter()
+                self.checks(self.c, tol)
+                times[name].append(time.perf_counter() - t0)
+        return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+    def verify(self, c: torch.Tensor, tol: Tolerance, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """(P,) whether the row or the column vector holding element (rows[p], cols[p]) of the first matrix of c is
+        flagged (with grouped checksums: the row's and the column's group)."""
+        checks = self.checks(c, tol)
         first = (0,) * (c.dim() - 2)
-        return checks["row"].bad[first], checks["col"].bad[first]
+        r, n = c.shape[-2:]
+        row, col = checks["row"], checks["col"]
+        return (row.bad[first][vector_of("row", row.groups, n, rows, cols)]
+                | col.bad[first][vector_of("col", col.groups, r, rows, cols)])
 
     def clean_ratios(self, tol: Tolerance) -> dict[str, float]:
         """Worst clean |d1|/bound and |d2|/bound2 over both directions of the clean product."""
-        with emulate_fp32_matmul("tf32") if self.dtype_name == "tf32" else contextlib.nullcontext(), torch.no_grad():
-            if self.name in ("q", "out"):
-                shared = _ProjectionInput.of(self.x)
-                w_norm, _ = shared.weight_norms(self.w, None)
-                checks = _verify(self.c, shared.feature_ref(self.w, None), shared.token_ref(self.w, None),
-                                 shared.x_norm_NT, w_norm, k=self.w.shape[1], tol=tol,
-                                 ref_norms=shared.ref_norms(self.w))
-            elif self.name == "scores":
-                checks = _scores_checks(self.q, self.k, self.c, {}, self.h, tol)
-            else:
-                checks = _context_checks(self.probs, self.v, self.c, None, self.h, tol)
+        checks = self.checks(self.c, tol)
         d1 = max(float((chk.diff[..., 0].abs() / chk.bound).max()) for chk in checks.values())
         d2 = max(float((chk.diff[..., 1].abs() / chk.bound2).max()) for chk in checks.values())
         bound = min(float(chk.bound.median()) for chk in checks.values())
@@ -150,8 +161,7 @@ def positions(op: Op, trials: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def detected(op: Op, bad: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, tol: Tolerance) -> torch.Tensor:
-    row_bad, col_bad = op.verify(bad, tol)
-    return row_bad[rows] | col_bad[cols]
+    return op.verify(bad, tol, rows, cols)
 
 
 def magnitude_sweep(op: Op, trials: int, seed: int, tol: Tolerance) -> dict[str, float]:
@@ -324,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     clean_checks = min(args.clean_checks, 2000) if args.tiny else args.clean_checks
     trials = min(args.trials, 64) if args.tiny else args.trials
     cal = Tolerance() if args.sigmas is None else Tolerance(sigmas=args.sigmas)
+    plain = dataclasses.replace(cal, grouped=False)
     rig = Tolerance(calibrated=False)
     parts = set(args.parts.split(","))
     results: list[dict[str, Any]] = []
@@ -338,23 +349,31 @@ def main(argv: list[str] | None = None) -> int:
                     "rms": op.rms,
                     "clean": op.clean_ratios(cal),
                     "clean_rigorous": op.clean_ratios(rig),
+                    "clean_ungrouped": op.clean_ratios(plain),
                     "magnitude": {"calibrated": magnitude_sweep(op, trials, args.seed, cal),
+                                  "calibrated_ungrouped": magnitude_sweep(op, trials, args.seed, plain),
                                   "rigorous": magnitude_sweep(op, trials, args.seed, rig)},
                     "bits": bit_sweep(op, trials, args.seed, cal),
+                    "bits_ungrouped": bit_sweep(op, trials, args.seed, plain),
+                    "check_seconds": op.check_seconds({"grouped": cal, "ungrouped": plain}),
                     "layout": dict(zip(("exponent_bits", "mantissa_bits"), LAYOUT[op.c.dtype], strict=True)),
                 }
                 entry["summary"] = summarize(entry)
+                entry["summary_ungrouped"] = summarize({**entry, "bits": entry["bits_ungrouped"]})
                 entry["seconds"] = time.perf_counter() - t0
                 results.append(entry)
                 s = entry["summary"]
+                cs = entry["check_seconds"]
                 rows.append([shape_name, dtype_name, op_name, entry["clean"]["worst_d1_over_bound"],
                              entry["clean"]["median_bound_over_rms"], entry["magnitude"]["calibrated"]["2.0"],
-                             entry["magnitude"]["rigorous"]["2.0"], s["exponent_bits"], s["top8_mantissa_bits"],
-                             s["flips_ge_2rms"]])
+                             entry["magnitude"]["calibrated_ungrouped"]["2.0"], entry["magnitude"]["rigorous"]["2.0"],
+                             s["exponent_bits"], s["top8_mantissa_bits"], s["flips_ge_2rms"],
+                             cs["grouped"] / cs["ungrouped"]])
                 print(f"  {shape_name}/{dtype_name}/{op_name}: {entry['seconds']:.1f}s", flush=True)
     if rows:
         print(_common.table(rows, ["shape", "dtype", "op", "clean |d1|/bound", "bound/RMS", "2xRMS det",
-                                   "2xRMS rigorous", "exp-bit flips", "top-8 mantissa", "flips >=2RMS"]))
+                                   "2xRMS ungrouped", "2xRMS rigorous", "exp-bit flips", "top-8 mantissa",
+                                   "flips >=2RMS", "check time grouped/ungrouped"]))
     ks = (16, 64) if args.tiny else (64, 512, 2048, 4096, 8192)
     model = {d: residual_model(d, ks, 64 if args.tiny else 1024, args.seed) for d in dtypes} if "model" in parts else {}
     if model:

@@ -16,13 +16,22 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .abft import Tolerance, acc_dtype, col_norms, repair, times_skinny, weighted_cols, weighted_rows
+from .abft import (
+    Tolerance,
+    acc_dtype,
+    col_norms,
+    group_sums_cols,
+    group_sums_rows,
+    repair,
+    times_skinny,
+    weighted_cols,
+)
 from .attention_tripwire import _emit_trip, _tripwire_sdpa
 from .context import LayerContext
 from .engine_caches import _future_mask
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
 from .passed_checksums import PassedProjection
-from .product_check import Checks, _dot, _exact_math, _tolerance
+from .product_check import Checks, _dot, _exact_math, _groups, _tolerance
 from .product_check import _verify as _verify  # re-exported: tests and bench/coverage.py verify through it
 from .projection import _ProjectionInput as _ProjectionInput  # re-exported, as _verify
 from .projection import check_linear, protected_linear
@@ -415,6 +424,13 @@ def _scores_checks(
             kbar_BHD2 = _expand_heads(pk.token_ref_NO2.view(b, -1, q_acc.shape[-1], 2), h)
         else:
             kbar_BHD2 = weighted_cols(k_acc)
+        # Grouped checksums (abft/checksum.py) only with input-derived references: a passed q̄/k̄ is one plain pair.
+        g_r = _groups(tol, k_acc.shape[-2]) if pk is None else 1
+        g_c = _groups(tol, q_acc.shape[-2]) if pq is None else 1
+        if g_r > 1:
+            kbar_BHD2 = group_sums_cols(k_acc, g_r).flatten(-2)
+        if g_c > 1:
+            qbar_BHD2 = group_sums_cols(q_acc, g_c).flatten(-2)
         q_norm_BHT = torch.linalg.vector_norm(q_acc, dim=-1)
         k_norm_BHS = torch.linalg.vector_norm(k_acc, dim=-1)
         # Row references Q k̄ᵀ use a passed k̄: off by ‖k̄ error‖·‖Q_t‖; column references K q̄ᵀ likewise.
@@ -423,17 +439,23 @@ def _scores_checks(
             kv_heads = pk.token_bound_NO.shape[1] // q_acc.shape[-1]
             extra_row = q_norm_BHT * _expand_heads(pk.token_bound_norm(kv_heads)[..., None], h)[..., 0]
         extra_col = None if pq is None else k_norm_BHS * pq.token_bound_norm(h)
+        if (g_r, g_c) == (1, 1):
+            ref_norms = (torch.linalg.vector_norm(kbar_BHD2, dim=-2), torch.linalg.vector_norm(qbar_BHD2, dim=-2))
+        else:
+            ref_norms = (torch.linalg.vector_norm(kbar_BHD2, dim=-2).unflatten(-1, (g_r, 2)),
+                         torch.linalg.vector_norm(qbar_BHD2, dim=-2).unflatten(-1, (g_c, 2)))
         return _verify(
             scores_BHTS,
-            times_skinny(q_acc, kbar_BHD2),
-            times_skinny(k_acc, qbar_BHD2),
+            times_skinny(q_acc, kbar_BHD2).unflatten(-1, (g_r, 2)).flatten(-3, -2),
+            times_skinny(k_acc, qbar_BHD2).unflatten(-1, (g_c, 2)).flatten(-3, -2),
             q_norm_BHT,
             k_norm_BHS,
             k=q_acc.shape[-1],
             tol=tol,
             extra_row_NR=extra_row,
             extra_col_NC=extra_col,
-            ref_norms=(torch.linalg.vector_norm(kbar_BHD2, dim=-2), torch.linalg.vector_norm(qbar_BHD2, dim=-2)),
+            ref_norms=ref_norms,
+            groups=(g_r, g_c),
         )
 
 
@@ -453,6 +475,9 @@ def _context_checks(
         acc = acc_dtype(v_BHSD.dtype)
         v_acc, p_acc = v_BHSD.detach().to(acc).contiguous(), probs_BHTS.to(acc)
         s = p_acc.shape[-1]
+        # Grouped checksums (abft/checksum.py): feature groups only with an input-derived V w; query groups always.
+        g_r = _groups(tol, v_acc.shape[-1]) if passed_v is None else 1
+        g_c = _groups(tol, p_acc.shape[-2])
         if passed_v is not None:
             # v̂ passed from X carries the projection's round-off per token: AP times it bounds the row references'.
             kv_heads = passed_v.weight_OI.shape[0] // v_acc.shape[-1]
@@ -460,21 +485,26 @@ def _context_checks(
             vbound_BHS1 = _expand_heads(passed_v.feature_bound(kv_heads)[..., None], h)
             row_BHTc = times_skinny(p_acc, torch.cat([vw_BHS2, vbound_BHS1], dim=-1))
         else:
-            vw_BHS2 = weighted_rows(v_acc)
+            vw_BHS2 = group_sums_rows(v_acc, g_r).flatten(-2)
             row_BHTc = times_skinny(p_acc, vw_BHS2)
-        pw_BHS2 = weighted_cols(p_acc)
-        col_ref_BHD2 = (pw_BHS2.mT @ v_acc).mT
+        pw_BHS2 = group_sums_cols(p_acc, g_c).flatten(-2)
+        # (B, H, g·2, D) -> (B, H, D, g, 2) -> (B, H, D·g, 2)
+        col_ref_BHD2 = (pw_BHS2.mT @ v_acc).unflatten(-2, (g_c, 2)).permute(0, 1, 4, 2, 3).flatten(-3, -2)
         p_norm_BHT = torch.full(row_BHTc.shape[:-1], 1.01 / (1.0 - dropout_p), device=p_acc.device, dtype=acc)
+        ref_norms = (torch.linalg.vector_norm(vw_BHS2, dim=-2), torch.linalg.vector_norm(pw_BHS2, dim=-2))
+        if (g_r, g_c) != (1, 1):
+            ref_norms = (ref_norms[0].unflatten(-1, (g_r, 2)), ref_norms[1].unflatten(-1, (g_c, 2)))
         return _verify(
             out_BHTD,
-            row_BHTc[..., :2],
+            row_BHTc[..., : 2 * g_r].unflatten(-1, (g_r, 2)).flatten(-3, -2),
             col_ref_BHD2,
             p_norm_BHT,
             col_norms(v_acc),
             k=s,
             tol=tol,
             extra_row_NR=row_BHTc[..., 2] if passed_v is not None else None,
-            ref_norms=(torch.linalg.vector_norm(vw_BHS2, dim=-2), torch.linalg.vector_norm(pw_BHS2, dim=-2)),
+            ref_norms=ref_norms,
+            groups=(g_r, g_c),
         )
 
 

@@ -4,11 +4,12 @@ tiled attention and the whole-step GEMM checks."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
 
-from .abft import DirectionCheck, Tolerance, acc_dtype, bounds, checksums_of, verify_direction
+from .abft import DirectionCheck, Tolerance, acc_dtype, bounds, checksums_of, group_count, verify_direction
 from .abft.checksum import VectorSums
 from .context import LayerContext
 from .matmul_precision import fp32_matmul_operand_roundoff, ieee_fp32_matmul
@@ -42,6 +43,12 @@ def _tolerance(ctx: LayerContext) -> Tolerance:
     return Tolerance(mode=cfg.tolerance, factor=cfg.tolerance_factor)
 
 
+def _groups(tol: Tolerance, n: int) -> int:
+    """Checksum groups for a vector of length n under this tolerance: grouped round-off checks only (the paper's
+    absolute threshold keeps one pair per vector)."""
+    return group_count(n) if tol.grouped and tol.mode == "roundoff" else 1
+
+
 def _gemm_accumulation(c: torch.Tensor) -> torch.dtype | None:
     """The precision a half-precision product may have been reduced in: its own dtype when cuBLAS is allowed
     reduced-precision reductions (PyTorch's default), else fp32 (None)."""
@@ -70,33 +77,47 @@ def _verify(
     operands_cast_to: torch.dtype | None = None,
     ref_norms: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     sq_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
+    groups: tuple[int, int] = (1, 1),
 ) -> Checks:
     """Both directions of C = A·B against references derived from the inputs (no sync). extra_*: error already in
     a passed reference (paper-faithful mode), added to the bound. operands_cast_to: autocast ran the product on
     operands rounded to this dtype. ref_norms: (‖B w‖, ‖wᵀA‖) per batch (..., 2), for the calibrated bound.
     sq_sums: (Σ_j C_ij² (..., R), Σ_i C_ij² (..., C)) from the operands (abft.tiled.square_sums), for a C in the
-    accumulation dtype: the calibrated bound then needs no pass over C for them."""
+    accumulation dtype and ungrouped checksums: the calibrated bound then needs no pass over C for them.
+    groups: (g_r, g_c) checksum groups per row and per column (abft/checksum.py); the references and ref_norms are
+    then per group: (..., R·g_r, 2), (..., C·g_c, 2), ((..., g_r, 2), (..., g_c, 2))."""
     roundoff = tol.mode == "roundoff"
     use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and roundoff
     want_sq = roundoff and tol.calibrated
-    given_sq = want_sq and sq_sums is not None and not use_abs
-    got_rows, got_cols, sums = checksums_of(c_NRC, with_abs=use_abs, with_sq=want_sq and not given_sq)
+    given_sq = want_sq and sq_sums is not None and not use_abs and groups == (1, 1)
+    got_rows, got_cols, sums = checksums_of(c_NRC, with_abs=use_abs, with_sq=want_sq and not given_sq,
+                                            groups=groups)
     if given_sq:
         assert sq_sums is not None
         sums = VectorSums(None, sq_sums)
     # An fp32 product under TF32 (or oneDNN bf16) rounded its operands; autocast already says so for half products.
     operand_u = fp32_matmul_operand_roundoff(c_NRC.device) if c_NRC.dtype == torch.float32 else None
-    row_rule, col_rule = bounds(
-        a_norm_NR, b_norm_NC, k=k, out_dtype=c_NRC.dtype, tol=tol, bias_abs_C=bias_abs_C, use_abs=use_abs,
-        gemm_accumulates_in=_gemm_accumulation(c_NRC), operands_cast_to=operands_cast_to,
-        operand_roundoff=operand_u, ref_norms=ref_norms,
+    rule = functools.partial(
+        bounds, k=k, out_dtype=c_NRC.dtype, tol=tol, use_abs=use_abs, gemm_accumulates_in=_gemm_accumulation(c_NRC),
+        operands_cast_to=operands_cast_to, operand_roundoff=operand_u,
     )
+    g_r, g_c = groups
+    if groups == (1, 1):
+        row_rule, col_rule = rule(a_norm_NR, b_norm_NC, bias_abs_C=bias_abs_C, ref_norms=ref_norms)
+    else:
+        # Each group is the product of A with a column block of B (row groups) or of a row block of A with B (column
+        # groups): the same bound on that sub-product, the groups a batch dim, then laid out as grouped vectors.
+        row_rule = rule(a_norm_NR[..., None, :], b_norm_NC.unflatten(-1, (g_r, -1)),
+                        bias_abs_C=None if bias_abs_C is None else bias_abs_C.unflatten(-1, (g_r, -1)),
+                        ref_norms=(ref_norms[0], None))[0].grouped()
+        col_rule = rule(a_norm_NR.unflatten(-1, (g_c, -1)), b_norm_NC[..., None, :], bias_abs_C=bias_abs_C,
+                        ref_norms=(None, ref_norms[1]))[1].grouped()
     if extra_row_NR is not None and roundoff:
         row_rule = row_rule.plus(extra_row_NR)
     if extra_col_NC is not None and roundoff:
         col_rule = col_rule.plus(extra_col_NC)
     row_sums, col_sums = (sums.of("row"), sums.of("col")) if sums is not None else ((None, None), (None, None))
     return {
-        "row": verify_direction(row_ref_NR2, got_rows, row_rule, *row_sums),
-        "col": verify_direction(col_ref_NC2, got_cols, col_rule, *col_sums),
+        "row": verify_direction(row_ref_NR2, got_rows, row_rule, *row_sums, groups=g_r),
+        "col": verify_direction(col_ref_NC2, got_cols, col_rule, *col_sums, groups=g_c),
     }

@@ -12,10 +12,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .abft import acc_dtype, bounds, checksum_weights, repair, times_skinny, weighted_cols, weighted_rows
+from .abft import (
+    acc_dtype,
+    bounds,
+    checksum_weights,
+    group_count,
+    group_sums_cols,
+    group_sums_rows,
+    repair,
+    times_skinny,
+    weighted_cols,
+)
 from .context import LayerContext
 from .passed_checksums import PassedProjection
-from .product_check import Checks, _dot, _Exact, _exact_math, _tolerance, _verify
+from .product_check import Checks, _dot, _Exact, _exact_math, _groups, _tolerance, _verify
 from .records import _any_bad, _count, _count_trips, _emit, _inject, _observe
 from .tripwire import extreme
 
@@ -24,41 +34,63 @@ __all__ = ["PassedProjection", "check_linear", "protected_linear"]
 
 @dataclass(slots=True)
 class _ProjectionInput:
-    """What every column slice of one projection shares: X in the acc dtype, its token checksums and row norms."""
+    """What every column slice of one projection shares: X in the acc dtype, its token checksums and row norms.
+    Token checksums come grouped (g_c runs of T/g_c tokens, abft/checksum.py) for the full check, and plain for the
+    paper-faithful pass, whose reference the attention consumes ungrouped."""
 
     x_NTI: torch.Tensor
     x_acc_NTI: torch.Tensor
     xsum_N2I: torch.Tensor
     x_norm_NT: torch.Tensor
+    token_groups: int = 1
+    xsum_grouped_N2gI: torch.Tensor | None = None
+    """(N, 2·g_c, I): per token group h, rows 2h and 2h+1 are (1, 1..L)ᵀ X_h; None when g_c = 1 (xsum_N2I)."""
 
     @classmethod
     def of(cls, x_NTI: torch.Tensor) -> _ProjectionInput:
         x_acc = x_NTI.to(acc_dtype(x_NTI.dtype))
-        return cls(x_NTI, x_acc, weighted_cols(x_acc).mT, torch.linalg.vector_norm(x_acc, dim=-1))
+        g_c = group_count(x_NTI.shape[-2])
+        grouped = None if g_c == 1 else group_sums_cols(x_acc, g_c).flatten(-2).mT
+        return cls(x_NTI, x_acc, weighted_cols(x_acc).mT, torch.linalg.vector_norm(x_acc, dim=-1), g_c, grouped)
 
-    def token_ref(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
-        """(N, O, 2): (wᵀX) Wᵀ + (Σw) b, the column-direction reference of Y = X Wᵀ + b."""
+    def token_ref(
+        self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, *, grouped: bool = False
+    ) -> torch.Tensor:
+        """(N, O·g, 2): (wᵀX) Wᵀ + (Σw) b, the column-direction reference of Y = X Wᵀ + b (per token group when
+        `grouped`, else g = 1)."""
         acc = self.x_acc_NTI.dtype
-        ref_N2O = self.xsum_N2I @ weight_OI.to(acc).T
+        xsum = self.xsum_grouped_N2gI if grouped and self.xsum_grouped_N2gI is not None else self.xsum_N2I
+        g = xsum.shape[-2] // 2
+        ref_N2gO = xsum @ weight_OI.to(acc).T
         if bias_O is not None:
             # Σw from the cached weights, on the device: a host-built tensor would be a host-to-device copy.
-            wsum_21 = checksum_weights(self.x_NTI.shape[-2], ref_N2O.device, acc).sum(0)[:, None]
-            ref_N2O = ref_N2O + wsum_21 * bias_O.to(acc)
-        return ref_N2O.transpose(-2, -1)
+            wsum_21 = checksum_weights(self.x_NTI.shape[-2] // g, ref_N2gO.device, acc).sum(0)[:, None]
+            ref_N2gO = ref_N2gO + wsum_21.repeat(g, 1) * bias_O.to(acc)
+        # (N, g·2, O) -> (N, O, g, 2) -> (N, O·g, 2)
+        return ref_N2gO.unflatten(-2, (g, 2)).permute(0, 3, 1, 2).flatten(1, 2)
 
-    def feature_ref(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
-        """(N, T, 2): X (Wᵀ w) + b·w, the row-direction reference."""
+    def feature_ref(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, groups: int = 1) -> torch.Tensor:
+        """(N, T·g, 2): X (Wᵀ w) + b·w, the row-direction reference, per group of g runs of output features."""
         acc = self.x_acc_NTI.dtype
-        ww_I2 = weighted_cols(weight_OI.to(acc))
-        ref_NT2 = times_skinny(self.x_acc_NTI, ww_I2)
+        ww_Ig2 = group_sums_cols(weight_OI.to(acc), groups)
+        ref_NTg2 = times_skinny(self.x_acc_NTI, ww_Ig2.flatten(-2)).unflatten(-1, (groups, 2))
         if bias_O is not None:
-            ref_NT2 = ref_NT2 + weighted_rows(bias_O.to(acc)[None])[0]
-        return ref_NT2
+            ref_NTg2 = ref_NTg2 + group_sums_rows(bias_O.to(acc)[None], groups)[0]
+        return ref_NTg2.flatten(-3, -2)
 
-    def ref_norms(self, weight_OI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(‖Wᵀw‖ (2,), ‖wᵀX‖ (N, 2)): the vectors the row (column) references dot with, for the calibrated bound."""
-        ww_I2 = weighted_cols(weight_OI.to(self.x_acc_NTI.dtype))
-        return torch.linalg.vector_norm(ww_I2, dim=-2), torch.linalg.vector_norm(self.xsum_N2I, dim=-1)
+    def ref_norms(
+        self, weight_OI: torch.Tensor, groups: tuple[int, int] = (1, 1)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(‖Wᵀw‖ (2,), ‖wᵀX‖ (N, 2)): the vectors the row (column) references dot with, for the calibrated bound;
+        per group ((g_r, 2), (N, g_c, 2)) for grouped checksums (g_c must be this input's token_groups)."""
+        ww_Ig2 = group_sums_cols(weight_OI.to(self.x_acc_NTI.dtype), groups[0])
+        row, col = torch.linalg.vector_norm(ww_Ig2, dim=-3), torch.linalg.vector_norm(self.xsum_N2I, dim=-1)
+        if groups == (1, 1):
+            return row[0], col
+        if groups[1] > 1:
+            assert self.xsum_grouped_N2gI is not None and groups[1] == self.token_groups
+            col = torch.linalg.vector_norm(self.xsum_grouped_N2gI, dim=-1)
+        return row, col.unflatten(-1, (-1, 2))
 
     def weight_norms(
         self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None
@@ -131,9 +163,10 @@ def check_linear(
         nonlocal shared
         shared = shared or _ProjectionInput.of(x_NTI.detach())
         w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
-        return _verify(y_s.detach(), shared.feature_ref(w_s, b_s), shared.token_ref(w_s, b_s), shared.x_norm_NT,
-                       w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs, operands_cast_to=cast_to,
-                       ref_norms=shared.ref_norms(w_s))
+        g_r, g_c = _groups(tol, w_s.shape[0]), _groups(tol, x_NTI.shape[-2])
+        return _verify(y_s.detach(), shared.feature_ref(w_s, b_s, g_r), shared.token_ref(w_s, b_s, grouped=g_c > 1),
+                       shared.x_norm_NT, w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs,
+                       operands_cast_to=cast_to, ref_norms=shared.ref_norms(w_s, (g_r, g_c)), groups=(g_r, g_c))
 
     offset = 0
     for name, size in splits:

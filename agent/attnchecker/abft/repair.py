@@ -17,6 +17,8 @@ from .checksum import (
     acc_dtype,
     checksum_weights,
     checksums_of,
+    spread,
+    vector_sum,
     verify_direction,
 )
 from .tolerance import Tolerance
@@ -82,9 +84,11 @@ def _recheck(work_MRC: torch.Tensor, refs: dict[str, DirectionCheck]) -> dict[st
     """Verify C as it stands against the original references, bounds re-evaluated on it."""
     use_abs = any(chk.rule.abs_coef for chk in refs.values())
     use_sq = any(chk.rule.var_NV2 is not None and chk.rule.sq_coef != (0.0, 0.0) for chk in refs.values())
-    rows_MR2, cols_MC2, sums = checksums_of(work_MRC, with_abs=use_abs, with_sq=use_sq)
+    groups = (refs["row"].groups if "row" in refs else 1, refs["col"].groups if "col" in refs else 1)
+    rows_MR2, cols_MC2, sums = checksums_of(work_MRC, with_abs=use_abs, with_sq=use_sq, groups=groups)
     got = {"row": rows_MR2, "col": cols_MC2}
-    return {d: verify_direction(chk.ref, got[d], chk.rule, *(sums.of(d) if sums is not None else (None, None)))
+    return {d: verify_direction(chk.ref, got[d], chk.rule, *(sums.of(d) if sums is not None else (None, None)),
+                                groups=chk.groups)
             for d, chk in refs.items()}
 
 
@@ -92,14 +96,19 @@ def _fix_pass(
     work_MRC: torch.Tensor, direction: str, chk: DirectionCheck, allowed_MV: torch.Tensor, tol: Tolerance
 ) -> None:
     """Correct each flagged, allowed vector of one direction in place (one element per vector)."""
-    vecs_MVL = work_MRC if direction == "row" else work_MRC.transpose(-2, -1)
+    g = chk.groups
+    vecs_MVn = work_MRC if direction == "row" else work_MRC.transpose(-2, -1)
+    length = vecs_MVn.shape[-1] // g
+    # Grouped: each vector is one run of `length` elements (a copy for the column direction; written back below).
+    vecs_MVL = vecs_MVn if g == 1 else vecs_MVn.reshape(vecs_MVn.shape[0], -1, length)
     todo_MV = chk.bad & allowed_MV
     if not bool(todo_MV.any()):  # sync: slow path only
         return
     m_P, v_P = todo_MV.nonzero(as_tuple=True)  # sync: slow path only
     loc_P, new_P, fixable_P = locate_and_fix(vecs_MVL[m_P, v_P], chk.ref[m_P, v_P], tol)
     keep = fixable_P
-    vecs_MVL[m_P[keep], v_P[keep], loc_P[keep]] = new_P[keep]
+    along_P, across_P = (v_P % g) * length + loc_P, v_P // g
+    vecs_MVn[m_P[keep], across_P[keep], along_P[keep]] = new_P[keep]
 
 
 def _classify(rows: list[int], cols: list[int]) -> tuple[str, int | None, int | None]:
@@ -190,8 +199,9 @@ def repair(
     reports: list[MatrixReport] = []
     fresh: torch.Tensor | None = None
     for m, key in enumerate(idx_MK.tolist()):  # sync: slow path only
-        bad_rows = sub["row"].bad[m].nonzero()[:, 0].tolist() if "row" in sub else []  # sync: slow path only
-        bad_cols = sub["col"].bad[m].nonzero()[:, 0].tolist() if "col" in sub else []  # sync: slow path only
+        bad_rows, bad_cols = (
+            sorted({v // sub[d].groups for v in sub[d].bad[m].nonzero()[:, 0].tolist()})  # sync: slow path only
+            if d in sub else [] for d in ("row", "col"))
         residual, bound = _residual(sub, m)
         fixed_RC = work_MRC[m].to(c_NRC.dtype)
         changed_RC = ~(fixed_RC == orig_MRC[m])
@@ -237,13 +247,14 @@ def _accepted(
     """
     extra: dict[str, torch.Tensor | float] = {"row": 0.0, "col": 0.0}
     if changed_MRC is not None and "row" in current and "col" in current:
-        changed = changed_MRC.to(current["row"].bound.dtype)
-        extra["row"] = (changed * current["col"].bound[:, None, :]).sum(-1)
-        extra["col"] = (changed * current["row"].bound[:, :, None]).sum(-2)
+        row, col = current["row"], current["col"]
+        changed = changed_MRC.to(row.bound.dtype)
+        extra["row"] = vector_sum(changed * spread(col.bound, "col", col.groups, shape_RC), "row", row.groups)
+        extra["col"] = vector_sum(changed * spread(row.bound, "row", row.groups, shape_RC), "col", col.groups)
     ok = None
     any_trusted = None
     for d, chk in current.items():
-        n = shape_RC[1] if d == "row" else shape_RC[0]
+        n = (shape_RC[1] if d == "row" else shape_RC[0]) // chk.groups
         tol_MV = chk.bound + extra[d]
         d1_ok = ~torch.isfinite(chk.ref[..., 0]) | (chk.diff[..., 0].abs() <= tol_MV)
         # Weights up to n: d2 within its own tolerance (n × the d1 one without it), the crossing vectors' slack
@@ -268,7 +279,7 @@ def _select(chk: DirectionCheck, idx: Any) -> DirectionCheck:
     """The matrices `idx` of a check (leading dims), the bound rule's base included."""
     return DirectionCheck(ref=chk.ref[idx], diff=chk.diff[idx], bound=chk.bound[idx], bad=chk.bad[idx],
                           rule=chk.rule.select(idx, chk.bad.shape),
-                          bound2=None if chk.bound2 is None else chk.bound2[idx])
+                          bound2=None if chk.bound2 is None else chk.bound2[idx], groups=chk.groups)
 
 
 def _region(orig_RC: torch.Tensor, bad_rows: list[int], bad_cols: list[int]) -> torch.Tensor:

@@ -73,6 +73,9 @@ class Tolerance:
     calibrated: bool = True
     """roundoff only: flag at min(rigorous bound, `sigmas` × modelled std) instead of the rigorous bound alone."""
     sigmas: float = CALIBRATED_SIGMAS
+    grouped: bool = True
+    """roundoff only: vectors of >= 2 × GROUP_MIN elements carry one checksum pair per run of >= GROUP_MIN elements
+    (abft/checksum.py), so the clean residual sums fewer round-offs; False: one pair per row and column."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("roundoff", "extreme"):
@@ -160,6 +163,13 @@ class Bound:
     def plus(self, extra_NV: torch.Tensor) -> Bound:
         """This bound with an absolute error (a passed reference's own round-off) added to both parts."""
         return dataclasses.replace(self, base=self.base + extra_NV, offset_NV=self.offset_NV + extra_NV)
+
+    def grouped(self) -> Bound:
+        """This bound, made with the groups as a batch dim just before the vectors ((..., g, V)), laid out as grouped
+        checksum vectors (..., V·g) (v = i·g + h, abft/checksum.py)."""
+        off = self.offset_NV if isinstance(self.offset_NV, float) else self.offset_NV.transpose(-2, -1).flatten(-2)
+        var = None if self.var_NV2 is None else self.var_NV2.transpose(-3, -2).flatten(-3, -2)
+        return dataclasses.replace(self, base=self.base.transpose(-2, -1).flatten(-2), var_NV2=var, offset_NV=off)
 
     def select(self, idx: Any, shape: torch.Size) -> Bound:
         """The vectors of the matrices `idx` (leading dims of `shape` (..., V))."""
