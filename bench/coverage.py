@@ -38,10 +38,8 @@ from attnchecker.attention import (
     _context_checks,
     _ProjectionInput,
     _scores_checks,
-    _verify,
 )
 from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
-from attnchecker.product_check import _groups
 
 # name -> (tokens T, model width, heads checked in scores/context, head dim D, heads in the clean-check batches)
 SHAPES: dict[str, dict[str, int]] = {
@@ -112,12 +110,7 @@ class Op:
         """The engine's verification of (a corrupted copy of) the product: {"row", "col"} DirectionChecks."""
         with emulate_fp32_matmul("tf32") if self.dtype_name == "tf32" else contextlib.nullcontext(), torch.no_grad():
             if self.name in ("q", "out"):
-                shared = _ProjectionInput.of(self.x)
-                w_norm, _ = shared.weight_norms(self.w, None)
-                g_r, g_c = _groups(tol, self.w.shape[0]), _groups(tol, self.x.shape[-2])
-                return _verify(c, shared.feature_ref(self.w, None, g_r), shared.token_ref(self.w, None,
-                               grouped=g_c > 1), shared.x_norm_NT, w_norm, k=self.w.shape[1], tol=tol,
-                               ref_norms=shared.ref_norms(self.w, (g_r, g_c)), groups=(g_r, g_c))
+                return _ProjectionInput.of(self.x).checks(c, self.w, None, tol=tol)
             if self.name == "scores":
                 return _scores_checks(self.q, self.k, c, {}, self.h, tol)
             return _context_checks(self.probs, self.v, c, None, self.h, tol)

@@ -419,18 +419,17 @@ def _scores_checks(
         q_acc, k_acc = q_BHTD.detach().to(acc).contiguous(), k_BHSD.detach().to(acc).contiguous()
         b = q_acc.shape[0]
         pq, pk = passed.get("q"), passed.get("k")
-        qbar_BHD2 = pq.token_ref_NO2.view(b, h, -1, 2) if pq is not None else weighted_cols(q_acc)
-        if pk is not None:
-            kbar_BHD2 = _expand_heads(pk.token_ref_NO2.view(b, -1, q_acc.shape[-1], 2), h)
-        else:
-            kbar_BHD2 = weighted_cols(k_acc)
         # Grouped checksums (abft/checksum.py) only with input-derived references: a passed q̄/k̄ is one plain pair.
         g_r = _groups(tol, k_acc.shape[-2]) if pk is None else 1
         g_c = _groups(tol, q_acc.shape[-2]) if pq is None else 1
-        if g_r > 1:
-            kbar_BHD2 = group_sums_cols(k_acc, g_r).flatten(-2)
-        if g_c > 1:
+        if pq is not None:
+            qbar_BHD2 = pq.token_ref_NO2.view(b, h, -1, 2)
+        else:
             qbar_BHD2 = group_sums_cols(q_acc, g_c).flatten(-2)
+        if pk is not None:
+            kbar_BHD2 = _expand_heads(pk.token_ref_NO2.view(b, -1, q_acc.shape[-1], 2), h)
+        else:
+            kbar_BHD2 = group_sums_cols(k_acc, g_r).flatten(-2)
         q_norm_BHT = torch.linalg.vector_norm(q_acc, dim=-1)
         k_norm_BHS = torch.linalg.vector_norm(k_acc, dim=-1)
         # Row references Q k̄ᵀ use a passed k̄: off by ‖k̄ error‖·‖Q_t‖; column references K q̄ᵀ likewise.

@@ -15,7 +15,7 @@ from .abft.checksum import DirectionCheck
 from .abft.gemm import DIRECTIONS, exact_gemm_elements, verify_gemm
 from .context import LayerContext
 from .matmul_precision import fp32_matmul_operand_roundoff
-from .product_check import _exact_math
+from .product_check import _exact_math, _tolerance
 from .records import _count, _emit, _observe
 
 __all__ = ["Gemm", "check_gemms"]
@@ -23,11 +23,6 @@ __all__ = ["Gemm", "check_gemms"]
 Gemm = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 """(op, C (..., M, N), A (..., M, K), B (..., K, N), bias (N,) or None): one GEMM C = A·B (+ bias) to verify in
 place. A batched C (attention) is reported per (batch, head)."""
-
-
-def _tolerance(ctx: LayerContext) -> Tolerance:
-    cfg = ctx.config
-    return Tolerance(mode=cfg.tolerance, factor=cfg.tolerance_factor)
 
 
 FAST_DIRECTIONS: tuple[str, ...] = ("row",)

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from .abft import (
+    Tolerance,
     acc_dtype,
     bounds,
     checksum_weights,
-    group_count,
     group_sums_cols,
     group_sums_rows,
     repair,
@@ -35,39 +35,42 @@ __all__ = ["PassedProjection", "check_linear", "protected_linear"]
 @dataclass(slots=True)
 class _ProjectionInput:
     """What every column slice of one projection shares: X in the acc dtype, its token checksums and row norms.
-    Token checksums come grouped (g_c runs of T/g_c tokens, abft/checksum.py) for the full check, and plain for the
-    paper-faithful pass, whose reference the attention consumes ungrouped."""
+    Token checksums are plain (one pair over all T tokens: the paper-faithful pass, whose reference the attention
+    consumes ungrouped) and, made on first use, grouped (g_c runs of T/g_c tokens, abft/checksum.py) for the full
+    check."""
 
     x_NTI: torch.Tensor
     x_acc_NTI: torch.Tensor
     xsum_N2I: torch.Tensor
     x_norm_NT: torch.Tensor
-    token_groups: int = 1
     xsum_grouped_N2gI: torch.Tensor | None = None
-    """(N, 2·g_c, I): per token group h, rows 2h and 2h+1 are (1, 1..L)ᵀ X_h; None when g_c = 1 (xsum_N2I)."""
+    """(N, 2·g_c, I): per token group h, rows 2h and 2h+1 are (1, 1..L)ᵀ X_h; None until a grouped check asks."""
 
     @classmethod
     def of(cls, x_NTI: torch.Tensor) -> _ProjectionInput:
         x_acc = x_NTI.to(acc_dtype(x_NTI.dtype))
-        g_c = group_count(x_NTI.shape[-2])
-        grouped = None if g_c == 1 else group_sums_cols(x_acc, g_c).flatten(-2).mT
-        return cls(x_NTI, x_acc, weighted_cols(x_acc).mT, torch.linalg.vector_norm(x_acc, dim=-1), g_c, grouped)
+        return cls(x_NTI, x_acc, weighted_cols(x_acc).mT, torch.linalg.vector_norm(x_acc, dim=-1))
 
-    def token_ref(
-        self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, *, grouped: bool = False
-    ) -> torch.Tensor:
-        """(N, O·g, 2): (wᵀX) Wᵀ + (Σw) b, the column-direction reference of Y = X Wᵀ + b (per token group when
-        `grouped`, else g = 1)."""
+    def token_sums(self, groups: int) -> torch.Tensor:
+        """(N, 2·g, I): the token checksums wᵀX per group of T/g tokens (g = 1: xsum_N2I). One pass over X, the first
+        time a grouped check of this input asks (every slice of a projection has the same T, so the same g)."""
+        if groups == 1:
+            return self.xsum_N2I
+        if self.xsum_grouped_N2gI is None or self.xsum_grouped_N2gI.shape[-2] != 2 * groups:
+            self.xsum_grouped_N2gI = group_sums_cols(self.x_acc_NTI, groups).flatten(-2).mT
+        return self.xsum_grouped_N2gI
+
+    def token_ref(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, groups: int = 1) -> torch.Tensor:
+        """(N, O·g, 2): (wᵀX) Wᵀ + (Σw) b, the column-direction reference of Y = X Wᵀ + b, per group of g runs of
+        tokens."""
         acc = self.x_acc_NTI.dtype
-        xsum = self.xsum_grouped_N2gI if grouped and self.xsum_grouped_N2gI is not None else self.xsum_N2I
-        g = xsum.shape[-2] // 2
-        ref_N2gO = xsum @ weight_OI.to(acc).T
+        ref_N2gO = self.token_sums(groups) @ weight_OI.to(acc).T
         if bias_O is not None:
             # Σw from the cached weights, on the device: a host-built tensor would be a host-to-device copy.
-            wsum_21 = checksum_weights(self.x_NTI.shape[-2] // g, ref_N2gO.device, acc).sum(0)[:, None]
-            ref_N2gO = ref_N2gO + wsum_21.repeat(g, 1) * bias_O.to(acc)
+            wsum_21 = checksum_weights(self.x_NTI.shape[-2] // groups, ref_N2gO.device, acc).sum(0)[:, None]
+            ref_N2gO = ref_N2gO + wsum_21.repeat(groups, 1) * bias_O.to(acc)
         # (N, g·2, O) -> (N, O, g, 2) -> (N, O·g, 2)
-        return ref_N2gO.unflatten(-2, (g, 2)).permute(0, 3, 1, 2).flatten(1, 2)
+        return ref_N2gO.unflatten(-2, (groups, 2)).permute(0, 3, 1, 2).flatten(1, 2)
 
     def feature_ref(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, groups: int = 1) -> torch.Tensor:
         """(N, T·g, 2): X (Wᵀ w) + b·w, the row-direction reference, per group of g runs of output features."""
@@ -82,15 +85,25 @@ class _ProjectionInput:
         self, weight_OI: torch.Tensor, groups: tuple[int, int] = (1, 1)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(‖Wᵀw‖ (2,), ‖wᵀX‖ (N, 2)): the vectors the row (column) references dot with, for the calibrated bound;
-        per group ((g_r, 2), (N, g_c, 2)) for grouped checksums (g_c must be this input's token_groups)."""
+        per group ((g_r, 2), (N, g_c, 2)) for grouped checksums."""
         ww_Ig2 = group_sums_cols(weight_OI.to(self.x_acc_NTI.dtype), groups[0])
-        row, col = torch.linalg.vector_norm(ww_Ig2, dim=-3), torch.linalg.vector_norm(self.xsum_N2I, dim=-1)
+        row = torch.linalg.vector_norm(ww_Ig2, dim=-3)
+        col = torch.linalg.vector_norm(self.token_sums(groups[1]), dim=-1)
         if groups == (1, 1):
             return row[0], col
-        if groups[1] > 1:
-            assert self.xsum_grouped_N2gI is not None and groups[1] == self.token_groups
-            col = torch.linalg.vector_norm(self.xsum_grouped_N2gI, dim=-1)
         return row, col.unflatten(-1, (-1, 2))
+
+    def checks(
+        self, y_NTO: torch.Tensor, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, *, tol: Tolerance,
+        cast_to: torch.dtype | None = None,
+    ) -> Checks:
+        """The full check of one (slice of the) projection Y = X Wᵀ + b: both directions, grouped where the
+        tolerance groups (no sync)."""
+        w_norm_O, bias_abs = self.weight_norms(weight_OI, bias_O)
+        g_r, g_c = _groups(tol, weight_OI.shape[0]), _groups(tol, self.x_NTI.shape[-2])
+        return _verify(y_NTO, self.feature_ref(weight_OI, bias_O, g_r), self.token_ref(weight_OI, bias_O, g_c),
+                       self.x_norm_NT, w_norm_O, k=weight_OI.shape[1], tol=tol, bias_abs_C=bias_abs,
+                       operands_cast_to=cast_to, ref_norms=self.ref_norms(weight_OI, (g_r, g_c)), groups=(g_r, g_c))
 
     def weight_norms(
         self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None
@@ -162,11 +175,7 @@ def check_linear(
     def full_checks(y_s: torch.Tensor, w_s: torch.Tensor, b_s: torch.Tensor | None) -> Checks:
         nonlocal shared
         shared = shared or _ProjectionInput.of(x_NTI.detach())
-        w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
-        g_r, g_c = _groups(tol, w_s.shape[0]), _groups(tol, x_NTI.shape[-2])
-        return _verify(y_s.detach(), shared.feature_ref(w_s, b_s, g_r), shared.token_ref(w_s, b_s, grouped=g_c > 1),
-                       shared.x_norm_NT, w_norm_O, k=w_s.shape[1], tol=tol, bias_abs_C=bias_abs,
-                       operands_cast_to=cast_to, ref_norms=shared.ref_norms(w_s, (g_r, g_c)), groups=(g_r, g_c))
+        return shared.checks(y_s.detach(), w_s, b_s, tol=tol, cast_to=cast_to)
 
     offset = 0
     for name, size in splits:

@@ -82,7 +82,7 @@ def test_grouped_bound_is_the_plain_bound_of_each_sub_product() -> None:
     w_norm, _ = shared.weight_norms(w, None)
     tol = Tolerance()
     with torch.no_grad():
-        grouped = _verify(y, shared.feature_ref(w, None, 4), shared.token_ref(w, None, grouped=True),
+        grouped = _verify(y, shared.feature_ref(w, None, 4), shared.token_ref(w, None, 2),
                           shared.x_norm_NT, w_norm, k=64, tol=tol, ref_norms=shared.ref_norms(w, (4, 2)),
                           groups=(4, 2))
         for h in range(4):
