@@ -1,6 +1,6 @@
 """Every input the original attention call differentiates through keeps its gradient under protection: a learned
 relative bias passed as SDPA's attn_mask (T5/Swin/ALiBi style), a float mask with grad to nn.MultiheadAttention.
-Gradients equal the unprotected model's to <= 1e-6 relative (fp32), with no fault and with a fault injected below
+Gradients equal the unprotected model's to <= 1e-5 relative (GRAD_RTOL) (fp32), with no fault and with a fault injected below
 autograd (gemm_faults) and corrected."""
 
 from __future__ import annotations
@@ -18,6 +18,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 B, T, C, H = 2, 12, 32, 4
+
+
+# The protected path computes attention with its own GEMMs and softmax, not the unprotected kernel, so gradients
+# agree to fp32 round-off accumulated through the backward: measured up to 1.01e-6 of the largest element (T5's
+# layer-norm weight on an AVX-512 CPU, about 8 ulp). A wrong correction or a lost gradient is O(1), far above this.
+GRAD_RTOL = 1e-5
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,11 +103,11 @@ def test_learned_mask_gradient_equals_unprotected(cls, fault) -> None:
         assert rep.corrected >= 1
     else:
         assert rep.detected == 0
-    assert rel_err(got_loss, want_loss) <= 1e-6
+    assert rel_err(got_loss, want_loss) <= GRAD_RTOL
     assert set(got) == set(want)
     for name in want:
         assert got[name] is not None, name
-        assert rel_err(got[name], want[name]) <= 1e-6, (name, rel_err(got[name], want[name]))
+        assert rel_err(got[name], want[name]) <= GRAD_RTOL, (name, rel_err(got[name], want[name]))
 
 
 def test_mask_alone_requiring_grad_gets_its_gradient(make_ctx) -> None:
@@ -115,7 +121,7 @@ def test_mask_alone_requiring_grad_gets_its_gradient(make_ctx) -> None:
     (got,) = torch.autograd.grad(out.square().sum(), bias)
     ref = bias.detach().clone().requires_grad_()
     (want,) = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=ref).square().sum(), ref)
-    assert rel_err(got, want) <= 1e-6
+    assert rel_err(got, want) <= GRAD_RTOL
     assert not rec.detections
 
 
@@ -203,10 +209,10 @@ def test_t5_learned_relative_bias_is_protected_and_keeps_its_gradient(fault) -> 
     assert rep.checks["scores"] == 6
     assert rep.uncorrectable == 0
     assert (rep.detected >= 1 and hits) if fault is not None else rep.detected == 0
-    assert rel_err(got_loss, want_loss) <= 1e-6
+    assert rel_err(got_loss, want_loss) <= GRAD_RTOL
     assert set(got) == set(want)
     for name in want:
-        assert rel_err(got[name], want[name]) <= 1e-6, (name, rel_err(got[name], want[name]))
+        assert rel_err(got[name], want[name]) <= GRAD_RTOL, (name, rel_err(got[name], want[name]))
 
 
 @pytest.mark.parametrize("shape", [(H, T, T), (T, T), (1, H, T, T), (B, 1, T, T), (1, H, 1, T)])
