@@ -1,7 +1,7 @@
 """Every input the original attention call differentiates through keeps its gradient under protection: a learned
 relative bias passed as SDPA's attn_mask (T5/Swin/ALiBi style), a float mask with grad to nn.MultiheadAttention.
-Gradients equal the unprotected model's to <= 1e-5 relative (GRAD_RTOL) (fp32), with no fault and with a fault injected below
-autograd (gemm_faults) and corrected."""
+Gradients equal the unprotected model's to <= 1e-5 relative (fp32, GRAD_RTOL), with no fault and with a fault
+injected below autograd (gemm_faults) and corrected."""
 
 from __future__ import annotations
 
