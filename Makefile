@@ -25,8 +25,12 @@ install: $(STAMP)
 system-deps:
 	bash scripts/system-deps.sh
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test file per process so module fixtures stay whole;
+# each process makes its own PostgreSQL database and ports. One torch thread per process: two processes on two
+# cores, not four threads fighting for them. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: install lint system-deps
-	$(PY) -m pytest tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadfile
 
 # Lint: ruff (one config, ruff.toml), mypy (mypy.ini: strict on abft/, policy, transport/ and the server) and the
 # import contracts of DESIGN.md's layering (.importlinter). `make test` runs it first, so CI enforces it.
