@@ -134,7 +134,7 @@ def test_one_error_in_any_group_is_located_and_corrected(make_ctx, dtype, row, c
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("op", "value", "row", "col"), [("scores", 800.0, 300, 290), ("context", 100.0, 400, 33)])
 def test_grouped_scores_and_context_correct_one_error(make_ctx, monkeypatch, dtype, op, value, row, col) -> None:
-    """T = 512, unfused path (the tiled one checks 256 × 256 tiles, never grouped): scores have 2 groups per row and
+    """T = 512, unfused path (test_tiled_grouped.py pins the tiled path's groups): scores have 2 groups per row and
     column, the context 2 per column. A ~100 × RMS error in a second group is corrected in place, and the attention
     output equals the clean one. (One op per run: a corrected AS rebuilds CL, which drops a CL fault.)"""
     monkeypatch.setenv(PATH_ENV, "unfused")
