@@ -208,8 +208,13 @@ def test_grouped_square_sums_from_cached_grams_equal_the_tile_s(tq, s, d, c0_blo
     assert sums is not None and sums.sq_sum is not None
     torch.testing.assert_close(rows, sums.sq_sum[0], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(cols, sums.sq_sum[1], rtol=1e-10, atol=1e-10)
-    # The cache: a second visit of the range reuses it; on the chunk grid it forms each key's outer product once.
-    assert cache.of(c0, c1, groups[0]) is cache.of(c0, c1, groups[0]) or cache.chunks is not None
+    # The cache: on the chunk grid, chunk Grams of all keys, made once; off it, the range's Grams, kept for the next
+    # query block's visit.
+    again = cache.of(c0, c1, groups[0])
+    if cache.chunks is None:
+        assert again is cache.off_grid[(c0, c1, groups[0])]
+    else:
+        assert cache.chunks.shape[-3] == k.shape[-2] // GROUP_MIN and not cache.off_grid
 
 
 def test_grams_pay_only_where_cheaper_than_a_pass() -> None:
