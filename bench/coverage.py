@@ -13,7 +13,10 @@ force) run as fp32 GEMMs; bf16 and fp16 operands are multiplied in fp32 and roun
 fp32 accumulation does (CPU half GEMMs are slow).
 
     python bench/coverage.py [--tiny] [--shapes tiny,gpt2,7b] [--dtypes fp32,tf32,bf16,fp16] [--trials 1024]
-                             [--clean-checks 100000] [--out bench/results/coverage.json]
+                             [--clean-checks 100000] [--path unfused|tiled] [--out bench/results/coverage.json]
+
+--path tiled checks scores and context as the tiled attention path does (TiledOp): tile by tile, through the
+engine's per-tile checks.
 """
 from __future__ import annotations
 
@@ -34,12 +37,15 @@ import torch
 import torch.nn.functional as F
 
 from attnchecker.abft import Tolerance, vector_of
+from attnchecker.abft.tiled import causal_offset, fold_scores, v_row_checksums
 from attnchecker.attention import (
     _context_checks,
     _ProjectionInput,
     _scores_checks,
 )
 from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
+from attnchecker.product_check import _groups
+from attnchecker.tiled_attention import context_tile_checks, default_tiles, scores_tile_checks
 
 # name -> (tokens T, model width, heads checked in scores/context, head dim D, heads in the clean-check batches)
 SHAPES: dict[str, dict[str, int]] = {
@@ -95,7 +101,7 @@ class Op:
             q = (x @ wq.T).view(1, t, h, d).transpose(1, 2).contiguous().to(dtype)
             k = ((x @ wk.T).view(1, t, h, d).transpose(1, 2) + 2.0).contiguous().to(dtype)  # a shared key direction
             scores = product(q, k.mT, dtype_name)
-            self.q, self.k, self.h = q, k, h
+            self.q, self.k, self.h, self.scores = q, k, h, scores
             if name == "scores":
                 self.c = scores
             else:
@@ -105,6 +111,8 @@ class Op:
                 self.probs, self.v = probs, v
                 self.c = product(probs, v, dtype_name)
         self.rms = float(self.c.float().square().mean().sqrt())
+        self.row_scale: torch.Tensor | None = None
+        """(R,) per row of the first matrix: an error of m·RMS at row r is m·RMS·row_scale[r] in c (None: 1)."""
 
     def checks(self, c: torch.Tensor, tol: Tolerance) -> dict[str, Any]:
         """The engine's verification of (a corrupted copy of) the product: {"row", "col"} DirectionChecks."""
@@ -146,6 +154,88 @@ class Op:
                 "flagged_vectors": int(sum(int(chk.bad.sum()) for chk in checks.values()))}
 
 
+class TiledOp(Op):
+    """scores or context checked as the tiled attention path checks them (--path tiled): one tile per default query
+    block (256 rows) over all its keys, each tile through tiled_attention.scores_tile_checks / context_tile_checks,
+    the engine's own per-tile checks. Scores: no mask, so every 256 × S tile spans whole rows (as the unfused
+    campaign's scores). Context: causal, so block i's tile is P̃_i (256 × its key prefix, unnormalised: the online
+    softmax's exp(z - max)) times V; c is those tiles' P̃V, and an error of m·RMS of the normalised CL in row t is
+    m·RMS·ΣP̃_t in the tile (the same error in the layer's output once the tiled path divides by ΣP̃). The per-tile
+    checks are stitched into one (R·g, 2) / (C·n_blocks, 2) layout, so a 256-row tile column is column group i."""
+
+    def __init__(self, name: str, shape: dict[str, int], dtype_name: str, seed: int) -> None:
+        if name not in ("scores", "context"):
+            raise ValueError(f"--path tiled covers scores and context, not {name!r}")
+        super().__init__(name, shape, dtype_name, seed)
+        t = self.c.shape[-2]
+        self.block_q = min(t, default_tiles(t, self.h).block_q)
+        if t % self.block_q:
+            raise ValueError(f"T = {t} is not a multiple of the {self.block_q}-row query block")
+        self.q_acc, self.k_acc = self.q.float(), self.k.float()
+        if name == "context":
+            d = self.q.shape[-1]
+            self.v_acc = self.v.float()
+            tiles, sums, pvs = [], [], []
+            for r0 in range(0, t, self.block_q):
+                r1 = r0 + self.block_q
+                m0 = torch.full((*self.scores.shape[:-2], self.block_q), -math.inf)
+                p, _, _, l_, _ = fold_scores(self.scores[..., r0:r1, :r1].clone(), m0, torch.zeros_like(m0),
+                                             scale=1 / math.sqrt(d), blocked=None, additive=None,
+                                             causal_offset=causal_offset(r0, 0, r1, is_causal=True))
+                p_c = p.to(self.v.dtype)
+                tiles.append(p_c)
+                sums.append(l_)
+                pvs.append(product(p_c, self.v[..., :r1, :], dtype_name))
+            self.p_tiles, self.p_sums = tiles, sums
+            self.c = torch.cat(pvs, -2)
+            self.row_scale = torch.cat(sums, -1)[(0,) * (self.c.dim() - 2)]
+
+    def checks(self, c: torch.Tensor, tol: Tolerance) -> dict[str, Any]:
+        with emulate_fp32_matmul("tf32") if self.dtype_name == "tf32" else contextlib.nullcontext(), torch.no_grad():
+            per_tile = []
+            t = c.shape[-2]
+            if self.name == "context":
+                g_v = _groups(tol, c.shape[-1])
+                vw = v_row_checksums(self.v_acc, g_v)
+            for i, r0 in enumerate(range(0, t, self.block_q)):
+                r1 = r0 + self.block_q
+                if self.name == "scores":
+                    q_i = self.q_acc[..., r0:r1, :]
+                    per_tile.append(scores_tile_checks(c[..., r0:r1, :], q_i, self.k_acc, q_i.norm(dim=-1),
+                                                       self.k_acc.norm(dim=-1), tol=tol))
+                else:
+                    per_tile.append(context_tile_checks(c[..., r0:r1, :], self.p_tiles[i], self.v_acc[..., :r1, :],
+                                                        vw[..., :r1, :], self.p_sums[i], None, tol=tol, g_v=g_v))
+        return {"row": _stitch(per_tile, "row"), "col": _stitch(per_tile, "col")}
+
+
+@dataclasses.dataclass
+class _Stitched:
+    """The fields of a DirectionCheck the campaign reads, over all tiles of a matrix."""
+
+    bad: torch.Tensor
+    diff: torch.Tensor
+    bound: torch.Tensor
+    bound2: torch.Tensor
+    groups: int
+
+
+def _stitch(per_tile: list[dict[str, Any]], direction: str) -> _Stitched:
+    """Rows: the tiles' row vectors in order (each tile spans whole rows, same groups). Columns: tile i's column j
+    becomes vector j·n + i, the grouped layout with n groups of one tile height each."""
+    chks = [tile[direction] for tile in per_tile]
+    if direction == "row":
+        assert len({c.groups for c in chks}) == 1
+        return _Stitched(torch.cat([c.bad for c in chks], -1), torch.cat([c.diff for c in chks], -2),
+                         torch.cat([c.bound for c in chks], -1), torch.cat([c.bound2 for c in chks], -1),
+                         chks[0].groups)
+    assert all(c.groups == 1 for c in chks), "a tile column of >= 512 rows is grouped itself: not stitched here"
+    return _Stitched(torch.stack([c.bad for c in chks], -1).flatten(-2),
+                     torch.stack([c.diff for c in chks], -2).flatten(-3, -2),
+                     torch.stack([c.bound for c in chks], -1).flatten(-2),
+                     torch.stack([c.bound2 for c in chks], -1).flatten(-2), len(chks))
+
+
 def positions(op: Op, trials: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     r, c = op.c.shape[-2:]
     gen = torch.Generator().manual_seed(seed)
@@ -165,7 +255,8 @@ def magnitude_sweep(op: Op, trials: int, seed: int, tol: Tolerance) -> dict[str,
         bad = op.c.clone()
         first = (0,) * (bad.dim() - 2)
         orig = bad[first][rows, cols].float()
-        bad[(*first, rows, cols)] = (orig + sign * m * op.rms).to(bad.dtype)
+        size = m * op.rms if op.row_scale is None else m * op.rms * op.row_scale[rows]
+        bad[(*first, rows, cols)] = (orig + sign * size).to(bad.dtype)
         changed = bad[first][rows, cols] != op.c[first][rows, cols]  # a half-precision value may round back
         hit = detected(op, bad, rows, cols, tol)
         out[str(m)] = float(hit[changed].float().mean()) if bool(changed.any()) else float("nan")
@@ -186,7 +277,7 @@ def bit_sweep(op: Op, trials: int, seed: int, tol: Tolerance) -> dict[str, dict[
         new = bad[first][rows, cols].float()
         old = op.c[first][rows, cols].float()
         delta = (new - old).abs()
-        big = ~torch.isfinite(new) | (delta >= 2 * op.rms)
+        big = ~torch.isfinite(new) | (delta >= 2 * op.rms * (1.0 if op.row_scale is None else op.row_scale[rows]))
         hit = detected(op, bad, rows, cols, tol)
         out[str(bit)] = {"rate": float(hit.float().mean()),
                          "rate_if_ge_2rms": float(hit[big].float().mean()) if bool(big.any()) else float("nan"),
@@ -311,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
                         "false positives over --clean-checks")
     p.add_argument("--sigmas", type=float, default=None,
                    help="the calibrated threshold in modelled standard deviations (default: the library's)")
+    p.add_argument("--path", default="unfused", choices=("unfused", "tiled"),
+                   help="which attention path's checks scores and context go through (tiled: tile by tile, the "
+                        "engine's tiled_attention checks; projections are the same on both paths)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out")
@@ -336,9 +430,10 @@ def main(argv: list[str] | None = None) -> int:
         for dtype_name in dtypes:
             for op_name in args.ops.split(","):
                 t0 = time.perf_counter()
-                op = Op(op_name, SHAPES[shape_name], dtype_name, args.seed)
+                op = (TiledOp if args.path == "tiled" else Op)(op_name, SHAPES[shape_name], dtype_name, args.seed)
                 entry = {
-                    "shape": shape_name, "dtype": dtype_name, "op": op_name, "product_shape": list(op.c.shape),
+                    "shape": shape_name, "dtype": dtype_name, "op": op_name, "path": args.path,
+                    "product_shape": list(op.c.shape),
                     "rms": op.rms,
                     "clean": op.clean_ratios(cal),
                     "clean_rigorous": op.clean_ratios(rig),
@@ -379,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
             clean[dtype_name] = clean_campaign(dtype_name, clean_checks, args.seed, cal)
         print(_common.table([[k, v["total_checks"], v["false_positives"]] for k, v in clean.items()],
                             ["dtype", "clean checks", "false positives"]))
-    payload = {"magnitudes": list(MAGNITUDES), "trials": trials, "sigmas": cal.sigmas, "results": results,
+    payload = {"magnitudes": list(MAGNITUDES), "trials": trials, "sigmas": cal.sigmas, "path": args.path,
+               "threads": args.threads, "results": results,
                "residual_model": model, "clean": clean}
     path = _common.write_result("coverage", _no_nan(payload), args.out)
     print(f"wrote {path}")

@@ -82,14 +82,14 @@ def _verify(
     """Both directions of C = A·B against references derived from the inputs (no sync). extra_*: error already in
     a passed reference (paper-faithful mode), added to the bound. operands_cast_to: autocast ran the product on
     operands rounded to this dtype. ref_norms: (‖B w‖, ‖wᵀA‖) per batch (..., 2), for the calibrated bound.
-    sq_sums: (Σ_j C_ij² (..., R), Σ_i C_ij² (..., C)) from the operands (abft.tiled.square_sums), for a C in the
-    accumulation dtype and ungrouped checksums: the calibrated bound then needs no pass over C for them.
+    sq_sums: (Σ_j C_ij² (..., R·g_r), Σ_i C_ij² (..., C·g_c)) per checksum group from the operands
+    (abft.tiled.square_sums), for a C in the accumulation dtype: the calibrated bound then needs no pass over C.
     groups: (g_r, g_c) checksum groups per row and per column (abft/checksum.py); the references and ref_norms are
     then per group: (..., R·g_r, 2), (..., C·g_c, 2), ((..., g_r, 2), (..., g_c, 2))."""
     roundoff = tol.mode == "roundoff"
     use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and roundoff
     want_sq = roundoff and tol.calibrated
-    given_sq = want_sq and sq_sums is not None and not use_abs and groups == (1, 1)
+    given_sq = want_sq and sq_sums is not None and not use_abs
     got_rows, got_cols, sums = checksums_of(c_NRC, with_abs=use_abs, with_sq=want_sq and not given_sq,
                                             groups=groups)
     if given_sq:

@@ -26,14 +26,15 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from . import records
-from .abft import Tolerance, acc_dtype, col_norms, repair
+from .abft import GROUP_MIN, Tolerance, acc_dtype, col_norms, repair
 from .abft.repair import MatrixReport
 from .abft.tiled import (
     TilePlan,
@@ -42,6 +43,8 @@ from .abft.tiled import (
     context_refs,
     finish,
     fold_scores,
+    gram,
+    grams_pay,
     scores_refs,
     square_sums,
     summarize,
@@ -50,7 +53,7 @@ from .abft.tiled import (
 )
 from .context import LayerContext
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
-from .product_check import _dot, _exact_math, _tolerance, _verify
+from .product_check import _dot, _exact_math, _groups, _tolerance, _verify
 from .records import _count, _count_trips, _record_ratio
 
 __all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "choose_tiles", "default_tiles", "tiled_sdpa"]
@@ -239,10 +242,13 @@ def _forward(
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         q_acc, k_acc, v_acc = q.to(acc), k.to(acc), v.to(acc)
         q_norm, k_norm = torch.linalg.vector_norm(q_acc, dim=-1), torch.linalg.vector_norm(k_acc, dim=-1)
-        vw = v_row_checksums(v_acc)
+        # Grouped checksums (abft/checksum.py) as on the unfused path: CL's rows run over the D features (one group
+        # below 2·GROUP_MIN), so V w is made once per call in that layout; a tile's other groups depend on its size.
+        g_v = _groups(tol, d)
+        vw = v_row_checksums(v_acc, g_v)
         v_aug = augment_v(v, vw) if "context" in ops else None
     shared = _Shared(q=q, k=k, v=v, q_acc=q_acc, k_acc=k_acc, v_acc=v_acc, q_norm=q_norm, k_norm=k_norm, vw=vw,
-                     v_aug=v_aug,
+                     v_aug=v_aug, g_v=g_v, grams=_KeyGrams(k_acc),
                      mask=mask, is_causal=is_causal, scale=scale, tol=tol, plan=plan, ops=ops, tiers=tiers,
                      caught=caught)
     injector = ctx.runtime.injector
@@ -283,8 +289,12 @@ class _Shared:
     q_norm: torch.Tensor
     k_norm: torch.Tensor
     vw: torch.Tensor
+    """(B, H, S, 2·g_v) V w per run of D/g_v features."""
     v_aug: torch.Tensor | None
-    """(B, H, S, D + 2) [V | V w] (abft.tiled.augment_v), or None."""
+    """(B, H, S, D + 2·g_v) [V | V w] (abft.tiled.augment_v), or None."""
+    g_v: int
+    """Checksum groups per row of CL (over the D features)."""
+    grams: _KeyGrams
     mask: torch.Tensor | None
     is_causal: bool
     scale: float
@@ -294,6 +304,32 @@ class _Shared:
     tiers: dict[str, str]
     """op -> who verifies it on this call: "abft" (due on this step) or "tripwire" (tier 1, or its recovery)."""
     caught: list[int] | None
+
+
+@dataclass(slots=True)
+class _KeyGrams:
+    """K_hᵀK_h (B, H, g, D, D) per run of keys of a scores tile's row groups, for ΣAS² from the operands
+    (abft.tiled.square_sums). Made once per call: each key's outer products are formed once, in chunks of GROUP_MIN
+    keys, and a tile's groups sum their chunks (a causal prefix, which grows by one query block per block, costs a
+    sum of D × D matrices, not a Gram of the whole prefix per query block). A range off the chunk grid (an odd S or
+    tile size) is made directly and kept: the next query blocks visit the same key tiles."""
+
+    k_acc: torch.Tensor
+    chunks: torch.Tensor | None = None
+    """(B, H, S // GROUP_MIN, D, D), made on first use."""
+    off_grid: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+
+    def of(self, c0: int, c1: int, groups: int) -> torch.Tensor:
+        length = (c1 - c0) // groups
+        if c0 % GROUP_MIN == 0 and length % GROUP_MIN == 0:
+            if self.chunks is None:
+                n = self.k_acc.shape[-2] // GROUP_MIN
+                self.chunks = gram(self.k_acc[..., : n * GROUP_MIN, :], n)
+            return self.chunks[..., c0 // GROUP_MIN : c1 // GROUP_MIN, :, :].unflatten(-3, (groups, -1)).sum(-3)
+        key = (c0, c1, groups)
+        if key not in self.off_grid:
+            self.off_grid[key] = gram(self.k_acc[..., c0:c1, :], groups)
+        return self.off_grid[key]
 
 
 @dataclass(slots=True)
@@ -332,6 +368,8 @@ def _query_block(
     o = torch.zeros((*lead, r1 - r0, sh.v.shape[-1]), device=q_i.device, dtype=soft)
     rows_by_op: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]] = {
         op: [] for op in sh.ops}
+    # Q_hᵀQ_h per query group of this block, made on its first tile that uses Grams (abft.tiled.square_sums).
+    q_grams: dict[int, torch.Tensor] = {}
     with _exact_math(q_i):
         qbar_src = sh.q_acc[..., r0:r1, :]
         for j, c0, c1 in plan.keys(i):
@@ -341,11 +379,9 @@ def _query_block(
                 hit.apply(s_ij, r0, c0)
             if "scores" in sh.ops:
                 t0 = time.perf_counter()
-                row_ref, col_ref = scores_refs(qbar_src, sh.k_acc[..., c0:c1, :])
-                # ΣAS² for the calibrated bound from D × D Grams (no pass over the tile) where AS is in the acc dtype.
-                sq = square_sums(qbar_src, sh.k_acc[..., c0:c1, :]) if s_ij.dtype == sh.q_acc.dtype else None
-                checks = _verify(s_ij, row_ref, col_ref, sh.q_norm[..., r0:r1], sh.k_norm[..., c0:c1],
-                                 k=sh.q.shape[-1], tol=sh.tol, sq_sums=sq)
+                checks = scores_tile_checks(s_ij, qbar_src, sh.k_acc[..., c0:c1, :], sh.q_norm[..., r0:r1],
+                                            sh.k_norm[..., c0:c1], tol=sh.tol,
+                                            grams=_tile_grams(sh, q_grams, qbar_src, c0, c1))
                 if fix is not None:
                     _repair_tile(fix, "scores", s_ij, checks, j, r0, c0,
                                  lambda key, rows, cols, q_i=q_i, k_j=k_j: _dot(q_i[key][rows], k_j[key][cols]))
@@ -359,9 +395,10 @@ def _query_block(
             p_c = p.to(v_j.dtype)
             cl_rows: torch.Tensor | None = None
             if sh.v_aug is not None:
-                # One GEMM for CL and its row references: (Tq, Tk) @ (Tk, D + 2).
+                # One GEMM for CL and its row references: (Tq, Tk) @ (Tk, D + 2·g_v).
                 pv_aug = p_c @ sh.v_aug[..., c0:c1, :]
-                pv, cl_rows = pv_aug[..., :-2], pv_aug[..., -2:]
+                d = sh.v.shape[-1]
+                pv, cl_rows = pv_aug[..., :d], pv_aug[..., d:]
             else:
                 pv = p_c @ v_j
             if j == 0:
@@ -370,10 +407,8 @@ def _query_block(
                     hit.apply(pv, r0, 0)
             if "context" in sh.ops:
                 t0 = time.perf_counter()
-                row_ref, col_ref, p_norm = context_refs(p_c.to(sh.v_acc.dtype), sh.v_acc[..., c0:c1, :],
-                                                        sh.vw[..., c0:c1, :], p_sum, cl_rows)
-                checks = _verify(pv, row_ref, col_ref, p_norm.to(sh.v_acc.dtype),
-                                     col_norms(sh.v_acc[..., c0:c1, :]), k=c1 - c0, tol=sh.tol)
+                checks = context_tile_checks(pv, p_c, sh.v_acc[..., c0:c1, :], sh.vw[..., c0:c1, :], p_sum, cl_rows,
+                                             tol=sh.tol, g_v=sh.g_v)
                 if fix is not None:
                     _repair_tile(fix, "context", pv, checks, j, r0, 0,
                                  lambda key, rows, cols, p_c=p_c, v_j=v_j: _dot(p_c[key][rows], v_j[key].mT[cols]))
@@ -390,13 +425,71 @@ def _query_block(
                 _summarize_block(record, op, kept)
 
 
+def scores_tile_checks(
+    s_NTqTk: torch.Tensor,
+    q_acc_NTqD: torch.Tensor,
+    k_acc_NTkD: torch.Tensor,
+    q_norm_NTq: torch.Tensor,
+    k_norm_NTk: torch.Tensor,
+    *,
+    tol: Tolerance,
+    grams: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> dict[str, Any]:
+    """Both directions of AS_ij = Q_i K_jᵀ (B, H, Tq, Tk), grouped as the unfused path groups (product_check._groups
+    on the tile's row and column lengths). ΣAS² for the calibrated bound from D × D Grams where AS is in the acc dtype
+    and the Grams are the cheaper way (abft.tiled.grams_pay), else from the tile inside _verify. grams: (g_r, g_c) ->
+    (K_hᵀK_h (..., g_r, D, D), Q_hᵀQ_h (..., g_c, D, D)) from a cache shared by the call's tiles (None: made here)."""
+    tq, tk = s_NTqTk.shape[-2:]
+    d = q_acc_NTqD.shape[-1]
+    groups = (_groups(tol, tk), _groups(tol, tq))
+    row_ref, col_ref, ref_norms = scores_refs(q_acc_NTqD, k_acc_NTkD, groups)
+    sq = None
+    if (s_NTqTk.dtype == q_acc_NTqD.dtype and tol.mode == "roundoff" and tol.calibrated
+            and grams_pay(tq, tk, d, groups)):
+        gram_k, gram_q = (gram(k_acc_NTkD, groups[0]), gram(q_acc_NTqD, groups[1])) if grams is None else grams(*groups)
+        sq = square_sums(q_acc_NTqD, k_acc_NTkD, gram_k, gram_q)
+    return _verify(s_NTqTk, row_ref, col_ref, q_norm_NTq, k_norm_NTk, k=d, tol=tol, sq_sums=sq, ref_norms=ref_norms,
+                   groups=groups)
+
+
+def _tile_grams(sh: _Shared, q_grams: dict[int, torch.Tensor], q_acc_i: torch.Tensor, c0: int, c1: int
+                ) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    """scores_tile_checks' grams for tile (i, j): K's from the call's cache, Q_i's made once per query block."""
+    def grams(g_r: int, g_c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if g_c not in q_grams:
+            q_grams[g_c] = gram(q_acc_i, g_c)
+        return sh.grams.of(c0, c1, g_r), q_grams[g_c]
+    return grams
+
+
+def context_tile_checks(
+    pv_NTqD: torch.Tensor,
+    p_NTqTk: torch.Tensor,
+    v_acc_NTkD: torch.Tensor,
+    vw_NTk2g: torch.Tensor,
+    p_sum_NTq: torch.Tensor,
+    cl_rows_NTq2g: torch.Tensor | None,
+    *,
+    tol: Tolerance,
+    g_v: int,
+) -> dict[str, Any]:
+    """Both directions of CL_ij = P̃_ij V_j (B, H, Tq, D) (abft.tiled.context_refs), grouped as the unfused path groups:
+    g_v runs of features per row (vw's layout), runs of queries per column (product_check._groups on Tq)."""
+    groups = (g_v, _groups(tol, pv_NTqD.shape[-2]))
+    row_ref, col_ref, p_norm, ref_norms = context_refs(p_NTqTk.to(v_acc_NTkD.dtype), v_acc_NTkD, vw_NTk2g, p_sum_NTq,
+                                                       cl_rows_NTq2g, groups)
+    return _verify(pv_NTqD, row_ref, col_ref, p_norm.to(v_acc_NTkD.dtype), col_norms(v_acc_NTkD),
+                   k=v_acc_NTkD.shape[-2], tol=tol, ref_norms=ref_norms, groups=groups)
+
+
 def _keep(checks: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(flag (B, H), row summary (B, H, 5), column summary (B, H, 5), worst clean ratio ()) of one tile."""
     row, col = checks["row"], checks["col"]
     flag = row.bad.any(-1) | col.bad.any(-1)
     worst = torch.stack([torch.where(c.bad, 0.0, c.diff[..., 0].abs() / c.bound.clamp_min(1e-30)).amax().float()
                          for c in (row, col)]).amax()
-    return flag, summarize(row.bad, row.diff, row.bound), summarize(col.bad, col.diff, col.bound), worst
+    return (flag, summarize(row.bad, row.diff, row.bound, row.groups),
+            summarize(col.bad, col.diff, col.bound, col.groups), worst)
 
 
 _Kept = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

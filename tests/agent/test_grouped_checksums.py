@@ -46,9 +46,24 @@ def test_one_group_is_the_plain_checksum() -> None:
     assert torch.equal(group_sums_cols(c, 1)[..., 0, :], cols)
 
 
+@pytest.mark.parametrize("shape", [(64, 96), (2, 768, 384)], ids=["in-cache", "cpu-blocked"])
+def test_grouped_square_sums_are_the_squared_runs_in_both_cpu_forms(shape) -> None:
+    """ΣC² per group: a C that fits in cache is squared in one pass, a larger one (> 2^18 elements) a block of rows at
+    a time; both equal the runs' squared sums."""
+    c = torch.randn(*shape, dtype=torch.float64)
+    groups = (3, 4)
+    _, _, sums = checksums_of(c, with_abs=False, with_sq=True, groups=groups)
+    assert sums is not None and sums.sq_sum is not None
+    r, n = shape[-2:]
+    want_rows = c.square().reshape(*shape[:-1], 3, n // 3).sum(-1).flatten(-2)
+    want_cols = c.square().reshape(*shape[:-2], 4, r // 4, n).sum(-2).transpose(-2, -1).flatten(-2)
+    torch.testing.assert_close(sums.sq_sum[0], want_rows)
+    torch.testing.assert_close(sums.sq_sum[1], want_cols)
+
+
 def test_grouped_layout_vector_i_g_plus_h_holds_run_h_of_vector_i() -> None:
     """Row vector i·g + h = C[i, h·L:(h+1)·L]; column vector j·g + h = C[h·L:(h+1)·L, j]; weights restart per run."""
-    c = torch.randn(64, 96, dtype=torch.float64)  # long enough for the CPU blocked square sums
+    c = torch.randn(64, 96, dtype=torch.float64)
     rows, cols, sums = checksums_of(c, with_abs=True, with_sq=True, groups=(3, 4))
     assert rows.shape == (64 * 3, 2) and cols.shape == (96 * 4, 2)
     w32, w16 = torch.arange(1, 33, dtype=c.dtype), torch.arange(1, 17, dtype=c.dtype)
@@ -134,7 +149,7 @@ def test_one_error_in_any_group_is_located_and_corrected(make_ctx, dtype, row, c
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(("op", "value", "row", "col"), [("scores", 800.0, 300, 290), ("context", 100.0, 400, 33)])
 def test_grouped_scores_and_context_correct_one_error(make_ctx, monkeypatch, dtype, op, value, row, col) -> None:
-    """T = 512, unfused path (the tiled one checks 256 × 256 tiles, never grouped): scores have 2 groups per row and
+    """T = 512, unfused path (test_tiled_grouped.py pins the tiled path's groups): scores have 2 groups per row and
     column, the context 2 per column. A ~100 × RMS error in a second group is corrected in place, and the attention
     output equals the clean one. (One op per run: a corrected AS rebuilds CL, which drops a CL fault.)"""
     monkeypatch.setenv(PATH_ENV, "unfused")

@@ -34,3 +34,22 @@ def test_coverage_bench_writes_rates_per_op_dtype_magnitude_and_bit(tmp_path):
     for d in ("fp32", "bf16"):
         assert doc["clean"][d]["total_checks"] >= 600
         assert doc["clean"][d]["false_positives"] == 0
+
+
+def test_coverage_bench_drives_the_tiled_path(tmp_path):
+    """--path tiled: scores and context checked tile by tile (GPT-2 shape: 4 query blocks of 256 rows over 1024
+    keys, 4 key groups per scores row), grouped and ungrouped in one run; every 2x RMS error is caught and no clean
+    vector flags."""
+    out = tmp_path / "coverage_tiled.json"
+    proc = subprocess.run([sys.executable, "bench/coverage.py", "--shapes", "gpt2", "--dtypes", "fp32,bf16", "--ops",
+                           "scores,context", "--path", "tiled", "--trials", "32", "--parts", "faults", "--out",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["path"] == "tiled"
+    assert {(r["dtype"], r["op"], r["path"]) for r in doc["results"]} == {
+        (d, op, "tiled") for d in ("fp32", "bf16") for op in ("scores", "context")}
+    for r in doc["results"]:
+        for tol in ("calibrated", "calibrated_ungrouped"):
+            assert all(r["magnitude"][tol][str(m)] == 1.0 for m in doc["magnitudes"] if m >= 2), (r["op"], tol)
+        assert r["clean"]["flagged_vectors"] == 0 and r["clean_ungrouped"]["flagged_vectors"] == 0

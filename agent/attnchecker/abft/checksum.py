@@ -213,10 +213,11 @@ _SQ_ROWS_PER_BLOCK = 32
 def _square_sums(c_NRC: torch.Tensor, groups: tuple[int, int] = (1, 1)) -> tuple[torch.Tensor, torch.Tensor]:
     """(Σ_j C_ij² (..., R·g_r), Σ_i C_ij² (..., C·g_c)), per group. On CPU a block of rows at a time, both directions
     from one squared block: squaring all of C allocates a copy of it and ran ~3× slower than this (12×1024×1024
-    fp32, measured). One fused pass elsewhere (a loop would be many small kernel launches on a GPU)."""
+    fp32, measured). One fused pass elsewhere (a loop would be many small kernel launches on a GPU), and for a C that
+    fits in cache (a tiled path's 256 × D context tile: the loop cost ~80 small ops per tile there)."""
     g_r, g_c = groups
     r, c = c_NRC.shape[-2:]
-    if c_NRC.device.type != "cpu" or r <= _SQ_ROWS_PER_BLOCK:
+    if c_NRC.device.type != "cpu" or r <= _SQ_ROWS_PER_BLOCK or c_NRC.numel() <= _BLOCK_ELEMENTS:
         c_sq = c_NRC.square()
         return vector_sum(c_sq, "row", g_r), vector_sum(c_sq, "col", g_c)
     rows_NRg = torch.empty((*c_NRC.shape[:-1], g_r), dtype=c_NRC.dtype, device=c_NRC.device)

@@ -8,7 +8,9 @@ The contract a backend implements (the PyTorch loop in ``attnchecker.tiled_atten
 do the same per program), for each query block i and each key block j it visits:
 
 1. AS_ij = Q_i K_jᵀ. Its references come from the operands only: rows Q_i (K_jᵀ w) and columns K_j (Q_iᵀ w)
-   (:func:`scores_refs`). The checksum identities hold per tile because a tile is itself a matrix product.
+   (:func:`scores_refs`). The checksum identities hold per tile because a tile is itself a matrix product. A tile
+   vector of >= 2·GROUP_MIN elements carries one pair per run, as on the unfused path (grouped checksums,
+   abft/checksum.py): a tile spanning whole rows checks them exactly as the unfused path does.
 2. Online softmax (:func:`fold_scores`): running row max m and row sum l; P̃_ij = exp(scale·AS_ij + mask - m_new)
    (unnormalised, every entry in [0, 1]).
 3. CL_ij = P̃_ij V_j, referenced by P̃_ij (V_j w) and (wᵀ P̃_ij) V_j (:func:`context_refs`). ‖P̃_t‖₂ <= sqrt(Σ P̃_t)
@@ -29,9 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .checksum import times_skinny, weighted_cols, weighted_rows
+from .checksum import group_sums_cols, group_sums_rows, times_skinny
 
 __all__ = [
+    "GRAM_PASS_RATIO",
     "SUMMARY_FIELDS",
     "TilePlan",
     "augment_v",
@@ -39,6 +42,8 @@ __all__ = [
     "context_refs",
     "finish",
     "fold_scores",
+    "gram",
+    "grams_pay",
     "scores_refs",
     "square_sums",
     "summarize",
@@ -108,23 +113,80 @@ def causal_offset(r0: int, c0: int, c1: int, *, is_causal: bool) -> int | None:
 
 
 def scores_refs(
-    q_acc_NTqD: torch.Tensor, k_acc_NTkD: torch.Tensor
+    q_acc_NTqD: torch.Tensor, k_acc_NTkD: torch.Tensor, groups: tuple[int, int] = (1, 1)
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """(row references (..., Tq·g_r, 2), column references (..., Tk·g_c, 2), ref norms) of AS_ij = Q_i K_jᵀ, in the acc
+    dtype. groups (g_r, g_c): checksum groups per row (runs of keys) and per column (runs of queries), the grouped
+    layout of abft/checksum.py; ref norms: (‖K_hᵀ w‖ (..., g_r, 2), ‖Q_hᵀ w‖ (..., g_c, 2)) per group ((..., 2) each
+    ungrouped), what the calibrated bound dots the references with (product_check._verify's ref_norms), as the unfused
+    path passes."""
+    g_r, g_c = groups
+    kbar_ND2g = group_sums_cols(k_acc_NTkD, g_r).flatten(-2)
+    qbar_ND2g = group_sums_cols(q_acc_NTqD, g_c).flatten(-2)
+    rows = times_skinny(q_acc_NTqD, kbar_ND2g)  # (..., Tq, g_r·2): already vector i·g_r + h's pair
+    cols = times_skinny(k_acc_NTkD, qbar_ND2g)
+    return _pairs(rows), _pairs(cols), _ref_norms(kbar_ND2g, qbar_ND2g, groups)
+
+
+def _pairs(refs_NV2g: torch.Tensor) -> torch.Tensor:
+    """(..., V, 2·g) -> (..., V·g, 2): vector v·g + h holds group h's pair (the grouped layout)."""
+    return refs_NV2g.reshape(*refs_NV2g.shape[:-2], -1, 2)
+
+
+def _ref_norms(
+    row_w_NK2g: torch.Tensor, col_w_NK2g: torch.Tensor, groups: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row references (..., Tq, 2), column references (..., Tk, 2)) of AS_ij = Q_i K_jᵀ, in the acc dtype."""
-    kbar_ND2 = weighted_cols(k_acc_NTkD)
-    qbar_ND2 = weighted_cols(q_acc_NTqD)
-    return times_skinny(q_acc_NTqD, kbar_ND2), times_skinny(k_acc_NTkD, qbar_ND2)
+    """‖·‖ over K of the row and column references' weight vectors: (..., g, 2) per group, or (..., 2) ungrouped (the
+    shapes product_check._verify takes)."""
+    row, col = torch.linalg.vector_norm(row_w_NK2g, dim=-2), torch.linalg.vector_norm(col_w_NK2g, dim=-2)
+    if groups == (1, 1):
+        return row, col
+    return row.view(*row.shape[:-1], groups[0], 2), col.view(*col.shape[:-1], groups[1], 2)
 
 
-def square_sums(q_acc_NTqD: torch.Tensor, k_acc_NTkD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ_j AS_ij² (..., Tq), Σ_i AS_ij² (..., Tk)) of AS = Q Kᵀ from the operands: Σ_j (q_i·k_j)² = q_iᵀ (KᵀK) q_i,
-    and by columns k_jᵀ (QᵀQ) k_j. O((Tq + Tk)·D²) GEMM work instead of a squaring pass over the Tq × Tk tile (the
-    calibrated bound's ΣC², docs/abft.md). The clean values: a fault in the tile cannot loosen its own bound."""
-    gram_k_NDD = k_acc_NTkD.mT @ k_acc_NTkD
-    gram_q_NDD = q_acc_NTqD.mT @ q_acc_NTqD
-    rows_NTq = ((q_acc_NTqD @ gram_k_NDD) * q_acc_NTqD).sum(-1).clamp_min_(0.0)
-    cols_NTk = ((k_acc_NTkD @ gram_q_NDD) * k_acc_NTkD).sum(-1).clamp_min_(0.0)
-    return rows_NTq, cols_NTk
+GRAM_PASS_RATIO = 16
+"""GEMM multiply-adds that cost about what one element of a squaring pass over a tile costs (CPU, 1 thread, fp32:
+~50 GFLOP/s in the Grams' quadratic forms against ~0.6 ns per element of the blocked pass, measured on (8, 256, 4096)
+tiles with D = 128). Sets where ΣAS² from Grams pays (:func:`grams_pay`)."""
+
+
+def grams_pay(tq: int, tk: int, d: int, groups: tuple[int, int]) -> bool:
+    """Whether ΣAS² of a Tq × Tk scores tile is cheaper from D × D Grams ((Tq·g_r + Tk·g_c)·D² multiply-adds in the
+    quadratic forms) than from a squaring pass over the tile. Small head dims (GPT-2 class, D <= 32) with long tiles:
+    Grams; D = 128 (7B class) or grouped rows (one quadratic form per group): the pass, as the unfused path does."""
+    g_r, g_c = groups
+    return (tq * g_r + tk * g_c) * d * d <= GRAM_PASS_RATIO * tq * tk
+
+
+def gram(x_acc_NTD: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """(..., g, D, D): X_hᵀ X_h per run h of T/g consecutive rows."""
+    x_NgLD = x_acc_NTD.reshape(*x_acc_NTD.shape[:-2], groups, -1, x_acc_NTD.shape[-1])
+    return x_NgLD.mT @ x_NgLD
+
+
+def square_sums(
+    q_acc_NTqD: torch.Tensor,
+    k_acc_NTkD: torch.Tensor,
+    gram_k_NgDD: torch.Tensor | None = None,
+    gram_q_NgDD: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ_j AS_ij² (..., Tq·g_r), Σ_i AS_ij² (..., Tk·g_c)) of AS = Q Kᵀ from the operands, per checksum group (the
+    grouped layout of abft/checksum.py): Σ_{j in run h} (q_i·k_j)² = q_iᵀ (K_hᵀK_h) q_i, and by columns
+    k_jᵀ (Q_hᵀQ_h) k_j. O((Tq·g_r + Tk·g_c)·D²) GEMM work instead of a squaring pass over the Tq × Tk tile (the
+    calibrated bound's ΣC², docs/abft.md; :func:`grams_pay` says when that is cheaper). The clean values: a fault in
+    the tile cannot loosen its own bound. gram_*: (..., g, D, D) per group (:func:`gram`), made once by the caller
+    and shared by the tiles that use them (None: one group, made here)."""
+    gram_k = gram(k_acc_NTkD) if gram_k_NgDD is None else gram_k_NgDD
+    gram_q = gram(q_acc_NTqD) if gram_q_NgDD is None else gram_q_NgDD
+    return _quadratic_forms(q_acc_NTqD, gram_k), _quadratic_forms(k_acc_NTkD, gram_q)
+
+
+def _quadratic_forms(x_NTD: torch.Tensor, gram_NgDD: torch.Tensor) -> torch.Tensor:
+    """(..., T·g): x_tᵀ G_h x_t, vector t·g + h."""
+    if gram_NgDD.shape[-3] == 1:
+        return ((x_NTD @ gram_NgDD[..., 0, :, :]) * x_NTD).sum(-1).clamp_min_(0.0)
+    x_N1TD = x_NTD[..., None, :, :]
+    return ((x_N1TD @ gram_NgDD) * x_N1TD).sum(-1).clamp_min_(0.0).transpose(-2, -1).flatten(-2)
 
 
 def context_refs(
@@ -133,17 +195,24 @@ def context_refs(
     vw_NTk2: torch.Tensor,
     p_sum_NTq: torch.Tensor,
     row_NTq2: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row refs (..., Tq, 2), column refs (..., D, 2), ‖P̃_t‖₂ bound (..., Tq)) of CL_ij = P̃_ij V_j. vw: V_j w
-    (the row checksums of V over features, sliced from one pass over the whole V); p_sum: Σ P̃ per row, as the
-    softmax fold computed it. row_NTq2: P̃ (V_j w) when the tile GEMM already produced it (V augmented with its
-    checksum columns, :func:`augment_v`), else computed here (one more pass over P̃)."""
+    groups: tuple[int, int] = (1, 1),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """(row refs (..., Tq·g_r, 2), column refs (..., D·g_c, 2), ‖P̃_t‖₂ bound (..., Tq), ref norms) of CL_ij = P̃_ij V_j.
+    vw: V_j w per feature group (..., Tk, 2·g_r) (:func:`v_row_checksums`, sliced from one pass over the whole V);
+    p_sum: Σ P̃ per row, as the softmax fold computed it. row_NTq2: P̃ (V_j w) (..., Tq, 2·g_r) when the tile GEMM already
+    produced it (V augmented with its checksum columns, :func:`augment_v`), else computed here (one more pass over P̃).
+    groups (g_r, g_c): checksum groups per row (runs of features) and per column (runs of queries); ref norms:
+    (‖V_j w‖ (..., g_r, 2), ‖wᵀP̃_h‖ (..., g_c, 2)) per group for the calibrated bound, as the unfused path passes."""
+    g_c = groups[1]  # g_r is in vw's layout already
     if row_NTq2 is None:
         row_NTq2 = times_skinny(p_acc_NTqTk, vw_NTk2)
-    col_ND2 = (weighted_cols(p_acc_NTqTk).mT @ v_acc_NTkD).mT
+    pw_NTk2g = group_sums_cols(p_acc_NTqTk, g_c).flatten(-2)
+    # (..., 2·g_c, D) -> (..., D, g_c, 2) -> (..., D·g_c, 2)
+    col_N2gD = pw_NTk2g.mT @ v_acc_NTkD
+    col_ND2 = col_N2gD.view(*col_N2gD.shape[:-2], g_c, 2, -1).movedim(-1, -3).flatten(-3, -2)
     # 0 <= P̃ <= 1 (rounded P̃ too): Σ P̃² <= Σ P̃. 1.01 covers the rounding of a half-precision P̃ and of the sum.
     p_norm_NTq = p_sum_NTq.to(p_acc_NTqTk.dtype).sqrt() * 1.01
-    return row_NTq2, col_ND2, p_norm_NTq
+    return _pairs(row_NTq2), col_ND2, p_norm_NTq, _ref_norms(vw_NTk2, pw_NTk2g, groups)
 
 
 def fold_scores(
@@ -195,14 +264,17 @@ def finish(
     return out.to(out_dtype), lse
 
 
-def summarize(bad_NV: torch.Tensor, diff_NV2: torch.Tensor, bound_NV: torch.Tensor) -> torch.Tensor:
-    """(..., 5) float: SUMMARY_FIELDS of one direction's check of a tile, per matrix. worst_*: the flagged vector
-    with the largest |d1|/bound (a non-finite d1 counts as infinitely bad); first_bad and worst index -1 if none."""
+def summarize(bad_NV: torch.Tensor, diff_NV2: torch.Tensor, bound_NV: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """(..., 5) float: SUMMARY_FIELDS of one direction's check of a tile, per matrix. With g checksum groups per vector
+    (the grouped layout, V = R·g) counts and indices are of whole rows (columns), so a bad row stays one row, not g.
+    worst_*: the flagged vector with the largest |d1|/bound (a non-finite d1 counts as infinitely bad); first_bad and
+    worst index -1 if none."""
     d1_NV = diff_NV2[..., 0].float()
     bound_NV = bound_NV.float()
-    n_bad = bad_NV.sum(-1)
+    bad_NR = bad_NV if groups == 1 else bad_NV.view(*bad_NV.shape[:-1], -1, groups).any(-1)
+    n_bad = bad_NR.sum(-1)
     any_bad = n_bad > 0
-    first = torch.where(any_bad, bad_NV.to(torch.int8).argmax(-1), -1)
+    first = torch.where(any_bad, bad_NR.to(torch.int8).argmax(-1), -1)
     ratio = torch.where(torch.isfinite(d1_NV), d1_NV.abs() / bound_NV.clamp_min(1e-30), math.inf)
     ratio = torch.where(bad_NV, ratio, -1.0)
     worst = ratio.argmax(-1, keepdim=True)
@@ -211,19 +283,20 @@ def summarize(bad_NV: torch.Tensor, diff_NV2: torch.Tensor, bound_NV: torch.Tens
         first.float(),
         d1_NV.gather(-1, worst)[..., 0],
         bound_NV.gather(-1, worst)[..., 0],
-        torch.where(any_bad, worst[..., 0], -1).float(),
+        torch.where(any_bad, worst[..., 0] // groups, -1).float(),
     ], dim=-1)
 
 
-def v_row_checksums(v_acc_NSD: torch.Tensor) -> torch.Tensor:
-    """(..., S, 2): V w per key, computed once per call; each key tile slices its rows."""
-    return weighted_rows(v_acc_NSD)
+def v_row_checksums(v_acc_NSD: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """(..., S, 2·g): V w per key and run of D/g features (the grouped layout), computed once per call; each key tile
+    slices its rows."""
+    return group_sums_rows(v_acc_NSD, groups).flatten(-2)
 
 
 def augment_v(v_NSD: torch.Tensor, vw_NS2: torch.Tensor) -> torch.Tensor | None:
-    """(..., S, D + 2) = [V | V w], so that one tile GEMM P̃_ij [V_j | V_j w] gives CL_ij and its row references
-    together (one pass over P̃ instead of two); None when V is narrower than the accumulation dtype (a bf16 copy of
-    V w would round the reference)."""
+    """(..., S, D + 2·g) = [V | V w] (w per feature group), so that one tile GEMM P̃_ij [V_j | V_j w] gives CL_ij and
+    its row references together (one pass over P̃ instead of two); None when V is narrower than the accumulation dtype
+    (a bf16 copy of V w would round the reference)."""
     if vw_NS2.dtype != v_NSD.dtype:
         return None
     return torch.cat([v_NSD, vw_NS2], dim=-1)
