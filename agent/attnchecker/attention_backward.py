@@ -17,8 +17,6 @@ Legend: B batch, H heads (K/V already expanded to H), T query tokens, S key toke
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .context import LayerContext
@@ -45,6 +43,9 @@ def checked_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) of softmax(scale·QKᵀ + mask)·V at the verified forward's q, k, v, out and row log-sum-exp."""
     do_BHTD = grad_out_BHTD.contiguous()
+    # Heads split out of a projection are strided views: matmul would copy q and k for each of the two products that
+    # read them (and the checks would reduce them strided); one copy each, up front, serves all.
+    q_BHTD, k_BHSD, v_BHSD = q_BHTD.contiguous(), k_BHSD.contiguous(), v_BHSD.contiguous()
     s_BHTS = q_BHTD @ k_BHSD.mT
     dp_BHTS = do_BHTD @ v_BHSD.mT
     check_gemms(layer, [("scores_bwd", s_BHTS, q_BHTD, k_BHSD.mT, None),
@@ -52,22 +53,28 @@ def checked_backward(
     # In fp32, like the fused kernel: exp(s - lse) of half-precision scores loses the digits the gradient needs.
     # In place on one fp32 buffer: each (B, H, T, S) temporary is a fresh allocation (page faults) and a pass over
     # memory, which is what this elementwise part costs on CPU; same values as the out-of-place form.
-    z_BHTS = s_BHTS.float() * scale
-    if is_causal:
-        z_BHTS.masked_fill_(_future_mask(*z_BHTS.shape[-2:], z_BHTS.device), -math.inf)
+    # S and dP are not read again once verified: an fp32 one is scaled (dP: shifted) in place, a half-precision one
+    # upcast into a fresh buffer as before.
+    z_BHTS = s_BHTS.mul_(scale) if s_BHTS.dtype == torch.float32 else s_BHTS.float().mul_(scale)
     if mask_add is not None:
         z_BHTS = _add_mask(z_BHTS, mask_add.float())
     # Rows with every key masked carry lse = +INF: exp(-INF) = 0 there, as AP.
     p32_BHTS = z_BHTS.sub_(lse_BHT[..., None]).exp_()
+    if is_causal:
+        # The future keys zeroed after exp, not set to -INF before it: exp of -INF (half of a causal AP) ran 2× slower
+        # than of finite scores on CPU; exp there may overflow to INF, which the fill replaces with the same 0.
+        p32_BHTS.masked_fill_(_future_mask(*z_BHTS.shape[-2:], z_BHTS.device), 0.0)
     delta_BHT1 = (do_BHTD.float() * out_BHTD.float()).sum(-1, keepdim=True)
-    ds_BHTS = (dp_BHTS.float() - delta_BHT1).mul_(p32_BHTS).to(q_BHTD.dtype)
+    dp32_BHTS = dp_BHTS if dp_BHTS.dtype == torch.float32 else dp_BHTS.float()
+    ds_BHTS = dp32_BHTS.sub_(delta_BHT1).mul_(p32_BHTS).to(q_BHTD.dtype)
     p_BHTS = p32_BHTS.to(q_BHTD.dtype)
     dv_BHSD = p_BHTS.mT @ do_BHTD
     dq_BHTD = ds_BHTS @ k_BHSD
     dk_BHSD = ds_BHTS.mT @ q_BHTD
     check_gemms(layer, [("grad_v", dv_BHSD, p_BHTS.mT, do_BHTD, None), ("grad_q", dq_BHTD, ds_BHTS, k_BHSD, None),
                         ("grad_k", dk_BHSD, ds_BHTS.mT, q_BHTD, None)])
-    return dq_BHTD * scale, dk_BHSD * scale, dv_BHSD
+    # Verified fresh tensors, not read again: scaled in place.
+    return dq_BHTD.mul_(scale), dk_BHSD.mul_(scale), dv_BHSD
 
 
 def _add_mask(z_BHTS: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

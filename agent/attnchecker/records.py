@@ -40,15 +40,18 @@ def _observe(ctx: LayerContext, checks: Checks) -> None:
     stats = ctx.runtime.stats
     if stats is None or not checks:
         return
-    worst = torch.stack([
-        torch.where(chk.bad, 0.0, _ratio(chk)).amax().float()
-        for chk in checks.values()
-    ]).amax()
-    _record_ratio(ctx, worst)
+    _record_ratio(ctx, _worst_ratio(checks))
+
+
+def _worst_ratio(checks: Checks) -> torch.Tensor:
+    """() fp32: the worst residual/bound ratio among the unflagged vectors of one check (all its directions)."""
+    worst = [torch.where(chk.bad, 0.0, _ratio(chk)).amax().float() for chk in checks.values()]
+    return worst[0] if len(worst) == 1 else torch.stack(worst).amax()
 
 
 def _record_ratio(ctx: LayerContext, worst: torch.Tensor) -> None:
-    """Add one check's worst residual/bound ratio (a device scalar) to the histogram (also the tiled path's)."""
+    """Add checks' worst residual/bound ratios (a device scalar, one check, or (V,), one per check) to the histogram
+    (also the tiled path's): several at once cost the few ops of one."""
     stats = ctx.runtime.stats
     if stats is None:
         return
@@ -63,9 +66,9 @@ def _record_ratio(ctx: LayerContext, worst: torch.Tensor) -> None:
     valid = torch.isfinite(worst)
     bucket = torch.bucketize(torch.where(valid, worst, 0.0), _bucket_edges(device))
     assert stats.residual_sum is not None and stats.residual_count is not None
-    stats.residual_counts.index_add_(0, bucket.view(1), valid.view(1).to(torch.int64))
-    stats.residual_sum += torch.where(valid, worst, 0.0).double()
-    stats.residual_count += valid.to(torch.int64)
+    stats.residual_counts.index_add_(0, bucket.view(-1), valid.view(-1).to(torch.int64))
+    stats.residual_sum += torch.where(valid, worst, 0.0).double().sum()
+    stats.residual_count += valid.to(torch.int64).sum()
 
 
 def _ratio(chk: DirectionCheck) -> torch.Tensor:

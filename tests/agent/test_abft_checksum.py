@@ -260,3 +260,47 @@ def test_non_finite_reference_is_an_input_fault_not_flagged() -> None:
     a[0, 2, 1] = math.inf  # a corrupt input: every reference through row 2 is non-finite
     checks = check(a, b, a @ b, Tolerance())
     assert not bool(checks["row"].bad.any())
+
+
+LAYOUTS = ("contiguous", "transposed", "heads", "column_slice")
+
+
+def _laid_out(layout: str, lead: tuple[int, ...], r: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """An (..., R, K) operand with the given memory layout: contiguous; a transposed view (dYᵀ, Pᵀ, Kᵀ); heads split
+    out of a projection ((B, T, H, D) viewed as (B, H, T, D)); a column slice of a wider matrix (a fused qkv)."""
+    if layout == "contiguous":
+        return randn((*lead, r, k), seed, dtype)
+    if layout == "transposed":
+        return randn((*lead, k, r), seed, dtype).mT
+    if layout == "heads":
+        return randn((*lead, r, 3, k), seed, dtype).transpose(-3, -2)[..., 1, :, :]
+    return randn((*lead, r, 3 * k), seed, dtype)[..., k : 2 * k]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    lead=st.sampled_from([(), (2,), (2, 3)]),
+    r=st.integers(1, 40),
+    k=st.integers(1, 40),
+    c=st.sampled_from([1, 2, 3, 8, 12]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_weighted_rows_and_times_skinny_equal_the_plain_product_in_every_layout(
+    layout: str, lead: tuple[int, ...], r: int, k: int, c: int, dtype: torch.dtype, seed: int
+) -> None:
+    """The fast paths (column-major weights, transposed views through their contiguous layout) compute A w and A M,
+    whatever A's layout: within the summation round-off of the plain product in fp64."""
+    from attnchecker.abft import times_skinny, weighted_rows
+
+    a = _laid_out(layout, lead, r, k, seed, dtype)
+    m = randn((*lead, k, c), seed + 1, dtype)
+    w = checksum_weights(k, a.device, torch.float64)
+    u = torch.finfo(dtype).eps
+    for got, want, scale in (
+        (weighted_rows(a), a.double() @ w, a.double().abs() @ w),
+        (times_skinny(a, m), a.double() @ m.double(), a.double().abs() @ m.double().abs()),
+    ):
+        assert got.shape == want.shape and got.dtype == dtype
+        assert torch.all((got.double() - want).abs() <= 2 * k * u * scale + 1e-30)

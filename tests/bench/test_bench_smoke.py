@@ -65,6 +65,19 @@ def test_overhead_bench_writes_every_variant(tmp_path):
         assert {"linear", "linear_dx", "linear_dw"} <= set(m["variants"]["all_full"]["check_s_per_step"])
 
 
+def test_ab_whole_step_bench_times_both_check_paths(tmp_path):
+    # HEAD as the other revision: any checkout has it; the A/B machinery is what is exercised.
+    doc = run_bench("ab_whole_step", tmp_path, "HEAD", "--rounds", "2")
+    (m,) = doc["models"]
+    assert set(m["variants"]) == {"baseline", "all_full_old", "all_full_new"}
+    for name, v in m["variants"].items():
+        check_summary(v["step_s"])
+        assert len(v["samples_s"]) == 2 and all(positive(x) for x in v["samples_s"])
+        if name != "baseline":
+            # Both paths really checked the whole step: the Linear GEMMs and the attention backward.
+            assert {"linear", "linear_dx", "linear_dw", "grad_q"} <= set(v["check_s_per_step"])
+
+
 def test_recovery_bench_corrects_every_injected_fault(tmp_path):
     doc = run_bench("recovery", tmp_path, "--rounds", "2")
     assert doc["checkpoint"]["bytes"] > 0
