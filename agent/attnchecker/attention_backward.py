@@ -36,7 +36,7 @@ def checked_backward(
     q_BHTD: torch.Tensor,
     k_BHSD: torch.Tensor,
     v_BHSD: torch.Tensor,
-    out_BHTD: torch.Tensor,
+    out_BHTD: torch.Tensor,  # noqa: ARG001 - the caller's contract; δ is taken from dP and AP (below)
     lse_BHT: torch.Tensor,
     mask_add: torch.Tensor | None,
     *,
@@ -45,7 +45,11 @@ def checked_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV) of softmax(scale·QKᵀ + mask)·V at the verified forward's q, k, v, out and row log-sum-exp."""
     do_BHTD = grad_out_BHTD.contiguous()
-    s_BHTS = q_BHTD @ k_BHSD.mT
+    # fp16: into fp32, as the forward does (attention._scores_product; not imported: attention imports this module's
+    # caller): the unscaled logits pass 65504 well before the scaled ones do, and an fp16 S here was a false
+    # "uncorrectable" INF and a skipped step on a finite attention. fp16 values are exact in fp32.
+    half = q_BHTD.dtype == torch.float16
+    s_BHTS = q_BHTD.float() @ k_BHSD.float().mT if half else q_BHTD @ k_BHSD.mT
     dp_BHTS = do_BHTD @ v_BHSD.mT
     check_gemms(layer, [("scores_bwd", s_BHTS, q_BHTD, k_BHSD.mT, None),
                         ("grad_probs", dp_BHTS, do_BHTD, v_BHSD.mT, None)])
@@ -59,7 +63,10 @@ def checked_backward(
         z_BHTS = _add_mask(z_BHTS, mask_add.float())
     # Rows with every key masked carry lse = +INF: exp(-INF) = 0 there, as AP.
     p32_BHTS = z_BHTS.sub_(lse_BHT[..., None]).exp_()
-    delta_BHT1 = (do_BHTD.float() * out_BHTD.float()).sum(-1, keepdim=True)
+    # δ = rowsum(dO ⊙ O) = rowsum(AP ⊙ dP), taken in the second form: from the same dP it is subtracted from, so a
+    # near one-hot row (massive activations) gives dS ≈ 0 as it should. From the fp16-rounded O, δ carried
+    # u·|dO·O| of error that dS then multiplied into dQ/dK (0.1 absolute on gradients of 4e-5 at the fp16 edge).
+    delta_BHT1 = (dp_BHTS.float() * p32_BHTS).sum(-1, keepdim=True)
     ds_BHTS = (dp_BHTS.float() - delta_BHT1).mul_(p32_BHTS).to(q_BHTD.dtype)
     p_BHTS = p32_BHTS.to(q_BHTD.dtype)
     dv_BHSD = p_BHTS.mT @ do_BHTD
