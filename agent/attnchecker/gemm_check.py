@@ -42,7 +42,7 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
         t0 = time.perf_counter()
         with _exact_math(c):
             checks = _verify(gemm, tol, FAST_DIRECTIONS)
-            _observe(ctx, checks)
+            _observe(ctx, checks, gemm[0])
         pending.append((gemm, checks, time.perf_counter() - t0))
     flags = torch.stack([chk.bad.any() for _, checks, _ in pending for chk in checks.values()])
     slow = bool(flags.any())  # sync: the one per checked call (a layer's forward, or its backward); gates the slow path

@@ -34,9 +34,9 @@ def _any_bad(checks: Checks) -> torch.Tensor:
     return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
 
 
-def _observe(ctx: LayerContext, checks: Checks) -> None:
+def _observe(ctx: LayerContext, checks: Checks, op: str | None = None) -> None:
     """Histogram of the worst residual/bound ratio (d1 and d2, both flag) among the unflagged vectors of one check,
-    kept on the device: the dashboard's margin is its inverse."""
+    kept on the device: the dashboard's margin is its inverse. op: also kept as that op's worst ratio."""
     stats = ctx.runtime.stats
     if stats is None or not checks:
         return
@@ -44,11 +44,12 @@ def _observe(ctx: LayerContext, checks: Checks) -> None:
         torch.where(chk.bad, 0.0, _ratio(chk)).amax().float()
         for chk in checks.values()
     ]).amax()
-    _record_ratio(ctx, worst)
+    _record_ratio(ctx, worst, op)
 
 
-def _record_ratio(ctx: LayerContext, worst: torch.Tensor) -> None:
-    """Add one check's worst residual/bound ratio (a device scalar) to the histogram (also the tiled path's)."""
+def _record_ratio(ctx: LayerContext, worst: torch.Tensor, op: str | None = None) -> None:
+    """Add one check's worst residual/bound ratio (a device scalar) to the histogram (also the tiled path's), and to
+    ``op``'s running maximum when op is given."""
     stats = ctx.runtime.stats
     if stats is None:
         return
@@ -66,6 +67,10 @@ def _record_ratio(ctx: LayerContext, worst: torch.Tensor) -> None:
     stats.residual_counts.index_add_(0, bucket.view(1), valid.view(1).to(torch.int64))
     stats.residual_sum += torch.where(valid, worst, 0.0).double()
     stats.residual_count += valid.to(torch.int64)
+    if op is not None:
+        ratio = torch.where(valid, worst, 0.0).float()
+        seen = stats.residual_max.get(op)
+        stats.residual_max[op] = ratio if seen is None else torch.maximum(seen, ratio)
 
 
 def _ratio(chk: DirectionCheck) -> torch.Tensor:
