@@ -37,9 +37,10 @@ def test_clean_campaign_counts_checks_per_dtype_and_flags_nothing(tmp_path):
         assert {"q", "k", "v", "scores", "context", "out", "linear", "linear_dx", "linear_dw"} <= set(r["checks_by_op"])
         assert 0 < r["worst_ratio"] <= 1
         assert r["max_abs_activation"] > 0
-    planted = [r for r in doc["results"] if r["variant"] == "outliers"]
-    assert min(r["max_abs_activation"] for r in planted) > 50 * max(
-        r["max_abs_activation"] for r in doc["results"] if r["variant"] == "grow" and not r["long"]) / 10
+    # The planted massive channels (LayerNorm weights x50-300) show in the activations the checks saw.
+    planted = min(r["max_abs_activation"] for r in doc["results"] if r["variant"] == "outliers")
+    plain = max(r["max_abs_activation"] for r in doc["results"] if r["variant"] == "grow")
+    assert planted > 5 * plain
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
