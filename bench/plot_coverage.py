@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = list(dict.fromkeys(r["dtype"] for r in results))
     mags = doc["magnitudes"]
 
-    fig, axes = plt.subplots(len(shapes), len(dtypes), figsize=(3.2 * len(dtypes), 2.6 * len(shapes) + 0.8), sharex=True,
+    size = (3.2 * len(dtypes), 2.6 * len(shapes) + 0.8)  # + room for the legend below
+    fig, axes = plt.subplots(len(shapes), len(dtypes), figsize=size, sharex=True,
                              sharey=True, squeeze=False)
     for i, shape in enumerate(shapes):
         for j, dtype in enumerate(dtypes):
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     out1 = dst / "coverage_magnitude.png"
     fig.savefig(out1, dpi=110)
 
-    fig, axes = plt.subplots(len(shapes), len(dtypes), figsize=(3.2 * len(dtypes), 2.6 * len(shapes) + 0.8), sharey=True,
+    fig, axes = plt.subplots(len(shapes), len(dtypes), figsize=size, sharey=True,
                              squeeze=False)
     for i, shape in enumerate(shapes):
         for j, dtype in enumerate(dtypes):
