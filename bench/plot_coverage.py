@@ -2,7 +2,10 @@
 magnitude (calibrated and rigorous tolerance, per shape, dtype and op) and detection rate vs flipped bit. Needs
 matplotlib (the `bench` extra).
 
-    python bench/plot_coverage.py [bench/results/coverage.json] [docs/perf]
+    python bench/plot_coverage.py [bench/results/coverage.json ...] [docs/perf]
+
+Several JSONs (e.g. the grouped 7B runs, one per dtype or op) are merged into one figure: their results side by side,
+columns in the order the dtypes first appear. A last argument that is a directory is where the figures go.
 """
 from __future__ import annotations
 
@@ -15,21 +18,25 @@ import _common
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    src = Path(args[0]) if args else _common.RESULTS / "coverage.json"
-    dst = Path(args[1]) if len(args) > 1 else _common.ROOT / "docs" / "perf"
+    args = [Path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    dst = args.pop() if args and args[-1].is_dir() else _common.ROOT / "docs" / "perf"
+    sources = args or [_common.RESULTS / "coverage.json"]
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    doc = json.loads(src.read_text())
-    results = doc["results"]
+    docs = [json.loads(src.read_text()) for src in sources]
+    doc = docs[0]
+    if any(d["magnitudes"] != doc["magnitudes"] for d in docs):
+        raise SystemExit("the JSONs to merge were run at different magnitudes")
+    results = [r for d in docs for r in d["results"]]
     shapes = list(dict.fromkeys(r["shape"] for r in results))
     dtypes = list(dict.fromkeys(r["dtype"] for r in results))
     mags = doc["magnitudes"]
 
-    fig, axes = plt.subplots(len(shapes), len(dtypes), figsize=(3.2 * len(dtypes), 2.6 * len(shapes)), sharex=True,
+    size = (3.2 * len(dtypes), 2.6 * len(shapes) + 0.8)  # + room for the legend below
+    fig, axes = plt.subplots(len(shapes), len(dtypes), figsize=size, sharex=True,
                              sharey=True, squeeze=False)
     for i, shape in enumerate(shapes):
         for j, dtype in enumerate(dtypes):
@@ -51,11 +58,11 @@ def main(argv: list[str] | None = None) -> int:
                 ax.set_ylabel("detected")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.tight_layout(rect=(0, 0.6 / fig.get_figheight(), 1, 1))  # room for the legend below
     out1 = dst / "coverage_magnitude.png"
     fig.savefig(out1, dpi=110)
 
-    fig, axes = plt.subplots(len(shapes), len(dtypes), figsize=(3.2 * len(dtypes), 2.6 * len(shapes)), sharey=True,
+    fig, axes = plt.subplots(len(shapes), len(dtypes), figsize=size, sharey=True,
                              squeeze=False)
     for i, shape in enumerate(shapes):
         for j, dtype in enumerate(dtypes):
@@ -74,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                 ax.set_ylabel("detected")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))
     out2 = dst / "coverage_bits.png"
     fig.savefig(out2, dpi=110)
     print(f"wrote {out1} and {out2}")

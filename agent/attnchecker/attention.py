@@ -291,7 +291,7 @@ def _checked_attention(
     if cfg.checks("scores") or "scores" in force:
         t0 = time.perf_counter()
         checks["scores"] = _scores_checks(q_BHTD, k_rep, scores.detach(), passed, h, tol)
-        _observe(ctx, checks["scores"])
+        _observe(ctx, checks["scores"], "scores")
         seconds["scores"] += time.perf_counter() - t0
     elif cfg.trips("scores"):
         t0 = time.perf_counter()
@@ -304,7 +304,7 @@ def _checked_attention(
     if cfg.checks("context") or "context" in force:
         t0 = time.perf_counter()
         checks["context"] = _context_checks(probs.detach(), v_rep, out.detach(), passed.get("v"), h, tol, dropout_p)
-        _observe(ctx, checks["context"])
+        _observe(ctx, checks["context"], "context")
         seconds["context"] += time.perf_counter() - t0
     elif cfg.trips("context"):
         t0 = time.perf_counter()

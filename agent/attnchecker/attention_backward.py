@@ -34,7 +34,7 @@ def checked_backward(
     q_BHTD: torch.Tensor,
     k_BHSD: torch.Tensor,
     v_BHSD: torch.Tensor,
-    out_BHTD: torch.Tensor,
+    out_BHTD: torch.Tensor,  # noqa: ARG001 - the caller's contract; δ is taken from dP and AP (below)
     lse_BHT: torch.Tensor,
     mask_add: torch.Tensor | None,
     *,
@@ -46,7 +46,11 @@ def checked_backward(
     # Heads split out of a projection are strided views: matmul would copy q and k for each of the two products that
     # read them (and the checks would reduce them strided); one copy each, up front, serves all.
     q_BHTD, k_BHSD, v_BHSD = q_BHTD.contiguous(), k_BHSD.contiguous(), v_BHSD.contiguous()
-    s_BHTS = q_BHTD @ k_BHSD.mT
+    # fp16: into fp32, as the forward does (attention._scores_product; not imported: attention imports this module's
+    # caller): the unscaled logits pass 65504 well before the scaled ones do, and an fp16 S here was a false
+    # "uncorrectable" INF and a skipped step on a finite attention. fp16 values are exact in fp32.
+    half = q_BHTD.dtype == torch.float16
+    s_BHTS = q_BHTD.float() @ k_BHSD.float().mT if half else q_BHTD @ k_BHSD.mT
     dp_BHTS = do_BHTD @ v_BHSD.mT
     check_gemms(layer, [("scores_bwd", s_BHTS, q_BHTD, k_BHSD.mT, None),
                         ("grad_probs", dp_BHTS, do_BHTD, v_BHSD.mT, None)])
@@ -64,8 +68,11 @@ def checked_backward(
         # The future keys zeroed after exp, not set to -INF before it: exp of -INF (half of a causal AP) ran 2× slower
         # than of finite scores on CPU; exp there may overflow to INF, which the fill replaces with the same 0.
         p32_BHTS.masked_fill_(_future_mask(*z_BHTS.shape[-2:], z_BHTS.device), 0.0)
-    delta_BHT1 = (do_BHTD.float() * out_BHTD.float()).sum(-1, keepdim=True)
+    # δ = rowsum(dO ⊙ O) = rowsum(AP ⊙ dP), taken in the second form: from the same dP it is subtracted from, so a
+    # near one-hot row (massive activations) gives dS ≈ 0 as it should. From the fp16-rounded O, δ carried
+    # u·|dO·O| of error that dS then multiplied into dQ/dK (0.1 absolute on gradients of 4e-5 at the fp16 edge).
     dp32_BHTS = dp_BHTS if dp_BHTS.dtype == torch.float32 else dp_BHTS.float()
+    delta_BHT1 = (dp32_BHTS * p32_BHTS).sum(-1, keepdim=True)
     ds_BHTS = dp32_BHTS.sub_(delta_BHT1).mul_(p32_BHTS).to(q_BHTD.dtype)
     p_BHTS = p32_BHTS.to(q_BHTD.dtype)
     dv_BHSD = p_BHTS.mT @ do_BHTD

@@ -77,6 +77,9 @@ class OpStats:
     residual_counts: torch.Tensor | None = None
     residual_sum: torch.Tensor | None = None
     residual_count: torch.Tensor | None = None
+    residual_max: dict[str, torch.Tensor] = field(default_factory=dict)
+    """op -> the worst clean residual/bound ratio of its checks this interval (a device scalar, no sync): how close
+    clean data came to a flag, per op (the clean campaign reports it; the histogram above mixes the ops)."""
 
     def add_fault(self, op: str, kind: str, action: str, tier: str = "abft") -> None:
         self.catches[(tier, op)] = self.catches.get((tier, op), 0) + 1

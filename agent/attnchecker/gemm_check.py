@@ -47,7 +47,8 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
             pending.append((gemm, checks, time.perf_counter() - t0))
         flags = torch.stack([chk.bad.any() for _, checks, _ in pending for chk in checks.values()])
         if ctx.runtime.stats is not None:
-            _record_ratio(ctx, torch.stack([_worst_ratio(checks) for _, checks, _ in pending]))
+            _record_ratio(ctx, torch.stack([_worst_ratio(checks) for _, checks, _ in pending]),
+                          [gemm[0] for gemm, _, _ in pending])
     # The shared part (context, flags, histogram), split evenly between the GEMMs' check times.
     shared = (time.perf_counter() - t_call - sum(s for _, _, s in pending)) / len(pending)
     pending = [(gemm, checks, seconds + shared) for gemm, checks, seconds in pending]

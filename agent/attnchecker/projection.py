@@ -204,7 +204,7 @@ def check_linear(
                                                       x_norm_NT=shared.x_norm_NT, out_dtype=y.dtype, tol=tol))
                 continue
             checks = full_checks(y_s, w_s, b_s)
-            _observe(ctx, checks)
+            _observe(ctx, checks, name)
 
         recompute = functools.partial(_recompute_linear, ctx, name, x_NTI.detach(), w_s, b_s)
         exact = functools.partial(_exact_linear, x_NTI.detach(), w_s, b_s)

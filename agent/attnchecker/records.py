@@ -34,13 +34,13 @@ def _any_bad(checks: Checks) -> torch.Tensor:
     return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
 
 
-def _observe(ctx: LayerContext, checks: Checks) -> None:
+def _observe(ctx: LayerContext, checks: Checks, op: str | None = None) -> None:
     """Histogram of the worst residual/bound ratio (d1 and d2, both flag) among the unflagged vectors of one check,
-    kept on the device: the dashboard's margin is its inverse."""
+    kept on the device: the dashboard's margin is its inverse. op: also kept as that op's worst ratio."""
     stats = ctx.runtime.stats
     if stats is None or not checks:
         return
-    _record_ratio(ctx, _worst_ratio(checks))
+    _record_ratio(ctx, _worst_ratio(checks), op)
 
 
 def _worst_ratio(checks: Checks) -> torch.Tensor:
@@ -49,9 +49,10 @@ def _worst_ratio(checks: Checks) -> torch.Tensor:
     return worst[0] if len(worst) == 1 else torch.stack(worst).amax()
 
 
-def _record_ratio(ctx: LayerContext, worst: torch.Tensor) -> None:
+def _record_ratio(ctx: LayerContext, worst: torch.Tensor, op: str | Sequence[str] | None = None) -> None:
     """Add checks' worst residual/bound ratios (a device scalar, one check, or (V,), one per check) to the histogram
-    (also the tiled path's): several at once cost the few ops of one."""
+    (also the tiled path's): several at once cost the few ops of one. op: the op of every ratio, or one per ratio;
+    each op's running maximum is kept too."""
     stats = ctx.runtime.stats
     if stats is None:
         return
@@ -67,8 +68,17 @@ def _record_ratio(ctx: LayerContext, worst: torch.Tensor) -> None:
     bucket = torch.bucketize(torch.where(valid, worst, 0.0), _bucket_edges(device))
     assert stats.residual_sum is not None and stats.residual_count is not None
     stats.residual_counts.index_add_(0, bucket.view(-1), valid.view(-1).to(torch.int64))
-    stats.residual_sum += torch.where(valid, worst, 0.0).double().sum()
+    ratio_V = torch.where(valid, worst, 0.0).view(-1)
+    stats.residual_sum += ratio_V.double().sum()
     stats.residual_count += valid.to(torch.int64).sum()
+    if op is None:
+        return
+    names = [op] * ratio_V.numel() if isinstance(op, str) else list(op)
+    for name in dict.fromkeys(names):
+        picked = [i for i, n in enumerate(names) if n == name]
+        ratio = ratio_V[picked[0]] if len(picked) == 1 else ratio_V[picked].amax()
+        seen = stats.residual_max.get(name)
+        stats.residual_max[name] = ratio.float() if seen is None else torch.maximum(seen, ratio.float())
 
 
 def _ratio(chk: DirectionCheck) -> torch.Tensor:

@@ -262,7 +262,7 @@ def _forward(
     for op in ops:
         worst = record.worst[op]
         if worst is not None:
-            _record_ratio(ctx, worst)
+            _record_ratio(ctx, worst, op)
     if ops:
         flat = [f for op in ops for f in record.flags[op] if f is not None]
         any_bad = torch.stack([f.any() for f in flat]).any() if flat else torch.zeros((), dtype=torch.bool)

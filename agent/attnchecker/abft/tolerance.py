@@ -143,10 +143,16 @@ class Bound:
         if self.var_NV2 is not None and (sq_sum_NV is not None or not needs_sq):
             var1_NV, var2_NV = self.var_NV2[..., 0], self.var_NV2[..., 1]
             if needs_sq and sq_sum_NV is not None:
-                sq_NV = sq_sum_NV.to(var1_NV.dtype)
+                # ΣC² made in C's dtype drops every square below its smallest normal: n of them at most.
+                sq_NV = sq_sum_NV.to(var1_NV.dtype) + self.n * torch.finfo(sq_sum_NV.dtype).tiny
                 var1_NV, var2_NV = var1_NV + self.sq_coef[0] * sq_NV, var2_NV + self.sq_coef[1] * sq_NV
-            rig = torch.minimum(rig, self.sigmas * var1_NV.sqrt() + self.offset_NV)
-            rig2 = torch.minimum(rig2, self.sigmas * var2_NV.sqrt() + self.offset_NV)
+            # The variance is float64 (it underflows fp32 for |C| < ~1e-15); the tolerance goes back to rig's dtype.
+            rig = torch.minimum(rig, (self.sigmas * var1_NV.sqrt() + self.offset_NV).to(rig.dtype))
+            # The offset is per-element absolute error (underflow: half a subnormal step each) summed over the vector;
+            # d2 weighs element j by j, so it sums to (n + 1)/2 times d1's. fp16 gradients without loss scaling are
+            # mostly subnormal: with d1's offset, d2 flagged clean backward GEMMs (bench/clean_campaign.py).
+            off2 = self.offset_NV * ((self.n + 1) / 2)
+            rig2 = torch.minimum(rig2, (self.sigmas * var2_NV.sqrt() + off2).to(rig2.dtype))
         # A corrupt operand norm (an unverified input holding 1e20) must not hide an extreme residual behind an
         # infinite bound.
         return _clamp(rig), _clamp(rig2)
@@ -180,6 +186,11 @@ class Bound:
 
 def _clamp(bound: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(bound, nan=NEAR_INF, posinf=NEAR_INF).clamp(max=NEAR_INF)
+
+
+def _norm_floor(norm: torch.Tensor, k: int) -> float:
+    """The most a K-long 2-norm made in ``norm``'s dtype can miss through squares below the smallest normal."""
+    return math.sqrt(k * torch.finfo(norm.dtype).tiny)
 
 
 def _weighted_sq(norm_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,6 +273,12 @@ def bounds(
         # The paper flags on d1 only: d2's bound is n × E, which only an extreme d2 exceeds.
         e = tol.extreme_threshold * tol.factor
         return Bound(torch.full_like(a_norm_NR, e), n=n_cols), Bound(torch.full_like(b_norm_NC, e), n=n_rows)
+    # A norm made in fp32 (or a half dtype) drops every element below √(smallest normal) (~1e-19 in fp32): its square
+    # underflows. Vanishing gradients (a saturated softmax's dS) are such values; without this floor their norms read
+    # 0 and a clean product is flagged. ‖x‖ over K elements is low by at most √(K·tiny).
+    a_norm_NR = a_norm_NR + _norm_floor(a_norm_NR, k)
+    b_norm_NC = b_norm_NC + _norm_floor(b_norm_NC, k)
+    ref_norms = tuple(None if r is None else r + _norm_floor(r, k) for r in ref_norms)  # type: ignore[assignment]
     u_out = torch.finfo(out_dtype).eps / 2
     g_c, g_r = gamma(n_cols, out_dtype), gamma(n_rows, out_dtype)
     # γ_K twice: once for the reference, once for the product C. A product reduced in half precision is modelled as
@@ -317,14 +334,19 @@ def bounds(
     # Output rounding (half dtypes: fp32 outputs round inside the K-long sum) and the checksum's own n-long sum
     # (partial sums ≤ ‖w∘C‖₁ ≤ √n ‖w∘C‖₂), both per unit of ΣC²; Σ_j j² C_ij² ≤ n² ΣC² for d2.
     u_out_var = n_round * u_out**2 / 3 if acc != out_dtype else 0.0
-    row_ref, col_ref = ref_norms
-    var_row = _calibrated_var(a_norm_NR, b_norm_NC, row_ref, k=k, u_acc=u_acc, prod_var=prod_var)
-    var_col = _calibrated_var(b_norm_NC, a_norm_NR, col_ref, k=k, u_acc=u_acc, prod_var=prod_var)
+    # Variances in float64: u²·‖A_i‖²·‖B_j‖² underflows fp32 once the product's values are below ~1e-15 (vanishing
+    # gradients), which would leave only the underflow offset as the tolerance. Per-vector tensors: cheap in fp64.
+    f64 = torch.float64
+    a64, b64 = a_norm_NR.to(f64), b_norm_NC.to(f64)
+    row_ref, col_ref = (None if r is None else r.to(f64) for r in ref_norms)
+    var_row = _calibrated_var(a64, b64, row_ref, k=k, u_acc=u_acc, prod_var=prod_var)
+    var_col = _calibrated_var(b64, a64, col_ref, k=k, u_acc=u_acc, prod_var=prod_var)
     if bias_abs_C is not None:
         # Row references add b·w (n-long sums); column references add (Σw) b_j: both rounded once more.
-        bsq_1, bsq_2 = _weighted_sq(bias_abs_C)
+        bias64_C = bias_abs_C.to(f64)
+        bsq_1, bsq_2 = _weighted_sq(bias64_C)
         var_row = var_row + (n_cols * u_acc**2 / 3) * torch.cat([bsq_1, bsq_2], -1)[..., None, :]
-        sums_C2 = torch.stack([bias_abs_C * n_rows, bias_abs_C * (n_rows * (n_rows + 1) / 2)], -1)
+        sums_C2 = torch.stack([bias64_C * n_rows, bias64_C * (n_rows * (n_rows + 1) / 2)], -1)
         var_col = var_col + (u_acc**2 / 3) * sums_C2.square()
     z = tol.sigmas * tol.factor
     c_row = u_out_var + n_cols**2 * u_acc**2 / 3
