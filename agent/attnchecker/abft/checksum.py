@@ -277,7 +277,7 @@ def verify_direction(
     """
     diff_NV2 = ref_NV2 - got_NV2
     d1_NV, d2_NV = diff_NV2[..., 0], diff_NV2[..., 1]
-    bound_NV, bound2_NV = rule.pair(abs_sum_NV, sq_sum_NV)
+    bound_NV, bound2_NV = rule.pair(abs_sum_NV, sq_sum_NV, ref_NV2)
     # `<=` is False for NaN, so NaN residuals flag without a separate isnan pass.
     ok_NV = (d1_NV.abs() <= bound_NV) & (d2_NV.abs() <= bound2_NV)
     bad_NV = torch.isfinite(ref_NV2[..., 0]) & ~ok_NV
