@@ -59,19 +59,23 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
         t0 = time.perf_counter()
         if slow and bool(torch.stack([chk.bad.any() for chk in checks.values()]).any()):  # sync: slow path only
             with _exact_math(c):
-                # Both directions from the same operands: the flagged one again (bitwise the same), and the other,
-                # which locates what one direction cannot (a corrupted column, a block).
-                full = _verify(gemm, tol, DIRECTIONS)
+                # Both directions from the same operands: the flagged one again (the same checksums), and the other,
+                # which locates what one direction cannot (a corrupted column, a block). The bound from float64
+                # norms: an fp32 norm that overflowed (values ~1e19 and up, diverged bf16 training) left the fast
+                # path an undefined bound; a finite product flagged only for that is not reported.
+                full = _verify(gemm, tol, DIRECTIONS, wide_norms=True)
                 reports = _repair(c, a.detach(), b.detach(), None if bias is None else bias.detach(), full, tol,
                                   correct)
             _emit(ctx, op, reports, heads=c.dim() > 2)
         _count(ctx, op, seconds + time.perf_counter() - t0)
 
 
-def _verify(gemm: Gemm, tol: Tolerance, directions: tuple[str, ...]) -> dict[str, DirectionCheck]:
+def _verify(gemm: Gemm, tol: Tolerance, directions: tuple[str, ...], *,
+            wide_norms: bool = False) -> dict[str, DirectionCheck]:
     _op, c, a, b, bias = gemm
     return verify_gemm(c, a.detach(), b.detach(), tol, bias_N=None if bias is None else bias.detach(),
-                       operand_roundoff=fp32_matmul_operand_roundoff(c.device), directions=directions)
+                       operand_roundoff=fp32_matmul_operand_roundoff(c.device), directions=directions,
+                       wide_norms=wide_norms)
 
 
 def _repair(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,

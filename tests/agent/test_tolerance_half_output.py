@@ -55,11 +55,12 @@ def test_a_few_rms_error_in_such_a_column_is_still_flagged(magnitude: float, whe
     assert flagged(chk) == 2
 
 
-def huge_product(scale: float, seed: int = 1) -> tuple[torch.Tensor, ...]:
-    """(A (64, 64), B (64, 48), C = A·B) in bf16 with operands of magnitude `scale`: C ~ 8·scale²."""
+def huge_product(scale: float, b_scale: float | None = None, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    """(A (64, 64), B (64, 48), C = A·B) in bf16, A of magnitude `scale`, B of `b_scale` (default the same):
+    C ~ 8·scale·b_scale."""
     gen = torch.Generator().manual_seed(seed)
     a = (torch.randn(64, 64, generator=gen) * scale).to(torch.bfloat16)
-    b = (torch.randn(64, 48, generator=gen) * scale).to(torch.bfloat16)
+    b = (torch.randn(64, 48, generator=gen) * (scale if b_scale is None else b_scale)).to(torch.bfloat16)
     return a, b, a @ b
 
 
@@ -86,3 +87,18 @@ def test_errors_in_a_huge_product_and_near_inf_faults_are_still_flagged() -> Non
         bad[7, 9] = value
         chk = verify_gemm(bad, a, b, Tolerance())
         assert bool(chk["row"].bad[0, 7]) and bool(chk["col"].bad[0, 9])
+
+
+def test_operand_norms_that_overflow_fp32_are_taken_in_float64_on_the_slow_path() -> None:
+    """Elements of ~1e19 and up: ‖row‖² overflows fp32, the fast path's bound is undefined (NEAR_INF fallback) and
+    flags; the slow path (gemm_check, wide_norms) bounds the same clean product, and still flags a 2× RMS error."""
+    a, b, c = huge_product(1e19, 1e-3)
+    assert float(c.float().abs().max()) > 1e16 and bool(torch.isfinite(c.float()).all())
+    assert flagged(verify_gemm(c, a, b, Tolerance())) > 0  # the premise: fp32 norms are INF
+    chk = verify_gemm(c, a, b, Tolerance(), wide_norms=True)
+    assert flagged(chk) == 0
+    rms = float(c.float().square().mean().sqrt())
+    bad = c.clone()
+    bad[3, 4] += 2 * rms
+    chk = verify_gemm(bad, a, b, Tolerance(), wide_norms=True)
+    assert bool(chk["row"].bad[0, 3]) and bool(chk["col"].bad[0, 4])

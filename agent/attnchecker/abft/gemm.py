@@ -41,6 +41,7 @@ def verify_gemm(
     bias_N: torch.Tensor | None = None,
     operand_roundoff: float | None = None,
     directions: tuple[str, ...] = DIRECTIONS,
+    wide_norms: bool = False,
 ) -> dict[str, DirectionCheck]:
     """The requested directions of C = A·B (+ bias) against references from A and B, for 2-D operands or batches of
     them (the same leading dims on all three, e.g. (B, H) for attention; bias 2-D only). The checks carry C's leading
@@ -53,6 +54,10 @@ def verify_gemm(
 
     Operands may be strided views (dYᵀ); they are read once each in the accumulation dtype. operand_roundoff: an
     fp32 GEMM that rounded its operands itself (TF32, oneDNN bf16; ``tolerance.bounds``).
+    wide_norms: operand norms (and so the bound) in float64. An fp32 norm overflows once a row's elements reach
+    ~1e19 (its square sum passes 3.4e38); the bound is then undefined and falls back to NEAR_INF, which flags
+    finite values a diverged bf16 run really computed. A copy of both operands in float64: for the slow path,
+    after a flag (``gemm_check``), not for every check.
     """
     _check_shapes(c_MN, a_MK, b_KN, bias_N)
     if not directions or any(d not in DIRECTIONS for d in directions):
@@ -90,7 +95,8 @@ def verify_gemm(
         c = c_MN.to(acc)
         got = {"row": weighted_rows(c)} if "row" in directions else {"col": weighted_cols(c)}
         sums = {d: _one_direction_sums(c, d, with_abs=use_abs, with_sq=with_sq) for d in got}
-    row_rule, col_rule = bounds(_row_norms(a), _col_norms(b), k=k, out_dtype=c_MN.dtype,
+    a_n, b_n = (a.double(), b.double()) if wide_norms else (a, b)
+    row_rule, col_rule = bounds(_row_norms(a_n), _col_norms(b_n), k=k, out_dtype=c_MN.dtype,
                                 tol=tol, bias_abs_C=bias_abs_N, use_abs=use_abs, operands_cast_to=cast_to,
                                 operand_roundoff=operand_roundoff if c_MN.dtype == torch.float32 else None)
     rules = {"row": row_rule, "col": col_rule}
