@@ -102,3 +102,4 @@ def test_operand_norms_that_overflow_fp32_are_taken_in_float64_on_the_slow_path(
     bad[3, 4] += 2 * rms
     chk = verify_gemm(bad, a, b, Tolerance(), wide_norms=True)
     assert bool(chk["row"].bad[0, 3]) and bool(chk["col"].bad[0, 4])
+

@@ -10,6 +10,7 @@ Pure functions: tensors in, tensors out; no host-device sync here.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -24,7 +25,7 @@ from .checksum import (
     weighted_cols,
     weighted_rows,
 )
-from .tolerance import Tolerance, bounds
+from .tolerance import Tolerance, _norm_floor, bounds
 
 __all__ = ["DIRECTIONS", "exact_gemm_elements", "verify_gemm"]
 
@@ -95,8 +96,10 @@ def verify_gemm(
         c = c_MN.to(acc)
         got = {"row": weighted_rows(c)} if "row" in directions else {"col": weighted_cols(c)}
         sums = {d: _one_direction_sums(c, d, with_abs=use_abs, with_sq=with_sq) for d in got}
-    a_n, b_n = (a.double(), b.double()) if wide_norms else (a, b)
-    row_rule, col_rule = bounds(_row_norms(a_n), _col_norms(b_n), k=k, out_dtype=c_MN.dtype,
+    a_norm_M, b_norm_N = _row_norms(a), _col_norms(b)
+    if wide_norms:
+        a_norm_M, b_norm_N = _widened(a_norm_M, a, k, _row_norms), _widened(b_norm_N, b, k, _col_norms)
+    row_rule, col_rule = bounds(a_norm_M, b_norm_N, k=k, out_dtype=c_MN.dtype,
                                 tol=tol, bias_abs_C=bias_abs_N, use_abs=use_abs, operands_cast_to=cast_to,
                                 operand_roundoff=operand_roundoff if c_MN.dtype == torch.float32 else None)
     rules = {"row": row_rule, "col": col_rule}
@@ -138,6 +141,15 @@ def _one_direction_sums(
     if with_sq:
         sq_sum = col_norms(c_MN).square()
     return abs_sum, sq_sum
+
+
+def _widened(norm_V: torch.Tensor, x: torch.Tensor, k: int, norms: Callable[[torch.Tensor], torch.Tensor]
+             ) -> torch.Tensor:
+    """(..., V) float64: the fp32 norms where finite, float64 norms of x where they overflowed; both with the fp32
+    norm's underflow floor, which `bounds` would add to an fp32 norm (not to a float64 one) and which the bounds of
+    products of tiny values rely on (a float64 norm without it flagged clean vanishing gradients of a diverged run)."""
+    wide_V = torch.where(torch.isfinite(norm_V), norm_V.double(), norms(x.double()))
+    return wide_V + _norm_floor(norm_V, k)
 
 
 def _row_norms(a_MK: torch.Tensor) -> torch.Tensor:
