@@ -25,7 +25,7 @@ from .checksum import (
     weighted_cols,
     weighted_rows,
 )
-from .tolerance import Tolerance, _norm_floor, bounds
+from .tolerance import Tolerance, bounds, norm_floor
 
 __all__ = ["DIRECTIONS", "exact_gemm_elements", "verify_gemm"]
 
@@ -149,7 +149,7 @@ def _widened(norm_V: torch.Tensor, x: torch.Tensor, k: int, norms: Callable[[tor
     norm's underflow floor, which `bounds` would add to an fp32 norm (not to a float64 one) and which the bounds of
     products of tiny values rely on (a float64 norm without it flagged clean vanishing gradients of a diverged run)."""
     wide_V = torch.where(torch.isfinite(norm_V), norm_V.double(), norms(x.double()))
-    return wide_V + _norm_floor(norm_V, k)
+    return wide_V + norm_floor(norm_V, k)
 
 
 def _row_norms(a_MK: torch.Tensor) -> torch.Tensor:

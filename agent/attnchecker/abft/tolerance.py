@@ -34,6 +34,7 @@ __all__ = [
     "acc_dtype",
     "bounds",
     "gamma",
+    "norm_floor",
 ]
 
 
@@ -207,7 +208,7 @@ def _clamp(bound: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(bound, nan=NEAR_INF, posinf=NEAR_INF)
 
 
-def _norm_floor(norm: torch.Tensor, k: int) -> float:
+def norm_floor(norm: torch.Tensor, k: int) -> float:
     """The most a K-long 2-norm made in ``norm``'s dtype can miss through squares below the smallest normal."""
     return math.sqrt(k * torch.finfo(norm.dtype).tiny)
 
@@ -295,9 +296,9 @@ def bounds(
     # A norm made in fp32 (or a half dtype) drops every element below √(smallest normal) (~1e-19 in fp32): its square
     # underflows. Vanishing gradients (a saturated softmax's dS) are such values; without this floor their norms read
     # 0 and a clean product is flagged. ‖x‖ over K elements is low by at most √(K·tiny).
-    a_norm_NR = a_norm_NR + _norm_floor(a_norm_NR, k)
-    b_norm_NC = b_norm_NC + _norm_floor(b_norm_NC, k)
-    ref_norms = tuple(None if r is None else r + _norm_floor(r, k) for r in ref_norms)  # type: ignore[assignment]
+    a_norm_NR = a_norm_NR + norm_floor(a_norm_NR, k)
+    b_norm_NC = b_norm_NC + norm_floor(b_norm_NC, k)
+    ref_norms = tuple(None if r is None else r + norm_floor(r, k) for r in ref_norms)  # type: ignore[assignment]
     u_out = torch.finfo(out_dtype).eps / 2
     g_c, g_r = gamma(n_cols, out_dtype), gamma(n_rows, out_dtype)
     # γ_K twice: once for the reference, once for the product C. A product reduced in half precision is modelled as
