@@ -16,7 +16,7 @@ from .abft.gemm import DIRECTIONS, exact_gemm_elements, verify_gemm
 from .context import LayerContext
 from .matmul_precision import fp32_matmul_operand_roundoff
 from .product_check import _exact_math, _tolerance
-from .records import _count, _emit, _record_ratio, _worst_ratio
+from .records import _any_bad, _count, _emit, _record_ratio, _worst_ratio
 
 __all__ = ["Gemm", "check_gemms"]
 
@@ -45,19 +45,19 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
             t0 = time.perf_counter()
             checks = _verify(gemm, tol, FAST_DIRECTIONS)
             pending.append((gemm, checks, time.perf_counter() - t0))
-        flags = torch.stack([chk.bad.any() for _, checks, _ in pending for chk in checks.values()])
+        flags = torch.stack([_any_bad(checks) for _, checks, _ in pending])
         if ctx.runtime.stats is not None:
             _record_ratio(ctx, torch.stack([_worst_ratio(checks) for _, checks, _ in pending]),
                           [gemm[0] for gemm, _, _ in pending])
     # The shared part (context, flags, histogram), split evenly between the GEMMs' check times.
     shared = (time.perf_counter() - t_call - sum(s for _, _, s in pending)) / len(pending)
     pending = [(gemm, checks, seconds + shared) for gemm, checks, seconds in pending]
-    slow = bool(flags.any())  # sync: the one per checked call (a layer's forward, or its backward); gates the slow path
+    flagged = flags.tolist()  # sync: the one per checked call (a layer's forward, or its backward); gates the slow path
     correct = ctx.config.mode == "correct"
-    for gemm, checks, seconds in pending:
+    for (gemm, _checks, seconds), bad in zip(pending, flagged, strict=True):
         op, c, a, b, bias = gemm
         t0 = time.perf_counter()
-        if slow and bool(torch.stack([chk.bad.any() for chk in checks.values()]).any()):  # sync: slow path only
+        if bad:
             with _exact_math(c):
                 # Both directions from the same operands: the flagged one again (the same checksums), and the other,
                 # which locates what one direction cannot (a corrupted column, a block). The bound from float64

@@ -45,6 +45,9 @@ class _ProjectionInput:
     x_norm_NT: torch.Tensor
     xsum_grouped_N2gI: torch.Tensor | None = None
     """(N, 2·g_c, I): per token group h, rows 2h and 2h+1 are (1, 1..L)ᵀ X_h; None until a grouped check asks."""
+    wsum_last: tuple[torch.Tensor, int, torch.Tensor] | None = None
+    """(weight, g_r, Wᵀw per group (I, g_r, 2)) of the last slice asked: its row reference and its ref norm both
+    need it, and it is a pass over W."""
 
     @classmethod
     def of(cls, x_NTI: torch.Tensor) -> _ProjectionInput:
@@ -72,10 +75,17 @@ class _ProjectionInput:
         # (N, g·2, O) -> (N, O, g, 2) -> (N, O·g, 2)
         return ref_N2gO.unflatten(-2, (groups, 2)).permute(0, 3, 1, 2).flatten(1, 2)
 
+    def weight_sums(self, weight_OI: torch.Tensor, groups: int) -> torch.Tensor:
+        """(I, g, 2): Wᵀw per group of O/g output features; made once for a slice's reference and ref norm."""
+        last = self.wsum_last
+        if last is None or last[0] is not weight_OI or last[1] != groups:
+            last = self.wsum_last = (weight_OI, groups, group_sums_cols(weight_OI.to(self.x_acc_NTI.dtype), groups))
+        return last[2]
+
     def feature_ref(self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, groups: int = 1) -> torch.Tensor:
         """(N, T·g, 2): X (Wᵀ w) + b·w, the row-direction reference, per group of g runs of output features."""
         acc = self.x_acc_NTI.dtype
-        ww_Ig2 = group_sums_cols(weight_OI.to(acc), groups)
+        ww_Ig2 = self.weight_sums(weight_OI, groups)
         ref_NTg2 = times_skinny(self.x_acc_NTI, ww_Ig2.flatten(-2)).unflatten(-1, (groups, 2))
         if bias_O is not None:
             ref_NTg2 = ref_NTg2 + group_sums_rows(bias_O.to(acc)[None], groups)[0]
@@ -86,8 +96,7 @@ class _ProjectionInput:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(‖Wᵀw‖ (2,), ‖wᵀX‖ (N, 2)): the vectors the row (column) references dot with, for the calibrated bound;
         per group ((g_r, 2), (N, g_c, 2)) for grouped checksums."""
-        ww_Ig2 = group_sums_cols(weight_OI.to(self.x_acc_NTI.dtype), groups[0])
-        row = torch.linalg.vector_norm(ww_Ig2, dim=-3)
+        row = torch.linalg.vector_norm(self.weight_sums(weight_OI, groups[0]), dim=-3)
         col = torch.linalg.vector_norm(self.token_sums(groups[1]), dim=-1)
         if groups == (1, 1):
             return row[0], col
