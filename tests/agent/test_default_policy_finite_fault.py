@@ -44,6 +44,15 @@ class ScoresRmsFault(TorchDispatchMode):
         return out
 
 
+def _loss(model: NanoGPT, ids: torch.Tensor, fault: ScoresRmsFault | None = None) -> torch.Tensor:
+    if fault is None:
+        logits = model(ids[:, :-1])
+    else:
+        with fault:
+            logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
 def _step(model: NanoGPT, ids: torch.Tensor, *, fault: ScoresRmsFault | None,
           policy: attnchecker.Policy | None = None) -> tuple[torch.Tensor, dict, list]:
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step changes nothing but runs the guard's hooks
@@ -52,12 +61,7 @@ def _step(model: NanoGPT, ids: torch.Tensor, *, fault: ScoresRmsFault | None,
         model, optimizer=opt, policy=policy)
     try:
         assert guard.check_config.checks("scores")  # the first step checks scores in full
-        if fault is None:
-            logits = model(ids[:, :-1])
-        else:
-            with fault:
-                logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss = _loss(model, ids, fault)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
@@ -87,5 +91,44 @@ def test_default_policy_detects_and_corrects_a_4x_rms_scores_error_at_t512() -> 
     assert [d.op for d in detections] == ["scores"], detections
     assert detections[0].kind == "silent" and detections[0].action in ("corrected", "recomputed")
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_after_a_quiet_period_the_next_scheduled_check_catches_the_error() -> None:
+    """The same error on the default policy's first full check after the run has gone quiet (the adaptive period grown
+    to its maximum, 8 steps with no full scores check): the path a long clean run takes, not only its first step."""
+    torch.manual_seed(0)
+    model = NanoGPT(vocab=VOCAB, n_embd=64, n_head=4, n_layer=2, block=T).train()
+    ids = torch.randint(0, VOCAB, (1, T + 1), generator=torch.Generator().manual_seed(1))
+    want_loss, want_grads, _ = _step(copy.deepcopy(model), ids, fault=None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights unchanged: every step has the same fault-free result
+    guard = attnchecker.protect(model, optimizer=opt)
+    try:
+        quiet = 0
+        for _ in range(64):
+            due = guard.check_config.checks("scores")
+            if due and quiet >= 7:
+                break
+            quiet = 0 if due else quiet + 1
+            opt.zero_grad(set_to_none=True)
+            _loss(model, ids).backward()
+            opt.step()
+        else:
+            raise AssertionError("the default schedule did not come back to scores after 7 quiet steps in 64 steps")
+        assert guard.detections == []
+        fault = ScoresRmsFault()
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(model, ids, fault)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        detections = list(guard.detections)
+    finally:
+        guard.close()
+    assert fault.hit is not None, "no scores-shaped product was seen"
+    assert [d.op for d in detections] == ["scores"], detections
+    assert detections[0].kind == "silent" and detections[0].action in ("corrected", "recomputed")
+    torch.testing.assert_close(loss.detach(), want_loss, rtol=1e-5, atol=1e-6)
     for name, g in grads.items():
         torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
