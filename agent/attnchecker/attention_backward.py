@@ -40,8 +40,11 @@ def checked_backward(
     *,
     scale: float,
     is_causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dQ, dK, dV) of softmax(scale·QKᵀ + mask)·V at the verified forward's q, k, v, out and row log-sum-exp."""
+    tier: str = "abft",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(dQ, dK, dV, how many products flagged) of softmax(scale·QKᵀ + mask)·V at the verified forward's q, k, v, out
+    and row log-sum-exp. tier: "tripwire" when run to recover from a tier-1 trip on the fused backward
+    (fused_backward._tripwire_backward): its events say so and its time counts as tier 1's."""
     do_BHTD = grad_out_BHTD.contiguous()
     # Heads split out of a projection are strided views: matmul would copy q and k for each of the two products that
     # read them (and the checks would reduce them strided); one copy each, up front, serves all.
@@ -52,8 +55,8 @@ def checked_backward(
     half = q_BHTD.dtype == torch.float16
     s_BHTS = q_BHTD.float() @ k_BHSD.float().mT if half else q_BHTD @ k_BHSD.mT
     dp_BHTS = do_BHTD @ v_BHSD.mT
-    check_gemms(layer, [("scores_bwd", s_BHTS, q_BHTD, k_BHSD.mT, None),
-                        ("grad_probs", dp_BHTS, do_BHTD, v_BHSD.mT, None)])
+    flagged = check_gemms(layer, [("scores_bwd", s_BHTS, q_BHTD, k_BHSD.mT, None),
+                                  ("grad_probs", dp_BHTS, do_BHTD, v_BHSD.mT, None)], tier=tier)
     # In fp32, like the fused kernel: exp(s - lse) of half-precision scores loses the digits the gradient needs.
     # In place on one fp32 buffer: each (B, H, T, S) temporary is a fresh allocation (page faults) and a pass over
     # memory, which is what this elementwise part costs on CPU; same values as the out-of-place form.
@@ -78,10 +81,11 @@ def checked_backward(
     dv_BHSD = p_BHTS.mT @ do_BHTD
     dq_BHTD = ds_BHTS @ k_BHSD
     dk_BHSD = ds_BHTS.mT @ q_BHTD
-    check_gemms(layer, [("grad_v", dv_BHSD, p_BHTS.mT, do_BHTD, None), ("grad_q", dq_BHTD, ds_BHTS, k_BHSD, None),
-                        ("grad_k", dk_BHSD, ds_BHTS.mT, q_BHTD, None)])
+    flagged += check_gemms(layer, [("grad_v", dv_BHSD, p_BHTS.mT, do_BHTD, None),
+                                   ("grad_q", dq_BHTD, ds_BHTS, k_BHSD, None),
+                                   ("grad_k", dk_BHSD, ds_BHTS.mT, q_BHTD, None)], tier=tier)
     # Verified fresh tensors, not read again: scaled in place.
-    return dq_BHTD.mul_(scale), dk_BHSD.mul_(scale), dv_BHSD
+    return dq_BHTD.mul_(scale), dk_BHSD.mul_(scale), dv_BHSD, flagged
 
 
 def _add_mask(z_BHTS: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

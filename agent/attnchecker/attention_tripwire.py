@@ -2,6 +2,7 @@
 event of a trip that the full check run after it had nothing left to locate."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -10,9 +11,10 @@ import torch.nn.functional as F
 
 from .context import LayerContext
 from .events import Detection, kind_of, value_to_wire
-from .fused_backward import _additive_mask, _expand_heads
+from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
 from .records import _count_trips
 from .tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound
+from .whole_step import whole_step_trips
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +53,18 @@ def _tripwire_sdpa(
     if flash:
         k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
         mask_add = _additive_mask(attn_mask, q_BHTD.dtype)
+        # Under protect(scope="all") the backward gets tier 1 too (fused_backward._tripwire_backward): the kernel runs
+        # outside autograd and _VerifiedAttention differentiates it with the same backward kernel and arguments the
+        # op's own derivative would use.
+        whole_step = whole_step_trips(ctx.runtime) and torch.is_grad_enabled() and any(
+            x.requires_grad for x in (q_BHTD, k_BHSD, v_BHSD))
         # What F.scaled_dot_product_attention runs on CPU for these inputs, with its log-sum-exp kept.
-        out, lse_BHT = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_BHTD, k_rep, v_rep, 0.0, is_causal, attn_mask=mask_add, scale=scale)
+        with torch.no_grad() if whole_step else contextlib.nullcontext():
+            out, lse_BHT = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q_BHTD, k_rep, v_rep, 0.0, is_causal, attn_mask=mask_add, scale=scale)
+        if whole_step:
+            out = _VerifiedAttention.apply(q_BHTD, k_rep, v_rep, _Forward(
+                out_BHTD=out, lse_BHT=lse_BHT, mask_add=mask_add, scale=scale, is_causal=is_causal, layer=ctx))
         t0 = time.perf_counter()  # tier-1 time is the tests, not the attention the unprotected model runs too
         # The mask's largest value joins the bound only after a trip (masks are <= 0 but for ALiBi-style biases):
         # reading it on every call would cost as much as the rest of the tripwire.

@@ -4,6 +4,7 @@ attention_backward), and the mask and head layout that kernel takes. Shared by t
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,17 +45,72 @@ class _VerifiedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, out, lse, mask_add = ctx.saved_tensors
-        if ctx.layer is not None:
+        layer: LayerContext | None = ctx.layer
+        if layer is not None:
             from .attention_backward import checked_backward
             from .whole_step import whole_step_due
 
-            if whole_step_due(ctx.layer.runtime):
-                dq, dk, dv = checked_backward(ctx.layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
-                                              is_causal=ctx.is_causal)
+            if whole_step_due(layer.runtime):
+                dq, dk, dv, _ = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
+                                                 is_causal=ctx.is_causal)
                 return dq, dk, dv, None
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask_add, scale=ctx.scale)
+        if layer is not None:
+            from .whole_step import whole_step_trips
+
+            if whole_step_trips(layer.runtime):
+                dq, dk, dv = _tripwire_backward(layer, (dq, dk, dv), grad_out, q, k, v, out, lse, mask_add,
+                                                scale=ctx.scale, is_causal=ctx.is_causal)
         return dq, dk, dv, None
+
+
+GRAD_OPS: tuple[str, ...] = ("grad_q", "grad_k", "grad_v")
+"""The ops of the fused backward's outputs (attention_backward names its products the same way)."""
+
+
+def _tripwire_backward(
+    layer: LayerContext,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mask_add: torch.Tensor | None,
+    *,
+    scale: float,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tier 1 on the fused backward (protect(scope="all"), full checks not due): dQ, dK and dV summed for INF, NaN or
+    near-INF. The kernel keeps its products to itself, so a trip is recovered by running the backward again through
+    the checked products (attention_backward), whose events say tier "tripwire". When those find nothing, a tripped
+    gradient that is now clean is reported as recomputed (the fault was in the thrown-away result); one that trips
+    again is what the operands give (values past 1e10 in diverged training: no event), or, if not finite, an
+    upstream fault this backward cannot repair (detected)."""
+    from .attention_backward import checked_backward
+    from .records import _count_trips, _emit_unplaced_trip
+    from .tripwire import extreme
+
+    t0 = time.perf_counter()
+    tripped = torch.stack([extreme(g) for g in grads]).tolist()  # sync: the one per layer's backward on tier 1
+    _count_trips(layer, GRAD_OPS, time.perf_counter() - t0)
+    if not any(tripped):
+        return grads
+    t0 = time.perf_counter()
+    fresh = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=scale, is_causal=is_causal,
+                             tier="tripwire")
+    if not fresh[3]:
+        for op, grad, new, trip in zip(GRAD_OPS, grads, fresh[:3], tripped, strict=True):
+            if not trip:
+                continue
+            if not bool(extreme(new)):  # sync: slow path only
+                _emit_unplaced_trip(layer, op, grad, action="recomputed")
+            elif not bool(new.isfinite().all()):  # sync: slow path only
+                _emit_unplaced_trip(layer, op, new, action="detected")
+    _count_trips(layer, [], time.perf_counter() - t0)
+    return fresh[0], fresh[1], fresh[2]
 
 
 def _additive_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

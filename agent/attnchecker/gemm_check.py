@@ -16,9 +16,10 @@ from .abft.gemm import DIRECTIONS, exact_gemm_elements, verify_gemm
 from .context import LayerContext
 from .matmul_precision import fp32_matmul_operand_roundoff
 from .product_check import _exact_math, _tolerance
-from .records import _any_bad, _count, _emit, _record_ratio, _worst_ratio
+from .records import _any_bad, _count, _count_trips, _emit, _emit_unplaced_trip, _record_ratio, _worst_ratio
+from .tripwire import extreme
 
-__all__ = ["Gemm", "check_gemms"]
+__all__ = ["Gemm", "check_gemms", "trip_gemms"]
 
 Gemm = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 """(op, C (..., M, N), A (..., M, K), B (..., K, N), bias (N,) or None): one GEMM C = A·B (+ bias) to verify in
@@ -30,11 +31,12 @@ FAST_DIRECTIONS: tuple[str, ...] = ("row",)
 after it flags. Row: its checksums and bound sums are contiguous reductions of C."""
 
 
-def check_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
+def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft") -> int:
     """Verify every GEMM in one direction, then (one sync) run the recovery ladder, with both directions, on those
-    flagged. C is repaired in place."""
+    flagged. C is repaired in place. Returns how many GEMMs flagged. tier: "tripwire" for a tier-1 recovery
+    (``trip_gemms``): its events say so, and its time counts as tier 1's, not as the scheduled checks'."""
     if not gemms or ctx.config.mode == "off":
-        return
+        return 0
     tol = _tolerance(ctx)
     pending: list[tuple[Gemm, dict[str, DirectionCheck], float]] = []
     t_call = time.perf_counter()
@@ -66,8 +68,29 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
                 full = _verify(gemm, tol, DIRECTIONS, wide_norms=True)
                 reports = _repair(c, a.detach(), b.detach(), None if bias is None else bias.detach(), full, tol,
                                   correct)
-            _emit(ctx, op, reports, heads=c.dim() > 2)
-        _count(ctx, op, seconds + time.perf_counter() - t0)
+            _emit(ctx, op, reports, heads=c.dim() > 2, tier=tier)
+        if tier == "abft":
+            _count(ctx, op, seconds + time.perf_counter() - t0)
+        else:
+            _count_trips(ctx, [], seconds + time.perf_counter() - t0)
+    return sum(flagged)
+
+
+def trip_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
+    """Tier 1 on GEMMs whose full check is not due: one sum per output (tripwire.extreme), one sync for all; an
+    output that trips gets its full check now (``check_gemms`` with tier "tripwire"), which locates and corrects or
+    recomputes the fault in place. When the full check finds the output consistent with its operands, this GEMM made
+    no error: a finite output is left alone (real values past 1e10, e.g. diverged training: not a fault), a
+    non-finite one is reported as detected (it came in with an input, whose reference is not finite either: an
+    upstream fault this GEMM cannot repair)."""
+    if not gemms or ctx.config.mode == "off":
+        return
+    t0 = time.perf_counter()
+    tripped = torch.stack([extreme(c) for _, c, *_ in gemms]).tolist()  # sync: the one per call on a tier-1 step
+    _count_trips(ctx, [gemm[0] for gemm in gemms], time.perf_counter() - t0)
+    for gemm, trip in zip(gemms, tripped, strict=True):
+        if trip and not check_gemms(ctx, [gemm], tier="tripwire") and not bool(gemm[1].isfinite().all()):  # sync
+            _emit_unplaced_trip(ctx, gemm[0], gemm[1], action="detected")
 
 
 def _verify(gemm: Gemm, tol: Tolerance, directions: tuple[str, ...], *,

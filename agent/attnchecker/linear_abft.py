@@ -7,11 +7,15 @@ Under ``protect(model, scope="all")`` each Linear/Conv1D module's forward is rep
 - backward: dX = dY W (op ``linear_dx``) and dW = dYᵀ X (op ``linear_dw``), each verified, corrected or recomputed
   before autograd hands them on, so a fault in the MLP or in a weight gradient never reaches the optimizer.
 
+On the other steps (tier 1, ``gemm_trips``) the same three outputs get the extreme-value tripwire: one sum each, and
+an INF, NaN or near-INF output gets its full check at once, which corrects it in place (``gemm_check.trip_gemms``).
+With the tripwire off (``Policy(tripwire=False)``) those steps run the module's own forward.
+
 Projections the attention integration already verifies in forward (q/k/v/out, GPT-2's c_attn) keep that check; here
 they get only the backward checks, so no output is verified twice. The math is ``abft.gemm`` over ``abft.repair``.
 
 Legend: M tokens (all leading dims flattened), I input features, O output features, 2 a checksum pair.
-Syncs: one per checked forward and one per checked backward (the slow-path decision), more only on the slow path.
+Syncs: one per checked or tier-1 forward and one per backward (the slow-path decision), more only on the slow path.
 """
 from __future__ import annotations
 
@@ -25,11 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from .context import LayerContext
-from .gemm_check import Gemm, check_gemms
+from .gemm_check import Gemm, check_gemms, trip_gemms
 from .integrations._common import Binder, _projection_hook
-from .whole_step import _WHOLE_STEP, gemm_due, whole_step_due
+from .whole_step import _WHOLE_STEP, gemm_due, gemm_trips, whole_step_due
 
-__all__ = ["GEMM_OPS", "SCOPES", "attach", "gemm_due", "linear_layout", "whole_step_due"]
+__all__ = ["GEMM_OPS", "SCOPES", "attach", "gemm_due", "gemm_trips", "linear_layout", "whole_step_due"]
 
 SCOPES: tuple[str, ...] = ("attention", "all")
 """What protect() covers: the attention ops only, or also every Linear/Conv1D GEMM forward and backward."""
@@ -101,45 +105,52 @@ def _wrap_forward(binder: Binder, module: nn.Module, site: _Site) -> None:
 
 def _forward(site: _Site, module: nn.Module, original: Callable[..., torch.Tensor], *args: Any, **kwargs: Any
              ) -> torch.Tensor:
-    if not gemm_due(site.ctx.runtime):
+    runtime = site.ctx.runtime
+    if gemm_due(runtime):
+        tier = "abft"
+    elif gemm_trips(runtime):
+        tier = "tripwire"
+    else:
         return original(*args, **kwargs)
     x = args[0] if args else next(iter(kwargs.values()))
     weight: torch.Tensor = module.weight  # type: ignore[assignment]  # nn.Linear / Conv1D parameters
     bias: torch.Tensor | None = module.bias  # type: ignore[assignment]
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
-        return _apply(x, weight, bias, site)
+        return _apply(x, weight, bias, site, tier)
     # Autocast would cast the operands of the GEMM it replaces: do the same outside, then check in that dtype, with
     # the engine's own fp32 checksum products out of autocast's reach.
     dtype = torch.get_autocast_dtype(device_type)
     x, weight = x.to(dtype), weight.to(dtype)
     bias = bias.to(dtype) if bias is not None else None
     with torch.autocast(device_type, enabled=False):
-        return _apply(x, weight, bias, site)
+        return _apply(x, weight, bias, site, tier)
 
 
-def _apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: _Site) -> torch.Tensor:
+def _apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: _Site, tier: str) -> torch.Tensor:
     # The Function works on (M, I) and returns (M, O); the view back to (..., O) is made out here, where autograd can
     # track it (a view returned from inside a Function may not be modified in place, and projection hooks repair it).
-    y_MO: torch.Tensor = _CheckedLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, site)
+    y_MO: torch.Tensor = _CheckedLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, site, tier)
     return y_MO.view(*x.shape[:-1], y_MO.shape[-1])
 
 
 class _CheckedLinear(torch.autograd.Function):
     """y = x Wᵀ + b (or x W + b for Conv1D), x (M, I), with the forward output and both backward GEMMs verified and
-    repaired."""
+    repaired (tier "abft"), or given the tripwire (tier "tripwire"): the step's tier is the forward's, so a layer's
+    backward is checked the way its forward was."""
 
     @staticmethod
-    def forward(ctx: Any, x_MI: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: _Site
-                ) -> torch.Tensor:
+    def forward(ctx: Any, x_MI: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: _Site,
+                tier: str) -> torch.Tensor:
         w_IO = weight.T if site.layout == "out_in" else weight
         # The same aten call the unprotected module makes (addmm with a bias), so a clean step is bitwise the same.
         y_MO = F.linear(x_MI, weight, bias) if site.layout == "out_in" else (
             x_MI @ weight if bias is None else torch.addmm(bias, x_MI, weight))
+        check = check_gemms if tier == "abft" else trip_gemms
         if site.check_forward:
-            check_gemms(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)])
+            check(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)])
         ctx.save_for_backward(x_MI, weight, bias)
-        ctx.site = site
+        ctx.site, ctx.check = site, check
         return y_MO
 
     @staticmethod
@@ -162,6 +173,6 @@ class _CheckedLinear(torch.autograd.Function):
             else:
                 dw = x_MI.t().mm(dy_MO)
                 todo.append(("linear_dw", dw, x_MI.t(), dy_MO, None))
-        check_gemms(site.ctx, todo)
+        ctx.check(site.ctx, todo)
         db = dy_MO.sum(0) if need_b and bias is not None else None
-        return dx_MI, dw, db, None
+        return dx_MI, dw, db, None, None

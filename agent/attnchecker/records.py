@@ -12,6 +12,7 @@ from .context import RESIDUAL_RATIO_BUCKETS, LayerContext
 from .engine_caches import engine_caches
 from .events import Detection, kind_of, value_to_wire
 from .product_check import Checks
+from .tripwire import NEAR_INF, extreme_value
 
 
 def _inject(ctx: LayerContext, op: str, out: torch.Tensor, attempt: int = 0) -> None:
@@ -132,3 +133,20 @@ def _count_trips(ctx: LayerContext, ops: Sequence[str], seconds: float) -> None:
     for name in ops:
         stats.trip_checks[name] = stats.trip_checks.get(name, 0) + 1
     stats.trip_seconds += seconds
+
+
+def _emit_unplaced_trip(ctx: LayerContext, op: str, out: torch.Tensor, *, action: str) -> None:
+    """The event of a tier-1 trip on a GEMM output that its full check did not place: "recomputed" when the output was
+    thrown away and made again (the fused attention backward), "detected" when the fault came in with an input.
+    out: (M, N) or (B, H, M, N); the event points at its most extreme element (a sync: slow path only)."""
+    value, index = extreme_value(out)
+    lead, (row, col) = index[:-2], index[-2:]
+    kind = kind_of(value)
+    det = Detection(op=op, layer=ctx.layer, step=ctx.step, pattern="0d", kind=kind, action=action,
+                    batch=lead[0] if lead else None, head=lead[1] if len(lead) > 1 else None, row=row, col=col,
+                    value=value_to_wire(value), residual=None, bound=NEAR_INF, tier="tripwire")
+    rt = ctx.runtime
+    if rt.stats is not None:
+        rt.stats.add_fault(op, kind, action, "tripwire")
+    if rt.on_detection is not None:
+        rt.on_detection(det)

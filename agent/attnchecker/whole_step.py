@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .context import Runtime
 
-__all__ = ["gemm_due", "whole_step_due"]
+__all__ = ["gemm_due", "gemm_trips", "whole_step_due", "whole_step_trips"]
 
 
 # Runtimes (by id) of the guards attached with scope="all": the attention backward asks whether its guard is one.
@@ -21,3 +21,14 @@ def gemm_due(runtime: Runtime) -> bool:
     follow a tier/schedule of its own later. Today they ride on the output projection's schedule (the adaptive
     scheduler's ``out`` op: the last GEMM of a layer, checked when the layer is)."""
     return runtime.config.checks("out")
+
+
+def gemm_trips(runtime: Runtime) -> bool:
+    """Whether the whole-step GEMMs get tier 1 on the current step: the tripwire is on and their full check is not due
+    (the ``out`` op's, as in ``gemm_due``). An INF, NaN or near-INF output then recovers through the full check."""
+    return runtime.config.trips("out")
+
+
+def whole_step_trips(runtime: Runtime) -> bool:
+    """Whether this guard protects the whole step and its GEMMs get tier 1 (not the full check) on this step."""
+    return id(runtime) in _WHOLE_STEP and gemm_trips(runtime)

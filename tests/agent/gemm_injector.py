@@ -5,6 +5,7 @@ No tests here; test_linear_abft.py imports it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,3 +89,17 @@ def is_model_gemm(call: GemmCall) -> bool:
     """A GEMM of the model (Linear/Conv1D, attention scores/context), not one of the checks' own skinny products
     (an output dim of 1 or 2) nor an outer product (RoPE's frequency table, reduction length 1)."""
     return min(call.shape[-2:]) > 2 and call.k > 1
+
+
+def worst_rel(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """max over tensors of ‖g - g_ref‖ / ‖g_ref‖, the denominator floored at 1e-6 × the whole gradient's norm: a key
+    projection's bias has a gradient of exactly 0 in exact arithmetic (softmax ignores a per-row shift), so its
+    computed gradient (~1e-11 here) is pure round-off, and any other summation order changes all of it."""
+    assert grads.keys() == ref.keys()
+    floor = 1e-6 * float(torch.sqrt(sum(g.double().square().sum() for g in ref.values())))
+    worst = 0.0
+    for name, g in grads.items():
+        if not bool(torch.isfinite(g).all()):
+            return math.inf
+        worst = max(worst, float((g - ref[name]).norm()) / max(float(ref[name].norm()), floor))
+    return worst

@@ -24,9 +24,9 @@ def test_checked_backward_past_the_fp16_edge_is_finite_and_reports_nothing(make_
     scale = 1 / math.sqrt(q.shape[-1])
     lse = torch.logsumexp(scale * (q.detach().float() @ k.detach().float().mT), dim=-1)
     ctx, rec = make_ctx()
-    got = checked_backward(ctx, grad_out, q.detach(), k.detach(), v.detach(), out.detach(), lse, None, scale=scale,
-                           is_causal=False)
-    assert not rec.detections, rec.detections[:1]
+    *got, flagged = checked_backward(ctx, grad_out, q.detach(), k.detach(), v.detach(), out.detach(), lse, None,
+                                     scale=scale, is_causal=False)
+    assert not rec.detections and flagged == 0, rec.detections[:1]
     # Against fp32 gradients, to fp16 SDPA's own accuracy (the two fp16 backwards round dS differently).
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
     exact = torch.autograd.grad(F.scaled_dot_product_attention(q32, k32, v32), (q32, k32, v32), grad_out.float())

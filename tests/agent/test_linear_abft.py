@@ -12,7 +12,7 @@ import attnchecker
 import pytest
 import torch
 from attnchecker import Policy
-from gemm_injector import GemmCall, GemmInjector, is_model_gemm
+from gemm_injector import GemmCall, GemmInjector, is_model_gemm, worst_rel
 from model_zoo import ARCHS as ZOO
 from model_zoo import batch, build, loss_of, train
 from torch import nn
@@ -41,20 +41,6 @@ def one_step(arch: str, scope: str | None, injector: GemmInjector, *, eager: boo
     if guard:
         guard.close()
     return grads, finite, detections
-
-
-def worst_rel(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    """max over tensors of ‖g - g_ref‖ / ‖g_ref‖, the denominator floored at 1e-6 × the whole gradient's norm: a key
-    projection's bias has a gradient of exactly 0 in exact arithmetic (softmax ignores a per-row shift), so its
-    computed gradient (~1e-11 here) is pure round-off, and any other summation order changes all of it."""
-    assert grads.keys() == ref.keys()
-    floor = 1e-6 * float(torch.sqrt(sum(g.double().square().sum() for g in ref.values())))
-    worst = 0.0
-    for name, g in grads.items():
-        if not bool(torch.isfinite(g).all()):
-            return math.inf
-        worst = max(worst, float((g - ref[name]).norm()) / max(float(ref[name].norm()), floor))
-    return worst
 
 
 def model_gemms(arch: str, protected_calls: list[GemmCall]) -> list[GemmCall]:

@@ -1,0 +1,128 @@
+"""Tier 1 for the whole step: ``protect(model, optimizer=opt, scope="all")`` with the default Policy(), on a step whose
+full checks are not due (a quiet step of the adaptive schedule, the steps a long clean run is mostly made of).
+
+An injector below autograd that knows nothing of attnchecker corrupts one output element of one GEMM (every MLP and
+projection GEMM, forward, dX and dW, in turn: gemm_injector) or of the fused attention backward kernel (dQ, dK or dV:
+``FusedBackwardFault`` below). The tripwire must catch it and the full check it falls back to must repair it: the
+gradients equal the fault-free quiet step's to <= 1e-5 relative, every weight stays finite, and every event says tier
+"tripwire" (not the optimizer net, which could only skip the step)."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from gemm_injector import GemmInjector, corrupt, is_model_gemm, worst_rel
+from model_zoo import batch, build, loss_of
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnchecker
+from attnchecker import Policy
+
+aten = torch.ops.aten
+FUSED_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+KINDS = ("inf", "nan", "near_inf", "bitflip")
+
+
+class FusedBackwardFault(TorchDispatchMode):
+    """Corrupts element ``element`` of output ``which`` (0 dQ, 1 dK, 2 dV) of the ``call``-th fused CPU attention
+    backward: the kernel's products never leave it, so this is the only place a fault inside it shows."""
+
+    def __init__(self, *, call: int, which: int, kind: str, element: int) -> None:
+        super().__init__()
+        self.call, self.which, self.kind, self.element = call, which, kind, element
+        self.seen = 0
+        self.hit = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is FUSED_BACKWARD:
+            if self.seen == self.call:
+                grad = out[self.which]  # a strided view of the kernel's (B, T, H, D) buffer
+                idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(self.element % grad.numel()), grad.shape))
+                grad[idx] = corrupt(grad[idx], self.kind)
+                self.hit = True
+            self.seen += 1
+        return out
+
+
+def quiet_step(arch: str, mode: TorchDispatchMode, policy: Policy | None = None
+               ) -> tuple[dict[str, torch.Tensor], bool, list, dict[str, int]]:
+    """Protect a fresh seeded model as the README does, train (lr 0: every step the same function) until a step whose
+    whole-step GEMMs are not due, and run that step under ``mode``: (gradients, weights finite after the optimizer
+    step, detections of that step, tier checks of the run)."""
+    model = build(arch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    guard = attnchecker.protect(model, optimizer=opt, scope="all", policy=policy or Policy())
+    try:
+        # The adaptive schedule's first quiet step: period 1 holds for 8 clean checks (docs/adaptive.md).
+        for _ in range(16):
+            if not guard.check_config.checks("out"):
+                break
+            opt.zero_grad(set_to_none=True)
+            loss_of(arch, model, batch(arch, 0)).backward()
+            opt.step()
+        else:
+            raise AssertionError("the default schedule checked the whole step on 16 steps running")
+        assert guard.detections == []
+        seen = len(guard.detections)
+        opt.zero_grad(set_to_none=True)
+        with mode:
+            loss = loss_of(arch, model, batch(arch, 0))
+            if isinstance(mode, GemmInjector):
+                mode.phase = "backward"
+            loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        return grads, finite, list(guard.detections[seen:]), dict(guard.report().tier_checks)
+    finally:
+        guard.close()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
+def test_a_fault_in_any_gemm_of_a_quiet_step_is_caught_by_the_tripwire_and_corrected(arch: str) -> None:
+    recorder = GemmInjector()
+    clean, finite, detections, tiers = quiet_step(arch, recorder)
+    assert finite and not detections
+    assert tiers["tripwire"] > 0
+    targets = [c for c in recorder.calls if is_model_gemm(c)]
+    # Forward and backward GEMMs of the Linear layers; on a quiet step the attention core is the fused kernel.
+    assert {c.phase for c in targets} == {"forward", "backward"}
+    failures = []
+    for n, call in enumerate(targets):
+        kind = KINDS[n % len(KINDS)]
+        inj = GemmInjector(target=call.index, kind=kind, element=7 + 13 * n)
+        grads, finite, detections, _ = quiet_step(arch, inj)
+        assert inj.hit == call, "the faulty run made different GEMM calls before the target"
+        worst = worst_rel(grads, clean)
+        if not (finite and worst <= 1e-5 and detections
+                and all(d.tier == "tripwire" and d.action in ("corrected", "recomputed") for d in detections)):
+            failures.append((call, kind, worst, [(d.op, d.tier, d.action) for d in detections]))
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_a_fault_in_the_fused_attention_backward_is_recomputed_through_the_checked_products(arch: str, which: int
+                                                                                          ) -> None:
+    clean, _, _, _ = quiet_step(arch, GemmInjector())
+    fault = FusedBackwardFault(call=1, which=which, kind=KINDS[which], element=11)
+    grads, finite, detections, _ = quiet_step(arch, fault)
+    assert fault.hit, "no fused attention backward ran on the quiet step"
+    assert finite and worst_rel(grads, clean) <= 1e-5
+    op = ("grad_q", "grad_k", "grad_v")[which]
+    assert [(d.op, d.tier, d.action) for d in detections] == [(op, "tripwire", "recomputed")], detections
+
+
+def test_with_the_tripwire_off_the_same_fault_reaches_the_weights() -> None:
+    """The control: an INF in the quiet step's MLP weight gradient under Policy(tripwire=False) reaches the gradient
+    (at most the optimizer net sees it, which can only skip the step), so the test above can fail."""
+    recorder = GemmInjector()
+    quiet_step("gpt2", recorder)
+    # GPT-2's MLP c_fc weight gradient: dW (I=64, O=256) = Xᵀ dY over the 48 tokens.
+    target = next(c for c in recorder.calls if c.phase == "backward" and c.shape == (64, 256) and c.k == 48)
+    grads, _, detections, _ = quiet_step("gpt2", GemmInjector(target=target.index, kind="inf"),
+                                         policy=Policy(tripwire=False))
+    assert not [d for d in detections if d.tier != "optimizer"]
+    assert any(not torch.isfinite(g).all() for g in grads.values())
