@@ -126,3 +126,35 @@ def test_with_the_tripwire_off_the_same_fault_reaches_the_weights() -> None:
                                          policy=Policy(tripwire=False))
     assert not [d for d in detections if d.tier != "optimizer"]
     assert any(not torch.isfinite(g).all() for g in grads.values())
+
+
+def test_a_trip_on_a_correct_gemm_is_silent_and_a_non_finite_input_is_reported(make_ctx) -> None:
+    """trip_gemms after a trip: the full check decides. Real values past 1e10 (diverged training) that the operands
+    explain are no fault: no event, C unchanged. An INF that came in with an input (its reference is not finite either)
+    cannot be repaired here: one "detected" event. An INF written into C itself is corrected."""
+    from attnchecker.gemm_check import trip_gemms
+    from attnchecker.tripwire import extreme
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 48, generator=gen) * 1e6, torch.randn(48, 40, generator=gen) * 1e6
+    ctx, rec = make_ctx(checked_ops=frozenset())
+    huge = a @ b
+    assert bool(extreme(huge)) and bool(huge.isfinite().all())  # it trips, and it is what the operands give
+    want = huge.clone()
+    trip_gemms(ctx, [("linear", huge, a, b, None)])
+    assert rec.detections == [] and torch.equal(huge, want)
+    assert ctx.runtime.stats.trip_checks["linear"] == 1
+
+    bad_a = a.clone() / 1e6
+    bad_a[3, 5] = float("inf")
+    c = bad_a @ (b / 1e6)
+    trip_gemms(ctx, [("linear_dx", c, bad_a, b / 1e6, None)])
+    assert [(d.op, d.tier, d.action) for d in rec.detections] == [("linear_dx", "tripwire", "detected")]
+
+    a1, b1 = a / 1e6, b / 1e6
+    c = a1 @ b1
+    want = c.clone()
+    c[7, 9] = float("inf")
+    trip_gemms(ctx, [("linear_dw", c, a1, b1, None)])
+    assert [(d.op, d.action) for d in rec.detections[1:]] == [("linear_dw", "corrected")]
+    torch.testing.assert_close(c, want)
