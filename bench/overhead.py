@@ -21,6 +21,8 @@ Variants:
              lower bound of any checker that looks at every output
   all_full   protect(scope="all") with Policy.full(): also every Linear/Conv1D GEMM forward and backward (dX, dW)
   all_adaptive  protect(scope="all") with Policy(), warmed up like adaptive
+  all_tier1  protect(scope="all") with Policy(), no full check on the timed steps: tier 1 on every output, the
+             whole-step GEMMs' (Linear forward, dX, dW, the fused attention backward's dQ/dK/dV) included
 
     python bench/overhead.py [--models gpt2,llama] [--rounds 16] [--tiny]
 """
@@ -48,7 +50,7 @@ import attnchecker
 from attnchecker import Policy
 
 VARIANTS = ("baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor", "all_full",
-            "all_adaptive")
+            "all_adaptive", "all_tier1")
 SIZES = {
     # The issue's sizes; vocab 8192 (not GPT-2's 50257) keeps the LM head from dwarfing the layers the checks are
     # in, which makes the measured overhead larger, not smaller.
@@ -181,8 +183,9 @@ POLICIES = {"full": Policy.full, "paper": Policy.paper, "adaptive": Policy,
             # Attached fresh each step (on the shared model), then the step's config is set to check no op in full:
             # exactly the engine path of a step the scheduler leaves to tier 1.
             "tier1": Policy,
-            "all_full": Policy.full, "all_adaptive": Policy}
-SCOPE = {"all_full": "all", "all_adaptive": "all"}
+            "all_full": Policy.full, "all_adaptive": Policy, "all_tier1": Policy}
+SCOPE = {"all_full": "all", "all_adaptive": "all", "all_tier1": "all"}
+TIER1 = ("tier1", "all_tier1")
 """protect(scope=...) per variant; "attention" when absent."""
 ADAPTIVE = ("adaptive", "all_adaptive")
 
@@ -221,7 +224,7 @@ class Variant:
         if self.name in POLICIES:
             self.guard = attnchecker.protect(self.model, policy=POLICIES[self.name](),
                                              scope=SCOPE.get(self.name, "attention"))
-            if self.name == "tier1":
+            if self.name in TIER1:
                 self.guard.tripwire_only_this_step()
         elif self.name in ("finite", "dmr", "floor"):
             self.hooks = HookChecker(self.name, self.model)
@@ -315,10 +318,9 @@ def run_model(arch: str, size: dict[str, int], rounds: int, variants: tuple[str,
                 # Steady state: one step in max_period checks everything, the others run tier 1 only. Besides the
                 # direct measurement (this variant's own figure, over whole cycles), an estimate from what a
                 # checked step (full) and a tier-1 step (tier1) cost on the shared model, free of copy-to-copy bias.
-                # scope="all" has no tier 1 of its own for the Linear GEMMs: its unchecked step is the tier1 row.
                 f = 1 / Policy().max_period
-                full = "full" if v.name == "adaptive" else "all_full"
-                other = "tier1" if "tier1" in vs else "skip"
+                full, tier1 = ("full", "tier1") if v.name == "adaptive" else ("all_full", "all_tier1")
+                other = tier1 if tier1 in vs else "skip"
                 if full in vs and other in vs:
                     entry["steady_state_ratio"] = {c: f * rat[c][full]["median"] + (1 - f) * rat[c][other]["median"]
                                                    for c in clocks}
@@ -360,8 +362,8 @@ def print_model(res: dict[str, Any]) -> None:
     for name in ADAPTIVE:
         steady = res["variants"].get(name, {}).get("steady_state_ratio")
         if steady:
-            full = "all_full" if name != "adaptive" else "full"
-            print(f"{name} steady state, estimated (1/max_period {full} + rest tier1): "
+            full, tier1 = ("all_full", "all_tier1") if name != "adaptive" else ("full", "tier1")
+            print(f"{name} steady state, estimated (1/max_period {full} + rest {tier1}): "
                   f"CPU {_common.pct(steady['cpu'])}, wall {_common.pct(steady['wall'])}")
     ff = res.get("full_over_floor")
     if ff:
