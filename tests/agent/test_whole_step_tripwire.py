@@ -102,7 +102,7 @@ def test_a_fault_in_any_gemm_of_a_quiet_step_is_caught_by_the_tripwire_and_corre
     assert not failures, failures
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_a_fault_in_the_fused_attention_backward_is_recomputed_through_the_checked_products(arch: str, which: int
                                                                                           ) -> None:
