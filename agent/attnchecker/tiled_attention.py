@@ -54,7 +54,7 @@ from .abft.tiled import (
 from .context import LayerContext
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
 from .product_check import _dot, _exact_math, _groups, _tolerance, _verify
-from .records import _count, _count_trips, _record_ratio
+from .records import _count, _count_trips, _record_ratio, _worst_ratio
 
 __all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "choose_tiles", "default_tiles", "tiled_sdpa"]
 
@@ -486,10 +486,10 @@ def _keep(checks: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     """(flag (B, H), row summary (B, H, 5), column summary (B, H, 5), worst clean ratio ()) of one tile."""
     row, col = checks["row"], checks["col"]
     flag = row.bad.any(-1) | col.bad.any(-1)
-    worst = torch.stack([torch.where(c.bad, 0.0, c.diff[..., 0].abs() / c.bound.clamp_min(1e-30)).amax().float()
-                         for c in (row, col)]).amax()
+    # The larger of |d1|/bound and |d2|/bound2 (both flag), as the unfused path's histogram takes it: on d1 alone the
+    # two paths' margins read differently for the same data.
     return (flag, summarize(row.bad, row.diff, row.bound, row.groups),
-            summarize(col.bad, col.diff, col.bound, col.groups), worst)
+            summarize(col.bad, col.diff, col.bound, col.groups), _worst_ratio(checks))
 
 
 _Kept = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

@@ -265,3 +265,21 @@ def test_an_error_between_the_group_bound_and_the_plain_bound_is_caught_on_the_t
     # output either way.
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(out.float(), clean.float(), rtol=tol, atol=tol)
+
+
+def test_a_tiles_worst_clean_ratio_takes_d2_as_the_unfused_path_does() -> None:
+    """The margin histogram's per-tile ratio is the larger of |d1|/bound and |d2|/bound2 over unflagged vectors, as
+    records._ratio takes it on the unfused path (d1 alone read 0.1 here, where d2 sits at 0.9 of its bound)."""
+    from attnchecker.abft.checksum import DirectionCheck
+    from attnchecker.abft.tolerance import Bound
+    from attnchecker.tiled_attention import _keep
+
+    def check(d1: float, d2: float) -> DirectionCheck:
+        diff = torch.tensor([[[d1, d2], [0.0, 0.0]]])  # (1, V=2, 2)
+        bound = torch.ones(1, 2)
+        return DirectionCheck(ref=torch.zeros(1, 2, 2), diff=diff, bound=bound, bad=torch.zeros(1, 2, dtype=torch.bool),
+                              rule=Bound(bound), bound2=10 * bound)
+
+    flag, _, _, worst = _keep({"row": check(0.1, 9.0), "col": check(0.05, 0.0)})
+    assert not bool(flag.any())
+    assert float(worst) == pytest.approx(0.9)
