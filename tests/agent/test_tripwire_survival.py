@@ -44,13 +44,13 @@ def _step(arch: str, model: torch.nn.Module, opt: torch.optim.Optimizer, step: i
 
 
 def _run_with_fault(arch: str, value: str, seed: int, policy: Policy, steps: int, fault_steps: tuple[int, ...],
-                    count_step: int, ops: frozenset[object] | None = None,
+                    count_step: int, ops: frozenset[object] | None = None, scope: str = "attention",
                     ) -> tuple[list[float], attnchecker.Guard, ShapeFaults, int]:
     rng = random.Random(seed)
     fault_step = rng.choice(fault_steps)
     model = mz.build(arch)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = attnchecker.protect(model, optimizer=opt, policy=policy)
+    guard = attnchecker.protect(model, optimizer=opt, policy=policy, scope=scope)
     losses: list[float] = []
     injector: ShapeFaults | None = None
     candidates = 0
@@ -98,6 +98,22 @@ def test_fault_in_the_fused_attention_output_is_survived(arch: str, value: str) 
     seed = 77 + 1000 * mz.ARCHS.index(arch) + VALUES.index(value)
     losses, guard, _injector, fault_step = _run_with_fault(arch, value, seed, QUIET, STEPS, (2, 3), 1,
                                                           ops=frozenset(FUSED))
+    ref = mz.reference_losses(arch, STEPS)
+    assert max(mz.rel_diff(a, b) for a, b in zip(losses, ref, strict=True)) <= 1e-5, guard.detections
+    tripped = [d for d in guard.detections if d.step == fault_step]
+    assert [(d.tier, d.op, d.action) for d in tripped] == [("tripwire", "context", "recomputed")]
+    guard.close()
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
+def test_fault_in_the_fused_attention_output_is_survived_under_scope_all(arch: str, value: str) -> None:
+    """The same under protect(scope="all"), where the tier-1 fused kernel's output goes through _VerifiedAttention
+    (so its backward gets tier 1 too): a forward trip still recomputes through the checked path, and the whole-step
+    tripwire adds no event of its own."""
+    seed = 77 + 1000 * mz.ARCHS.index(arch) + VALUES.index(value)
+    losses, guard, _injector, fault_step = _run_with_fault(arch, value, seed, QUIET, STEPS, (2, 3), 1,
+                                                          ops=frozenset(FUSED), scope="all")
     ref = mz.reference_losses(arch, STEPS)
     assert max(mz.rel_diff(a, b) for a, b in zip(losses, ref, strict=True)) <= 1e-5, guard.detections
     tripped = [d for d in guard.detections if d.step == fault_step]
