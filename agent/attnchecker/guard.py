@@ -260,8 +260,11 @@ class Guard:
         config = self._runtime.config
         faults_by_op: dict[str, int] = {}
         for (op, _kind), row in stats.faults.items():
-            if op in OPS:  # whole-step GEMM ops (linear_abft) follow the "out" schedule, not one of their own
-                faults_by_op[op] = faults_by_op.get(op, 0) + row[0]
+            # The whole-step GEMM ops (linear_abft, attention_backward: every faulted op that is not a policy op) follow
+            # the "out" schedule, not one of their own: a fault in one brings "out" back to min_period, so the whole
+            # step is checked in full again as after a detection in "out" itself.
+            key = op if op in OPS else "out"
+            faults_by_op[key] = faults_by_op.get(key, 0) + row[0]
         # An op that was due but never ran (no forward this step, or not present in this model) was not checked.
         checked = frozenset(op for op in config.checked_ops if stats.checks.get(op, 0) > 0)
         check_s = sum(stats.check_seconds.values())

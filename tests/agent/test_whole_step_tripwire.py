@@ -158,3 +158,33 @@ def test_a_trip_on_a_correct_gemm_is_silent_and_a_non_finite_input_is_reported(m
     trip_gemms(ctx, [("linear_dw", c, a1, b1, None)])
     assert [(d.op, d.action) for d in rec.detections[1:]] == [("linear_dw", "corrected")]
     torch.testing.assert_close(c, want)
+
+
+def test_a_whole_step_catch_brings_the_whole_step_back_to_full_checks() -> None:
+    """The whole-step GEMMs follow the "out" op's schedule: a fault caught in one of them (here by tier 1 on a quiet
+    step) snaps "out" to min_period, so the next step checks the whole step in full, as after a fault in "out"."""
+    recorder = GemmInjector()
+    quiet_step("gpt2", recorder)
+    target = next(c for c in recorder.calls if c.phase == "backward" and c.shape == (64, 256) and c.k == 48)
+    model = build("gpt2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    guard = attnchecker.protect(model, optimizer=opt, scope="all")
+    try:
+        while guard.check_config.checks("out"):
+            opt.zero_grad(set_to_none=True)
+            loss_of("gpt2", model, batch("gpt2", 0)).backward()
+            opt.step()
+        assert guard.periods["out"] > 1
+        inj = GemmInjector(target=target.index, kind="inf")
+        opt.zero_grad(set_to_none=True)
+        with inj:
+            loss = loss_of("gpt2", model, batch("gpt2", 0))
+            inj.phase = "backward"
+            loss.backward()
+        opt.step()
+        assert inj.hit == target
+        assert [(d.op, d.tier) for d in guard.detections] == [("linear_dw", "tripwire")]
+        assert guard.periods["out"] == Policy().min_period
+        assert guard.check_config.checks("out")
+    finally:
+        guard.close()
