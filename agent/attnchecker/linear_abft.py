@@ -20,6 +20,7 @@ Syncs: one per checked or tier-1 forward and one per backward (the slow-path dec
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,10 @@ from .gemm_check import Gemm, check_gemms, trip_gemms
 from .integrations._common import Binder, _projection_hook
 from .whole_step import _WHOLE_STEP, gemm_due, gemm_trips, whole_step_due
 
-__all__ = ["GEMM_OPS", "SCOPES", "attach", "gemm_due", "gemm_trips", "linear_layout", "whole_step_due"]
+__all__ = ["GEMM_OPS", "SCOPES", "attach", "gemm_due", "gemm_trips", "linear_layout", "overrides_forward",
+           "whole_step_due"]
+
+log = logging.getLogger("attnchecker")
 
 SCOPES: tuple[str, ...] = ("attention", "all")
 """What protect() covers: the attention ops only, or also every Linear/Conv1D GEMM forward and backward."""
@@ -42,13 +46,25 @@ GEMM_OPS: tuple[str, ...] = ("linear", "linear_dx", "linear_dw")
 
 
 def linear_layout(module: nn.Module) -> str | None:
-    """``out_in`` for nn.Linear (W is (O, I)), ``in_out`` for transformers' Conv1D (W is (I, O)), else None."""
+    """``out_in`` for nn.Linear (W is (O, I)), ``in_out`` for transformers' Conv1D (W is (I, O)), else None.
+    A subclass with a forward of its own is None too (``overrides_forward``)."""
     if isinstance(module, nn.Linear):
-        return "out_in"
+        return None if overrides_forward(module) else "out_in"
     conv1d = _conv1d_class()
     if conv1d is not None and isinstance(module, conv1d):
-        return "in_out"
+        return None if overrides_forward(module) else "in_out"
     return None
+
+
+def overrides_forward(module: nn.Module) -> bool:
+    """A Linear/Conv1D subclass whose class defines its own forward (a quantized or scaled layer, e.g. bitsandbytes'
+    Linear8bitLt): the checked layer computes x Wᵀ + b itself, which would replace that forward's arithmetic, so
+    such a module is left to its own forward, and listed as unprotected."""
+    conv1d = _conv1d_class()
+    for base in (nn.Linear, conv1d):
+        if base is not None and isinstance(module, base):
+            return getattr(type(module), "forward", None) is not getattr(base, "forward", None)
+    return False
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,7 +91,12 @@ def attach(binder: Binder, model: nn.Module) -> int:
     key = id(binder.runtime)
     _WHOLE_STEP.add(key)
     binder.on_close(lambda: _WHOLE_STEP.discard(key))
+    custom: list[str] = []
     for name, module in model.named_modules():
+        if overrides_forward(module):
+            binder.add_unprotected(name, GEMM_OPS, f"{type(module).__name__} has its own forward")
+            custom.append(name)
+            continue
         layout = linear_layout(module)
         if layout is None:
             continue
@@ -86,6 +107,10 @@ def attach(binder: Binder, model: nn.Module) -> int:
         ops = GEMM_OPS if site.check_forward else GEMM_OPS[1:]
         binder.add_site(ctx, name, "linear", ops)
         count += 1
+    if custom:
+        log.warning("attnchecker: scope=\"all\" leaves %d Linear/Conv1D subclass(es) with a forward of their own "
+                    "unchecked (Guard.coverage): %s", len(custom), ", ".join(custom[:8]) + (" ..." if len(custom) > 8
+                                                                                          else ""))
     return count
 
 

@@ -164,3 +164,33 @@ def test_a_corrupted_row_or_column_is_located_with_one_fast_direction(pattern: s
         assert inj.hit == call
         assert finite and detections and worst_rel(grads, clean) <= 1e-5, (call, detections)
         assert [(d.action, d.pattern) for d in detections] == [("corrected", "1d")], detections
+
+
+class _ScaledLinear(nn.Linear):
+    """A Linear subclass with a forward of its own (as quantized layers have): x Wᵀ + b is not what it computes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2.0 * super().forward(x)
+
+
+def test_a_linear_subclass_with_its_own_forward_keeps_it_and_is_listed_unprotected(caplog) -> None:
+    """scope="all" replaces a Linear's forward by the checked x Wᵀ + b; a subclass that computes something else keeps
+    its own forward (the model computes what it did unprotected) and is listed in Guard.coverage, with a warning."""
+    model = build("gpt2")
+    mlp = model.transformer.h[0].mlp
+    mlp.extra = _ScaledLinear(64, 64)
+    inner = mlp.forward
+    mlp.forward = lambda x: mlp.extra(inner(x))  # the custom layer on the model's path
+    x = batch("gpt2", 0)
+    want = loss_of("gpt2", model, x).detach()
+    with caplog.at_level("WARNING", logger="attnchecker"):
+        guard = attnchecker.protect(model, policy=Policy.full(), scope="all")
+    try:
+        assert "transformer.h.0.mlp.extra" in caplog.text
+        assert "forward" not in vars(mlp.extra)  # not wrapped
+        gaps = [e for e in guard.coverage.unprotected if e.name == "transformer.h.0.mlp.extra"]
+        assert {e.op for e in gaps} == {"linear", "linear_dx", "linear_dw"}
+        got = loss_of("gpt2", model, x).detach()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    finally:
+        guard.close()
