@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .abft import (
     Tolerance,
+    abs_max,
     acc_dtype,
     bounds,
     checksum_weights,
@@ -25,7 +26,7 @@ from .abft import (
 )
 from .context import LayerContext
 from .passed_checksums import PassedProjection
-from .product_check import Checks, _dot, _Exact, _exact_math, _groups, _tolerance, _verify
+from .product_check import Checks, _dot, _Exact, _exact_math, _groups, _tolerance, _verify, _walks
 from .records import _any_bad, _count, _count_trips, _emit, _inject, _observe
 from .tripwire import extreme
 
@@ -48,6 +49,8 @@ class _ProjectionInput:
     wsum_last: tuple[torch.Tensor, int, torch.Tensor] | None = None
     """(weight, g_r, Wᵀw per group (I, g_r, 2)) of the last slice asked: its row reference and its ref norm both
     need it, and it is a pass over W."""
+    x_max_NT: torch.Tensor | None = None
+    """max_i |X_ti| per token, for the calibrated bound's random-walk model; made on the first full check."""
 
     @classmethod
     def of(cls, x_NTI: torch.Tensor) -> _ProjectionInput:
@@ -102,6 +105,16 @@ class _ProjectionInput:
             return row[0], col
         return row, col.unflatten(-1, (-1, 2))
 
+    def ref_maxes(
+        self, weight_OI: torch.Tensor, groups: tuple[int, int] = (1, 1)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(‖Wᵀw‖∞, ‖wᵀX‖∞), shaped as ref_norms: the same skinny vectors' ∞-norms (a pass over each)."""
+        row = abs_max(self.weight_sums(weight_OI, groups[0]), dim=-3)
+        col = abs_max(self.token_sums(groups[1]), dim=-1)
+        if groups == (1, 1):
+            return row[0], col
+        return row, col.unflatten(-1, (-1, 2))
+
     def checks(
         self, y_NTO: torch.Tensor, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, *, tol: Tolerance,
         cast_to: torch.dtype | None = None,
@@ -110,9 +123,17 @@ class _ProjectionInput:
         tolerance groups (no sync)."""
         w_norm_O, bias_abs = self.weight_norms(weight_OI, bias_O)
         g_r, g_c = _groups(tol, weight_OI.shape[0]), _groups(tol, self.x_NTI.shape[-2])
+        maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if _walks(tol):
+            if self.x_max_NT is None:
+                self.x_max_NT = abs_max(self.x_acc_NTI, dim=-1)
+            maxes = (self.x_max_NT, abs_max(weight_OI, dim=-1).to(self.x_acc_NTI.dtype))
+            ref_maxes = self.ref_maxes(weight_OI, (g_r, g_c))
         return _verify(y_NTO, self.feature_ref(weight_OI, bias_O, g_r), self.token_ref(weight_OI, bias_O, g_c),
                        self.x_norm_NT, w_norm_O, k=weight_OI.shape[1], tol=tol, bias_abs_C=bias_abs,
-                       operands_cast_to=cast_to, ref_norms=self.ref_norms(weight_OI, (g_r, g_c)), groups=(g_r, g_c))
+                       operands_cast_to=cast_to, ref_norms=self.ref_norms(weight_OI, (g_r, g_c)), groups=(g_r, g_c),
+                       maxes=maxes, ref_maxes=ref_maxes)
 
     def weight_norms(
         self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None

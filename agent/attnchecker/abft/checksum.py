@@ -25,6 +25,7 @@ __all__ = [
     "GROUP_MIN",
     "DirectionCheck",
     "VectorSums",
+    "abs_max",
     "acc_dtype",
     "checksum_weights",
     "checksums_of",
@@ -162,6 +163,13 @@ def col_norms(a_NRK: torch.Tensor) -> torch.Tensor:
         blk = a_NRK[..., i : i + step, :]
         sq_NK += (blk * blk).sum(-2)
     return sq_NK.sqrt()
+
+
+def abs_max(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |x| along dim (the ∞-norm the calibrated bound's random-walk model takes, tolerance.bounds): min and max
+    in one pass, without the copy x.abs() would allocate."""
+    lo, hi = torch.aminmax(x, dim=dim)
+    return torch.maximum(hi, -lo)
 
 
 def checksums_of(
