@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from .abft import (
     Tolerance,
-    abs_max,
     acc_dtype,
     col_norms,
     group_sums_cols,
@@ -27,13 +26,12 @@ from .abft import (
     times_skinny,
     weighted_cols,
 )
-from .abft.tiled import _ref_norms
 from .attention_tripwire import _emit_trip, _tripwire_sdpa
 from .context import LayerContext
 from .engine_caches import _future_mask
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
 from .passed_checksums import PassedProjection
-from .product_check import Checks, _dot, _exact_math, _groups, _tolerance, _walks
+from .product_check import Checks, _dot, _exact_math, _groups, _tolerance
 from .product_check import _verify as _verify  # re-exported: tests and bench/coverage.py verify through it
 from .projection import _ProjectionInput as _ProjectionInput  # re-exported, as _verify
 from .projection import check_linear, protected_linear
@@ -445,8 +443,6 @@ def _scores_checks(
         else:
             ref_norms = (torch.linalg.vector_norm(kbar_BHD2, dim=-2).unflatten(-1, (g_r, 2)),
                          torch.linalg.vector_norm(qbar_BHD2, dim=-2).unflatten(-1, (g_c, 2)))
-        maxes = (abs_max(q_acc, dim=-1), abs_max(k_acc, dim=-1)) if _walks(tol) else (None, None)
-        ref_maxes = _ref_maxes(tol, kbar_BHD2, qbar_BHD2, (g_r, g_c))
         return _verify(
             scores_BHTS,
             times_skinny(q_acc, kbar_BHD2).unflatten(-1, (g_r, 2)).flatten(-3, -2),
@@ -459,16 +455,7 @@ def _scores_checks(
             extra_col_NC=extra_col,
             ref_norms=ref_norms,
             groups=(g_r, g_c),
-            maxes=maxes,
-            ref_maxes=ref_maxes,
         )
-
-
-def _ref_maxes(tol: Tolerance, row_w_NK2g: torch.Tensor, col_w_NK2g: torch.Tensor, groups: tuple[int, int]
-               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(‖Bw‖∞, ‖wᵀA‖∞) over K of the references' weight vectors, shaped as the ref norms, for the calibrated bound's
-    random-walk model (tolerance.bounds); (None, None) when the bound is not calibrated."""
-    return _ref_norms(row_w_NK2g, col_w_NK2g, groups, inf=True) if _walks(tol) else (None, None)
 
 
 def _context_checks(
@@ -506,8 +493,6 @@ def _context_checks(
         ref_norms = (torch.linalg.vector_norm(vw_BHS2, dim=-2), torch.linalg.vector_norm(pw_BHS2, dim=-2))
         if (g_r, g_c) != (1, 1):
             ref_norms = (ref_norms[0].unflatten(-1, (g_r, 2)), ref_norms[1].unflatten(-1, (g_c, 2)))
-        # ‖AP_t‖∞ ≤ p_norm (AP ≥ 0, rows summing to ≤ 1/(1-p)): only V's ∞-norms are made.
-        maxes = (None, abs_max(v_acc, dim=-2)) if _walks(tol) else (None, None)
         return _verify(
             out_BHTD,
             row_BHTc[..., : 2 * g_r].unflatten(-1, (g_r, 2)).flatten(-3, -2),
@@ -519,8 +504,6 @@ def _context_checks(
             extra_row_NR=row_BHTc[..., 2] if passed_v is not None else None,
             ref_norms=ref_norms,
             groups=(g_r, g_c),
-            maxes=maxes,
-            ref_maxes=_ref_maxes(tol, vw_BHS2, pw_BHS2, (g_r, g_c)),
         )
 
 

@@ -44,8 +44,8 @@ def _tolerance(ctx: LayerContext) -> Tolerance:
 
 
 def _walks(tol: Tolerance) -> bool:
-    """Whether the bound is the calibrated one, whose random-walk model takes the operands' ∞-norms (`_verify`'s maxes):
-    the other bounds do not need that pass."""
+    """Whether the bound is the calibrated one, whose random-walk model takes the operands' ∞-norms (`_verify`'s walk
+    and maxes): the other bounds do not need that pass."""
     return tol.mode == "roundoff" and tol.calibrated
 
 
@@ -86,6 +86,7 @@ def _verify(
     groups: tuple[int, int] = (1, 1),
     maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    walk: tuple[bool, bool] = (False, False),
 ) -> Checks:
     """Both directions of C = A·B against references derived from the inputs (no sync). extra_*: error already in
     a passed reference (paper-faithful mode), added to the bound. operands_cast_to: autocast ran the product on
@@ -94,8 +95,8 @@ def _verify(
     (abft.tiled.square_sums), for a C in the accumulation dtype: the calibrated bound then needs no pass over C.
     groups: (g_r, g_c) checksum groups per row and per column (abft/checksum.py); the references and ref_norms are
     then per group: (..., R·g_r, 2), (..., C·g_c, 2), ((..., g_r, 2), (..., g_c, 2)).
-    maxes: (‖A_i‖∞ (..., R), ‖B_j‖∞ (..., C)), ref_maxes: (‖B w‖∞, ‖wᵀA‖∞) shaped as ref_norms: the calibrated bound's
-    random-walk model (tolerance.bounds); (None, None) keeps the Cauchy-Schwarz model."""
+    walk: the (row, column) directions that take the calibrated bound's random-walk model (tolerance.bounds), with
+    maxes: (‖A_i‖∞ (..., R), ‖B_j‖∞ (..., C)) and ref_maxes: (‖B w‖∞, ‖wᵀA‖∞) shaped as ref_norms."""
     roundoff = tol.mode == "roundoff"
     use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and roundoff
     want_sq = roundoff and tol.calibrated
@@ -109,7 +110,7 @@ def _verify(
     operand_u = fp32_matmul_operand_roundoff(c_NRC.device) if c_NRC.dtype == torch.float32 else None
     rule = functools.partial(
         bounds, k=k, out_dtype=c_NRC.dtype, tol=tol, use_abs=use_abs, gemm_accumulates_in=_gemm_accumulation(c_NRC),
-        operands_cast_to=operands_cast_to, operand_roundoff=operand_u,
+        operands_cast_to=operands_cast_to, operand_roundoff=operand_u, walk=walk,
     )
     g_r, g_c = groups
     a_max, b_max = maxes

@@ -105,16 +105,6 @@ class _ProjectionInput:
             return row[0], col
         return row, col.unflatten(-1, (-1, 2))
 
-    def ref_maxes(
-        self, weight_OI: torch.Tensor, groups: tuple[int, int] = (1, 1)
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(‖Wᵀw‖∞, ‖wᵀX‖∞), shaped as ref_norms: the same skinny vectors' ∞-norms (a pass over each)."""
-        row = abs_max(self.weight_sums(weight_OI, groups[0]), dim=-3)
-        col = abs_max(self.token_sums(groups[1]), dim=-1)
-        if groups == (1, 1):
-            return row[0], col
-        return row, col.unflatten(-1, (-1, 2))
-
     def checks(
         self, y_NTO: torch.Tensor, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, *, tol: Tolerance,
         cast_to: torch.dtype | None = None,
@@ -123,17 +113,23 @@ class _ProjectionInput:
         tolerance groups (no sync)."""
         w_norm_O, bias_abs = self.weight_norms(weight_OI, bias_O)
         g_r, g_c = _groups(tol, weight_OI.shape[0]), _groups(tol, self.x_NTI.shape[-2])
+        # The random-walk model for the rows (over the weight's output features) only: the columns run over tokens,
+        # whose rows of X can be nearly collinear (outlier channels), so their errors need not be independent
+        # (tolerance.bounds, `walk`).
+        walk = _walks(tol)
         maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        if _walks(tol):
+        if walk:
             if self.x_max_NT is None:
                 self.x_max_NT = abs_max(self.x_acc_NTI, dim=-1)
             maxes = (self.x_max_NT, abs_max(weight_OI, dim=-1).to(self.x_acc_NTI.dtype))
-            ref_maxes = self.ref_maxes(weight_OI, (g_r, g_c))
+            # ‖Wᵀw‖∞ over the input features, per group (g_r, 2); ungrouped (2,), as ref_norms.
+            row_max = abs_max(self.weight_sums(weight_OI, g_r), dim=-3)
+            ref_maxes = (row_max[0] if g_r == 1 else row_max, None)
         return _verify(y_NTO, self.feature_ref(weight_OI, bias_O, g_r), self.token_ref(weight_OI, bias_O, g_c),
                        self.x_norm_NT, w_norm_O, k=weight_OI.shape[1], tol=tol, bias_abs_C=bias_abs,
                        operands_cast_to=cast_to, ref_norms=self.ref_norms(weight_OI, (g_r, g_c)), groups=(g_r, g_c),
-                       maxes=maxes, ref_maxes=ref_maxes)
+                       maxes=maxes, ref_maxes=ref_maxes, walk=(walk, False))
 
     def weight_norms(
         self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None

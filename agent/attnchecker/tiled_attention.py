@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import records
-from .abft import GROUP_MIN, Tolerance, abs_max, acc_dtype, col_norms, repair
+from .abft import GROUP_MIN, Tolerance, acc_dtype, col_norms, repair
 from .abft.repair import MatrixReport
 from .abft.tiled import (
     TilePlan,
@@ -53,7 +53,7 @@ from .abft.tiled import (
 )
 from .context import LayerContext
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
-from .product_check import _dot, _exact_math, _groups, _tolerance, _verify, _walks
+from .product_check import _dot, _exact_math, _groups, _tolerance, _verify
 from .records import _count, _count_trips, _record_ratio
 
 __all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "choose_tiles", "default_tiles", "tiled_sdpa"]
@@ -442,16 +442,14 @@ def scores_tile_checks(
     tq, tk = s_NTqTk.shape[-2:]
     d = q_acc_NTqD.shape[-1]
     groups = (_groups(tol, tk), _groups(tol, tq))
-    row_ref, col_ref, ref_norms, ref_maxes = scores_refs(q_acc_NTqD, k_acc_NTkD, groups)
+    row_ref, col_ref, ref_norms = scores_refs(q_acc_NTqD, k_acc_NTkD, groups)
     sq = None
     if (s_NTqTk.dtype == q_acc_NTqD.dtype and tol.mode == "roundoff" and tol.calibrated
             and grams_pay(tq, tk, d, groups)):
         gram_k, gram_q = (gram(k_acc_NTkD, groups[0]), gram(q_acc_NTqD, groups[1])) if grams is None else grams(*groups)
         sq = square_sums(q_acc_NTqD, k_acc_NTkD, gram_k, gram_q)
-    walk = _walks(tol)
-    maxes = (abs_max(q_acc_NTqD, dim=-1), abs_max(k_acc_NTkD, dim=-1)) if walk else (None, None)
     return _verify(s_NTqTk, row_ref, col_ref, q_norm_NTq, k_norm_NTk, k=d, tol=tol, sq_sums=sq, ref_norms=ref_norms,
-                   groups=groups, maxes=maxes, ref_maxes=ref_maxes if walk else (None, None))
+                   groups=groups)
 
 
 def _tile_grams(sh: _Shared, q_grams: dict[int, torch.Tensor], q_acc_i: torch.Tensor, c0: int, c1: int
@@ -478,14 +476,10 @@ def context_tile_checks(
     """Both directions of CL_ij = P̃_ij V_j (B, H, Tq, D) (abft.tiled.context_refs), grouped as the unfused path groups:
     g_v runs of features per row (vw's layout), runs of queries per column (product_check._groups on Tq)."""
     groups = (g_v, _groups(tol, pv_NTqD.shape[-2]))
-    row_ref, col_ref, p_norm, ref_norms, ref_maxes = context_refs(p_NTqTk.to(v_acc_NTkD.dtype), v_acc_NTkD, vw_NTk2g,
-                                                                  p_sum_NTq, cl_rows_NTq2g, groups)
-    # ‖P̃_t‖∞ ≤ the p_norm bound: only V's ∞-norms are made (as the unfused path).
-    walk = _walks(tol)
+    row_ref, col_ref, p_norm, ref_norms = context_refs(p_NTqTk.to(v_acc_NTkD.dtype), v_acc_NTkD, vw_NTk2g, p_sum_NTq,
+                                                       cl_rows_NTq2g, groups)
     return _verify(pv_NTqD, row_ref, col_ref, p_norm.to(v_acc_NTkD.dtype), col_norms(v_acc_NTkD),
-                   k=v_acc_NTkD.shape[-2], tol=tol, ref_norms=ref_norms, groups=groups,
-                   maxes=(None, abs_max(v_acc_NTkD, dim=-2)) if walk else (None, None),
-                   ref_maxes=ref_maxes if walk else (None, None))
+                   k=v_acc_NTkD.shape[-2], tol=tol, ref_norms=ref_norms, groups=groups)
 
 
 def _keep(checks: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

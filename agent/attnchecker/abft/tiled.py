@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checksum import abs_max, group_sums_cols, group_sums_rows, times_skinny
+from .checksum import group_sums_cols, group_sums_rows, times_skinny
 
 __all__ = [
     "GRAM_PASS_RATIO",
@@ -112,24 +112,20 @@ def causal_offset(r0: int, c0: int, c1: int, *, is_causal: bool) -> int | None:
     return r0 - c0 if is_causal and c1 - 1 > r0 else None
 
 
-_Pair = tuple[torch.Tensor, torch.Tensor]
-
-
 def scores_refs(
     q_acc_NTqD: torch.Tensor, k_acc_NTkD: torch.Tensor, groups: tuple[int, int] = (1, 1)
-) -> tuple[torch.Tensor, torch.Tensor, _Pair, _Pair]:
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """(row references (..., Tq·g_r, 2), column references (..., Tk·g_c, 2), ref norms) of AS_ij = Q_i K_jᵀ, in the acc
     dtype. groups (g_r, g_c): checksum groups per row (runs of keys) and per column (runs of queries), the grouped
     layout of abft/checksum.py; ref norms: (‖K_hᵀ w‖ (..., g_r, 2), ‖Q_hᵀ w‖ (..., g_c, 2)) per group ((..., 2) each
     ungrouped), what the calibrated bound dots the references with (product_check._verify's ref_norms), as the unfused
-    path passes; then their ∞-norms likewise (ref_maxes)."""
+    path passes."""
     g_r, g_c = groups
     kbar_ND2g = group_sums_cols(k_acc_NTkD, g_r).flatten(-2)
     qbar_ND2g = group_sums_cols(q_acc_NTqD, g_c).flatten(-2)
     rows = times_skinny(q_acc_NTqD, kbar_ND2g)  # (..., Tq, g_r·2): already vector i·g_r + h's pair
     cols = times_skinny(k_acc_NTkD, qbar_ND2g)
-    return _pairs(rows), _pairs(cols), _ref_norms(kbar_ND2g, qbar_ND2g, groups), _ref_norms(kbar_ND2g, qbar_ND2g,
-                                                                                          groups, inf=True)
+    return _pairs(rows), _pairs(cols), _ref_norms(kbar_ND2g, qbar_ND2g, groups)
 
 
 def _pairs(refs_NV2g: torch.Tensor) -> torch.Tensor:
@@ -138,14 +134,11 @@ def _pairs(refs_NV2g: torch.Tensor) -> torch.Tensor:
 
 
 def _ref_norms(
-    row_w_NK2g: torch.Tensor, col_w_NK2g: torch.Tensor, groups: tuple[int, int], *, inf: bool = False
+    row_w_NK2g: torch.Tensor, col_w_NK2g: torch.Tensor, groups: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """‖·‖ over K of the row and column references' weight vectors: (..., g, 2) per group, or (..., 2) ungrouped (the
-    shapes product_check._verify takes). inf: the ∞-norm (ref_maxes), else the 2-norm (ref_norms)."""
-    if inf:
-        row, col = abs_max(row_w_NK2g, dim=-2), abs_max(col_w_NK2g, dim=-2)
-    else:
-        row, col = torch.linalg.vector_norm(row_w_NK2g, dim=-2), torch.linalg.vector_norm(col_w_NK2g, dim=-2)
+    shapes product_check._verify takes)."""
+    row, col = torch.linalg.vector_norm(row_w_NK2g, dim=-2), torch.linalg.vector_norm(col_w_NK2g, dim=-2)
     if groups == (1, 1):
         return row, col
     return row.view(*row.shape[:-1], groups[0], 2), col.view(*col.shape[:-1], groups[1], 2)
@@ -203,15 +196,13 @@ def context_refs(
     p_sum_NTq: torch.Tensor,
     row_NTq2: torch.Tensor | None = None,
     groups: tuple[int, int] = (1, 1),
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, _Pair, _Pair]:
-    """(row refs (..., Tq·g_r, 2), column refs (..., D·g_c, 2), ‖P̃_t‖₂ bound (..., Tq), ref norms, ref maxes) of
-    CL_ij = P̃_ij V_j.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """(row refs (..., Tq·g_r, 2), column refs (..., D·g_c, 2), ‖P̃_t‖₂ bound (..., Tq), ref norms) of CL_ij = P̃_ij V_j.
     vw: V_j w per feature group (..., Tk, 2·g_r) (:func:`v_row_checksums`, sliced from one pass over the whole V);
     p_sum: Σ P̃ per row, as the softmax fold computed it. row_NTq2: P̃ (V_j w) (..., Tq, 2·g_r) when the tile GEMM already
     produced it (V augmented with its checksum columns, :func:`augment_v`), else computed here (one more pass over P̃).
     groups (g_r, g_c): checksum groups per row (runs of features) and per column (runs of queries); ref norms:
-    (‖V_j w‖ (..., g_r, 2), ‖wᵀP̃_h‖ (..., g_c, 2)) per group for the calibrated bound, as the unfused path passes;
-    ref maxes: their ∞-norms likewise."""
+    (‖V_j w‖ (..., g_r, 2), ‖wᵀP̃_h‖ (..., g_c, 2)) per group for the calibrated bound, as the unfused path passes."""
     g_c = groups[1]  # g_r is in vw's layout already
     if row_NTq2 is None:
         row_NTq2 = times_skinny(p_acc_NTqTk, vw_NTk2)
@@ -221,8 +212,7 @@ def context_refs(
     col_ND2 = col_N2gD.view(*col_N2gD.shape[:-2], g_c, 2, -1).movedim(-1, -3).flatten(-3, -2)
     # 0 <= P̃ <= 1 (rounded P̃ too): Σ P̃² <= Σ P̃. 1.01 covers the rounding of a half-precision P̃ and of the sum.
     p_norm_NTq = p_sum_NTq.to(p_acc_NTqTk.dtype).sqrt() * 1.01
-    return (_pairs(row_NTq2), col_ND2, p_norm_NTq, _ref_norms(vw_NTk2, pw_NTk2g, groups),
-            _ref_norms(vw_NTk2, pw_NTk2g, groups, inf=True))
+    return _pairs(row_NTq2), col_ND2, p_norm_NTq, _ref_norms(vw_NTk2, pw_NTk2g, groups)
 
 
 def fold_scores(

@@ -332,6 +332,7 @@ def bounds(
     a_max_NR: torch.Tensor | None = None,
     b_max_NC: torch.Tensor | None = None,
     ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    walk: tuple[bool, bool] = (False, False),
 ) -> tuple[Bound, Bound]:
     """(row bound over (..., R), column bound over (..., C)) on |d1| for C = A·B (+ bias).
 
@@ -348,12 +349,17 @@ def bounds(
     ref_norms: (‖B w‖ (..., 2), ‖wᵀA‖ (..., 2)) for w = ones and 1..n, the vectors the row (column) references are
     dotted with, for the calibrated model; None falls back to the triangle inequality (Σ_j w_j ‖B_j‖), which is
     √n looser on uncorrelated columns.
-    a_max_NR, b_max_NC: ‖A_i‖∞ per row of A, ‖B_j‖∞ per column of B. Either one selects the random-walk model of the
-    calibrated part (`_calibrated_var`, docs/abft.md): the K partial sums of a dot product as a random walk plus a
-    drift, bounded by Hölder (Σ_k a_k²b_k² ≤ ‖a‖₂²‖b‖∞²) instead of Cauchy-Schwarz on every partial sum, about K/ln K
-    less variance on Gaussian-like data; the missing one is taken as its 2-norm (‖x‖∞ ≤ ‖x‖₂). The rule then needs the
-    references (`Bound.pair(..., ref_NV2)`) for its drift term. ref_maxes: (‖B w‖∞, ‖wᵀA‖∞) (..., 2), the reference
-    vectors' ∞-norms; None: the smaller of ‖Bw‖₂ and Σ_j w_j‖B_j‖∞. None for both maxes: the Cauchy-Schwarz model.
+    walk: (row, column): the directions whose calibrated part takes the random-walk model (`_calibrated_var`,
+    docs/abft.md): the K partial sums of a dot product as a random walk plus a drift, bounded by Hölder
+    (Σ_k a_k²b_k² ≤ ‖a‖₂²‖b‖∞²) instead of Cauchy-Schwarz on every partial sum, about K/ln K less variance on
+    Gaussian-like data. Its rule needs the references (`Bound.pair(..., ref_NV2)`) for the drift term. Only for vectors
+    whose products' rounding errors are independent across the vector: a row of X·Wᵀ runs over the weight's distinct
+    rows; a vector over tokens does not qualify, since activations with outlier channels make the rows of X nearly
+    collinear and their products round alike (a whole column's errors of one sign in the clean campaign: docs/abft.md).
+    The other direction keeps the Cauchy-Schwarz model, whose per-element slack absorbs that correlation.
+    a_max_NR, b_max_NC: ‖A_i‖∞ per row of A, ‖B_j‖∞ per column of B, for `walk` (None: the 2-norm, ‖x‖∞ ≤ ‖x‖₂).
+    ref_maxes: (‖B w‖∞, ‖wᵀA‖∞) (..., 2), the reference vectors' ∞-norms; None: the smaller of ‖Bw‖₂ and
+    Σ_j w_j‖B_j‖∞.
     """
     n_rows, n_cols = a_norm_NR.shape[-1], b_norm_NC.shape[-1]
     if tol.mode == "extreme":
@@ -421,18 +427,19 @@ def bounds(
     # ≤ ‖w∘C‖₁ ≤ √n ‖w∘C‖₂ (n² u²/3 per ΣC²). Random-walk model: RANDOM_WALK·n u²/3 per ΣC², its drift
     # DRIFT·n u²/3 per (Σ_j w_j C_ij)² ≈ reference², and the product's own drift DRIFT·K u²/3 per C_ij².
     u_out_var = n_round * u_out**2 / 3 if acc != out_dtype else 0.0
-    walk = a_max_NR is not None or b_max_NC is not None
+    walk_row, walk_col = walk
     # Variances in float64: u²·‖A_i‖²·‖B_j‖² underflows fp32 once the product's values are below ~1e-15 (vanishing
     # gradients), which would leave only the underflow offset as the tolerance. Per-vector tensors: cheap in fp64.
     f64 = torch.float64
     a64, b64 = a_norm_NR.to(f64), b_norm_NC.to(f64)
     row_ref, col_ref = (None if r is None else r.to(f64) for r in ref_norms)
     maxes_row = maxes_col = None
-    if walk:
+    if walk_row or walk_col:
         amax64 = a64 if a_max_NR is None else a_max_NR.to(f64)
         bmax64 = b64 if b_max_NC is None else b_max_NC.to(f64)
         rmax_row, rmax_col = (None if r is None else r.to(f64) for r in ref_maxes)
-        maxes_row, maxes_col = (amax64, bmax64, rmax_row), (bmax64, amax64, rmax_col)
+        maxes_row = (amax64, bmax64, rmax_row) if walk_row else None
+        maxes_col = (bmax64, amax64, rmax_col) if walk_col else None
     var_row = _calibrated_var(a64, b64, row_ref, k=k, u_acc=u_acc, op_var=op_var, split_var=split_var,
                               maxes=maxes_row)
     var_col = _calibrated_var(b64, a64, col_ref, k=k, u_acc=u_acc, op_var=op_var, split_var=split_var,
@@ -445,11 +452,8 @@ def bounds(
         sums_C2 = torch.stack([bias64_C * n_rows, bias64_C * (n_rows * (n_rows + 1) / 2)], -1)
         var_col = var_col + (u_acc**2 / 3) * sums_C2.square()
     z = tol.sigmas * tol.factor
-    if walk:
-        c_row = u_out_var + (RANDOM_WALK * n_cols + DRIFT * k) * u2
-        c_col = u_out_var + (RANDOM_WALK * n_rows + DRIFT * k) * u2
-    else:
-        c_row, c_col = u_out_var + n_cols**2 * u2, u_out_var + n_rows**2 * u2
+    c_row = u_out_var + ((RANDOM_WALK * n_cols + DRIFT * k) if walk_row else n_cols**2) * u2
+    c_col = u_out_var + ((RANDOM_WALK * n_rows + DRIFT * k) if walk_col else n_rows**2) * u2
     # Output rounding is not independent when a vector's values are near-equal: a context column under near-uniform
     # attention holds 64 values ~1.2475 that all round up to 1.25 in bf16, and their errors add linearly (BERT and
     # GPT-2 bf16 runs of bench/clean_campaign.py: |d1| up to 2.1× the variance-only threshold). So the rounding error
@@ -457,16 +461,17 @@ def bounds(
     # Σ_j w_j err_j ≤ u_out·|Σ_j w_j x_j| + (independent part), the first term added linearly at face value (not
     # multiplied by `sigmas`: it is a worst case, not a deviation). Σ_j w_j x_j is the reference checksum itself.
     ref_coef = slack * n_round * u_out if acc != out_dtype else 0.0
-    if walk and operand_roundoff is not None:
-        # TF32 tensor cores may truncate operands: each product's relative error then has a mean of up to u_in/2 per
-        # operand (half a truncation unit), the same sign for every product, so Σ_j w_j err_ij carries a common-mode
-        # part ≤ u_in·|Σ_j w_j C_ij| (added linearly, as the output rounding's). The Cauchy-Schwarz model's operand
-        # term (2u_in²/3·‖A_i‖²Σ_j w_j²‖B_j‖²) is ~√n·‖A_i‖‖B‖ wide and covered it; the random-walk one is not.
-        ref_coef += slack * operand_roundoff
+    # TF32 tensor cores may truncate operands: each product's relative error then has a mean of up to u_in/2 per
+    # operand (half a truncation unit), the same sign for every product, so Σ_j w_j err_ij carries a common-mode part
+    # ≤ u_in·|Σ_j w_j C_ij| (added linearly, as the output rounding's). The Cauchy-Schwarz model's operand term
+    # (2u_in²/3·‖A_i‖²Σ_j w_j²‖B_j‖², ~√n·‖A_i‖‖B‖ wide) covered it; the random-walk one does not.
+    trunc = slack * operand_roundoff if operand_roundoff is not None else 0.0
     # The drift of the reference's K-long dot and of the checksum's n-long sum, per unit of reference².
-    drift_row = DRIFT * (k + n_cols) * u2 if walk else 0.0
-    drift_col = DRIFT * (k + n_rows) * u2 if walk else 0.0
+    drift_row = DRIFT * (k + n_cols) * u2 if walk_row else 0.0
+    drift_col = DRIFT * (k + n_rows) * u2 if walk_col else 0.0
     return (
-        Bound(row_NR, coef_row, var_row, (c_row, c_row * n_cols**2), ref_coef, under_row, z, n_cols, drift_row),
-        Bound(col_NC, coef_col, var_col, (c_col, c_col * n_rows**2), ref_coef, under_col, z, n_rows, drift_col),
+        Bound(row_NR, coef_row, var_row, (c_row, c_row * n_cols**2), ref_coef + (trunc if walk_row else 0.0),
+              under_row, z, n_cols, drift_row),
+        Bound(col_NC, coef_col, var_col, (c_col, c_col * n_rows**2), ref_coef + (trunc if walk_col else 0.0),
+              under_col, z, n_rows, drift_col),
     )
