@@ -313,9 +313,11 @@ def residual_model(dtype_name: str, ks: tuple[int, ...], n: int, seed: int, data
                    walk: bool = True) -> list[dict[str, Any]]:
     """Clean residuals against the model: z = |d| / modelled std per row and column vector of an (n, K) @ (K, n)
     product (operands: RESIDUAL_DATA), for each K. The threshold is `sigmas` z; the model is validated when the worst
-    z stays well below it. walk: the random-walk model in both directions (operand ∞-norms passed to `bounds`; the
-    engine takes it only for projection rows), else Cauchy-Schwarz. These operands' rows are independent draws, so
-    the sweep tests the per-element model; the correlation of near-collinear rows is the clean campaign's part."""
+    z stays well below it. walk: the random-walk model in both directions (operand ∞-norms passed to `bounds`, and the
+    rows' exact second moments as the engine's projection rows make them; the engine takes the model only for
+    projection rows, the columns here show the Hölder form), else Cauchy-Schwarz. These operands' rows are
+    independent draws, so the sweep tests the per-element model; the correlation of near-collinear rows is the clean
+    campaign's part."""
     from attnchecker.abft import (
         abs_max,
         bounds,
@@ -346,8 +348,10 @@ def residual_model(dtype_name: str, ks: tuple[int, ...], n: int, seed: int, data
                 u_op = fp32_matmul_operand_roundoff("cpu") if dtype == torch.float32 else None
                 maxes: dict[str, Any] = {}
                 if walk:
+                    w2 = torch.stack([w_c[:, 0], w_c[:, 1].square()], -1)  # (1, j²): the d1/d2 weights squared
                     maxes = {"a_max_NR": abs_max(a32, dim=-1), "b_max_NC": abs_max(b32, dim=-2),
-                             "ref_maxes": (abs_max(bw, dim=-2), abs_max(wa, dim=-1)), "walk": (True, True)}
+                             "ref_maxes": (abs_max(bw, dim=-2), abs_max(wa, dim=-1)), "walk": (True, True),
+                             "moments_NR4": a32.square() @ torch.cat([b32.square() @ w2, bw.square()], -1)}
                 rules = dict(zip(("row", "col"), bounds(
                     torch.linalg.vector_norm(a32, dim=-1), torch.linalg.vector_norm(b32, dim=-2), k=k,
                     out_dtype=c.dtype, tol=Tolerance(), use_abs=dtype != torch.float32, operand_roundoff=u_op,

@@ -51,6 +51,9 @@ class _ProjectionInput:
     need it, and it is a pass over W."""
     x_max_NT: torch.Tensor | None = None
     """max_i |X_ti| per token, for the calibrated bound's random-walk model; made on the first full check."""
+    x_sq_NTI: torch.Tensor | None = None
+    """X∘X in the acc dtype, for the random-walk model's exact second moments (`second_moments`); made on first use
+    and shared by the slices of a fused projection."""
 
     @classmethod
     def of(cls, x_NTI: torch.Tensor) -> _ProjectionInput:
@@ -105,6 +108,21 @@ class _ProjectionInput:
             return row[0], col
         return row, col.unflatten(-1, (-1, 2))
 
+    def second_moments(self, weight_OI: torch.Tensor, groups: int) -> torch.Tensor:
+        """(N, T·g, 4): per token and group of g runs of output features (w = 1 and 1..L, L = O/g), Σ_j w_j² Σ_i
+        X_ti² W_ji² and Σ_i X_ti² (Wᵀw)_i², as (X∘X)·[β, (Wᵀw)∘(Wᵀw)] with β_i = Σ_j w_j² W_ji²: the random-walk
+        model's product, reference and forming terms exactly (tolerance.bounds, moments_NR4), one skinny product of
+        4g columns (the row reference's is 2g)."""
+        acc = self.x_acc_NTI.dtype
+        if self.x_sq_NTI is None:
+            self.x_sq_NTI = self.x_acc_NTI.square()
+        w_sq_gLI = weight_OI.to(acc).square().unflatten(0, (groups, -1))
+        pos_L = torch.arange(1, w_sq_gLI.shape[1] + 1, device=weight_OI.device, dtype=acc)
+        w2_L2 = torch.stack([torch.ones_like(pos_L), pos_L.square()], -1)
+        cols_Ig4 = torch.cat([torch.einsum("gli,lc->igc", w_sq_gLI, w2_L2),
+                              self.weight_sums(weight_OI, groups).square()], -1)
+        return times_skinny(self.x_sq_NTI, cols_Ig4.flatten(-2)).unflatten(-1, (groups, 4)).flatten(-3, -2)
+
     def checks(
         self, y_NTO: torch.Tensor, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, *, tol: Tolerance,
         cast_to: torch.dtype | None = None,
@@ -119,6 +137,7 @@ class _ProjectionInput:
         walk = _walks(tol)
         maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        moments = None
         if walk:
             if self.x_max_NT is None:
                 self.x_max_NT = abs_max(self.x_acc_NTI, dim=-1)
@@ -126,10 +145,11 @@ class _ProjectionInput:
             # ‖Wᵀw‖∞ over the input features, per group (g_r, 2); ungrouped (2,), as ref_norms.
             row_max = abs_max(self.weight_sums(weight_OI, g_r), dim=-3)
             ref_maxes = (row_max[0] if g_r == 1 else row_max, None)
+            moments = self.second_moments(weight_OI, g_r)
         return _verify(y_NTO, self.feature_ref(weight_OI, bias_O, g_r), self.token_ref(weight_OI, bias_O, g_c),
                        self.x_norm_NT, w_norm_O, k=weight_OI.shape[1], tol=tol, bias_abs_C=bias_abs,
                        operands_cast_to=cast_to, ref_norms=self.ref_norms(weight_OI, (g_r, g_c)), groups=(g_r, g_c),
-                       maxes=maxes, ref_maxes=ref_maxes, walk=(walk, False))
+                       maxes=maxes, ref_maxes=ref_maxes, walk=(walk, False), moments_NR4=moments)
 
     def weight_norms(
         self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None

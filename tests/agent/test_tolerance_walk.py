@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from test_tolerance_calibrated import activations
 
 from attnchecker.abft import Tolerance, abs_max, bounds
+from attnchecker.abft.tolerance import DRIFT, RANDOM_WALK
 from attnchecker.emulate import emulate_fp32_matmul
 from attnchecker.projection import _ProjectionInput
 
@@ -33,18 +34,37 @@ def test_walk_model_is_pinned_at_a_small_size() -> None:
     )
     u2 = U64**2 / 3
     # Hölder per column: min(‖a‖²‖b_j‖∞², ‖a‖∞²‖b_j‖²) = min(25·4, 16·5) = 80 for both; reference: min(25·9, 16·10)
-    # = 160 (d1), min(25·25, 16·25) = 400 (d2); forming Bw: ‖a‖²·n·(½Σw²‖b_j‖∞² + ‖Bw‖∞²) with ‖Bw‖∞² = 9, 25.
-    var1 = 160 * (1 + 1) + 160 * 1 + 25 * 2 * (0.5 * 8 + 9)
-    var2 = 400 * (1 + 1) + 400 * 1 + 25 * 2 * (0.5 * 20 + 25)
+    # = 160 (d1), min(25·25, 16·25) = 400 (d2); forming Bw: ‖a‖²·n·(rw·Σw²‖b_j‖∞² + dr·‖Bw‖∞²), ‖Bw‖∞² = 9, 25.
+    rw, dr = RANDOM_WALK, DRIFT
+    var1 = 160 * (rw * 2 + 1) + 160 * rw * 2 + 25 * 2 * (rw * 8 + dr * 9)
+    var2 = 400 * (rw * 2 + 1) + 400 * rw * 2 + 25 * 2 * (rw * 20 + dr * 25)
     c_NR = a_NR @ b_KC  # (-5, 10)
     sq = float(c_NR.square().sum())  # 125
     ref_12 = torch.tensor([[[5.0, 15.0]]], dtype=torch.float64)  # Σ_j w_j C_j for w = 1 and 1..2
-    var1 += (0.5 * 2 + 2) * sq + (2 + 2) * 25  # checksum walk + product drift per ΣC²; drift per reference²
-    var2 += (0.5 * 2 + 2) * 4 * sq + (2 + 2) * 225
+    var1 += (rw * 2 + dr * 2) * sq + dr * (2 + 2) * 25  # checksum walk + product drift per ΣC²; drift per ref²
+    var2 += (rw * 2 + dr * 2) * 4 * sq + dr * (2 + 2) * 225
     d1, d2 = row.pair(None, torch.tensor([[sq]], dtype=torch.float64), ref_12)
     under = float(row.offset_NV)  # the underflow offset (a float for a plain product)
     assert d1.item() == pytest.approx(math.sqrt(var1 * u2) + under, rel=1e-12)
     assert d2.item() == pytest.approx(math.sqrt(var2 * u2) + 1.5 * under, rel=1e-12)
+    # With the exact second moments (Σ_j w_j² Σ_k a_k²b_kj² = 2·(9·1 + 16·4) = ... by hand below) in place of Hölder.
+    mom_N14 = torch.tensor([[[9 * 1 + 16 * 4 + 9 * 4 + 16 * 1, 9 * 1 + 16 * 4 + 4 * (9 * 4 + 16 * 1),
+                              9 * 9 + 16 * 1, 9 * 25 + 16 * 0]]], dtype=torch.float64)
+    exact, _ = bounds(
+        torch.linalg.vector_norm(a_NR, dim=-1), torch.linalg.vector_norm(b_KC, dim=-2), k=2, out_dtype=torch.float64,
+        tol=Tolerance(sigmas=1.0), ref_norms=(torch.linalg.vector_norm(bw_K2, dim=-2), None),
+        a_max_NR=abs_max(a_NR, dim=-1), b_max_NC=abs_max(b_KC, dim=-2), ref_maxes=(abs_max(bw_K2, dim=-2), None),
+        walk=(True, False), moments_NR4=mom_N14[0],
+    )
+    p1, p2, r1, r2 = (float(v) * 1.01 for v in mom_N14[0, 0])  # (1.01: the fp32 GEMM's rounding slack)
+    ex1 = p1 * (rw * 2 + 1) + min(r1, 160) * rw * 2 + min(25 * 2 * (rw * 8 + dr * 9), 2 * (rw * p1 + dr * r1))
+    ex2 = p2 * (rw * 2 + 1) + min(r2, 400) * rw * 2 + min(25 * 2 * (rw * 20 + dr * 25), 2 * (rw * p2 + dr * r2))
+    ex1 += (rw * 2 + dr * 2) * sq + dr * (2 + 2) * 25
+    ex2 += (rw * 2 + dr * 2) * 4 * sq + dr * (2 + 2) * 225
+    e1, e2 = exact.pair(None, torch.tensor([[sq]], dtype=torch.float64), ref_12)
+    assert e1.item() == pytest.approx(math.sqrt(ex1 * u2) + under, rel=1e-9)
+    assert e2.item() == pytest.approx(math.sqrt(ex2 * u2) + 1.5 * under, rel=1e-9)
+    assert e1.item() < d1.item()
     # The drift term needs the reference: without it the rule falls back to its rigorous part.
     assert row.pair(None, torch.tensor([[sq]], dtype=torch.float64))[0].item() == row.of(None).item()
 
@@ -154,3 +174,21 @@ def test_the_walk_threshold_is_far_below_cauchy_schwarz_at_a_long_reduction() ->
     y_bad[0, 5, 7] += 3 * float(new.bound[0, 5])
     assert 3 * float(new.bound[0, 5]) < float(old_bound[0, 5])
     assert bool(_ProjectionInput.of(x).checks(y_bad, w, None, tol=Tolerance())["row"].bad[0, 5])
+
+
+@pytest.mark.parametrize("d_out", [96, 1024])
+def test_second_moments_are_exact_per_group(d_out) -> None:
+    """_ProjectionInput.second_moments against Σ_j w_j² Σ_i X_ti² W_ji² and Σ_i X_ti² (Wᵀw)_i² by hand (d_out = 1024:
+    4 groups of 256)."""
+    from attnchecker.abft import group_count
+
+    x, w = _operands("llm", 5, 64, d_out, 7)
+    g = group_count(d_out)
+    got_NV4 = _ProjectionInput.of(x).second_moments(w, g)
+    x64, w64 = x[0].double(), w.double().view(g, -1, 64)
+    pos_L = torch.arange(1, d_out // g + 1, dtype=torch.float64)
+    per_TgL = torch.einsum("ti,gli->tgl", x64.square(), w64.square())
+    ww_gI2 = torch.einsum("gli,lc->gic", w64, torch.stack([torch.ones_like(pos_L), pos_L], -1))
+    want_Tg4 = torch.cat([torch.stack([per_TgL.sum(-1), (per_TgL * pos_L.square()).sum(-1)], -1),
+                          torch.einsum("ti,gic->tgc", x64.square(), ww_gI2.square())], -1)
+    torch.testing.assert_close(got_NV4[0].double(), want_Tg4.flatten(0, 1), rtol=1e-5, atol=0)

@@ -253,10 +253,11 @@ def _weighted_sum(norm_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 RANDOM_WALK = 0.5
 """Σ_k s_k² of the K partial sums s_k of a dot product whose products p_l have no common sign, per unit of
 K·Σ_l p_l²: the partial sums are a random walk, E s_k² = k·mean(p²), summed over k ≈ K²/2·mean(p²) (`bounds`)."""
-DRIFT = 1.0
+DRIFT = 0.5
 """Σ_k s_k² per unit of K·(final sum)²: the part of the partial sums that a common sign (or one dominant product)
-drives. A constant drift gives 1/3 (Σ_k (k/K)² ≈ K/3); one dominant product first in the order gives up to 1, the
-value used (`bounds`)."""
+drives. A constant drift gives 1/3 (Σ_k (k/K)² ≈ K/3). One dominant product p first in the order keeps every partial
+sum at ≈ p: Σ_k s_k² ≈ K·p², which the walk's RANDOM_WALK·K·p² (p² ≤ Σ_l p_l²) and DRIFT·K·C² (C ≈ p) cover
+together at 1/2 each (`bounds`)."""
 
 
 def _calibrated_var(
@@ -269,6 +270,7 @@ def _calibrated_var(
     op_var: float = 0.0,
     split_var: float = 0.0,
     maxes: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    moments_NR4: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(..., R, 2) modelled variance of (d1, d2) for the row direction of C = A·B (swap the arguments for columns).
 
@@ -286,7 +288,10 @@ def _calibrated_var(
       reference:    (K·u²/3·RANDOM_WALK + op_var/2)·min(‖A_i‖²‖Bw‖∞², ‖A_i‖∞²‖Bw‖²)   (op_var/2: A's operand
                     rounding, shared by all columns j: Σ_k ε_k A_ik (Bw)_k)
       forming Bw:   n·u²/3·‖A_i‖²·(RANDOM_WALK·Σ_j w_j²‖B_j‖∞² + DRIFT·‖Bw‖∞²)   (max over the K sums (Bw)_l)
-    with the drift parts of the product and the reference in Bound.sq_coef / Bound.ref_sq_coef. The output-rounding
+    with the drift parts of the product and the reference in Bound.sq_coef / Bound.ref_sq_coef. moments_NR4: the
+    exact (Σ_j w_j² Σ_k a_k²b_kj², Σ_k a_k²(Bw)_k²) per weighting (with their floors), each used where it is below
+    its Hölder bound, in the product, reference and forming terms (forming: n·u²/3·(½ of the first + DRIFT × the
+    second), the sum over k of A_ik² times the variance of (Bw)_k). The output-rounding
     and checksum-summation terms scale with ΣC² of the vector and live in Bound.sq_coef.
     """
     a_sq_NR1 = a_norm_NR.square()[..., None]
@@ -311,12 +316,17 @@ def _calibrated_var(
         ref_max_sq_N2 = torch.minimum(ref_max_N2.square(), ref_max_sq_N2)
     holder_NR2 = torch.minimum(a_sq_NR1 * bmax_N2[..., None, :], amax_sq_NR1 * bsq_N2[..., None, :])
     ref_NR2 = torch.minimum(a_sq_NR1 * ref_max_sq_N2[..., None, :], amax_sq_NR1 * ref_sq_N2[..., None, :])
+    forming_NR2 = a_sq_NR1 * ((RANDOM_WALK * bmax_N2 + DRIFT * ref_max_sq_N2) * (n * u2))[..., None, :]
+    if moments_NR4 is not None:
+        holder_NR2 = torch.minimum(holder_NR2, moments_NR4[..., :2])
+        ref_NR2 = torch.minimum(ref_NR2, moments_NR4[..., 2:])
+        exact_NR2 = (RANDOM_WALK * moments_NR4[..., :2] + DRIFT * moments_NR4[..., 2:]) * (n * u2)
+        forming_NR2 = torch.minimum(forming_NR2, exact_NR2)
     # Operand rounding, per operand: B_kj's is independent over j (Σ_j w_j² Σ_k a_k² b_kj² ≤ Σ_j w_j² H_ij); A_ik's is
     # shared by every column j, so it enters d as Σ_k ε_k a_ik (Bw)_k (≤ the reference's Hölder form).
     var_NR2 = holder_NR2 * (RANDOM_WALK * k * u2 + u2 + op_var / 2) + ref_NR2 * (RANDOM_WALK * k * u2 + op_var / 2)
     var_NR2 = var_NR2 + a_sq_NR1 * (bsq_N2 * split_var)[..., None, :]
-    forming_N2 = (RANDOM_WALK * bmax_N2 + DRIFT * ref_max_sq_N2) * (n * u2)
-    return var_NR2 + a_sq_NR1 * forming_N2[..., None, :]
+    return var_NR2 + forming_NR2
 
 
 def bounds(
@@ -336,6 +346,7 @@ def bounds(
     b_max_NC: torch.Tensor | None = None,
     ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     walk: tuple[bool, bool] = (False, False),
+    moments_NR4: torch.Tensor | None = None,
 ) -> tuple[Bound, Bound]:
     """(row bound over (..., R), column bound over (..., C)) on |d1| for C = A·B (+ bias).
 
@@ -363,6 +374,10 @@ def bounds(
     a_max_NR, b_max_NC: ‖A_i‖∞ per row of A, ‖B_j‖∞ per column of B, for `walk` (None: the 2-norm, ‖x‖∞ ≤ ‖x‖₂).
     ref_maxes: (‖B w‖∞, ‖wᵀA‖∞) (..., 2), the reference vectors' ∞-norms; None: the smaller of ‖Bw‖₂ and
     Σ_j w_j‖B_j‖∞.
+    moments_NR4: per row (..., R, 4), as computed in fp32, for a `walk` row direction: Σ_j w_j² Σ_k A_ik² B_kj² and
+    Σ_k A_ik² (Bw)_k² for w = ones and 1..n ((A∘A)·[β, (Bw)∘(Bw)], β_k = Σ_j w_j² B_kj²: one skinny product, 4
+    columns): the exact second moments in place of their Hölder bounds (~2 ln K ≈ 16× lower on Gaussian-like
+    columns at K = 4096). Floored here by what fp32 squares and products below the smallest normal can drop.
     """
     n_rows, n_cols = a_norm_NR.shape[-1], b_norm_NC.shape[-1]
     if tol.mode == "extreme":
@@ -443,8 +458,21 @@ def bounds(
         rmax_row, rmax_col = (None if r is None else r.to(f64) for r in ref_maxes)
         maxes_row = (amax64, bmax64, rmax_row) if walk_row else None
         maxes_col = (bmax64, amax64, rmax_col) if walk_col else None
+    mom64 = None
+    if moments_NR4 is not None and walk_row:
+        # Squares below tiny are flushed in fp32: an x_k² loses ≤ tiny times b_kj² ((Bw)_k²) summed over k, a B or Bw
+        # square ≤ tiny times A_ik² (per unit weight²), and the skinny GEMM's K products ≤ tiny each; 1.01 covers its
+        # rounding.
+        tiny = torch.finfo(torch.float32).tiny
+        bsq_1, bsq_2 = _weighted_sq(b64)
+        w2_1, w2_2 = _weighted_sq(torch.ones_like(b64))
+        ref_sq_N2 = torch.cat(_weighted_sum(b64), -1).square() if row_ref is None else row_ref.square()
+        floor_N4 = tiny * (torch.cat([bsq_1, bsq_2, ref_sq_N2], -1) + k)
+        per_a_N4 = torch.cat([w2_1, w2_2, torch.ones_like(w2_1), torch.ones_like(w2_2)], -1)
+        mom64 = (1.01 * moments_NR4.to(f64) + floor_N4[..., None, :]
+                 + tiny * a64.square()[..., None] * per_a_N4[..., None, :])
     var_row = _calibrated_var(a64, b64, row_ref, k=k, u_acc=u_acc, op_var=op_var, split_var=split_var,
-                              maxes=maxes_row)
+                              maxes=maxes_row, moments_NR4=mom64)
     var_col = _calibrated_var(b64, a64, col_ref, k=k, u_acc=u_acc, op_var=op_var, split_var=split_var,
                               maxes=maxes_col)
     if bias_abs_C is not None:
