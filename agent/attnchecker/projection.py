@@ -21,6 +21,7 @@ from .abft import (
     group_sums_cols,
     group_sums_rows,
     repair,
+    square_times,
     times_skinny,
     weighted_cols,
 )
@@ -51,9 +52,6 @@ class _ProjectionInput:
     need it, and it is a pass over W."""
     x_max_NT: torch.Tensor | None = None
     """max_i |X_ti| per token, for the calibrated bound's random-walk model; made on the first full check."""
-    x_sq_NTI: torch.Tensor | None = None
-    """X∘X in the acc dtype, for the random-walk model's exact second moments (`second_moments`); made on first use
-    and shared by the slices of a fused projection."""
 
     @classmethod
     def of(cls, x_NTI: torch.Tensor) -> _ProjectionInput:
@@ -112,16 +110,20 @@ class _ProjectionInput:
         """(N, T·g, 4): per token and group of g runs of output features (w = 1 and 1..L, L = O/g), Σ_j w_j² Σ_i
         X_ti² W_ji² and Σ_i X_ti² (Wᵀw)_i², as (X∘X)·[β, (Wᵀw)∘(Wᵀw)] with β_i = Σ_j w_j² W_ji²: the random-walk
         model's product, reference and forming terms exactly (tolerance.bounds, moments_NR4), one skinny product of
-        4g columns (the row reference's is 2g)."""
+        4g columns (the row reference's is 2g), squaring X a block of rows at a time (abft.square_times)."""
         acc = self.x_acc_NTI.dtype
-        if self.x_sq_NTI is None:
-            self.x_sq_NTI = self.x_acc_NTI.square()
-        w_sq_gLI = weight_OI.to(acc).square().unflatten(0, (groups, -1))
-        pos_L = torch.arange(1, w_sq_gLI.shape[1] + 1, device=weight_OI.device, dtype=acc)
-        w2_L2 = torch.stack([torch.ones_like(pos_L), pos_L.square()], -1)
-        cols_Ig4 = torch.cat([torch.einsum("gli,lc->igc", w_sq_gLI, w2_L2),
-                              self.weight_sums(weight_OI, groups).square()], -1)
-        return times_skinny(self.x_sq_NTI, cols_Ig4.flatten(-2)).unflatten(-1, (groups, 4)).flatten(-3, -2)
+        pos_L = torch.arange(1, weight_OI.shape[0] // groups + 1, device=weight_OI.device, dtype=acc)
+        w2_2L = torch.stack([torch.ones_like(pos_L), pos_L.square()])
+        # β per group, one L × I block of W at a time, squared into one reused buffer ((2, L) @ (L, I)): a 4096²
+        # weight took 8 ms so, 60 ms squaring a fresh block each time (page faults) and 185 ms as an einsum over the
+        # (g, L, I) view (one thread, measured).
+        sq_LI = torch.empty(weight_OI.shape[0] // groups, weight_OI.shape[1], device=weight_OI.device, dtype=acc)
+        beta_g2I = torch.empty(groups, 2, weight_OI.shape[1], device=weight_OI.device, dtype=acc)
+        for h, blk in enumerate(weight_OI.chunk(groups)):
+            sq_LI.copy_(blk).square_()  # in the acc dtype: a bf16 weight's squares are made in fp32
+            torch.matmul(w2_2L, sq_LI, out=beta_g2I[h])
+        cols_Ig4 = torch.cat([beta_g2I.permute(2, 0, 1), self.weight_sums(weight_OI, groups).square()], -1)
+        return square_times(self.x_acc_NTI, cols_Ig4.flatten(-2)).unflatten(-1, (groups, 4)).flatten(-3, -2)
 
     def checks(
         self, y_NTO: torch.Tensor, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, *, tol: Tolerance,

@@ -192,3 +192,14 @@ def test_second_moments_are_exact_per_group(d_out) -> None:
     want_Tg4 = torch.cat([torch.stack([per_TgL.sum(-1), (per_TgL * pos_L.square()).sum(-1)], -1),
                           torch.einsum("ti,gic->tgc", x64.square(), ww_gI2.square())], -1)
     torch.testing.assert_close(got_NV4[0].double(), want_Tg4.flatten(0, 1), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(3, 200, 1024), (2, 7, 16)], ids=["blocked", "one-block"])
+def test_square_times_matches_the_plain_product(shape) -> None:
+    """abft.square_times squares a block of rows at a time on CPU (a batch blocked along its rows too)."""
+    from attnchecker.abft import square_times
+
+    gen = torch.Generator().manual_seed(1)
+    a, m = torch.randn(shape, generator=gen), torch.randn(shape[-1], 8, generator=gen)
+    want = a.double().square() @ m.double()
+    torch.testing.assert_close(square_times(a, m).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
