@@ -6,9 +6,10 @@ calibrated one (`calibrated_*`) is a probabilistic model: rounding errors as ind
 variance ≤ u²/3 relative to the partial sum they round (Higham & Mary 2019), so the residual's variance adds up over
 the K products and n summed elements instead of its magnitude; the threshold is `sigmas` standard deviations, capped by
 the rigorous bound. The partial sums it scales are bounded by Cauchy-Schwarz (|s_k| ≤ ‖A_i‖‖B_j‖, any data), or, in
-the directions `bounds(walk=...)` names, modelled as a random walk plus a drift: Σ_k s_k² ≈ K/2·Σ_k a_k²b_k² + K·C²,
-with Σ_k a_k²b_k² ≤ ‖a‖₂²‖b‖∞² (Hölder), for reductions without order along K whose errors are independent across
-the vector (projection rows). docs/abft.md has both models, their terms and the measurements that chose `sigmas`.
+the directions `bounds(walk=...)` names, modelled as a random walk plus a drift: Σ_k s_k² ≈ K/2·Σ_k a_k²b_k² +
+K/2·C², with Σ_k a_k²b_k² exact when the caller passes it (`moments_NR4`) or bounded by ‖a‖₂²‖b‖∞² (Hölder), for
+reductions without order along K whose errors are independent across the vector (projection rows). docs/abft.md has
+both models, their terms and the measurements that chose `sigmas`.
 
 Derivation (docs/abft.md has the long form). For C = A·B (+ bias b), row i, weights w over the C columns:
   computed C_ij = fl(A_i·B_j + b_j):  |err| <= γ_K P_ij + u_out (P_ij + |b_j|),  P_ij = Σ_k |A_ik||B_kj| <= ‖A_i‖‖B_j‖
