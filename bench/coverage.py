@@ -285,11 +285,41 @@ def bit_sweep(op: Op, trials: int, seed: int, tol: Tolerance) -> dict[str, dict[
     return out
 
 
-def residual_model(dtype_name: str, ks: tuple[int, ...], n: int, seed: int) -> list[dict[str, Any]]:
+RESIDUAL_DATA = ("llm", "drift", "sorted", "positional")
+"""Operands of the residual-model sweep. llm: `activations` against outlier-weighted columns. drift: both operands
+non-negative-mean (post-GELU-like A, positive-offset B): every product's partial sums drift with a common sign.
+sorted: A ≥ 0 and B's rows of one sign for k < K/2 and the other after, so every partial sum climbs to ~K/2 terms and
+falls back (C small): the ordering the random-walk model does not assume, its worst case. positional: `llm` with a
+strong sinusoid over the rows of A (one period per 256 tokens, 3x the per-feature scale, along one random direction),
+so every column of C has a smooth sign-changing profile over the tokens its checksums sum over."""
+
+
+def residual_operands(data: str, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """((1, n, K) A, (1, K, n) B) fp32 for one RESIDUAL_DATA kind."""
+    a = activations((1, n, k), gen)
+    b = (activations((1, n, k), gen, outliers=1.0) / math.sqrt(k)).mT.contiguous()
+    if data == "drift":
+        a, b = F.gelu(a), b.abs() * 0.5 + b
+    elif data == "positional":
+        wave_N1 = torch.sin(torch.arange(n) * (2 * math.pi / 256))[:, None]
+        a = a + 3.0 * wave_N1 * torch.randn(k, generator=gen)
+    elif data == "sorted":
+        sign_K1 = torch.where(torch.arange(k)[:, None] < k // 2, 1.0, -1.0)
+        a, b = a.abs(), b.abs() * sign_K1
+    return a, b
+
+
+def residual_model(dtype_name: str, ks: tuple[int, ...], n: int, seed: int, data: str = "llm",
+                   walk: bool = True) -> list[dict[str, Any]]:
     """Clean residuals against the model: z = |d| / modelled std per row and column vector of an (n, K) @ (K, n)
-    product of LLM-like operands, for each K. The threshold is `sigmas` z; the model is validated when the worst z
-    stays well below it."""
+    product (operands: RESIDUAL_DATA), for each K. The threshold is `sigmas` z; the model is validated when the worst
+    z stays well below it. walk: the random-walk model in both directions (operand ∞-norms passed to `bounds`, and the
+    rows' exact second moments as the engine's projection rows make them; the engine takes the model only for
+    projection rows, the columns here show the Hölder form), else Cauchy-Schwarz. These operands' rows are
+    independent draws, so the sweep tests the per-element model; the correlation of near-collinear rows is the clean
+    campaign's part."""
     from attnchecker.abft import (
+        abs_max,
         bounds,
         checksum_weights,
         checksums_of,
@@ -300,8 +330,8 @@ def residual_model(dtype_name: str, ks: tuple[int, ...], n: int, seed: int) -> l
     out = []
     for k in ks:
         gen = torch.Generator().manual_seed(seed + k)
-        a = activations((1, n, k), gen).to(dtype)
-        b = (activations((1, n, k), gen, outliers=1.0) / math.sqrt(k)).mT.contiguous().to(dtype)
+        a, b = residual_operands(data, n, k, gen)
+        a, b = a.to(dtype), b.to(dtype)
         with emulate_fp32_matmul("tf32") if dtype_name == "tf32" else contextlib.nullcontext(), torch.no_grad():
             c = product(a, b, dtype_name)
             a32, b32 = a.float(), b.float()
@@ -316,21 +346,28 @@ def residual_model(dtype_name: str, ks: tuple[int, ...], n: int, seed: int) -> l
                 refs = {"row": a32 @ bw, "col": (wa @ b32).mT}
                 rows, cols, sums = checksums_of(c, with_abs=dtype != torch.float32, with_sq=True)
                 u_op = fp32_matmul_operand_roundoff("cpu") if dtype == torch.float32 else None
+                maxes: dict[str, Any] = {}
+                if walk:
+                    w2 = torch.stack([w_c[:, 0], w_c[:, 1].square()], -1)  # (1, j²): the d1/d2 weights squared
+                    maxes = {"a_max_NR": abs_max(a32, dim=-1), "b_max_NC": abs_max(b32, dim=-2),
+                             "ref_maxes": (abs_max(bw, dim=-2), abs_max(wa, dim=-1)), "walk": (True, True),
+                             "moments_NR4": a32.square() @ torch.cat([b32.square() @ w2, bw.square()], -1)}
                 rules = dict(zip(("row", "col"), bounds(
                     torch.linalg.vector_norm(a32, dim=-1), torch.linalg.vector_norm(b32, dim=-2), k=k,
                     out_dtype=c.dtype, tol=Tolerance(), use_abs=dtype != torch.float32, operand_roundoff=u_op,
-                    ref_norms=(torch.linalg.vector_norm(bw, dim=-2), torch.linalg.vector_norm(wa, dim=-1))),
-                    strict=True))
+                    ref_norms=(torch.linalg.vector_norm(bw, dim=-2), torch.linalg.vector_norm(wa, dim=-1)),
+                    **maxes), strict=True))
             got = {"row": rows, "col": cols}
             z1, z2, flagged = [], [], 0
             for d in ("row", "col"):
                 chk = verify_direction(refs[d], got[d], rules[d], *sums.of(d))
-                s1, s2 = rules[d].sigma(sums.of(d)[1])
+                s1, s2 = rules[d].sigma(sums.of(d)[1], refs[d])
                 z1.append((chk.diff[..., 0].abs() / s1).flatten())
                 z2.append((chk.diff[..., 1].abs() / s2).flatten())
                 flagged += int(chk.bad.sum())
             z1_all, z2_all = torch.cat(z1).double(), torch.cat(z2).double()
-        out.append({"k": k, "n": n, "vectors": int(z1_all.numel()), "flagged": flagged,
+        out.append({"k": k, "n": n, "data": data, "model": "random_walk" if walk else "cauchy_schwarz",
+                    "vectors": int(z1_all.numel()), "flagged": flagged,
                     "z_d1": {"max": float(z1_all.max()), "p99": float(z1_all.quantile(0.99)),
                              "rms": float(z1_all.square().mean().sqrt())},
                     "z_d2": {"max": float(z2_all.max()), "p99": float(z2_all.quantile(0.99)),
@@ -400,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="faults,model,clean",
                    help="faults: injection sweeps; model: clean residuals vs the model (K up to 8192); clean: "
                         "false positives over --clean-checks")
+    p.add_argument("--residual-data", default="llm",
+                   help=f"comma list of {RESIDUAL_DATA}: the operands of the --parts model sweep")
+    p.add_argument("--ks", default=None, help="comma list of K for the --parts model sweep (default 64..8192)")
     p.add_argument("--sigmas", type=float, default=None,
                    help="the calibrated threshold in modelled standard deviations (default: the library's)")
     p.add_argument("--path", default="unfused", choices=("unfused", "tiled"),
@@ -463,11 +503,17 @@ def main(argv: list[str] | None = None) -> int:
                                    "2xRMS ungrouped", "2xRMS rigorous", "exp-bit flips", "top-8 mantissa",
                                    "flips >=2RMS", "check time grouped/ungrouped"]))
     ks = (16, 64) if args.tiny else (64, 512, 2048, 4096, 8192)
-    model = {d: residual_model(d, ks, 64 if args.tiny else 1024, args.seed) for d in dtypes} if "model" in parts else {}
+    if args.ks:
+        ks = tuple(int(x) for x in args.ks.split(","))
+    model: dict[str, list[dict[str, Any]]] = {}
+    for d in dtypes if "model" in parts else []:
+        model[d] = [r for data in args.residual_data.split(",") for walk in (True, False)
+                    for r in residual_model(d, ks, 64 if args.tiny else 1024, args.seed, data, walk)]
     if model:
-        print(_common.table([[d, r["k"], r["vectors"], r["z_d1"]["rms"], r["z_d1"]["max"], r["z_d2"]["max"],
-                              r["flagged"]] for d, rs in model.items() for r in rs],
-                            ["dtype", "K", "vectors", "rms z(d1)", "max z(d1)", "max z(d2)", "flagged"]))
+        print(_common.table([[d, r["data"], r["model"], r["k"], r["vectors"], r["z_d1"]["rms"], r["z_d1"]["max"],
+                              r["z_d2"]["rms"], r["z_d2"]["max"], r["flagged"]] for d, rs in model.items() for r in rs],
+                            ["dtype", "data", "model", "K", "vectors", "rms z(d1)", "max z(d1)", "rms z(d2)",
+                             "max z(d2)", "flagged"]))
     clean = {}
     if clean_checks and "clean" in parts:
         for dtype_name in dtypes:

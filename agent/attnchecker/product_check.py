@@ -43,6 +43,12 @@ def _tolerance(ctx: LayerContext) -> Tolerance:
     return Tolerance(mode=cfg.tolerance, factor=cfg.tolerance_factor)
 
 
+def _walks(tol: Tolerance) -> bool:
+    """Whether the bound is the calibrated one, whose random-walk model takes the operands' ∞-norms (`_verify`'s walk
+    and maxes): the other bounds do not need that pass."""
+    return tol.mode == "roundoff" and tol.calibrated
+
+
 def _groups(tol: Tolerance, n: int) -> int:
     """Checksum groups for a vector of length n under this tolerance: grouped round-off checks only (the paper's
     absolute threshold keeps one pair per vector)."""
@@ -78,6 +84,10 @@ def _verify(
     ref_norms: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     sq_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
     groups: tuple[int, int] = (1, 1),
+    maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    walk: tuple[bool, bool] = (False, False),
+    moments_NR4: torch.Tensor | None = None,
 ) -> Checks:
     """Both directions of C = A·B against references derived from the inputs (no sync). extra_*: error already in
     a passed reference (paper-faithful mode), added to the bound. operands_cast_to: autocast ran the product on
@@ -85,7 +95,11 @@ def _verify(
     sq_sums: (Σ_j C_ij² (..., R·g_r), Σ_i C_ij² (..., C·g_c)) per checksum group from the operands
     (abft.tiled.square_sums), for a C in the accumulation dtype: the calibrated bound then needs no pass over C.
     groups: (g_r, g_c) checksum groups per row and per column (abft/checksum.py); the references and ref_norms are
-    then per group: (..., R·g_r, 2), (..., C·g_c, 2), ((..., g_r, 2), (..., g_c, 2))."""
+    then per group: (..., R·g_r, 2), (..., C·g_c, 2), ((..., g_r, 2), (..., g_c, 2)).
+    walk: the (row, column) directions that take the calibrated bound's random-walk model (tolerance.bounds), with
+    maxes: (‖A_i‖∞ (..., R), ‖B_j‖∞ (..., C)) and ref_maxes: (‖B w‖∞, ‖wᵀA‖∞) shaped as ref_norms; moments_NR4:
+    (Σ_j w_j² Σ_k A_ik² B_kj², Σ_k A_ik² (Bw)_k²) per row vector and weighting, laid out as the row references
+    (..., R·g_r, 4), for a walk row (tolerance.bounds)."""
     roundoff = tol.mode == "roundoff"
     use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and roundoff
     want_sq = roundoff and tol.calibrated
@@ -99,19 +113,30 @@ def _verify(
     operand_u = fp32_matmul_operand_roundoff(c_NRC.device) if c_NRC.dtype == torch.float32 else None
     rule = functools.partial(
         bounds, k=k, out_dtype=c_NRC.dtype, tol=tol, use_abs=use_abs, gemm_accumulates_in=_gemm_accumulation(c_NRC),
-        operands_cast_to=operands_cast_to, operand_roundoff=operand_u,
+        operands_cast_to=operands_cast_to, operand_roundoff=operand_u, walk=walk,
     )
     g_r, g_c = groups
+    a_max, b_max = maxes
     if groups == (1, 1):
-        row_rule, col_rule = rule(a_norm_NR, b_norm_NC, bias_abs_C=bias_abs_C, ref_norms=ref_norms)
+        row_rule, col_rule = rule(a_norm_NR, b_norm_NC, bias_abs_C=bias_abs_C, ref_norms=ref_norms,
+                                  a_max_NR=a_max, b_max_NC=b_max, ref_maxes=ref_maxes, moments_NR4=moments_NR4)
     else:
         # Each group is the product of A with a column block of B (row groups) or of a row block of A with B (column
         # groups): the same bound on that sub-product, the groups a batch dim, then laid out as grouped vectors.
         row_rule = rule(a_norm_NR[..., None, :], b_norm_NC.unflatten(-1, (g_r, -1)),
                         bias_abs_C=None if bias_abs_C is None else bias_abs_C.unflatten(-1, (g_r, -1)),
-                        ref_norms=(ref_norms[0], None))[0].grouped()
+                        ref_norms=(ref_norms[0], None),
+                        a_max_NR=None if a_max is None else a_max[..., None, :],
+                        b_max_NC=None if b_max is None else b_max.unflatten(-1, (g_r, -1)),
+                        ref_maxes=(ref_maxes[0], None),
+                        # (..., R·g, 2) -> (..., g, R, 2): the groups a batch dim, as the rule is made
+                        moments_NR4=None if moments_NR4 is None
+                        else moments_NR4.unflatten(-2, (-1, g_r)).transpose(-3, -2))[0].grouped()
         col_rule = rule(a_norm_NR.unflatten(-1, (g_c, -1)), b_norm_NC[..., None, :], bias_abs_C=bias_abs_C,
-                        ref_norms=(None, ref_norms[1]))[1].grouped()
+                        ref_norms=(None, ref_norms[1]),
+                        a_max_NR=None if a_max is None else a_max.unflatten(-1, (g_c, -1)),
+                        b_max_NC=None if b_max is None else b_max[..., None, :],
+                        ref_maxes=(None, ref_maxes[1]))[1].grouped()
     if extra_row_NR is not None and roundoff:
         row_rule = row_rule.plus(extra_row_NR)
     if extra_col_NC is not None and roundoff:

@@ -14,18 +14,20 @@ import torch.nn.functional as F
 
 from .abft import (
     Tolerance,
+    abs_max,
     acc_dtype,
     bounds,
     checksum_weights,
     group_sums_cols,
     group_sums_rows,
     repair,
+    square_times,
     times_skinny,
     weighted_cols,
 )
 from .context import LayerContext
 from .passed_checksums import PassedProjection
-from .product_check import Checks, _dot, _Exact, _exact_math, _groups, _tolerance, _verify
+from .product_check import Checks, _dot, _Exact, _exact_math, _groups, _tolerance, _verify, _walks
 from .records import _any_bad, _count, _count_trips, _emit, _inject, _observe
 from .tripwire import extreme
 
@@ -48,6 +50,8 @@ class _ProjectionInput:
     wsum_last: tuple[torch.Tensor, int, torch.Tensor] | None = None
     """(weight, g_r, Wᵀw per group (I, g_r, 2)) of the last slice asked: its row reference and its ref norm both
     need it, and it is a pass over W."""
+    x_max_NT: torch.Tensor | None = None
+    """max_i |X_ti| per token, for the calibrated bound's random-walk model; made on the first full check."""
 
     @classmethod
     def of(cls, x_NTI: torch.Tensor) -> _ProjectionInput:
@@ -102,6 +106,25 @@ class _ProjectionInput:
             return row[0], col
         return row, col.unflatten(-1, (-1, 2))
 
+    def second_moments(self, weight_OI: torch.Tensor, groups: int) -> torch.Tensor:
+        """(N, T·g, 4): per token and group of g runs of output features (w = 1 and 1..L, L = O/g), Σ_j w_j² Σ_i
+        X_ti² W_ji² and Σ_i X_ti² (Wᵀw)_i², as (X∘X)·[β, (Wᵀw)∘(Wᵀw)] with β_i = Σ_j w_j² W_ji²: the random-walk
+        model's product, reference and forming terms exactly (tolerance.bounds, moments_NR4), one skinny product of
+        4g columns (the row reference's is 2g), squaring X a block of rows at a time (abft.square_times)."""
+        acc = self.x_acc_NTI.dtype
+        pos_L = torch.arange(1, weight_OI.shape[0] // groups + 1, device=weight_OI.device, dtype=acc)
+        w2_2L = torch.stack([torch.ones_like(pos_L), pos_L.square()])
+        # β per group, one L × I block of W at a time, squared into one reused buffer ((2, L) @ (L, I)): a 4096²
+        # weight took 8 ms so, 60 ms squaring a fresh block each time (page faults) and 185 ms as an einsum over the
+        # (g, L, I) view (one thread, measured).
+        sq_LI = torch.empty(weight_OI.shape[0] // groups, weight_OI.shape[1], device=weight_OI.device, dtype=acc)
+        beta_g2I = torch.empty(groups, 2, weight_OI.shape[1], device=weight_OI.device, dtype=acc)
+        for h, blk in enumerate(weight_OI.chunk(groups)):
+            sq_LI.copy_(blk).square_()  # in the acc dtype: a bf16 weight's squares are made in fp32
+            torch.matmul(w2_2L, sq_LI, out=beta_g2I[h])
+        cols_Ig4 = torch.cat([beta_g2I.permute(2, 0, 1), self.weight_sums(weight_OI, groups).square()], -1)
+        return square_times(self.x_acc_NTI, cols_Ig4.flatten(-2)).unflatten(-1, (groups, 4)).flatten(-3, -2)
+
     def checks(
         self, y_NTO: torch.Tensor, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, *, tol: Tolerance,
         cast_to: torch.dtype | None = None,
@@ -110,9 +133,25 @@ class _ProjectionInput:
         tolerance groups (no sync)."""
         w_norm_O, bias_abs = self.weight_norms(weight_OI, bias_O)
         g_r, g_c = _groups(tol, weight_OI.shape[0]), _groups(tol, self.x_NTI.shape[-2])
+        # The random-walk model for the rows (over the weight's output features) only: the columns run over tokens,
+        # whose rows of X can be nearly collinear (outlier channels), so their errors need not be independent
+        # (tolerance.bounds, `walk`).
+        walk = _walks(tol)
+        maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        moments = None
+        if walk:
+            if self.x_max_NT is None:
+                self.x_max_NT = abs_max(self.x_acc_NTI, dim=-1)
+            maxes = (self.x_max_NT, abs_max(weight_OI, dim=-1).to(self.x_acc_NTI.dtype))
+            # ‖Wᵀw‖∞ over the input features, per group (g_r, 2); ungrouped (2,), as ref_norms.
+            row_max = abs_max(self.weight_sums(weight_OI, g_r), dim=-3)
+            ref_maxes = (row_max[0] if g_r == 1 else row_max, None)
+            moments = self.second_moments(weight_OI, g_r)
         return _verify(y_NTO, self.feature_ref(weight_OI, bias_O, g_r), self.token_ref(weight_OI, bias_O, g_c),
                        self.x_norm_NT, w_norm_O, k=weight_OI.shape[1], tol=tol, bias_abs_C=bias_abs,
-                       operands_cast_to=cast_to, ref_norms=self.ref_norms(weight_OI, (g_r, g_c)), groups=(g_r, g_c))
+                       operands_cast_to=cast_to, ref_norms=self.ref_norms(weight_OI, (g_r, g_c)), groups=(g_r, g_c),
+                       maxes=maxes, ref_maxes=ref_maxes, walk=(walk, False), moments_NR4=moments)
 
     def weight_norms(
         self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None

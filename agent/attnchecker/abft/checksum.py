@@ -25,6 +25,7 @@ __all__ = [
     "GROUP_MIN",
     "DirectionCheck",
     "VectorSums",
+    "abs_max",
     "acc_dtype",
     "checksum_weights",
     "checksums_of",
@@ -33,6 +34,7 @@ __all__ = [
     "group_sums_cols",
     "group_sums_rows",
     "spread",
+    "square_times",
     "times_skinny",
     "vector_of",
     "vector_sum",
@@ -162,6 +164,28 @@ def col_norms(a_NRK: torch.Tensor) -> torch.Tensor:
         blk = a_NRK[..., i : i + step, :]
         sq_NK += (blk * blk).sum(-2)
     return sq_NK.sqrt()
+
+
+def square_times(a_NRK: torch.Tensor, m_Kc: torch.Tensor) -> torch.Tensor:
+    """(..., R, c) = (A∘A) @ M for a few columns c. On CPU a block of rows at a time, as col_norms: squaring all of a
+    (4096, 4096) X allocated a 64 MB copy and cost 56 ms (one thread, measured), more than the product."""
+    rows = a_NRK.shape[-2]
+    step = max(1, _BLOCK_ELEMENTS * rows // max(1, a_NRK.numel()))
+    if a_NRK.device.type != "cpu" or rows <= step:
+        return a_NRK.square() @ m_Kc
+    out_NRc = torch.empty(*a_NRK.shape[:-1], m_Kc.shape[-1], dtype=a_NRK.dtype, device=a_NRK.device)
+    for i in range(0, rows, step):
+        blk = a_NRK[..., i : i + step, :]
+        out_NRc[..., i : i + step, :] = (blk * blk) @ m_Kc
+    return out_NRc
+
+
+def abs_max(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """max |x| along dim (the ∞-norm the calibrated bound's random-walk model takes, tolerance.bounds) as
+    max(amax, -amin): two vectorised reductions, without the copy x.abs() would allocate. On CPU (one thread, a
+    (4096, 4096) fp32 x, measured): 3.6 ms, against 34 ms for torch.aminmax (one pass, not vectorised) and 31 ms for
+    x.abs().amax()."""
+    return torch.maximum(x.amax(dim), -x.amin(dim))
 
 
 def checksums_of(

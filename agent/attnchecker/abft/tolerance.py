@@ -5,7 +5,11 @@ like u·n·(K+n) times the operand norms: at 7B shapes an error must be ~100× t
 calibrated one (`calibrated_*`) is a probabilistic model: rounding errors as independent, mean-zero variables of
 variance ≤ u²/3 relative to the partial sum they round (Higham & Mary 2019), so the residual's variance adds up over
 the K products and n summed elements instead of its magnitude; the threshold is `sigmas` standard deviations, capped by
-the rigorous bound. docs/abft.md has the model, its terms and the measurements that chose `sigmas`.
+the rigorous bound. The partial sums it scales are bounded by Cauchy-Schwarz (|s_k| ≤ ‖A_i‖‖B_j‖, any data), or, in
+the directions `bounds(walk=...)` names, modelled as a random walk plus a drift: Σ_k s_k² ≈ K/2·Σ_k a_k²b_k² +
+K/2·C², with Σ_k a_k²b_k² exact when the caller passes it (`moments_NR4`) or bounded by ‖a‖₂²‖b‖∞² (Hölder), for
+reductions without order along K whose errors are independent across the vector (projection rows). docs/abft.md has
+both models, their terms and the measurements that chose `sigmas`.
 
 Derivation (docs/abft.md has the long form). For C = A·B (+ bias b), row i, weights w over the C columns:
   computed C_ij = fl(A_i·B_j + b_j):  |err| <= γ_K P_ij + u_out (P_ij + |b_j|),  P_ij = Σ_k |A_ik||B_kj| <= ‖A_i‖‖B_j‖
@@ -127,6 +131,9 @@ class Bound:
     sigmas: float = 0.0
     n: int = 1
     """Vector length (the largest d2 weight)."""
+    ref_sq_coef: float = 0.0
+    """Variance per unit of reference² (Σ_j w_j x_j)², for d1 and d2: the drift of partial sums whose terms share a
+    sign (the ∞-norm model of `bounds`). Needs the reference, as ref_coef does."""
 
     def of(self, abs_sum_NV: torch.Tensor | None, sq_sum_NV: torch.Tensor | None = None) -> torch.Tensor:
         """(..., V) the tolerance on |d1| (a rule with a common-mode term needs the reference: `pair`)."""
@@ -145,13 +152,16 @@ class Bound:
         rig = self.base if abs_sum_NV is None or self.abs_coef == 0.0 else self.base + self.abs_coef * abs_sum_NV
         rig2 = rig * self.n
         needs_sq = self.sq_coef != (0.0, 0.0)
-        has_ref = self.ref_coef == 0.0 or ref_NV2 is not None
+        has_ref = (self.ref_coef == 0.0 and self.ref_sq_coef == 0.0) or ref_NV2 is not None
         if self.var_NV2 is not None and has_ref and (sq_sum_NV is not None or not needs_sq):
             var1_NV, var2_NV = self.var_NV2[..., 0], self.var_NV2[..., 1]
             if needs_sq and sq_sum_NV is not None:
                 # ΣC² made in C's dtype drops every square below its smallest normal: n of them at most.
                 sq_NV = sq_sum_NV.to(var1_NV.dtype) + self.n * torch.finfo(sq_sum_NV.dtype).tiny
                 var1_NV, var2_NV = var1_NV + self.sq_coef[0] * sq_NV, var2_NV + self.sq_coef[1] * sq_NV
+            if self.ref_sq_coef != 0.0 and ref_NV2 is not None:
+                drift1_NV, drift2_NV = self._drift(ref_NV2, var1_NV.dtype)
+                var1_NV, var2_NV = var1_NV + drift1_NV, var2_NV + drift2_NV
             # The variance is float64 (it underflows fp32 for |C| < ~1e-15); the tolerance goes back to rig's dtype.
             # The offset is per-element absolute error (underflow: half a subnormal step each) summed over the vector;
             # d2 weighs element j by j, so it sums to (n + 1)/2 times d1's. fp16 gradients without loss scaling are
@@ -170,14 +180,27 @@ class Bound:
             rig2 = torch.minimum(rig2, cal2_NV.to(rig2.dtype))
         return _clamp(rig), _clamp(rig2)
 
-    def sigma(self, sq_sum_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _drift(self, ref_NV2: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d1, d2) drift variance ref_sq_coef × reference². A non-finite reference adds nothing (never flagged)."""
+        ref_NV2 = torch.nan_to_num(ref_NV2.to(dtype), nan=0.0, posinf=0.0, neginf=0.0)
+        sq_NV2 = ref_NV2.square() * self.ref_sq_coef
+        return sq_NV2[..., 0], sq_NV2[..., 1]
+
+    def sigma(self, sq_sum_NV: torch.Tensor, ref_NV2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The modelled standard deviation of (d1, d2) per vector, before `sigmas`, the offset and the ceiling (for
-        validating the model: measured |d| / sigma is a z-score)."""
+        validating the model: measured |d| / sigma is a z-score). ref_NV2: the reference checksums, for a rule with a
+        drift term (ref_sq_coef)."""
         if self.var_NV2 is None:
             raise ValueError("sigma() needs a calibrated bound (Tolerance(calibrated=True), mode 'roundoff')")
+        if self.ref_sq_coef != 0.0 and ref_NV2 is None:
+            raise ValueError("sigma() of a rule with a drift term needs the reference checksums")
         sq_NV = sq_sum_NV.to(self.var_NV2.dtype)
-        return ((self.var_NV2[..., 0] + self.sq_coef[0] * sq_NV).sqrt(),
-                (self.var_NV2[..., 1] + self.sq_coef[1] * sq_NV).sqrt())
+        var1_NV = self.var_NV2[..., 0] + self.sq_coef[0] * sq_NV
+        var2_NV = self.var_NV2[..., 1] + self.sq_coef[1] * sq_NV
+        if self.ref_sq_coef != 0.0 and ref_NV2 is not None:
+            drift1_NV, drift2_NV = self._drift(ref_NV2, var1_NV.dtype)
+            var1_NV, var2_NV = var1_NV + drift1_NV, var2_NV + drift2_NV
+        return var1_NV.sqrt(), var2_NV.sqrt()
 
     def plus(self, extra_NV: torch.Tensor) -> Bound:
         """This bound with an absolute error (a passed reference's own round-off) added to both parts."""
@@ -228,6 +251,16 @@ def _weighted_sum(norm_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return norm_NV.sum(-1, keepdim=True), (norm_NV * w_V).sum(-1, keepdim=True)
 
 
+RANDOM_WALK = 0.5
+"""Σ_k s_k² of the K partial sums s_k of a dot product whose products p_l have no common sign, per unit of
+K·Σ_l p_l²: the partial sums are a random walk, E s_k² = k·mean(p²), summed over k ≈ K²/2·mean(p²) (`bounds`)."""
+DRIFT = 0.5
+"""Σ_k s_k² per unit of K·(final sum)²: the part of the partial sums that a common sign (or one dominant product)
+drives. A constant drift gives 1/3 (Σ_k (k/K)² ≈ K/3). One dominant product p first in the order keeps every partial
+sum at ≈ p: Σ_k s_k² ≈ K·p², which the walk's RANDOM_WALK·K·p² (p² ≤ Σ_l p_l²) and DRIFT·K·C² (C ≈ p) cover
+together at 1/2 each (`bounds`)."""
+
+
 def _calibrated_var(
     a_norm_NR: torch.Tensor,
     b_norm_NC: torch.Tensor,
@@ -235,16 +268,32 @@ def _calibrated_var(
     *,
     k: int,
     u_acc: float,
-    prod_var: float,
+    op_var: float = 0.0,
+    split_var: float = 0.0,
+    maxes: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    moments_NR4: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(..., R, 2) modelled variance of (d1, d2) for the row direction of C = A·B (swap the arguments for columns).
 
-    Per row i, for weights w (1, or 1..n over the n columns j), each term is (rounding variance) × (what it scales):
-      product C_ij (K-long dot, each step's error ≤ u·|partial sum| ≤ u‖A_i‖‖B_j‖; plus operand rounding):
-                                                        prod_var·‖A_i‖²·Σ_j w_j²‖B_j‖²
+    Per row i, for weights w (1, or 1..n over the n columns j), each term is (rounding variance) × (what it scales).
+    Without `maxes` (the Cauchy-Schwarz model: every partial sum ≤ ‖A_i‖‖B_j‖):
+      product C_ij (K-long dot, each step's error ≤ u·|partial sum| ≤ u‖A_i‖‖B_j‖; plus operand rounding op_var and
+      the half-precision split-K part split_var):       (K·u²/3 + op_var + split_var)·‖A_i‖²·Σ_j w_j²‖B_j‖²
       reference A_i·(Bw) (K-long dot):                  K·u²/3·‖A_i‖²·‖Bw‖²
       forming Bw (n-long sums per k):                   n·u²/3·‖A_i‖²·Σ_j w_j²‖B_j‖²
-    The output-rounding and checksum-summation terms scale with ΣC² of the vector and live in Bound.sq_coef.
+    With maxes = (‖A_i‖∞ (..., R), ‖B_j‖∞ (..., C), ‖Bw‖∞ (..., 2) or None), the random-walk model (`bounds`):
+    Σ_k a_k²b_k² ≤ H_ij = min(‖A_i‖²‖B_j‖∞², ‖A_i‖∞²‖B_j‖²) (Hölder), and
+      product:      (RANDOM_WALK·K·u²/3 + u²/3 + op_var/2)·Σ_j w_j²H_ij + split_var·‖A_i‖²·Σ_j w_j²‖B_j‖²
+                    (u²/3 the rounding of each product; B's operand rounding scales Σ_k a_k²b_k²; the
+                    half-precision split-K part keeps the Cauchy-Schwarz form)
+      reference:    (K·u²/3·RANDOM_WALK + op_var/2)·min(‖A_i‖²‖Bw‖∞², ‖A_i‖∞²‖Bw‖²)   (op_var/2: A's operand
+                    rounding, shared by all columns j: Σ_k ε_k A_ik (Bw)_k)
+      forming Bw:   n·u²/3·‖A_i‖²·(RANDOM_WALK·Σ_j w_j²‖B_j‖∞² + DRIFT·‖Bw‖∞²)   (max over the K sums (Bw)_l)
+    with the drift parts of the product and the reference in Bound.sq_coef / Bound.ref_sq_coef. moments_NR4: the
+    exact (Σ_j w_j² Σ_k a_k²b_kj², Σ_k a_k²(Bw)_k²) per weighting (with their floors), each used where it is below
+    its Hölder bound, in the product, reference and forming terms (forming: n·u²/3·(½ of the first + DRIFT × the
+    second), the sum over k of A_ik² times the variance of (Bw)_k). The output-rounding
+    and checksum-summation terms scale with ΣC² of the vector and live in Bound.sq_coef.
     """
     a_sq_NR1 = a_norm_NR.square()[..., None]
     bsq_1, bsq_2 = _weighted_sq(b_norm_NC)
@@ -253,9 +302,32 @@ def _calibrated_var(
     else:
         ref1, ref2 = ref_norm_N2[..., :1], ref_norm_N2[..., 1:]
     n = b_norm_NC.shape[-1]
-    per_b_N2 = torch.cat([bsq_1, bsq_2], -1) * (prod_var + n * u_acc**2 / 3)
-    per_b_N2 = per_b_N2 + torch.cat([ref1, ref2], -1).square() * (k * u_acc**2 / 3)
-    return a_sq_NR1 * per_b_N2[..., None, :]
+    u2 = u_acc**2 / 3
+    bsq_N2, ref_sq_N2 = torch.cat([bsq_1, bsq_2], -1), torch.cat([ref1, ref2], -1).square()
+    if maxes is None:
+        per_b_N2 = bsq_N2 * (k * u2 + op_var + split_var + n * u2) + ref_sq_N2 * (k * u2)
+        return a_sq_NR1 * per_b_N2[..., None, :]
+    a_max_NR, b_max_NC, ref_max_N2 = maxes
+    amax_sq_NR1 = a_max_NR.square()[..., None]
+    bmax_1, bmax_2 = _weighted_sq(b_max_NC)
+    bmax_N2 = torch.cat([bmax_1, bmax_2], -1)
+    # ‖Bw‖∞ ≤ Σ_j w_j‖B_j‖∞ and ≤ ‖Bw‖₂ when the caller has no better.
+    ref_max_sq_N2 = torch.minimum(torch.cat(_weighted_sum(b_max_NC), -1).square(), ref_sq_N2)
+    if ref_max_N2 is not None:
+        ref_max_sq_N2 = torch.minimum(ref_max_N2.square(), ref_max_sq_N2)
+    holder_NR2 = torch.minimum(a_sq_NR1 * bmax_N2[..., None, :], amax_sq_NR1 * bsq_N2[..., None, :])
+    ref_NR2 = torch.minimum(a_sq_NR1 * ref_max_sq_N2[..., None, :], amax_sq_NR1 * ref_sq_N2[..., None, :])
+    forming_NR2 = a_sq_NR1 * ((RANDOM_WALK * bmax_N2 + DRIFT * ref_max_sq_N2) * (n * u2))[..., None, :]
+    if moments_NR4 is not None:
+        holder_NR2 = torch.minimum(holder_NR2, moments_NR4[..., :2])
+        ref_NR2 = torch.minimum(ref_NR2, moments_NR4[..., 2:])
+        exact_NR2 = (RANDOM_WALK * moments_NR4[..., :2] + DRIFT * moments_NR4[..., 2:]) * (n * u2)
+        forming_NR2 = torch.minimum(forming_NR2, exact_NR2)
+    # Operand rounding, per operand: B_kj's is independent over j (Σ_j w_j² Σ_k a_k² b_kj² ≤ Σ_j w_j² H_ij); A_ik's is
+    # shared by every column j, so it enters d as Σ_k ε_k a_ik (Bw)_k (≤ the reference's Hölder form).
+    var_NR2 = holder_NR2 * (RANDOM_WALK * k * u2 + u2 + op_var / 2) + ref_NR2 * (RANDOM_WALK * k * u2 + op_var / 2)
+    var_NR2 = var_NR2 + a_sq_NR1 * (bsq_N2 * split_var)[..., None, :]
+    return var_NR2 + forming_NR2
 
 
 def bounds(
@@ -271,6 +343,11 @@ def bounds(
     operands_cast_to: torch.dtype | None = None,
     operand_roundoff: float | None = None,
     ref_norms: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    a_max_NR: torch.Tensor | None = None,
+    b_max_NC: torch.Tensor | None = None,
+    ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    walk: tuple[bool, bool] = (False, False),
+    moments_NR4: torch.Tensor | None = None,
 ) -> tuple[Bound, Bound]:
     """(row bound over (..., R), column bound over (..., C)) on |d1| for C = A·B (+ bias).
 
@@ -287,6 +364,21 @@ def bounds(
     ref_norms: (‖B w‖ (..., 2), ‖wᵀA‖ (..., 2)) for w = ones and 1..n, the vectors the row (column) references are
     dotted with, for the calibrated model; None falls back to the triangle inequality (Σ_j w_j ‖B_j‖), which is
     √n looser on uncorrelated columns.
+    walk: (row, column): the directions whose calibrated part takes the random-walk model (`_calibrated_var`,
+    docs/abft.md): the K partial sums of a dot product as a random walk plus a drift, bounded by Hölder
+    (Σ_k a_k²b_k² ≤ ‖a‖₂²‖b‖∞²) instead of Cauchy-Schwarz on every partial sum, about K/ln K less variance on
+    Gaussian-like data. Its rule needs the references (`Bound.pair(..., ref_NV2)`) for the drift term. Only for vectors
+    whose products' rounding errors are independent across the vector: a row of X·Wᵀ runs over the weight's distinct
+    rows; a vector over tokens does not qualify, since activations with outlier channels make the rows of X nearly
+    collinear and their products round alike (a whole column's errors of one sign in the clean campaign: docs/abft.md).
+    The other direction keeps the Cauchy-Schwarz model, whose per-element slack absorbs that correlation.
+    a_max_NR, b_max_NC: ‖A_i‖∞ per row of A, ‖B_j‖∞ per column of B, for `walk` (None: the 2-norm, ‖x‖∞ ≤ ‖x‖₂).
+    ref_maxes: (‖B w‖∞, ‖wᵀA‖∞) (..., 2), the reference vectors' ∞-norms; None: the smaller of ‖Bw‖₂ and
+    Σ_j w_j‖B_j‖∞.
+    moments_NR4: per row (..., R, 4), as computed in fp32, for a `walk` row direction: Σ_j w_j² Σ_k A_ik² B_kj² and
+    Σ_k A_ik² (Bw)_k² for w = ones and 1..n ((A∘A)·[β, (Bw)∘(Bw)], β_k = Σ_j w_j² B_kj²: one skinny product, 4
+    columns): the exact second moments in place of their Hölder bounds (~2 ln K ≈ 16× lower on Gaussian-like
+    columns at K = 4096). Floored here by what fp32 squares and products below the smallest normal can drop.
     """
     n_rows, n_cols = a_norm_NR.shape[-1], b_norm_NC.shape[-1]
     if tol.mode == "extreme":
@@ -343,24 +435,47 @@ def bounds(
     # The calibrated model (module docstring, docs/abft.md): variances, not magnitudes, add up.
     acc = acc_dtype(out_dtype)
     u_acc = torch.finfo(acc).eps / 2
-    prod_var = k * u_acc**2 / 3
-    if gemm_accumulates_in is not None:
-        prod_var += min(k, 64) * (torch.finfo(gemm_accumulates_in).eps / 2) ** 2 / 3
+    u2 = u_acc**2 / 3
+    split_var = min(k, 64) * (torch.finfo(gemm_accumulates_in).eps / 2) ** 2 / 3 if gemm_accumulates_in else 0.0
     u_ops = [torch.finfo(operands_cast_to).eps / 2] if operands_cast_to is not None else []
     u_ops += [operand_roundoff] if operand_roundoff is not None else []
-    if u_ops:
-        # Each product a_k b_k carries both operands' rounding: 2u²/3 relative variance, ≤ ‖A_i‖²‖B_j‖² in all.
-        prod_var += 2 * max(u_ops) ** 2 / 3
-    # Output rounding (half dtypes: fp32 outputs round inside the K-long sum) and the checksum's own n-long sum
-    # (partial sums ≤ ‖w∘C‖₁ ≤ √n ‖w∘C‖₂), both per unit of ΣC²; Σ_j j² C_ij² ≤ n² ΣC² for d2.
+    # Each product a_k b_k carries both operands' rounding: 2u²/3 relative variance, ≤ Σ_k a_k²b_k² in all.
+    op_var = 2 * max(u_ops) ** 2 / 3 if u_ops else 0.0
+    # Output rounding (half dtypes: fp32 outputs round inside the K-long sum) and the checksum's own n-long sum, both
+    # per unit of ΣC²; Σ_j j² C_ij² ≤ n² ΣC² for d2. Cauchy-Schwarz model: the checksum's partial sums are
+    # ≤ ‖w∘C‖₁ ≤ √n ‖w∘C‖₂ (n² u²/3 per ΣC²). Random-walk model: RANDOM_WALK·n u²/3 per ΣC², its drift
+    # DRIFT·n u²/3 per (Σ_j w_j C_ij)² ≈ reference², and the product's own drift DRIFT·K u²/3 per C_ij².
     u_out_var = n_round * u_out**2 / 3 if acc != out_dtype else 0.0
+    walk_row, walk_col = walk
     # Variances in float64: u²·‖A_i‖²·‖B_j‖² underflows fp32 once the product's values are below ~1e-15 (vanishing
     # gradients), which would leave only the underflow offset as the tolerance. Per-vector tensors: cheap in fp64.
     f64 = torch.float64
     a64, b64 = a_norm_NR.to(f64), b_norm_NC.to(f64)
     row_ref, col_ref = (None if r is None else r.to(f64) for r in ref_norms)
-    var_row = _calibrated_var(a64, b64, row_ref, k=k, u_acc=u_acc, prod_var=prod_var)
-    var_col = _calibrated_var(b64, a64, col_ref, k=k, u_acc=u_acc, prod_var=prod_var)
+    maxes_row = maxes_col = None
+    if walk_row or walk_col:
+        amax64 = a64 if a_max_NR is None else a_max_NR.to(f64)
+        bmax64 = b64 if b_max_NC is None else b_max_NC.to(f64)
+        rmax_row, rmax_col = (None if r is None else r.to(f64) for r in ref_maxes)
+        maxes_row = (amax64, bmax64, rmax_row) if walk_row else None
+        maxes_col = (bmax64, amax64, rmax_col) if walk_col else None
+    mom64 = None
+    if moments_NR4 is not None and walk_row:
+        # Squares below tiny are flushed in fp32: an x_k² loses ≤ tiny times b_kj² ((Bw)_k²) summed over k, a B or Bw
+        # square ≤ tiny times A_ik² (per unit weight²), and the skinny GEMM's K products ≤ tiny each; 1.01 covers its
+        # rounding.
+        tiny = torch.finfo(torch.float32).tiny
+        bsq_1, bsq_2 = _weighted_sq(b64)
+        w2_1, w2_2 = _weighted_sq(torch.ones_like(b64))
+        ref_sq_N2 = torch.cat(_weighted_sum(b64), -1).square() if row_ref is None else row_ref.square()
+        floor_N4 = tiny * (torch.cat([bsq_1, bsq_2, ref_sq_N2], -1) + k)
+        per_a_N4 = torch.cat([w2_1, w2_2, torch.ones_like(w2_1), torch.ones_like(w2_2)], -1)
+        mom64 = (1.01 * moments_NR4.to(f64) + floor_N4[..., None, :]
+                 + tiny * a64.square()[..., None] * per_a_N4[..., None, :])
+    var_row = _calibrated_var(a64, b64, row_ref, k=k, u_acc=u_acc, op_var=op_var, split_var=split_var,
+                              maxes=maxes_row, moments_NR4=mom64)
+    var_col = _calibrated_var(b64, a64, col_ref, k=k, u_acc=u_acc, op_var=op_var, split_var=split_var,
+                              maxes=maxes_col)
     if bias_abs_C is not None:
         # Row references add b·w (n-long sums); column references add (Σw) b_j: both rounded once more.
         bias64_C = bias_abs_C.to(f64)
@@ -369,8 +484,8 @@ def bounds(
         sums_C2 = torch.stack([bias64_C * n_rows, bias64_C * (n_rows * (n_rows + 1) / 2)], -1)
         var_col = var_col + (u_acc**2 / 3) * sums_C2.square()
     z = tol.sigmas * tol.factor
-    c_row = u_out_var + n_cols**2 * u_acc**2 / 3
-    c_col = u_out_var + n_rows**2 * u_acc**2 / 3
+    c_row = u_out_var + ((RANDOM_WALK * n_cols + DRIFT * k) if walk_row else n_cols**2) * u2
+    c_col = u_out_var + ((RANDOM_WALK * n_rows + DRIFT * k) if walk_col else n_rows**2) * u2
     # Output rounding is not independent when a vector's values are near-equal: a context column under near-uniform
     # attention holds 64 values ~1.2475 that all round up to 1.25 in bf16, and their errors add linearly (BERT and
     # GPT-2 bf16 runs of bench/clean_campaign.py: |d1| up to 2.1× the variance-only threshold). So the rounding error
@@ -378,7 +493,17 @@ def bounds(
     # Σ_j w_j err_j ≤ u_out·|Σ_j w_j x_j| + (independent part), the first term added linearly at face value (not
     # multiplied by `sigmas`: it is a worst case, not a deviation). Σ_j w_j x_j is the reference checksum itself.
     ref_coef = slack * n_round * u_out if acc != out_dtype else 0.0
+    # TF32 tensor cores may truncate operands: each product's relative error then has a mean of up to u_in/2 per
+    # operand (half a truncation unit), the same sign for every product, so Σ_j w_j err_ij carries a common-mode part
+    # ≤ u_in·|Σ_j w_j C_ij| (added linearly, as the output rounding's). The Cauchy-Schwarz model's operand term
+    # (2u_in²/3·‖A_i‖²Σ_j w_j²‖B_j‖², ~√n·‖A_i‖‖B‖ wide) covered it; the random-walk one does not.
+    trunc = slack * operand_roundoff if operand_roundoff is not None else 0.0
+    # The drift of the reference's K-long dot and of the checksum's n-long sum, per unit of reference².
+    drift_row = DRIFT * (k + n_cols) * u2 if walk_row else 0.0
+    drift_col = DRIFT * (k + n_rows) * u2 if walk_col else 0.0
     return (
-        Bound(row_NR, coef_row, var_row, (c_row, c_row * n_cols**2), ref_coef, under_row, z, n_cols),
-        Bound(col_NC, coef_col, var_col, (c_col, c_col * n_rows**2), ref_coef, under_col, z, n_rows),
+        Bound(row_NR, coef_row, var_row, (c_row, c_row * n_cols**2), ref_coef + (trunc if walk_row else 0.0),
+              under_row, z, n_cols, drift_row),
+        Bound(col_NC, coef_col, var_col, (c_col, c_col * n_rows**2), ref_coef + (trunc if walk_col else 0.0),
+              under_col, z, n_rows, drift_col),
     )
