@@ -46,12 +46,16 @@ class FusedBackwardFault(TorchDispatchMode):
         return out
 
 
-def quiet_step(arch: str, mode: TorchDispatchMode, policy: Policy | None = None
+def quiet_step(arch: str, mode: TorchDispatchMode, policy: Policy | None = None, *, checkpointing: bool = False
                ) -> tuple[dict[str, torch.Tensor], bool, list, dict[str, int]]:
     """Protect a fresh seeded model as the README does, train (lr 0: every step the same function) until a step whose
     whole-step GEMMs are not due, and run that step under ``mode``: (gradients, weights finite after the optimizer
-    step, detections of that step, tier checks of the run)."""
+    step, detections of that step, tier checks of the run). checkpointing: transformers' gradient checkpointing, so
+    each layer's forward runs again inside backward (its GEMMs are hit there too)."""
     model = build(arch)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     guard = attnchecker.protect(model, optimizer=opt, scope="all", policy=policy or Policy())
     try:
@@ -80,10 +84,14 @@ def quiet_step(arch: str, mode: TorchDispatchMode, policy: Policy | None = None
         guard.close()
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
-def test_a_fault_in_any_gemm_of_a_quiet_step_is_caught_by_the_tripwire_and_corrected(arch: str) -> None:
+@pytest.mark.parametrize(("arch", "checkpointing"), [("gpt2", False), ("llama", False), ("bert", False),
+                                                    ("gpt2", True), ("llama", True)])
+def test_a_fault_in_any_gemm_of_a_quiet_step_is_caught_by_the_tripwire_and_corrected(arch: str, checkpointing: bool
+                                                                                     ) -> None:
+    """With gradient checkpointing, the layers' forward GEMMs run a second time inside backward (the recomputation
+    whose outputs the backward GEMMs read): those are hit too."""
     recorder = GemmInjector()
-    clean, finite, detections, tiers = quiet_step(arch, recorder)
+    clean, finite, detections, tiers = quiet_step(arch, recorder, checkpointing=checkpointing)
     assert finite and not detections
     assert tiers["tripwire"] > 0
     targets = [c for c in recorder.calls if is_model_gemm(c)]
@@ -93,7 +101,7 @@ def test_a_fault_in_any_gemm_of_a_quiet_step_is_caught_by_the_tripwire_and_corre
     for n, call in enumerate(targets):
         kind = KINDS[n % len(KINDS)]
         inj = GemmInjector(target=call.index, kind=kind, element=7 + 13 * n)
-        grads, finite, detections, _ = quiet_step(arch, inj)
+        grads, finite, detections, _ = quiet_step(arch, inj, checkpointing=checkpointing)
         assert inj.hit == call, "the faulty run made different GEMM calls before the target"
         worst = worst_rel(grads, clean)
         if not (finite and worst <= 1e-5 and detections
@@ -188,3 +196,20 @@ def test_a_whole_step_catch_brings_the_whole_step_back_to_full_checks() -> None:
         assert guard.check_config.checks("out")
     finally:
         guard.close()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_with_gradient_checkpointing_the_backward_reruns_each_layers_forward_gemms(arch: str) -> None:
+    """What makes the checkpointed cases of the test above different: every checkpointed layer's forward GEMMs run
+    again in the backward phase, so faults there land on the recomputation the backward GEMMs read."""
+    plain, ckpt = GemmInjector(), GemmInjector()
+    quiet_step(arch, plain)
+    quiet_step(arch, ckpt, checkpointing=True)
+
+    def count(rec: GemmInjector, phase: str) -> int:
+        return sum(c.phase == phase and is_model_gemm(c) for c in rec.calls)
+
+    assert count(ckpt, "forward") == count(plain, "forward")
+    rerun = count(ckpt, "backward") - count(plain, "backward")
+    # The layers' Linear GEMMs, once more each: all forward GEMMs but the LM head (outside the checkpointed layers).
+    assert 0 < rerun < count(plain, "forward")
