@@ -5,10 +5,11 @@ values), in both scopes and both checkpoint implementations, with no detection o
 the recomputation are covered by test_whole_step_tripwire.py."""
 from __future__ import annotations
 
-import attnchecker
 import pytest
 import torch
 from model_zoo import batch, build, loss_of
+
+import attnchecker
 
 STEPS = 6
 
