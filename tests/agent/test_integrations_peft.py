@@ -12,6 +12,7 @@ import attnchecker
 import pytest
 import torch
 from gemm_faults import GemmFault, GemmFaults, gemm_shapes
+from gemm_injector import GemmInjector, is_model_gemm, worst_rel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_zoo import BATCH, SEQ, batch, build, loss_of
@@ -269,3 +270,67 @@ def test_lora_hook_does_nothing_when_nothing_is_due(make_ctx, mode) -> None:
     assert torch.equal(got, want)
     assert ctx.runtime.stats.checks["q"] == 0
     assert not rec.detections
+
+
+ALL_SCOPE_RANK = 6
+"""A LoRA rank no checksum product shares a shape with (those have 1, 2 or 2·g columns), so the adapter's GEMMs are
+told apart from the checks' own products by shape alone."""
+
+
+def _lora_all_scope_step(arch: str, mode: GemmInjector, *, scope: str | None = "all", eager: bool = False
+                         ) -> tuple[dict[str, torch.Tensor], bool, list]:
+    """One SGD step of a LoRA model (every Linear of attention and MLP adapted, the base frozen) under ``mode``:
+    (gradients, weights finite after the step, detections). scope None: unprotected."""
+    targets = {"gpt2": ["c_attn", "c_proj", "c_fc"],
+               "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}[arch]
+    model = build(arch)
+    cfg = peft.LoraConfig(r=ALL_SCOPE_RANK, lora_alpha=6, target_modules=targets, init_lora_weights=False,
+                          fan_in_fan_out=arch == "gpt2")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(model, cfg).train()
+    if eager:
+        model.base_model.model.set_attn_implementation("eager")
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    guard = attnchecker.protect(model, optimizer=opt, scope=scope) if scope else None
+    try:
+        with mode:
+            loss = loss_of(arch, model, batch(arch, 0))
+            mode.phase = "backward"
+            loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        return grads, all(bool(torch.isfinite(p).all()) for p in model.parameters()), list(
+            guard.detections) if guard else []
+    finally:
+        if guard:
+            guard.close()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_lora_adapter_gemms_are_corrected_under_scope_all(arch: str) -> None:
+    """protect(scope="all") on a LoRA model: the adapters' own GEMMs (x·Aᵀ, (x·Aᵀ)·Bᵀ forward; their dX and dW, the
+    only weight gradients a LoRA step makes) are ordinary Linear GEMMs to the whole-step checks. Each one, hit by
+    the shape-chosen injector below autograd (INF, NaN, 3e20, an exponent flip), is corrected: the adapter gradients
+    equal the fault-free step's, the weights stay finite."""
+    recorder = GemmInjector()
+    clean, finite, detections = _lora_all_scope_step(arch, recorder)
+    assert finite and not detections
+    plain, _, _ = _lora_all_scope_step(arch, GemmInjector(), scope=None)
+    assert worst_rel(clean, plain) <= 1e-5
+    signatures = GemmInjector()
+    _lora_all_scope_step(arch, signatures, scope=None, eager=True)
+    lora_shaped = {(c.shape, c.k) for c in signatures.calls
+                   if is_model_gemm(c) and (ALL_SCOPE_RANK in c.shape or c.k == ALL_SCOPE_RANK)}
+    targets = [c for c in recorder.calls if (c.shape, c.k) in lora_shaped]
+    assert {c.phase for c in targets} == {"forward", "backward"}
+    failures = []
+    for n, call in enumerate(targets):
+        kind = ("inf", "nan", "near_inf", "bitflip")[n % 4]
+        inj = GemmInjector(target=call.index, kind=kind, element=7 + 13 * n)
+        grads, finite, detections = _lora_all_scope_step(arch, inj)
+        assert inj.hit == call
+        worst = worst_rel(grads, clean)
+        if not (finite and worst <= 1e-5 and detections
+                and all(d.action in ("corrected", "recomputed") for d in detections)):
+            failures.append((call, kind, worst, [(d.op, d.action) for d in detections]))
+    assert not failures, failures
