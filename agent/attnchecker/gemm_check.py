@@ -33,7 +33,8 @@ after it flags. Row: its checksums and bound sums are contiguous reductions of C
 
 def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft") -> int:
     """Verify every GEMM in one direction, then (one sync) run the recovery ladder, with both directions, on those
-    flagged. C is repaired in place. Returns how many GEMMs flagged. tier: "tripwire" for a tier-1 recovery
+    flagged. C is repaired in place. Returns how many GEMMs it reported (flagged, and not an fp16 overflow:
+    ``_overflowed``). tier: "tripwire" for a tier-1 recovery
     (``trip_gemms``): its events say so, and its time counts as tier 1's, not as the scheduled checks'."""
     if not gemms or ctx.config.mode == "off":
         return 0
@@ -56,10 +57,14 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft") -> 
     pending = [(gemm, checks, seconds + shared) for gemm, checks, seconds in pending]
     flagged = flags.tolist()  # sync: the one per checked call (a layer's forward, or its backward); gates the slow path
     correct = ctx.config.mode == "correct"
+    reported = 0
     for (gemm, _checks, seconds), bad in zip(pending, flagged, strict=True):
         op, c, a, b, bias = gemm
         t0 = time.perf_counter()
+        if bad and _overflowed(c, a, b, bias):
+            bad = False
         if bad:
+            reported += 1
             with _exact_math(c):
                 # Both directions from the same operands: the flagged one again (the same checksums), and the other,
                 # which locates what one direction cannot (a corrupted column, a block). The bound from float64
@@ -73,7 +78,34 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft") -> 
             _count(ctx, op, seconds + time.perf_counter() - t0)
         else:
             _count_trips(ctx, [], seconds + time.perf_counter() - t0)
-    return sum(flagged)
+    return reported
+
+
+OVERFLOW_PROBES = 64
+"""Non-finite outputs of a flagged fp16 GEMM whose exact values are computed to tell overflow from a fault."""
+
+
+def _overflowed(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a flagged fp16 product holds INF/NaN only where its exact value is past fp16's range: the GEMM computed
+    what fp16 can hold, not a fault. Mixed precision does this on purpose: GradScaler multiplies the loss by up to
+    2^24, the backward GEMMs overflow on its first steps, and it skips those steps and lowers the scale. Reported as
+    faults, every such step was an "uncorrectable" event (and a crash under on_uncorrectable="raise"). A fault that
+    lands in the same GEMM on such a step goes unreported; the step's gradients are thrown away anyway. Probes up to
+    OVERFLOW_PROBES of the non-finite elements, recomputed in fp32 from the operands (slow path only)."""
+    if c.dtype != torch.float16:
+        return False
+    where = (~torch.isfinite(c)).nonzero()[:OVERFLOW_PROBES]  # sync: slow path only
+    if where.shape[0] == 0:
+        return False
+    lead, rows, cols = where[:, :-2].unbind(-1), where[:, -2], where[:, -1]
+    a_rows_PK = a.detach()[(*lead, rows)].float()
+    b_cols_PK = b.detach().mT[(*lead, cols)].float()
+    exact_P = (a_rows_PK * b_cols_PK).sum(-1)
+    if bias is not None:
+        exact_P = exact_P + bias.detach()[cols].float()
+    # A non-finite exact value came in with an operand: not this GEMM's fault either (its reference is not finite).
+    limit = torch.finfo(torch.float16).max
+    return bool(((exact_P.abs() > limit) | ~torch.isfinite(exact_P)).all())  # sync: slow path only
 
 
 def trip_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
@@ -89,7 +121,8 @@ def trip_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
     tripped = torch.stack([extreme(c) for _, c, *_ in gemms]).tolist()  # sync: the one per call on a tier-1 step
     _count_trips(ctx, [gemm[0] for gemm in gemms], time.perf_counter() - t0)
     for gemm, trip in zip(gemms, tripped, strict=True):
-        if trip and not check_gemms(ctx, [gemm], tier="tripwire") and not bool(gemm[1].isfinite().all()):  # sync
+        if (trip and not check_gemms(ctx, [gemm], tier="tripwire") and not bool(gemm[1].isfinite().all())  # sync
+                and not _overflowed(*gemm[1:])):
             _emit_unplaced_trip(ctx, gemm[0], gemm[1], action="detected")
 
 

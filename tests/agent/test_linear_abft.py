@@ -194,3 +194,58 @@ def test_a_linear_subclass_with_its_own_forward_keeps_it_and_is_listed_unprotect
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     finally:
         guard.close()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_fp16_gradscaler_overflow_steps_are_not_faults(arch: str) -> None:
+    """fp16 autocast with GradScaler at a high initial scale: its first steps' backward GEMMs overflow fp16 on purpose
+    (the scaler skips those steps and lowers the scale). Under scope="all" these are no faults: no event, and the run
+    is the unprotected one, step for step (the same losses and final scale)."""
+
+    def run(scope: str | None) -> tuple[list[float], float, list]:
+        model = build(arch)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+        guard = attnchecker.protect(model, optimizer=opt, scope=scope) if scope else None
+        losses = []
+        for step in range(8):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_of(arch, model, batch(arch, step))
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            losses.append(loss.item())
+        detections = list(guard.detections) if guard else []
+        if guard:
+            guard.close()
+        return losses, scaler.get_scale(), detections
+
+    want, want_scale, _ = run(None)
+    got, scale, detections = run("all")
+    assert detections == []
+    assert scale == want_scale < 2.0**24  # the scaler did back off: overflow steps happened
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)) <= 1e-3
+
+
+def test_an_inf_in_an_fp16_gemm_is_still_a_fault_where_the_exact_value_fits() -> None:
+    """The overflow rule only excuses INF where the exact product is past fp16's range: a planted INF over an ordinary
+    value is corrected, an INF the exact product gives is left alone."""
+    from attnchecker.gemm_check import _overflowed, check_gemms
+    from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 32, generator=gen).half(), torch.randn(32, 24, generator=gen).half()
+    c = (a.float() @ b.float()).half()
+    want = c.clone()
+    c[3, 5] = float("inf")
+    assert not _overflowed(c, a, b, None)
+    ctx = LayerContext(layer=0, runtime=Runtime(config=CheckConfig(), stats=OpStats()))
+    assert check_gemms(ctx, [("linear_dw", c, a, b, None)]) == 1
+    torch.testing.assert_close(c, want)
+    big_a, big_b = a * 4000, b * 4  # finite fp16 operands whose products reach ~1e5 > 65504 in places
+    assert bool(torch.isfinite(big_a).all() and torch.isfinite(big_b).all())
+    c_big = (big_a.float() @ big_b.float()).half()
+    assert not bool(torch.isfinite(c_big).all())
+    assert _overflowed(c_big, big_a, big_b, None)
+    assert check_gemms(ctx, [("linear_dw", c_big, big_a, big_b, None)]) == 0
