@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 from .context import LayerContext
+from .records import _count_trips, _emit_unplaced_trip
+from .tripwire import extreme
 
 
 @dataclass(slots=True)
@@ -90,8 +92,6 @@ def _tripwire_backward(
     again is what the operands give (values past 1e10 in diverged training: no event), or, if not finite, an
     upstream fault this backward cannot repair (detected)."""
     from .attention_backward import checked_backward
-    from .records import _count_trips, _emit_unplaced_trip
-    from .tripwire import extreme
 
     t0 = time.perf_counter()
     tripped = torch.stack([extreme(g) for g in grads]).tolist()  # sync: the one per layer's backward on tier 1
