@@ -128,6 +128,7 @@ def _wrap_forward(binder: Binder, module: nn.Module, site: _Site) -> None:
     binder.on_close(undo)
 
 
+@torch.compiler.disable
 def _forward(site: _Site, module: nn.Module, original: Callable[..., torch.Tensor], *args: Any, **kwargs: Any
              ) -> torch.Tensor:
     runtime = site.ctx.runtime

@@ -81,9 +81,13 @@ class FaultResponse:
             dets,
         )
 
+    # Both root hooks stay out of torch.compile's graphs (as the engine's entry points do, integrations._common): the
+    # depth count and the deferred raise are host-side bookkeeping of the real forward, not graph operations.
+    @torch.compiler.disable
     def root_pre_hook(self, module: nn.Module, args: Any) -> None:
         self._forward_depth += 1
 
+    @torch.compiler.disable
     def root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         self._forward_depth -= 1
         if self._forward_depth == 0 and self._raise_pending:

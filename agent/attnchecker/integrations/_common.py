@@ -185,6 +185,7 @@ def projection_gap(module: nn.Module | None, role: str = "projection") -> str:
     return f"{type(module).__name__} is not an nn.Linear / HF Conv1D (or a PEFT LoRA around one)"
 
 
+@torch.compiler.disable
 def engine_call(fn: Callable[..., T], *tensors: torch.Tensor | None, **kwargs: Any) -> T:
     """Call an engine function the way autocast would have run the op it replaces, with autocast off inside.
 
@@ -205,6 +206,7 @@ def engine_call(fn: Callable[..., T], *tensors: torch.Tensor | None, **kwargs: A
         return fn(*map(cast, tensors), **{k: cast(v) for k, v in kwargs.items()})
 
 
+@torch.compiler.disable
 def _projection_hook(
     outputs: dict[tuple[int, str], tuple[int, int]],
     ctx_ref: ContextRef,
