@@ -34,8 +34,10 @@ class _VerifiedAttention(torch.autograd.Function):
     The gradient is the fused CPU kernel's backward (aten._scaled_dot_product_flash_attention_for_cpu_backward) at
     q, k, v, the verified output and the row log-sum-exp: the gradient of softmax(scale·QKᵀ + mask)·V, the same
     function the unfused graph would differentiate, without keeping AS and AP alive for backward or running softmax
-    backward over them. Backward is unprotected either way (DESIGN.md); what it reads (q, k, v, out) is what the
-    checks verified. docs/abft.md (performance) has the reasoning.
+    backward over them. What it reads (q, k, v, out) is what the checks verified; docs/abft.md (performance) has the
+    reasoning. Under the default scope the backward itself is unprotected (DESIGN.md). Under protect(scope="all") it
+    runs the checked products (attention_backward) on a step the whole-step checks are due, and the fused kernel with
+    the tripwire on its dQ/dK/dV (``_tripwire_backward``) on the others.
     """
 
     @staticmethod
