@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .context import LayerContext
 from .events import Detection, kind_of, value_to_wire
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
-from .records import _count_trips
+from .records import _count_trips, _deliver
 from .tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound
 from .whole_step import whole_step_trips
 
@@ -92,7 +92,6 @@ def _tripwire_sdpa(
 def _emit_trip(ctx: LayerContext, trip: _Trip, *, action: str) -> None:
     """The event of a tier-1 trip that the full check run after it had nothing left to locate (the fault was in a
     result that was thrown away and computed again)."""
-    rt = ctx.runtime
     kind = kind_of(trip.value)
     if trip.op == "scores" and kind == "silent":
         kind = "near_inf"  # a log-sum-exp over its bound: a score near INF, scaled and logged down
@@ -101,7 +100,4 @@ def _emit_trip(ctx: LayerContext, trip: _Trip, *, action: str) -> None:
                     batch=idx[0] if idx else None, head=idx[1] if len(idx) > 1 else None,
                     row=idx[2] if len(idx) > 2 else None, value=value_to_wire(trip.value), residual=None,
                     bound=NEAR_INF, tier="tripwire")
-    if rt.stats is not None:
-        rt.stats.add_fault(trip.op, kind, action, "tripwire")
-    if rt.on_detection is not None:
-        rt.on_detection(det)
+    _deliver(ctx, det)

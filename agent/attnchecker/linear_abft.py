@@ -93,12 +93,11 @@ def attach(binder: Binder, model: nn.Module) -> int:
     binder.on_close(lambda: _WHOLE_STEP.discard(key))
     custom: list[str] = []
     for name, module in model.named_modules():
-        if overrides_forward(module):
-            binder.add_unprotected(name, GEMM_OPS, f"{type(module).__name__} has its own forward")
-            custom.append(name)
-            continue
         layout = linear_layout(module)
         if layout is None:
+            if overrides_forward(module):
+                binder.add_unprotected(name, GEMM_OPS, f"{type(module).__name__} has its own forward")
+                custom.append(name)
             continue
         hooked = any(getattr(h, "func", None) is _projection_hook for h in module._forward_hooks.values())
         ctx = binder.new_context()

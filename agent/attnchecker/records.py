@@ -92,7 +92,6 @@ def _ratio(chk: DirectionCheck) -> torch.Tensor:
 
 def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: bool, tier: str = "abft") -> None:
     """One Detection per flagged matrix: to the runtime's callback and its counters. tier: who caught it."""
-    rt = ctx.runtime
     for rep in reports:
         kind = kind_of(rep.value)
         det = Detection(
@@ -111,10 +110,16 @@ def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: boo
             bound=rep.bound,
             tier=tier,
         )
-        if rt.stats is not None:
-            rt.stats.add_fault(op, kind, rep.action, tier)
-        if rt.on_detection is not None:
-            rt.on_detection(det)
+        _deliver(ctx, det)
+
+
+def _deliver(ctx: LayerContext, det: Detection) -> None:
+    """A Detection to the runtime's counters (per op, kind, action and tier) and its callback."""
+    rt = ctx.runtime
+    if rt.stats is not None:
+        rt.stats.add_fault(det.op, det.kind, det.action, det.tier)
+    if rt.on_detection is not None:
+        rt.on_detection(det)
 
 
 def _count(ctx: LayerContext, op: str, seconds: float) -> None:
@@ -145,8 +150,4 @@ def _emit_unplaced_trip(ctx: LayerContext, op: str, out: torch.Tensor, *, action
     det = Detection(op=op, layer=ctx.layer, step=ctx.step, pattern="0d", kind=kind, action=action,
                     batch=lead[0] if lead else None, head=lead[1] if len(lead) > 1 else None, row=row, col=col,
                     value=value_to_wire(value), residual=None, bound=NEAR_INF, tier="tripwire")
-    rt = ctx.runtime
-    if rt.stats is not None:
-        rt.stats.add_fault(op, kind, action, "tripwire")
-    if rt.on_detection is not None:
-        rt.on_detection(det)
+    _deliver(ctx, det)

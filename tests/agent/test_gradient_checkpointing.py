@@ -6,8 +6,7 @@ the recomputation are covered by test_whole_step_tripwire.py."""
 from __future__ import annotations
 
 import pytest
-import torch
-from model_zoo import batch, build, loss_of
+from model_zoo import build, rel_diff, train
 
 import attnchecker
 
@@ -18,17 +17,10 @@ def _losses(arch: str, *, scope: str | None, reentrant: bool) -> tuple[list[floa
     model = build(arch)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    guard = attnchecker.protect(model, optimizer=opt, scope=scope) if scope else None
-    losses = []
+    guard = attnchecker.protect(model, scope=scope) if scope else None
     try:
-        for step in range(STEPS):
-            opt.zero_grad(set_to_none=True)
-            loss = loss_of(arch, model, batch(arch, step))
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses, list(guard.detections) if guard else []
+        run = train(arch, model, STEPS, on_step=guard.step if guard else None)
+        return run.losses, list(guard.detections) if guard else []
     finally:
         if guard:
             guard.close()
@@ -41,4 +33,4 @@ def test_checkpointed_training_matches_the_unprotected_run(arch: str, scope: str
     want, _ = _losses(arch, scope=None, reentrant=reentrant)
     got, detections = _losses(arch, scope=scope, reentrant=reentrant)
     assert detections == []
-    assert max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)) <= 1e-5, (got, want)
+    assert max(rel_diff(a, b) for a, b in zip(got, want, strict=True)) <= 1e-5, (got, want)
