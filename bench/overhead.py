@@ -6,7 +6,8 @@ and the same batch; rounds interleave the variants in a shuffled order (bench/_c
 
 Variants:
   baseline   unprotected, attn_implementation="sdpa" (the fused kernel)
-  full       attnchecker.protect(model, policy=Policy.full()): every op, every step
+  full       attnchecker.protect(model, optimizer=opt, policy=Policy.full()): every op, every step (every
+             variant is protected with the optimizer, as the README has it: its gradient net counts)
   adaptive   Policy() (the default: tier 1 on every step, full checks on the adaptive schedule), warmed up on tiny
              inputs until the scheduler reaches its steady state, then measured directly: rounds that are a
              multiple of 8 hold checked and tier-1-only steps in their steady-state proportion
@@ -222,7 +223,9 @@ class Variant:
 
     def _attach(self) -> None:
         if self.name in POLICIES:
-            self.guard = attnchecker.protect(self.model, policy=POLICIES[self.name](),
+            # With the optimizer, as the README has it: its last net (a finite check of every gradient before each
+            # optimizer step) is part of what protection costs.
+            self.guard = attnchecker.protect(self.model, optimizer=self.opt, policy=POLICIES[self.name](),
                                              scope=SCOPE.get(self.name, "attention"))
             if self.name in TIER1:
                 self.guard.tripwire_only_this_step()

@@ -118,18 +118,15 @@ class FaultResponse:
             return
         if stats is not None:
             stats.grad_checks += 1
-        norms = torch._foreach_norm(grads, float("inf"))
-        if bool(torch.isfinite(torch.stack([n.float() for n in norms])).all()):  # sync: one per optimizer step
+        bad = _non_finite(grads)
+        if bad is None:
             return
         self._scheduler.snap_all()
         action = self._scheduler.policy.on_uncorrectable
-        det = Detection(op="grad", layer=0, step=self._runtime.step, pattern="2d", kind="nan", action="uncorrectable",
-                        value="nan", residual=None, bound=0.0, tier="optimizer", rank=self.rank,
-                        policy_version=self._scheduler.policy.version)
-        for n in norms:
-            if not bool(torch.isfinite(n)):  # sync: slow path only, the first bad tensor's kind
-                det.kind = "nan" if bool(torch.isnan(n)) else "inf"
-                break
+        det = Detection(op="grad", layer=0, step=self._runtime.step, pattern="2d",
+                        kind="nan" if bool(torch.isnan(bad).any()) else "inf",  # sync: slow path only
+                        action="uncorrectable", value="nan", residual=None, bound=0.0, tier="optimizer",
+                        rank=self.rank, policy_version=self._scheduler.policy.version)
         self.detections.append(det)
         if stats is not None:
             # Not in stats.faults: those are per protected op, and "grad" is none of them.
@@ -142,3 +139,19 @@ class FaultResponse:
                 f"non-finite gradient ({det.kind}) at the optimizer at step {self._runtime.step}; policy "
                 "on_uncorrectable='raise'", [det])
         self._skip_next_step = True
+
+
+def _non_finite(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The first gradient holding an INF or NaN, or None. One fused 2-norm per tensor, in fp32 (a half-precision
+    gradient's norm would overflow its own dtype): an INF or NaN element makes it non-finite. On CPU (one thread,
+    23 M fp32 gradients, measured) it costs 3.5 ms, where the ∞-norm took 60 ms: 4 % of a GPT-2 training step, paid
+    on every step of `protect(model, optimizer=opt)`. A gradient whose norm overflows while its elements are finite
+    (past ~1e19 their squares leave fp32's range) is looked at element by element (slow path only) and passes."""
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    finite = torch.isfinite(torch.stack(norms))
+    if bool(finite.all()):  # sync: one per optimizer step
+        return None
+    for grad, ok in zip(grads, finite.tolist(), strict=True):  # sync: slow path only
+        if not ok and not bool(torch.isfinite(grad).all()):  # sync: slow path only
+            return grad
+    return None

@@ -84,3 +84,41 @@ def test_without_the_tripwire_the_optimizer_steps_on_nan() -> None:
     assert not all(torch.isfinite(p).all() for p in guard.model.parameters())
     assert guard.report().tier_checks["optimizer"] == 0
     guard.close()
+
+
+
+def _one_step_with(first: float, bad: float | None = None) -> attnchecker.Guard:
+    """One optimizer step of a protected model whose first parameter's gradient is all ``first``; the second's is
+    ones, or (with ``bad``) all 1e20 with ``bad`` as its last element."""
+    model = mz.build(ARCH)
+    p0, p1 = list(model.parameters())[:2]
+    opt = torch.optim.SGD([p0, p1], lr=0.0)
+    guard = attnchecker.protect(model, optimizer=opt, policy=QUIET)
+    p0.grad = torch.full_like(p0, first)
+    if bad is None:
+        p1.grad = torch.ones_like(p1)
+    else:
+        p1.grad = torch.full_like(p1, 1e20)
+        p1.grad.view(-1)[-1] = bad
+    opt.step()
+    return guard
+
+
+@pytest.mark.parametrize("value", [1e20, -3e38])
+def test_huge_finite_gradients_pass_the_net(value: float) -> None:
+    """A norm that overflows is not a fault: elements past ~1e19 square past fp32's range, and a diverging run computes
+    such gradients. Only an INF or NaN element stops the step."""
+    guard = _one_step_with(value)
+    assert [d for d in guard.detections if d.tier == "optimizer"] == []
+    assert guard.report().skipped_steps == 0
+    guard.close()
+
+
+@pytest.mark.parametrize(("bad", "kind"), [(float("inf"), "inf"), (float("-inf"), "inf"), (float("nan"), "nan")])
+def test_one_non_finite_element_among_huge_ones_is_caught(bad: float, kind: str) -> None:
+    """The INF or NaN sits in the second gradient, behind a first whose norm overflows too: the net looks at the
+    elements, not only at the norms."""
+    guard = _one_step_with(1e20, bad)
+    (det,) = [d for d in guard.detections if d.tier == "optimizer"]
+    assert (det.kind, det.action) == (kind, "uncorrectable")
+    guard.close()
