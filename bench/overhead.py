@@ -24,6 +24,8 @@ Variants:
   all_adaptive  protect(scope="all") with Policy(), warmed up like adaptive
   all_tier1  protect(scope="all") with Policy(), no full check on the timed steps: tier 1 on every output, the
              whole-step GEMMs' (Linear forward, dX, dW, the fused attention backward's dQ/dK/dV) included
+  all_full_eager  all_full with the one-pass checksum kernel off (attnchecker/fused_pass.py): every check on its
+             eager path, what all_full costs where the kernel cannot be built
 
     python bench/overhead.py [--models gpt2,llama] [--rounds 16] [--tiny]
 """
@@ -48,10 +50,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnchecker
-from attnchecker import Policy
+from attnchecker import Policy, fused_pass
 
 VARIANTS = ("baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor", "all_full",
-            "all_adaptive", "all_tier1")
+            "all_adaptive", "all_tier1", "all_full_eager")
 SIZES = {
     # The issue's sizes; vocab 8192 (not GPT-2's 50257) keeps the LM head from dwarfing the layers the checks are
     # in, which makes the measured overhead larger, not smaller.
@@ -184,8 +186,10 @@ POLICIES = {"full": Policy.full, "paper": Policy.paper, "adaptive": Policy,
             # Attached fresh each step (on the shared model), then the step's config is set to check no op in full:
             # exactly the engine path of a step the scheduler leaves to tier 1.
             "tier1": Policy,
-            "all_full": Policy.full, "all_adaptive": Policy, "all_tier1": Policy}
-SCOPE = {"all_full": "all", "all_adaptive": "all", "all_tier1": "all"}
+            "all_full": Policy.full, "all_adaptive": Policy, "all_tier1": Policy, "all_full_eager": Policy.full}
+SCOPE = {"all_full": "all", "all_adaptive": "all", "all_tier1": "all", "all_full_eager": "all"}
+EAGER = ("all_full_eager",)
+"""Variants whose steps run with the one-pass checksum kernel off."""
 TIER1 = ("tier1", "all_tier1")
 """protect(scope=...) per variant; "attention" when absent."""
 ADAPTIVE = ("adaptive", "all_adaptive")
@@ -246,18 +250,21 @@ class Variant:
         if not self.own:
             self._attach()
         x = self.batch if batch is None else batch
+        fused_pass.enabled = self.name not in EAGER
         c0, t0 = time.process_time(), time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = self.model(input_ids=x, labels=x).loss
         loss.backward()
+        # The step's counters, taken before the optimizer step: protected with the optimizer, the guard closes its
+        # step in the optimizer's post-hook (guard.step()), after the gradient net has run in its pre-hook.
+        stats = self.guard.step_stats if self.guard is not None else None
         self.opt.step()
+        fused_pass.enabled = True
         if self.hooks is not None:
             self.hooks.end_step()
-        stats = self.guard.step_stats if self.guard is not None else None
         if self.guard is not None:
             self.tier1_checks.append(sum(stats.trip_checks.values()) if stats is not None else 0)
             self.tier1_s.append(stats.trip_seconds if stats is not None else 0.0)
-            self.guard.step()
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         if not self.own:
             self._detach()

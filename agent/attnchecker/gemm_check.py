@@ -14,6 +14,7 @@ from .abft import Tolerance, repair
 from .abft.checksum import DirectionCheck
 from .abft.gemm import DIRECTIONS, exact_gemm_elements, verify_gemm
 from .context import LayerContext
+from .fused_pass import fused_pass
 from .matmul_precision import fp32_matmul_operand_roundoff
 from .product_check import _exact_math, _tolerance
 from .records import _any_bad, _count, _count_trips, _emit, _emit_unplaced_trip, _record_ratio, _worst_ratio
@@ -131,7 +132,7 @@ def _verify(gemm: Gemm, tol: Tolerance, directions: tuple[str, ...], *,
     _op, c, a, b, bias = gemm
     return verify_gemm(c, a.detach(), b.detach(), tol, bias_N=None if bias is None else bias.detach(),
                        operand_roundoff=fp32_matmul_operand_roundoff(c.device), directions=directions,
-                       wide_norms=wide_norms)
+                       wide_norms=wide_norms, one_pass=fused_pass)
 
 
 def _repair(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,

@@ -149,3 +149,14 @@ def test_column_norms_and_skinny_products_match_their_plain_forms(rows: int, col
     batch = torch.stack([a, 2 * a, -a])  # (3, rows, cols): blocked along the rows of every matrix at once
     torch.testing.assert_close(col_norms(batch), torch.linalg.vector_norm(batch.double(), dim=-2).float(), rtol=1e-5,
                                atol=0)
+
+
+@pytest.mark.parametrize("lead", [(), (2, 3)])
+def test_checks_carry_the_bound_on_d2(lead: tuple[int, ...]) -> None:
+    """d2 flags too (a pattern balanced for the plain sum), so its bound travels with the check: the margin histogram
+    takes the larger of |d1|/bound and |d2|/bound2 (records._worst_ratio), for a 2-D product as for a batch."""
+    a, b = randn((*lead, 5, 7), 0, torch.float32), randn((*lead, 7, 4), 1, torch.float32)
+    for directions in (("row",), ("row", "col")):
+        for d, chk in verify_gemm(a @ b, a, b, Tolerance(), directions=directions).items():
+            assert chk.bound2 is not None and chk.bound2.shape == chk.bound.shape, d
+            assert (chk.bound2 > chk.bound).all()

@@ -46,7 +46,7 @@ def test_overhead_bench_writes_every_variant(tmp_path):
     assert [m["model"] for m in doc["models"]] == ["gpt2", "llama"]
     for m in doc["models"]:
         assert set(m["variants"]) == {"baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr",
-                                      "floor", "all_full", "all_adaptive", "all_tier1"}
+                                      "floor", "all_full", "all_adaptive", "all_tier1", "all_full_eager"}
         for v in m["variants"].values():
             check_summary(v["step_s"])
             assert positive(v["step_s"]["median"])
@@ -62,7 +62,10 @@ def test_overhead_bench_writes_every_variant(tmp_path):
         assert tier1["checked_step_fraction"] == 0.0
         assert tier1["tier1_checks_per_step"] > 0  # the tripwire ran on every timed step, nothing else did
         # scope="all" checks the Linear GEMMs forward and backward as well.
-        assert {"linear", "linear_dx", "linear_dw"} <= set(m["variants"]["all_full"]["check_s_per_step"])
+        # (with the one-pass kernel, and without it: the eager path the kernel is priced against)
+        for name in ("all_full", "all_full_eager"):
+            assert m["variants"][name]["checked_step_fraction"] == 1.0
+            assert {"linear", "linear_dx", "linear_dw"} <= set(m["variants"][name]["check_s_per_step"])
         # ...and on its unchecked steps gives them tier 1: more tripwire checks per step than the attention scope's.
         all_tier1 = m["variants"]["all_tier1"]
         assert all_tier1["checked_step_fraction"] == 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -27,10 +28,32 @@ from .checksum import (
 )
 from .tolerance import Tolerance, bounds, norm_floor
 
-__all__ = ["DIRECTIONS", "exact_gemm_elements", "verify_gemm"]
+__all__ = ["DIRECTIONS", "FusedSums", "OnePass", "exact_gemm_elements", "verify_gemm"]
 
 
 DIRECTIONS: tuple[str, ...] = ("row", "col")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FusedSums:
+    """What one read of a matrix X (..., R, C) gave (None where not asked for)."""
+
+    right: torch.Tensor | None
+    """(..., R, nr) X·right"""
+    left: torch.Tensor | None
+    """(..., C, nl) Xᵀ·left"""
+    row_sq: torch.Tensor | None
+    """(..., R) Σ_k X_rk²"""
+    col_sq: torch.Tensor | None
+    """(..., C) Σ_r X_rk²"""
+
+
+class OnePass(Protocol):
+    """A kernel that computes X·right, Xᵀ·left and X's squared row and column sums in one read of X, or returns None
+    for tensors it does not take (attnchecker.fused_pass: fp32 on the CPU)."""
+
+    def __call__(self, x: torch.Tensor, *, right: torch.Tensor | None = None, left: torch.Tensor | None = None,
+                 row_sq: bool = False, col_sq: bool = False) -> FusedSums | None: ...
 
 
 def verify_gemm(
@@ -43,6 +66,7 @@ def verify_gemm(
     operand_roundoff: float | None = None,
     directions: tuple[str, ...] = DIRECTIONS,
     wide_norms: bool = False,
+    one_pass: OnePass | None = None,
 ) -> dict[str, DirectionCheck]:
     """The requested directions of C = A·B (+ bias) against references from A and B, for 2-D operands or batches of
     them (the same leading dims on all three, e.g. (B, H) for attention; bias 2-D only). The checks carry C's leading
@@ -59,6 +83,8 @@ def verify_gemm(
     ~1e19 (its square sum passes 3.4e38); the bound is then undefined and falls back to NEAR_INF, which flags
     finite values a diverged bf16 run really computed. A copy of both operands in float64: for the slow path,
     after a flag (``gemm_check``), not for every check.
+    one_pass: a kernel that reads each of C, A and B once for the row direction's sums (``OnePass``); where it
+    declines (None), the eager reductions below compute the same, reading each matrix about twice.
     """
     _check_shapes(c_MN, a_MK, b_KN, bias_N)
     if not directions or any(d not in DIRECTIONS for d in directions):
@@ -68,7 +94,14 @@ def verify_gemm(
     a, b = a_MK.to(acc), b_KN.to(acc)
     both = len(set(directions)) == 2
     refs: dict[str, torch.Tensor] = {}
-    if "row" in directions:
+    roundoff = tol.mode == "roundoff"
+    use_abs = c_MN.dtype != acc and roundoff
+    with_sq = roundoff and tol.calibrated
+    fused = (_row_in_one_pass(c_MN, a, b, one_pass, with_sq=with_sq)
+             if one_pass is not None and directions == ("row",) and not wide_norms and not use_abs else None)
+    if fused is not None:
+        refs["row"] = fused[0]
+    elif "row" in directions:
         refs["row"] = times_skinny(a, weighted_rows(b))
     if "col" in directions:
         refs["col"] = (weighted_cols(a).mT @ b).mT
@@ -83,12 +116,12 @@ def verify_gemm(
         bias_abs_N = bias.abs()
     # Operands in a wider dtype than C (autocast's fp32 master copy): the GEMM ran on them rounded to C's dtype.
     cast_to = c_MN.dtype if (a_MK.dtype != c_MN.dtype or b_KN.dtype != c_MN.dtype) else None
-    roundoff = tol.mode == "roundoff"
-    use_abs = c_MN.dtype != acc and roundoff
-    with_sq = roundoff and tol.calibrated
     got: dict[str, torch.Tensor]
     sums: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]
-    if both:
+    if fused is not None:
+        got, sums = {"row": fused[1]}, {"row": (None, fused[2])}
+        a_norm_M, b_norm_N = fused[3], fused[4]
+    elif both:
         got_rows_M2, got_cols_N2, vsums = checksums_of(c_MN, with_abs=use_abs, with_sq=with_sq)
         got = {"row": got_rows_M2, "col": got_cols_N2}
         sums = {d: vsums.of(d) if vsums is not None else (None, None) for d in DIRECTIONS}
@@ -96,7 +129,8 @@ def verify_gemm(
         c = c_MN.to(acc)
         got = {"row": weighted_rows(c)} if "row" in directions else {"col": weighted_cols(c)}
         sums = {d: _one_direction_sums(c, d, with_abs=use_abs, with_sq=with_sq) for d in got}
-    a_norm_M, b_norm_N = _row_norms(a), _col_norms(b)
+    if fused is None:
+        a_norm_M, b_norm_N = _row_norms(a), _col_norms(b)
     if wide_norms:
         a_norm_M, b_norm_N = _widened(a_norm_M, a, k, _row_norms), _widened(b_norm_N, b, k, _col_norms)
     row_rule, col_rule = bounds(a_norm_M, b_norm_N, k=k, out_dtype=c_MN.dtype,
@@ -109,6 +143,35 @@ def verify_gemm(
             chk = verify_direction(refs[d], got[d], rules[d], *sums[d])
             out[d] = _full(chk) if c_MN.dim() > 2 else _batched(chk)
     return out
+
+
+def _row_in_one_pass(
+    c_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor, one_pass: OnePass, *, with_sq: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+    """(A (B w) (..., M, 2), C w (..., M, 2), Σ_j C_mj² (..., M) or None, ‖A_m‖ (..., M), ‖B_:,n‖ (..., N)): the
+    row direction's sums in one read of each matrix (``one_pass``), or None where the kernel declines one of them."""
+    w_N2 = checksum_weights(b_KN.shape[-1], b_KN.device, b_KN.dtype)
+    bw_K2, b_sq_N = _times(one_pass, b_KN, w_N2, "col")
+    if bw_K2 is None or b_sq_N is None:
+        return None
+    ref_M2, a_sq_M = _times(one_pass, a_MK, bw_K2, "row")
+    got_M2, c_sq_M = _times(one_pass, c_MN, checksum_weights(c_MN.shape[-1], c_MN.device, c_MN.dtype),
+                            "row" if with_sq else None)
+    if ref_M2 is None or a_sq_M is None or got_M2 is None:
+        return None
+    return ref_M2, got_M2, c_sq_M, a_sq_M.sqrt(), b_sq_N.sqrt()
+
+
+def _times(one_pass: OnePass, x_RC: torch.Tensor, v_Cc: torch.Tensor, squares: str | None
+           ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(X·v (..., R, c), X's squared sums along ``squares``: "row" (..., R) or "col" (..., C)), in one read of X; a
+    transposed view is read as its contiguous base, whose left product and other-axis sums give the same. (None,
+    None) where the kernel declines."""
+    if x_RC.stride(-1) == 1:
+        got = one_pass(x_RC, right=v_Cc, row_sq=squares == "row", col_sq=squares == "col")
+        return (None, None) if got is None else (got.right, got.row_sq if squares == "row" else got.col_sq)
+    got = one_pass(x_RC.mT, left=v_Cc, row_sq=squares == "col", col_sq=squares == "row")
+    return (None, None) if got is None else (got.left, got.col_sq if squares == "row" else got.row_sq)
 
 
 def _check_shapes(c_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor, bias_N: torch.Tensor | None) -> None:
@@ -170,9 +233,10 @@ def _col_norms(b_KN: torch.Tensor) -> torch.Tensor:
 
 
 def _full(chk: DirectionCheck) -> DirectionCheck:
-    """The bound rule's base expanded to the check's shape: ``abft.repair`` indexes it per matrix."""
+    """The bound rule's base expanded to the check's shape: ``abft.repair`` indexes it per matrix. d2's bound is
+    kept: the margin histogram takes the larger of the two ratios (records._worst_ratio)."""
     return DirectionCheck(ref=chk.ref, diff=chk.diff, bound=chk.bound, bad=chk.bad,
-                          rule=chk.rule.select(..., chk.bad.shape))
+                          rule=chk.rule.select(..., chk.bad.shape), bound2=chk.bound2)
 
 
 def _batched(chk: DirectionCheck) -> DirectionCheck:
@@ -182,7 +246,8 @@ def _batched(chk: DirectionCheck) -> DirectionCheck:
     offset = rule.offset_NV if isinstance(rule.offset_NV, float) else rule.offset_NV[None]
     rule = dataclasses.replace(rule, base=rule.base[None], offset_NV=offset,
                                var_NV2=None if rule.var_NV2 is None else rule.var_NV2[None])
-    return DirectionCheck(ref=chk.ref[None], diff=chk.diff[None], bound=chk.bound[None], bad=chk.bad[None], rule=rule)
+    return DirectionCheck(ref=chk.ref[None], diff=chk.diff[None], bound=chk.bound[None], bad=chk.bad[None], rule=rule,
+                          bound2=None if chk.bound2 is None else chk.bound2[None])
 
 
 def exact_gemm_elements(

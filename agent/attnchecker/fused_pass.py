@@ -1,0 +1,171 @@
+"""A one-pass reduction kernel for the checksum fast path on CPU (issue 17): what an eager check reads twice, read once.
+
+A row-direction check of C = A·B needs, from each of its three matrices, a skinny product and a sum of squares: C w
+and Σ_j C_ij², A (B w) and ‖A_i‖², B w and ‖B_:,j‖². Eagerly each is a pass over memory of its own, and the
+checks are memory-bound (docs/performance.md): a check of GPT-2's MLP GEMMs read about 2× the bytes one pass needs.
+``fused_pass`` computes them together in one read of the matrix (``fused_pass.c``), on either layout: a transposed
+view (dYᵀ, Xᵀ) is read as its contiguous base, its products taken from the other side.
+
+The C source is compiled on first use with the system C compiler (``cc``, or ``$CC``) into a cache directory
+(``$ATTNCHECKER_CACHE_DIR``, default ``~/.cache/attnchecker``), keyed by the source, the flags and the CPU, and loaded
+with ctypes: no Python headers, no build step at install. Where there is no compiler, the build fails, the tensors
+are not fp32 on the CPU, or ``ATTNCHECKER_NATIVE=0``, ``fused_pass`` returns None and the caller takes its eager path
+(the same quantities, the same bounds). A GPU would need the same contract in its own kernel (not written).
+
+Legend: R rows, C columns of X; nr, nl the skinny factors' widths; ... leading batch dims.
+abft/ stays pure: ``abft.gemm.verify_gemm`` takes this function as its ``one_pass`` argument (gemm_check passes it).
+No host-device sync (CPU tensors only).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .abft.gemm import FusedSums
+
+__all__ = ["available", "fused_pass"]
+
+log = logging.getLogger("attnchecker")
+
+NATIVE_ENV = "ATTNCHECKER_NATIVE"
+"""Set to 0 to keep every check on its eager path (to compare the two, or where a compiler must not run)."""
+enabled = True
+"""False: ``fused_pass`` declines every call, as without a kernel (bench/overhead.py's ``all_full_eager`` toggles it
+around its steps, to price the kernel side by side in one run)."""
+_SOURCE = Path(__file__).with_name("fused_pass.c")
+# No -ffast-math: it implies -ffinite-math-only, under which the compiler may drop the NaN and INF a check must see.
+# -fassociative-math (with the two flags it requires) lets the sums over a row run in vector lanes.
+_FLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fPIC",
+          "-shared", "-std=c99")
+_WIDEST = 8
+"""Widest skinny factor the callers pass (checksum pairs, a few of them side by side)."""
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (building it now if it is not yet)."""
+    return _kernel() is not None
+
+
+def fused_pass(
+    x: torch.Tensor,
+    *,
+    right: torch.Tensor | None = None,
+    left: torch.Tensor | None = None,
+    row_sq: bool = False,
+    col_sq: bool = False,
+) -> FusedSums | None:
+    """X·right (right (..., C, nr)), Xᵀ·left (left (..., R, nl)), and X's squared row and column sums, in one read
+    of X (..., R, C); the factors' batch dims are X's or absent (shared). None when the kernel cannot take these
+    tensors (the caller computes the same eagerly): not all fp32 on the CPU, a layout whose rows are not contiguous,
+    batch dims that do not flatten, a factor wider than 8, or no kernel."""
+    if not enabled or x.dim() < 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
+        return None
+    if x.stride(-1) != 1 or (x.requires_grad and torch.is_grad_enabled()):
+        return None
+    rows, cols = x.shape[-2:]
+    lead = x.shape[:-2]
+    try:
+        x3 = x.view(-1, rows, cols)
+    except RuntimeError:
+        return None
+    nb = x3.shape[0]
+    factors: list[tuple[torch.Tensor | None, int, int]] = []
+    for factor, length in ((right, cols), (left, rows)):
+        if factor is None:
+            factors.append((None, 0, 0))
+            continue
+        if (factor.dtype != torch.float32 or factor.device.type != "cpu" or factor.shape[-2] != length
+                or factor.shape[-1] > _WIDEST or factor.shape[:-2] not in (lead, torch.Size(), (1,) * len(lead))):
+            return None
+        # (nb or 1, n, length): each column of the factor a contiguous run, as the kernel reads it.
+        t = factor.detach().mT.reshape(-1, factor.shape[-1], length).contiguous()
+        factors.append((t, t.shape[1], 0 if t.shape[0] == 1 else t.stride(0)))
+    kernel = _kernel()
+    if kernel is None:
+        return None
+    (r_t, nr, sr), (l_t, nl, sl) = factors
+    new = functools.partial(torch.empty, dtype=torch.float32)
+    xr = new((nb, rows, nr)) if r_t is not None else None
+    lx = new((nb, nl, cols)) if l_t is not None else None
+    rsq = new((nb, rows)) if row_sq else None
+    csq = new((nb, cols)) if col_sq else None
+    kernel(nb, rows, cols, _ptr(x3), x3.stride(1), x3.stride(0), _ptr(r_t), nr, sr, _ptr(l_t), nl, sl,
+           _ptr(xr), _ptr(lx), _ptr(rsq), _ptr(csq))
+    return FusedSums(
+        right=None if xr is None else xr.view(*lead, rows, nr),
+        left=None if lx is None else lx.view(*lead, nl, cols).mT,
+        row_sq=None if rsq is None else rsq.view(*lead, rows),
+        col_sq=None if csq is None else csq.view(*lead, cols),
+    )
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The kernel's entry point, built and loaded once per process; None (logged once) where it cannot be."""
+    if os.environ.get(NATIVE_ENV, "1").strip() == "0":
+        return None
+    try:
+        so = _build()
+        fn = ctypes.CDLL(str(so)).attnchecker_fused_pass
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        log.warning("attnchecker: the one-pass checksum kernel is not available (%s); checks take their eager path, "
+                    "which reads each matrix about twice", e)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.restype = None
+    fn.argtypes = [i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr]
+    return fn
+
+
+def _build() -> Path:
+    source = _SOURCE.read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise ValueError("no C compiler (cc, gcc or $CC) on PATH")
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), cc.encode(), _cpu().encode()])).hexdigest()
+    so = _cache_dir() / f"fused_pass-{key[:16]}.so"
+    if so.exists():
+        return so
+    so.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a name of its own, then renamed: ranks of one job building at once each install a whole file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120,
+                              check=False)
+        if done.returncode != 0:
+            raise ValueError(f"{cc} failed: {done.stderr.strip()[:500]}")
+        os.replace(tmp, so)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return so
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("ATTNCHECKER_CACHE_DIR")
+    return (Path(base) if base else Path.home() / ".cache" / "attnchecker") / "native"
+
+
+def _cpu() -> str:
+    """What -march=native compiled for: a library built on one CPU model may not run on another (a cache directory
+    shared across a cluster's nodes)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(sorted(set(lines)))

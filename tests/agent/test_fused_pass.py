@@ -1,0 +1,199 @@
+"""attnchecker.fused_pass: the one-pass checksum kernel gives what the eager reductions give, on every layout the checks
+pass it, keeps NaN and INF, declines what it does not take, and where it cannot be built the checks run eagerly."""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from attnchecker import fused_pass as fp
+from attnchecker.abft import Tolerance
+from attnchecker.abft.gemm import verify_gemm
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.skipif(not fp.available(), reason="no C compiler: the kernel cannot be built here")
+
+
+def randn(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def layout(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """The same values as a row-strided slice of a wider matrix (a head's columns of a fused projection)."""
+    if kind == "slice":
+        wide = torch.zeros(*x.shape[:-1], x.shape[-1] + 5)
+        wide[..., 2 : 2 + x.shape[-1]] = x
+        return wide[..., 2 : 2 + x.shape[-1]]
+    return x
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 70), cols=st.integers(1, 70), batch=st.sampled_from([(), (1,), (3,), (2, 2)]),
+       nr=st.sampled_from([0, 1, 2, 3, 5]), nl=st.sampled_from([0, 1, 2, 3, 5]), row_sq=st.booleans(),
+       col_sq=st.booleans(), shared=st.booleans(), kind=st.sampled_from(["contiguous", "slice"]),
+       seed=st.integers(0, 10_000))
+def test_the_pass_matches_the_float64_products_and_sums(rows: int, cols: int, batch: tuple[int, ...], nr: int,
+                                                       nl: int, row_sq: bool, col_sq: bool, shared: bool, kind: str,
+                                                       seed: int) -> None:
+    """Every output against float64, at fp32 round-off for sums of this length; a factor shared by the batch (a
+    weight's checksum vector) or one per matrix (attention's per-head references)."""
+    x = layout(randn((*batch, rows, cols), seed), kind)
+    lead = () if shared else batch
+    right = randn((*lead, cols, nr), seed + 1) if nr else None
+    left = randn((*lead, rows, nl), seed + 2) if nl else None
+    got = fp.fused_pass(x, right=right, left=left, row_sq=row_sq, col_sq=col_sq)
+    assert got is not None
+    x64 = x.double()
+    u = torch.finfo(torch.float32).eps
+    if right is not None:
+        assert got.right is not None and got.right.shape == (*batch, rows, nr)
+        want = x64 @ right.double()
+        scale = x64.abs() @ right.double().abs()
+        assert ((got.right.double() - want).abs() <= 2 * cols * u * scale + 1e-30).all()
+    else:
+        assert got.right is None
+    if left is not None:
+        assert got.left is not None and got.left.shape == (*batch, cols, nl)
+        want = x64.mT @ left.double()
+        scale = x64.abs().mT @ left.double().abs()
+        assert ((got.left.double() - want).abs() <= 2 * rows * u * scale + 1e-30).all()
+    else:
+        assert got.left is None
+    for flag, out, dim, n in ((row_sq, got.row_sq, -1, cols), (col_sq, got.col_sq, -2, rows)):
+        if flag:
+            assert out is not None
+            want = x64.square().sum(dim)
+            assert ((out.double() - want).abs() <= 2 * n * u * want).all()
+        else:
+            assert out is None
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_nan_and_inf_reach_every_output_of_their_row_and_column(bad: float) -> None:
+    """What a check must see: no finite-math shortcut drops them (rows of 37: the lanes and the remainder loop)."""
+    x = randn((5, 37), 0)
+    x[3, 36] = bad
+    got = fp.fused_pass(x, right=randn((37, 2), 1), left=randn((5, 2), 2), row_sq=True, col_sq=True)
+    assert got is not None and got.right is not None and got.left is not None
+    assert got.row_sq is not None and got.col_sq is not None
+    assert not torch.isfinite(got.right[3]).any() and torch.isfinite(got.right[[0, 1, 2, 4]]).all()
+    assert not torch.isfinite(got.left[36]).any() and torch.isfinite(got.left[:36]).all()
+    assert not torch.isfinite(got.row_sq[3]) and not torch.isfinite(got.col_sq[36])
+    if math.isinf(bad):
+        assert got.row_sq[3] == math.inf and got.col_sq[36] == math.inf
+
+
+@pytest.mark.parametrize("case", ["bf16", "fp16", "fp64", "strided_rows", "wide_factor", "needs_grad", "disabled"])
+def test_it_declines_what_it_does_not_take(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = randn((8, 16), 0)
+    right = randn((16, 2), 1)
+    if case in ("bf16", "fp16", "fp64"):
+        x = x.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[case])
+    elif case == "strided_rows":
+        x = x.T.contiguous().T  # column-major: rows are not contiguous
+    elif case == "wide_factor":
+        right = randn((16, 9), 1)
+    elif case == "needs_grad":
+        x.requires_grad_(True)
+    else:
+        monkeypatch.setattr(fp, "enabled", False)
+    assert fp.fused_pass(x, right=right, row_sq=True) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 60), k=st.integers(1, 80), n=st.integers(1, 60), a_t=st.booleans(), b_t=st.booleans(),
+       with_bias=st.booleans(), batched=st.booleans(), fault=st.sampled_from([None, "inf", "nan", "add"]),
+       seed=st.integers(0, 10_000))
+def test_verify_gemm_with_the_kernel_flags_what_the_eager_path_flags(
+    m: int, k: int, n: int, a_t: bool, b_t: bool, with_bias: bool, batched: bool, fault: str | None, seed: int
+) -> None:
+    """The fast path (row direction) on every operand layout the engine passes: a transposed A (dYᵀ, Xᵀ in a weight
+    gradient), a transposed B (Wᵀ, Kᵀ), batches (attention's backward products). Same references and bound up to
+    round-off, the same vectors flagged."""
+    lead = (2, 3) if batched else ()
+    a = randn((*lead, k, m), seed).mT if a_t else randn((*lead, m, k), seed)
+    b = randn((*lead, n, k), seed + 1).mT if b_t else randn((*lead, k, n), seed + 1)
+    bias = randn((n,), seed + 2) if with_bias and not batched else None
+    c = a @ b if bias is None else torch.addmm(bias, a, b)
+    if fault is not None:
+        c.view(-1)[seed % c.numel()] = {"inf": math.inf, "nan": math.nan}.get(fault, 1000.0 * math.sqrt(k))
+    eager = verify_gemm(c, a, b, Tolerance(), bias_N=bias, directions=("row",))["row"]
+    fused = verify_gemm(c, a, b, Tolerance(), bias_N=bias, directions=("row",), one_pass=fp.fused_pass)["row"]
+    assert torch.equal(eager.bad, fused.bad)
+    assert int(fused.bad.sum()) == (0 if fault is None else 1)
+    torch.testing.assert_close(fused.bound, eager.bound, rtol=1e-4, atol=0.0)
+    # The two references differ by round-off only: far inside the tolerance either is checked against.
+    assert eager.bound2 is not None
+    bound_V2 = torch.stack([eager.bound, eager.bound2], -1)
+    finite = torch.isfinite(eager.ref)
+    assert ((fused.ref - eager.ref).abs()[finite] <= bound_V2[finite] / 2).all()
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """The kernel loaded anew from an empty cache directory; the process's own kernel restored afterwards."""
+    monkeypatch.setenv("ATTNCHECKER_CACHE_DIR", str(tmp_path))
+    fp._kernel.cache_clear()
+    yield tmp_path
+    fp._kernel.cache_clear()
+
+
+def test_the_library_is_built_once_into_the_cache_directory(fresh_kernel: Path) -> None:
+    assert fp.available()
+    (built,) = (fresh_kernel / "native").glob("fused_pass-*.so")
+    stamp = built.stat().st_mtime_ns
+    fp._kernel.cache_clear()
+    assert fp.available()
+    assert [p.name for p in (fresh_kernel / "native").iterdir()] == [built.name]  # no leftover temporary file
+    assert built.stat().st_mtime_ns == stamp  # loaded, not rebuilt
+
+
+def test_without_a_compiler_the_checks_run_eagerly(fresh_kernel: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A machine without a working C compiler: one warning, the kernel declines, verify_gemm computes the same
+    check eagerly (nothing is left behind in the cache directory)."""
+    monkeypatch.setenv("CC", "/bin/false")
+    a, b = randn((6, 9), 0), randn((9, 7), 1)
+    c = a @ b
+    c[2, 3] = math.inf
+    with caplog.at_level(logging.WARNING, logger="attnchecker"):
+        assert fp.fused_pass(a, right=b) is None
+        assert fp.fused_pass(a, right=b) is None
+        checks = verify_gemm(c, a, b, Tolerance(), directions=("row",), one_pass=fp.fused_pass)
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "eager path" in caplog.records[0].message
+    assert checks["row"].bad.nonzero().tolist() == [[0, 2]]
+    assert list((fresh_kernel / "native").iterdir()) == []
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_protected_step_checks_its_whole_step_gemms_through_the_kernel(arch: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's fast path reaches the kernel on the layouts a real step has (Conv1D and Linear weights, dYᵀ and
+    Xᵀ views in the weight gradients, attention's batched backward products), instead of quietly declining them."""
+    import attnchecker
+    import attnchecker.gemm_check as gemm_check
+    from model_zoo import batch, build, loss_of
+
+    taken: list[bool] = []
+
+    def counted(x: torch.Tensor, **kwargs: object) -> object:
+        got = fp.fused_pass(x, **kwargs)  # type: ignore[arg-type]
+        taken.append(got is not None)
+        return got
+
+    monkeypatch.setattr(gemm_check, "fused_pass", counted)
+    model = build(arch)
+    guard = attnchecker.protect(model, policy=attnchecker.Policy.full(), scope="all")
+    loss_of(arch, model, batch(arch, 0)).backward()
+    stats = guard.step_stats
+    assert stats is not None
+    gemm_checks = sum(stats.checks.get(op, 0) for op in ("linear", "linear_dx", "linear_dw"))
+    guard.close()
+    assert gemm_checks > 0
+    assert len(taken) >= 3 * gemm_checks  # C, A and B of every whole-step GEMM check, at least
+    assert all(taken)
