@@ -45,6 +45,7 @@ from attnchecker.attention import (
 )
 from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
 from attnchecker.product_check import _groups
+from attnchecker.projection import fast_directions
 from attnchecker.tiled_attention import context_tile_checks, default_tiles, scores_tile_checks
 
 # name -> (tokens T, model width, heads checked in scores/context, head dim D, heads in the clean-check batches)
@@ -54,6 +55,8 @@ SHAPES: dict[str, dict[str, int]] = {
     "7b": {"t": 4096, "d_model": 4096, "heads": 1, "d_head": 128},
 }
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROJECTION_DIRECTIONS = "engine"
+"""What a projection's check verifies: "engine" (projection.fast_directions) or "both" (--projection-directions)."""
 MAGNITUDES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 100.0, 1000.0)
 BITS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
 # (exponent bits, mantissa bits) per dtype: bit i < mantissa is mantissa, then exponent, then the sign.
@@ -118,7 +121,10 @@ class Op:
         """The engine's verification of (a corrupted copy of) the product: {"row", "col"} DirectionChecks."""
         with emulate_fp32_matmul("tf32") if self.dtype_name == "tf32" else contextlib.nullcontext(), torch.no_grad():
             if self.name in ("q", "out"):
-                return _ProjectionInput.of(self.x).checks(c, self.w, None, tol=tol)
+                # What the engine verifies on a clean step (projection.fast_directions: an fp32 output's rows alone
+                # under the calibrated bound), or both directions (--projection-directions both).
+                directions = fast_directions(tol, c.dtype) if PROJECTION_DIRECTIONS == "engine" else ("row", "col")
+                return _ProjectionInput.of(self.x).checks(c, self.w, None, tol=tol, directions=directions)
             if self.name == "scores":
                 return _scores_checks(self.q, self.k, c, {}, self.h, tol)
             return _context_checks(self.probs, self.v, c, None, self.h, tol)
@@ -140,9 +146,12 @@ class Op:
         checks = self.checks(c, tol)
         first = (0,) * (c.dim() - 2)
         r, n = c.shape[-2:]
-        row, col = checks["row"], checks["col"]
-        return (row.bad[first][vector_of("row", row.groups, n, rows, cols)]
-                | col.bad[first][vector_of("col", col.groups, r, rows, cols)])
+        row = checks["row"]
+        flagged = row.bad[first][vector_of("row", row.groups, n, rows, cols)]
+        if "col" in checks:
+            col = checks["col"]
+            flagged = flagged | col.bad[first][vector_of("col", col.groups, r, rows, cols)]
+        return flagged
 
     def clean_ratios(self, tol: Tolerance) -> dict[str, float]:
         """Worst clean |d1|/bound and |d2|/bound2 over both directions of the clean product."""
@@ -445,10 +454,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path", default="unfused", choices=("unfused", "tiled"),
                    help="which attention path's checks scores and context go through (tiled: tile by tile, the "
                         "engine's tiled_attention checks; projections are the same on both paths)")
+    p.add_argument("--projection-directions", default="engine", choices=("engine", "both"),
+                   help="q/out: the directions the engine's clean check verifies (fp32: the rows alone), or both "
+                        "(what the rows alone give up, side by side)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out")
     args = p.parse_args(argv)
+    global PROJECTION_DIRECTIONS
+    PROJECTION_DIRECTIONS = args.projection_directions
     torch.set_num_threads(args.threads)
     shapes = ["tiny"] if args.tiny else args.shapes.split(",")
     dtypes = args.dtypes.split(",")
@@ -521,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_common.table([[k, v["total_checks"], v["false_positives"]] for k, v in clean.items()],
                             ["dtype", "clean checks", "false positives"]))
     payload = {"magnitudes": list(MAGNITUDES), "trials": trials, "sigmas": cal.sigmas, "path": args.path,
+               "projection_directions": args.projection_directions,
                "threads": args.threads, "results": results,
                "residual_model": model, "clean": clean}
     path = _common.write_result("coverage", _no_nan(payload), args.out)

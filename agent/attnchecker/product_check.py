@@ -9,8 +9,18 @@ from collections.abc import Callable
 
 import torch
 
-from .abft import DirectionCheck, Tolerance, acc_dtype, bounds, checksums_of, group_count, verify_direction
-from .abft.checksum import VectorSums
+from .abft import (
+    Bound,
+    DirectionCheck,
+    Tolerance,
+    acc_dtype,
+    bounds,
+    checksums_of,
+    group_count,
+    group_sums_rows,
+    verify_direction,
+)
+from .abft.checksum import VectorSums, vector_sum
 from .context import LayerContext
 from .matmul_precision import fp32_matmul_operand_roundoff, ieee_fp32_matmul
 
@@ -71,7 +81,7 @@ def _gemm_accumulation(c: torch.Tensor) -> torch.dtype | None:
 def _verify(
     c_NRC: torch.Tensor,
     row_ref_NR2: torch.Tensor,
-    col_ref_NC2: torch.Tensor,
+    col_ref_NC2: torch.Tensor | None,
     a_norm_NR: torch.Tensor,
     b_norm_NC: torch.Tensor,
     *,
@@ -88,6 +98,7 @@ def _verify(
     ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     walk: tuple[bool, bool] = (False, False),
     moments_NR4: torch.Tensor | None = None,
+    directions: tuple[str, ...] = ("row", "col"),
 ) -> Checks:
     """Both directions of C = A·B against references derived from the inputs (no sync). extra_*: error already in
     a passed reference (paper-faithful mode), added to the bound. operands_cast_to: autocast ran the product on
@@ -99,16 +110,13 @@ def _verify(
     walk: the (row, column) directions that take the calibrated bound's random-walk model (tolerance.bounds), with
     maxes: (‖A_i‖∞ (..., R), ‖B_j‖∞ (..., C)) and ref_maxes: (‖B w‖∞, ‖wᵀA‖∞) shaped as ref_norms; moments_NR4:
     (Σ_j w_j² Σ_k A_ik² B_kj², Σ_k A_ik² (Bw)_k²) per row vector and weighting, laid out as the row references
-    (..., R·g_r, 4), for a walk row (tolerance.bounds)."""
+    (..., R·g_r, 4), for a walk row (tolerance.bounds).
+    directions: ("row",) verifies the rows only (col_ref_NC2 is then not read, and may be None): one direction
+    detects any single corrupted element; locating a column or a block needs both, after a flag."""
     roundoff = tol.mode == "roundoff"
     use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and roundoff
     want_sq = roundoff and tol.calibrated
     given_sq = want_sq and sq_sums is not None and not use_abs
-    got_rows, got_cols, sums = checksums_of(c_NRC, with_abs=use_abs, with_sq=want_sq and not given_sq,
-                                            groups=groups)
-    if given_sq:
-        assert sq_sums is not None
-        sums = VectorSums(None, sq_sums)
     # An fp32 product under TF32 (or oneDNN bf16) rounded its operands; autocast already says so for half products.
     operand_u = fp32_matmul_operand_roundoff(c_NRC.device) if c_NRC.dtype == torch.float32 else None
     rule = functools.partial(
@@ -117,21 +125,31 @@ def _verify(
     )
     g_r, g_c = groups
     a_max, b_max = maxes
+    row_rule_of = functools.partial(_row_rule, rule, a_norm_NR, b_norm_NC, bias_abs_C, ref_norms[0], maxes,
+                                    ref_maxes[0], moments_NR4, g_r)
+    if directions == ("row",):
+        # Grouped row sums and magnitude sums: contiguous reductions of C, no pass over its columns.
+        c = c_NRC.to(acc_dtype(c_NRC.dtype))
+        got_rows = group_sums_rows(c, g_r).flatten(-3, -2)
+        abs_sum = vector_sum(c.abs(), "row", g_r) if use_abs else None
+        sq_sum = (torch.linalg.vector_norm(c.unflatten(-1, (g_r, -1)), dim=-1).square().flatten(-2)
+                  if want_sq else None)
+        row_rule = row_rule_of(grouped=g_r > 1)
+        if extra_row_NR is not None and roundoff:
+            row_rule = row_rule.plus(extra_row_NR)
+        return {"row": verify_direction(row_ref_NR2, got_rows, row_rule, abs_sum, sq_sum, groups=g_r)}
+    got_rows, got_cols, sums = checksums_of(c_NRC, with_abs=use_abs, with_sq=want_sq and not given_sq,
+                                            groups=groups)
+    if given_sq:
+        assert sq_sums is not None
+        sums = VectorSums(None, sq_sums)
     if groups == (1, 1):
         row_rule, col_rule = rule(a_norm_NR, b_norm_NC, bias_abs_C=bias_abs_C, ref_norms=ref_norms,
                                   a_max_NR=a_max, b_max_NC=b_max, ref_maxes=ref_maxes, moments_NR4=moments_NR4)
     else:
         # Each group is the product of A with a column block of B (row groups) or of a row block of A with B (column
         # groups): the same bound on that sub-product, the groups a batch dim, then laid out as grouped vectors.
-        row_rule = rule(a_norm_NR[..., None, :], b_norm_NC.unflatten(-1, (g_r, -1)),
-                        bias_abs_C=None if bias_abs_C is None else bias_abs_C.unflatten(-1, (g_r, -1)),
-                        ref_norms=(ref_norms[0], None),
-                        a_max_NR=None if a_max is None else a_max[..., None, :],
-                        b_max_NC=None if b_max is None else b_max.unflatten(-1, (g_r, -1)),
-                        ref_maxes=(ref_maxes[0], None),
-                        # (..., R·g, 2) -> (..., g, R, 2): the groups a batch dim, as the rule is made
-                        moments_NR4=None if moments_NR4 is None
-                        else moments_NR4.unflatten(-2, (-1, g_r)).transpose(-3, -2))[0].grouped()
+        row_rule = row_rule_of(grouped=True)
         col_rule = rule(a_norm_NR.unflatten(-1, (g_c, -1)), b_norm_NC[..., None, :], bias_abs_C=bias_abs_C,
                         ref_norms=(None, ref_norms[1]),
                         a_max_NR=None if a_max is None else a_max.unflatten(-1, (g_c, -1)),
@@ -142,7 +160,41 @@ def _verify(
     if extra_col_NC is not None and roundoff:
         col_rule = col_rule.plus(extra_col_NC)
     row_sums, col_sums = (sums.of("row"), sums.of("col")) if sums is not None else ((None, None), (None, None))
+    if col_ref_NC2 is None:
+        raise ValueError("_verify: both directions need the column references")
     return {
         "row": verify_direction(row_ref_NR2, got_rows, row_rule, *row_sums, groups=g_r),
         "col": verify_direction(col_ref_NC2, got_cols, col_rule, *col_sums, groups=g_c),
     }
+
+
+
+def _row_rule(
+    rule: Callable[..., tuple[Bound, Bound]],
+    a_norm_NR: torch.Tensor,
+    b_norm_NC: torch.Tensor,
+    bias_abs_C: torch.Tensor | None,
+    ref_norm: torch.Tensor | None,
+    maxes: tuple[torch.Tensor | None, torch.Tensor | None],
+    ref_max: torch.Tensor | None,
+    moments_NR4: torch.Tensor | None,
+    g_r: int,
+    *,
+    grouped: bool,
+) -> Bound:
+    """The row direction's bound (`_verify`'s arguments, ref_norm and ref_max shaped as its groups say). Grouped:
+    per group of g_r runs of columns, each group the product of A with a column block of B, bounded as that
+    sub-product with the groups a batch dim, then laid out as grouped vectors."""
+    a_max, b_max = maxes
+    if not grouped:
+        return rule(a_norm_NR, b_norm_NC, bias_abs_C=bias_abs_C, ref_norms=(ref_norm, None), a_max_NR=a_max,
+                    b_max_NC=b_max, ref_maxes=(ref_max, None), moments_NR4=moments_NR4)[0]
+    return rule(a_norm_NR[..., None, :], b_norm_NC.unflatten(-1, (g_r, -1)),
+                bias_abs_C=None if bias_abs_C is None else bias_abs_C.unflatten(-1, (g_r, -1)),
+                ref_norms=(ref_norm, None),
+                a_max_NR=None if a_max is None else a_max[..., None, :],
+                b_max_NC=None if b_max is None else b_max.unflatten(-1, (g_r, -1)),
+                ref_maxes=(ref_max, None),
+                # (..., R·g, 2) -> (..., g, R, 2): the groups a batch dim, as the rule is made
+                moments_NR4=None if moments_NR4 is None
+                else moments_NR4.unflatten(-2, (-1, g_r)).transpose(-3, -2))[0].grouped()

@@ -36,21 +36,31 @@ DIRECTIONS: tuple[str, ...] = ("row", "col")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FusedSums:
-    """What one read of a matrix X (..., R, C) gave (None where not asked for)."""
+    """What one read of a matrix X (..., R, C) gave (None where not asked for). Row quantities are per run of
+    S = C/g consecutive elements, in the grouped vector layout (abft/checksum.py: run h of row i is vector i·g + h;
+    g = 1: one per row)."""
 
-    right: torch.Tensor | None
-    """(..., R, nr) X·right"""
-    left: torch.Tensor | None
+    right: torch.Tensor | None = None
+    """(..., R·g, nr) each run times right (S, nr)"""
+    left: torch.Tensor | None = None
     """(..., C, nl) Xᵀ·left"""
-    row_sq: torch.Tensor | None
-    """(..., R) Σ_k X_rk²"""
-    col_sq: torch.Tensor | None
+    row_sq: torch.Tensor | None = None
+    """(..., R·g) Σ X² over each run"""
+    col_sq: torch.Tensor | None = None
     """(..., C) Σ_r X_rk²"""
+    right_sq: torch.Tensor | None = None
+    """(..., R·g, nr2) each run, squared, times right_sq (S, nr2)"""
+    left_sq: torch.Tensor | None = None
+    """(..., C, nl2) (X∘X)ᵀ·left_sq"""
+    row_max: torch.Tensor | None = None
+    """(..., R) max_k |X_rk| (NaN where the row holds one)"""
+    col_max: torch.Tensor | None = None
+    """(..., C) max_r |X_rk|"""
 
 
 class OnePass(Protocol):
-    """A kernel that computes X·right, Xᵀ·left and X's squared row and column sums in one read of X, or returns None
-    for tensors it does not take (attnchecker.fused_pass: fp32 on the CPU)."""
+    """A kernel that computes X·right, Xᵀ·left and X's squared row and column sums (and more: FusedSums) in one read
+    of X, or returns None for tensors it does not take (attnchecker.fused_pass: fp32 on the CPU)."""
 
     def __call__(self, x: torch.Tensor, *, right: torch.Tensor | None = None, left: torch.Tensor | None = None,
                  row_sq: bool = False, col_sq: bool = False) -> FusedSums | None: ...
