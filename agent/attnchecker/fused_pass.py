@@ -1,10 +1,12 @@
 """A one-pass reduction kernel for the checksum fast path on CPU (issue 17): what an eager check reads twice, read once.
 
 A row-direction check of C = A·B needs, from each of its three matrices, a skinny product and a sum of squares: C w
-and Σ_j C_ij², A (B w) and ‖A_i‖², B w and ‖B_:,j‖². Eagerly each is a pass over memory of its own, and the
-checks are memory-bound (docs/performance.md): a check of GPT-2's MLP GEMMs read about 2× the bytes one pass needs.
-``fused_pass`` computes them together in one read of the matrix (``fused_pass.c``), on either layout: a transposed
-view (dYᵀ, Xᵀ) is read as its contiguous base, its products taken from the other side.
+and Σ_j C_ij², A (B w) and ‖A_i‖², B w and ‖B_:,j‖²; a projection's calibrated check also needs the operands'
+∞-norms and products of their squares (projection._ProjectionInput). Eagerly each is a pass over memory of its own,
+and the checks are memory-bound (docs/performance.md): a check of GPT-2's MLP GEMMs read about 2× the bytes one pass
+needs. ``fused_pass`` computes them together in one read of the matrix (``fused_pass.c``), on either layout: a
+transposed view (dYᵀ, Xᵀ) is read as its contiguous base, its products taken from the other side; grouped
+checksums are runs of a row, each with its own sums.
 
 The C source is compiled on first use with the system C compiler (``cc``, or ``$CC``) into a cache directory
 (``$ATTNCHECKER_CACHE_DIR``, default ``~/.cache/attnchecker``), keyed by the source, the flags and the CPU, and loaded
@@ -47,8 +49,8 @@ _SOURCE = Path(__file__).with_name("fused_pass.c")
 # -fassociative-math (with the two flags it requires) lets the sums over a row run in vector lanes.
 _FLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fPIC",
           "-shared", "-std=c99")
-_WIDEST = 8
-"""Widest skinny factor the callers pass (checksum pairs, a few of them side by side)."""
+_WIDEST_LEFT = 64
+"""Widest left factor: the kernel keeps a row's left coefficients on its stack."""
 
 
 def available() -> bool:
@@ -60,19 +62,29 @@ def fused_pass(
     x: torch.Tensor,
     *,
     right: torch.Tensor | None = None,
+    right_sq: torch.Tensor | None = None,
     left: torch.Tensor | None = None,
+    left_sq: torch.Tensor | None = None,
     row_sq: bool = False,
     col_sq: bool = False,
+    row_max: bool = False,
+    col_max: bool = False,
+    groups: int = 1,
 ) -> FusedSums | None:
-    """X·right (right (..., C, nr)), Xᵀ·left (left (..., R, nl)), and X's squared row and column sums, in one read
-    of X (..., R, C); the factors' batch dims are X's or absent (shared). None when the kernel cannot take these
-    tensors (the caller computes the same eagerly): not all fp32 on the CPU, a layout whose rows are not contiguous,
-    batch dims that do not flatten, a factor wider than 8, or no kernel."""
+    """In one read of X (..., R, C), whose rows are split into ``groups`` runs of S = C/g consecutive elements:
+    each run times right (..., S, nr) and, squared, times right_sq (..., S, nr2); Xᵀ·left (left (..., R, nl)) and
+    (X∘X)ᵀ·left_sq; the squared sum of each run and of each column; the largest |X| of each row and column. The
+    factors' batch dims are X's or absent (shared). Outputs in the grouped vector layout (abft/checksum.py: run h of
+    row i is vector i·g + h): ``FusedSums``. None when the kernel cannot take these tensors (the caller computes the
+    same eagerly): not all fp32 on the CPU, rows that are not contiguous, batch dims that do not flatten, C not a
+    multiple of ``groups``, a left factor wider than 64, or no kernel."""
     if not enabled or x.dim() < 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
         return None
     if x.stride(-1) != 1 or (x.requires_grad and torch.is_grad_enabled()):
         return None
     rows, cols = x.shape[-2:]
+    if groups < 1 or cols % groups:
+        return None
     lead = x.shape[:-2]
     try:
         x3 = x.view(-1, rows, cols)
@@ -80,12 +92,14 @@ def fused_pass(
         return None
     nb = x3.shape[0]
     factors: list[tuple[torch.Tensor | None, int, int]] = []
-    for factor, length in ((right, cols), (left, rows)):
+    for factor, length, widest in ((right, cols // groups, None), (right_sq, cols // groups, None),
+                                   (left, rows, _WIDEST_LEFT), (left_sq, rows, _WIDEST_LEFT)):
         if factor is None:
             factors.append((None, 0, 0))
             continue
         if (factor.dtype != torch.float32 or factor.device.type != "cpu" or factor.shape[-2] != length
-                or factor.shape[-1] > _WIDEST or factor.shape[:-2] not in (lead, torch.Size(), (1,) * len(lead))):
+                or (widest is not None and factor.shape[-1] > widest)
+                or factor.shape[:-2] not in (lead, torch.Size(), (1,) * len(lead))):
             return None
         # (nb or 1, n, length): each column of the factor a contiguous run, as the kernel reads it.
         t = factor.detach().mT.reshape(-1, factor.shape[-1], length).contiguous()
@@ -93,19 +107,28 @@ def fused_pass(
     kernel = _kernel()
     if kernel is None:
         return None
-    (r_t, nr, sr), (l_t, nl, sl) = factors
+    (r_t, nr, sr), (r2_t, nr2, sr2), (l_t, nl, sl), (l2_t, nl2, sl2) = factors
     new = functools.partial(torch.empty, dtype=torch.float32)
-    xr = new((nb, rows, nr)) if r_t is not None else None
+    xr = new((nb, rows * groups, nr)) if r_t is not None else None
+    xr2 = new((nb, rows * groups, nr2)) if r2_t is not None else None
     lx = new((nb, nl, cols)) if l_t is not None else None
-    rsq = new((nb, rows)) if row_sq else None
+    lx2 = new((nb, nl2, cols)) if l2_t is not None else None
+    rsq = new((nb, rows * groups)) if row_sq else None
     csq = new((nb, cols)) if col_sq else None
-    kernel(nb, rows, cols, _ptr(x3), x3.stride(1), x3.stride(0), _ptr(r_t), nr, sr, _ptr(l_t), nl, sl,
-           _ptr(xr), _ptr(lx), _ptr(rsq), _ptr(csq))
+    rmax = new((nb, rows)) if row_max else None
+    cmax = new((nb, cols)) if col_max else None
+    kernel(nb, rows, cols, _ptr(x3), x3.stride(1), x3.stride(0), groups, _ptr(r_t), nr, sr, _ptr(r2_t), nr2, sr2,
+           _ptr(l_t), nl, sl, _ptr(l2_t), nl2, sl2, _ptr(xr), _ptr(xr2), _ptr(lx), _ptr(lx2), _ptr(rsq), _ptr(csq),
+           _ptr(rmax), _ptr(cmax))
     return FusedSums(
-        right=None if xr is None else xr.view(*lead, rows, nr),
+        right=None if xr is None else xr.view(*lead, rows * groups, nr),
+        right_sq=None if xr2 is None else xr2.view(*lead, rows * groups, nr2),
         left=None if lx is None else lx.view(*lead, nl, cols).mT,
-        row_sq=None if rsq is None else rsq.view(*lead, rows),
+        left_sq=None if lx2 is None else lx2.view(*lead, nl2, cols).mT,
+        row_sq=None if rsq is None else rsq.view(*lead, rows * groups),
         col_sq=None if csq is None else csq.view(*lead, cols),
+        row_max=None if rmax is None else rmax.view(*lead, rows),
+        col_max=None if cmax is None else cmax.view(*lead, cols),
     )
 
 
@@ -127,7 +150,8 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.restype = None
-    fn.argtypes = [i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr]
+    fn.argtypes = [i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64,
+                   ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     return fn
 
 

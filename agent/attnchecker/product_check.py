@@ -99,6 +99,7 @@ def _verify(
     walk: tuple[bool, bool] = (False, False),
     moments_NR4: torch.Tensor | None = None,
     directions: tuple[str, ...] = ("row", "col"),
+    row_sums: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> Checks:
     """Both directions of C = A·B against references derived from the inputs (no sync). extra_*: error already in
     a passed reference (paper-faithful mode), added to the bound. operands_cast_to: autocast ran the product on
@@ -112,7 +113,9 @@ def _verify(
     (Σ_j w_j² Σ_k A_ik² B_kj², Σ_k A_ik² (Bw)_k²) per row vector and weighting, laid out as the row references
     (..., R·g_r, 4), for a walk row (tolerance.bounds).
     directions: ("row",) verifies the rows only (col_ref_NC2 is then not read, and may be None): one direction
-    detects any single corrupted element; locating a column or a block needs both, after a flag."""
+    detects any single corrupted element; locating a column or a block needs both, after a flag. row_sums: (C's
+    grouped row checksums (..., R·g_r, 2), their Σ C² (..., R·g_r) or None) already made (fused_pass), for an fp32 C
+    checked by rows only: then no pass over C runs here."""
     roundoff = tol.mode == "roundoff"
     use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and roundoff
     want_sq = roundoff and tol.calibrated
@@ -128,12 +131,17 @@ def _verify(
     row_rule_of = functools.partial(_row_rule, rule, a_norm_NR, b_norm_NC, bias_abs_C, ref_norms[0], maxes,
                                     ref_maxes[0], moments_NR4, g_r)
     if directions == ("row",):
-        # Grouped row sums and magnitude sums: contiguous reductions of C, no pass over its columns.
-        c = c_NRC.to(acc_dtype(c_NRC.dtype))
-        got_rows = group_sums_rows(c, g_r).flatten(-3, -2)
-        abs_sum = vector_sum(c.abs(), "row", g_r) if use_abs else None
-        sq_sum = (torch.linalg.vector_norm(c.unflatten(-1, (g_r, -1)), dim=-1).square().flatten(-2)
-                  if want_sq else None)
+        abs_sum: torch.Tensor | None = None
+        sq_sum: torch.Tensor | None
+        if row_sums is not None and not use_abs:
+            got_rows, sq_sum = row_sums
+        else:
+            # Grouped row sums and magnitude sums: contiguous reductions of C, no pass over its columns.
+            c = c_NRC.to(acc_dtype(c_NRC.dtype))
+            got_rows = group_sums_rows(c, g_r).flatten(-3, -2)
+            abs_sum = vector_sum(c.abs(), "row", g_r) if use_abs else None
+            sq_sum = (torch.linalg.vector_norm(c.unflatten(-1, (g_r, -1)), dim=-1).square().flatten(-2)
+                      if want_sq else None)
         row_rule = row_rule_of(grouped=g_r > 1)
         if extra_row_NR is not None and roundoff:
             row_rule = row_rule.plus(extra_row_NR)
@@ -159,14 +167,13 @@ def _verify(
         row_rule = row_rule.plus(extra_row_NR)
     if extra_col_NC is not None and roundoff:
         col_rule = col_rule.plus(extra_col_NC)
-    row_sums, col_sums = (sums.of("row"), sums.of("col")) if sums is not None else ((None, None), (None, None))
+    row_vs, col_vs = (sums.of("row"), sums.of("col")) if sums is not None else ((None, None), (None, None))
     if col_ref_NC2 is None:
         raise ValueError("_verify: both directions need the column references")
     return {
-        "row": verify_direction(row_ref_NR2, got_rows, row_rule, *row_sums, groups=g_r),
-        "col": verify_direction(col_ref_NC2, got_cols, col_rule, *col_sums, groups=g_c),
+        "row": verify_direction(row_ref_NR2, got_rows, row_rule, *row_vs, groups=g_r),
+        "col": verify_direction(col_ref_NC2, got_cols, col_rule, *col_vs, groups=g_c),
     }
-
 
 
 def _row_rule(

@@ -26,6 +26,7 @@ from .abft import (
     weighted_cols,
 )
 from .context import LayerContext
+from .fused_pass import fused_pass
 from .passed_checksums import PassedProjection
 from .product_check import Checks, _dot, _Exact, _exact_math, _groups, _tolerance, _verify, _walks
 from .records import _any_bad, _count, _count_trips, _emit, _inject, _observe
@@ -43,8 +44,10 @@ class _ProjectionInput:
 
     x_NTI: torch.Tensor
     x_acc_NTI: torch.Tensor
-    xsum_N2I: torch.Tensor
-    x_norm_NT: torch.Tensor
+    xsum_made: torch.Tensor | None = None
+    """(N, 2, I) wᵀX, made on first use (``xsum_N2I``): the token direction's, which an fp32 check by rows skips."""
+    x_norm_made: torch.Tensor | None = None
+    """(N, T) ‖X_t‖, made on first use (``x_norm_NT``), or by the first one-pass read of X."""
     xsum_grouped_N2gI: torch.Tensor | None = None
     """(N, 2·g_c, I): per token group h, rows 2h and 2h+1 are (1, 1..L)ᵀ X_h; None until a grouped check asks."""
     wsum_last: tuple[torch.Tensor, int, torch.Tensor] | None = None
@@ -55,8 +58,21 @@ class _ProjectionInput:
 
     @classmethod
     def of(cls, x_NTI: torch.Tensor) -> _ProjectionInput:
-        x_acc = x_NTI.to(acc_dtype(x_NTI.dtype))
-        return cls(x_NTI, x_acc, weighted_cols(x_acc).mT, torch.linalg.vector_norm(x_acc, dim=-1))
+        return cls(x_NTI, x_NTI.to(acc_dtype(x_NTI.dtype)))
+
+    @property
+    def xsum_N2I(self) -> torch.Tensor:  # noqa: N802  (the shape legend, as the field it replaced)
+        """(N, 2, I): the plain token checksums wᵀX (one pass over X, the first time they are asked for)."""
+        if self.xsum_made is None:
+            self.xsum_made = weighted_cols(self.x_acc_NTI).mT
+        return self.xsum_made
+
+    @property
+    def x_norm_NT(self) -> torch.Tensor:  # noqa: N802  (the shape legend, as the field it replaced)
+        """(N, T): ‖X_t‖₂ per token."""
+        if self.x_norm_made is None:
+            self.x_norm_made = torch.linalg.vector_norm(self.x_acc_NTI, dim=-1)
+        return self.x_norm_made
 
     def token_sums(self, groups: int) -> torch.Tensor:
         """(N, 2·g, I): the token checksums wᵀX per group of T/g tokens (g = 1: xsum_N2I). One pass over X, the first
@@ -131,12 +147,16 @@ class _ProjectionInput:
     ) -> Checks:
         """The full check of one (slice of the) projection Y = X Wᵀ + b: both directions, or the rows alone
         (``directions``, ``fast_directions``), grouped where the tolerance groups (no sync)."""
-        w_norm_O, bias_abs = self.weight_norms(weight_OI, bias_O)
         g_r, g_c = _groups(tol, weight_OI.shape[0]), _groups(tol, self.x_NTI.shape[-2])
         # The random-walk model for the rows (over the weight's output features) only: the columns run over tokens,
         # whose rows of X can be nearly collinear (outlier channels), so their errors need not be independent
         # (tolerance.bounds, `walk`).
         walk = _walks(tol)
+        if walk and directions == ("row",) and cast_to is None:
+            fused = self._rows_in_one_pass(y_NTO, weight_OI, bias_O, tol=tol, groups=(g_r, g_c))
+            if fused is not None:
+                return fused
+        w_norm_O, bias_abs = self.weight_norms(weight_OI, bias_O)
         maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         moments = None
@@ -161,6 +181,66 @@ class _ProjectionInput:
                        operands_cast_to=cast_to, ref_norms=ref_norms, groups=(g_r, g_c),
                        maxes=maxes, ref_maxes=ref_maxes, walk=(walk, False), moments_NR4=moments,
                        directions=directions)
+
+    def _rows_in_one_pass(
+        self, y_NTO: torch.Tensor, weight_OI: torch.Tensor, bias_O: torch.Tensor | None, *, tol: Tolerance,
+        groups: tuple[int, int],
+    ) -> Checks | None:
+        """``checks`` by rows under the random-walk model, for fp32 on the CPU: every sum it takes from W, X and Y
+        made in one read of each (fused_pass), or None where the kernel declines (the eager path then makes the
+        same). W (O, I) per group of L = O/g output features: Wᵀw (I, g, 2), β = Σ_o w_o² W_oi² (I, g, 2), ‖W_o‖ and
+        max_i |W_oi|; X: X·(Wᵀw), (X∘X)·[β, (Wᵀw)²], ‖X_t‖ and max_i |X_ti|; Y: the grouped row checksums and ΣY²."""
+        g_r = groups[0]
+        acc = torch.float32
+        if not (self.x_acc_NTI.dtype == y_NTO.dtype == weight_OI.dtype == acc) or (
+                bias_O is not None and bias_O.dtype != acc):
+            return None
+        n_out, n_in = weight_OI.shape
+        run = n_out // g_r
+        w_L2 = checksum_weights(run, weight_OI.device, acc)
+        if weight_OI.mT.stride(-1) == 1:
+            # A Conv1D weight (I, O), or a column slice of one: rows over the input features, runs of L outputs.
+            w_sums = fused_pass(weight_OI.mT, right=w_L2, right_sq=w_L2.square(), col_sq=True, col_max=True,
+                                groups=g_r)
+            if w_sums is None or w_sums.right is None or w_sums.right_sq is None:
+                return None
+            ww_Ig2, beta_Ig2 = w_sums.right.view(n_in, g_r, 2), w_sums.right_sq.view(n_in, g_r, 2)
+            w_sq_O, w_max_O = w_sums.col_sq, w_sums.col_max
+        else:
+            # An nn.Linear weight (O, I): each group of L rows a batch, summed from the left.
+            try:
+                w_gLI = weight_OI.view(g_r, run, n_in)
+            except RuntimeError:
+                return None
+            w_sums = fused_pass(w_gLI, left=w_L2, left_sq=w_L2.square(), row_sq=True, row_max=True)
+            if w_sums is None or w_sums.left is None or w_sums.left_sq is None or w_sums.row_sq is None:
+                return None
+            ww_Ig2, beta_Ig2 = w_sums.left.transpose(0, 1), w_sums.left_sq.transpose(0, 1)
+            w_sq_O, w_max_O = w_sums.row_sq.flatten(), None if w_sums.row_max is None else w_sums.row_max.flatten()
+        if w_sq_O is None or w_max_O is None:
+            return None
+        cols_Ig4 = torch.cat([beta_Ig2, ww_Ig2.square()], -1)
+        first = self.x_norm_made is None or self.x_max_NT is None
+        x_sums = fused_pass(self.x_acc_NTI, right=ww_Ig2.flatten(-2), right_sq=cols_Ig4.flatten(-2), row_sq=first,
+                            row_max=first)
+        y_sums = None if x_sums is None else fused_pass(y_NTO, right=w_L2, row_sq=True, groups=g_r)
+        if x_sums is None or y_sums is None or x_sums.right is None or x_sums.right_sq is None:
+            return None
+        if first:
+            if x_sums.row_sq is None or x_sums.row_max is None:
+                return None
+            self.x_norm_made, self.x_max_NT = x_sums.row_sq.sqrt(), x_sums.row_max
+        assert self.x_norm_made is not None and y_sums.right is not None
+        ref_NTg2 = x_sums.right.unflatten(-1, (g_r, 2))
+        if bias_O is not None:
+            ref_NTg2 = ref_NTg2 + group_sums_rows(bias_O[None], g_r)[0]
+        ref_norm, ref_max = torch.linalg.vector_norm(ww_Ig2, dim=-3), abs_max(ww_Ig2, dim=-3)
+        return _verify(y_NTO, ref_NTg2.flatten(-3, -2), None, self.x_norm_made, w_sq_O.sqrt(), k=n_in, tol=tol,
+                       bias_abs_C=None if bias_O is None else bias_O.abs(),
+                       ref_norms=(ref_norm[0] if g_r == 1 else ref_norm, None), groups=groups,
+                       maxes=(self.x_max_NT, w_max_O), ref_maxes=(ref_max[0] if g_r == 1 else ref_max, None),
+                       walk=(True, False), moments_NR4=x_sums.right_sq.unflatten(-1, (g_r, 4)).flatten(-3, -2),
+                       directions=("row",), row_sums=(y_sums.right, y_sums.row_sq))
 
     def weight_norms(
         self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None

@@ -2,6 +2,7 @@
 pass it, keeps NaN and INF, declines what it does not take, and where it cannot be built the checks run eagerly."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from attnchecker import fused_pass as fp
-from attnchecker.abft import Tolerance
+from attnchecker.abft import Tolerance, group_count
 from attnchecker.abft.gemm import verify_gemm
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,16 @@ def randn(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
+@contextlib.contextmanager
+def kernel_off() -> Iterator[None]:
+    """The eager path, as without a kernel (bench/overhead.py's all_full_eager)."""
+    fp.enabled = False
+    try:
+        yield
+    finally:
+        fp.enabled = True
+
+
 def layout(x: torch.Tensor, kind: str) -> torch.Tensor:
     """The same values as a row-strided slice of a wider matrix (a head's columns of a fused projection)."""
     if kind == "slice":
@@ -31,43 +42,57 @@ def layout(x: torch.Tensor, kind: str) -> torch.Tensor:
     return x
 
 
-@settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 70), cols=st.integers(1, 70), batch=st.sampled_from([(), (1,), (3,), (2, 2)]),
-       nr=st.sampled_from([0, 1, 2, 3, 5]), nl=st.sampled_from([0, 1, 2, 3, 5]), row_sq=st.booleans(),
-       col_sq=st.booleans(), shared=st.booleans(), kind=st.sampled_from(["contiguous", "slice"]),
-       seed=st.integers(0, 10_000))
-def test_the_pass_matches_the_float64_products_and_sums(rows: int, cols: int, batch: tuple[int, ...], nr: int,
-                                                       nl: int, row_sq: bool, col_sq: bool, shared: bool, kind: str,
-                                                       seed: int) -> None:
-    """Every output against float64, at fp32 round-off for sums of this length; a factor shared by the batch (a
-    weight's checksum vector) or one per matrix (attention's per-head references)."""
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 70), seg=st.integers(1, 40), groups=st.sampled_from([1, 2, 3]),
+       batch=st.sampled_from([(), (1,), (3,), (2, 2)]), nr=st.sampled_from([0, 1, 2, 3, 5]),
+       nr2=st.sampled_from([0, 2, 4]), nl=st.sampled_from([0, 1, 2, 3, 5]), nl2=st.sampled_from([0, 2]),
+       flags=st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()), shared=st.booleans(),
+       kind=st.sampled_from(["contiguous", "slice"]), seed=st.integers(0, 10_000))
+def test_the_pass_matches_the_float64_products_and_sums(
+    rows: int, seg: int, groups: int, batch: tuple[int, ...], nr: int, nr2: int, nl: int, nl2: int,
+    flags: tuple[bool, bool, bool, bool], shared: bool, kind: str, seed: int,
+) -> None:
+    """Every output against float64, at fp32 round-off for sums of this length; rows split into groups (grouped
+    checksums); a factor shared by the batch (a weight's checksum vector) or one per matrix (attention's per-head
+    references)."""
+    row_sq, col_sq, row_max, col_max = flags
+    cols = seg * groups
     x = layout(randn((*batch, rows, cols), seed), kind)
     lead = () if shared else batch
-    right = randn((*lead, cols, nr), seed + 1) if nr else None
-    left = randn((*lead, rows, nl), seed + 2) if nl else None
-    got = fp.fused_pass(x, right=right, left=left, row_sq=row_sq, col_sq=col_sq)
+    right = randn((*lead, seg, nr), seed + 1) if nr else None
+    right_sq = randn((*lead, seg, nr2), seed + 2) if nr2 else None
+    left = randn((*lead, rows, nl), seed + 3) if nl else None
+    left_sq = randn((*lead, rows, nl2), seed + 4) if nl2 else None
+    got = fp.fused_pass(x, right=right, right_sq=right_sq, left=left, left_sq=left_sq, row_sq=row_sq,
+                        col_sq=col_sq, row_max=row_max, col_max=col_max, groups=groups)
     assert got is not None
     x64 = x.double()
+    runs = x64.unflatten(-1, (groups, seg)).flatten(-3, -2)  # (..., R·g, S): the grouped vector layout
     u = torch.finfo(torch.float32).eps
-    if right is not None:
-        assert got.right is not None and got.right.shape == (*batch, rows, nr)
-        want = x64 @ right.double()
-        scale = x64.abs() @ right.double().abs()
-        assert ((got.right.double() - want).abs() <= 2 * cols * u * scale + 1e-30).all()
-    else:
-        assert got.right is None
-    if left is not None:
-        assert got.left is not None and got.left.shape == (*batch, cols, nl)
-        want = x64.mT @ left.double()
-        scale = x64.abs().mT @ left.double().abs()
-        assert ((got.left.double() - want).abs() <= 2 * rows * u * scale + 1e-30).all()
-    else:
-        assert got.left is None
-    for flag, out, dim, n in ((row_sq, got.row_sq, -1, cols), (col_sq, got.col_sq, -2, rows)):
+
+    def near(out: torch.Tensor | None, want: torch.Tensor, scale: torch.Tensor, n: int) -> None:
+        assert out is not None and out.shape == want.shape
+        assert ((out.double() - want).abs() <= 2 * n * u * scale + 1e-30).all()
+
+    for factor, out, data in ((right, got.right, runs), (right_sq, got.right_sq, runs.square())):
+        if factor is None:
+            assert out is None
+        else:
+            near(out, data @ factor.double(), data.abs() @ factor.double().abs(), seg)
+    for factor, out, data in ((left, got.left, x64), (left_sq, got.left_sq, x64.square())):
+        if factor is None:
+            assert out is None
+        else:
+            near(out, data.mT @ factor.double(), data.abs().mT @ factor.double().abs(), rows)
+    for flag, out, want, n in ((row_sq, got.row_sq, runs.square().sum(-1), seg),
+                               (col_sq, got.col_sq, x64.square().sum(-2), rows)):
         if flag:
-            assert out is not None
-            want = x64.square().sum(dim)
-            assert ((out.double() - want).abs() <= 2 * n * u * want).all()
+            near(out, want, want, n)
+        else:
+            assert out is None
+    for flag, out, want in ((row_max, got.row_max, x.abs().amax(-1)), (col_max, got.col_max, x.abs().amax(-2))):
+        if flag:
+            assert out is not None and torch.equal(out, want)
         else:
             assert out is None
 
@@ -87,21 +112,24 @@ def test_nan_and_inf_reach_every_output_of_their_row_and_column(bad: float) -> N
         assert got.row_sq[3] == math.inf and got.col_sq[36] == math.inf
 
 
-@pytest.mark.parametrize("case", ["bf16", "fp16", "fp64", "strided_rows", "wide_factor", "needs_grad", "disabled"])
+@pytest.mark.parametrize("case", ["bf16", "fp16", "fp64", "strided_rows", "wide_left", "groups", "needs_grad",
+                                  "disabled"])
 def test_it_declines_what_it_does_not_take(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     x = randn((8, 16), 0)
-    right = randn((16, 2), 1)
+    right, left, groups = randn((16, 2), 1), None, 1
     if case in ("bf16", "fp16", "fp64"):
         x = x.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[case])
     elif case == "strided_rows":
         x = x.T.contiguous().T  # column-major: rows are not contiguous
-    elif case == "wide_factor":
-        right = randn((16, 9), 1)
+    elif case == "wide_left":
+        left = randn((8, 65), 1)
+    elif case == "groups":
+        right, groups = randn((5, 2), 1), 3  # 16 columns do not split into 3 runs
     elif case == "needs_grad":
         x.requires_grad_(True)
     else:
         monkeypatch.setattr(fp, "enabled", False)
-    assert fp.fused_pass(x, right=right, row_sq=True) is None
+    assert fp.fused_pass(x, right=right, left=left, row_sq=True, groups=groups) is None
 
 
 @settings(max_examples=40, deadline=None)
@@ -197,3 +225,50 @@ def test_a_protected_step_checks_its_whole_step_gemms_through_the_kernel(arch: s
     assert gemm_checks > 0
     assert len(taken) >= 3 * gemm_checks  # C, A and B of every whole-step GEMM check, at least
     assert all(taken)
+
+
+@settings(max_examples=30, deadline=None)
+@given(tokens=st.sampled_from([7, 64, 300]), n_in=st.sampled_from([24, 96]), n_out=st.sampled_from([40, 512, 768]),
+       layout=st.sampled_from(["out_in", "in_out", "in_out_slice"]), with_bias=st.booleans(),
+       fault=st.sampled_from([None, "inf", "nan", "add"]), seed=st.integers(0, 10_000))
+def test_a_projection_checked_by_rows_through_the_kernel_flags_what_the_eager_check_flags(
+    tokens: int, n_in: int, n_out: int, layout: str, with_bias: bool, fault: str | None, seed: int,
+) -> None:
+    """The fp32 projection check (rows, random-walk model, grouped from 512 outputs on): W, X and Y each read once
+    by the kernel, for an nn.Linear weight, a Conv1D one and a Conv1D column slice (GPT-2's q/k/v in c_attn). The
+    same vectors flag as on the eager path, and the bounds agree to round-off."""
+    from attnchecker.projection import _ProjectionInput
+
+    x = randn((2, tokens, n_in), seed) * (1 + 10 * (torch.arange(n_in) == 3))  # an outlier channel
+    if layout == "out_in":
+        w_OI = randn((n_out, n_in), seed + 1) / math.sqrt(n_in)
+    else:
+        width = n_out * (3 if layout == "in_out_slice" else 1)
+        w_IO = randn((n_in, width), seed + 1) / math.sqrt(n_in)
+        w_OI = w_IO.T[n_out : 2 * n_out] if layout == "in_out_slice" else w_IO.T
+    bias = randn((n_out,), seed + 2) if with_bias else None
+    y = torch.nn.functional.linear(x, w_OI, bias)
+    if fault is not None:
+        y.view(-1)[seed % y.numel()] = {"inf": math.inf, "nan": math.nan}.get(fault, 1000.0 * math.sqrt(n_in))
+    with torch.no_grad():
+        fused = _ProjectionInput.of(x).checks(y, w_OI, bias, tol=Tolerance(), directions=("row",))["row"]
+        groups = (group_count(n_out), group_count(tokens))
+        # The kernel took every read (no quiet fallback to the eager path on these layouts).
+        assert _ProjectionInput.of(x)._rows_in_one_pass(y, w_OI, bias, tol=Tolerance(), groups=groups) is not None
+        with kernel_off():
+            eager = _ProjectionInput.of(x).checks(y, w_OI, bias, tol=Tolerance(), directions=("row",))["row"]
+    assert torch.equal(fused.bad, eager.bad)
+    assert int(fused.bad.sum()) == (0 if fault is None else 1)
+    torch.testing.assert_close(fused.bound, eager.bound, rtol=1e-4, atol=0.0)
+    assert fused.groups == eager.groups
+
+
+def test_the_kernel_keeps_nan_in_row_and_column_maxima() -> None:
+    x = randn((4, 40), 0)
+    x[1, 17] = math.nan
+    got = fp.fused_pass(x, row_max=True, col_max=True)
+    assert got is not None and got.row_max is not None and got.col_max is not None
+    assert torch.isnan(got.row_max[1]) and torch.isnan(got.col_max[17])
+    ok_rows, ok_cols = [0, 2, 3], [c for c in range(40) if c != 17]
+    torch.testing.assert_close(got.row_max[ok_rows], x[ok_rows].abs().amax(-1))
+    torch.testing.assert_close(got.col_max[ok_cols], x[:, ok_cols].abs().amax(0))
