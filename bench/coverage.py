@@ -56,7 +56,8 @@ SHAPES: dict[str, dict[str, int]] = {
 }
 DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROJECTION_DIRECTIONS = "engine"
-"""What a projection's check verifies: "engine" (projection.fast_directions) or "both" (--projection-directions)."""
+"""What a projection's check verifies: "engine" (projection.fast_directions), "both" or "rows"
+(--projection-directions)."""
 MAGNITUDES = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 100.0, 1000.0)
 BITS = {torch.float32: 32, torch.bfloat16: 16, torch.float16: 16}
 # (exponent bits, mantissa bits) per dtype: bit i < mantissa is mantissa, then exponent, then the sign.
@@ -123,7 +124,8 @@ class Op:
             if self.name in ("q", "out"):
                 # What the engine verifies on a clean step (projection.fast_directions: an fp32 output's rows alone
                 # under the calibrated bound), or both directions (--projection-directions both).
-                directions = fast_directions(tol, c.dtype) if PROJECTION_DIRECTIONS == "engine" else ("row", "col")
+                directions = {"engine": fast_directions(tol, c.dtype), "rows": ("row",)}.get(PROJECTION_DIRECTIONS,
+                                                                                               ("row", "col"))
                 return _ProjectionInput.of(self.x).checks(c, self.w, None, tol=tol, directions=directions)
             if self.name == "scores":
                 return _scores_checks(self.q, self.k, c, {}, self.h, tol)
@@ -454,9 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--path", default="unfused", choices=("unfused", "tiled"),
                    help="which attention path's checks scores and context go through (tiled: tile by tile, the "
                         "engine's tiled_attention checks; projections are the same on both paths)")
-    p.add_argument("--projection-directions", default="engine", choices=("engine", "both"),
-                   help="q/out: the directions the engine's clean check verifies (fp32: the rows alone), or both "
-                        "(what the rows alone give up, side by side)")
+    p.add_argument("--projection-directions", default="engine", choices=("engine", "both", "rows"),
+                   help="q/out: the directions the engine's clean check verifies (fp32: the rows alone), both, or "
+                        "the rows alone in every dtype (what the rows alone give up, side by side)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out")
