@@ -257,9 +257,9 @@ def fast_directions(tol: Tolerance, out_dtype: torch.dtype) -> tuple[str, ...]:
     """What a clean projection check verifies: for an fp32 output under the calibrated bound, the rows alone. Their
     random-walk model (over the weight's output features, docs/abft.md) makes them the tighter threshold, and the
     columns (over tokens) add at most 0.2 points to the small bit-flip rates and nothing from 2 × RMS up (GPT-2
-    shapes, fp32 and TF32), while costing a column pass over Y and X. Both directions for a bf16/fp16 output, where output rounding dominates both
-    bounds and the columns do add detection (bf16 errors of 0.5 × RMS in q: 94 % caught with both, 77 % with the rows
-    alone; docs/fault-coverage.md), and without the calibrated bound."""
+    shapes, fp32 and TF32), while costing a column pass over Y and X. Both directions for a bf16/fp16 output, where
+    output rounding dominates both bounds and the columns do add detection (bf16 errors of 0.5 × RMS in q: 94 %
+    caught with both, 77 % with the rows alone; docs/fault-coverage.md), and without the calibrated bound."""
     return ("row",) if _walks(tol) and out_dtype == torch.float32 else ("row", "col")
 
 
