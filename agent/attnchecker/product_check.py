@@ -15,6 +15,7 @@ from .abft import (
     Tolerance,
     acc_dtype,
     bounds,
+    checksum_weights,
     checksums_of,
     group_count,
     group_sums_rows,
@@ -22,6 +23,7 @@ from .abft import (
 )
 from .abft.checksum import VectorSums, vector_sum
 from .context import LayerContext
+from .fused_pass import fused_pass
 from .matmul_precision import fp32_matmul_operand_roundoff, ieee_fp32_matmul
 
 Checks = dict[str, DirectionCheck]
@@ -146,8 +148,12 @@ def _verify(
         if extra_row_NR is not None and roundoff:
             row_rule = row_rule.plus(extra_row_NR)
         return {"row": verify_direction(row_ref_NR2, got_rows, row_rule, abs_sum, sq_sum, groups=g_r)}
-    got_rows, got_cols, sums = checksums_of(c_NRC, with_abs=use_abs, with_sq=want_sq and not given_sq,
-                                            groups=groups)
+    both = None if use_abs else _both_in_one_pass(c_NRC, groups, with_sq=want_sq and not given_sq)
+    if both is not None:
+        got_rows, got_cols, sums = both
+    else:
+        got_rows, got_cols, sums = checksums_of(c_NRC, with_abs=use_abs, with_sq=want_sq and not given_sq,
+                                                groups=groups)
     if given_sq:
         assert sq_sums is not None
         sums = VectorSums(None, sq_sums)
@@ -174,6 +180,37 @@ def _verify(
         "row": verify_direction(row_ref_NR2, got_rows, row_rule, *row_vs, groups=g_r),
         "col": verify_direction(col_ref_NC2, got_cols, col_rule, *col_vs, groups=g_c),
     }
+
+
+def _both_in_one_pass(
+    c_NRC: torch.Tensor, groups: tuple[int, int], *, with_sq: bool
+) -> tuple[torch.Tensor, torch.Tensor, VectorSums | None] | None:
+    """What `checksums_of` makes (grouped row and column checksums, and ΣC² per vector when with_sq), in one read of
+    an fp32 C (fused_pass), or None where the kernel declines. Column groups are blocks of R/g_c consecutive rows,
+    each its own batch matrix; row groups are runs of C/g_r within a row."""
+    g_r, g_c = groups
+    r, c = c_NRC.shape[-2:]
+    lead = c_NRC.shape[:-2]
+    try:
+        blocks = c_NRC.view(*lead, g_c, r // g_c, c) if g_c > 1 else c_NRC
+    except RuntimeError:
+        return None
+    got = fused_pass(blocks, right=checksum_weights(c // g_r, c_NRC.device, torch.float32),
+                     left=checksum_weights(r // g_c, c_NRC.device, torch.float32), row_sq=with_sq, col_sq=with_sq,
+                     groups=g_r)
+    if got is None or got.right is None or got.left is None:
+        return None
+
+    def per_column(x: torch.Tensor) -> torch.Tensor:
+        # (..., g_c, C, *) -> (..., C·g_c, *): vector j·g_c + h is column j of row block h (abft/checksum.py)
+        return x.transpose(len(lead), len(lead) + 1).flatten(len(lead), len(lead) + 1) if g_c > 1 else x
+
+    rows = got.right.flatten(len(lead), len(lead) + 1) if g_c > 1 else got.right
+    sums = None
+    if with_sq:
+        assert got.row_sq is not None and got.col_sq is not None
+        sums = VectorSums(None, (got.row_sq.flatten(-2) if g_c > 1 else got.row_sq, per_column(got.col_sq)))
+    return rows, per_column(got.left), sums
 
 
 def _row_rule(

@@ -272,3 +272,34 @@ def test_the_kernel_keeps_nan_in_row_and_column_maxima() -> None:
     ok_rows, ok_cols = [0, 2, 3], [c for c in range(40) if c != 17]
     torch.testing.assert_close(got.row_max[ok_rows], x[ok_rows].abs().amax(-1))
     torch.testing.assert_close(got.col_max[ok_cols], x[:, ok_cols].abs().amax(0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.sampled_from([(), (2,), (2, 3)]), runs=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       sizes=st.tuples(st.integers(1, 30), st.integers(1, 30)), with_sq=st.booleans(),
+       kind=st.sampled_from(["contiguous", "slice"]), seed=st.integers(0, 10_000))
+def test_both_directions_in_one_pass_are_the_grouped_checksums(
+    batch: tuple[int, ...], runs: tuple[int, int], sizes: tuple[int, int], with_sq: bool, kind: str, seed: int
+) -> None:
+    """Scores, context and the slow path's two-direction checks: the grouped row and column checksums and ΣC² per
+    vector from one read of C (row groups runs of a row, column groups blocks of rows), laid out as checksums_of
+    lays them out (abft/checksum.py), equal to its values at fp32 round-off."""
+    from attnchecker.abft import checksums_of
+    from attnchecker.product_check import _both_in_one_pass
+
+    (g_r, g_c), (run_c, run_r) = runs, sizes
+    c = layout(randn((*batch, g_c * run_r, g_r * run_c), seed), kind)
+    got = _both_in_one_pass(c, (g_r, g_c), with_sq=with_sq)
+    assert got is not None
+    want = checksums_of(c, with_sq=with_sq, groups=(g_r, g_c))
+    u = torch.finfo(torch.float32).eps
+    for mine, theirs, n in ((got[0], want[0], run_c), (got[1], want[1], run_r)):
+        assert mine.shape == theirs.shape
+        scale = n * n * c.abs().amax().item() + 1e-30  # weights up to n, n terms
+        assert ((mine - theirs).abs() <= 4 * n * u * scale).all()
+    if with_sq:
+        assert got[2] is not None and want[2] is not None and got[2].sq_sum is not None and want[2].sq_sum is not None
+        for mine, theirs in zip(got[2].sq_sum, want[2].sq_sum, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    else:
+        assert got[2] is None
