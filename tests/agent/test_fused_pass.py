@@ -7,6 +7,7 @@ import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -284,12 +285,14 @@ def test_both_directions_in_one_pass_are_the_grouped_checksums(
     """Scores, context and the slow path's two-direction checks: the grouped row and column checksums and ΣC² per
     vector from one read of C (row groups runs of a row, column groups blocks of rows), laid out as checksums_of
     lays them out (abft/checksum.py), equal to its values at fp32 round-off."""
+    from attnchecker import product_check
     from attnchecker.abft import checksums_of
-    from attnchecker.product_check import _both_in_one_pass
 
     (g_r, g_c), (run_c, run_r) = runs, sizes
     c = layout(randn((*batch, g_c * run_r, g_r * run_c), seed), kind)
-    got = _both_in_one_pass(c, (g_r, g_c), with_sq=with_sq)
+    # Small C go to the eager path by default (product_check._ONE_PASS_MIN): here the kernel's layout is the point.
+    with mock.patch.object(product_check, "_ONE_PASS_MIN", 0), mock.patch.object(product_check, "_ONE_PASS_MIN_SQ", 0):
+        got = product_check._both_in_one_pass(c, (g_r, g_c), with_sq=with_sq)
     assert got is not None
     want = checksums_of(c, with_sq=with_sq, groups=(g_r, g_c))
     u = torch.finfo(torch.float32).eps
@@ -303,3 +306,35 @@ def test_both_directions_in_one_pass_are_the_grouped_checksums(
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
     else:
         assert got[2] is None
+
+
+@pytest.mark.parametrize("fault", [None, "inf", "finite"])
+def test_scores_and_context_checks_at_a_real_size_flag_as_the_eager_path(fault: str | None) -> None:
+    """A 4-head 1024 × 1024 causal layer (grouped: 4 × 4 groups), over the kernel's size threshold: the same vectors
+    flag through the kernel as eagerly, for a clean layer, an INF and an error of 3 × the RMS score."""
+    from attnchecker.attention import _context_checks, _scores_checks
+
+    t, d, h = 1024, 64, 4
+    q, k, v = randn((1, h, t, d), 0), randn((1, h, t, d), 1), randn((1, h, t, d), 2)
+    scores = q @ k.mT
+    probs = torch.softmax((scores / math.sqrt(d)).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf),
+                          -1)
+    out = probs @ v
+    if fault == "inf":
+        scores[0, 1, 700, 3] = math.inf
+        out[0, 2, 5, 60] = math.inf
+    elif fault == "finite":
+        scores[0, 1, 700, 3] += 3 * float(scores.square().mean().sqrt())
+        out[0, 2, 5, 60] += 3 * float(out.square().mean().sqrt())
+    tol = Tolerance()
+    from attnchecker.product_check import _both_in_one_pass
+
+    assert _both_in_one_pass(scores, (4, 4), with_sq=True) is not None  # this size goes through the kernel
+    fused = (_scores_checks(q, k, scores, {}, h, tol), _context_checks(probs, v, out, None, h, tol))
+    with kernel_off():
+        eager = (_scores_checks(q, k, scores, {}, h, tol), _context_checks(probs, v, out, None, h, tol))
+    for got, want in zip(fused, eager, strict=True):
+        for d_ in ("row", "col"):
+            assert got[d_].groups == want[d_].groups
+            assert torch.equal(got[d_].bad, want[d_].bad)
+            assert int(got[d_].bad.sum()) == (0 if fault is None else 1)
