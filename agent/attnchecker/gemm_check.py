@@ -127,12 +127,19 @@ def trip_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
             _emit_unplaced_trip(ctx, gemm[0], gemm[1], action="detected")
 
 
+ONE_PASS_MIN = 1 << 18
+"""Fewest elements (C, A and B together) of a GEMM whose check reads them through the one-pass kernel: below, the
+eager BLAS calls win over its fixed cost of three calls (one thread, measured: 64³ 0.35 against 0.30 ms eagerly,
+128×256×256 0.39 against 0.36; 256×256×1024 0.48 against 0.54; 1024×512×2048 1.28 against 2.55)."""
+
+
 def _verify(gemm: Gemm, tol: Tolerance, directions: tuple[str, ...], *,
             wide_norms: bool = False) -> dict[str, DirectionCheck]:
     _op, c, a, b, bias = gemm
+    big = c.numel() + a.numel() + b.numel() >= ONE_PASS_MIN
     return verify_gemm(c, a.detach(), b.detach(), tol, bias_N=None if bias is None else bias.detach(),
                        operand_roundoff=fp32_matmul_operand_roundoff(c.device), directions=directions,
-                       wide_norms=wide_norms, one_pass=fused_pass)
+                       wide_norms=wide_norms, one_pass=fused_pass if big else None)
 
 
 def _repair(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
