@@ -23,12 +23,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -90,7 +92,6 @@ def fused_pass(
         x3 = x.view(-1, rows, cols)
     except RuntimeError:
         return None
-    nb = x3.shape[0]
     factors: list[tuple[torch.Tensor | None, int, int]] = []
     for factor, length, widest in ((right, cols // groups, None), (right_sq, cols // groups, None),
                                    (left, rows, _WIDEST_LEFT), (left_sq, rows, _WIDEST_LEFT)):
@@ -107,7 +108,70 @@ def fused_pass(
     kernel = _kernel()
     if kernel is None:
         return None
+    spans = _row_spans(rows, x3.numel())
+    if len(spans) == 1:
+        outs = _call(kernel, x3, groups, factors, (row_sq, col_sq, row_max, col_max))
+    else:
+        # Row blocks on torch's intra-op threads (ctypes lets go of the GIL): rows are independent, the column sums
+        # of the blocks add up, their maxima combine by max.
+        def block(span: tuple[int, int]) -> list[torch.Tensor | None]:
+            r0, r1 = span
+            part = [(None if t is None else t[..., r0:r1].contiguous(), n, s) if i >= 2 else (t, n, s)
+                    for i, (t, n, s) in enumerate(factors)]
+            part = [(t, n, 0 if t is None or t.shape[0] == 1 else t.stride(0)) for t, n, _ in part]
+            return _call(kernel, x3[:, r0:r1], groups, part, (row_sq, col_sq, row_max, col_max))
+
+        blocks = list(_pool(len(spans)).map(block, spans))
+        outs = []
+        for i, pieces in enumerate(zip(*blocks, strict=True)):
+            if pieces[0] is None:
+                outs.append(None)
+            elif i in _PER_ROW:
+                outs.append(torch.cat(pieces, dim=1))  # type: ignore[arg-type]
+            elif i == _COL_MAX:
+                outs.append(functools.reduce(torch.maximum, pieces))
+            else:
+                outs.append(functools.reduce(torch.add, pieces))
+    xr, xr2, lx, lx2, rsq, csq, rmax, cmax = outs
+    nr, nr2, nl, nl2 = (n for _, n, _ in factors)
+    return FusedSums(
+        right=None if xr is None else xr.view(*lead, rows * groups, nr),
+        right_sq=None if xr2 is None else xr2.view(*lead, rows * groups, nr2),
+        left=None if lx is None else lx.view(*lead, nl, cols).mT,
+        left_sq=None if lx2 is None else lx2.view(*lead, nl2, cols).mT,
+        row_sq=None if rsq is None else rsq.view(*lead, rows * groups),
+        col_sq=None if csq is None else csq.view(*lead, cols),
+        row_max=None if rmax is None else rmax.view(*lead, rows),
+        col_max=None if cmax is None else cmax.view(*lead, cols),
+    )
+
+
+_PER_ROW = (0, 1, 4, 6)
+"""Positions in `_call`'s outputs of the per-row ones (xr, xr2, rsq, rmax): row blocks concatenate."""
+_COL_MAX = 7
+_BLOCK_MIN = 1 << 18
+"""Fewest elements of X per thread's block of rows: below, one call on one thread."""
+
+
+def _row_spans(rows: int, numel: int) -> list[tuple[int, int]]:
+    """Row ranges for torch's intra-op threads: as many as the threads, each at least _BLOCK_MIN elements."""
+    blocks = max(1, min(torch.get_num_threads(), numel // _BLOCK_MIN, rows))
+    edges = [rows * i // blocks for i in range(blocks + 1)]
+    return list(itertools.pairwise(edges))
+
+
+@functools.lru_cache(maxsize=4)
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnchecker-fused-pass")
+
+
+def _call(kernel: ctypes._CFuncPtr, x3: torch.Tensor, groups: int,  # type: ignore[name-defined]
+          factors: list[tuple[torch.Tensor | None, int, int]], wants: tuple[bool, bool, bool, bool]
+          ) -> list[torch.Tensor | None]:
+    """One call of the kernel on X (nb, R, C) (rows contiguous): [xr, xr2, lx, lx2, rsq, csq, rmax, cmax]."""
+    nb, rows, cols = x3.shape
     (r_t, nr, sr), (r2_t, nr2, sr2), (l_t, nl, sl), (l2_t, nl2, sl2) = factors
+    row_sq, col_sq, row_max, col_max = wants
     new = functools.partial(torch.empty, dtype=torch.float32)
     xr = new((nb, rows * groups, nr)) if r_t is not None else None
     xr2 = new((nb, rows * groups, nr2)) if r2_t is not None else None
@@ -120,16 +184,7 @@ def fused_pass(
     kernel(nb, rows, cols, _ptr(x3), x3.stride(1), x3.stride(0), groups, _ptr(r_t), nr, sr, _ptr(r2_t), nr2, sr2,
            _ptr(l_t), nl, sl, _ptr(l2_t), nl2, sl2, _ptr(xr), _ptr(xr2), _ptr(lx), _ptr(lx2), _ptr(rsq), _ptr(csq),
            _ptr(rmax), _ptr(cmax))
-    return FusedSums(
-        right=None if xr is None else xr.view(*lead, rows * groups, nr),
-        right_sq=None if xr2 is None else xr2.view(*lead, rows * groups, nr2),
-        left=None if lx is None else lx.view(*lead, nl, cols).mT,
-        left_sq=None if lx2 is None else lx2.view(*lead, nl2, cols).mT,
-        row_sq=None if rsq is None else rsq.view(*lead, rows * groups),
-        col_sq=None if csq is None else csq.view(*lead, cols),
-        row_max=None if rmax is None else rmax.view(*lead, rows),
-        col_max=None if cmax is None else cmax.view(*lead, cols),
-    )
+    return [xr, xr2, lx, lx2, rsq, csq, rmax, cmax]
 
 
 def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:

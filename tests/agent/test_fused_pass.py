@@ -48,14 +48,14 @@ def layout(x: torch.Tensor, kind: str) -> torch.Tensor:
        batch=st.sampled_from([(), (1,), (3,), (2, 2)]), nr=st.sampled_from([0, 1, 2, 3, 5]),
        nr2=st.sampled_from([0, 2, 4]), nl=st.sampled_from([0, 1, 2, 3, 5]), nl2=st.sampled_from([0, 2]),
        flags=st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()), shared=st.booleans(),
-       kind=st.sampled_from(["contiguous", "slice"]), seed=st.integers(0, 10_000))
+       kind=st.sampled_from(["contiguous", "slice"]), threads=st.sampled_from([1, 3]), seed=st.integers(0, 10_000))
 def test_the_pass_matches_the_float64_products_and_sums(
     rows: int, seg: int, groups: int, batch: tuple[int, ...], nr: int, nr2: int, nl: int, nl2: int,
-    flags: tuple[bool, bool, bool, bool], shared: bool, kind: str, seed: int,
+    flags: tuple[bool, bool, bool, bool], shared: bool, kind: str, threads: int, seed: int,
 ) -> None:
     """Every output against float64, at fp32 round-off for sums of this length; rows split into groups (grouped
     checksums); a factor shared by the batch (a weight's checksum vector) or one per matrix (attention's per-head
-    references)."""
+    references); on one thread, or on three blocks of rows (torch's intra-op threads), whatever the size."""
     row_sq, col_sq, row_max, col_max = flags
     cols = seg * groups
     x = layout(randn((*batch, rows, cols), seed), kind)
@@ -64,8 +64,14 @@ def test_the_pass_matches_the_float64_products_and_sums(
     right_sq = randn((*lead, seg, nr2), seed + 2) if nr2 else None
     left = randn((*lead, rows, nl), seed + 3) if nl else None
     left_sq = randn((*lead, rows, nl2), seed + 4) if nl2 else None
-    got = fp.fused_pass(x, right=right, right_sq=right_sq, left=left, left_sq=left_sq, row_sq=row_sq,
-                        col_sq=col_sq, row_max=row_max, col_max=col_max, groups=groups)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with mock.patch.object(fp, "_BLOCK_MIN", 1):
+            got = fp.fused_pass(x, right=right, right_sq=right_sq, left=left, left_sq=left_sq, row_sq=row_sq,
+                                col_sq=col_sq, row_max=row_max, col_max=col_max, groups=groups)
+    finally:
+        torch.set_num_threads(before)
     assert got is not None
     x64 = x.double()
     runs = x64.unflatten(-1, (groups, seg)).flatten(-3, -2)  # (..., R·g, S): the grouped vector layout
@@ -98,12 +104,23 @@ def test_the_pass_matches_the_float64_products_and_sums(
             assert out is None
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
-def test_nan_and_inf_reach_every_output_of_their_row_and_column(bad: float) -> None:
-    """What a check must see: no finite-math shortcut drops them (rows of 37: the lanes and the remainder loop)."""
+def test_nan_and_inf_reach_every_output_of_their_row_and_column(bad: float, threads: int) -> None:
+    """What a check must see: no finite-math shortcut drops them (rows of 37: the lanes and the remainder loop), and
+    combining blocks of rows (three threads) keeps them too."""
     x = randn((5, 37), 0)
     x[3, 36] = bad
-    got = fp.fused_pass(x, right=randn((37, 2), 1), left=randn((5, 2), 2), row_sq=True, col_sq=True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with mock.patch.object(fp, "_BLOCK_MIN", 1):
+            got = fp.fused_pass(x, right=randn((37, 2), 1), left=randn((5, 2), 2), row_sq=True, col_sq=True)
+            maxima = fp.fused_pass(x, row_max=True, col_max=True)
+    finally:
+        torch.set_num_threads(before)
+    assert maxima is not None and maxima.row_max is not None and maxima.col_max is not None
+    assert not torch.isfinite(maxima.row_max[3]) and not torch.isfinite(maxima.col_max[36])
     assert got is not None and got.right is not None and got.left is not None
     assert got.row_sq is not None and got.col_sq is not None
     assert not torch.isfinite(got.right[3]).any() and torch.isfinite(got.right[[0, 1, 2, 4]]).all()
