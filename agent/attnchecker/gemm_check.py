@@ -34,8 +34,8 @@ after it flags. Row: its checksums and bound sums are contiguous reductions of C
 
 def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft") -> int:
     """Verify every GEMM in one direction, then (one sync) run the recovery ladder, with both directions, on those
-    flagged. C is repaired in place. Returns how many GEMMs it reported (flagged, and not an fp16 overflow:
-    ``_overflowed``). tier: "tripwire" for a tier-1 recovery
+    flagged. C is repaired in place. Returns how many GEMMs it reported (flagged, not an fp16 overflow
+    (``_overflowed``), and inconsistent with their operands in the full check). tier: "tripwire" for a tier-1 recovery
     (``trip_gemms``): its events say so, and its time counts as tier 1's, not as the scheduled checks'."""
     if not gemms or ctx.config.mode == "off":
         return 0
@@ -65,15 +65,16 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft") -> 
         if bad and _overflowed(c, a, b, bias):
             bad = False
         if bad:
-            reported += 1
             with _exact_math(c):
                 # Both directions from the same operands: the flagged one again (the same checksums), and the other,
                 # which locates what one direction cannot (a corrupted column, a block). The bound from float64
                 # norms: an fp32 norm that overflowed (values ~1e19 and up, diverged bf16 training) left the fast
-                # path an undefined bound; a finite product flagged only for that is not reported.
+                # path an undefined bound; a finite product flagged only for that is not reported, nor one whose
+                # fp32 checksums overflowed (`_consistent_in_float64`).
                 full = _verify(gemm, tol, DIRECTIONS, wide_norms=True)
-                reports = _repair(c, a.detach(), b.detach(), None if bias is None else bias.detach(), full, tol,
-                                  correct)
+                reports = [] if _consistent_in_float64(gemm, full, tol) else _repair(
+                    c, a.detach(), b.detach(), None if bias is None else bias.detach(), full, tol, correct)
+            reported += bool(reports)
             _emit(ctx, op, reports, heads=c.dim() > 2, tier=tier)
         if tier == "abft":
             _count(ctx, op, seconds + time.perf_counter() - t0)
@@ -109,6 +110,21 @@ def _overflowed(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.T
     return bool(((exact_P.abs() > limit) | ~torch.isfinite(exact_P)).all())  # sync: slow path only
 
 
+def _consistent_in_float64(gemm: Gemm, full: dict[str, DirectionCheck], tol: Tolerance) -> bool:
+    """Whether a product the full check flagged is consistent with its operands once its checksums are summed in
+    float64 (slow path only): the flag came from the fp32 checksums themselves. Weighted by 1..n, values of ~1e34 and
+    up overflow fp32, and INF − INF flags a correct product: diverged bf16 training computes such values (the clean
+    campaign's `outliers` run: dX and dW of 1e34–1e37, and the attention backward's dQ/dK, reported as near-INF). A
+    product holding an INF or NaN is never consistent: it goes to the recovery ladder as before."""
+    c = gemm[1]
+    if not any(bool(chk.bad.any()) for chk in full.values()):  # sync: slow path only
+        return True
+    if not bool(torch.isfinite(c).all()):  # sync: slow path only
+        return False
+    exact = _verify(gemm, tol, DIRECTIONS, wide_norms=True, exact_sums=True)
+    return not any(bool(chk.bad.any()) for chk in exact.values())  # sync: slow path only
+
+
 def trip_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
     """Tier 1 on GEMMs whose full check is not due: one sum per output (tripwire.extreme), one sync for all; an
     output that trips gets its full check now (``check_gemms`` with tier "tripwire"), which locates and corrects or
@@ -133,13 +149,13 @@ eager BLAS calls win over its fixed cost of three calls (one thread, measured: 6
 128×256×256 0.39 against 0.36; 256×256×1024 0.48 against 0.54; 1024×512×2048 1.28 against 2.55)."""
 
 
-def _verify(gemm: Gemm, tol: Tolerance, directions: tuple[str, ...], *,
-            wide_norms: bool = False) -> dict[str, DirectionCheck]:
+def _verify(gemm: Gemm, tol: Tolerance, directions: tuple[str, ...], *, wide_norms: bool = False,
+            exact_sums: bool = False) -> dict[str, DirectionCheck]:
     _op, c, a, b, bias = gemm
     big = c.numel() + a.numel() + b.numel() >= ONE_PASS_MIN
     return verify_gemm(c, a.detach(), b.detach(), tol, bias_N=None if bias is None else bias.detach(),
                        operand_roundoff=fp32_matmul_operand_roundoff(c.device), directions=directions,
-                       wide_norms=wide_norms, one_pass=fused_pass if big else None)
+                       wide_norms=wide_norms, one_pass=fused_pass if big else None, exact_sums=exact_sums)
 
 
 def _repair(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,

@@ -260,3 +260,26 @@ def test_an_inf_in_an_fp16_gemm_is_still_a_fault_where_the_exact_value_fits() ->
     assert not bool(torch.isfinite(c_big).all())
     assert _overflowed(c_big, big_a, big_b, None)
     assert check_gemms(ctx, [("linear_dw", c_big, big_a, big_b, None)]) == 0
+
+
+@pytest.mark.parametrize("scale", [1e17, 1e18])
+def test_huge_finite_products_of_diverged_bf16_training_are_not_faults(scale: float, make_ctx) -> None:
+    """A diverged bf16 run computes gradients of 1e35-1e37, which bf16 holds (up to 3.4e38). Their fp32 checksums,
+    weighted by 1..n, overflow, and INF - INF flagged the correct product as near-INF and uncorrectable (the clean
+    campaign's bf16 `outliers` run). Summed in float64 the product is consistent: not reported. A fault in such a
+    product is still reported."""
+    from attnchecker.gemm_check import check_gemms
+
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(64, 512, generator=g) * scale).bfloat16()
+    b = (torch.randn(512, 256, generator=g) * scale).bfloat16()
+    c = (a.float() @ b.float()).bfloat16()  # as a bf16 GEMM computes it: fp32 accumulation, one rounding
+    assert bool(torch.isfinite(c).all()) and float(c.float().abs().max()) > 1e35
+    ctx, rec = make_ctx()
+    assert check_gemms(ctx, [("linear_dw", c, a, b, None)]) == 0
+    assert rec.detections == []
+    bad = c.clone()
+    bad[3, 5] = (bad[3, 5].float() + 0.5 * c.float().abs().max()).bfloat16()
+    assert check_gemms(ctx, [("linear_dw", bad, a, b, None)]) == 1
+    (det,) = rec.detections
+    assert (det.op, det.kind) == ("linear_dw", "near_inf")

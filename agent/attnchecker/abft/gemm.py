@@ -77,6 +77,7 @@ def verify_gemm(
     directions: tuple[str, ...] = DIRECTIONS,
     wide_norms: bool = False,
     one_pass: OnePass | None = None,
+    exact_sums: bool = False,
 ) -> dict[str, DirectionCheck]:
     """The requested directions of C = A·B (+ bias) against references from A and B, for 2-D operands or batches of
     them (the same leading dims on all three, e.g. (B, H) for attention; bias 2-D only). The checks carry C's leading
@@ -95,17 +96,21 @@ def verify_gemm(
     after a flag (``gemm_check``), not for every check.
     one_pass: a kernel that reads each of C, A and B once for the row direction's sums (``OnePass``); where it
     declines (None), the eager reductions below compute the same, reading each matrix about twice.
+    exact_sums: references and checksums in float64, the bound still C's dtype's (its terms for the checksums' own
+    rounding are then loose, never short). For deciding whether a flagged product with huge finite values is a
+    fault: fp32 checksums of values ~1e34 and up overflow (the weights 1..n multiply them), and INF − INF flags a
+    product that is correct (diverged bf16 training computes such values). Copies of A, B and C in float64.
     """
     _check_shapes(c_MN, a_MK, b_KN, bias_N)
     if not directions or any(d not in DIRECTIONS for d in directions):
         raise ValueError(f"verify_gemm: directions must be a non-empty subset of {DIRECTIONS}, got {directions!r}")
     m, k = a_MK.shape[-2:]
-    acc = acc_dtype(c_MN.dtype)
+    acc = torch.float64 if exact_sums else acc_dtype(c_MN.dtype)
     a, b = a_MK.to(acc), b_KN.to(acc)
     both = len(set(directions)) == 2
     refs: dict[str, torch.Tensor] = {}
     roundoff = tol.mode == "roundoff"
-    use_abs = c_MN.dtype != acc and roundoff
+    use_abs = c_MN.dtype != acc_dtype(c_MN.dtype) and roundoff
     with_sq = roundoff and tol.calibrated
     fused = (_row_in_one_pass(c_MN, a, b, one_pass, with_sq=with_sq)
              if one_pass is not None and directions == ("row",) and not wide_norms and not use_abs else None)
@@ -132,7 +137,7 @@ def verify_gemm(
         got, sums = {"row": fused[1]}, {"row": (None, fused[2])}
         a_norm_M, b_norm_N = fused[3], fused[4]
     elif both:
-        got_rows_M2, got_cols_N2, vsums = checksums_of(c_MN, with_abs=use_abs, with_sq=with_sq)
+        got_rows_M2, got_cols_N2, vsums = checksums_of(c_MN.to(acc), with_abs=use_abs, with_sq=with_sq)
         got = {"row": got_rows_M2, "col": got_cols_N2}
         sums = {d: vsums.of(d) if vsums is not None else (None, None) for d in DIRECTIONS}
     else:
