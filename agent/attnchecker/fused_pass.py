@@ -92,19 +92,18 @@ def fused_pass(
         x3 = x.view(-1, rows, cols)
     except RuntimeError:
         return None
-    factors: list[tuple[torch.Tensor | None, int, int]] = []
+    # Each factor as (nb or 1, n, length): each of its n columns a contiguous run, as the kernel reads it.
+    factors: list[torch.Tensor | None] = []
     for factor, length, widest in ((right, cols // groups, None), (right_sq, cols // groups, None),
                                    (left, rows, _WIDEST_LEFT), (left_sq, rows, _WIDEST_LEFT)):
         if factor is None:
-            factors.append((None, 0, 0))
+            factors.append(None)
             continue
         if (factor.dtype != torch.float32 or factor.device.type != "cpu" or factor.shape[-2] != length
                 or (widest is not None and factor.shape[-1] > widest)
                 or factor.shape[:-2] not in (lead, torch.Size(), (1,) * len(lead))):
             return None
-        # (nb or 1, n, length): each column of the factor a contiguous run, as the kernel reads it.
-        t = factor.detach().mT.reshape(-1, factor.shape[-1], length).contiguous()
-        factors.append((t, t.shape[1], 0 if t.shape[0] == 1 else t.stride(0)))
+        factors.append(factor.detach().mT.reshape(-1, factor.shape[-1], length).contiguous())
     kernel = _kernel()
     if kernel is None:
         return None
@@ -116,9 +115,8 @@ def fused_pass(
         # of the blocks add up, their maxima combine by max.
         def block(span: tuple[int, int]) -> list[torch.Tensor | None]:
             r0, r1 = span
-            part = [(None if t is None else t[..., r0:r1].contiguous(), n, s) if i >= 2 else (t, n, s)
-                    for i, (t, n, s) in enumerate(factors)]
-            part = [(t, n, 0 if t is None or t.shape[0] == 1 else t.stride(0)) for t, n, _ in part]
+            # The left factors run along the rows: each block takes its own rows of them.
+            part = [t if i < 2 or t is None else t[..., r0:r1].contiguous() for i, t in enumerate(factors)]
             return _call(kernel, x3[:, r0:r1], groups, part, (row_sq, col_sq, row_max, col_max))
 
         blocks = list(_pool(len(spans)).map(block, spans))
@@ -133,7 +131,7 @@ def fused_pass(
             else:
                 outs.append(functools.reduce(torch.add, pieces))
     xr, xr2, lx, lx2, rsq, csq, rmax, cmax = outs
-    nr, nr2, nl, nl2 = (n for _, n, _ in factors)
+    nr, nr2, nl, nl2 = (_width(t) for t in factors)
     return FusedSums(
         right=None if xr is None else xr.view(*lead, rows * groups, nr),
         right_sq=None if xr2 is None else xr2.view(*lead, rows * groups, nr2),
@@ -167,12 +165,22 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnchecker-fused-pass")
 
 
+def _width(factor: torch.Tensor | None) -> int:
+    return 0 if factor is None else factor.shape[1]
+
+
+def _batch_stride(factor: torch.Tensor | None) -> int:
+    """0 for a factor the batch shares."""
+    return 0 if factor is None or factor.shape[0] == 1 else factor.stride(0)
+
+
 def _call(kernel: ctypes._CFuncPtr, x3: torch.Tensor, groups: int,  # type: ignore[name-defined]
-          factors: list[tuple[torch.Tensor | None, int, int]], wants: tuple[bool, bool, bool, bool]
-          ) -> list[torch.Tensor | None]:
-    """One call of the kernel on X (nb, R, C) (rows contiguous): [xr, xr2, lx, lx2, rsq, csq, rmax, cmax]."""
+          factors: list[torch.Tensor | None], wants: tuple[bool, bool, bool, bool]) -> list[torch.Tensor | None]:
+    """One call of the kernel on X (nb, R, C) (rows contiguous), factors as `fused_pass` lays them out:
+    [xr, xr2, lx, lx2, rsq, csq, rmax, cmax]."""
     nb, rows, cols = x3.shape
-    (r_t, nr, sr), (r2_t, nr2, sr2), (l_t, nl, sl), (l2_t, nl2, sl2) = factors
+    r_t, r2_t, l_t, l2_t = factors
+    (nr, sr), (nr2, sr2), (nl, sl), (nl2, sl2) = ((_width(t), _batch_stride(t)) for t in factors)
     row_sq, col_sq, row_max, col_max = wants
     new = functools.partial(torch.empty, dtype=torch.float32)
     xr = new((nb, rows * groups, nr)) if r_t is not None else None

@@ -45,3 +45,22 @@ def make_ctx() -> Callable[..., tuple[LayerContext, Recorder]]:
         return LayerContext(layer=layer, runtime=runtime), recorder
 
     return build
+
+
+
+@pytest.fixture
+def kernel_everywhere(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """kernel_everywhere(): from then on in the test, every check reads its matrices through the one-pass kernel
+    (attnchecker.fused_pass), which the zoo's small models are otherwise below the size for (gemm_check.ONE_PASS_MIN,
+    product_check._ONE_PASS_MIN*). Skips where the kernel cannot be built (no C compiler)."""
+
+    def lower() -> None:
+        from attnchecker import fused_pass, gemm_check, product_check
+
+        if not fused_pass.available():
+            pytest.skip("no C compiler: the kernel cannot be built here")
+        for module, name in ((gemm_check, "ONE_PASS_MIN"), (product_check, "_ONE_PASS_MIN"),
+                             (product_check, "_ONE_PASS_MIN_SQ")):
+            monkeypatch.setattr(module, name, 0)
+
+    return lower

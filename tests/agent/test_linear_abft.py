@@ -7,6 +7,7 @@ equal the fault-free protected step's to <= 1e-5 relative, every weight finite a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import attnchecker
 import pytest
@@ -54,17 +55,10 @@ def model_gemms(arch: str, protected_calls: list[GemmCall]) -> list[GemmCall]:
 
 @pytest.mark.parametrize(("arch", "kernel"), [*((a, False) for a in ARCHS), ("gpt2", True)])
 def test_a_fault_in_any_forward_or_backward_gemm_is_corrected(arch: str, kernel: bool,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernel: every check reads its matrices through the one-pass kernel (attnchecker.fused_pass), which these small
-    models' GEMMs are otherwise below the size for (gemm_check.ONE_PASS_MIN)."""
+                                                              kernel_everywhere: Callable[[], None]) -> None:
+    """kernel: every check through the one-pass kernel (conftest.kernel_everywhere)."""
     if kernel:
-        from attnchecker import fused_pass, gemm_check, product_check
-
-        if not fused_pass.available():
-            pytest.skip("no C compiler: the kernel cannot be built here")
-        for module, name in ((gemm_check, "ONE_PASS_MIN"), (product_check, "_ONE_PASS_MIN"),
-                             (product_check, "_ONE_PASS_MIN_SQ")):
-            monkeypatch.setattr(module, name, 0)
+        kernel_everywhere()
     recorder = GemmInjector()
     clean, finite, detections = one_step(arch, "all", recorder)
     assert finite and not detections

@@ -8,6 +8,7 @@ gradients equal the fault-free quiet step's to <= 1e-5 relative, every weight st
 "tripwire" (not the optimizer net, which could only skip the step)."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -84,12 +85,17 @@ def quiet_step(arch: str, mode: TorchDispatchMode, policy: Policy | None = None,
         guard.close()
 
 
-@pytest.mark.parametrize(("arch", "checkpointing"), [("gpt2", False), ("llama", False), ("bert", False),
-                                                    ("gpt2", True), ("llama", True)])
-def test_a_fault_in_any_gemm_of_a_quiet_step_is_caught_by_the_tripwire_and_corrected(arch: str, checkpointing: bool
-                                                                                     ) -> None:
+@pytest.mark.parametrize(("arch", "checkpointing", "kernel"),
+                         [("gpt2", False, False), ("llama", False, False), ("bert", False, False),
+                          ("gpt2", True, False), ("llama", True, False), ("gpt2", False, True)])
+def test_a_fault_in_any_gemm_of_a_quiet_step_is_caught_by_the_tripwire_and_corrected(
+    arch: str, checkpointing: bool, kernel: bool, kernel_everywhere: Callable[[], None]
+) -> None:
     """With gradient checkpointing, the layers' forward GEMMs run a second time inside backward (the recomputation
-    whose outputs the backward GEMMs read): those are hit too."""
+    whose outputs the backward GEMMs read): those are hit too. kernel: the trips' full checks read their matrices
+    through the one-pass kernel (conftest.kernel_everywhere)."""
+    if kernel:
+        kernel_everywhere()
     recorder = GemmInjector()
     clean, finite, detections, tiers = quiet_step(arch, recorder, checkpointing=checkpointing)
     assert finite and not detections
