@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .abft import Tolerance, bounds, checksum_weights, times_skinny
+from .abft import Tolerance, checksum_weights, direction_bounds, times_skinny
 
 __all__ = ["PassedChecksums", "PassedProjection"]
 
@@ -48,9 +48,9 @@ class PassedProjection:
         acc = self.token_ref_NO2.dtype
         w_norm_HD = torch.linalg.vector_norm(self.weight_OI.to(acc), dim=-1).view(heads, -1)
         bias_abs_HD = None if self.bias_O is None else self.bias_O.to(acc).abs().view(heads, -1)
-        row_rule, _ = bounds(self.x_norm_NT[:, None, :], w_norm_HD[None], k=in_features, out_dtype=self.out_dtype,
-                             tol=self.tol, bias_abs_C=bias_abs_HD)
-        return row_rule.of(None)
+        rules = direction_bounds(("row",), self.x_norm_NT[:, None, :], w_norm_HD[None], k=in_features,
+                                 out_dtype=self.out_dtype, tol=self.tol, bias_abs_C=bias_abs_HD)
+        return rules["row"].of(None)
 
     def feature_ref(self, heads: int) -> torch.Tensor:
         """(N, heads, T, 2): per-token, per-head feature-direction checksums X (W_hᵀ w) + b_h·w (V's v̂)."""

@@ -14,9 +14,9 @@ from .abft import (
     DirectionCheck,
     Tolerance,
     acc_dtype,
-    bounds,
     checksum_weights,
     checksums_of,
+    direction_bounds,
     group_count,
     group_sums_rows,
     verify_direction,
@@ -125,8 +125,9 @@ def _verify(
     # An fp32 product under TF32 (or oneDNN bf16) rounded its operands; autocast already says so for half products.
     operand_u = fp32_matmul_operand_roundoff(c_NRC.device) if c_NRC.dtype == torch.float32 else None
     rule = functools.partial(
-        bounds, k=k, out_dtype=c_NRC.dtype, tol=tol, use_abs=use_abs, gemm_accumulates_in=_gemm_accumulation(c_NRC),
-        operands_cast_to=operands_cast_to, operand_roundoff=operand_u, walk=walk,
+        direction_bounds, k=k, out_dtype=c_NRC.dtype, tol=tol, use_abs=use_abs,
+        gemm_accumulates_in=_gemm_accumulation(c_NRC), operands_cast_to=operands_cast_to, operand_roundoff=operand_u,
+        walk=walk,
     )
     g_r, g_c = groups
     a_max, b_max = maxes
@@ -158,17 +159,18 @@ def _verify(
         assert sq_sums is not None
         sums = VectorSums(None, sq_sums)
     if groups == (1, 1):
-        row_rule, col_rule = rule(a_norm_NR, b_norm_NC, bias_abs_C=bias_abs_C, ref_norms=ref_norms,
-                                  a_max_NR=a_max, b_max_NC=b_max, ref_maxes=ref_maxes, moments_NR4=moments_NR4)
+        rules = rule(("row", "col"), a_norm_NR, b_norm_NC, bias_abs_C=bias_abs_C, ref_norms=ref_norms,
+                     a_max_NR=a_max, b_max_NC=b_max, ref_maxes=ref_maxes, moments_NR4=moments_NR4)
+        row_rule, col_rule = rules["row"], rules["col"]
     else:
         # Each group is the product of A with a column block of B (row groups) or of a row block of A with B (column
         # groups): the same bound on that sub-product, the groups a batch dim, then laid out as grouped vectors.
         row_rule = row_rule_of(grouped=True)
-        col_rule = rule(a_norm_NR.unflatten(-1, (g_c, -1)), b_norm_NC[..., None, :], bias_abs_C=bias_abs_C,
+        col_rule = rule(("col",), a_norm_NR.unflatten(-1, (g_c, -1)), b_norm_NC[..., None, :], bias_abs_C=bias_abs_C,
                         ref_norms=(None, ref_norms[1]),
                         a_max_NR=None if a_max is None else a_max.unflatten(-1, (g_c, -1)),
                         b_max_NC=None if b_max is None else b_max[..., None, :],
-                        ref_maxes=(None, ref_maxes[1]))[1].grouped()
+                        ref_maxes=(None, ref_maxes[1]))["col"].grouped()
     if extra_row_NR is not None and roundoff:
         row_rule = row_rule.plus(extra_row_NR)
     if extra_col_NC is not None and roundoff:
@@ -223,7 +225,7 @@ def _both_in_one_pass(
 
 
 def _row_rule(
-    rule: Callable[..., tuple[Bound, Bound]],
+    rule: Callable[..., dict[str, Bound]],
     a_norm_NR: torch.Tensor,
     b_norm_NC: torch.Tensor,
     bias_abs_C: torch.Tensor | None,
@@ -240,9 +242,9 @@ def _row_rule(
     sub-product with the groups a batch dim, then laid out as grouped vectors."""
     a_max, b_max = maxes
     if not grouped:
-        return rule(a_norm_NR, b_norm_NC, bias_abs_C=bias_abs_C, ref_norms=(ref_norm, None), a_max_NR=a_max,
-                    b_max_NC=b_max, ref_maxes=(ref_max, None), moments_NR4=moments_NR4)[0]
-    return rule(a_norm_NR[..., None, :], b_norm_NC.unflatten(-1, (g_r, -1)),
+        return rule(("row",), a_norm_NR, b_norm_NC, bias_abs_C=bias_abs_C, ref_norms=(ref_norm, None),
+                    a_max_NR=a_max, b_max_NC=b_max, ref_maxes=(ref_max, None), moments_NR4=moments_NR4)["row"]
+    return rule(("row",), a_norm_NR[..., None, :], b_norm_NC.unflatten(-1, (g_r, -1)),
                 bias_abs_C=None if bias_abs_C is None else bias_abs_C.unflatten(-1, (g_r, -1)),
                 ref_norms=(ref_norm, None),
                 a_max_NR=None if a_max is None else a_max[..., None, :],
@@ -250,4 +252,4 @@ def _row_rule(
                 ref_maxes=(ref_max, None),
                 # (..., R·g, 2) -> (..., g, R, 2): the groups a batch dim, as the rule is made
                 moments_NR4=None if moments_NR4 is None
-                else moments_NR4.unflatten(-2, (-1, g_r)).transpose(-3, -2))[0].grouped()
+                else moments_NR4.unflatten(-2, (-1, g_r)).transpose(-3, -2))["row"].grouped()

@@ -16,8 +16,8 @@ from .abft import (
     Tolerance,
     abs_max,
     acc_dtype,
-    bounds,
     checksum_weights,
+    direction_bounds,
     group_sums_cols,
     group_sums_rows,
     repair,
@@ -364,8 +364,9 @@ def check_linear(
             if paper_pass:
                 # Paper mode keeps the operand-only bound: the output it would be measured on is unverified.
                 w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
-                token_rule = bounds(shared.x_norm_NT, w_norm_O, k=w_s.shape[1], out_dtype=y.dtype, tol=tol,
-                                    bias_abs_C=bias_abs, operands_cast_to=cast_to)[1]
+                token_rule = direction_bounds(("col",), shared.x_norm_NT, w_norm_O, k=w_s.shape[1],
+                                              out_dtype=y.dtype, tol=tol, bias_abs_C=bias_abs,
+                                              operands_cast_to=cast_to)["col"]
                 token_bound = token_rule.of(None).expand(y_s.shape[0], -1)
                 ctx.passed.put(name, PassedProjection(token_ref_NO2=shared.token_ref(w_s, b_s),
                                                       token_bound_NO=token_bound,

@@ -3,12 +3,13 @@ realistic clean data (property-based, through the engine), finite errors of a fe
 rigorous bound misses them, both checksums flagging, and TF32-aware bounds (emulated on the CPU)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from attnchecker.abft import CALIBRATED_SIGMAS, Tolerance, bounds
+from attnchecker.abft import CALIBRATED_SIGMAS, Bound, Tolerance, bounds, direction_bounds
 from attnchecker.attention import check_linear, protected_sdpa
 from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
 from attnchecker.inject import Fault
@@ -333,3 +334,47 @@ def test_real_tf32_on_cuda_never_flags_and_still_corrects(make_ctx) -> None:
         assert [d.action for d in rec.detections] == ["corrected"]
     finally:
         flags.fp32_precision = before
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.sampled_from([((), 3, 5), ((2,), 1, 7), ((2, 3), 17, 4)]),
+    k=st.sampled_from([1, 128, 4096]),
+    out_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    calibrated=st.booleans(),
+    walk=st.sampled_from([(False, False), (True, False), (True, True)]),
+    extras=st.sets(st.sampled_from(["bias", "cast", "tf32", "ref_norms", "maxes", "moments", "use_abs"])),
+    seed=st.integers(0, 2**16),
+)
+def test_one_direction_rule_is_that_direction_of_both(shape, k, out_dtype, calibrated, walk, extras, seed):
+    """A check that verifies one direction makes only that rule (direction_bounds); it must be the very rule
+    `bounds` makes for it, bit for bit, whatever the options."""
+    lead, r, c = shape
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.rand(*lead, r, generator=g) * 1e3, torch.rand(*lead, c, generator=g)
+    kw: dict = dict(k=k, out_dtype=out_dtype, tol=Tolerance(calibrated=calibrated), walk=walk,
+                    use_abs="use_abs" in extras)
+    if "bias" in extras:
+        kw["bias_abs_C"] = torch.rand(c, generator=g)
+    if "cast" in extras:
+        kw["operands_cast_to"] = torch.bfloat16
+    if "tf32" in extras:
+        kw["operand_roundoff"] = 2.0**-11
+    if "ref_norms" in extras:
+        kw["ref_norms"] = (torch.rand(*lead, 2, generator=g), torch.rand(*lead, 2, generator=g))
+    if "maxes" in extras:
+        kw.update(a_max_NR=torch.rand(*lead, r, generator=g), b_max_NC=torch.rand(*lead, c, generator=g))
+    if "moments" in extras:
+        kw["moments_NR4"] = torch.rand(*lead, r, 4, generator=g)
+    both = dict(zip(("row", "col"), bounds(a, b, **kw)))
+    for d in ("row", "col"):
+        one = direction_bounds((d,), a, b, **kw)
+        assert list(one) == [d]
+        for field in dataclasses.fields(Bound):
+            x, y = getattr(one[d], field.name), getattr(both[d], field.name)
+            assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), (d, field.name)
+
+
+def test_direction_bounds_names_what_is_wrong():
+    with pytest.raises(ValueError, match="directions must be"):
+        direction_bounds(("rows",), torch.ones(2), torch.ones(3), k=4, out_dtype=torch.float32, tol=Tolerance())

@@ -21,7 +21,7 @@ from .checksum import (
     weighted_rows,
 )
 from .repair import MatrixReport, locate_and_fix, repair
-from .tolerance import CALIBRATED_SIGMAS, NEAR_INF, Bound, Tolerance, bounds, gamma
+from .tolerance import CALIBRATED_SIGMAS, NEAR_INF, Bound, Tolerance, bounds, direction_bounds, gamma
 
 __all__ = [
     "CALIBRATED_SIGMAS",
@@ -38,6 +38,7 @@ __all__ = [
     "checksum_weights",
     "checksums_of",
     "col_norms",
+    "direction_bounds",
     "gamma",
     "group_count",
     "group_sums_cols",

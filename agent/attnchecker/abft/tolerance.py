@@ -37,6 +37,7 @@ __all__ = [
     "Tolerance",
     "acc_dtype",
     "bounds",
+    "direction_bounds",
     "gamma",
     "norm_floor",
 ]
@@ -330,7 +331,15 @@ def _calibrated_var(
     return var_NR2 + forming_NR2
 
 
-def bounds(
+def bounds(a_norm_NR: torch.Tensor, b_norm_NC: torch.Tensor, **kwargs: Any) -> tuple[Bound, Bound]:
+    """(row bound over (..., R), column bound over (..., C)) on |d1| for C = A·B (+ bias): both of
+    `direction_bounds`, which has the arguments."""
+    rules = direction_bounds(("row", "col"), a_norm_NR, b_norm_NC, **kwargs)
+    return rules["row"], rules["col"]
+
+
+def direction_bounds(
+    directions: tuple[str, ...],
     a_norm_NR: torch.Tensor,
     b_norm_NC: torch.Tensor,
     *,
@@ -348,8 +357,10 @@ def bounds(
     ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     walk: tuple[bool, bool] = (False, False),
     moments_NR4: torch.Tensor | None = None,
-) -> tuple[Bound, Bound]:
-    """(row bound over (..., R), column bound over (..., C)) on |d1| for C = A·B (+ bias).
+) -> dict[str, Bound]:
+    """The bound on |d1| for C = A·B (+ bias) of each direction named ("row": over (..., R), "col": over (..., C)), by
+    name. A check that verifies one direction (the clean fast path) or takes its two from different groupings makes
+    only what it uses: a rule is some fifty small tensor ops, a fixed cost of every check.
 
     a_norm_NR: ‖A_i‖₂ per row of A; b_norm_NC: ‖B_j‖₂ per column of B (broadcastable batch dims); k: reduction length.
     use_abs: the output-rounding and checksum terms use Σ|C| of C itself instead of the Cauchy-Schwarz estimate:
@@ -380,11 +391,15 @@ def bounds(
     columns): the exact second moments in place of their Hölder bounds (~2 ln K ≈ 16× lower on Gaussian-like
     columns at K = 4096). Floored here by what fp32 squares and products below the smallest normal can drop.
     """
+    if not directions or any(d not in ("row", "col") for d in directions):
+        raise ValueError(f"direction_bounds: directions must be a non-empty subset of ('row', 'col'), got "
+                         f"{directions!r}")
     n_rows, n_cols = a_norm_NR.shape[-1], b_norm_NC.shape[-1]
     if tol.mode == "extreme":
         # The paper flags on d1 only: d2's bound is n × E, which only an extreme d2 exceeds.
         e = tol.extreme_threshold * tol.factor
-        return Bound(torch.full_like(a_norm_NR, e), n=n_cols), Bound(torch.full_like(b_norm_NC, e), n=n_rows)
+        return {d: Bound(torch.full_like(a_norm_NR if d == "row" else b_norm_NC, e), n=n_cols if d == "row" else n_rows)
+                for d in directions}
     # A norm made in fp32 (or a half dtype) drops every element below √(smallest normal) (~1e-19 in fp32): its square
     # underflows. Vanishing gradients (a saturated softmax's dS) are such values; without this floor their norms read
     # 0 and a clean product is flagged. ‖x‖ over K elements is low by at most √(K·tiny).
@@ -392,7 +407,6 @@ def bounds(
     b_norm_NC = b_norm_NC + norm_floor(b_norm_NC, k)
     ref_norms = tuple(None if r is None else r + norm_floor(r, k) for r in ref_norms)  # type: ignore[assignment]
     u_out = torch.finfo(out_dtype).eps / 2
-    g_c, g_r = gamma(n_cols, out_dtype), gamma(n_rows, out_dtype)
     # γ_K twice: once for the reference, once for the product C. A product reduced in half precision is modelled as
     # fp32 partial sums combined in at most 64 half-precision steps (split-K), not as a K-long half-precision sum.
     g_k = gamma(k, out_dtype)
@@ -403,34 +417,33 @@ def bounds(
     # With a bias the output may be rounded twice (the product, then the sum with b: F.linear in fp16 on CPU):
     # u_out |A_i B_j| + u_out |C_ij| <= u_out (2 P_ij + |b_j|).
     n_round = 1 if bias_abs_C is None else 2
-    row_NR = a_norm_NR * b_norm_NC.sum(-1, keepdim=True)
-    col_NC = b_norm_NC * a_norm_NR.sum(-1, keepdim=True)
-    if use_abs:
-        row_NR = row_NR * (slack * (2 * g_k + g_c))
-        col_NC = col_NC * (slack * (2 * g_k + g_r))
-        coef_row, coef_col = slack * (g_c + n_round * u_out), slack * (g_r + n_round * u_out)
-        bias_row, bias_col = slack * (g_c + u_out), slack * (g_r + u_out)
-    else:
-        row_NR = row_NR * (slack * (2 * g_k + 2 * g_c + n_round * u_out))
-        col_NC = col_NC * (slack * (2 * g_k + 2 * g_r + n_round * u_out))
-        coef_row = coef_col = 0.0
-        bias_row, bias_col = slack * (2 * g_c + u_out), slack * (2 * g_r + u_out)
     u_in = max(torch.finfo(operands_cast_to).eps / 2 if operands_cast_to is not None else 0.0, operand_roundoff or 0.0)
-    if u_in > 0.0:
-        row_NR = row_NR + slack * 2 * u_in * a_norm_NR * b_norm_NC.sum(-1, keepdim=True)
-        col_NC = col_NC + slack * 2 * u_in * b_norm_NC * a_norm_NR.sum(-1, keepdim=True)
-        bias_row, bias_col = bias_row + slack * u_in, bias_col + slack * u_in
-    if bias_abs_C is not None:
-        row_NR = row_NR + bias_row * bias_abs_C.sum(-1, keepdim=True)
-        col_NC = col_NC + bias_col * n_rows * bias_abs_C
     # Gradual underflow: results below the smallest normal carry an absolute error (half a subnormal step) that no
     # relative term covers; it matters for fp16 (step 2^-24), not for bf16/fp32.
     eta_out, eta_acc = _underflow(out_dtype), _underflow(acc_dtype(out_dtype))
-    under_row = slack * n_cols * (eta_out + (k + 2 * n_cols + 2) * eta_acc)
-    under_col = slack * n_rows * (eta_out + (k + 2 * n_rows + 2) * eta_acc)
-    row_NR, col_NC = row_NR + under_row, col_NC + under_col
+    rigorous: dict[str, tuple[torch.Tensor, float, float]] = {}
+    for d in directions:
+        # The row direction: vectors are rows i of C (length n_cols), each A_i against every B_j; the column
+        # direction swaps the roles (length n_rows). Only the bias enters differently (a column holds one b_j).
+        mine, other, n_vec = (a_norm_NR, b_norm_NC, n_cols) if d == "row" else (b_norm_NC, a_norm_NR, n_rows)
+        g_v = gamma(n_vec, out_dtype)
+        vec = mine * other.sum(-1, keepdim=True)
+        if use_abs:
+            vec = vec * (slack * (2 * g_k + g_v))
+            coef, bias_coef = slack * (g_v + n_round * u_out), slack * (g_v + u_out)
+        else:
+            vec = vec * (slack * (2 * g_k + 2 * g_v + n_round * u_out))
+            coef, bias_coef = 0.0, slack * (2 * g_v + u_out)
+        if u_in > 0.0:
+            vec = vec + slack * 2 * u_in * mine * other.sum(-1, keepdim=True)
+            bias_coef = bias_coef + slack * u_in
+        if bias_abs_C is not None:
+            vec = vec + (bias_coef * bias_abs_C.sum(-1, keepdim=True) if d == "row"
+                         else bias_coef * n_rows * bias_abs_C)
+        under = slack * n_vec * (eta_out + (k + 2 * n_vec + 2) * eta_acc)
+        rigorous[d] = (vec + under, coef, under)
     if not tol.calibrated:
-        return Bound(row_NR, coef_row, n=n_cols), Bound(col_NC, coef_col, n=n_rows)
+        return {d: Bound(vec, coef, n=n_cols if d == "row" else n_rows) for d, (vec, coef, _) in rigorous.items()}
 
     # The calibrated model (module docstring, docs/abft.md): variances, not magnitudes, add up.
     acc = acc_dtype(out_dtype)
@@ -446,46 +459,16 @@ def bounds(
     # ≤ ‖w∘C‖₁ ≤ √n ‖w∘C‖₂ (n² u²/3 per ΣC²). Random-walk model: RANDOM_WALK·n u²/3 per ΣC², its drift
     # DRIFT·n u²/3 per (Σ_j w_j C_ij)² ≈ reference², and the product's own drift DRIFT·K u²/3 per C_ij².
     u_out_var = n_round * u_out**2 / 3 if acc != out_dtype else 0.0
-    walk_row, walk_col = walk
     # Variances in float64: u²·‖A_i‖²·‖B_j‖² underflows fp32 once the product's values are below ~1e-15 (vanishing
     # gradients), which would leave only the underflow offset as the tolerance. Per-vector tensors: cheap in fp64.
     f64 = torch.float64
     a64, b64 = a_norm_NR.to(f64), b_norm_NC.to(f64)
-    row_ref, col_ref = (None if r is None else r.to(f64) for r in ref_norms)
-    maxes_row = maxes_col = None
-    if walk_row or walk_col:
+    amax64 = bmax64 = None
+    if any(walk[0 if d == "row" else 1] for d in directions):
         amax64 = a64 if a_max_NR is None else a_max_NR.to(f64)
         bmax64 = b64 if b_max_NC is None else b_max_NC.to(f64)
-        rmax_row, rmax_col = (None if r is None else r.to(f64) for r in ref_maxes)
-        maxes_row = (amax64, bmax64, rmax_row) if walk_row else None
-        maxes_col = (bmax64, amax64, rmax_col) if walk_col else None
-    mom64 = None
-    if moments_NR4 is not None and walk_row:
-        # Squares below tiny are flushed in fp32: an x_k² loses ≤ tiny times b_kj² ((Bw)_k²) summed over k, a B or Bw
-        # square ≤ tiny times A_ik² (per unit weight²), and the skinny GEMM's K products ≤ tiny each; 1.01 covers its
-        # rounding.
-        tiny = torch.finfo(torch.float32).tiny
-        bsq_1, bsq_2 = _weighted_sq(b64)
-        w2_1, w2_2 = _weighted_sq(torch.ones_like(b64))
-        ref_sq_N2 = torch.cat(_weighted_sum(b64), -1).square() if row_ref is None else row_ref.square()
-        floor_N4 = tiny * (torch.cat([bsq_1, bsq_2, ref_sq_N2], -1) + k)
-        per_a_N4 = torch.cat([w2_1, w2_2, torch.ones_like(w2_1), torch.ones_like(w2_2)], -1)
-        mom64 = (1.01 * moments_NR4.to(f64) + floor_N4[..., None, :]
-                 + tiny * a64.square()[..., None] * per_a_N4[..., None, :])
-    var_row = _calibrated_var(a64, b64, row_ref, k=k, u_acc=u_acc, op_var=op_var, split_var=split_var,
-                              maxes=maxes_row, moments_NR4=mom64)
-    var_col = _calibrated_var(b64, a64, col_ref, k=k, u_acc=u_acc, op_var=op_var, split_var=split_var,
-                              maxes=maxes_col)
-    if bias_abs_C is not None:
-        # Row references add b·w (n-long sums); column references add (Σw) b_j: both rounded once more.
-        bias64_C = bias_abs_C.to(f64)
-        bsq_1, bsq_2 = _weighted_sq(bias64_C)
-        var_row = var_row + (n_cols * u_acc**2 / 3) * torch.cat([bsq_1, bsq_2], -1)[..., None, :]
-        sums_C2 = torch.stack([bias64_C * n_rows, bias64_C * (n_rows * (n_rows + 1) / 2)], -1)
-        var_col = var_col + (u_acc**2 / 3) * sums_C2.square()
+    bias64_C = None if bias_abs_C is None else bias_abs_C.to(f64)
     z = tol.sigmas * tol.factor
-    c_row = u_out_var + ((RANDOM_WALK * n_cols + DRIFT * k) if walk_row else n_cols**2) * u2
-    c_col = u_out_var + ((RANDOM_WALK * n_rows + DRIFT * k) if walk_col else n_rows**2) * u2
     # Output rounding is not independent when a vector's values are near-equal: a context column under near-uniform
     # attention holds 64 values ~1.2475 that all round up to 1.25 in bf16, and their errors add linearly (BERT and
     # GPT-2 bf16 runs of bench/clean_campaign.py: |d1| up to 2.1× the variance-only threshold). So the rounding error
@@ -498,12 +481,45 @@ def bounds(
     # ≤ u_in·|Σ_j w_j C_ij| (added linearly, as the output rounding's). The Cauchy-Schwarz model's operand term
     # (2u_in²/3·‖A_i‖²Σ_j w_j²‖B_j‖², ~√n·‖A_i‖‖B‖ wide) covered it; the random-walk one does not.
     trunc = slack * operand_roundoff if operand_roundoff is not None else 0.0
-    # The drift of the reference's K-long dot and of the checksum's n-long sum, per unit of reference².
-    drift_row = DRIFT * (k + n_cols) * u2 if walk_row else 0.0
-    drift_col = DRIFT * (k + n_rows) * u2 if walk_col else 0.0
-    return (
-        Bound(row_NR, coef_row, var_row, (c_row, c_row * n_cols**2), ref_coef + (trunc if walk_row else 0.0),
-              under_row, z, n_cols, drift_row),
-        Bound(col_NC, coef_col, var_col, (c_col, c_col * n_rows**2), ref_coef + (trunc if walk_col else 0.0),
-              under_col, z, n_rows, drift_col),
-    )
+    out: dict[str, Bound] = {}
+    for d in directions:
+        row = d == "row"
+        walk_d = walk[0 if row else 1]
+        mine64, other64, n_vec = (a64, b64, n_cols) if row else (b64, a64, n_rows)
+        ref = ref_norms[0 if row else 1]
+        ref64 = None if ref is None else ref.to(f64)
+        maxes = None
+        if walk_d:
+            assert amax64 is not None and bmax64 is not None
+            rmax = ref_maxes[0 if row else 1]
+            maxes = (amax64 if row else bmax64, bmax64 if row else amax64, None if rmax is None else rmax.to(f64))
+        mom64 = None
+        if row and moments_NR4 is not None and walk_d:
+            # Squares below tiny are flushed in fp32: an x_k² loses ≤ tiny times b_kj² ((Bw)_k²) summed over k, a B or
+            # Bw square ≤ tiny times A_ik² (per unit weight²), and the skinny GEMM's K products ≤ tiny each; 1.01
+            # covers its rounding.
+            tiny = torch.finfo(torch.float32).tiny
+            bsq_1, bsq_2 = _weighted_sq(b64)
+            w2_1, w2_2 = _weighted_sq(torch.ones_like(b64))
+            ref_sq_N2 = torch.cat(_weighted_sum(b64), -1).square() if ref64 is None else ref64.square()
+            floor_N4 = tiny * (torch.cat([bsq_1, bsq_2, ref_sq_N2], -1) + k)
+            per_a_N4 = torch.cat([w2_1, w2_2, torch.ones_like(w2_1), torch.ones_like(w2_2)], -1)
+            mom64 = (1.01 * moments_NR4.to(f64) + floor_N4[..., None, :]
+                     + tiny * a64.square()[..., None] * per_a_N4[..., None, :])
+        var = _calibrated_var(mine64, other64, ref64, k=k, u_acc=u_acc, op_var=op_var, split_var=split_var,
+                              maxes=maxes, moments_NR4=mom64)
+        if bias64_C is not None:
+            if row:
+                # Row references add b·w (n-long sums); column references add (Σw) b_j: both rounded once more.
+                bsq_1, bsq_2 = _weighted_sq(bias64_C)
+                var = var + (n_cols * u_acc**2 / 3) * torch.cat([bsq_1, bsq_2], -1)[..., None, :]
+            else:
+                sums_C2 = torch.stack([bias64_C * n_rows, bias64_C * (n_rows * (n_rows + 1) / 2)], -1)
+                var = var + (u_acc**2 / 3) * sums_C2.square()
+        c_sq = u_out_var + ((RANDOM_WALK * n_vec + DRIFT * k) if walk_d else n_vec**2) * u2
+        # The drift of the reference's K-long dot and of the checksum's n-long sum, per unit of reference².
+        drift = DRIFT * (k + n_vec) * u2 if walk_d else 0.0
+        vec, coef, under = rigorous[d]
+        out[d] = Bound(vec, coef, var, (c_sq, c_sq * n_vec**2), ref_coef + (trunc if walk_d else 0.0), under, z,
+                       n_vec, drift)
+    return out
