@@ -12,109 +12,159 @@
  * Factors have a batch stride of their own (0: shared by the batch); outputs are dense, batch after batch. A NULL
  * output is not computed (its factor is then ignored).
  *
- * Each row of X is read from memory once; the loops after the first one over a row find it in L1. Sums over a row
- * run in LANES independent partial sums (the order a vectorised BLAS GEMV uses too). NaN and INF propagate as in any
- * sum and max: no finite-math flag is ever set.
+ * Each row of X is read from memory once; the loops after the first one over a row find it in cache (L1, or L2 for
+ * the column update of RB wide rows). There, the work is bound by the latency of dependent adds and by loads, not by
+ * memory, so it is laid out for independent sums and few loads: a row segment's sums are taken up to CHAINS at a time
+ * in one loop, each chunk of x (and its square) loaded once for all of them, each sum a reduction that the compiler
+ * keeps in a vector register of its own; the column outputs are updated from RB rows at a time, so that each is
+ * loaded and stored once per RB rows instead of once a row. Sums thus run in vector lanes (the order a vectorised
+ * BLAS uses too), not left to right: -fassociative-math is what lets the compiler vectorise them. NaN and INF
+ * propagate as in any sum: no finite-math flag is ever set. Maxima compare the bits of |x| as unsigned integers,
+ * which are ordered as |x| is, with every NaN above INF: a NaN wins and then stays with no test of its own, and the
+ * max vectorises as an integer max. Plain C99, vectorised by the compiler for whatever -march gives it (AVX-512,
+ * AVX2 and SSE2 alike).
  */
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-/* Lanes per accumulator: independent sums the compiler keeps in vector registers (two AVX2 registers, one AVX-512),
- * so a row's sums are not one long dependent chain of adds. */
-#define LANES 16
+/* Most weighted sums a block takes (a square sum may join them): each in a register of its own, beside x, x*x and a
+ * chunk of a weight, within the 16 vector registers of AVX2 and SSE (AVX-512 has 32); 8 independent adds hide an
+ * add's latency (3-4 cycles). A lone sum is not split into several chains: on row segments of a few hundred floats
+ * the extra reductions at the end cost more than the latency they would hide (measured). */
+#define CHAINS 8
+/* Rows of X per column update: RB multiply-adds per load and store of a column output (8 measured no faster). */
+#define RB 4
+/* Columns per tile of a column update: RB rows of a tile and the outputs' tiles stay in L1 across the outputs. */
+#define TILE 512
 
-static float lane_total(const float *lanes) {
-    float s = 0.0f;
-    for (int l = 0; l < LANES; l++) s += lanes[l];
-    return s;
-}
+/* BLOCK: inlined with constant shapes (K, P, SQ, R), so that the compiler unrolls the sums into registers. OUTLINE:
+ * kept out of the caller, in whose register allocation gcc otherwise reloaded the chunk of x for each product
+ * (measured 10-25 % slower on short blocks). */
+#if defined(__GNUC__)
+#define BLOCK static inline __attribute__((always_inline))
+#define OUTLINE static __attribute__((noinline))
+#else
+#define BLOCK static inline
+#define OUTLINE static
+#endif
 
-static float dot(const float *restrict x, const float *restrict y, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t k = 0;
-    for (; k + LANES <= n; k += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += x[k + l] * y[k + l];
-    float t = lane_total(acc);
-    for (; k < n; k++) t += x[k] * y[k];
-    return t;
-}
-
-static float dot_sq(const float *restrict x, const float *restrict y, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t k = 0;
-    for (; k + LANES <= n; k += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += x[k + l] * x[k + l] * y[k + l];
-    float t = lane_total(acc);
-    for (; k < n; k++) t += x[k] * x[k] * y[k];
-    return t;
-}
-
-/* x . r0, x . r1 and x . x in one loop: the checksum pair and the square sum of a row (segment). */
-static void pair_and_square(const float *restrict x, const float *restrict r0, const float *restrict r1, int64_t n,
-                            float *restrict out) {
-    float a0[LANES] = {0}, a1[LANES] = {0}, a2[LANES] = {0};
-    int64_t k = 0;
-    for (; k + LANES <= n; k += LANES)
-        for (int l = 0; l < LANES; l++) {
-            float v = x[k + l];
-            a0[l] += v * r0[k + l];
-            a1[l] += v * r1[k + l];
-            a2[l] += v * v;
-        }
-    float t0 = lane_total(a0), t1 = lane_total(a1), t2 = lane_total(a2);
-    for (; k < n; k++) {
-        t0 += x[k] * r0[k];
-        t1 += x[k] * r1[k];
-        t2 += x[k] * x[k];
+/* Sums over a row segment x[0..n): t[j] = sum_k v_k * w[j*n + k] for j < K, v = x (P = 1) or x*x (P = 2), and
+ * where SQ, *sq = sum_k x_k^2. Written as a loop of K (+ SQ) scalar sums, which the compiler vectorises as that many
+ * reductions, each in a vector register of its own: independent chains, each chunk of x loaded once for all. */
+BLOCK void block_sums(const float *restrict x, int64_t n, const float *restrict w, const int K, const int P,
+                      const int SQ, float *restrict t, float *restrict sq) {
+    float s[CHAINS], q = 0.0f;
+    for (int j = 0; j < K; j++) s[j] = 0.0f;
+    for (int64_t k = 0; k < n; k++) {
+        const float e = x[k], v = P == 2 ? e * e : e;
+        if (SQ) q += e * e;
+        for (int j = 0; j < K; j++) s[j] += v * w[j * n + k];
     }
-    out[0] = t0;
-    out[1] = t1;
-    out[2] = t2;
+    for (int j = 0; j < K; j++) t[j] = s[j];
+    if (SQ) *sq = q;
 }
 
-/* max |x| with NaN kept: fmaxf would drop it. */
+#define BLOCK_CASE(K)                                                                                                 \
+    case K:                                                                                                           \
+        if (p == 2)                                                                                                   \
+            block_sums(x, n, w, K, 2, 0, t, sq);                                                                      \
+        else if (sq)                                                                                                  \
+            block_sums(x, n, w, K, 1, 1, t, sq);                                                                      \
+        else                                                                                                          \
+            block_sums(x, n, w, K, 1, 0, t, sq);                                                                      \
+        break;
+
+/* block_sums with k <= CHAINS known at run time; sq only with p = 1 (else NULL). */
+OUTLINE void block_sums_of(const float *restrict x, int64_t n, const float *restrict w, int k, int p,
+                           float *restrict t, float *restrict sq) {
+    switch (k) {
+    case 0:
+        if (sq) block_sums(x, n, w, 0, 1, 1, t, sq);
+        break;
+        BLOCK_CASE(1)
+        BLOCK_CASE(2)
+        BLOCK_CASE(3)
+        BLOCK_CASE(4)
+        BLOCK_CASE(5)
+        BLOCK_CASE(6)
+        BLOCK_CASE(7)
+        BLOCK_CASE(8)
+    }
+}
+
+/* A row segment's m sums x^p . w[j] (w[j] the n floats at w + j*n), into out[0..m), and its square sum into *sq
+ * where sq is not NULL (p = 1 only): in as few blocks of at most CHAINS sums as there can be, of near equal sizes. */
+static void segment_sums(const float *restrict x, int64_t n, int p, const float *restrict w, int64_t m,
+                         float *restrict out, float *restrict sq) {
+    const int64_t blocks = m ? (m + CHAINS - 1) / CHAINS : 1;
+    for (int64_t b = 0, j = 0; b < blocks; b++) {
+        const int k = (int)((m - j) / (blocks - b));
+        block_sums_of(x, n, w ? w + j * n : 0, k, p, out ? out + j : 0, b == 0 ? sq : 0);
+        j += k;
+    }
+}
+
+/* |x| as the bits of a float, as an unsigned integer: ordered as |x| is, every NaN above INF. */
+static inline uint32_t abs_bits(const float *x) {
+    uint32_t u;
+    memcpy(&u, x, sizeof u);
+    return u & 0x7fffffffu;
+}
+
 static float abs_max(const float *restrict x, int64_t n) {
-    float m[LANES] = {0};
-    int nan = 0;
-    int64_t k = 0;
-    for (; k + LANES <= n; k += LANES)
-        for (int l = 0; l < LANES; l++) {
-            float v = fabsf(x[k + l]);
-            m[l] = v > m[l] ? v : m[l];
-            nan |= v != v;
-        }
-    float t = 0.0f;
-    for (int l = 0; l < LANES; l++) t = m[l] > t ? m[l] : t;
-    for (; k < n; k++) {
-        float v = fabsf(x[k]);
-        t = v > t ? v : t;
-        nan |= v != v;
+    uint32_t m = 0;
+    for (int64_t k = 0; k < n; k++) {
+        const uint32_t u = abs_bits(x + k);
+        m = u > m ? u : m;
     }
-    return nan ? NAN : t;
+    float t;
+    memcpy(&t, &m, sizeof t);
+    return t;
 }
 
-static void col_update(const float *restrict x, const float *restrict l, int64_t nl, const float *restrict l2,
-                       int64_t nl2, int64_t n, float *restrict y, float *restrict y2, float *restrict s,
-                       float *restrict m) {
+/* y[j][k] += sum_r c[j][r] * x_r[k]^P for the columns k0..k1 of the rows x_r = x[r * ld] (r < R), j < nl. */
+BLOCK void col_weighted(const float *restrict x, int64_t ld, const int R, const int P, const float *restrict c,
+                        int64_t nl, int64_t n, int64_t k0, int64_t k1, float *restrict y) {
     for (int64_t j = 0; j < nl; j++) {
-        const float c = l[j];
+        float cj[RB];
+        for (int r = 0; r < R; r++) cj[r] = c[j * RB + r];
         float *restrict yj = y + j * n;
-        for (int64_t k = 0; k < n; k++) yj[k] += c * x[k];
-    }
-    for (int64_t j = 0; j < nl2; j++) {
-        const float c = l2[j];
-        float *restrict yj = y2 + j * n;
-        for (int64_t k = 0; k < n; k++) yj[k] += c * x[k] * x[k];
-    }
-    if (s)
-        for (int64_t k = 0; k < n; k++) s[k] += x[k] * x[k];
-    if (m)
-        for (int64_t k = 0; k < n; k++) {
-            /* NaN sticks: a NaN maximum stays, a NaN element becomes it. */
-            float v = fabsf(x[k]), cur = m[k];
-            m[k] = cur != cur ? cur : (v > cur || v != v) ? v : cur;
+        for (int64_t k = k0; k < k1; k++) {
+            float a = yj[k];
+            for (int r = 0; r < R; r++) {
+                const float e = x[r * ld + k];
+                a += cj[r] * (P == 2 ? e * e : e);
+            }
+            yj[k] = a;
         }
+    }
+}
+
+/* Adds rows x[0], x[ld], ..., x[(R-1) ld] (R = 1 or RB) into the column outputs, with coefficients c[j][r], c2[j][r]
+ * of output j and row r; m holds the bits of the running column maxima (abs_bits). */
+BLOCK void col_update_k(const float *restrict x, int64_t ld, const int R, const float *restrict c, int64_t nl,
+                        const float *restrict c2, int64_t nl2, int64_t n, float *restrict y, float *restrict y2,
+                        float *restrict s, uint32_t *restrict m) {
+    for (int64_t k0 = 0; k0 < n; k0 += TILE) {
+        const int64_t k1 = n - k0 < TILE ? n : k0 + TILE;
+        col_weighted(x, ld, R, 1, c, nl, n, k0, k1, y);
+        col_weighted(x, ld, R, 2, c2, nl2, n, k0, k1, y2);
+        if (s)
+            for (int64_t k = k0; k < k1; k++) {
+                float a = s[k];
+                for (int r = 0; r < R; r++) a += x[r * ld + k] * x[r * ld + k];
+                s[k] = a;
+            }
+        if (m)
+            for (int64_t k = k0; k < k1; k++) {
+                uint32_t a = m[k];
+                for (int r = 0; r < R; r++) {
+                    const uint32_t u = abs_bits(x + r * ld + k);
+                    a = u > a ? u : a;
+                }
+                m[k] = a;
+            }
+    }
 }
 
 void attnchecker_fused_pass(int64_t nb, int64_t rows, int64_t cols, const float *x, int64_t ld, int64_t sx,
@@ -134,38 +184,40 @@ void attnchecker_fused_pass(int64_t nb, int64_t rows, int64_t cols, const float 
         float *xrb = nr ? xr + b * rows * groups * nr : 0, *xr2b = nr2 ? xr2 + b * rows * groups * nr2 : 0;
         float *lxb = nl ? lx + b * nl * cols : 0, *lx2b = nl2 ? lx2 + b * nl2 * cols : 0;
         float *rsqb = rsq ? rsq + b * rows * groups : 0, *csqb = csq ? csq + b * cols : 0;
-        float *rmaxb = rmax ? rmax + b * rows : 0, *cmaxb = cmax ? cmax + b * cols : 0;
+        float *rmaxb = rmax ? rmax + b * rows : 0;
+        /* The column maxima run as their bits (abs_bits) in the output, whose storage only ever holds them: the
+         * bits of the largest |x| are those of the float max, and 0 those of 0.0f. */
+        uint32_t *cmaxb = cmax ? (uint32_t *)(void *)(cmax + b * cols) : 0;
         if (lxb) memset(lxb, 0, (size_t)(nl * cols) * sizeof(float));
         if (lx2b) memset(lx2b, 0, (size_t)(nl2 * cols) * sizeof(float));
         if (csqb) memset(csqb, 0, (size_t)cols * sizeof(float));
-        if (cmaxb) memset(cmaxb, 0, (size_t)cols * sizeof(float));
-        for (int64_t i = 0; i < rows; i++) {
-            const float *row = xb + i * ld;
-            for (int64_t h = 0; h < groups; h++) {
-                const float *part = row + h * seg;
-                int64_t j = 0;
-                if (nr >= 2) {
-                    /* The checksum pair and the segment's square sum together. */
-                    float out[3];
-                    pair_and_square(part, rb, rb + seg, seg, out);
-                    xrb[(i * groups + h) * nr] = out[0];
-                    xrb[(i * groups + h) * nr + 1] = out[1];
-                    if (rsqb) rsqb[i * groups + h] = out[2];
-                    j = 2;
-                } else if (rsqb) {
-                    rsqb[i * groups + h] = dot(part, part, seg);
+        if (cmaxb) memset(cmaxb, 0, (size_t)cols * sizeof(uint32_t));
+        for (int64_t i0 = 0; i0 < rows;) {
+            const int rb_rows = rows - i0 >= RB ? RB : 1;
+            for (int64_t i = i0; i < i0 + rb_rows; i++) {
+                const float *row = xb + i * ld;
+                for (int64_t h = 0; h < groups; h++) {
+                    const float *part = row + h * seg;
+                    const int64_t v = i * groups + h;
+                    if (nr || rsqb) segment_sums(part, seg, 1, rb, nr, nr ? xrb + v * nr : 0, rsqb ? rsqb + v : 0);
+                    if (nr2) segment_sums(part, seg, 2, r2b, nr2, xr2b + v * nr2, 0);
                 }
-                for (; j < nr; j++) xrb[(i * groups + h) * nr + j] = dot(part, rb + j * seg, seg);
-                for (int64_t j2 = 0; j2 < nr2; j2++)
-                    xr2b[(i * groups + h) * nr2 + j2] = dot_sq(part, r2b + j2 * seg, seg);
+                if (rmaxb) rmaxb[i] = abs_max(row, cols);
             }
-            if (rmaxb) rmaxb[i] = abs_max(row, cols);
             if (nl || nl2 || csqb || cmaxb) {
-                float c[64], c2[64];
-                for (int64_t j = 0; j < nl; j++) c[j] = lb[j * rows + i];
-                for (int64_t j = 0; j < nl2; j++) c2[j] = l2b[j * rows + i];
-                col_update(row, c, nl, c2, nl2, cols, lxb, lx2b, csqb, cmaxb);
+                /* This block's coefficients, c[j][r] = L[j][i0 + r] (nl, nl2 <= 64: fused_pass.py's _WIDEST_LEFT). */
+                float c[64 * RB], c2[64 * RB];
+                for (int64_t j = 0; j < nl; j++)
+                    for (int q = 0; q < rb_rows; q++) c[j * RB + q] = lb[j * rows + i0 + q];
+                for (int64_t j = 0; j < nl2; j++)
+                    for (int q = 0; q < rb_rows; q++) c2[j * RB + q] = l2b[j * rows + i0 + q];
+                const float *row = xb + i0 * ld;
+                if (rb_rows == RB)
+                    col_update_k(row, ld, RB, c, nl, c2, nl2, cols, lxb, lx2b, csqb, cmaxb);
+                else
+                    col_update_k(row, ld, 1, c, nl, c2, nl2, cols, lxb, lx2b, csqb, cmaxb);
             }
+            i0 += rb_rows;
         }
     }
 }
