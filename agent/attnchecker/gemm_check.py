@@ -6,13 +6,15 @@ Legend: N leading batch dims (none for a Linear GEMM; (B, H) for attention), M, 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Sequence
 
 import torch
 
-from .abft import Tolerance, repair
+from .abft import Tolerance, checksum_weights, repair
 from .abft.checksum import DirectionCheck
-from .abft.gemm import DIRECTIONS, exact_gemm_elements, verify_gemm
+from .abft.gemm import DIRECTIONS, OperandSums, exact_gemm_elements, verify_gemm
 from .context import LayerContext
 from .fused_pass import fused_pass
 from .matmul_precision import fp32_matmul_operand_roundoff
@@ -20,7 +22,7 @@ from .product_check import _exact_math, _tolerance
 from .records import _any_bad, _count, _count_trips, _emit, _emit_unplaced_trip, _record_ratio, _worst_ratio
 from .tripwire import extreme
 
-__all__ = ["Gemm", "check_gemms", "trip_gemms"]
+__all__ = ["Gemm", "LinearSums", "backward_sums", "check_gemms", "linear_sums", "trip_gemms"]
 
 Gemm = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 """(op, C (..., M, N), A (..., M, K), B (..., K, N), bias (N,) or None): one GEMM C = A·B (+ bias) to verify in
@@ -32,11 +34,17 @@ FAST_DIRECTIONS: tuple[str, ...] = ("row",)
 after it flags. Row: its checksums and bound sums are contiguous reductions of C."""
 
 
-def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft") -> int:
+Given = tuple[str, OperandSums]
+"""(direction, its operand side): a GEMM's clean check with the operand side made by the caller (``linear_sums``)."""
+
+
+def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft",
+                given: Sequence[Given | None] | None = None) -> int:
     """Verify every GEMM in one direction, then (one sync) run the recovery ladder, with both directions, on those
     flagged. C is repaired in place. Returns how many GEMMs it reported (flagged, not an fp16 overflow
     (``_overflowed``), and inconsistent with their operands in the full check). tier: "tripwire" for a tier-1 recovery
-    (``trip_gemms``): its events say so, and its time counts as tier 1's, not as the scheduled checks'."""
+    (``trip_gemms``): its events say so, and its time counts as tier 1's, not as the scheduled checks'.
+    given: per GEMM, the direction and operand side of its clean check already made (``linear_sums``), or None."""
     if not gemms or ctx.config.mode == "off":
         return 0
     tol = _tolerance(ctx)
@@ -45,9 +53,11 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft") -> 
     # One exact-math context and one histogram update for the call: per GEMM they were a fixed cost of their own
     # (a few dozen small ops), which is what a check of a small GEMM mostly is.
     with _exact_math(gemms[0][1]):
-        for gemm in gemms:
+        for i, gemm in enumerate(gemms):
             t0 = time.perf_counter()
-            checks = _verify(gemm, tol, FAST_DIRECTIONS)
+            made = given[i] if given is not None else None
+            checks = (_verify(gemm, tol, FAST_DIRECTIONS) if made is None
+                      else _verify(gemm, tol, (made[0],), operand_sums=made[1]))
             pending.append((gemm, checks, time.perf_counter() - t0))
         flags = torch.stack([_any_bad(checks) for _, checks, _ in pending])
         if ctx.runtime.stats is not None:
@@ -150,12 +160,94 @@ eager BLAS calls win over its fixed cost of three calls (one thread, measured: 6
 
 
 def _verify(gemm: Gemm, tol: Tolerance, directions: tuple[str, ...], *, wide_norms: bool = False,
-            exact_sums: bool = False) -> dict[str, DirectionCheck]:
+            exact_sums: bool = False, operand_sums: OperandSums | None = None) -> dict[str, DirectionCheck]:
     _op, c, a, b, bias = gemm
     big = c.numel() + a.numel() + b.numel() >= ONE_PASS_MIN
     return verify_gemm(c, a.detach(), b.detach(), tol, bias_N=None if bias is None else bias.detach(),
                        operand_roundoff=fp32_matmul_operand_roundoff(c.device), directions=directions,
-                       wide_norms=wide_norms, one_pass=fused_pass if big else None, exact_sums=exact_sums)
+                       wide_norms=wide_norms, one_pass=fused_pass if big or operand_sums is not None else None,
+                       exact_sums=exact_sums, operand_sums=operand_sums)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinearSums:
+    """What the backward checks of y = x·W_IO (+ b) need of x and W, made in the reads of them that the forward check
+    makes anyway (``linear_sums``): then a step reads x and W once each for its three checks, and dy once for
+    its two (dX = dy·W_OI by rows, dW by its vectors along the input features), instead of twice each. w_I: the
+    checksum weights (ones, 1..I) over the input features."""
+
+    xw_M2: torch.Tensor
+    """x·w_I: the dW check's reference is dyᵀ·(x w_I)."""
+    x_col_I: torch.Tensor
+    """‖x_:,i‖₂, the dW check's operand norms along the input features."""
+    ww_O2: torch.Tensor
+    """W_OI·w_I: the dX check's reference is dy·(W_OI w_I)."""
+    w_col_I: torch.Tensor
+    """‖W_OI_:,i‖₂."""
+
+
+def linear_sums(x_MI: torch.Tensor, w_IO: torch.Tensor, *, forward: bool
+                ) -> tuple[OperandSums | None, LinearSums] | None:
+    """In one read of W and one of x (fused_pass): the backward checks' ``LinearSums`` and, with ``forward``, the
+    forward check's row side of y = x·W_IO (x·(W_IO w_O), ‖x_m‖, ‖W_IO_:,o‖). None where the kernel declines (the
+    checks then read the operands themselves), or for a GEMM below ``ONE_PASS_MIN``, where the eager calls win."""
+    (m, i), o = x_MI.shape, w_IO.shape[-1]
+    if m * i + i * o + m * o < ONE_PASS_MIN:
+        return None
+    w_I2 = checksum_weights(i, x_MI.device, torch.float32)
+    w_O2 = checksum_weights(o, x_MI.device, torch.float32) if forward else None
+    x, w = x_MI.detach(), w_IO.detach()
+    if w.stride(-1) == 1:
+        # A Conv1D weight (I, O): W_OI·w_I from the left, ‖W_OI_:,i‖ its row norms.
+        ws = fused_pass(w, right=w_O2, col_sq=forward, left=w_I2, row_sq=True)
+        if ws is None:
+            return None
+        ww_O2, w_col_sq, bw_I2, b_sq_O = ws.left, ws.row_sq, ws.right, ws.col_sq
+    else:
+        # An nn.Linear weight (O, I), read as itself.
+        ws = fused_pass(w.mT, left=w_O2, row_sq=forward, right=w_I2, col_sq=True)
+        if ws is None:
+            return None
+        ww_O2, w_col_sq, bw_I2, b_sq_O = ws.right, ws.col_sq, ws.left, ws.row_sq
+    if ww_O2 is None or w_col_sq is None:
+        return None
+    xs = fused_pass(x, right=w_I2 if not forward or bw_I2 is None else torch.cat([bw_I2, w_I2], -1),
+                    row_sq=forward, col_sq=True)
+    if xs is None or xs.right is None or xs.col_sq is None:
+        return None
+    backward = LinearSums(xw_M2=xs.right[:, -2:], x_col_I=xs.col_sq.sqrt(), ww_O2=ww_O2, w_col_I=w_col_sq.sqrt())
+    if not forward:
+        return None, backward
+    if xs.row_sq is None or b_sq_O is None:
+        return None
+    return OperandSums(ref=xs.right[:, :2], a_norm=xs.row_sq.sqrt(), b_norm=b_sq_O.sqrt()), backward
+
+
+def backward_sums(dy_MO: torch.Tensor, sums: LinearSums, *, need_x: bool, dw_direction: str | None
+                  ) -> tuple[Given | None, Given | None] | None:
+    """(dX's clean check, dW's) from one read of dy: dy·(W_OI w_I) and ‖dy_m‖ for dX = dy·W_OI by rows; dyᵀ·(x w_I)
+    and ‖dy_:,o‖ for dW along the input features, which are its rows for an nn.Linear weight's gradient (O, I)
+    (``dw_direction`` "row": dW = dyᵀ·x) and its columns for a Conv1D one (I, O) ("col": dW = xᵀ·dy). None where
+    the kernel declines."""
+    need_w = dw_direction is not None
+    ds = fused_pass(dy_MO.detach(), right=sums.ww_O2 if need_x else None, left=sums.xw_M2 if need_w else None,
+                    row_sq=need_x, col_sq=need_w)
+    if ds is None:
+        return None
+    dx: Given | None = None
+    dw: Given | None = None
+    if need_x:
+        if ds.right is None or ds.row_sq is None:
+            return None
+        dx = ("row", OperandSums(ref=ds.right, a_norm=ds.row_sq.sqrt(), b_norm=sums.w_col_I))
+    if dw_direction is not None:
+        if ds.left is None or ds.col_sq is None:
+            return None
+        dy_col_O = ds.col_sq.sqrt()
+        # A's rows and B's columns as the GEMM is written: dyᵀ·x (A = dyᵀ) or xᵀ·dy (A = xᵀ).
+        a_norm, b_norm = (dy_col_O, sums.x_col_I) if dw_direction == "row" else (sums.x_col_I, dy_col_O)
+        dw = (dw_direction, OperandSums(ref=ds.left, a_norm=a_norm, b_norm=b_norm))
+    return dx, dw
 
 
 def _repair(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,

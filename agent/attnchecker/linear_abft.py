@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .context import LayerContext
-from .gemm_check import Gemm, check_gemms, trip_gemms
+from .gemm_check import Gemm, Given, LinearSums, backward_sums, check_gemms, linear_sums, trip_gemms
 from .integrations._common import Binder, _projection_hook
 from .whole_step import _WHOLE_STEP, gemm_due, gemm_trips, whole_step_due
 
@@ -172,10 +172,18 @@ class _CheckedLinear(torch.autograd.Function):
         y_MO = F.linear(x_MI, weight, bias) if site.layout == "out_in" else (
             x_MI @ weight if bias is None else torch.addmm(bias, x_MI, weight))
         check = check_gemms if tier == "abft" else trip_gemms
-        if site.check_forward:
+        sums: LinearSums | None = None
+        if tier == "abft" and site.check_forward:
+            # One read of x and of W for this check and the backward's two (gemm_check.linear_sums).
+            made = linear_sums(x_MI, w_IO, forward=True)
+            given = None
+            if made is not None and made[0] is not None:
+                given, sums = [("row", made[0])], made[1]
+            check_gemms(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)], given=given)
+        elif site.check_forward:
             check(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)])
         ctx.save_for_backward(x_MI, weight, bias)
-        ctx.site, ctx.check = site, check
+        ctx.site, ctx.check, ctx.sums = site, check, sums
         return y_MO
 
     @staticmethod
@@ -198,6 +206,28 @@ class _CheckedLinear(torch.autograd.Function):
             else:
                 dw = x_MI.t().mm(dy_MO)
                 todo.append(("linear_dw", dw, x_MI.t(), dy_MO, None))
-        ctx.check(site.ctx, todo)
+        if ctx.check is check_gemms and todo:
+            check_gemms(site.ctx, todo, given=_backward_given(ctx.sums, x_MI, weight, dy_MO, site.layout,
+                                                              need_x=dx_MI is not None, need_w=dw is not None))
+        else:
+            ctx.check(site.ctx, todo)
         db = dy_MO.sum(0) if need_b and bias is not None else None
         return dx_MI, dw, db, None, None
+
+
+def _backward_given(sums: LinearSums | None, x_MI: torch.Tensor, weight: torch.Tensor, dy_MO: torch.Tensor,
+                    layout: str, *, need_x: bool, need_w: bool) -> list[Given | None] | None:
+    """The backward checks' operand sides (dX, then dW, as the backward lists them) from one read of dy, with the
+    forward's sums of x and W, or with them made now (a module whose forward the projection hook checked). None where
+    the kernel declines: the checks then read their operands themselves."""
+    if sums is None:
+        made = linear_sums(x_MI, weight.T if layout == "out_in" else weight, forward=False)
+        if made is None:
+            return None
+        sums = made[1]
+    # dW = dyᵀ·x (O, I) for nn.Linear, checked by rows; xᵀ·dy (I, O) for Conv1D, by columns: along I both times.
+    got = backward_sums(dy_MO, sums, need_x=need_x, dw_direction=("row" if layout == "out_in" else "col")
+                        if need_w else None)
+    if got is None:
+        return None
+    return [g for g, needed in zip(got, (need_x, need_w), strict=True) if needed]

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-from attnchecker.abft import Tolerance, repair
-from attnchecker.abft.gemm import exact_gemm_elements, verify_gemm
+from attnchecker.abft import Tolerance, checksum_weights, repair
+from attnchecker.abft.gemm import OperandSums, exact_gemm_elements, verify_gemm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -160,3 +160,46 @@ def test_checks_carry_the_bound_on_d2(lead: tuple[int, ...]) -> None:
         for d, chk in verify_gemm(a @ b, a, b, Tolerance(), directions=directions).items():
             assert chk.bound2 is not None and chk.bound2.shape == chk.bound.shape, d
             assert (chk.bound2 > chk.bound).all()
+
+
+def _operand_side(a: torch.Tensor, b: torch.Tensor, direction: str) -> OperandSums:
+    """What a caller that read A and B itself passes (gemm_check.linear_sums makes these in its kernel reads)."""
+    a32, b32 = a.float(), b.float()
+    if direction == "row":
+        ref = a32 @ (b32 @ checksum_weights(b.shape[-1], b.device, torch.float32))
+    else:
+        ref = (checksum_weights(a.shape[-2], a.device, torch.float32).mT @ a32 @ b32).mT
+    return OperandSums(ref=ref, a_norm=torch.linalg.vector_norm(a32, dim=-1),
+                       b_norm=torch.linalg.vector_norm(b32, dim=-2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 40), k=st.integers(1, 70), n=st.integers(1, 40), dtype=st.sampled_from(DTYPES),
+       direction=st.sampled_from(["row", "col"]), with_bias=st.booleans(), kernel=st.booleans(),
+       fault=st.sampled_from([None, "inf", "nan", "add"]), seed=st.integers(0, 10_000))
+def test_a_check_given_its_operand_side_flags_what_the_full_check_flags(
+    m: int, k: int, n: int, dtype: torch.dtype, direction: str, with_bias: bool, kernel: bool, fault: str | None,
+    seed: int
+) -> None:
+    """verify_gemm(operand_sums=...) reads only C: the same vectors flagged and the same bound as the check that
+    makes the operand side itself, in either direction, with the one-pass kernel reading C or without."""
+    from attnchecker import fused_pass
+
+    a, b = randn((m, k), seed, dtype), randn((k, n), seed + 1, dtype)
+    bias = randn((n,), seed + 2, dtype) if with_bias else None
+    c = product(a, b, bias)
+    if fault is not None:
+        c.view(-1)[seed % c.numel()] = {"inf": math.inf, "nan": math.nan}.get(fault, 1000.0 * math.sqrt(k))
+    one_pass = fused_pass.fused_pass if kernel else None
+    plain = verify_gemm(c, a, b, Tolerance(), bias_N=bias, directions=(direction,))[direction]
+    given_side = verify_gemm(c, a, b, Tolerance(), bias_N=bias, directions=(direction,), one_pass=one_pass,
+                             operand_sums=_operand_side(a, b, direction))[direction]
+    assert torch.equal(plain.bad, given_side.bad)
+    assert int(plain.bad.sum()) == (0 if fault is None else 1)
+    torch.testing.assert_close(given_side.bound, plain.bound, rtol=1e-4, atol=0.0)
+
+
+def test_operand_sums_go_with_one_direction_only() -> None:
+    a, b = randn((4, 5), 0, torch.float32), randn((5, 3), 1, torch.float32)
+    with pytest.raises(ValueError, match="one direction"):
+        verify_gemm(a @ b, a, b, Tolerance(), operand_sums=_operand_side(a, b, "row"))

@@ -11,6 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch import nn
 from attnchecker import fused_pass as fp
 from attnchecker.abft import Tolerance, group_count
 from attnchecker.abft.gemm import verify_gemm
@@ -245,6 +246,36 @@ def test_a_protected_step_checks_its_whole_step_gemms_through_the_kernel(arch: s
     assert gemm_checks > 0
     assert len(taken) >= 3 * gemm_checks  # C, A and B of every whole-step GEMM check, at least
     assert all(taken)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_checked_step_reads_each_weight_once_for_its_three_gemm_checks(arch: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward check of a Linear/Conv1D reads x and W once, and keeps what the backward's dX and dW checks need
+    of them (gemm_check.linear_sums); the backward reads dy once for both. So a checked step's kernel reads each
+    weight once (it read it twice: for y and for dX), whether the module's forward is the GEMM check's (the MLP) or
+    the projection hook's (then the backward makes the sums). Faults are still corrected on this path:
+    test_linear_abft's per-GEMM fault test runs it (its kernel variants)."""
+    import attnchecker
+    import attnchecker.gemm_check as gemm_check
+    from model_zoo import batch, build, loss_of
+    from transformers.pytorch_utils import Conv1D
+
+    reads: list[int] = []
+
+    def counted(x: torch.Tensor, **kwargs: object) -> object:
+        reads.append(x.untyped_storage().data_ptr())
+        return fp.fused_pass(x, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gemm_check, "fused_pass", counted)
+    monkeypatch.setattr(gemm_check, "ONE_PASS_MIN", 0)
+    model = build(arch)
+    weights = {m.weight.untyped_storage().data_ptr() for m in model.modules() if isinstance(m, (nn.Linear, Conv1D))}
+    guard = attnchecker.protect(model, policy=attnchecker.Policy.full(), scope="all")
+    loss_of(arch, model, batch(arch, 0)).backward()
+    guard.close()
+    assert weights
+    assert {w: reads.count(w) for w in weights} == dict.fromkeys(weights, 1)
 
 
 @settings(max_examples=30, deadline=None)

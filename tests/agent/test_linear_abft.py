@@ -53,10 +53,12 @@ def model_gemms(arch: str, protected_calls: list[GemmCall]) -> list[GemmCall]:
     return [c for c in protected_calls if (c.shape, c.k) in signature and is_model_gemm(c)]
 
 
-@pytest.mark.parametrize(("arch", "kernel"), [*((a, False) for a in ARCHS), ("gpt2", True)])
+@pytest.mark.parametrize(("arch", "kernel"), [*((a, False) for a in ARCHS), ("gpt2", True), ("llama", True)])
 def test_a_fault_in_any_forward_or_backward_gemm_is_corrected(arch: str, kernel: bool,
                                                               kernel_everywhere: Callable[[], None]) -> None:
-    """kernel: every check through the one-pass kernel (conftest.kernel_everywhere)."""
+    """kernel: every check through the one-pass kernel (conftest.kernel_everywhere), the Linear checks with their
+    operand sums shared between the forward and the backward (gemm_check.linear_sums): Conv1D (GPT-2) and nn.Linear
+    (Llama) layouts."""
     if kernel:
         kernel_everywhere()
     recorder = GemmInjector()

@@ -26,9 +26,9 @@ from .checksum import (
     weighted_cols,
     weighted_rows,
 )
-from .tolerance import Tolerance, bounds, norm_floor
+from .tolerance import Tolerance, direction_bounds, norm_floor
 
-__all__ = ["DIRECTIONS", "FusedSums", "OnePass", "exact_gemm_elements", "verify_gemm"]
+__all__ = ["DIRECTIONS", "FusedSums", "OnePass", "OperandSums", "exact_gemm_elements", "verify_gemm"]
 
 
 DIRECTIONS: tuple[str, ...] = ("row", "col")
@@ -58,6 +58,19 @@ class FusedSums:
     """(..., C) max_r |X_rk|"""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class OperandSums:
+    """The operand side of one direction's check of C = A·B, made by the caller (the whole-step Linear checks read
+    each operand once per step for the forward and backward checks together, gemm_check.linear_sums). For the row
+    direction: ref A (B w) (..., M, 2) for w = ones and 1..N; for the column direction: ref (wᵀA) B as (..., N, 2).
+    Both: ‖A_m‖₂ (..., M) and ‖B_:,n‖₂ (..., N), as the bound takes them. The bias is not in ref (verify_gemm adds
+    it)."""
+
+    ref: torch.Tensor
+    a_norm: torch.Tensor
+    b_norm: torch.Tensor
+
+
 class OnePass(Protocol):
     """A kernel that computes X·right, Xᵀ·left and X's squared row and column sums (and more: FusedSums) in one read
     of X, or returns None for tensors it does not take (attnchecker.fused_pass: fp32 on the CPU)."""
@@ -78,6 +91,7 @@ def verify_gemm(
     wide_norms: bool = False,
     one_pass: OnePass | None = None,
     exact_sums: bool = False,
+    operand_sums: OperandSums | None = None,
 ) -> dict[str, DirectionCheck]:
     """The requested directions of C = A·B (+ bias) against references from A and B, for 2-D operands or batches of
     them (the same leading dims on all three, e.g. (B, H) for attention; bias 2-D only). The checks carry C's leading
@@ -100,10 +114,15 @@ def verify_gemm(
     rounding are then loose, never short). For deciding whether a flagged product with huge finite values is a
     fault: fp32 checksums of values ~1e34 and up overflow (the weights 1..n multiply them), and INF − INF flags a
     product that is correct (diverged bf16 training computes such values). Copies of A, B and C in float64.
+    operand_sums: the one direction's operand side already made (``OperandSums``): then only C is read here (through
+    ``one_pass`` where it takes C). A and B are still passed, for the shapes (and the slow path's own check).
     """
     _check_shapes(c_MN, a_MK, b_KN, bias_N)
     if not directions or any(d not in DIRECTIONS for d in directions):
         raise ValueError(f"verify_gemm: directions must be a non-empty subset of {DIRECTIONS}, got {directions!r}")
+    if operand_sums is not None and (len(directions) != 1 or wide_norms or exact_sums):
+        raise ValueError("verify_gemm: operand_sums go with one direction, without wide_norms or exact_sums (the slow "
+                         "path makes its own)")
     m, k = a_MK.shape[-2:]
     acc = torch.float64 if exact_sums else acc_dtype(c_MN.dtype)
     a, b = a_MK.to(acc), b_KN.to(acc)
@@ -113,12 +132,15 @@ def verify_gemm(
     use_abs = c_MN.dtype != acc_dtype(c_MN.dtype) and roundoff
     with_sq = roundoff and tol.calibrated
     fused = (_row_in_one_pass(c_MN, a, b, one_pass, with_sq=with_sq)
-             if one_pass is not None and directions == ("row",) and not wide_norms and not use_abs else None)
-    if fused is not None:
+             if one_pass is not None and directions == ("row",) and not wide_norms and not use_abs
+             and operand_sums is None else None)
+    if operand_sums is not None:
+        refs[directions[0]] = operand_sums.ref.to(acc)
+    elif fused is not None:
         refs["row"] = fused[0]
     elif "row" in directions:
         refs["row"] = times_skinny(a, weighted_rows(b))
-    if "col" in directions:
+    if "col" in directions and operand_sums is None:
         refs["col"] = (weighted_cols(a).mT @ b).mT
     bias_abs_N = None
     if bias_N is not None:
@@ -133,7 +155,10 @@ def verify_gemm(
     cast_to = c_MN.dtype if (a_MK.dtype != c_MN.dtype or b_KN.dtype != c_MN.dtype) else None
     got: dict[str, torch.Tensor]
     sums: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]
-    if fused is not None:
+    if operand_sums is not None:
+        got, sums = _c_side(c_MN, directions[0], acc, one_pass, with_abs=use_abs, with_sq=with_sq)
+        a_norm_M, b_norm_N = operand_sums.a_norm, operand_sums.b_norm
+    elif fused is not None:
         got, sums = {"row": fused[1]}, {"row": (None, fused[2])}
         a_norm_M, b_norm_N = fused[3], fused[4]
     elif both:
@@ -144,14 +169,13 @@ def verify_gemm(
         c = c_MN.to(acc)
         got = {"row": weighted_rows(c)} if "row" in directions else {"col": weighted_cols(c)}
         sums = {d: _one_direction_sums(c, d, with_abs=use_abs, with_sq=with_sq) for d in got}
-    if fused is None:
+    if fused is None and operand_sums is None:
         a_norm_M, b_norm_N = _row_norms(a), _col_norms(b)
     if wide_norms:
         a_norm_M, b_norm_N = _widened(a_norm_M, a, k, _row_norms), _widened(b_norm_N, b, k, _col_norms)
-    row_rule, col_rule = bounds(a_norm_M, b_norm_N, k=k, out_dtype=c_MN.dtype,
-                                tol=tol, bias_abs_C=bias_abs_N, use_abs=use_abs, operands_cast_to=cast_to,
-                                operand_roundoff=operand_roundoff if c_MN.dtype == torch.float32 else None)
-    rules = {"row": row_rule, "col": col_rule}
+    rules = direction_bounds(tuple(got), a_norm_M, b_norm_N, k=k, out_dtype=c_MN.dtype, tol=tol,
+                             bias_abs_C=bias_abs_N, use_abs=use_abs, operands_cast_to=cast_to,
+                             operand_roundoff=operand_roundoff if c_MN.dtype == torch.float32 else None)
     out = {}
     for d in DIRECTIONS:
         if d in got:
@@ -175,6 +199,21 @@ def _row_in_one_pass(
     if ref_M2 is None or a_sq_M is None or got_M2 is None:
         return None
     return ref_M2, got_M2, c_sq_M, a_sq_M.sqrt(), b_sq_N.sqrt()
+
+
+def _c_side(
+    c_MN: torch.Tensor, direction: str, acc: torch.dtype, one_pass: OnePass | None, *, with_abs: bool, with_sq: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor | None, torch.Tensor | None]]]:
+    """C's side of one direction: its checksums (..., V, 2) and (Σ|C|, ΣC²) per vector, in one read of C through
+    ``one_pass`` where it takes C (a column check reads C's transpose by rows), else eagerly."""
+    if one_pass is not None and not with_abs and c_MN.dtype == acc:
+        x = c_MN if direction == "row" else c_MN.mT
+        got, sq = _times(one_pass, x, checksum_weights(x.shape[-1], c_MN.device, acc), "row" if with_sq else None)
+        if got is not None and (sq is not None or not with_sq):
+            return {direction: got}, {direction: (None, sq)}
+    c = c_MN.to(acc)
+    got = weighted_rows(c) if direction == "row" else weighted_cols(c)
+    return {direction: got}, {direction: _one_direction_sums(c, direction, with_abs=with_abs, with_sq=with_sq)}
 
 
 def _times(one_pass: OnePass, x_RC: torch.Tensor, v_Cc: torch.Tensor, squares: str | None
