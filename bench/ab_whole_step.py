@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import random
 import statistics
 import subprocess
@@ -42,7 +43,7 @@ from attnchecker import Policy
 # (module in the package, file) swapped as a whole: the functions the whole-step path calls from them.
 SWAPPED = {"abft.checksum": "agent/attnchecker/abft/checksum.py", "gemm_check": "agent/attnchecker/gemm_check.py",
            "attention_backward": "agent/attnchecker/attention_backward.py"}
-NAMES = ("weighted_rows", "times_skinny", "check_gemms", "checked_backward")
+NAMES = ("weighted_rows", "times_skinny", "check_gemms", "linear_sums", "checked_backward")
 
 
 def _load_old(rev: str, tmp: Path) -> dict[str, ModuleType]:
@@ -65,10 +66,22 @@ def _load_old(rev: str, tmp: Path) -> dict[str, ModuleType]:
 
 
 def _swapper(old: dict[str, ModuleType]) -> Any:
+    old_check_gemms = old["gemm_check"].check_gemms
+    takes_given = "given" in inspect.signature(old_check_gemms).parameters
+
+    def old_checks(ctx: Any, gemms: Any, *, tier: str = "abft", **given: Any) -> Any:
+        # An older check_gemms takes no operand sums: the linear layer then makes none (``no_sums``) and it reads
+        # every operand itself, as it did.
+        return old_check_gemms(ctx, gemms, tier=tier, **(given if takes_given else {}))
+
+    def no_sums(*_args: Any, **_kwargs: Any) -> None:
+        return None
+
     pairs = {
         "weighted_rows": (checksum_new.weighted_rows, old["abft.checksum"].weighted_rows),
         "times_skinny": (checksum_new.times_skinny, old["abft.checksum"].times_skinny),
-        "check_gemms": (gemm_check_new.check_gemms, old["gemm_check"].check_gemms),
+        "check_gemms": (gemm_check_new.check_gemms, old_checks),
+        "linear_sums": (gemm_check_new.linear_sums, old["gemm_check"].linear_sums if takes_given else no_sums),
         "checked_backward": (attention_backward_new.checked_backward, old["attention_backward"].checked_backward),
     }
     mods = [m for n, m in list(sys.modules.items()) if n.startswith("attnchecker") and not n.endswith("_old")]

@@ -39,12 +39,13 @@ Given = tuple[str, OperandSums]
 
 
 def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft",
-                given: Sequence[Given | None] | None = None) -> int:
+                given: Sequence[Given | None] | None = None, given_seconds: float = 0.0) -> int:
     """Verify every GEMM in one direction, then (one sync) run the recovery ladder, with both directions, on those
     flagged. C is repaired in place. Returns how many GEMMs it reported (flagged, not an fp16 overflow
     (``_overflowed``), and inconsistent with their operands in the full check). tier: "tripwire" for a tier-1 recovery
     (``trip_gemms``): its events say so, and its time counts as tier 1's, not as the scheduled checks'.
-    given: per GEMM, the direction and operand side of its clean check already made (``linear_sums``), or None."""
+    given: per GEMM, the direction and operand side of its clean check already made (``linear_sums``), or None;
+    given_seconds: the time that took, counted in these checks' time."""
     if not gemms or ctx.config.mode == "off":
         return 0
     tol = _tolerance(ctx)
@@ -64,7 +65,7 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft",
             _record_ratio(ctx, torch.stack([_worst_ratio(checks) for _, checks, _ in pending]),
                           [gemm[0] for gemm, _, _ in pending])
     # The shared part (context, flags, histogram), split evenly between the GEMMs' check times.
-    shared = (time.perf_counter() - t_call - sum(s for _, _, s in pending)) / len(pending)
+    shared = (time.perf_counter() - t_call - sum(s for _, _, s in pending) + given_seconds) / len(pending)
     pending = [(gemm, checks, seconds + shared) for gemm, checks, seconds in pending]
     flagged = flags.tolist()  # sync: the one per checked call (a layer's forward, or its backward); gates the slow path
     correct = ctx.config.mode == "correct"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -175,11 +176,13 @@ class _CheckedLinear(torch.autograd.Function):
         sums: LinearSums | None = None
         if tier == "abft" and site.check_forward:
             # One read of x and of W for this check and the backward's two (gemm_check.linear_sums).
+            t0 = time.perf_counter()
             made = linear_sums(x_MI, w_IO, forward=True)
             given = None
             if made is not None and made[0] is not None:
                 given, sums = [("row", made[0])], made[1]
-            check_gemms(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)], given=given)
+            check_gemms(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)], given=given,
+                        given_seconds=time.perf_counter() - t0)
         elif site.check_forward:
             check(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)])
         ctx.save_for_backward(x_MI, weight, bias)
@@ -207,8 +210,10 @@ class _CheckedLinear(torch.autograd.Function):
                 dw = x_MI.t().mm(dy_MO)
                 todo.append(("linear_dw", dw, x_MI.t(), dy_MO, None))
         if ctx.check is check_gemms and todo:
-            check_gemms(site.ctx, todo, given=_backward_given(ctx.sums, x_MI, weight, dy_MO, site.layout,
-                                                              need_x=dx_MI is not None, need_w=dw is not None))
+            t0 = time.perf_counter()
+            given = _backward_given(ctx.sums, x_MI, weight, dy_MO, site.layout, need_x=dx_MI is not None,
+                                    need_w=dw is not None)
+            check_gemms(site.ctx, todo, given=given, given_seconds=time.perf_counter() - t0)
         else:
             ctx.check(site.ctx, todo)
         db = dy_MO.sum(0) if need_b and bias is not None else None
