@@ -110,7 +110,9 @@ def _probs_lse(
     probs = probs_w.to(probs_dtype or s.dtype)
     dead = _dead_rows(attn_mask)
     if dead is not None:
-        probs = probs.masked_fill(dead, 0.0)
+        # In place where autograd does not track AP (the verified forward runs without it): AP is a fresh tensor
+        # there, and the out-of-place fill was one more (B, H, T, S) allocation and copy per layer.
+        probs = probs.masked_fill_(dead, 0.0) if not probs.requires_grad else probs.masked_fill(dead, 0.0)
         if lse_BHT is not None:
             lse_BHT = lse_BHT.masked_fill(dead[..., 0], math.inf)
     if dropout_p > 0.0:
