@@ -41,14 +41,63 @@ def checked_backward(
     scale: float,
     is_causal: bool,
     tier: str = "abft",
+    block_q: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(dQ, dK, dV, how many products flagged) of softmax(scale·QKᵀ + mask)·V at the verified forward's q, k, v, out
     and row log-sum-exp. tier: "tripwire" when run to recover from a tier-1 trip on the fused backward
-    (fused_backward._tripwire_backward): its events say so and its time counts as tier 1's."""
+    (fused_backward._tripwire_backward): its events say so and its time counts as tier 1's.
+
+    block_q: query rows per block (None: all at once). The tiled forward's backward takes blocks, so that it keeps
+    O(block·S) of the (B, H, T, S) products, as its forward does: each block's S, dP, dQ rows and its contributions
+    to dK and dV (dSᵀ Q, APᵀ dO over the block's rows) are products of their own, each verified before it is used or
+    added up; under a causal mask a block reads only the keys up to its last row (top-left aligned, as SDPA)."""
     do_BHTD = grad_out_BHTD.contiguous()
     # Heads split out of a projection are strided views: matmul would copy q and k for each of the two products that
     # read them (and the checks would reduce them strided); one copy each, up front, serves all.
     q_BHTD, k_BHSD, v_BHSD = q_BHTD.contiguous(), k_BHSD.contiguous(), v_BHSD.contiguous()
+    t, s = q_BHTD.shape[-2], k_BHSD.shape[-2]
+    rows = t if block_q is None else max(1, min(block_q, t))
+    if rows >= t:
+        return _block(layer, do_BHTD, q_BHTD, k_BHSD, v_BHSD, lse_BHT, mask_add, scale=scale,
+                      future=_future_mask(t, s, q_BHTD.device) if is_causal else None, tier=tier)
+    # dK and dV add up over the blocks: in fp32, as one GEMM over all rows would accumulate them.
+    dq_BHTD = torch.empty_like(q_BHTD)
+    dk_BHSD = torch.zeros(k_BHSD.shape, dtype=torch.float32, device=k_BHSD.device)
+    dv_BHSD = torch.zeros(v_BHSD.shape, dtype=torch.float32, device=v_BHSD.device)
+    flagged = 0
+    for r0 in range(0, t, rows):
+        r1 = min(t, r0 + rows)
+        keys = min(s, r1) if is_causal else s
+        mask = None
+        if mask_add is not None:
+            mask = mask_add[..., r0:r1, :keys] if mask_add.shape[-2] == t else mask_add[..., :keys]
+        dq, dk, dv, n = _block(layer, do_BHTD[..., r0:r1, :], q_BHTD[..., r0:r1, :], k_BHSD[..., :keys, :],
+                               v_BHSD[..., :keys, :], lse_BHT[..., r0:r1], mask, scale=scale,
+                               future=_block_future(r0, r1, keys, q_BHTD.device) if is_causal else None,
+                               tier=tier)
+        dq_BHTD[..., r0:r1, :] = dq
+        dk_BHSD[..., :keys, :] += dk
+        dv_BHSD[..., :keys, :] += dv
+        flagged += n
+    return dq_BHTD, dk_BHSD.to(k_BHSD.dtype), dv_BHSD.to(v_BHSD.dtype), flagged
+
+
+def _block(
+    layer: LayerContext,
+    do_BHTD: torch.Tensor,
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    lse_BHT: torch.Tensor,
+    mask_add: torch.Tensor | None,
+    *,
+    scale: float,
+    future: torch.Tensor | None,
+    tier: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """``checked_backward`` over one block of query rows (T here: the block's) against S keys: (its dQ rows, its
+    contributions to dK and dV, how many products flagged). future: (T, S) bool, the causal mask's future keys of
+    these rows."""
     # fp16: into fp32, as the forward does (attention._scores_product; not imported: attention imports this module's
     # caller): the unscaled logits pass 65504 well before the scaled ones do, and an fp16 S here was a false
     # "uncorrectable" INF and a skipped step on a finite attention. fp16 values are exact in fp32.
@@ -67,10 +116,10 @@ def checked_backward(
         z_BHTS = _add_mask(z_BHTS, mask_add.float())
     # Rows with every key masked carry lse = +INF: exp(-INF) = 0 there, as AP.
     p32_BHTS = z_BHTS.sub_(lse_BHT[..., None]).exp_()
-    if is_causal:
+    if future is not None:
         # The future keys zeroed after exp, not set to -INF before it: exp of -INF (half of a causal AP) ran 2× slower
         # than of finite scores on CPU; exp there may overflow to INF, which the fill replaces with the same 0.
-        p32_BHTS.masked_fill_(_future_mask(*z_BHTS.shape[-2:], z_BHTS.device), 0.0)
+        p32_BHTS.masked_fill_(future, 0.0)
     # δ = rowsum(dO ⊙ O) = rowsum(AP ⊙ dP), taken in the second form: from the same dP it is subtracted from, so a
     # near one-hot row (massive activations) gives dS ≈ 0 as it should. From the fp16-rounded O, δ carried
     # u·|dO·O| of error that dS then multiplied into dQ/dK (0.1 absolute on gradients of 4e-5 at the fp16 edge).
@@ -86,6 +135,12 @@ def checked_backward(
                                    ("grad_k", dk_BHSD, ds_BHTS.mT, q_BHTD, None)], tier=tier)
     # Verified fresh tensors, not read again: scaled in place.
     return dq_BHTD.mul_(scale), dk_BHSD.mul_(scale), dv_BHSD, flagged
+
+
+def _block_future(r0: int, r1: int, keys: int, device: torch.device) -> torch.Tensor:
+    """(r1 - r0, keys) bool: the future keys of query rows r0..r1 (top-left aligned, as SDPA's is_causal). Made per
+    block, not sliced from the cached (T, S) mask: the blocked backward keeps no T×S tensor."""
+    return torch.ones(r1 - r0, keys, dtype=torch.bool, device=device).triu(r0 + 1)
 
 
 def _add_mask(z_BHTS: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

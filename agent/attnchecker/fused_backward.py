@@ -26,6 +26,9 @@ class _Forward:
     is_causal: bool
     layer: LayerContext | None = None
     """Set: under protect(scope="all") backward may run the checked products (attention_backward) instead."""
+    block_q: int | None = None
+    """Query rows per block of those checked products (the tiled path's, whose memory stays O(block·S)); None: all
+    rows at once."""
 
 
 class _VerifiedAttention(torch.autograd.Function):
@@ -43,7 +46,7 @@ class _VerifiedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd: _Forward) -> torch.Tensor:
         ctx.save_for_backward(q, k, v, fwd.out_BHTD, fwd.lse_BHT, fwd.mask_add)
-        ctx.scale, ctx.is_causal, ctx.layer = fwd.scale, fwd.is_causal, fwd.layer
+        ctx.scale, ctx.is_causal, ctx.layer, ctx.block_q = fwd.scale, fwd.is_causal, fwd.layer, fwd.block_q
         return fwd.out_BHTD
 
     @staticmethod
@@ -56,7 +59,7 @@ class _VerifiedAttention(torch.autograd.Function):
 
             if whole_step_due(layer.runtime):
                 dq, dk, dv, _ = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
-                                                 is_causal=ctx.is_causal)
+                                                 is_causal=ctx.is_causal, block_q=ctx.block_q)
                 return dq, dk, dv, None
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask_add, scale=ctx.scale)
@@ -65,7 +68,7 @@ class _VerifiedAttention(torch.autograd.Function):
 
             if whole_step_trips(layer.runtime):
                 dq, dk, dv = _tripwire_backward(layer, (dq, dk, dv), grad_out, q, k, v, out, lse, mask_add,
-                                                scale=ctx.scale, is_causal=ctx.is_causal)
+                                                scale=ctx.scale, is_causal=ctx.is_causal, block_q=ctx.block_q)
         return dq, dk, dv, None
 
 
@@ -86,6 +89,7 @@ def _tripwire_backward(
     *,
     scale: float,
     is_causal: bool,
+    block_q: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tier 1 on the fused backward (protect(scope="all"), full checks not due): dQ, dK and dV summed for INF, NaN or
     near-INF. The kernel keeps its products to itself, so a trip is recovered by running the backward again through
@@ -102,7 +106,7 @@ def _tripwire_backward(
         return grads
     t0 = time.perf_counter()
     fresh = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=scale, is_causal=is_causal,
-                             tier="tripwire")
+                             tier="tripwire", block_q=block_q)
     if not fresh[3]:
         for op, grad, new, trip in zip(GRAD_OPS, grads, fresh[:3], tripped, strict=True):
             if not trip:

@@ -95,6 +95,34 @@ def test_no_tensor_of_the_attention_matrix_size_is_made_forward_or_backward(make
     assert rec.detections == [] and ctx.runtime.stats.checks["scores"] == 1
 
 
+def test_the_checked_backward_keeps_to_blocks_of_rows_and_gives_the_sdpa_gradient(make_ctx) -> None:
+    """Under protect(scope="all") the backward's products are checked (attention_backward), on this path a block of
+    query rows at a time: no T×S tensor in backward either, one check per block and product, SDPA's gradient."""
+    from attnchecker.whole_step import _WHOLE_STEP
+
+    b, h, t, d, rows = 1, 2, 128, 8, 16
+    q, k, v = (seeded((b, h, t, d), i, torch.float32).requires_grad_() for i in range(3))
+    os.environ[TILE_ENV] = f"{rows},{rows}"
+    ctx, rec = make_ctx()
+    _WHOLE_STEP.add(id(ctx.runtime))
+    try:
+        with LargestTensor() as big:
+            out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+            out.pow(2).sum().backward()
+    finally:
+        _WHOLE_STEP.discard(id(ctx.runtime))
+        os.environ[TILE_ENV] = SMALL_TILES
+    assert big.numel <= max(b * h * rows * t, b * h * t * (d + 2)) < b * h * t * t
+    stats = ctx.runtime.stats
+    assert rec.detections == []
+    assert all(stats.checks[op] == t // rows for op in ("scores_bwd", "grad_probs", "grad_v", "grad_q", "grad_k"))
+    grads = [x.grad.clone() for x in (q, k, v)]
+    ref = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, is_causal=True).pow(2).sum().backward()
+    for got, want in zip(grads, ref, strict=True):
+        torch.testing.assert_close(got, want.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_faults_in_many_tiles_at_once_are_all_found_and_leave_clean_gradients(make_ctx) -> None:
     x = seeded((2, 14, 16), 70, torch.float32)
     p = layer_params(16, 71, torch.float32)

@@ -53,6 +53,22 @@ def model_gemms(arch: str, protected_calls: list[GemmCall]) -> list[GemmCall]:
     return [c for c in protected_calls if (c.shape, c.k) in signature and is_model_gemm(c)]
 
 
+def uncorrected(arch: str, targets: list[GemmCall], clean: dict[str, torch.Tensor]) -> list:
+    """Each target GEMM call corrupted in its own scope="all" step (the kinds in turn): those whose step did not end
+    with finite weights, the fault-free gradients (1e-5) and only corrected or recomputed detections."""
+    failures = []
+    for n, call in enumerate(targets):
+        kind = KINDS[n % len(KINDS)]
+        inj = GemmInjector(target=call.index, kind=kind, element=7 + 13 * n)
+        grads, finite, detections = one_step(arch, "all", inj)
+        assert inj.hit == call, "the faulty run made different GEMM calls before the target"
+        worst = worst_rel(grads, clean)
+        actions = {d.action for d in detections}
+        if not (finite and worst <= 1e-5 and detections and actions <= {"corrected", "recomputed"}):
+            failures.append((call, kind, worst, [(d.op, d.action) for d in detections]))
+    return failures
+
+
 @pytest.mark.parametrize(("arch", "kernel"), [*((a, False) for a in ARCHS), ("gpt2", True), ("llama", True)])
 def test_a_fault_in_any_forward_or_backward_gemm_is_corrected(arch: str, kernel: bool,
                                                               kernel_everywhere: Callable[[], None]) -> None:
@@ -72,17 +88,31 @@ def test_a_fault_in_any_forward_or_backward_gemm_is_corrected(arch: str, kernel:
     kinds = {(c.phase, c.op) for c in targets}
     # Linear GEMMs both ways, the attention core's forward and (checked_backward) backward products.
     assert {("forward", "bmm"), ("backward", "bmm"), ("backward", "mm")} <= kinds, kinds
-    failures = []
-    for n, call in enumerate(targets):
-        kind = KINDS[n % len(KINDS)]
-        inj = GemmInjector(target=call.index, kind=kind, element=7 + 13 * n)
-        grads, finite, detections = one_step(arch, "all", inj)
-        assert inj.hit == call, "the faulty run made different GEMM calls before the target"
-        worst = worst_rel(grads, clean)
-        actions = {d.action for d in detections}
-        if not (finite and worst <= 1e-5 and detections and actions <= {"corrected", "recomputed"}):
-            failures.append((call, kind, worst, [(d.op, d.action) for d in detections]))
-    assert not failures, failures
+    assert not uncorrected(arch, targets, clean)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_the_tiled_path_checks_the_attention_backward_a_block_of_rows_at_a_time(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Long context takes the tiled path (T·S >= 512²). Under scope="all" its backward was the fused kernel, neither
+    checked nor given the tripwire: a fault in dQ/dK/dV went to the weights. It now runs the checked products a block
+    of query rows at a time (O(block·S) memory, as its forward), forced here with 4-row blocks so that the zoo's short
+    sequences cross several. The injector, below autograd, hits each of those block products in turn (S, dP, the
+    dQ rows, the dK and dV contributions): each fault is corrected, the gradients are the fault-free step's."""
+    from attnchecker.tiled_attention import PATH_ENV, TILE_ENV
+
+    monkeypatch.setenv(PATH_ENV, "tiled")
+    monkeypatch.setenv(TILE_ENV, "4,4")
+    recorder = GemmInjector()
+    clean, finite, detections = one_step(arch, "all", recorder)
+    assert finite and not detections
+    plain, _, _ = one_step(arch, None, GemmInjector())
+    assert worst_rel(clean, plain) <= 1e-5
+    targets = [c for c in recorder.calls if c.phase == "backward" and c.op == "bmm" and is_model_gemm(c)]
+    # Blocks of 4 query rows: S and dP are (B, H, 4, keys), the dQ rows (B, H, 4, D).
+    assert sum(c.shape[-2] == 4 for c in targets) >= 2 * 3 * 2, [c.shape for c in targets]
+    assert not uncorrected(arch, targets[::3], clean)
 
 
 def test_attention_scope_lets_an_mlp_gradient_fault_through() -> None:
