@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .abft import checksum_weights
+from .abft.tolerance import _weights as _bound_weights
 
 __all__ = ["EngineCaches", "engine_caches"]
 
@@ -34,6 +35,7 @@ class EngineCaches:
 
 engine_caches = EngineCaches()
 engine_caches.register(checksum_weights)
+engine_caches.register(_bound_weights)
 
 
 @functools.lru_cache(maxsize=32)

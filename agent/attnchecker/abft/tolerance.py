@@ -22,6 +22,7 @@ Only row norms of A and column norms of B are needed: no |A|·|B| product is eve
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -237,19 +238,24 @@ def norm_floor(norm: torch.Tensor, k: int) -> float:
     return math.sqrt(k * torch.finfo(norm.dtype).tiny)
 
 
-def _weighted_sq(norm_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ_v norm_v², Σ_v v² norm_v²) over the last dim, keepdim: the d1/d2 sums of squared operand norms."""
-    sq_NV = norm_NV.square()
-    n = norm_NV.shape[-1]
-    w2_V = torch.arange(1, n + 1, device=norm_NV.device, dtype=norm_NV.dtype).square()
-    return sq_NV.sum(-1, keepdim=True), (sq_NV * w2_V).sum(-1, keepdim=True)
+@functools.lru_cache(maxsize=256)
+def _weights(n: int, power: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(n, 2): column 0 ones, column 1 = (1..n)^power. Cached: callers must not write it."""
+    w_n2 = torch.ones(n, 2, device=device, dtype=dtype)
+    w_n2[:, 1] = torch.arange(1, n + 1, device=device, dtype=dtype) ** power
+    return w_n2
 
 
-def _weighted_sum(norm_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ_v norm_v, Σ_v v·norm_v), keepdim: triangle-inequality bounds on ‖B w‖ when the caller has no better."""
-    n = norm_NV.shape[-1]
-    w_V = torch.arange(1, n + 1, device=norm_NV.device, dtype=norm_NV.dtype)
-    return norm_NV.sum(-1, keepdim=True), (norm_NV * w_V).sum(-1, keepdim=True)
+def _weighted_sq(norm_NV: torch.Tensor) -> torch.Tensor:
+    """(..., 2): (Σ_v norm_v², Σ_v v² norm_v²) over the last dim, the d1/d2 sums of squared operand norms. One
+    product with cached weights: a rule takes several of these, and each was five small ops (a fixed cost of every
+    check)."""
+    return norm_NV.square() @ _weights(norm_NV.shape[-1], 2, norm_NV.device, norm_NV.dtype)
+
+
+def _weighted_sum(norm_NV: torch.Tensor) -> torch.Tensor:
+    """(..., 2): (Σ_v norm_v, Σ_v v·norm_v), triangle-inequality bounds on ‖B w‖ when the caller has no better."""
+    return norm_NV @ _weights(norm_NV.shape[-1], 1, norm_NV.device, norm_NV.dtype)
 
 
 RANDOM_WALK = 0.5
@@ -297,23 +303,18 @@ def _calibrated_var(
     and checksum-summation terms scale with ΣC² of the vector and live in Bound.sq_coef.
     """
     a_sq_NR1 = a_norm_NR.square()[..., None]
-    bsq_1, bsq_2 = _weighted_sq(b_norm_NC)
-    if ref_norm_N2 is None:
-        ref1, ref2 = _weighted_sum(b_norm_NC)
-    else:
-        ref1, ref2 = ref_norm_N2[..., :1], ref_norm_N2[..., 1:]
+    bsq_N2 = _weighted_sq(b_norm_NC)
+    ref_sq_N2 = (_weighted_sum(b_norm_NC) if ref_norm_N2 is None else ref_norm_N2).square()
     n = b_norm_NC.shape[-1]
     u2 = u_acc**2 / 3
-    bsq_N2, ref_sq_N2 = torch.cat([bsq_1, bsq_2], -1), torch.cat([ref1, ref2], -1).square()
     if maxes is None:
         per_b_N2 = bsq_N2 * (k * u2 + op_var + split_var + n * u2) + ref_sq_N2 * (k * u2)
         return a_sq_NR1 * per_b_N2[..., None, :]
     a_max_NR, b_max_NC, ref_max_N2 = maxes
     amax_sq_NR1 = a_max_NR.square()[..., None]
-    bmax_1, bmax_2 = _weighted_sq(b_max_NC)
-    bmax_N2 = torch.cat([bmax_1, bmax_2], -1)
+    bmax_N2 = _weighted_sq(b_max_NC)
     # ‖Bw‖∞ ≤ Σ_j w_j‖B_j‖∞ and ≤ ‖Bw‖₂ when the caller has no better.
-    ref_max_sq_N2 = torch.minimum(torch.cat(_weighted_sum(b_max_NC), -1).square(), ref_sq_N2)
+    ref_max_sq_N2 = torch.minimum(_weighted_sum(b_max_NC).square(), ref_sq_N2)
     if ref_max_N2 is not None:
         ref_max_sq_N2 = torch.minimum(ref_max_N2.square(), ref_max_sq_N2)
     holder_NR2 = torch.minimum(a_sq_NR1 * bmax_N2[..., None, :], amax_sq_NR1 * bsq_N2[..., None, :])
@@ -499,11 +500,10 @@ def direction_bounds(
             # Bw square ≤ tiny times A_ik² (per unit weight²), and the skinny GEMM's K products ≤ tiny each; 1.01
             # covers its rounding.
             tiny = torch.finfo(torch.float32).tiny
-            bsq_1, bsq_2 = _weighted_sq(b64)
-            w2_1, w2_2 = _weighted_sq(torch.ones_like(b64))
-            ref_sq_N2 = torch.cat(_weighted_sum(b64), -1).square() if ref64 is None else ref64.square()
-            floor_N4 = tiny * (torch.cat([bsq_1, bsq_2, ref_sq_N2], -1) + k)
-            per_a_N4 = torch.cat([w2_1, w2_2, torch.ones_like(w2_1), torch.ones_like(w2_2)], -1)
+            w2_N2 = _weighted_sq(torch.ones_like(b64))
+            ref_sq_N2 = _weighted_sum(b64).square() if ref64 is None else ref64.square()
+            floor_N4 = tiny * (torch.cat([_weighted_sq(b64), ref_sq_N2], -1) + k)
+            per_a_N4 = torch.cat([w2_N2, torch.ones_like(w2_N2)], -1)
             mom64 = (1.01 * moments_NR4.to(f64) + floor_N4[..., None, :]
                      + tiny * a64.square()[..., None] * per_a_N4[..., None, :])
         var = _calibrated_var(mine64, other64, ref64, k=k, u_acc=u_acc, op_var=op_var, split_var=split_var,
@@ -511,8 +511,7 @@ def direction_bounds(
         if bias64_C is not None:
             if row:
                 # Row references add b·w (n-long sums); column references add (Σw) b_j: both rounded once more.
-                bsq_1, bsq_2 = _weighted_sq(bias64_C)
-                var = var + (n_cols * u_acc**2 / 3) * torch.cat([bsq_1, bsq_2], -1)[..., None, :]
+                var = var + (n_cols * u_acc**2 / 3) * _weighted_sq(bias64_C)[..., None, :]
             else:
                 sums_C2 = torch.stack([bias64_C * n_rows, bias64_C * (n_rows * (n_rows + 1) / 2)], -1)
                 var = var + (u_acc**2 / 3) * sums_C2.square()
