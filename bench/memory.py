@@ -9,6 +9,8 @@ Variants:
   baseline  unprotected, attn_implementation="sdpa" (the fused flash kernel: no T×T tensor)
   tiled     attnchecker.protect(model, policy=Policy.full()) with ATTNCHECKER_ATTENTION=tiled
   unfused   the same with ATTNCHECKER_ATTENTION=unfused (the checked path that holds AS and AP, B·H·T·S each)
+  tiled_all protect(model, policy=Policy.full(), scope="all") on the tiled path: every Linear GEMM checked too, and
+            the attention backward's products checked a block of query rows at a time
 
 Memory: each measurement is a fresh process (`--child`), so no allocator cache or earlier peak leaks into the next.
 The child builds the model, runs one warm-up step (AdamW's state and the gradients exist from then on), then resets
@@ -44,7 +46,9 @@ import _common
 
 _common.setup_path()
 
-VARIANTS = ("baseline", "tiled", "unfused")
+VARIANTS = ("baseline", "tiled", "unfused", "tiled_all")
+PATHS = {"baseline": "auto", "tiled": "tiled", "unfused": "unfused", "tiled_all": "tiled"}
+"""ATTNCHECKER_ATTENTION per variant."""
 SIZES = {
     "full": {"hidden": 256, "heads": 8, "layers": 2, "batch": 1, "vocab": 8192},
     "tiny": {"hidden": 32, "heads": 4, "layers": 2, "batch": 1, "vocab": 64},
@@ -70,8 +74,8 @@ def _build(size: dict[str, int], seq: int, variant: str, device: str = "cpu") ->
         import attnchecker
         from attnchecker import Policy
 
-        os.environ["ATTNCHECKER_ATTENTION"] = variant
-        guard = attnchecker.protect(model, policy=Policy.full())
+        os.environ["ATTNCHECKER_ATTENTION"] = PATHS[variant]
+        guard = attnchecker.protect(model, policy=Policy.full(), scope="all" if variant == "tiled_all" else "attention")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randint(0, size["vocab"], (size["batch"], seq), generator=torch.Generator().manual_seed(1)).to(device)
     return model, opt, batch, guard
@@ -143,7 +147,7 @@ def time_section(seqs: list[int], rounds: int, size: dict[str, int]) -> list[dic
         def runner(v: str, variant_built: tuple[Any, Any, Any, Any]) -> Any:
             def go() -> float:
                 # The path is chosen per call from the environment: set it for the variant being stepped.
-                os.environ["ATTNCHECKER_ATTENTION"] = v if v != "baseline" else "auto"
+                os.environ["ATTNCHECKER_ATTENTION"] = PATHS[v]
                 return _step(*variant_built)
 
             return go

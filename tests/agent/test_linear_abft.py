@@ -91,15 +91,16 @@ def test_a_fault_in_any_forward_or_backward_gemm_is_corrected(arch: str, kernel:
     assert not uncorrected(arch, targets, clean)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
 def test_the_tiled_path_checks_the_attention_backward_a_block_of_rows_at_a_time(
     arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Long context takes the tiled path (T·S >= 512²). Under scope="all" its backward was the fused kernel, neither
     checked nor given the tripwire: a fault in dQ/dK/dV went to the weights. It now runs the checked products a block
     of query rows at a time (O(block·S) memory, as its forward), forced here with 4-row blocks so that the zoo's short
-    sequences cross several. The injector, below autograd, hits each of those block products in turn (S, dP, the
-    dQ rows, the dK and dV contributions): each fault is corrected, the gradients are the fault-free step's."""
+    sequences cross several (causal: GPT-2, Llama; BERT's padding mask, a block's rows of it). The injector, below
+    autograd, hits each of those block products in turn (S, dP, the dQ rows, the dK and dV contributions): each fault
+    is corrected, the gradients are the fault-free step's."""
     from attnchecker.tiled_attention import PATH_ENV, TILE_ENV
 
     monkeypatch.setenv(PATH_ENV, "tiled")
