@@ -95,29 +95,32 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft",
 
 
 OVERFLOW_PROBES = 64
-"""Non-finite outputs of a flagged fp16 GEMM whose exact values are computed to tell overflow from a fault."""
+"""Non-finite outputs of a flagged fp16 / bf16 GEMM whose exact values are computed to tell overflow from a fault."""
 
 
 def _overflowed(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a flagged fp16 product holds INF/NaN only where its exact value is past fp16's range: the GEMM computed
-    what fp16 can hold, not a fault. Mixed precision does this on purpose: GradScaler multiplies the loss by up to
-    2^24, the backward GEMMs overflow on its first steps, and it skips those steps and lowers the scale. Reported as
-    faults, every such step was an "uncorrectable" event (and a crash under on_uncorrectable="raise"). A fault that
-    lands in the same GEMM on such a step goes unreported; the step's gradients are thrown away anyway. Probes up to
-    OVERFLOW_PROBES of the non-finite elements, recomputed in fp32 from the operands (slow path only)."""
-    if c.dtype != torch.float16:
+    """Whether a flagged half-precision product holds INF/NaN only where its exact value is past its dtype's range:
+    the GEMM computed what the dtype can hold, not a fault. Mixed precision does this on purpose in fp16: GradScaler
+    multiplies the loss by up to 2^24, the backward GEMMs overflow on its first steps, and it skips those steps and
+    lowers the scale. Reported as faults, every such step was an "uncorrectable" event (and a crash under
+    on_uncorrectable="raise"). bf16 shares fp32's range, so only diverged training gets there (the clean campaign's
+    `outliers` run: a weight gradient of activations ~1e37, exact values ~1e41); the optimizer net then refuses the
+    step. A fault that lands in the same GEMM on such a step goes unreported; the step's gradients are thrown away
+    anyway. Probes up to OVERFLOW_PROBES of the non-finite elements, recomputed in float64 from the operands (slow
+    path only)."""
+    if c.dtype not in (torch.float16, torch.bfloat16):
         return False
     where = (~torch.isfinite(c)).nonzero()[:OVERFLOW_PROBES]  # sync: slow path only
     if where.shape[0] == 0:
         return False
     lead, rows, cols = where[:, :-2].unbind(-1), where[:, -2], where[:, -1]
-    a_rows_PK = a.detach()[(*lead, rows)].float()
-    b_cols_PK = b.detach().mT[(*lead, cols)].float()
+    a_rows_PK = a.detach()[(*lead, rows)].double()
+    b_cols_PK = b.detach().mT[(*lead, cols)].double()
     exact_P = (a_rows_PK * b_cols_PK).sum(-1)
     if bias is not None:
-        exact_P = exact_P + bias.detach()[cols].float()
+        exact_P = exact_P + bias.detach()[cols].double()
     # A non-finite exact value came in with an operand: not this GEMM's fault either (its reference is not finite).
-    limit = torch.finfo(torch.float16).max
+    limit = torch.finfo(c.dtype).max
     return bool(((exact_P.abs() > limit) | ~torch.isfinite(exact_P)).all())  # sync: slow path only
 
 

@@ -266,24 +266,28 @@ def test_fp16_gradscaler_overflow_steps_are_not_faults(arch: str) -> None:
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)) <= 1e-3
 
 
-def test_an_inf_in_an_fp16_gemm_is_still_a_fault_where_the_exact_value_fits() -> None:
-    """The overflow rule only excuses INF where the exact product is past fp16's range: a planted INF over an ordinary
-    value is corrected, an INF the exact product gives is left alone."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_an_inf_in_a_half_gemm_is_still_a_fault_where_the_exact_value_fits(dtype: torch.dtype) -> None:
+    """The overflow rule only excuses INF where the exact product is past the dtype's range: a planted INF over an
+    ordinary value is corrected, an INF the exact product gives is left alone. bf16 reaches its range (3.4e38) only in
+    diverged training: the clean campaign's bf16 `outliers` run, whose weight gradient of ~1e37 activations overflowed
+    and was reported near-INF and uncorrectable."""
     from attnchecker.gemm_check import _overflowed, check_gemms
     from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
 
     gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(16, 32, generator=gen).half(), torch.randn(32, 24, generator=gen).half()
-    c = (a.float() @ b.float()).half()
+    a, b = torch.randn(16, 32, generator=gen).to(dtype), torch.randn(32, 24, generator=gen).to(dtype)
+    c = (a.float() @ b.float()).to(dtype)
     want = c.clone()
     c[3, 5] = float("inf")
     assert not _overflowed(c, a, b, None)
     ctx = LayerContext(layer=0, runtime=Runtime(config=CheckConfig(), stats=OpStats()))
     assert check_gemms(ctx, [("linear_dw", c, a, b, None)]) == 1
     torch.testing.assert_close(c, want)
-    big_a, big_b = a * 4000, b * 4  # finite fp16 operands whose products reach ~1e5 > 65504 in places
+    # Finite operands whose products pass the dtype's largest value in places (fp16 ~1e5 > 65504, bf16 ~1e39).
+    big_a, big_b = (a * 4000, b * 4) if dtype == torch.float16 else (a * 1e20, b * 1e19)
     assert bool(torch.isfinite(big_a).all() and torch.isfinite(big_b).all())
-    c_big = (big_a.float() @ big_b.float()).half()
+    c_big = (big_a.double() @ big_b.double()).to(dtype)
     assert not bool(torch.isfinite(c_big).all())
     assert _overflowed(c_big, big_a, big_b, None)
     assert check_gemms(ctx, [("linear_dw", c_big, big_a, big_b, None)]) == 0

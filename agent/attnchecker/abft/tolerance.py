@@ -422,7 +422,13 @@ def direction_bounds(
     # Gradual underflow: results below the smallest normal carry an absolute error (half a subnormal step) that no
     # relative term covers; it matters for fp16 (step 2^-24), not for bf16/fp32.
     eta_out, eta_acc = _underflow(out_dtype), _underflow(acc_dtype(out_dtype))
-    rigorous: dict[str, tuple[torch.Tensor, float, float]] = {}
+    # bf16 GEMMs may flush subnormal operands and results to zero (this machine's AVX512-BF16 CPU kernels do: a dS row
+    # whose one nonzero was 8e-39 gave a dK row of 0 against an exact 1e-37, flagged in the clean campaign's diverged
+    # bf16 run). A flushed a_k costs |a_k||b_k| < tiny·|b_k|: per element ≤ tiny·(‖A_i‖₁ + ‖B_j‖₁ + 1) ≤
+    # tiny·(√K(‖A_i‖ + ‖B_j‖) + 1), summed over the vector. Absolute, ~1e-38 times the norms: it only ever matters
+    # for vectors of values near bf16's smallest normal.
+    flush = slack * torch.finfo(torch.bfloat16).tiny if torch.bfloat16 in (out_dtype, operands_cast_to) else 0.0
+    rigorous: dict[str, tuple[torch.Tensor, float, torch.Tensor | float]] = {}
     for d in directions:
         # The row direction: vectors are rows i of C (length n_cols), each A_i against every B_j; the column
         # direction swaps the roles (length n_rows). Only the bias enters differently (a column holds one b_j).
@@ -441,7 +447,9 @@ def direction_bounds(
         if bias_abs_C is not None:
             vec = vec + (bias_coef * bias_abs_C.sum(-1, keepdim=True) if d == "row"
                          else bias_coef * n_rows * bias_abs_C)
-        under = slack * n_vec * (eta_out + (k + 2 * n_vec + 2) * eta_acc)
+        under: torch.Tensor | float = slack * n_vec * (eta_out + (k + 2 * n_vec + 2) * eta_acc)
+        if flush:
+            under = under + flush * (math.sqrt(k) * (other.sum(-1, keepdim=True) + n_vec * mine) + n_vec)
         rigorous[d] = (vec + under, coef, under)
     if not tol.calibrated:
         return {d: Bound(vec, coef, n=n_cols if d == "row" else n_rows) for d, (vec, coef, _) in rigorous.items()}
