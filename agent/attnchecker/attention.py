@@ -28,7 +28,7 @@ from .abft import (
 )
 from .attention_tripwire import _emit_trip, _tripwire_sdpa
 from .context import LayerContext
-from .engine_caches import _future_mask
+from .engine_caches import fill_future_
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
 from .passed_checksums import PassedProjection
 from .product_check import Checks, _dot, _exact_math, _groups, _tolerance
@@ -89,9 +89,8 @@ def _probs_lse(
     _scores_product); default AS's."""
     # One new tensor, then in place: out-of-place masking copied the (B, H, T, S) scores once per mask.
     s = scores_BHTS * scale
-    t, n_keys = s.shape[-2:]
     if is_causal:
-        s.masked_fill_(_future_mask(t, n_keys, s.device), -math.inf)
+        fill_future_(s, -math.inf)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             s.masked_fill_(~attn_mask, -math.inf)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .context import LayerContext
-from .engine_caches import _future_mask
+from .engine_caches import fill_future_
 from .gemm_check import check_gemms
 
 __all__ = ["BACKWARD_OPS", "checked_backward"]
@@ -59,7 +59,7 @@ def checked_backward(
     rows = t if block_q is None else max(1, min(block_q, t))
     if rows >= t:
         return _block(layer, do_BHTD, q_BHTD, k_BHSD, v_BHSD, lse_BHT, mask_add, scale=scale,
-                      future=_future_mask(t, s, q_BHTD.device) if is_causal else None, tier=tier)
+                      causal_row0=0 if is_causal else None, tier=tier)
     # dK and dV add up over the blocks: in fp32, as one GEMM over all rows would accumulate them.
     dq_BHTD = torch.empty_like(q_BHTD)
     dk_BHSD = torch.zeros(k_BHSD.shape, dtype=torch.float32, device=k_BHSD.device)
@@ -73,7 +73,7 @@ def checked_backward(
             mask = mask_add[..., r0:r1, :keys] if mask_add.shape[-2] == t else mask_add[..., :keys]
         dq, dk, dv, n = _block(layer, do_BHTD[..., r0:r1, :], q_BHTD[..., r0:r1, :], k_BHSD[..., :keys, :],
                                v_BHSD[..., :keys, :], lse_BHT[..., r0:r1], mask, scale=scale,
-                               future=_block_future(r0, r1, keys, q_BHTD.device) if is_causal else None,
+                               causal_row0=r0 if is_causal else None,
                                tier=tier)
         dq_BHTD[..., r0:r1, :] = dq
         dk_BHSD[..., :keys, :] += dk
@@ -92,12 +92,12 @@ def _block(
     mask_add: torch.Tensor | None,
     *,
     scale: float,
-    future: torch.Tensor | None,
+    causal_row0: int | None,
     tier: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``checked_backward`` over one block of query rows (T here: the block's) against S keys: (its dQ rows, its
-    contributions to dK and dV, how many products flagged). future: (T, S) bool, the causal mask's future keys of
-    these rows."""
+    contributions to dK and dV, how many products flagged). causal_row0: under a causal mask, the absolute index of
+    the block's first row (its future keys are zeroed in AP); None without one."""
     # fp16: into fp32, as the forward does (attention._scores_product; not imported: attention imports this module's
     # caller): the unscaled logits pass 65504 well before the scaled ones do, and an fp16 S here was a false
     # "uncorrectable" INF and a skipped step on a finite attention. fp16 values are exact in fp32.
@@ -116,10 +116,10 @@ def _block(
         z_BHTS = _add_mask(z_BHTS, mask_add.float())
     # Rows with every key masked carry lse = +INF: exp(-INF) = 0 there, as AP.
     p32_BHTS = z_BHTS.sub_(lse_BHT[..., None]).exp_()
-    if future is not None:
+    if causal_row0 is not None:
         # The future keys zeroed after exp, not set to -INF before it: exp of -INF (half of a causal AP) ran 2× slower
         # than of finite scores on CPU; exp there may overflow to INF, which the fill replaces with the same 0.
-        p32_BHTS.masked_fill_(future, 0.0)
+        fill_future_(p32_BHTS, 0.0, row0=causal_row0)
     # δ = rowsum(dO ⊙ O) = rowsum(AP ⊙ dP), taken in the second form: from the same dP it is subtracted from, so a
     # near one-hot row (massive activations) gives dS ≈ 0 as it should. From the fp16-rounded O, δ carried
     # u·|dO·O| of error that dS then multiplied into dQ/dK (0.1 absolute on gradients of 4e-5 at the fp16 edge).
@@ -135,12 +135,6 @@ def _block(
                                    ("grad_k", dk_BHSD, ds_BHTS.mT, q_BHTD, None)], tier=tier)
     # Verified fresh tensors, not read again: scaled in place.
     return dq_BHTD.mul_(scale), dk_BHSD.mul_(scale), dv_BHSD, flagged
-
-
-def _block_future(r0: int, r1: int, keys: int, device: torch.device) -> torch.Tensor:
-    """(r1 - r0, keys) bool: the future keys of query rows r0..r1 (top-left aligned, as SDPA's is_causal). Made per
-    block, not sliced from the cached (T, S) mask: the blocked backward keeps no T×S tensor."""
-    return torch.ones(r1 - r0, keys, dtype=torch.bool, device=device).triu(r0 + 1)
 
 
 def _add_mask(z_BHTS: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -3,13 +3,16 @@ unprotect(), empties them, so a run's masks (~2 GiB at 8k context on the GPU) do
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 import attnchecker
 import torch
 from attnchecker import Policy
-from attnchecker.engine_caches import _future_mask, engine_caches
+from attnchecker.engine_caches import _future_mask, engine_caches, fill_future_
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,3 +48,18 @@ def test_guard_close_releases_the_caches_and_a_new_guard_refills_them() -> None:
         assert engine_caches.entries() > 0
         assert guard.report().checks["scores"] > 0
     assert engine_caches.entries() == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(t=st.integers(1, 300), s=st.integers(1, 300), row0=st.integers(0, 300), lead=st.sampled_from([(), (2,), (2, 3)]),
+       value=st.sampled_from([0.0, -math.inf]))
+def test_fill_future_sets_exactly_the_future_keys(t: int, s: int, row0: int, lead: tuple[int, ...],
+                                                  value: float) -> None:
+    """fill_future_ (the causal masking of the verified forward and of the checked backward's blocks) against the
+    plain masked_fill_ with the (T, S) future mask: rows row0..row0+T of a top-left-aligned causal attention,
+    every key j > i set whatever it held (an INF or NaN there too), the rest untouched."""
+    x = torch.randn(*lead, t, s, generator=torch.Generator().manual_seed(t * 1000 + s))
+    x[..., ::7, ::5] = math.inf
+    rows = torch.arange(row0, row0 + t)[:, None]
+    want = x.masked_fill(torch.arange(s)[None, :] > rows, value)
+    assert torch.equal(fill_future_(x, value, row0=row0), want)
