@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .abft.tiled import TILE_BUDGET
 from .context import LayerContext
 from .engine_caches import fill_future_
 from .gemm_check import check_gemms
@@ -47,8 +48,10 @@ def checked_backward(
     and row log-sum-exp. tier: "tripwire" when run to recover from a tier-1 trip on the fused backward
     (fused_backward._tripwire_backward): its events say so and its time counts as tier 1's.
 
-    block_q: query rows per block (None: all at once). The tiled forward's backward takes blocks, so that it keeps
-    O(block·S) of the (B, H, T, S) products, as its forward does: each block's S, dP, dQ rows and its contributions
+    block_q: query rows per block (None: as many as the tile budget allows). The products are taken a block of
+    query rows at a time, at most TILE_BUDGET elements of (B, H, rows, S) each, so that the backward keeps O(block·S)
+    of the (B, H, T, S) products, as the tiled forward does; this holds on every path that reaches it, the fused
+    tier-1 kernel's recovery from a trip at long context included. Each block's S, dP, dQ rows and its contributions
     to dK and dV (dSᵀ Q, APᵀ dO over the block's rows) are products of their own, each verified before it is used or
     added up; under a causal mask a block reads only the keys up to its last row (top-left aligned, as SDPA)."""
     do_BHTD = grad_out_BHTD.contiguous()
@@ -56,7 +59,8 @@ def checked_backward(
     # read them (and the checks would reduce them strided); one copy each, up front, serves all.
     q_BHTD, k_BHSD, v_BHSD = q_BHTD.contiguous(), k_BHSD.contiguous(), v_BHSD.contiguous()
     t, s = q_BHTD.shape[-2], k_BHSD.shape[-2]
-    rows = t if block_q is None else max(1, min(block_q, t))
+    fit = max(1, TILE_BUDGET // max(1, q_BHTD.numel() // max(1, t * q_BHTD.shape[-1]) * s))
+    rows = min(t, fit if block_q is None else max(1, min(block_q, fit)))
     if rows >= t:
         return _block(layer, do_BHTD, q_BHTD, k_BHSD, v_BHSD, lse_BHT, mask_add, scale=scale,
                       causal_row0=0 if is_causal else None, tier=tier)

@@ -39,6 +39,7 @@ from . import records
 from .abft import GROUP_MIN, Tolerance, acc_dtype, col_norms, repair
 from .abft.repair import MatrixReport
 from .abft.tiled import (
+    TILE_BUDGET,
     TilePlan,
     augment_v,
     causal_offset,
@@ -74,9 +75,6 @@ DEFAULT_BLOCK_Q = 256
 """Query rows per block. Measured on CPU (docs/performance.md §4), one causal layer at T = 2048, B·H = 8, all keys in
 one tile: 256 rows ran the checked forward in 0.75× the time of 64 (fewer Python iterations of the per-tile checks;
 the unchecked passes alone prefer smaller tiles, which stay in cache)."""
-TILE_BUDGET = 1 << 23
-"""Elements (B·H·Tq·Tk) of one score tile: 32 MB in fp32. Up to it the keys are not blocked at all (one tile per query
-block: exact softmax, no online rescaling); beyond it (long S) they are, so the extra memory stays O(budget + T)."""
 MIN_BLOCK_K = 256
 
 
@@ -175,12 +173,11 @@ def tiled_sdpa(
     if not (torch.is_grad_enabled() and (q_BHTD.requires_grad or k_BHSD.requires_grad or v_BHSD.requires_grad)):
         return out
     if q_BHTD.device.type == "cpu":
-        # Under protect(scope="all") the backward is checked too (attention_backward), a block of query rows at a
-        # time so that it keeps O(block·S) as this forward does: one tile's worth of (B, H, rows, S) products.
-        rows = max(1, min(tiles.block_q, TILE_BUDGET // max(1, q_BHTD.shape[0] * h * k_BHSD.shape[-2])))
+        # Under protect(scope="all") the backward is checked too (attention_backward), a block of this forward's
+        # query rows at a time (within the tile budget), so that it keeps O(block·S) as this forward does.
         return _VerifiedAttention.apply(q_BHTD, k_rep, v_rep, _Forward(
             out_BHTD=out, lse_BHT=lse, mask_add=_additive_mask(attn_mask, q_BHTD.dtype), scale=scale,
-            is_causal=is_causal, layer=ctx, block_q=rows))
+            is_causal=is_causal, layer=ctx, block_q=tiles.block_q))
     if is_causal and attn_mask is not None:
         attn_mask, is_causal = _causal_into_mask(attn_mask, q_BHTD.shape[-2], k_BHSD.shape[-2]), False
     return _RecomputedBackward.apply(q_BHTD, k_rep, v_rep, out, (attn_mask, is_causal, scale))

@@ -123,6 +123,34 @@ def test_the_checked_backward_keeps_to_blocks_of_rows_and_gives_the_sdpa_gradien
         torch.testing.assert_close(got, want.grad, rtol=1e-4, atol=1e-5)
 
 
+def test_the_checked_backward_holds_to_the_tile_budget_on_any_path(make_ctx, monkeypatch) -> None:
+    """Every caller of the checked backward gets blocks within the tile budget: here the unfused path (T·S below the
+    tiled threshold, but B·H·T·S past a budget made small), which the fused tier-1 kernel's recovery from a trip at
+    long context shares (it passes no block size either). Before, those callers materialised all of (B, H, T, S)."""
+    import attnchecker.attention_backward as attention_backward
+    from attnchecker.whole_step import _WHOLE_STEP
+
+    b, h, t, d = 1, 2, 64, 8
+    q, k, v = (seeded((b, h, t, d), 10 + i, torch.float32).requires_grad_() for i in range(3))
+    monkeypatch.setattr(attention_backward, "TILE_BUDGET", b * h * 16 * t)  # 16 rows over all keys
+    monkeypatch.setenv(PATH_ENV, "unfused")
+    ctx, rec = make_ctx()
+    _WHOLE_STEP.add(id(ctx.runtime))
+    try:
+        out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+        with LargestTensor() as big:
+            out.pow(2).sum().backward()
+    finally:
+        _WHOLE_STEP.discard(id(ctx.runtime))
+    assert big.numel <= max(b * h * 16 * t, b * h * t * (d + 2)) < b * h * t * t
+    stats = ctx.runtime.stats
+    assert rec.detections == [] and stats.checks["grad_q"] == t // 16
+    ref = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, is_causal=True).pow(2).sum().backward()
+    for got, want in zip((q, k, v), ref, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+
+
 def test_faults_in_many_tiles_at_once_are_all_found_and_leave_clean_gradients(make_ctx) -> None:
     x = seeded((2, 14, 16), 70, torch.float32)
     p = layer_params(16, 71, torch.float32)

@@ -36,6 +36,7 @@ from .checksum import group_sums_cols, group_sums_rows, times_skinny
 __all__ = [
     "GRAM_PASS_RATIO",
     "SUMMARY_FIELDS",
+    "TILE_BUDGET",
     "TilePlan",
     "augment_v",
     "causal_offset",
@@ -50,6 +51,11 @@ __all__ = [
     "tile_mask",
     "v_row_checksums",
 ]
+
+TILE_BUDGET = 1 << 23
+"""Elements (B·H·Tq·Tk) of one score tile: 32 MB in fp32. Up to it the keys are not blocked at all (one tile per query
+block: exact softmax, no online rescaling); beyond it (long S) they are, so the extra memory stays O(budget + T). The
+checked attention backward takes its blocks of query rows within it too (attention_backward)."""
 
 SUMMARY_FIELDS = ("n_bad", "first_bad", "worst_d1", "worst_bound", "worst_index")
 """What :func:`summarize` keeps per matrix and direction of a flagged tile: enough to report a fault after the tile
