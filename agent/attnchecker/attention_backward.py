@@ -17,6 +17,8 @@ Legend: B batch, H heads (K/V already expanded to H), T query tokens, S key toke
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .abft.tiled import TILE_BUDGET
@@ -59,8 +61,8 @@ def checked_backward(
     # read them (and the checks would reduce them strided); one copy each, up front, serves all.
     q_BHTD, k_BHSD, v_BHSD = q_BHTD.contiguous(), k_BHSD.contiguous(), v_BHSD.contiguous()
     t, s = q_BHTD.shape[-2], k_BHSD.shape[-2]
-    fit = max(1, TILE_BUDGET // max(1, q_BHTD.numel() // max(1, t * q_BHTD.shape[-1]) * s))
-    rows = min(t, fit if block_q is None else max(1, min(block_q, fit)))
+    fit = TILE_BUDGET // max(1, math.prod(q_BHTD.shape[:-2]) * s)  # rows of (B, H, rows, S) within the budget
+    rows = max(1, min(t, fit, block_q or t))
     if rows >= t:
         return _block(layer, do_BHTD, q_BHTD, k_BHSD, v_BHSD, lse_BHT, mask_add, scale=scale,
                       causal_row0=0 if is_causal else None, tier=tier)

@@ -27,8 +27,8 @@ class _Forward:
     layer: LayerContext | None = None
     """Set: under protect(scope="all") backward may run the checked products (attention_backward) instead."""
     block_q: int | None = None
-    """Query rows per block of those checked products (the tiled path's, whose memory stays O(block·S)); None: all
-    rows at once."""
+    """Query rows per block of those checked products (the tiled path's); None: as many as the tile budget allows
+    (attention_backward.checked_backward)."""
 
 
 class _VerifiedAttention(torch.autograd.Function):

@@ -213,17 +213,16 @@ def linear_sums(x_MI: torch.Tensor, w_IO: torch.Tensor, *, forward: bool
         if ws is None:
             return None
         ww_O2, w_col_sq, bw_I2, b_sq_O = ws.right, ws.col_sq, ws.left, ws.row_sq
-    if ww_O2 is None or w_col_sq is None:
+    if ww_O2 is None or w_col_sq is None or (forward and (bw_I2 is None or b_sq_O is None)):
         return None
-    xs = fused_pass(x, right=w_I2 if not forward or bw_I2 is None else torch.cat([bw_I2, w_I2], -1),
+    # x times [W_IO w_O | w_I] for the forward, w_I alone otherwise: x·w_I is the last two columns either way.
+    xs = fused_pass(x, right=torch.cat([bw_I2, w_I2], -1) if forward and bw_I2 is not None else w_I2,
                     row_sq=forward, col_sq=True)
-    if xs is None or xs.right is None or xs.col_sq is None:
+    if xs is None or xs.right is None or xs.col_sq is None or (forward and xs.row_sq is None):
         return None
     backward = LinearSums(xw_M2=xs.right[:, -2:], x_col_I=xs.col_sq.sqrt(), ww_O2=ww_O2, w_col_I=w_col_sq.sqrt())
-    if not forward:
+    if not forward or xs.row_sq is None or b_sq_O is None:
         return None, backward
-    if xs.row_sq is None or b_sq_O is None:
-        return None
     return OperandSums(ref=xs.right[:, :2], a_norm=xs.row_sq.sqrt(), b_norm=b_sq_O.sqrt()), backward
 
 

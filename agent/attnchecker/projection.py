@@ -237,16 +237,14 @@ class _ProjectionInput:
             moments_NTc = square_times(self.x_acc_NTI, cols_Ig4.flatten(-2))
             if self.x_max_NT is None:
                 self.x_max_NT = abs_max(self.x_acc_NTI, dim=-1)
-            self.x_norm_made = self.x_norm_NT
         y_sums = fused_pass(y_NTO, right=w_L2, row_sq=True, groups=g_r)
         if y_sums is None or y_sums.right is None:
             return None
-        assert self.x_norm_made is not None
         ref_NTg2 = xw_NTc.unflatten(-1, (g_r, 2))
         if bias_O is not None:
             ref_NTg2 = ref_NTg2 + group_sums_rows(bias_O[None], g_r)[0]
         ref_norm, ref_max = torch.linalg.vector_norm(ww_Ig2, dim=-3), abs_max(ww_Ig2, dim=-3)
-        return _verify(y_NTO, ref_NTg2.flatten(-3, -2), None, self.x_norm_made, w_sq_O.sqrt(), k=n_in, tol=tol,
+        return _verify(y_NTO, ref_NTg2.flatten(-3, -2), None, self.x_norm_NT, w_sq_O.sqrt(), k=n_in, tol=tol,
                        bias_abs_C=None if bias_O is None else bias_O.abs(),
                        ref_norms=(ref_norm[0] if g_r == 1 else ref_norm, None), groups=groups,
                        maxes=(self.x_max_NT, w_max_O), ref_maxes=(ref_max[0] if g_r == 1 else ref_max, None),

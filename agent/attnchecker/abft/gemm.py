@@ -115,7 +115,8 @@ def verify_gemm(
     fault: fp32 checksums of values ~1e34 and up overflow (the weights 1..n multiply them), and INF − INF flags a
     product that is correct (diverged bf16 training computes such values). Copies of A, B and C in float64.
     operand_sums: the one direction's operand side already made (``OperandSums``): then only C is read here (through
-    ``one_pass`` where it takes C). A and B are still passed, for the shapes (and the slow path's own check).
+    ``one_pass`` where it takes C). A and B are still passed, for the shapes (and the slow path's own check). Without
+    it, a row check through ``one_pass`` makes the same from one read of B and one of A.
     """
     _check_shapes(c_MN, a_MK, b_KN, bias_N)
     if not directions or any(d not in DIRECTIONS for d in directions):
@@ -131,13 +132,11 @@ def verify_gemm(
     roundoff = tol.mode == "roundoff"
     use_abs = c_MN.dtype != acc_dtype(c_MN.dtype) and roundoff
     with_sq = roundoff and tol.calibrated
-    fused = (_row_in_one_pass(c_MN, a, b, one_pass, with_sq=with_sq)
-             if one_pass is not None and directions == ("row",) and not wide_norms and not use_abs
-             and operand_sums is None else None)
+    if (operand_sums is None and one_pass is not None and directions == ("row",) and not wide_norms
+            and not use_abs):
+        operand_sums = _row_operands_in_one_pass(a, b, one_pass)
     if operand_sums is not None:
         refs[directions[0]] = operand_sums.ref.to(acc)
-    elif fused is not None:
-        refs["row"] = fused[0]
     elif "row" in directions:
         refs["row"] = times_skinny(a, weighted_rows(b))
     if "col" in directions and operand_sums is None:
@@ -158,9 +157,6 @@ def verify_gemm(
     if operand_sums is not None:
         got, sums = _c_side(c_MN, directions[0], acc, one_pass, with_abs=use_abs, with_sq=with_sq)
         a_norm_M, b_norm_N = operand_sums.a_norm, operand_sums.b_norm
-    elif fused is not None:
-        got, sums = {"row": fused[1]}, {"row": (None, fused[2])}
-        a_norm_M, b_norm_N = fused[3], fused[4]
     elif both:
         got_rows_M2, got_cols_N2, vsums = checksums_of(c_MN.to(acc), with_abs=use_abs, with_sq=with_sq)
         got = {"row": got_rows_M2, "col": got_cols_N2}
@@ -169,7 +165,7 @@ def verify_gemm(
         c = c_MN.to(acc)
         got = {"row": weighted_rows(c)} if "row" in directions else {"col": weighted_cols(c)}
         sums = {d: _one_direction_sums(c, d, with_abs=use_abs, with_sq=with_sq) for d in got}
-    if fused is None and operand_sums is None:
+    if operand_sums is None:
         a_norm_M, b_norm_N = _row_norms(a), _col_norms(b)
     if wide_norms:
         a_norm_M, b_norm_N = _widened(a_norm_M, a, k, _row_norms), _widened(b_norm_N, b, k, _col_norms)
@@ -184,21 +180,16 @@ def verify_gemm(
     return out
 
 
-def _row_in_one_pass(
-    c_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor, one_pass: OnePass, *, with_sq: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
-    """(A (B w) (..., M, 2), C w (..., M, 2), Σ_j C_mj² (..., M) or None, ‖A_m‖ (..., M), ‖B_:,n‖ (..., N)): the
-    row direction's sums in one read of each matrix (``one_pass``), or None where the kernel declines one of them."""
-    w_N2 = checksum_weights(b_KN.shape[-1], b_KN.device, b_KN.dtype)
-    bw_K2, b_sq_N = _times(one_pass, b_KN, w_N2, "col")
+def _row_operands_in_one_pass(a_MK: torch.Tensor, b_KN: torch.Tensor, one_pass: OnePass) -> OperandSums | None:
+    """The row direction's operand side (A (B w), ‖A_m‖, ‖B_:,n‖) in one read of B and one of A (``one_pass``), or
+    None where the kernel declines either."""
+    bw_K2, b_sq_N = _times(one_pass, b_KN, checksum_weights(b_KN.shape[-1], b_KN.device, b_KN.dtype), "col")
     if bw_K2 is None or b_sq_N is None:
         return None
     ref_M2, a_sq_M = _times(one_pass, a_MK, bw_K2, "row")
-    got_M2, c_sq_M = _times(one_pass, c_MN, checksum_weights(c_MN.shape[-1], c_MN.device, c_MN.dtype),
-                            "row" if with_sq else None)
-    if ref_M2 is None or a_sq_M is None or got_M2 is None:
+    if ref_M2 is None or a_sq_M is None:
         return None
-    return ref_M2, got_M2, c_sq_M, a_sq_M.sqrt(), b_sq_N.sqrt()
+    return OperandSums(ref=ref_M2, a_norm=a_sq_M.sqrt(), b_norm=b_sq_N.sqrt())
 
 
 def _c_side(
