@@ -47,12 +47,13 @@ class FusedBackwardFault(TorchDispatchMode):
         return out
 
 
-def quiet_step(arch: str, mode: TorchDispatchMode, policy: Policy | None = None, *, checkpointing: bool = False
-               ) -> tuple[dict[str, torch.Tensor], bool, list, dict[str, int]]:
+def quiet_step(arch: str, mode: TorchDispatchMode, policy: Policy | None = None, *, checkpointing: bool = False,
+               scheduled: bool = False) -> tuple[dict[str, torch.Tensor], bool, list, dict[str, int]]:
     """Protect a fresh seeded model as the README does, train (lr 0: every step the same function) until a step whose
     whole-step GEMMs are not due, and run that step under ``mode``: (gradients, weights finite after the optimizer
     step, detections of that step, tier checks of the run). checkpointing: transformers' gradient checkpointing, so
-    each layer's forward runs again inside backward (its GEMMs are hit there too)."""
+    each layer's forward runs again inside backward (its GEMMs are hit there too). scheduled: train on past that
+    quiet step to the next one the schedule checks in full, and run that one under ``mode``."""
     model = build(arch)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -69,6 +70,15 @@ def quiet_step(arch: str, mode: TorchDispatchMode, policy: Policy | None = None,
             opt.step()
         else:
             raise AssertionError("the default schedule checked the whole step on 16 steps running")
+        if scheduled:
+            for _ in range(16):
+                opt.zero_grad(set_to_none=True)
+                loss_of(arch, model, batch(arch, 0)).backward()
+                opt.step()
+                if guard.check_config.checks("out"):
+                    break
+            else:
+                raise AssertionError("the default schedule did not check the whole step again within 16 steps")
         assert guard.detections == []
         seen = len(guard.detections)
         opt.zero_grad(set_to_none=True)
@@ -83,6 +93,25 @@ def quiet_step(arch: str, mode: TorchDispatchMode, policy: Policy | None = None,
         return grads, finite, list(guard.detections[seen:]), dict(guard.report().tier_checks)
     finally:
         guard.close()
+
+
+def uncorrected(arch: str, targets: list, clean: dict[str, torch.Tensor], *, tier: str, untouched_ok: bool = False,
+                **step: Any) -> list:
+    """Each target GEMM call corrupted in its own run of ``quiet_step(arch, ..., **step)`` (the kinds in turn): those
+    whose step did not end with finite weights, the fault-free gradients (1e-5), and detections all of ``tier`` and
+    corrected or recomputed. untouched_ok: a run with no detection passes when its gradients are bitwise the
+    fault-free ones (the fault never reached the model)."""
+    failures = []
+    for n, call in enumerate(targets):
+        kind = KINDS[n % len(KINDS)]
+        inj = GemmInjector(target=call.index, kind=kind, element=7 + 13 * n)
+        grads, finite, detections, _ = quiet_step(arch, inj, **step)
+        assert inj.hit == call, "the faulty run made different GEMM calls before the target"
+        worst = worst_rel(grads, clean)
+        if not (finite and worst <= 1e-5 and (detections or (untouched_ok and worst == 0.0))
+                and all(d.tier == tier and d.action in ("corrected", "recomputed") for d in detections)):
+            failures.append((call, kind, worst, [(d.op, d.tier, d.action) for d in detections]))
+    return failures
 
 
 @pytest.mark.parametrize(("arch", "checkpointing", "kernel"),
@@ -103,17 +132,7 @@ def test_a_fault_in_any_gemm_of_a_quiet_step_is_caught_by_the_tripwire_and_corre
     targets = [c for c in recorder.calls if is_model_gemm(c)]
     # Forward and backward GEMMs of the Linear layers; on a quiet step the attention core is the fused kernel.
     assert {c.phase for c in targets} == {"forward", "backward"}
-    failures = []
-    for n, call in enumerate(targets):
-        kind = KINDS[n % len(KINDS)]
-        inj = GemmInjector(target=call.index, kind=kind, element=7 + 13 * n)
-        grads, finite, detections, _ = quiet_step(arch, inj, checkpointing=checkpointing)
-        assert inj.hit == call, "the faulty run made different GEMM calls before the target"
-        worst = worst_rel(grads, clean)
-        if not (finite and worst <= 1e-5 and detections
-                and all(d.tier == "tripwire" and d.action in ("corrected", "recomputed") for d in detections)):
-            failures.append((call, kind, worst, [(d.op, d.tier, d.action) for d in detections]))
-    assert not failures, failures
+    assert not uncorrected(arch, targets, clean, tier="tripwire", checkpointing=checkpointing)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
@@ -219,3 +238,29 @@ def test_with_gradient_checkpointing_the_backward_reruns_each_layers_forward_gem
     rerun = count(ckpt, "backward") - count(plain, "backward")
     # The layers' Linear GEMMs, once more each: all forward GEMMs but the LM head (outside the checkpointed layers).
     assert 0 < rerun < count(plain, "forward")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_after_a_quiet_period_the_scheduled_full_check_corrects_faults_on_the_shared_and_blocked_paths(
+    arch: str, kernel_everywhere: Callable[[], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default policy after its first quiet period, on the next step it checks in full: with the kernel (the
+    Linear checks take the operand sums their forward kept, gemm_check.linear_sums) and the tiled path forced with
+    4-row blocks (the attention backward's products checked a block at a time). An injector below autograd hits
+    the step's GEMMs in turn (Conv1D for GPT-2, nn.Linear for Llama; tile and block products): every fault is
+    corrected by the full check itself, the gradients are the fault-free step's. A fault in the checksum columns the
+    tiled context product carries beside V ([V | V w]) never reaches the model: the gradients are then bitwise the
+    fault-free ones, and nothing needs reporting."""
+    from attnchecker.tiled_attention import PATH_ENV, TILE_ENV
+
+    kernel_everywhere()
+    monkeypatch.setenv(PATH_ENV, "tiled")
+    monkeypatch.setenv(TILE_ENV, "4,4")
+    recorder = GemmInjector()
+    clean, finite, detections, _ = quiet_step(arch, recorder, scheduled=True)
+    assert finite and not detections
+    # Every 7th of the step's GEMMs (a few minutes otherwise): still Linear GEMMs both ways and the blocks' products.
+    targets = [c for c in recorder.calls if is_model_gemm(c)][::7]
+    kinds = {(c.phase, c.op) for c in targets}
+    assert {("backward", "mm"), ("backward", "bmm")} <= kinds and kinds & {("forward", "mm"), ("forward", "addmm")}, kinds
+    assert not uncorrected(arch, targets, clean, tier="abft", untouched_ok=True, scheduled=True)
