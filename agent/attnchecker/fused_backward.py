@@ -55,11 +55,16 @@ class _VerifiedAttention(torch.autograd.Function):
         layer: LayerContext | None = ctx.layer
         if layer is not None:
             from .attention_backward import checked_backward
+            from .encoded_backward import encoded_backward, supports
             from .whole_step import whole_step_due
 
             if whole_step_due(layer.runtime):
-                dq, dk, dv, _ = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
-                                                 is_causal=ctx.is_causal, block_q=ctx.block_q)
+                if supports(q):
+                    dq, dk, dv = encoded_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
+                                                  is_causal=ctx.is_causal, block_q=ctx.block_q)
+                else:
+                    dq, dk, dv, _ = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
+                                                     is_causal=ctx.is_causal, block_q=ctx.block_q)
                 return dq, dk, dv, None
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask_add, scale=ctx.scale)

@@ -1,5 +1,6 @@
-"""A fault injector below autograd: a TorchDispatchMode that sees every aten mm / addmm / bmm the process runs, in
-forward and in backward, and corrupts one output element of one chosen call. Independent of attnchecker's own
+"""Fault injectors below autograd: a TorchDispatchMode that sees every aten mm / addmm / bmm the process runs, in
+forward and in backward, and corrupts one output element of one chosen call; another for the fused CPU attention
+backward's outputs. Independent of attnchecker's own
 injector (which only reaches the ops the engine names), so it also hits the MLP and the backward GEMMs.
 No tests here; test_linear_abft.py imports it."""
 
@@ -14,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
 GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+FUSED_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,31 @@ class GemmInjector(TorchDispatchMode):
                     line = mat[r] if self.pattern == "row" else mat[:, c]
                     line.copy_(torch.stack([corrupt(v, self.kind) for v in line]))
                 self.hit = call
+        return out
+
+
+class FusedBackwardFault(TorchDispatchMode):
+    """Corrupts element ``element`` of output ``which`` (0 dQ, 1 dK, 2 dV) of the ``call``-th fused CPU attention
+    backward: the kernel's products never leave it, so this is the only place a fault inside it shows. head_dims:
+    only the first that many of the output's head dims (a kernel run on wider, encoded operands returns more)."""
+
+    def __init__(self, *, call: int, which: int, kind: str, element: int, head_dims: int | None = None) -> None:
+        super().__init__()
+        self.call, self.which, self.kind, self.element, self.head_dims = call, which, kind, element, head_dims
+        self.seen = 0
+        self.hit = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is FUSED_BACKWARD:
+            if self.seen == self.call:
+                grad = out[self.which]  # a strided view of the kernel's (B, T, H, D) buffer
+                if self.head_dims is not None:
+                    grad = grad[..., :self.head_dims]
+                idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(self.element % grad.numel()), grad.shape))
+                grad[idx] = corrupt(grad[idx], self.kind)
+                self.hit = True
+            self.seen += 1
         return out
 
 

@@ -95,10 +95,15 @@ def test_no_tensor_of_the_attention_matrix_size_is_made_forward_or_backward(make
     assert rec.detections == [] and ctx.runtime.stats.checks["scores"] == 1
 
 
-def test_the_checked_backward_keeps_to_blocks_of_rows_and_gives_the_sdpa_gradient(make_ctx) -> None:
+def test_the_checked_backward_keeps_to_blocks_of_rows_and_gives_the_sdpa_gradient(make_ctx, monkeypatch) -> None:
     """Under protect(scope="all") the backward's products are checked (attention_backward), on this path a block of
-    query rows at a time: no T×S tensor in backward either, one check per block and product, SDPA's gradient."""
+    query rows at a time: no T×S tensor in backward either, one check per block and product, SDPA's gradient. They
+    are the encoded kernel's recovery and the full check off the CPU: the encoded kernel is switched off to reach
+    them (the next test is the encoded path's)."""
+    from attnchecker import encoded_backward
     from attnchecker.whole_step import _WHOLE_STEP
+
+    monkeypatch.setattr(encoded_backward, "enabled", False)
 
     b, h, t, d, rows = 1, 2, 128, 8, 16
     q, k, v = (seeded((b, h, t, d), i, torch.float32).requires_grad_() for i in range(3))
@@ -123,18 +128,11 @@ def test_the_checked_backward_keeps_to_blocks_of_rows_and_gives_the_sdpa_gradien
         torch.testing.assert_close(got, want.grad, rtol=1e-4, atol=1e-5)
 
 
-def test_the_checked_backward_holds_to_the_tile_budget_on_any_path(make_ctx, monkeypatch) -> None:
-    """Every caller of the checked backward gets blocks within the tile budget: here the unfused path (T·S below the
-    tiled threshold, but B·H·T·S past a budget made small), which the fused tier-1 kernel's recovery from a trip at
-    long context shares (it passes no block size either). Before, those callers materialised all of (B, H, T, S)."""
-    import attnchecker.attention_backward as attention_backward
+def _whole_step_backward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """Causal protected_sdpa with ctx's runtime taken for a scope="all" guard's (its whole-step checks due), then its
+    backward: the largest tensor that backward made."""
     from attnchecker.whole_step import _WHOLE_STEP
 
-    b, h, t, d = 1, 2, 64, 8
-    q, k, v = (seeded((b, h, t, d), 10 + i, torch.float32).requires_grad_() for i in range(3))
-    monkeypatch.setattr(attention_backward, "TILE_BUDGET", b * h * 16 * t)  # 16 rows over all keys
-    monkeypatch.setenv(PATH_ENV, "unfused")
-    ctx, rec = make_ctx()
     _WHOLE_STEP.add(id(ctx.runtime))
     try:
         out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
@@ -142,7 +140,43 @@ def test_the_checked_backward_holds_to_the_tile_budget_on_any_path(make_ctx, mon
             out.pow(2).sum().backward()
     finally:
         _WHOLE_STEP.discard(id(ctx.runtime))
-    assert big.numel <= max(b * h * 16 * t, b * h * t * (d + 2)) < b * h * t * t
+    return big.numel
+
+
+def test_the_encoded_backward_keeps_the_kernels_memory_and_gives_the_sdpa_gradient(make_ctx, monkeypatch) -> None:
+    """The full check of the backward as it runs on the CPU: the fused kernel on checksum-encoded operands
+    (encoded_backward), one check of each of its ops per layer, no T×S tensor (its buffers are (B, H, T, D + 5)),
+    SDPA's gradient."""
+    from attnchecker.encoded_backward import ENCODED_COLS, ENCODED_OPS
+
+    b, h, t, d = 1, 2, 128, 8
+    q, k, v = (seeded((b, h, t, d), 20 + i, torch.float32).requires_grad_() for i in range(3))
+    monkeypatch.setenv(TILE_ENV, "16,16")
+    ctx, rec = make_ctx()
+    assert _whole_step_backward(ctx, q, k, v) <= b * h * t * (d + ENCODED_COLS) < b * h * t * t
+    stats = ctx.runtime.stats
+    assert rec.detections == []
+    assert all(stats.checks[op] == 1 for op in ENCODED_OPS) and stats.checks.get("scores_bwd", 0) == 0
+    ref = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    F.scaled_dot_product_attention(*ref, is_causal=True).pow(2).sum().backward()
+    for got, want in zip((q, k, v), ref, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_the_checked_backward_holds_to_the_tile_budget_on_any_path(make_ctx, monkeypatch) -> None:
+    """Every caller of the checked backward gets blocks within the tile budget: here the unfused path (T·S below the
+    tiled threshold, but B·H·T·S past a budget made small), which the fused tier-1 kernel's recovery from a trip at
+    long context shares (it passes no block size either). Before, those callers materialised all of (B, H, T, S)."""
+    import attnchecker.attention_backward as attention_backward
+    from attnchecker import encoded_backward
+
+    monkeypatch.setattr(encoded_backward, "enabled", False)  # its products, as above
+    b, h, t, d = 1, 2, 64, 8
+    q, k, v = (seeded((b, h, t, d), 10 + i, torch.float32).requires_grad_() for i in range(3))
+    monkeypatch.setattr(attention_backward, "TILE_BUDGET", b * h * 16 * t)  # 16 rows over all keys
+    monkeypatch.setenv(PATH_ENV, "unfused")
+    ctx, rec = make_ctx()
+    assert _whole_step_backward(ctx, q, k, v) <= max(b * h * 16 * t, b * h * t * (d + 2)) < b * h * t * t
     stats = ctx.runtime.stats
     assert rec.detections == [] and stats.checks["grad_q"] == t // 16
     ref = [x.detach().clone().requires_grad_() for x in (q, k, v)]

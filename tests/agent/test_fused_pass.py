@@ -221,19 +221,25 @@ def test_without_a_compiler_the_checks_run_eagerly(fresh_kernel: Path, monkeypat
 def test_a_protected_step_checks_its_whole_step_gemms_through_the_kernel(arch: str,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The engine's fast path reaches the kernel on the layouts a real step has (Conv1D and Linear weights, dYᵀ and
-    Xᵀ views in the weight gradients, attention's batched backward products), instead of quietly declining them."""
+    Xᵀ views in the weight gradients; the encoded attention backward's strided q/k/v, its dO and its outputs in the
+    kernel's (B, T, H, D) layout), instead of quietly declining them."""
     import attnchecker
+    import attnchecker.encoded_backward as encoded_backward
     import attnchecker.gemm_check as gemm_check
     from model_zoo import batch, build, loss_of
 
     taken: list[bool] = []
+    taken_encoded: list[bool] = []
 
-    def counted(x: torch.Tensor, **kwargs: object) -> object:
-        got = fp.fused_pass(x, **kwargs)  # type: ignore[arg-type]
-        taken.append(got is not None)
-        return got
+    def counting(into: list[bool]) -> object:
+        def counted(x: torch.Tensor, **kwargs: object) -> object:
+            got = fp.fused_pass(x, **kwargs)  # type: ignore[arg-type]
+            into.append(got is not None)
+            return got
+        return counted
 
-    monkeypatch.setattr(gemm_check, "fused_pass", counted)
+    monkeypatch.setattr(gemm_check, "fused_pass", counting(taken))
+    monkeypatch.setattr(encoded_backward, "fused_pass", counting(taken_encoded))
     # The zoo's models are small enough for the eager path (gemm_check.ONE_PASS_MIN); their layouts are the point.
     monkeypatch.setattr(gemm_check, "ONE_PASS_MIN", 0)
     model = build(arch)
@@ -242,10 +248,14 @@ def test_a_protected_step_checks_its_whole_step_gemms_through_the_kernel(arch: s
     stats = guard.step_stats
     assert stats is not None
     gemm_checks = sum(stats.checks.get(op, 0) for op in ("linear", "linear_dx", "linear_dw"))
+    layers = stats.checks["grad_q"]
     guard.close()
     assert gemm_checks > 0
-    assert len(taken) >= 3 * gemm_checks  # C, A and B of every whole-step GEMM check, at least
+    assert len(taken) >= gemm_checks  # C of every whole-step GEMM check at least (operand sums are shared)
     assert all(taken)
+    # Per layer: q, k and dO (checksums and norms), v (norms), and the residuals of dQ', dK' and dV'.
+    assert layers == 2 and len(taken_encoded) == 7 * layers
+    assert all(taken_encoded)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -13,7 +13,7 @@ import attnchecker
 import pytest
 import torch
 from attnchecker import Policy
-from gemm_injector import GemmCall, GemmInjector, is_model_gemm, worst_rel
+from gemm_injector import FusedBackwardFault, GemmCall, GemmInjector, is_model_gemm, worst_rel
 from model_zoo import ARCHS as ZOO
 from model_zoo import batch, build, loss_of, train
 from torch import nn
@@ -86,23 +86,45 @@ def test_a_fault_in_any_forward_or_backward_gemm_is_corrected(arch: str, kernel:
     assert worst_rel(clean, plain) <= 1e-5
     targets = model_gemms(arch, recorder.calls)
     kinds = {(c.phase, c.op) for c in targets}
-    # Linear GEMMs both ways, the attention core's forward and (checked_backward) backward products.
-    assert {("forward", "bmm"), ("backward", "bmm"), ("backward", "mm")} <= kinds, kinds
+    # Linear GEMMs both ways and the attention core's forward products; its backward is the fused kernel on encoded
+    # operands (encoded_backward: no GEMM of its own to hit, the test below hits its outputs).
+    assert {("forward", "bmm"), ("backward", "mm")} <= kinds, kinds
     assert not uncorrected(arch, targets, clean)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_a_fault_in_the_checked_attention_backward_kernel_is_recomputed(arch: str, which: int) -> None:
+    """The attention backward's full check runs the fused kernel on checksum-encoded operands (encoded_backward):
+    a fault in its dQ, dK or dV, of each layer in turn, is flagged by the row checksums and recomputed through the
+    checked products; the gradients are the fault-free step's (GQA for Llama, the padding mask for BERT)."""
+    clean, _, _ = one_step(arch, "all", GemmInjector())
+    config = build(arch).config
+    head_dim = config.hidden_size // config.num_attention_heads
+    op = ("grad_q", "grad_k", "grad_v")[which]
+    for call in range(2):  # each of the zoo's two layers
+        fault = FusedBackwardFault(call=call, which=which, kind=KINDS[(which + call) % len(KINDS)], element=29,
+                                   head_dims=head_dim)
+        grads, finite, detections = one_step(arch, "all", fault)
+        assert fault.hit
+        assert finite and worst_rel(grads, clean) <= 1e-5
+        assert [(d.op, d.action, d.tier) for d in detections] == [(op, "recomputed", "abft")], detections
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
 def test_the_tiled_path_checks_the_attention_backward_a_block_of_rows_at_a_time(
     arch: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Long context takes the tiled path (T·S >= 512²). Under scope="all" its backward was the fused kernel, neither
-    checked nor given the tripwire: a fault in dQ/dK/dV went to the weights. It now runs the checked products a block
-    of query rows at a time (O(block·S) memory, as its forward), forced here with 4-row blocks so that the zoo's short
+    """Long context takes the tiled path (T·S >= 512²). The checked products of its backward run a block of query
+    rows at a time (O(block·S) memory, as its forward), forced here with 4-row blocks so that the zoo's short
     sequences cross several (causal: GPT-2, Llama; BERT's padding mask, a block's rows of it). The injector, below
     autograd, hits each of those block products in turn (S, dP, the dQ rows, the dK and dV contributions): each fault
-    is corrected, the gradients are the fault-free step's."""
+    is corrected, the gradients are the fault-free step's. Those products are the encoded kernel's recovery path and
+    the full check off the CPU; the encoded kernel is switched off here to reach them on every layer."""
+    from attnchecker import encoded_backward
     from attnchecker.tiled_attention import PATH_ENV, TILE_ENV
 
+    monkeypatch.setattr(encoded_backward, "enabled", False)
     monkeypatch.setenv(PATH_ENV, "tiled")
     monkeypatch.setenv(TILE_ENV, "4,4")
     recorder = GemmInjector()

@@ -3,9 +3,9 @@ full checks are not due (a quiet step of the adaptive schedule, the steps a long
 
 An injector below autograd that knows nothing of attnchecker corrupts one output element of one GEMM (every MLP and
 projection GEMM, forward, dX and dW, in turn: gemm_injector) or of the fused attention backward kernel (dQ, dK or dV:
-``FusedBackwardFault`` below). The tripwire must catch it and the full check it falls back to must repair it: the
-gradients equal the fault-free quiet step's to <= 1e-5 relative, every weight stays finite, and every event says tier
-"tripwire" (not the optimizer net, which could only skip the step)."""
+``gemm_injector.FusedBackwardFault``). The tripwire must catch it and the full check it falls back to must repair it:
+the gradients equal the fault-free quiet step's to <= 1e-5 relative, every weight stays finite, and every event says
+tier "tripwire" (not the optimizer net, which could only skip the step)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from gemm_injector import GemmInjector, corrupt, is_model_gemm, worst_rel
+from gemm_injector import FusedBackwardFault, GemmInjector, is_model_gemm, worst_rel
 from model_zoo import batch, build, loss_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -21,30 +21,7 @@ import attnchecker
 from attnchecker import Policy
 
 aten = torch.ops.aten
-FUSED_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 KINDS = ("inf", "nan", "near_inf", "bitflip")
-
-
-class FusedBackwardFault(TorchDispatchMode):
-    """Corrupts element ``element`` of output ``which`` (0 dQ, 1 dK, 2 dV) of the ``call``-th fused CPU attention
-    backward: the kernel's products never leave it, so this is the only place a fault inside it shows."""
-
-    def __init__(self, *, call: int, which: int, kind: str, element: int) -> None:
-        super().__init__()
-        self.call, self.which, self.kind, self.element = call, which, kind, element
-        self.seen = 0
-        self.hit = False
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if func is FUSED_BACKWARD:
-            if self.seen == self.call:
-                grad = out[self.which]  # a strided view of the kernel's (B, T, H, D) buffer
-                idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(self.element % grad.numel()), grad.shape))
-                grad[idx] = corrupt(grad[idx], self.kind)
-                self.hit = True
-            self.seen += 1
-        return out
 
 
 def quiet_step(arch: str, mode: TorchDispatchMode, policy: Policy | None = None, *, checkpointing: bool = False,
@@ -241,16 +218,17 @@ def test_with_gradient_checkpointing_the_backward_reruns_each_layers_forward_gem
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_after_a_quiet_period_the_scheduled_full_check_corrects_faults_on_the_shared_and_blocked_paths(
+def test_after_a_quiet_period_the_scheduled_full_check_corrects_faults_on_the_shared_and_encoded_paths(
     arch: str, kernel_everywhere: Callable[[], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The default policy after its first quiet period, on the next step it checks in full: with the kernel (the
     Linear checks take the operand sums their forward kept, gemm_check.linear_sums) and the tiled path forced with
-    4-row blocks (the attention backward's products checked a block at a time). An injector below autograd hits
-    the step's GEMMs in turn (Conv1D for GPT-2, nn.Linear for Llama; tile and block products): every fault is
-    corrected by the full check itself, the gradients are the fault-free step's. A fault in the checksum columns the
-    tiled context product carries beside V ([V | V w]) never reaches the model: the gradients are then bitwise the
-    fault-free ones, and nothing needs reporting."""
+    4-row blocks. An injector below autograd hits the step's GEMMs in turn (Conv1D for GPT-2, nn.Linear for Llama;
+    the forward's tile products): every fault is corrected by the full check itself, the gradients are the
+    fault-free step's. A fault in the checksum columns the tiled context product carries beside V ([V | V w]) never
+    reaches the model: the gradients are then bitwise the fault-free ones, and nothing needs reporting. The
+    attention backward is the fused kernel on encoded operands (encoded_backward): a fault in its dQ, dK or dV is
+    flagged and recomputed through the checked products, 4-row blocks of them."""
     from attnchecker.tiled_attention import PATH_ENV, TILE_ENV
 
     kernel_everywhere()
@@ -259,8 +237,17 @@ def test_after_a_quiet_period_the_scheduled_full_check_corrects_faults_on_the_sh
     recorder = GemmInjector()
     clean, finite, detections, _ = quiet_step(arch, recorder, scheduled=True)
     assert finite and not detections
-    # Every 7th of the step's GEMMs (a few minutes otherwise): still Linear GEMMs both ways and the blocks' products.
+    # Every 7th of the step's GEMMs (a few minutes otherwise): still Linear GEMMs both ways and the tiles' products.
     targets = [c for c in recorder.calls if is_model_gemm(c)][::7]
     kinds = {(c.phase, c.op) for c in targets}
-    assert {("backward", "mm"), ("backward", "bmm")} <= kinds and kinds & {("forward", "mm"), ("forward", "addmm")}, kinds
+    assert ("backward", "mm") in kinds and ("forward", "bmm") in kinds, kinds
+    assert kinds & {("forward", "mm"), ("forward", "addmm")}, kinds
     assert not uncorrected(arch, targets, clean, tier="abft", untouched_ok=True, scheduled=True)
+    for which in range(3):
+        fault = FusedBackwardFault(call=which % 2, which=which, kind=KINDS[which], element=5 + 17 * which,
+                                   head_dims=16)  # the zoo's heads: 64 wide, 4 of them
+        grads, finite, detections, _ = quiet_step(arch, fault, scheduled=True)
+        assert fault.hit, "no fused attention backward ran on the scheduled step"
+        assert finite and worst_rel(grads, clean) <= 1e-5
+        op = ("grad_q", "grad_k", "grad_v")[which]
+        assert [(d.op, d.tier, d.action) for d in detections] == [(op, "abft", "recomputed")], detections

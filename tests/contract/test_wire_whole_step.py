@@ -55,7 +55,12 @@ class _Attn(nn.Module):
         return self.out_proj(y.transpose(1, 2).reshape(b, t, d))
 
 
-def test_whole_step_events_and_stats_validate(tmp_path: Path) -> None:
+def test_whole_step_events_and_stats_validate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention backward's checked products (its full check off the CPU, and the encoded kernel's recovery) are
+    hit here; the encoded kernel's own events are the next test's."""
+    from attnchecker import encoded_backward
+
+    monkeypatch.setattr(encoded_backward, "enabled", False)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(64, 32), _Attn(), nn.Linear(32, 48), nn.Linear(48, 64)).train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -80,4 +85,44 @@ def test_whole_step_events_and_stats_validate(tmp_path: Path) -> None:
     assert {(e["op"], e["action"]) for e in events} == {(op, "corrected") for op in ops}
     faults = [f for r in records if r["kind"] == "stats" for f in r["body"]["faults"]]
     assert {f["op"] for f in faults} == ops
+    assert set(schemas.FAULT_OPS) >= {e["op"] for e in events}
+
+
+class _InfIntoFusedBackward(TorchDispatchMode):
+    """INF into element 3 of each output (dQ, dK, dV) of the first fused CPU attention backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hit = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default and not self.hit:
+            for grad in out:
+                grad[0, 0, 1, 3] = float("inf")
+            self.hit = True
+        return out
+
+
+def test_encoded_attention_backward_events_and_stats_validate(tmp_path: Path) -> None:
+    """The full check of the attention backward on the CPU: the fused kernel on checksum-encoded operands. Its flags
+    are recomputed (through the checked products) and reported as such, per output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 32), _Attn(), nn.Linear(32, 64)).train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    guard = attnchecker.protect(model, policy=Policy.full(), optimizer=opt, run="encoded", collector="offline",
+                                spool_dir=tmp_path, scope="all")
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    fault = _InfIntoFusedBackward()
+    with fault:
+        logits = model(ids)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, 64), ids.reshape(-1)).backward()
+    opt.step()
+    assert fault.hit and all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    guard.close(flush_timeout_s=5.0)
+    records = [json.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_text().splitlines()]
+    for r in records:
+        SCHEMA_OF[r["kind"]].model_validate_json(json.dumps(r["body"]))
+    events = [e for r in records if r["kind"] == "events" for e in r["body"]["events"]]
+    assert {(e["op"], e["action"]) for e in events} == {(op, "recomputed") for op in ("grad_q", "grad_k", "grad_v")}
     assert set(schemas.FAULT_OPS) >= {e["op"] for e in events}
