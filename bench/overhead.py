@@ -26,6 +26,8 @@ Variants:
              whole-step GEMMs' (Linear forward, dX, dW, the fused attention backward's dQ/dK/dV) included
   all_full_eager  all_full with the one-pass checksum kernel off (attnchecker/fused_pass.py): every check on its
              eager path, what all_full costs where the kernel cannot be built
+  all_full_products  all_full with the attention backward's full check on the checked products
+             (attention_backward) instead of the fused kernel on encoded operands (encoded_backward.py)
 
     python bench/overhead.py [--models gpt2,llama] [--rounds 16] [--tiny]
 """
@@ -50,10 +52,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnchecker
-from attnchecker import Policy, fused_pass
+from attnchecker import Policy, encoded_backward, fused_pass
 
 VARIANTS = ("baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor", "all_full",
-            "all_adaptive", "all_tier1", "all_full_eager")
+            "all_adaptive", "all_tier1", "all_full_eager", "all_full_products")
 SIZES = {
     # The issue's sizes; vocab 8192 (not GPT-2's 50257) keeps the LM head from dwarfing the layers the checks are
     # in, which makes the measured overhead larger, not smaller.
@@ -186,10 +188,14 @@ POLICIES = {"full": Policy.full, "paper": Policy.paper, "adaptive": Policy,
             # Attached fresh each step (on the shared model), then the step's config is set to check no op in full:
             # exactly the engine path of a step the scheduler leaves to tier 1.
             "tier1": Policy,
-            "all_full": Policy.full, "all_adaptive": Policy, "all_tier1": Policy, "all_full_eager": Policy.full}
-SCOPE = {"all_full": "all", "all_adaptive": "all", "all_tier1": "all", "all_full_eager": "all"}
+            "all_full": Policy.full, "all_adaptive": Policy, "all_tier1": Policy, "all_full_eager": Policy.full,
+            "all_full_products": Policy.full}
+SCOPE = {"all_full": "all", "all_adaptive": "all", "all_tier1": "all", "all_full_eager": "all",
+         "all_full_products": "all"}
 EAGER = ("all_full_eager",)
 """Variants whose steps run with the one-pass checksum kernel off."""
+PRODUCTS = ("all_full_products",)
+"""Variants whose attention backward is checked through its products, not the encoded fused kernel."""
 TIER1 = ("tier1", "all_tier1")
 """protect(scope=...) per variant; "attention" when absent."""
 ADAPTIVE = ("adaptive", "all_adaptive")
@@ -251,6 +257,7 @@ class Variant:
             self._attach()
         x = self.batch if batch is None else batch
         fused_pass.enabled = self.name not in EAGER
+        encoded_backward.enabled = self.name not in PRODUCTS
         c0, t0 = time.process_time(), time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = self.model(input_ids=x, labels=x).loss
@@ -259,7 +266,7 @@ class Variant:
         # step in the optimizer's post-hook (guard.step()), after the gradient net has run in its pre-hook.
         stats = self.guard.step_stats if self.guard is not None else None
         self.opt.step()
-        fused_pass.enabled = True
+        fused_pass.enabled = encoded_backward.enabled = True
         if self.hooks is not None:
             self.hooks.end_step()
         if self.guard is not None:

@@ -46,7 +46,8 @@ def test_overhead_bench_writes_every_variant(tmp_path):
     assert [m["model"] for m in doc["models"]] == ["gpt2", "llama"]
     for m in doc["models"]:
         assert set(m["variants"]) == {"baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr",
-                                      "floor", "all_full", "all_adaptive", "all_tier1", "all_full_eager"}
+                                      "floor", "all_full", "all_adaptive", "all_tier1", "all_full_eager",
+                                      "all_full_products"}
         for v in m["variants"].values():
             check_summary(v["step_s"])
             assert positive(v["step_s"]["median"])
@@ -63,9 +64,12 @@ def test_overhead_bench_writes_every_variant(tmp_path):
         assert tier1["tier1_checks_per_step"] > 0  # the tripwire ran on every timed step, nothing else did
         # scope="all" checks the Linear GEMMs forward and backward as well.
         # (with the one-pass kernel, and without it: the eager path the kernel is priced against)
-        for name in ("all_full", "all_full_eager"):
+        for name in ("all_full", "all_full_eager", "all_full_products"):
             assert m["variants"][name]["checked_step_fraction"] == 1.0
             assert {"linear", "linear_dx", "linear_dw"} <= set(m["variants"][name]["check_s_per_step"])
+        # The attention backward: the encoded kernel's checks (scores_bwd is a product of the checked path only).
+        assert m["variants"]["all_full"]["check_s_per_step"].get("scores_bwd", 0.0) == 0.0
+        assert m["variants"]["all_full_products"]["check_s_per_step"]["scores_bwd"] > 0
         # ...and on its unchecked steps gives them tier 1: more tripwire checks per step than the attention scope's.
         all_tier1 = m["variants"]["all_tier1"]
         assert all_tier1["checked_step_fraction"] == 0.0
@@ -83,6 +87,17 @@ def test_ab_whole_step_bench_times_both_check_paths(tmp_path):
         if name != "baseline":
             # Both paths really checked the whole step: the Linear GEMMs and the attention backward.
             assert {"linear", "linear_dx", "linear_dw", "grad_q"} <= set(v["check_s_per_step"])
+
+
+def test_encoded_backward_bench_times_the_three_paths_and_finds_every_threshold(tmp_path):
+    doc = run_bench("encoded_backward", tmp_path)
+    assert set(doc["timing"]["ms"]) == {"fused", "encoded", "products"}
+    assert all(positive(x) for x in doc["timing"]["ms"].values())
+    (fp32, bf16) = doc["sensitivity"]
+    for row in (fp32, bf16):
+        assert row["clean_flags"] == 0 and row["worst_clean_ratio"] < 1
+        # A finite error is flagged within the sweep (up to 4096× RMS) on every output at this size.
+        assert all(row[f"{op}_min_rms"] is not None for op in ("grad_q", "grad_k", "grad_v"))
 
 
 def test_recovery_bench_corrects_every_injected_fault(tmp_path):
