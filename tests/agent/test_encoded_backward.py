@@ -288,3 +288,23 @@ def test_the_model_injector_hits_the_encoded_kernel() -> None:
     with fault:
         encoded(ctx, a)
     assert fault.hit and [(d.op, d.action) for d in seen] == [("grad_k", "recomputed")]
+
+
+def test_a_kernel_that_refuses_the_encoded_operands_falls_back_to_the_checked_products(
+        make_ctx: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The training step never fails because of the encoding: if the kernel build refuses D + 5 head dims (or a mask
+    with them), the checked products run, with one warning."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("head dim not supported")
+
+    monkeypatch.setattr(encoded_backward, "_BACKWARD", refuse)
+    monkeypatch.setattr(encoded_backward, "_warned", set())
+    a = attention(torch.float32, 1, 2, 24, 24, 16, mask="causal", strided=True, seed=6)
+    ctx, rec = make_ctx()
+    with caplog.at_level("WARNING", logger="attnchecker"):
+        got = encoded(ctx, a)
+        encoded(ctx, a)
+    assert not rec.detections
+    assert close(got, fused(a), a, 1e-5)
+    assert ctx.runtime.stats.checks["scores_bwd"] == 2  # the products ran, twice
+    assert sum("refused the encoded operands" in r.message for r in caplog.records) == 1
