@@ -9,7 +9,7 @@ Linear, or an outer product with reduction length 1; none in these two models). 
 
   attention  projections forward + attention core forward
   all        every Linear/Conv1D forward and backward (dX, dW) + attention core forward and backward (its backward
-             checked by attention_backward where the fused-backward path applies: CPU, no dropout, no return_probs)
+             checked where the fused-backward path applies: CPU, no dropout, no return_probs; encoded_backward)
 
     python bench/gemm_coverage.py [--models gpt2,llama] [--tiny]
 """

@@ -1,6 +1,7 @@
 """Autograd for an attention output computed and verified outside autograd: the fused CPU kernel's backward at the
-verified q, k, v, output and row log-sum-exp (or, under protect(scope="all"), the checked products of
-attention_backward), and the mask and head layout that kernel takes. Shared by the unfused and the tiled attention."""
+verified q, k, v, output and row log-sum-exp (under protect(scope="all"), on a checked step, the same kernel on
+checksum-encoded operands: encoded_backward), and the mask and head layout that kernel takes. Shared by the unfused and
+the tiled attention."""
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ class _Forward:
     scale: float
     is_causal: bool
     layer: LayerContext | None = None
-    """Set: under protect(scope="all") backward may run the checked products (attention_backward) instead."""
+    """Set: under protect(scope="all") backward may run its full check (encoded_backward, attention_backward)."""
     block_q: int | None = None
     """Query rows per block of those checked products (the tiled path's); None: as many as the tile budget allows
     (attention_backward.checked_backward)."""
@@ -39,8 +40,9 @@ class _VerifiedAttention(torch.autograd.Function):
     function the unfused graph would differentiate, without keeping AS and AP alive for backward or running softmax
     backward over them. What it reads (q, k, v, out) is what the checks verified; docs/abft.md (performance) has the
     reasoning. Under the default scope the backward itself is unprotected (DESIGN.md). Under protect(scope="all") it
-    runs the checked products (attention_backward) on a step the whole-step checks are due, and the fused kernel with
-    the tripwire on its dQ/dK/dV (``_tripwire_backward``) on the others.
+    runs the kernel on checksum-encoded operands (encoded_backward; the checked products of attention_backward off the
+    CPU and to recover from a flag) on a step the whole-step checks are due, and the fused kernel with the tripwire on
+    its dQ/dK/dV (``_tripwire_backward``) on the others.
     """
 
     @staticmethod

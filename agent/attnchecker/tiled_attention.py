@@ -18,9 +18,10 @@ Flow, with at most one host-device sync on clean input:
 A fused GPU kernel can move the verify-and-repair of step 3 inside the tile loop; the contract is the same.
 
 Backward: the verified output and row log-sum-exp feed the fused CPU kernel (fused_backward._VerifiedAttention), as on
-the unfused path; under protect(scope="all"), on a step whose whole-step checks are due, the checked products of
-attention_backward instead, a block of query rows at a time (O(block·S) memory, as this forward), and the fused kernel
-with the tripwire on its dQ/dK/dV on the others. On other devices the gradient comes from recomputing the
+the unfused path; under protect(scope="all"), on a step whose whole-step checks are due, that kernel on
+checksum-encoded operands (encoded_backward: O(T·D) memory), whose recovery runs the checked products of
+attention_backward a block of query rows at a time (O(block·S) memory, as this forward), and the fused kernel with the
+tripwire on its dQ/dK/dV on the others. On other devices the gradient comes from recomputing the
 (unprotected) fused SDPA in backward, which is the gradient of the same function at the same verified q, k, v.
 """
 from __future__ import annotations
@@ -173,8 +174,8 @@ def tiled_sdpa(
     if not (torch.is_grad_enabled() and (q_BHTD.requires_grad or k_BHSD.requires_grad or v_BHSD.requires_grad)):
         return out
     if q_BHTD.device.type == "cpu":
-        # Under protect(scope="all") the backward is checked too (attention_backward), a block of this forward's
-        # query rows at a time (within the tile budget), so that it keeps O(block·S) as this forward does.
+        # Under protect(scope="all") the backward is checked too (encoded_backward); its recovery runs the checked
+        # products a block of this forward's query rows at a time, so that it keeps O(block·S) as this forward does.
         return _VerifiedAttention.apply(q_BHTD, k_rep, v_rep, _Forward(
             out_BHTD=out, lse_BHT=lse, mask_add=_additive_mask(attn_mask, q_BHTD.dtype), scale=scale,
             is_causal=is_causal, layer=ctx, block_q=tiles.block_q))
