@@ -10,7 +10,8 @@ Variants:
   tiled     attnchecker.protect(model, policy=Policy.full()) with ATTNCHECKER_ATTENTION=tiled
   unfused   the same with ATTNCHECKER_ATTENTION=unfused (the checked path that holds AS and AP, B·H·T·S each)
   tiled_all protect(model, policy=Policy.full(), scope="all") on the tiled path: every Linear GEMM checked too, and
-            the attention backward's products checked a block of query rows at a time
+            the attention backward checked on the fused kernel with encoded operands (its recovery: the checked
+            products, a block of query rows at a time)
 
 Memory: each measurement is a fresh process (`--child`), so no allocator cache or earlier peak leaks into the next.
 The child builds the model, runs one warm-up step (AdamW's state and the gradients exist from then on), then resets
