@@ -2,7 +2,7 @@
 
 The checked products of attention_backward materialise S, dP, AP and dS over (B, H, rows, S) and run five GEMMs
 where the fused CPU flash-attention backward keeps all of that in its tiles: at the overhead benchmark's GPT-2 layer
-they took 2.6× the kernel's time, this 1.7× (bench/encoded_backward.py). Here the fused kernel itself
+they took 2.6× the kernel's time, this 1.6× (bench/encoded_backward.py). Here the fused kernel itself
 carries the checksums, the way ABFT encodes a GEMM's operands (Huang & Abraham): columns appended to its operands
 come out as checksum columns of its outputs.
 
@@ -94,9 +94,10 @@ engine_caches.register(_sum_weights)
 
 @functools.lru_cache(maxsize=32)
 def _residual_weights(n: int, at: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """(n + ENCODED_COLS, 2): e and w over an encoded output's first n columns, -1 at its checksum columns at, at+1:
-    the output times it is (plain, weighted) checksum residual per row."""
-    weights = torch.zeros(n + ENCODED_COLS, 2, dtype=torch.float64)
+    """(at + 2, 2): e and w over an encoded output's first n columns, -1 at its checksum columns at, at+1: the
+    output's first at + 2 columns times it are the (plain, weighted) checksum residuals per row. Not wider: a bound
+    column after them may hold INF (an overflowed bound, which must stay a loose bound), and 0·INF would be NaN."""
+    weights = torch.zeros(at + 2, 2, dtype=torch.float64)
     weights[:n] = _sum_weights(n, torch.device("cpu"), torch.float64)
     weights[at, 0] = weights[at + 1, 1] = -1.0
     return weights.to(device=device, dtype=dtype)
@@ -181,7 +182,7 @@ def encoded_backward(
                 old = _output_of(op, dq, dk, dv)
                 # dS's row sums show in dQ's rows: compared under dQ's bound.
                 same_as = bounds[0] if op == "grad_probs" else bound
-                if bad and not _agrees(old, _output_of(op, *fresh[:3]), same_as):
+                if bad and not _agrees(old, _output_of(op, *fresh[:3]), same_as, side.u_fwd):
                     _emit_flag(layer, op, old, ratio, bound, action="recomputed")
         result = (fresh[0], fresh[1], fresh[2])
     extra = (time.perf_counter() - t1) / len(ENCODED_OPS)
@@ -202,6 +203,10 @@ class _Side:
     g_do_top: torch.Tensor
     """The power of two the dO' bound column g₁ was divided by; g_dk_top: g₂'s."""
     g_dk_top: torch.Tensor
+    flushed_v_BH: torch.Tensor
+    """What the dV bound column can miss: tiny·Σ_i g₁_i (a low-precision GEMM flushes AP_ij below dtype's normal
+    range to zero); flushed_k_BH: the same for g₂, the dK column."""
+    flushed_k_BH: torch.Tensor
     u_fwd: float = 0.0
     """The operand rounding of the forward's fp32 products (TF32: 2^-10; IEEE: 0)."""
 
@@ -258,10 +263,18 @@ def _encode(inputs: _Inputs, *, scale: float, acc: torch.dtype) -> tuple[tuple[t
     lse_abs = torch.where(torch.isfinite(lse_BHT), lse_BHT.to(acc).abs(), 0.0)
     eps_BHT = (u_s + 2 * gamma(d, acc)) * s_max_BHT + 8 * u_acc * (1.0 + lse_abs)
     # Bound columns for dV = APᵀ dO and dK = scale·dSᵀ Q, summed by the kernel over its own AP (≥ 0): g₁ bounds
-    # Σ_k |dO_ik| (√D ‖dO_i‖), g₂ Σ_j |dS_ij| Σ_k |Q_ik| over the rows of AP (√D ‖Q_i‖ G_i). Scaled to at most 1
-    # each so that fp16/bf16 can hold them; the scale is multiplied back after the kernel.
-    g_do, g_do_top = _unit(math.sqrt(d) * do_norm_BHT)
-    g_dk, g_dk_top = _unit(math.sqrt(d) * q_norm_BHT * g_BHT)
+    # Σ_k |dO_ik| (√D ‖dO_i‖), g₂ Σ_j |dS_ij| Σ_k |Q_ik| over the rows of AP (√D ‖Q_i‖ G_i). Scaled into the
+    # inputs' dtype (``_in_range``); the scale is multiplied back after the kernel.
+    rho_BHT = torch.exp(eps_BHT)
+    g1_BHT, g2_BHT = math.sqrt(d) * do_norm_BHT, math.sqrt(d) * q_norm_BHT * g_BHT
+    g_do, g_do_top = _in_range(g1_BHT, dt, rho_BHT)
+    g_dk, g_dk_top = _in_range(g2_BHT, dt, rho_BHT)
+    # The kernel's bf16 (and maybe fp16) GEMM for dV' treats AP_ij below the normal range as 0, where the dS_ij it
+    # makes of the same AP_ij for dK (times a large dP - δ) is a normal number: the dK bound column misses those
+    # terms. Each is at most tiny·g_i. Found by the clean campaign's bf16 BERT with massive activations: dK rows of
+    # 1e-26 under a bound column of 1e-29.
+    tiny = torch.finfo(dt).smallest_normal
+    flushed_v, flushed_k = tiny * g1_BHT.sum(-1), tiny * g2_BHT.sum(-1)
     zeros = q_BHTD.new_zeros(*q_BHTD.shape[:-1], 1)
     ones_s = k_BHSD.new_ones(*k_BHSD.shape[:-1], 1)
     zeros_s = k_BHSD.new_zeros(*k_BHSD.shape[:-1], ENCODED_COLS)
@@ -270,7 +283,8 @@ def _encode(inputs: _Inputs, *, scale: float, acc: torch.dtype) -> tuple[tuple[t
     v_e = _encoded(v_BHSD, zeros_s)
     o_e = _encoded(out_BHTD, zeros.expand(*zeros.shape[:-1], ENCODED_COLS))
     do_e = _encoded(do_BHTD, c_do.to(dt), g_do[..., None].to(dt), g_dk[..., None].to(dt), zeros)
-    side = _Side(g_BHT=g_BHT, rho_BHT=torch.exp(eps_BHT), k_max_BH=k_max_BH, g_do_top=g_do_top, g_dk_top=g_dk_top,
+    side = _Side(g_BHT=g_BHT, rho_BHT=rho_BHT, k_max_BH=k_max_BH, g_do_top=g_do_top, g_dk_top=g_dk_top,
+                 flushed_v_BH=flushed_v, flushed_k_BH=flushed_k,
                  u_fwd=u_fwd)
     return (q_e, k_e, v_e, o_e, do_e), side
 
@@ -311,11 +325,19 @@ _SQUARES_SAFE = (1e-18, 1e18)
 1.2e-38 and 3.4e38; D ≤ 2^10 terms)."""
 
 
-def _unit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x / max(x) (finite, at most 1) and that divisor, a power of two (so the division is exact)."""
-    top = x.amax().clamp_min(torch.finfo(x.dtype).tiny)
+def _in_range(x_BHT: torch.Tensor, dtype: torch.dtype, rho_BHT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x divided by a power of two (exact), and that divisor, so that x's largest value sits high in dtype's range
+    with room for the kernel's sum APᵀx ≤ T·max ρ·max x (ρ ≥ a row sum of its AP): as high as it can go, because the
+    rows' small values must not fall below the normal range. A bf16 GEMM flushes subnormal operands and products to
+    zero: with x scaled to at most 1, the bound sums of BERT's padded rows (gradients ~1e-17 beside rows of ~1e20,
+    the clean campaign's bf16 `outliers` run) came out 0, a zero bound under correct dK and dV rows. ρ is there for
+    TF32 or bf16 runs with massive activations, whose recomputed AP can sum far past 1 (an overflowed sum is an INF
+    bound: it cannot flag, nor can it catch)."""
+    rows = max(1, x_BHT.shape[-1])
+    room = torch.finfo(dtype).max / (8 * rows * rho_BHT.amax().clamp(1.0, 2.0**40))
+    top = x_BHT.amax().clamp_min(torch.finfo(x_BHT.dtype).tiny) / room
     top = torch.exp2(torch.ceil(torch.log2(top)))
-    return x / top, top
+    return x_BHT / top, top
 
 
 def _encoded(x_BHTD: torch.Tensor, *cols: torch.Tensor) -> torch.Tensor:
@@ -356,15 +378,15 @@ def _ratios(
     slack = 2.0 * (tol.factor if tol.mode == "roundoff" else 1.0)
 
     def residual(out_e: torch.Tensor, n: int, at: int) -> torch.Tensor:
-        # Σ_k w_k out_ik - checksum_i as one product over the whole row (a product of the strided slices copied
-        # them first).
-        prod, _ = _rows_times(out_e, _residual_weights(n, at, out_e.device, acc))
+        # Σ_k w_k out_ik - checksum_i as one product over the row's first at + 2 columns, read in place (fused_pass
+        # takes the row stride; a product of the separate slices copied them first).
+        prod, _ = _rows_times(out_e[..., :at + 2], _residual_weights(n, at, out_e.device, acc))
         assert prod is not None
         return prod.abs().amax(-1)
 
     b_q = scale * side.rho_BHT * side.g_BHT * math.sqrt(d) * side.k_max_BH[..., None]
-    b_k = scale * dv_e[..., d + 3].to(acc).abs() * side.g_dk_top * (1 + rel)
-    b_v = dv_e[..., d + 2].to(acc).abs() * side.g_do_top * (1 + rel)
+    b_k = scale * (dv_e[..., d + 3].to(acc).abs() * side.g_dk_top * (1 + rel) + side.flushed_k_BH[..., None])
+    b_v = dv_e[..., d + 2].to(acc).abs() * side.g_do_top * (1 + rel) + side.flushed_v_BH[..., None]
     ds1 = dq_e[..., d + 4].to(acc).abs()
     b_ds = scale * side.g_BHT * ((side.rho_BHT - 1) + side.rho_BHT * (rel + 2 * u_acc + 2 * side.u_fwd)) + u_in * ds1
     residuals = [residual(dq_e, d, d + 2), residual(dk_e, d, d), residual(dv_e, d, d), ds1]
@@ -379,16 +401,21 @@ def _output_of(op: str, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) ->
     return {"grad_q": dq, "grad_k": dk, "grad_v": dv, "grad_probs": dq}[op]
 
 
-def _agrees(old: torch.Tensor, new: torch.Tensor, bound_R: torch.Tensor) -> bool:
+def _agrees(old: torch.Tensor, new: torch.Tensor, bound_R: torch.Tensor, u_fwd: float = 0.0) -> bool:
     """Whether a flagged fused output is the checked products' one up to round-off: each row's Σ|old - new| within
-    2× its check's bound, leaving out the elements the products did not get finite either. Those are an overflow of
-    the operands (fp16 under GradScaler, which skips the step; the two paths overflow in different places, the
-    products' fp16 dP before the kernel's fp32 one) or a non-finite input, which its own op's check reports: not
-    this kernel's fault. Slow path only."""
+    2× its check's bound, plus, under TF32, the products' own operand rounding (they run in the model's matmul
+    precision, the kernel in IEEE fp32), leaving out the elements the products did not get finite either. Those are
+    an overflow of the operands (fp16 under GradScaler, which skips the step; the two paths overflow in different
+    places, the products' fp16 dP before the kernel's fp32 one) or a non-finite input, which its own op's check
+    reports: not this kernel's fault. Slow path only."""
     same = (old == new) | ~torch.isfinite(new)
-    diff = torch.where(same, 0.0, (old.to(bound_R.dtype) - new.to(bound_R.dtype)).abs()).sum(-1)
+    old_w, new_w = old.to(bound_R.dtype), new.to(bound_R.dtype)
+    diff = torch.where(same, 0.0, (old_w - new_w).abs()).sum(-1)
+    tol = 2 * bound_R
+    if u_fwd:
+        tol = tol + 4 * u_fwd * torch.where(same, 0.0, old_w.abs() + new_w.abs()).sum(-1)
     # diff == 0 also where an overflowed bound column left the bound itself non-finite.
-    return bool(((diff == 0) | (diff <= 2 * bound_R)).all())  # sync: slow path only
+    return bool(((diff == 0) | (diff <= tol)).all())  # sync: slow path only
 
 
 def _emit_flag(layer: LayerContext, op: str, out: torch.Tensor, ratio_R: torch.Tensor, bound_R: torch.Tensor, *,

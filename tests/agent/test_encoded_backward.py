@@ -114,16 +114,65 @@ def test_clean_backward_at_a_realistic_size_keeps_a_wide_margin(make_ctx: Any) -
 def test_gradient_rows_of_any_magnitude_stay_clean(make_ctx: Any, dtype: torch.dtype) -> None:
     """Padded tokens' gradient rows reach 1e-24 (the clean campaign's BERT at T = 512), and diverging runs' 1e18: in
     fp32 their squares underflow or overflow, and a norm of 0 made a bound of 0 under a correct dQ (a false
-    "recomputed" in the campaign). The norms fall back on √D·max|x| there."""
+    "recomputed" in the campaign). The norms fall back on √D·max|x| there. And a batch element whose gradients are
+    all ~1e-20 beside one with rows of ~1e18 (the campaign's bf16 BERT) must keep its dK/dV bound columns above the
+    range a bf16 GEMM flushes to zero."""
     a = attention(dtype, 2, 2, 40, 40, 16, mask="padding", strided=True, seed=7)
     do = a["do"].float().clone()
     do[0, :, :10] *= 1e-24
+    do[0, :, 10:] *= 1e-20
     do[1, :, 5:9] *= 1e18
     a["do"] = do.to(dtype)
     ctx, rec = make_ctx()
     got = encoded(ctx, a)
     assert not rec.detections, rec.detections[:2]
     assert close(got, fused(a), a, 8 * torch.finfo(dtype).eps)
+
+
+@pytest.mark.parametrize("mask_value", [-88.0, -96.0])
+def test_keys_a_mask_pushes_below_the_normal_range_stay_clean(make_ctx: Any, mask_value: float) -> None:
+    """bf16, padded keys whose additive mask (-88 to -96) leaves AP_ij ~1e-40, below the normal range, under
+    gradients of ~1e10: the kernel's bf16 GEMM for dV' flushes those AP_ij to zero, and with them the dK bound
+    column's terms, while dS_ij = AP_ij·(dP_ij - δ_i) is a normal number that reaches dK. The clean campaign's bf16
+    BERT with massive activations flagged such dK rows (1e-26 under a bound column of 1e-29) until the bound took
+    tiny·Σ_i g_i for the terms a flush can drop."""
+    g = torch.Generator().manual_seed(0)
+    d, t = 32, 64
+    scale = 1 / math.sqrt(d)
+    q, k, v = (torch.randn(1, 2, t, d, generator=g).bfloat16() for _ in range(3))
+    mask = torch.zeros(1, 1, 1, t)
+    mask[..., 48:] = mask_value
+    mask = mask.bfloat16()
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+    do = (torch.randn(1, 2, t, d, generator=g) * 1e10).bfloat16()
+    a = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "do": do, "mask": mask, "scale": scale, "causal": False}
+    ctx, rec = make_ctx()
+    encoded(ctx, a)
+    assert not rec.detections, [(det.op, det.row) for det in rec.detections]
+
+
+def test_an_overflowed_bound_column_is_a_loose_bound_not_a_flag(make_ctx: Any, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    """A bound column can overflow where the recomputed AP sums far past 1 (TF32 with massive activations): the
+    residuals must not read it (0·INF is NaN, which flags). The clean campaign's TF32 BERT reported 46 correct dV
+    rows as recomputed that way. Forced here by scaling the columns past the dtype's range."""
+    def overflowing(x: torch.Tensor, dtype: torch.dtype, rho: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every row at the largest one's value (a looser bound, still a bound), half the dtype's range: finite, so
+        # dP = dO'·V'ᵀ (where it meets V's zero columns) stays clean, but a key whose AP column sums past 2 overflows.
+        half = torch.finfo(dtype).max / 2
+        return torch.full_like(x, half), x.amax() / half
+
+    monkeypatch.setattr(encoded_backward, "_in_range", overflowing)
+    a = attention(torch.float32, 1, 2, 32, 32, 16, mask="none", strided=False, seed=8, spread=4.0)
+    inputs = encoded_backward._Inputs(a["do"], a["q"], a["k"], a["v"], a["out"], a["lse"], a["mask"])
+    encoded_ops, _ = encoded_backward._encode(inputs, scale=a["scale"], acc=torch.float32)
+    assert torch.isinf(FUSED_BACKWARD(*encoded_ops[4:], *encoded_ops[:4], a["lse"], 0.0, False, attn_mask=None,
+                                      scale=a["scale"])[2]).any()  # the case is real: some bound column overflowed
+    ctx, rec = make_ctx()
+    got = encoded(ctx, a)
+    assert not rec.detections
+    assert ctx.runtime.stats.checks.get("scores_bwd", 0) == 0  # not flagged: nothing was recomputed
+    assert close(got, fused(a), a, 8 * torch.finfo(torch.float32).eps)
 
 
 def test_a_tf32_forward_stays_clean(make_ctx: Any) -> None:
@@ -308,3 +357,24 @@ def test_a_kernel_that_refuses_the_encoded_operands_falls_back_to_the_checked_pr
     assert close(got, fused(a), a, 1e-5)
     assert ctx.runtime.stats.checks["scores_bwd"] == 2  # the products ran, twice
     assert sum("refused the encoded operands" in r.message for r in caplog.records) == 1
+
+
+def test_under_tf32_a_flag_on_a_clean_output_is_not_reported(make_ctx: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recovery's checked products run in the model's matmul precision (TF32 here, emulated), the kernel in IEEE
+    fp32: their outputs differ by TF32's rounding, which the comparison must allow for, or a flag on a correct output
+    (a bound the data came close to; forced here) is reported as a recomputed fault."""
+    from attnchecker.emulate import emulate_fp32_matmul
+
+    real = encoded_backward._ratios
+
+    def flag_dv(*args: Any, **kwargs: Any) -> Any:
+        ratios, bounds = real(*args, **kwargs)
+        return [*ratios[:2], ratios[2] * 0 + 2.0, ratios[3]], bounds
+
+    monkeypatch.setattr(encoded_backward, "_ratios", flag_dv)
+    a = attention(torch.float32, 2, 4, 48, 48, 32, mask="causal", strided=True, seed=12)
+    with emulate_fp32_matmul("tf32"):
+        ctx, rec = make_ctx()
+        encoded(ctx, a)
+    assert ctx.runtime.stats.checks["scores_bwd"] > 0  # flagged, and recomputed through the products
+    assert not rec.detections, [(det.op, det.row) for det in rec.detections]
