@@ -366,15 +366,25 @@ def _ratios(
     """Per op of ENCODED_OPS: (the residual/bound ratio per row, the bound per row). A row's residual is the larger
     of its plain and weighted checksum differences (dS: |Σ_j dS_ij|).
 
-    Each bound is 2× the rigorous one (docs/abft.md, "The encoded backward"): the kernel's accumulation and ours
-    (γ over the longest sum, in the accumulation dtype), the rounding of the checksum operands and of the outputs to
-    the inputs' dtype (u), over a quantity that bounds Σ |terms| of the row: dQ_i: scale·ρ_i·G_i·√D·max‖K_j‖;
+    Each bound is 2× a round-off bound (docs/abft.md, "The encoded attention backward"): the kernel's accumulation
+    and ours (calibrated: `sigmas` standard deviations of the modelled error, capped by the rigorous γ over the
+    longest sum, in the accumulation dtype), the rounding of the checksum operands and of the outputs to the inputs'
+    dtype (u), over a quantity that bounds Σ |terms| of the row: dQ_i: scale·ρ_i·G_i·√D·max‖K_j‖;
     dK_j and dV_j: the bound columns the kernel summed over its own AP. Plus an absolute floor: a bf16 GEMM flushes
     subnormal operands to zero."""
     u_in = torch.finfo(dtype).eps / 2
     u_acc = torch.finfo(acc).eps / 2
-    tiny = torch.finfo(dtype).tiny * (s + t + d + 8)
-    rel = 2 * gamma(s + t + d + 8, acc) + 3 * u_in
+    n = s + t + d + 8
+    tiny = torch.finfo(dtype).tiny * n
+    accumulation = 2 * gamma(n, acc)
+    if tol.mode == "roundoff" and tol.calibrated:
+        # The calibrated model of abft.tolerance: rounding errors as independent, mean-zero, of variance ≤ u²/3 of
+        # the partial sum they round, each partial sum ≤ the row's Σ|terms| (the quantities below). The D outputs'
+        # accumulations, the checksum column's and ours add up to a variance ≤ u²·n·B², so `sigmas` standard
+        # deviations are sigmas·u·√n·B, capped by the rigorous 2γ_n·B. The roundings to the inputs' dtype (3u_in)
+        # stay rigorous: in bf16 they are most of the bound.
+        accumulation = min(accumulation, tol.sigmas * u_acc * math.sqrt(n))
+    rel = accumulation + 3 * u_in
     slack = 2.0 * (tol.factor if tol.mode == "roundoff" else 1.0)
 
     def residual(out_e: torch.Tensor, n: int, at: int) -> torch.Tensor:

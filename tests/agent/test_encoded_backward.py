@@ -378,3 +378,21 @@ def test_under_tf32_a_flag_on_a_clean_output_is_not_reported(make_ctx: Any, monk
         encoded(ctx, a)
     assert ctx.runtime.stats.checks["scores_bwd"] > 0  # flagged, and recomputed through the products
     assert not rec.detections, [(det.op, det.row) for det in rec.detections]
+
+
+def test_the_calibrated_bound_catches_a_few_rms_error_the_rigorous_one_misses(make_ctx: Any,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32, GPT-2-like heads at T = 512: 2× the output's RMS in one element of dQ. The calibrated accumulation term
+    (sigmas·u·√n instead of 2γ_n) flags it; the rigorous bound alone does not, which is the sensitivity the
+    calibrated term buys (docs/abft.md, "Sensitivity")."""
+    from attnchecker.abft.tolerance import Tolerance
+
+    a = attention(torch.float32, 1, 4, 512, 512, 64, mask="causal", strided=True, seed=13)
+    caught = {}
+    for calibrated in (True, False):
+        monkeypatch.setattr(encoded_backward, "_tolerance", lambda layer, c=calibrated: Tolerance(calibrated=c))
+        ctx, rec = make_ctx(mode="detect")
+        with OutputFault(0, "finite", head_dims=64, rms=2.0):
+            encoded(ctx, a)
+        caught[calibrated] = [det.op for det in rec.detections]
+    assert caught == {True: ["grad_q"], False: []}
