@@ -84,7 +84,8 @@ def supports(q_BHTD: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=32)
 def _sum_weights(n: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """(n, 2): e and w = (1..n)/n, the plain and weighted checksum vectors (w ≤ 1: one bound serves both)."""
+    """(n, 2): e and w = (1..n)/n, the plain and weighted checksum vectors: abft.checksum_weights scaled to w ≤ 1, so
+    that one bound serves both and the checksum columns fit fp16 operands (Q·(1..n) at D = 128 passes 65504)."""
     w = torch.arange(1, n + 1, device=device, dtype=torch.float64) / n
     return torch.stack([torch.ones_like(w), w], dim=-1).to(dtype)
 
@@ -124,6 +125,10 @@ def encoded_backward(
     (mode "correct") recomputed and verified through the checked products. One host sync when clean."""
     from .attention_backward import checked_backward
 
+    def products() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        return checked_backward(layer, grad_out_BHTD, q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, mask_add,
+                                scale=scale, is_causal=is_causal, block_q=block_q)
+
     t0 = time.perf_counter()
     dt = q_BHTD.dtype
     acc = torch.float64 if dt == torch.float64 else torch.float32
@@ -140,8 +145,7 @@ def encoded_backward(
         # A shape or mask this kernel build refuses at D + 5 (none known): the checked products instead, never a
         # crash of the training step.
         _warn_once(exc)
-        dq, dk, dv, _ = checked_backward(layer, grad_out_BHTD, q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, mask_add,
-                                         scale=scale, is_causal=is_causal, block_q=block_q)
+        dq, dk, dv, _ = products()
         return dq, dk, dv
     # The kernel's own time is the backward's, not the check's (its 5 extra head dims are not told apart).
     t0 += time.perf_counter() - t_kernel
@@ -172,8 +176,7 @@ def encoded_backward(
                 _emit_flag(layer, op, _output_of(op, dq, dk, dv), ratio, bound, action="detected")
         result = (dq, dk, dv)
     else:
-        fresh = checked_backward(layer, grad_out_BHTD, q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, mask_add,
-                                 scale=scale, is_causal=is_causal, block_q=block_q)
+        fresh = products()
         if not fresh[3]:
             # The checked products found nothing: the fault, if any, was in the fused result thrown away. A flagged
             # output that the fresh one matches (an fp16 overflow both computed, which GradScaler skips the step
@@ -267,8 +270,10 @@ def _encode(inputs: _Inputs, *, scale: float, acc: torch.dtype) -> tuple[tuple[t
     # inputs' dtype (``_in_range``); the scale is multiplied back after the kernel.
     rho_BHT = torch.exp(eps_BHT)
     g1_BHT, g2_BHT = math.sqrt(d) * do_norm_BHT, math.sqrt(d) * q_norm_BHT * g_BHT
-    g_do, g_do_top = _in_range(g1_BHT, dt, rho_BHT)
-    g_dk, g_dk_top = _in_range(g2_BHT, dt, rho_BHT)
+    # Room for the kernel's sums APᵀg ≤ T·max ρ·max g in the dtype's range (``_in_range``).
+    room = torch.finfo(dt).max / (8 * max(1, g1_BHT.shape[-1]) * rho_BHT.amax().clamp(1.0, 2.0**40))
+    g_do, g_do_top = _in_range(g1_BHT, room)
+    g_dk, g_dk_top = _in_range(g2_BHT, room)
     # The kernel's bf16 (and maybe fp16) GEMM for dV' treats AP_ij below the normal range as 0, where the dS_ij it
     # makes of the same AP_ij for dK (times a large dP - δ) is a normal number: the dK bound column misses those
     # terms. Each is at most tiny·g_i. Found by the clean campaign's bf16 BERT with massive activations: dK rows of
@@ -325,16 +330,14 @@ _SQUARES_SAFE = (1e-18, 1e18)
 1.2e-38 and 3.4e38; D ≤ 2^10 terms)."""
 
 
-def _in_range(x_BHT: torch.Tensor, dtype: torch.dtype, rho_BHT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x divided by a power of two (exact), and that divisor, so that x's largest value sits high in dtype's range
-    with room for the kernel's sum APᵀx ≤ T·max ρ·max x (ρ ≥ a row sum of its AP): as high as it can go, because the
-    rows' small values must not fall below the normal range. A bf16 GEMM flushes subnormal operands and products to
-    zero: with x scaled to at most 1, the bound sums of BERT's padded rows (gradients ~1e-17 beside rows of ~1e20,
-    the clean campaign's bf16 `outliers` run) came out 0, a zero bound under correct dK and dV rows. ρ is there for
-    TF32 or bf16 runs with massive activations, whose recomputed AP can sum far past 1 (an overflowed sum is an INF
-    bound: it cannot flag, nor can it catch)."""
-    rows = max(1, x_BHT.shape[-1])
-    room = torch.finfo(dtype).max / (8 * rows * rho_BHT.amax().clamp(1.0, 2.0**40))
+def _in_range(x_BHT: torch.Tensor, room: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x divided by a power of two (exact), and that divisor, so that x's largest value sits at ``room``: the top of
+    the dtype's range less what the kernel's sum APᵀx ≤ T·max ρ·max x needs (ρ ≥ a row sum of its AP). As high as
+    it can go, because the rows' small values must not fall below the normal range. A bf16 GEMM flushes subnormal
+    operands and products to zero: with x scaled to at most 1, the bound sums of BERT's padded rows (gradients ~1e-17
+    beside rows of ~1e20, the clean campaign's bf16 `outliers` run) came out 0, a zero bound under correct dK and dV
+    rows. ρ is there for TF32 or bf16 runs with massive activations, whose recomputed AP can sum far past 1 (an
+    overflowed sum is an INF bound: it cannot flag, nor can it catch)."""
     top = x_BHT.amax().clamp_min(torch.finfo(x_BHT.dtype).tiny) / room
     top = torch.exp2(torch.ceil(torch.log2(top)))
     return x_BHT / top, top

@@ -156,10 +156,10 @@ def test_an_overflowed_bound_column_is_a_loose_bound_not_a_flag(make_ctx: Any, m
     """A bound column can overflow where the recomputed AP sums far past 1 (TF32 with massive activations): the
     residuals must not read it (0·INF is NaN, which flags). The clean campaign's TF32 BERT reported 46 correct dV
     rows as recomputed that way. Forced here by scaling the columns past the dtype's range."""
-    def overflowing(x: torch.Tensor, dtype: torch.dtype, rho: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def overflowing(x: torch.Tensor, room: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Every row at the largest one's value (a looser bound, still a bound), half the dtype's range: finite, so
         # dP = dO'·V'ᵀ (where it meets V's zero columns) stays clean, but a key whose AP column sums past 2 overflows.
-        half = torch.finfo(dtype).max / 2
+        half = torch.finfo(torch.float32).max / 2
         return torch.full_like(x, half), x.amax() / half
 
     monkeypatch.setattr(encoded_backward, "_in_range", overflowing)
