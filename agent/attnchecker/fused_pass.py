@@ -8,11 +8,10 @@ needs. ``fused_pass`` computes them together in one read of the matrix (``fused_
 transposed view (dYᵀ, Xᵀ) is read as its contiguous base, its products taken from the other side; grouped
 checksums are runs of a row, each with its own sums.
 
-The C source is compiled on first use with the system C compiler (``cc``, or ``$CC``) into a cache directory
-(``$ATTNCHECKER_CACHE_DIR``, default ``~/.cache/attnchecker``), keyed by the source, the flags and the CPU, and loaded
-with ctypes: no Python headers, no build step at install. Where there is no compiler, the build fails, the tensors
-are not fp32 on the CPU, or ``ATTNCHECKER_NATIVE=0``, ``fused_pass`` returns None and the caller takes its eager path
-(the same quantities, the same bounds). A GPU would need the same contract in its own kernel (not written).
+The C source is built and loaded by ``native`` (on first use, with the system C compiler). Where there is no compiler,
+the build fails, the tensors are not fp32 on the CPU, or ``ATTNCHECKER_NATIVE=0``, ``fused_pass`` returns None and
+the caller takes its eager path (the same quantities, the same bounds). A GPU would need the same contract in its own
+kernel (not written).
 
 Legend: R rows, C columns of X; nr, nl the skinny factors' widths; ... leading batch dims.
 abft/ stays pure: ``abft.gemm.verify_gemm`` takes this function as its ``one_pass`` argument (gemm_check passes it).
@@ -22,35 +21,21 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import itertools
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from . import native
 from .abft.gemm import FusedSums
 
 __all__ = ["available", "fused_pass"]
 
-log = logging.getLogger("attnchecker")
-
-NATIVE_ENV = "ATTNCHECKER_NATIVE"
-"""Set to 0 to keep every check on its eager path (to compare the two, or where a compiler must not run)."""
 enabled = True
 """False: ``fused_pass`` declines every call, as without a kernel (bench/overhead.py's ``all_full_eager`` toggles it
 around its steps, to price the kernel side by side in one run)."""
 _SOURCE = Path(__file__).with_name("fused_pass.c")
-# No -ffast-math: it implies -ffinite-math-only, under which the compiler may drop the NaN and INF a check must see.
-# -fassociative-math (with the two flags it requires) lets the sums over a row run in vector lanes.
-_FLAGS = ("-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fPIC",
-          "-shared", "-std=c99")
 _WIDEST_LEFT = 64
 """Widest left factor: the kernel keeps a row's left coefficients on its stack."""
 
@@ -204,57 +189,12 @@ def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
 @functools.lru_cache(maxsize=1)
 def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The kernel's entry point, built and loaded once per process; None (logged once) where it cannot be."""
-    if os.environ.get(NATIVE_ENV, "1").strip() == "0":
-        return None
-    try:
-        so = _build()
-        fn = ctypes.CDLL(str(so)).attnchecker_fused_pass
-    except (OSError, subprocess.SubprocessError, ValueError) as e:
-        log.warning("attnchecker: the one-pass checksum kernel is not available (%s); checks take their eager path, "
-                    "which reads each matrix about twice", e)
+    fn = native.load(_SOURCE, "attnchecker_fused_pass", "checks take their eager path, which reads each matrix "
+                     "about twice")
+    if fn is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.restype = None
     fn.argtypes = [i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64,
                    ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     return fn
-
-
-def _build() -> Path:
-    source = _SOURCE.read_bytes()
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise ValueError("no C compiler (cc, gcc or $CC) on PATH")
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), cc.encode(), _cpu().encode()])).hexdigest()
-    so = _cache_dir() / f"fused_pass-{key[:16]}.so"
-    if so.exists():
-        return so
-    so.parent.mkdir(parents=True, exist_ok=True)
-    # Built under a name of its own, then renamed: ranks of one job building at once each install a whole file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=so.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120,
-                              check=False)
-        if done.returncode != 0:
-            raise ValueError(f"{cc} failed: {done.stderr.strip()[:500]}")
-        os.replace(tmp, so)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return so
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("ATTNCHECKER_CACHE_DIR")
-    return (Path(base) if base else Path.home() / ".cache" / "attnchecker") / "native"
-
-
-def _cpu() -> str:
-    """What -march=native compiled for: a library built on one CPU model may not run on another (a cache directory
-    shared across a cluster's nodes)."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor() or platform.machine()
-    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features", "CPU part"))]
-    return "\n".join(sorted(set(lines)))
