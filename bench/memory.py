@@ -7,7 +7,9 @@ One training step = forward + backward + AdamW step.
 
 Variants:
   baseline  unprotected, attn_implementation="sdpa" (the fused flash kernel: no T×T tensor)
-  tiled     attnchecker.protect(model, policy=Policy.full()) with ATTNCHECKER_ATTENTION=tiled
+  tiled     attnchecker.protect(model, policy=Policy.full()) with ATTNCHECKER_ATTENTION=tiled: the native pass
+            (fused_attention.py) where it applies, as a user gets it
+  tiled_torch  the same with the native pass off (fused_attention.enabled = False): the PyTorch tile loop
   unfused   the same with ATTNCHECKER_ATTENTION=unfused (the checked path that holds AS and AP, B·H·T·S each)
   tiled_all protect(model, policy=Policy.full(), scope="all") on the tiled path: every Linear GEMM checked too, and
             the attention backward checked on the fused kernel with encoded operands (its recovery: the checked
@@ -29,6 +31,7 @@ ratios against the baseline.
 
     python bench/memory.py [--seqs 1024,2048,4096,8192,16384] [--repeats 3] [--unfused-max 4096]
                            [--time | --time-only] [--time-seqs 1024,2048,4096 --rounds 3] [--tiny] [--out PATH]
+                           [--variants baseline,tiled,tiled_torch,unfused,tiled_all]
 """
 from __future__ import annotations
 
@@ -47,8 +50,8 @@ import _common
 
 _common.setup_path()
 
-VARIANTS = ("baseline", "tiled", "unfused", "tiled_all")
-PATHS = {"baseline": "auto", "tiled": "tiled", "unfused": "unfused", "tiled_all": "tiled"}
+VARIANTS = ("baseline", "tiled", "tiled_torch", "unfused", "tiled_all")
+PATHS = {"baseline": "auto", "tiled": "tiled", "tiled_torch": "tiled", "unfused": "unfused", "tiled_all": "tiled"}
 """ATTNCHECKER_ATTENTION per variant."""
 SIZES = {
     "full": {"hidden": 256, "heads": 8, "layers": 2, "batch": 1, "vocab": 8192},
@@ -76,10 +79,18 @@ def _build(size: dict[str, int], seq: int, variant: str, device: str = "cpu") ->
         from attnchecker import Policy
 
         os.environ["ATTNCHECKER_ATTENTION"] = PATHS[variant]
+        _native(variant)
         guard = attnchecker.protect(model, policy=Policy.full(), scope="all" if variant == "tiled_all" else "attention")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = torch.randint(0, size["vocab"], (size["batch"], seq), generator=torch.Generator().manual_seed(1)).to(device)
     return model, opt, batch, guard
+
+
+def _native(variant: str) -> None:
+    """The native attention pass on, except for the variant that prices the PyTorch tile loop beside it."""
+    from attnchecker import fused_attention
+
+    fused_attention.enabled = variant != "tiled_torch"
 
 
 def _step(model: Any, opt: Any, batch: Any, guard: Any) -> float:
@@ -137,27 +148,29 @@ def measure(variant: str, seq: int, tiny: bool) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def time_section(seqs: list[int], rounds: int, size: dict[str, int]) -> list[dict[str, Any]]:
+def time_section(seqs: list[int], rounds: int, size: dict[str, int], variants: tuple[str, ...] = VARIANTS
+                 ) -> list[dict[str, Any]]:
     """Step time per variant, interleaved in one process per T (memory is measured elsewhere)."""
     import torch
 
     out = []
     for seq in seqs:
-        built = {v: _build(size, seq, v) for v in VARIANTS}
+        built = {v: _build(size, seq, v) for v in variants}
 
         def runner(v: str, variant_built: tuple[Any, Any, Any, Any]) -> Any:
             def go() -> float:
                 # The path is chosen per call from the environment: set it for the variant being stepped.
                 os.environ["ATTNCHECKER_ATTENTION"] = PATHS[v]
+                _native(v)
                 return _step(*variant_built)
 
             return go
 
-        samples = _common.interleaved({v: runner(v, built[v]) for v in VARIANTS}, rounds=rounds, warmup=1, seed=seq)
+        samples = _common.interleaved({v: runner(v, built[v]) for v in variants}, rounds=rounds, warmup=1, seed=seq)
         ratios = _common.ratios(samples, "baseline")
         out.append({"seq": seq, "threads": torch.get_num_threads(),
                     "variants": {v: {"step_s": _common.summary(samples[v]), "samples_s": samples[v],
-                                     "ratio_vs_baseline": ratios[v]} for v in VARIANTS}})
+                                     "ratio_vs_baseline": ratios[v]} for v in variants}})
         del built
     return out
 
@@ -176,11 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tiny", action="store_true", help="small model and T (the smoke test)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; baseline is always measured")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     size = SIZES["tiny" if args.tiny else "full"]
+    variants = tuple(v for v in VARIANTS if v == "baseline" or v in args.variants.split(","))
+    unknown = set(args.variants.split(",")) - set(VARIANTS) - {""}
+    if unknown:
+        ap.error(f"unknown variant(s) {sorted(unknown)}; known: {', '.join(VARIANTS)}")
     import torch
 
     torch.set_num_threads(args.threads)
@@ -189,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     seqs = [] if args.time_only else [64, 128] if args.tiny else [int(s) for s in args.seqs.split(",")]
     unfused_max = 128 if args.tiny else args.unfused_max
-    jobs = [(v, t) for t in seqs for v in VARIANTS if not (v == "unfused" and t > unfused_max)]
+    jobs = [(v, t) for t in seqs for v in variants if not (v == "unfused" and t > unfused_max)]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {job: [] for job in jobs}
     rng = random.Random(0)
     for r in range(args.repeats):
@@ -204,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for t in seqs:
         entry: dict[str, Any] = {"seq": t, "variants": {}}
-        for v in VARIANTS:
+        for v in variants:
             got = [x for x in runs.get((v, t), []) if "error" not in x]
             if (v, t) not in runs:
                 continue
@@ -231,10 +249,10 @@ def main(argv: list[str] | None = None) -> int:
                                "VmRSS before the measured (second) step", "memory": results}
     if args.time or args.time_only:
         tseqs = [64] if args.tiny else [int(s) for s in args.time_seqs.split(",")]
-        payload["time"] = time_section(tseqs, 2 if args.tiny else args.rounds, size)
+        payload["time"] = time_section(tseqs, 2 if args.tiny else args.rounds, size, variants)
         trows = [[e["seq"], v, e["variants"][v]["step_s"]["median"], _common.pct(
             e["variants"][v]["ratio_vs_baseline"]["median"]), _common.pct(e["variants"][v]["ratio_vs_baseline"]["p25"]),
-            _common.pct(e["variants"][v]["ratio_vs_baseline"]["p75"])] for e in payload["time"] for v in VARIANTS]
+            _common.pct(e["variants"][v]["ratio_vs_baseline"]["p75"])] for e in payload["time"] for v in variants]
         print(_common.table(trows, ["T", "variant", "step s", "overhead", "p25", "p75"]))
     path = _common.write_result("memory", payload, args.out)
     print(f"wrote {path}")

@@ -64,3 +64,4 @@ def kernel_everywhere(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
             monkeypatch.setattr(module, name, 0)
 
     return lower
+

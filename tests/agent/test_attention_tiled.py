@@ -28,6 +28,7 @@ from attnchecker.tiled_attention import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scoped_env import scoped_env
 from test_attention_layer import TOL, layer_params, run_layer, seeded
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -37,14 +38,8 @@ SMALL_TILES = "4,3"
 @pytest.fixture(autouse=True, scope="module")
 def force_tiled():
     """Module scope (hypothesis refuses function-scoped fixtures): set for this module's tests, restored after."""
-    saved = {k: os.environ.get(k) for k in (PATH_ENV, TILE_ENV)}
-    os.environ[PATH_ENV], os.environ[TILE_ENV] = "tiled", SMALL_TILES
-    yield
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with scoped_env({PATH_ENV: "tiled", TILE_ENV: SMALL_TILES}):
+        yield
 
 
 # The engine's suites, collected again in this module (so under force_tiled). Tests that never reach attention's

@@ -131,7 +131,7 @@ def test_memory_bench_measures_every_variant_in_its_own_process(tmp_path):
     doc = run_bench("memory", tmp_path, "--repeats", "1", "--time")
     assert [e["seq"] for e in doc["memory"]] == [64, 128]
     for entry in doc["memory"]:
-        assert set(entry["variants"]) == {"baseline", "tiled", "unfused", "tiled_all"}
+        assert set(entry["variants"]) == {"baseline", "tiled", "tiled_torch", "unfused", "tiled_all"}
         for v in entry["variants"].values():
             check_summary(v["step_mb"])
             assert positive(v["process_mb"]["median"]) and v["step_mb"]["n"] == 1

@@ -1,0 +1,212 @@
+/* The checked attention forward in one pass per query block (attnchecker/fused_attention.py says when it is used):
+ * the tile contract of abft/tiled.py with the checksum sums taken while each tile is in cache, for fp32 on the CPU.
+ *
+ * For each of N (batch x head) matrices, for each block of BQ query rows [r0, r1):
+ *   1. AS = Q_blk K[0:kend)^T with the BLAS the caller hands in (sgemm_, Fortran interface): kend = S, or for a
+ *      causal call the end of the checksum group holding the block's last key (whole groups only, so every group's
+ *      sums cover the same keys as its reference);
+ *   2. per row i and checksum group h (G keys each, weights 1 and 1..G): s_sums[i][h] = (sum AS, sum j*AS, sum AS^2),
+ *      the scores check's row side (its references Q (K_h^T w) are the caller's); groups past kend hold zeros; in
+ *      the same read of the row, the softmax's max over its unmasked keys;
+ *   3. the softmax: z = scale*AS, keys past the row masked (causal), m = max z, P = exp(z - m) in place, l = sum P;
+ *   4. OA = P [V | V e | V w] (one GEMM: CL and its row references, abft.tiled.augment_v), then per row
+ *      c_sums[i] = (sum_d CL, sum_d d*CL, sum_d CL^2, P (V e), P (V w)), the context check's row side;
+ *   5. out = CL / l, lse = m + log l, p_sum = l.
+ * A fault list (tests: a hardware fault inside the kernel, emulated) is applied to AS after its GEMM and to CL after
+ * its GEMM, before their sums: the checks see it as they would see a fault of the arithmetic itself.
+ *
+ * seconds[0], seconds[1]: the time spent in the scores' and the context's checksum passes (each a phase of its own per
+ * block, so that the checks' share of the pass is measured, not estimated; the scores' phase also takes the max).
+ *
+ * Memory: the caller's work buffers, BQ x S for the block's scores and BQ x (D + 2) for its context; no allocation
+ * here (lse holds a block's row maxima between its two row passes). NaN and INF propagate: no finite-math flag (fused_pass.py's flags); exp is a polynomial with an explicit NaN
+ * path. Rows are independent: a caller may split [0, N) between threads.
+ */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c99 */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
+                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
+                         const float *beta, float *c, const int *ldc);
+
+/* exp(x) for x <= 0 (and NaN, -INF), vectorisable: 2^(x log2 e) split as 2^n 2^f, f in [-1/2, 1/2], 2^f by a
+ * degree-6 polynomial (relative error ~2e-7, an ulp or two of fp32, as SDPA's vectorised exp). Below -87.3 the result
+ * is 0 (exp underflows fp32's normal range there); NaN stays NaN. */
+static inline float exp_nonpos(float x) {
+    const float lo = -87.3f;
+    const float t = (x < lo ? lo : x) * 1.44269504088896341f;
+    const float n = __builtin_rintf(t);
+    const float f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    int32_t e = (int32_t)n + 127;
+    e = e < 1 ? 1 : e; /* n >= -126 above the clamp; keeps the bit pattern a normal float */
+    float s;
+    const uint32_t bits = (uint32_t)e << 23;
+    memcpy(&s, &bits, sizeof s);
+    const float r = p * s;
+    return x < lo ? 0.0f : (x != x ? x : r);
+}
+
+/* The bits of x mapped to a signed integer ordered as x is (-0 just below +0), every NaN with the sign bit clear
+ * above +INF and every one with it set below -INF: an integer max over them vectorises where a float max does not
+ * (gcc keeps a float max reduction scalar without -ffinite-math-only). */
+static inline int32_t ordered_bits(float x) {
+    int32_t b;
+    memcpy(&b, &x, sizeof b);
+    return b ^ ((b >> 31) & 0x7fffffff);
+}
+
+/* acc[0..3) += (sum x_j, sum (j+1) x_j, sum x_j^2) over j in [j0, j1): a checksum group's sums, weights 1 and 1..G. */
+static inline void add_sums(const float *restrict x, int64_t j0, int64_t j1, float *restrict acc) {
+    float s1 = acc[0], s2 = acc[1], sq = acc[2];
+    for (int64_t j = j0; j < j1; j++) {
+        const float e = x[j];
+        s1 += e;
+        s2 += (float)(j + 1) * e;
+        sq += e * e;
+    }
+    acc[0] = s1;
+    acc[1] = s2;
+    acc[2] = sq;
+}
+
+/* Row i's pass over its scores x[0..kend): per checksum group of G keys its sums (add_sums), and over the first
+ * `live` keys their maximum, NaN if one is NaN (the softmax's max, of AS before scaling: scale > 0 keeps the order).
+ * One read of the row for both (the live part's loop is add_sums' with the max beside it). */
+static float sums_and_max(const float *restrict x, int64_t groups_done, int64_t G, int64_t live,
+                          float *restrict sums) {
+    int32_t m = ordered_bits(-INFINITY), nan = 0;
+    for (int64_t h = 0; h < groups_done; h++) {
+        const float *restrict g = x + h * G;
+        int64_t lv = live - h * G;
+        lv = lv < 0 ? 0 : (lv > G ? G : lv);
+        float s1 = 0.0f, s2 = 0.0f, sq = 0.0f;
+        for (int64_t j = 0; j < lv; j++) {
+            const float e = g[j];
+            s1 += e;
+            s2 += (float)(j + 1) * e;
+            sq += e * e;
+            const int32_t o = ordered_bits(e);
+            m = o > m ? o : m;
+            int32_t b;
+            memcpy(&b, &e, sizeof b);
+            nan |= (b & 0x7fffffff) > 0x7f800000;
+        }
+        float *acc = sums + 3 * h;
+        acc[0] = s1;
+        acc[1] = s2;
+        acc[2] = sq;
+        add_sums(g, lv, G, acc); /* the group's masked keys: in its checksums, not in the softmax */
+    }
+    if (nan) return NAN;
+    const int32_t b = m ^ ((m >> 31) & 0x7fffffff);
+    float r;
+    memcpy(&r, &b, sizeof r);
+    return r;
+}
+
+/* x[j] = exp(x[j] * scale - m) in place; returns their sum. */
+static float exp_scaled(float *restrict x, int64_t n, float scale, float m) {
+    for (int64_t j = 0; j < n; j++) x[j] = exp_nonpos(x[j] * scale - m);
+    /* A loop of its own: gcc does not vectorise a sum of the select above (a conditional reduction). */
+    float l = 0.0f;
+    for (int64_t j = 0; j < n; j++) l += x[j];
+    return l;
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void apply_faults(int64_t op, int64_t n, int64_t r0, int64_t r1, int64_t c1, float *tile, int64_t ld,
+                         const int64_t *where, const float *value, int64_t count) {
+    for (int64_t f = 0; f < count; f++) {
+        const int64_t *w = where + 4 * f;
+        if (w[0] == op && w[1] == n && w[2] >= r0 && w[2] < r1 && w[3] >= 0 && w[3] < c1)
+            tile[(w[2] - r0) * ld + w[3]] = value[f];
+    }
+}
+
+int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S, int64_t D, const float *q,
+                                    const float *k, const float *va, float scale, int64_t causal, int64_t BQ,
+                                    int64_t G, float *work, float *oa, float *out, float *lse, float *p_sum,
+                                    float *s_sums, float *c_sums, const int64_t *fault_at, const float *fault_value,
+                                    int64_t n_faults, double *seconds) {
+    const sgemm_fn gemm = (sgemm_fn)sgemm;
+    const int64_t DA = D + 2, groups = S / G;
+    if (BQ < 1 || G < 1 || S % G || BQ * S > (int64_t)1 << 31 || D > (int64_t)1 << 20) return -1;
+    const float one = 1.0f, zero = 0.0f;
+    for (int64_t n = 0; n < N; n++) {
+        const float *qn = q + n * T * D, *kn = k + n * S * D, *van = va + n * S * DA;
+        for (int64_t r0 = 0; r0 < T; r0 += BQ) {
+            const int64_t r1 = r0 + BQ < T ? r0 + BQ : T, rows = r1 - r0;
+            int64_t kend = S;
+            if (causal) {
+                const int64_t last = r1 - 1 < S - 1 ? r1 - 1 : S - 1; /* the block's last unmasked key */
+                kend = (last / G + 1) * G;
+            }
+            const int64_t done = kend / G; /* groups computed */
+            /* AS (rows x kend, row-major, ld kend) = Q_blk K^T: column-major (kend x rows) = K (kend x D) Q^T. */
+            {
+                const int m = (int)kend, nn = (int)rows, kk = (int)D, lda = (int)D, ldb = (int)D, ldc = (int)kend;
+                gemm("T", "N", &m, &nn, &kk, &one, kn, &lda, qn + r0 * D, &ldb, &zero, work, &ldc);
+            }
+            if (n_faults) apply_faults(0, n, r0, r1, kend, work, kend, fault_at, fault_value, n_faults);
+            /* The checks' sums ride in the softmax's max pass: the pass is timed as the checks' (the max is one
+             * compare a key beside three multiply-adds). The row maxima wait in lse. */
+            double t0 = now();
+            for (int64_t i = r0; i < r1; i++) {
+                const float *row = work + (i - r0) * kend;
+                float *sums = s_sums + (n * T + i) * groups * 3;
+                const int64_t live = causal ? (i + 1 < kend ? i + 1 : kend) : kend;
+                lse[n * T + i] = sums_and_max(row, done, G, live, sums);
+                for (int64_t h = done; h < groups; h++) sums[3 * h] = sums[3 * h + 1] = sums[3 * h + 2] = 0.0f;
+            }
+            seconds[0] += now() - t0;
+            for (int64_t i = r0; i < r1; i++) {
+                float *row = work + (i - r0) * kend;
+                /* Keys past the row (causal) do not take part in the softmax. */
+                const int64_t live = causal ? (i + 1 < kend ? i + 1 : kend) : kend;
+                const float m = lse[n * T + i] * scale;
+                const float l = exp_scaled(row, live, scale, m);
+                for (int64_t j = live; j < kend; j++) row[j] = 0.0f;
+                lse[n * T + i] = m + logf(l);
+                p_sum[n * T + i] = l;
+            }
+            /* OA (rows x DA, row-major) = P (rows x kend) VA[0:kend]: column-major (DA x rows) = VA^T P^T. */
+            {
+                const int m = (int)DA, nn = (int)rows, kk = (int)kend, lda = (int)DA, ldb = (int)kend, ldc = (int)DA;
+                gemm("N", "N", &m, &nn, &kk, &one, van, &lda, work, &ldb, &zero, oa, &ldc);
+            }
+            if (n_faults) apply_faults(1, n, r0, r1, D, oa, DA, fault_at, fault_value, n_faults);
+            t0 = now();
+            for (int64_t i = r0; i < r1; i++) {
+                const float *o = oa + (i - r0) * DA;
+                float *cs = c_sums + (n * T + i) * 5;
+                cs[0] = cs[1] = cs[2] = 0.0f;
+                add_sums(o, 0, D, cs);
+                cs[3] = o[D];
+                cs[4] = o[D + 1];
+            }
+            seconds[1] += now() - t0;
+            for (int64_t i = r0; i < r1; i++) {
+                const float *o = oa + (i - r0) * DA;
+                const float inv = 1.0f / p_sum[n * T + i];
+                float *dst = out + (n * T + i) * D;
+                for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,175 @@
+"""The checked attention forward in one native pass per query block (issue 12): ``fused_attention.c``.
+
+The tiled path (tiled_attention.py) runs the tile contract of ``abft.tiled`` as PyTorch ops: per tile a dozen passes
+over the scores through memory (GEMM, scale, mask, max, shift, exp, sum, the checksum reductions) and a few hundred
+small ops for the checks. This kernel runs the same contract with each query block's scores in cache: the two GEMMs
+by the BLAS PyTorch itself links (MKL's ``sgemm_``, called from C), and between them one pass for the scores' row
+checksums (plain, weighted, Σ AS²) per checksum group, and the softmax; after the second GEMM one for the context's row
+checksums, whose references come out of that GEMM itself ([V | V w], abft.tiled.augment_v). What stays in Python
+is per call, not per tile: the references Q (K_h w) and the bounds (attention_kernel.py, ``product_check._verify``
+with the sums given), and the recovery (tiled_attention._kernel_forward).
+
+Scope: plain fp32 tensors on the CPU, no explicit mask (none, or causal with T = S), a positive scale, IEEE fp32
+matmuls (TF32 or oneDNN bf16 modes keep the PyTorch path, whose products honour them), no TorchDispatchMode active
+(a mode expects to see the products, which here are no aten ops: a fault injector below autograd, a tracer), and a
+BLAS that exports ``sgemm_``. Anything else, or ``enabled = False``, or ``ATTNCHECKER_NATIVE=0``: ``supports`` says
+no and the caller takes the PyTorch tile loop. Faults inside the kernel are emulated for tests by ``emulated_faults``.
+
+Legend: N batch x heads, T queries, S keys, D head dim, g checksum groups per scores row (G = S/g keys each).
+No host-device sync (CPU tensors only).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from . import native
+from .matmul_precision import fp32_matmul_operand_roundoff
+
+__all__ = ["KernelOutput", "available", "emulated_faults", "run", "supports", "take_faults"]
+
+enabled = True
+"""False: ``run`` declines every call (bench/ and tests price or exercise the PyTorch tiled loop side by side)."""
+_SOURCE = Path(__file__).with_name("fused_attention.c")
+FAULT_OPS = ("scores", "context")
+"""Where the kernel's fault list (``run``'s ``faults``) writes: the scores after their GEMM, the context after its."""
+
+
+Fault = tuple[str, int, int, int, float]
+"""(op, n, row, col, value): one element of the scores (col a key) or of the unnormalised context (col a feature) of
+matrix n = batch·H + head, overwritten inside the kernel right after the GEMM that computed it."""
+_pending: list[Fault] = []
+
+
+@contextlib.contextmanager
+def emulated_faults(faults: list[Fault]) -> Iterator[None]:
+    """Tests: the next kernel call inside the block writes these faults, as a fault of its own arithmetic would (a
+    transient fault: that call only; the recovery's recompute does not see it). The PyTorch paths never see them."""
+    _pending[:] = list(faults)
+    try:
+        yield
+    finally:
+        _pending.clear()
+
+
+def take_faults() -> list[Fault] | None:
+    """The pending emulated faults, now consumed (None: none)."""
+    if not _pending:
+        return None
+    got = list(_pending)
+    _pending.clear()
+    return got
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOutput:
+    out_NTD: torch.Tensor
+    """softmax(scale·QKᵀ) V, normalised."""
+    lse_NT: torch.Tensor
+    """Row log-sum-exp of scale·QKᵀ (what the fused backward takes)."""
+    p_sum_NT: torch.Tensor
+    """Σ_j P̃_ij, P̃ = exp(scale·AS - row max) (the context's ‖P̃_i‖₂ <= sqrt of it)."""
+    scores_sums_NTg3: torch.Tensor
+    """Per row and checksum group of the scores: (Σ AS, Σ j·AS (j = 1..G within the group), Σ AS²); zeros for a
+    group a causal block did not compute."""
+    context_sums_NT5: torch.Tensor
+    """Per row of the unnormalised context CL = P̃ V: (Σ_d CL, Σ_d d·CL, Σ_d CL², P̃ (V e), P̃ (V w))."""
+    seconds: tuple[float, float]
+    """Time the kernel spent in the scores' and the context's checksum sums (the checks' share of its pass)."""
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded and a BLAS sgemm_ was found (building it now if it is not yet)."""
+    return _kernel() is not None and _sgemm() is not None
+
+
+def supports(q_NTD: torch.Tensor, k_NSD: torch.Tensor, v_NSD: torch.Tensor, *, is_causal: bool, scale: float,
+             has_mask: bool) -> bool:
+    """Whether ``run`` takes this call (module doc: scope)."""
+    if not enabled or has_mask or not (math.isfinite(scale) and scale > 0.0):
+        return False
+    # The kernel reads raw memory and its GEMMs are no aten ops: a tensor subclass (fake, meta, distributed) has no
+    # such memory, and a TorchDispatchMode (a tracer, a FLOP counter, a fault injector) expects to see the products.
+    if _get_current_dispatch_mode() is not None:
+        return False
+    if any(type(x) is not torch.Tensor or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3
+           for x in (q_NTD, k_NSD, v_NSD)):
+        return False
+    (n, t, d), (nk, s, dk) = q_NTD.shape, k_NSD.shape
+    if v_NSD.shape != (n, s, d) or (nk, dk) != (n, d) or t == 0 or s == 0 or d == 0 or (is_causal and t != s):
+        return False
+    return fp32_matmul_operand_roundoff(q_NTD.device) is None and available()
+
+
+def run(q_NTD: torch.Tensor, k_NSD: torch.Tensor, va_NSA: torch.Tensor, *, scale: float, is_causal: bool,
+        block_q: int, groups: int, faults: list[Fault] | None = None
+        ) -> KernelOutput | None:
+    """One call of the kernel (``supports`` said yes). va: [V | V e | V w] (N, S, D + 2), abft.tiled.augment_v.
+    groups: checksum groups per scores row (S % groups == 0). faults: (op, n, row, col, value) written into the
+    scores (col a key) or the unnormalised context (col a feature) right after the GEMM that computes them, before
+    their checksums: a fault of the kernel's own arithmetic, emulated (tests). None where the kernel declines."""
+    kernel, sgemm = _kernel(), _sgemm()
+    if kernel is None or sgemm is None:
+        return None
+    q, k, va = q_NTD.contiguous(), k_NSD.contiguous(), va_NSA.contiguous()
+    (n, t, d), s = q.shape, k.shape[1]
+    if va.shape != (n, s, d + 2) or groups < 1 or s % groups or block_q < 1:
+        return None
+    new = functools.partial(torch.empty, dtype=torch.float32)
+    out, lse, p_sum = new((n, t, d)), new((n, t)), new((n, t))
+    s_sums, c_sums = new((n, t, groups, 3)), new((n, t, 5))
+    work, oa = new((min(block_q, t), s)), new((min(block_q, t), d + 2))
+    seconds = (ctypes.c_double * 2)(0.0, 0.0)
+    where = values = None
+    if faults:
+        where = torch.tensor([[FAULT_OPS.index(op), i, r, c] for op, i, r, c, _ in faults], dtype=torch.int64)
+        values = torch.tensor([v for *_, v in faults], dtype=torch.float32)
+    status = kernel(sgemm, n, t, s, d, _ptr(q), _ptr(k), _ptr(va), scale, int(is_causal), block_q, s // groups,
+                    _ptr(work), _ptr(oa), _ptr(out), _ptr(lse), _ptr(p_sum), _ptr(s_sums), _ptr(c_sums),
+                    _ptr(where), _ptr(values), 0 if where is None else where.shape[0], seconds)
+    if status != 0:
+        return None
+    return KernelOutput(out_NTD=out, lse_NT=lse, p_sum_NT=p_sum, scores_sums_NTg3=s_sums, context_sums_NT5=c_sums,
+                        seconds=(seconds[0], seconds[1]))
+
+
+def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    fn = native.load(_SOURCE, "attnchecker_fused_attention", "checked attention takes the PyTorch tiled loop")
+    if fn is None:
+        return None
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    fn.restype = i64
+    fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
+                   ptr, ptr, i64, ctypes.POINTER(ctypes.c_double)]
+    return fn
+
+
+@functools.lru_cache(maxsize=1)
+def _sgemm() -> int | None:
+    """The address of sgemm_ (Fortran BLAS) in the library PyTorch's CPU kernels link (MKL in the x86 wheels), so
+    that the kernel's GEMMs run on the BLAS, and under the thread settings, PyTorch's own matmuls do."""
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = lib_dir / name
+        if not path.exists():
+            continue
+        try:
+            return ctypes.cast(ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY).sgemm_,
+                               ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            return None
+    return None

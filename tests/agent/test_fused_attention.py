@@ -1,0 +1,325 @@
+"""The native checked attention forward (fused_attention.c, issue 12): what the tiled path runs where it applies.
+
+- The kernel alone: output and lse equal to the float64 reference over shapes, causal or not, block sizes and
+  checksum groups; clean calls flag nothing; a fault inside the kernel (emulated: written into its scores or context
+  right after the GEMM that computed them) is flagged at its row, whatever its size down to a fraction of the RMS.
+- Through the engine (protected_sdpa, and a GPT-2 step as ``protect(model, optimizer=opt)`` runs it): the output is
+  SDPA's, a fault inside the kernel is recomputed and reported with its place, detect mode reports and keeps it,
+  and the checks are counted; calls it does not take (masks, half precision, a dispatch mode, a set tile size, the
+  kernel switched off) run the PyTorch tile loop and give the same answer.
+- The engine's no-fault suites re-run with the kernel taking every call it can.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import test_attention_fused_backward as fused_suite
+import test_attention_layer as layer_suite
+import torch
+import torch.nn.functional as F
+from attnchecker import Policy, fused_attention
+from attnchecker.abft import Tolerance, group_count
+from attnchecker.attention import protected_sdpa
+from attnchecker.attention_kernel import kernel_checks, v_checksums
+from attnchecker.emulate import emulate_fp32_matmul
+from attnchecker.tiled_attention import KERNEL_BLOCK_Q, PATH_ENV, TILE_ENV
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scoped_env import scoped_env
+from test_attention_layer import seeded
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytestmark = pytest.mark.skipif(not fused_attention.available(), reason="no C compiler or no BLAS sgemm_ here")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernel_path() -> Iterator[None]:
+    """The tiled path at every size, its own tile sizes (so the kernel may take the call): module scope, for
+    hypothesis."""
+    with scoped_env({PATH_ENV: "tiled", TILE_ENV: None}):
+        yield
+
+
+class Calls:
+    """Counts the kernel's calls (fused_attention.run) while active."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[Calls]:
+        original = fused_attention.run
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.n += 1
+            return original(*args, **kwargs)
+
+        fused_attention.run = counted  # type: ignore[assignment]
+        try:
+            yield self
+        finally:
+            fused_attention.run = original  # type: ignore[assignment]
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, is_causal: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) in float64."""
+    z = scale * q.double() @ k.double().mT
+    if is_causal:
+        z = z.masked_fill(torch.ones(z.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    return torch.softmax(z, -1) @ v.double(), torch.logsumexp(z, -1)
+
+
+def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, is_causal: bool,
+                block_q: int = KERNEL_BLOCK_Q, faults: list[fused_attention.Fault] | None = None,
+                tol: Tolerance | None = None) -> tuple[fused_attention.KernelOutput, dict[str, Any]]:
+    s = k.shape[1]
+    groups = group_count(s)
+    vw = v_checksums(v)
+    got = fused_attention.run(q, k, torch.cat([v, vw], -1), scale=scale, is_causal=is_causal, block_q=block_q,
+                              groups=groups, faults=faults)
+    assert got is not None
+    checks = kernel_checks(q, k, v, vw, got, tol=tol or Tolerance(), groups=groups, block_q=block_q,
+                           is_causal=is_causal)
+    return got, checks
+
+
+# ------------------------------------------------------------------------------------------------ the kernel
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3), t=st.integers(1, 300), s=st.integers(1, 300), d=st.integers(1, 72),
+       causal=st.booleans(), block_q=st.sampled_from([1, 5, 64, 256]), scale=st.floats(0.01, 2.0),
+       magnitude=st.sampled_from([1e-3, 1.0, 30.0]), seed=st.integers(0, 2**20))
+def test_the_kernel_gives_the_reference_output_and_lse_and_flags_nothing_clean(n, t, s, d, causal, block_q, scale,
+                                                                               magnitude, seed) -> None:
+    s = t if causal else s
+    q, k, v = (seeded((n, x, d), seed + i, torch.float32, magnitude) for i, x in enumerate((t, s, s)))
+    got, checks = kernel_call(q, k, v, scale=scale, is_causal=causal, block_q=block_q)
+    out, lse = reference(q, k, v, scale=scale, is_causal=causal)
+    # As close to the float64 softmax as fp32 SDPA is: large scores make the output as sensitive as their rounding.
+    sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    allowed = 4 * float((sdpa.double() - out).abs().max()) + 1e-5 * float(v.abs().max())
+    assert float((got.out_NTD.double() - out).abs().max()) <= allowed
+    # The scores' own fp32 rounding (u·|z|, z up to ~10^4 at magnitude 30) is what lse inherits.
+    z_max = float((scale * q.double() @ k.double().mT).abs().max())
+    torch.testing.assert_close(got.lse_NT.double(), lse, rtol=1e-5, atol=1e-6 * (1.0 + z_max))
+    for op, chk in checks.items():
+        row = chk["row"]
+        assert not bool(row.bad.any()), op
+        assert float((row.diff[..., 0].abs() / row.bound).max()) < 0.5, op
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_score_rows_cover_exactly_the_keys_each_block_computed(causal: bool) -> None:
+    """S = 1024: 4 checksum groups of 256 keys; a causal block computes only the groups up to its last key, and the
+    ones it skips are zero on both sides (no flag from a reference the kernel never matched)."""
+    q, k, v = (seeded((2, 1024, 16), i, torch.float32) for i in range(3))
+    got, checks = kernel_call(q, k, v, scale=0.25, is_causal=causal)
+    assert got.scores_sums_NTg3.shape == (2, 1024, 4, 3)
+    if causal:
+        assert bool((got.scores_sums_NTg3[:, :64, 1:] == 0).all())  # the first block: keys 0..63, group 0 only
+        assert bool((got.scores_sums_NTg3[:, -64:] != 0).all())
+    assert not any(bool(c["row"].bad.any()) for c in checks.values())
+    torch.testing.assert_close(got.out_NTD.double(), reference(q, k, v, scale=0.25, is_causal=causal)[0],
+                               rtol=1e-5, atol=1e-5)
+
+
+FAULT_VALUES = {"inf": math.inf, "neg_inf": -math.inf, "nan": math.nan, "near_inf": 1e20}
+
+
+@pytest.mark.parametrize("kind", [*FAULT_VALUES, "2x_rms", "half_rms"])
+@pytest.mark.parametrize("op", fused_attention.FAULT_OPS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_fault_inside_the_kernel_is_flagged_at_its_row(op: str, kind: str, causal: bool) -> None:
+    n, t, d = 3, 700, 32
+    q, k, v = (seeded((n, t, d), 10 + i, torch.float32) for i in range(3))
+    clean, _ = kernel_call(q, k, v, scale=d ** -0.5, is_causal=causal)
+    where = (1, 555, 500 if op == "scores" else 17)
+    if kind in FAULT_VALUES:
+        value = FAULT_VALUES[kind]
+    else:
+        # The element's clean value plus m x RMS of the matrix it lands in (a finite silent error).
+        if op == "scores":
+            rms = float((q[1] @ k[1].T).square().mean().sqrt())
+            base = float(q[1, where[1]] @ k[1, where[2]])
+        else:
+            p = torch.softmax(d ** -0.5 * q[1] @ k[1].T + (torch.ones(t, t).triu(1) * -1e30 if causal else 0), -1)
+            cl = p @ v[1] * clean.p_sum_NT[1][:, None]  # the kernel checks CL before it is normalised
+            rms, base = float(cl.square().mean().sqrt()), float(cl[where[1], where[2]])
+        value = base + (2.0 if kind == "2x_rms" else 0.5) * rms
+    _, checks = kernel_call(q, k, v, scale=d ** -0.5, is_causal=causal, faults=[(op, *where, value)])
+    bad = checks[op]["row"].bad
+    rows = bad.view(n, t, -1).any(-1).nonzero().tolist()
+    assert rows == [[where[0], where[1]]], (op, kind)
+    other = "context" if op == "scores" else "scores"
+    if op == "context":
+        assert not bool(checks[other]["row"].bad.any())  # a context fault leaves the scores' sums alone
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+
+
+def _qkv(b: int, h: int, t: int, d: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    return tuple(seeded((b, h, t, d), seed + i, torch.float32) for i in range(3))
+
+
+def test_protected_sdpa_runs_on_the_kernel_and_gives_sdpa(make_ctx) -> None:
+    q, k, v = _qkv(2, 3, 96, 16)
+    ctx, rec = make_ctx()
+    with Calls().watch() as calls:
+        out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+    assert calls.n == 1
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5, atol=1e-6)
+    assert rec.detections == []
+    stats = ctx.runtime.stats
+    assert stats.checks["scores"] == stats.checks["context"] == 1
+    assert stats.check_seconds["scores"] > 0 and stats.check_seconds["context"] > 0
+    assert int(stats.residual_count) == 2
+
+
+@pytest.mark.parametrize("op", fused_attention.FAULT_OPS)
+@pytest.mark.parametrize("value", [math.inf, math.nan, 1e20, 0.75])
+def test_a_fault_inside_the_kernel_is_recomputed_and_reported_at_its_place(make_ctx, op: str, value: float) -> None:
+    q, k, v = _qkv(2, 3, 96, 16, seed=5)
+    clean = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ctx, rec = make_ctx()
+    # Matrix n = batch·H + head = 1·3 + 2; row 70; a key at or before the row, or a feature.
+    with Calls().watch() as calls, fused_attention.emulated_faults([(op, 5, 70, 40 if op == "scores" else 3, value)]):
+        out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+    assert calls.n == 1  # the recompute runs the PyTorch tile loop, which the emulated fault does not reach
+    torch.testing.assert_close(out, clean, rtol=1e-5, atol=1e-6)
+    assert [(d.op, d.action, d.batch, d.head, d.row) for d in rec.detections] == [(op, "recomputed", 1, 2, 70)]
+
+
+def test_detect_mode_reports_the_kernels_fault_and_keeps_its_output(make_ctx) -> None:
+    q, k, v = _qkv(1, 2, 80, 8, seed=9)
+    ctx, rec = make_ctx(mode="detect")
+    with fused_attention.emulated_faults([("context", 1, 33, 2, math.nan)]):
+        out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+    assert [(d.op, d.action, d.head, d.row, d.kind) for d in rec.detections] == [("context", "detected", 1, 33, "nan")]
+    assert bool(out[0, 1, 33].isnan().any()) and not bool(out[0, 0].isnan().any())
+
+
+class _Passthrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _declined(case: str) -> contextlib.AbstractContextManager[Any]:
+    if case == "dispatch_mode":
+        return _Passthrough()
+    if case == "tf32":
+        return emulate_fp32_matmul("tf32")
+    if case == "tile_size":
+        os.environ[TILE_ENV] = "32,32"
+        return contextlib.nullcontext()
+    if case == "disabled":
+        fused_attention.enabled = False
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("case", ["bool_mask", "bf16", "dispatch_mode", "tf32", "tile_size", "disabled"])
+def test_calls_the_kernel_does_not_take_run_the_pytorch_tile_loop(make_ctx, case: str) -> None:
+    q, k, v = _qkv(1, 2, 64, 8, seed=3)
+    kwargs: dict[str, Any] = {"is_causal": True}
+    if case == "bool_mask":
+        kwargs = {"attn_mask": torch.rand(64, 64, generator=torch.Generator().manual_seed(0)) > 0.3}
+    if case == "bf16":
+        q, k, v = (x.bfloat16() for x in (q, k, v))
+    ctx, rec = make_ctx()
+    try:
+        with Calls().watch() as calls, _declined(case):
+            out = protected_sdpa(q, k, v, ctx=ctx, **kwargs)
+    finally:
+        os.environ.pop(TILE_ENV, None)
+        fused_attention.enabled = True
+    assert calls.n == 0
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kwargs).to(q.dtype)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if q.dtype == torch.bfloat16 else {"rtol": 1e-3, "atol": 1e-3}
+    torch.testing.assert_close(out, expected, **tol)
+    assert rec.detections == []
+    assert ctx.runtime.stats.checks["scores"] == 1
+
+
+def test_the_default_policy_on_a_gpt2_step_recovers_a_fault_inside_the_kernel() -> None:
+    """The path users take: protect(model, optimizer=opt), default policy, T = 512 (the tiled path's size, so the
+    kernel's), the first step (scores and context checked in full). A finite error of 4 x RMS in layer 1's scores
+    inside the kernel: recomputed, one event, and the loss and every gradient equal the fault-free step's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    import attnchecker
+
+    os.environ.pop(PATH_ENV)  # auto, as a user runs it
+    try:
+        hf_logging.set_verbosity_error()
+        torch.manual_seed(0)
+        cfg = GPT2Config(vocab_size=128, n_positions=512, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0,
+                         resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        model = GPT2LMHeadModel(cfg).train()
+        model.set_attn_implementation("sdpa")
+        ids = torch.randint(0, 128, (2, 512), generator=torch.Generator().manual_seed(1))
+
+        def step(m: torch.nn.Module, faults: list[fused_attention.Fault] | None) -> tuple[Any, dict, list, int]:
+            opt = torch.optim.SGD(m.parameters(), lr=0.0)
+            guard = attnchecker.protect(m, optimizer=opt)
+            try:
+                with Calls().watch() as calls, fused_attention.emulated_faults(faults or []):
+                    loss = m(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+                opt.step()
+                return loss.detach(), grads, list(guard.detections), calls.n
+            finally:
+                guard.close()
+
+        want_loss, want_grads, clean, n_clean = step(copy.deepcopy(model), None)
+        assert clean == [] and n_clean == 2  # both layers on the kernel
+        # The fault goes to the first kernel call holding matrix n: layer 0's. RMS of its scores, from its q and k.
+        with torch.no_grad():
+            h = model.transformer.h[0]
+            x = h.ln_1(model.transformer.wte(ids) + model.transformer.wpe(torch.arange(512)))
+            q, k, _ = h.attn.c_attn(x).split(64, dim=-1)
+            q, k = (z.view(2, 512, 4, 16).transpose(1, 2) for z in (q, k))
+            scores = q @ k.mT
+            rms, base = float(scores.square().mean().sqrt()), float(scores[1, 2, 300, 200])
+        loss, grads, seen, _ = step(model, [("scores", 1 * 4 + 2, 300, 200, base + 4 * rms)])
+        assert [(d.op, d.action, d.layer, d.batch, d.head, d.row, d.kind) for d in seen] == [
+            ("scores", "recomputed", 0, 1, 2, 300, "silent")]
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, want_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    finally:
+        os.environ[PATH_ENV] = "tiled"
+
+
+# ------------------------------------------------------------------------------ the engine's no-fault suites
+
+# Re-collected here, under kernel_path: the tests whose calls the kernel takes (fp32, no mask or causal) run on it;
+# the others (masks, half precision, GQA expansion is taken) check that everything else is unchanged beside it.
+for _suite, _names in ((layer_suite, ("test_protected_sdpa_matches_sdpa_without_faults",
+                                      "test_protected_layer_matches_the_unprotected_layer",
+                                      "test_stats_count_checks_and_bucketize_residuals_on_device")),
+                       (fused_suite, ("test_fused_backward_matches_the_unfused_graph",
+                                      "test_fused_backward_with_grouped_query_heads",
+                                      "test_fp64_inputs_with_grad_give_the_unprotected_loss_and_gradients"))):
+    for _name in _names:
+        globals()[_name] = getattr(_suite, _name)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**20))
+def test_the_layer_suites_take_the_kernel(make_ctx, seed: int) -> None:
+    """The re-collected suites above are not vacuous: a call of theirs goes through the kernel."""
+    q, k, v = _qkv(2, 2, 9, 16, seed)
+    ctx, _ = make_ctx()
+    with Calls().watch() as calls:
+        protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+    assert calls.n == 1
