@@ -9,7 +9,8 @@
  *      the scores check's row side (its references Q (K_h^T w) are the caller's); groups past kend hold zeros; in
  *      the same read of the row, the softmax's max over its unmasked keys;
  *   3. the softmax: z = scale*AS, keys past the row masked (causal), m = max z, P = exp(z - m) in place, l = sum P;
- *   4. OA = P [V | V e | V w] (one GEMM: CL and its row references, abft.tiled.augment_v), then per row
+ *   4. OA = P [V | V e | V w] (one GEMM: CL and its row references, abft.tiled.augment_v; causal: over the keys up
+ *      to the block's last row, P being 0 beyond), then per row
  *      c_sums[i] = (sum_d CL, sum_d d*CL, sum_d CL^2, P (V e), P (V w)), the context check's row side;
  *   5. out = CL / l, lse = m + log l, p_sum = l.
  * A fault list (tests: a hardware fault inside the kernel, emulated) is applied to AS after its GEMM and to CL after
@@ -66,9 +67,10 @@ static inline int32_t ordered_bits(float x) {
 }
 
 /* acc[0..3) += (sum x_j, sum (j+1) x_j, sum x_j^2) over j in [j0, j1): a checksum group's sums, weights 1 and 1..G. */
-static inline void add_sums(const float *restrict x, int64_t j0, int64_t j1, float *restrict acc) {
+static inline void add_sums(const float *restrict x, int32_t j0, int32_t j1, float *restrict acc) {
     float s1 = acc[0], s2 = acc[1], sq = acc[2];
-    for (int64_t j = j0; j < j1; j++) {
+    /* 32-bit indices: their conversion to float is one instruction per vector (64-bit ones took three). */
+    for (int32_t j = j0; j < j1; j++) {
         const float e = x[j];
         s1 += e;
         s2 += (float)(j + 1) * e;
@@ -87,10 +89,10 @@ static float sums_and_max(const float *restrict x, int64_t groups_done, int64_t 
     int32_t m = ordered_bits(-INFINITY), nan = 0;
     for (int64_t h = 0; h < groups_done; h++) {
         const float *restrict g = x + h * G;
-        int64_t lv = live - h * G;
-        lv = lv < 0 ? 0 : (lv > G ? G : lv);
+        const int64_t left = live - h * G;
+        const int32_t lv = (int32_t)(left < 0 ? 0 : (left > G ? G : left));
         float s1 = 0.0f, s2 = 0.0f, sq = 0.0f;
-        for (int64_t j = 0; j < lv; j++) {
+        for (int32_t j = 0; j < lv; j++) {
             const float e = g[j];
             s1 += e;
             s2 += (float)(j + 1) * e;
@@ -105,7 +107,7 @@ static float sums_and_max(const float *restrict x, int64_t groups_done, int64_t 
         acc[0] = s1;
         acc[1] = s2;
         acc[2] = sq;
-        add_sums(g, lv, G, acc); /* the group's masked keys: in its checksums, not in the softmax */
+        add_sums(g, lv, (int32_t)G, acc); /* the group's masked keys: in its checksums, not in the softmax */
     }
     if (nan) return NAN;
     const int32_t b = m ^ ((m >> 31) & 0x7fffffff);
@@ -145,7 +147,7 @@ int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S
                                     int64_t n_faults, double *seconds) {
     const sgemm_fn gemm = (sgemm_fn)sgemm;
     const int64_t DA = D + 2, groups = S / G;
-    if (BQ < 1 || G < 1 || S % G || BQ * S > (int64_t)1 << 31 || D > (int64_t)1 << 20) return -1;
+    if (BQ < 1 || G < 1 || S % G || BQ * S >= (int64_t)1 << 31 || D > (int64_t)1 << 20) return -1;
     const float one = 1.0f, zero = 0.0f;
     for (int64_t n = 0; n < N; n++) {
         const float *qn = q + n * T * D, *kn = k + n * S * D, *van = va + n * S * DA;
@@ -157,6 +159,8 @@ int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S
                 kend = (last / G + 1) * G;
             }
             const int64_t done = kend / G; /* groups computed */
+            /* Keys the block's softmax can reach: the second GEMM stops there (P is 0 beyond, causal). */
+            const int64_t pend = causal && r1 < kend ? r1 : kend;
             /* AS (rows x kend, row-major, ld kend) = Q_blk K^T: column-major (kend x rows) = K (kend x D) Q^T. */
             {
                 const int m = (int)kend, nn = (int)rows, kk = (int)D, lda = (int)D, ldb = (int)D, ldc = (int)kend;
@@ -180,13 +184,13 @@ int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S
                 const int64_t live = causal ? (i + 1 < kend ? i + 1 : kend) : kend;
                 const float m = lse[n * T + i] * scale;
                 const float l = exp_scaled(row, live, scale, m);
-                for (int64_t j = live; j < kend; j++) row[j] = 0.0f;
+                for (int64_t j = live; j < pend; j++) row[j] = 0.0f;
                 lse[n * T + i] = m + logf(l);
                 p_sum[n * T + i] = l;
             }
-            /* OA (rows x DA, row-major) = P (rows x kend) VA[0:kend]: column-major (DA x rows) = VA^T P^T. */
+            /* OA (rows x DA, row-major) = P (rows x pend) VA[0:pend]: column-major (DA x rows) = VA^T P^T. */
             {
-                const int m = (int)DA, nn = (int)rows, kk = (int)kend, lda = (int)DA, ldb = (int)kend, ldc = (int)DA;
+                const int m = (int)DA, nn = (int)rows, kk = (int)pend, lda = (int)DA, ldb = (int)kend, ldc = (int)DA;
                 gemm("N", "N", &m, &nn, &kk, &one, van, &lda, work, &ldb, &zero, oa, &ldc);
             }
             if (n_faults) apply_faults(1, n, r0, r1, D, oa, DA, fault_at, fault_value, n_faults);
@@ -195,7 +199,7 @@ int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S
                 const float *o = oa + (i - r0) * DA;
                 float *cs = c_sums + (n * T + i) * 5;
                 cs[0] = cs[1] = cs[2] = 0.0f;
-                add_sums(o, 0, D, cs);
+                add_sums(o, 0, (int32_t)D, cs);
                 cs[3] = o[D];
                 cs[4] = o[D + 1];
             }
