@@ -36,7 +36,7 @@ from .product_check import _verify as _verify  # re-exported: tests and bench/co
 from .projection import _ProjectionInput as _ProjectionInput  # re-exported, as _verify
 from .projection import check_linear, protected_linear
 from .records import _any_bad, _count, _count_trips, _emit, _inject, _observe
-from .tiled_attention import choose_tiles, tiled_sdpa
+from .tiled_attention import choose_tiles, kernel_applies, tiled_sdpa
 from .tripwire import extreme
 
 __all__ = [
@@ -220,9 +220,16 @@ def protected_sdpa(
     else:
         trip, force = None, frozenset()
     caught: list[int] = [0]
+    # The native pass takes a call at any size, except one attnchecker.inject targets: the injector writes into the
+    # PyTorch paths' tensors, and the size rule below then picks the path as before.
+    injector = ctx.runtime.injector
+    injected = injector is not None and any(injector.fires(op=op, layer=ctx.layer, step=ctx.step)
+                                            for op in ("scores", "context"))
     tiles = choose_tiles(q_BHTD.shape[-2], k_BHSD.shape[-2], device=q_BHTD.device, dropout_p=dropout_p,
                          return_probs=return_probs, paper=not cfg.source_repair and use_passed,
-                         batch_heads=q_BHTD.shape[:-2].numel())
+                         batch_heads=q_BHTD.shape[:-2].numel(),
+                         native=not injected and kernel_applies(q_BHTD, k_BHSD, v_BHSD, attn_mask=attn_mask,
+                                                                is_causal=is_causal, scale=scale))
     # The tiled path's CPU backward is the fused kernel, which has no gradient for the mask: a learned bias stays
     # on the unfused path (its graph differentiates through the mask).
     if tiles is not None and not (attn_mask is not None and attn_mask.requires_grad):

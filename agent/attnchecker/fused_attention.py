@@ -12,8 +12,8 @@ with the sums given), and the recovery (tiled_attention._kernel_forward).
 Scope: plain fp32 tensors on the CPU, no explicit mask (none, or causal with T = S), a positive scale, IEEE fp32
 matmuls (TF32 or oneDNN bf16 modes keep the PyTorch path, whose products honour them), no TorchDispatchMode active
 (a mode expects to see the products, which here are no aten ops: a fault injector below autograd, a tracer), and a
-BLAS that exports ``sgemm_``. Anything else, or ``enabled = False``, or ``ATTNCHECKER_NATIVE=0``: ``supports`` says
-no and the caller takes the PyTorch tile loop. Faults inside the kernel are emulated for tests by ``emulated_faults``.
+BLAS that exports ``sgemm_``. Anything else, or ``enabled = False``, or ``ATTNCHECKER_NATIVE=0``: ``applies`` says
+no and the engine keeps its PyTorch paths. Faults inside the kernel are emulated for tests by ``emulated_faults``.
 
 Legend: N batch x heads, T queries, S keys, D head dim, g checksum groups per scores row (G = S/g keys each).
 No host-device sync (CPU tensors only).
@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import native
 from .matmul_precision import fp32_matmul_operand_roundoff
 
-__all__ = ["KernelOutput", "available", "emulated_faults", "run", "supports", "take_faults"]
+__all__ = ["KernelOutput", "applies", "available", "emulated_faults", "run", "supports", "take_faults"]
 
 enabled = True
 """False: ``run`` declines every call (bench/ and tests price or exercise the PyTorch tiled loop side by side)."""
@@ -92,22 +92,30 @@ def available() -> bool:
     return _kernel() is not None and _sgemm() is not None
 
 
-def supports(q_NTD: torch.Tensor, k_NSD: torch.Tensor, v_NSD: torch.Tensor, *, is_causal: bool, scale: float,
-             has_mask: bool) -> bool:
-    """Whether ``run`` takes this call (module doc: scope)."""
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float, has_mask: bool
+            ) -> bool:
+    """Whether ``run`` would take a call of these operands ((..., T, D), (..., S, D), (..., S, D); module doc:
+    scope), without touching their memory: what the engine asks before it picks a path (attention.py)."""
     if not enabled or has_mask or not (math.isfinite(scale) and scale > 0.0):
         return False
     # The kernel reads raw memory and its GEMMs are no aten ops: a tensor subclass (fake, meta, distributed) has no
     # such memory, and a TorchDispatchMode (a tracer, a FLOP counter, a fault injector) expects to see the products.
     if _get_current_dispatch_mode() is not None:
         return False
-    if any(type(x) is not torch.Tensor or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3
-           for x in (q_NTD, k_NSD, v_NSD)):
+    if any(type(x) is not torch.Tensor or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 3
+           for x in (q, k, v)):
         return False
-    (n, t, d), (nk, s, dk) = q_NTD.shape, k_NSD.shape
-    if v_NSD.shape != (n, s, d) or (nk, dk) != (n, d) or t == 0 or s == 0 or d == 0 or (is_causal and t != s):
+    (t, d), (s, dk), (sv, dv) = q.shape[-2:], k.shape[-2:], v.shape[-2:]
+    if (dk, sv, dv) != (d, s, d) or 0 in (t, s, d) or (is_causal and t != s):
         return False
-    return fp32_matmul_operand_roundoff(q_NTD.device) is None and available()
+    return fp32_matmul_operand_roundoff(q.device) is None and available()
+
+
+def supports(q_NTD: torch.Tensor, k_NSD: torch.Tensor, v_NSD: torch.Tensor, *, is_causal: bool, scale: float,
+             has_mask: bool) -> bool:
+    """Whether ``run`` takes this call of (N, T, D), (N, S, D), (N, S, D) operands (``applies``, one batch dim)."""
+    return (q_NTD.dim() == k_NSD.dim() == v_NSD.dim() == 3 and q_NTD.shape[0] == k_NSD.shape[0] == v_NSD.shape[0]
+            and applies(q_NTD, k_NSD, v_NSD, is_causal=is_causal, scale=scale, has_mask=has_mask))
 
 
 def run(q_NTD: torch.Tensor, k_NSD: torch.Tensor, va_NSA: torch.Tensor, *, scale: float, is_causal: bool,

@@ -165,6 +165,10 @@ class Injector:
                 self.injected.append(_inject_one(out, fault, attempt))
 
 
+    def fires(self, *, op: str, layer: int, step: int) -> bool:
+        """Whether a fault would fire on the next computation of (op, layer, step); nothing is consumed."""
+        return any(i not in self._fired or fault.persistent for i, fault in self._by_slot.get((op, layer, step), ()))
+
     def resolve(
         self, *, op: str, layer: int, step: int, shape: Sequence[int], attempt: int = 0
     ) -> list[WindowHit]:

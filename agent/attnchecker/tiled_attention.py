@@ -61,7 +61,8 @@ from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAt
 from .product_check import _dot, _exact_math, _groups, _tolerance, _verify
 from .records import _count, _count_trips, _record_ratio, _worst_ratio
 
-__all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "choose_tiles", "default_tiles", "tiled_sdpa"]
+__all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "choose_tiles", "default_tiles", "kernel_applies",
+           "tiled_sdpa"]
 
 PATH_ENV = "ATTNCHECKER_ATTENTION"
 """auto (default): tiled when T·S >= the threshold; tiled / unfused: always that path (where it applies)."""
@@ -105,19 +106,22 @@ def choose_tiles(
     return_probs: bool,
     paper: bool,
     batch_heads: int = 1,
+    native: bool = False,
 ) -> TileChoice | None:
     """The tile sizes when this call takes the tiled path, else None (the unfused path). device: for a future
     device-specific backend (a fused GPU kernel); the PyTorch backend runs on any device. batch_heads: B·H, which
     with the tile sizes sets one tile's memory (TILE_BUDGET).
 
     Never tiled: dropout (the fused backward cannot replay our dropout mask), return_probs (AP itself is asked for),
-    paper-faithful checksum passing (its passed references sum over all T tokens, not one tile's)."""
+    paper-faithful checksum passing (its passed references sum over all T tokens, not one tile's). native: the call
+    runs on the native pass (``kernel_applies``): auto then tiles at every T·S, that pass being faster than the
+    unfused path at every size measured (docs/performance.md §5)."""
     mode = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
     if mode not in ("auto", "tiled", "unfused"):
         raise ValueError(f"{PATH_ENV}={mode!r}: use auto, tiled or unfused")
     if mode == "unfused" or dropout_p > 0.0 or return_probs or paper:
         return None
-    if mode == "auto":
+    if mode == "auto" and not native:
         raw = os.environ.get(TILED_MIN_ENV)
         threshold = DEFAULT_MIN_TS if raw is None else _env_int(TILED_MIN_ENV, raw)
         if t * s < threshold:
@@ -297,6 +301,16 @@ sums, the softmax and the second GEMM read them (one causal layer, T = 2048, B·
 and 256 rows within 5 % of each other)."""
 
 
+def kernel_applies(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, *,
+                   attn_mask: torch.Tensor | None, is_causal: bool, scale: float) -> bool:
+    """Whether the tiled path would run this call on the native pass (fused_attention.applies, and no
+    ATTNCHECKER_TILE, which asks for the PyTorch loop's tiles, and a block KERNEL_BLOCK_Q x S within the tile budget
+    the loop keeps to)."""
+    return (os.environ.get(TILE_ENV) is None and KERNEL_BLOCK_Q * k_BHSD.shape[-2] <= TILE_BUDGET
+            and fused_attention.applies(q_BHTD, k_BHSD, v_BHSD, is_causal=is_causal, scale=scale,
+                                        has_mask=attn_mask is not None))
+
+
 def _kernel_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -318,13 +332,9 @@ def _kernel_forward(
     is kept and each flagged (batch, head) reported "detected"."""
     b, h, t, d = q.shape
     s = k.shape[-2]
-    # ATTNCHECKER_TILE asks for the PyTorch loop's tiles; the kernel's block (KERNEL_BLOCK_Q x S) keeps to the tile
-    # budget the loop keeps to.
-    if os.environ.get(TILE_ENV) is not None or KERNEL_BLOCK_Q * s > TILE_BUDGET:
+    if not kernel_applies(q, k, v, attn_mask=None, is_causal=is_causal, scale=scale):
         return None
     q3, k3, v3 = (x.reshape(b * h, x.shape[-2], d) for x in (q, k, v))
-    if not fused_attention.supports(q3, k3, v3, is_causal=is_causal, scale=scale, has_mask=False):
-        return None
     groups = _groups(tol, s)
     ops = tuple(tiers)
     with _exact_math(q):

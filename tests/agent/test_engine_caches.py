@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import attnchecker
+import pytest
 import torch
 from attnchecker import Policy
 from attnchecker.engine_caches import _future_mask, engine_caches, fill_future_
@@ -25,7 +26,9 @@ def _checked_forward(model: torch.nn.Module) -> None:
     loss_of(ARCH, model, batch(ARCH, 0)).backward()
 
 
-def test_unprotect_releases_the_engine_caches() -> None:
+def test_unprotect_releases_the_engine_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The unfused path's causal forward is the one that caches its future mask (the native pass masks in C).
+    monkeypatch.setenv("ATTNCHECKER_ATTENTION", "unfused")
     model = build(ARCH)
     engine_caches.clear()
     attnchecker.protect(model, policy=Policy(period=1, adaptive=False))

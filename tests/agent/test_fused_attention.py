@@ -248,6 +248,32 @@ def test_calls_the_kernel_does_not_take_run_the_pytorch_tile_loop(make_ctx, case
     assert ctx.runtime.stats.checks["scores"] == 1
 
 
+@pytest.mark.parametrize("t", [16, 256])
+def test_auto_runs_calls_below_the_tiled_size_on_the_kernel_unless_an_injection_targets_them(make_ctx, t: int) -> None:
+    """The native pass beats the unfused path at every size: auto takes it below ATTNCHECKER_TILED_MIN_TS too. A call
+    attnchecker.inject targets keeps the path the size picks (there, the unfused one, which corrects in place)."""
+    from attnchecker.inject import Fault
+
+    q, k, v = _qkv(1, 2, t, 8, seed=4)
+    os.environ.pop(PATH_ENV)
+    try:
+        ctx, rec = make_ctx()
+        with Calls().watch() as calls:
+            out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+        assert calls.n == 1 and rec.detections == []
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5,
+                                   atol=1e-6)
+        ctx, rec = make_ctx(faults=[Fault(op="scores", layer=0, step=0, kind="inf", row=t - 1, col=0)])
+        with Calls().watch() as calls:
+            out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+        assert calls.n == 0
+        assert [(d.op, d.action) for d in rec.detections] == [("scores", "corrected")]
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5,
+                                   atol=1e-6)
+    finally:
+        os.environ[PATH_ENV] = "tiled"
+
+
 def test_the_default_policy_on_a_gpt2_step_recovers_a_fault_inside_the_kernel() -> None:
     """The path users take: protect(model, optimizer=opt), default policy, T = 512 (the tiled path's size, so the
     kernel's), the first step (scores and context checked in full). A finite error of 4 x RMS in layer 1's scores

@@ -46,6 +46,11 @@ def test_transient_fault_fires_once_persistent_every_time() -> None:
     assert [r.attempt for r in transient.injected] == [0]
     assert [r.attempt for r in persistent.injected] == [0, 1]
     assert persistent.injected[0].rows == persistent.injected[1].rows
+    # fires(): what the next computation would see, asked without consuming it (the engine picks a path with it).
+    assert not transient.fires(op="v", layer=0, step=0) and persistent.fires(op="v", layer=0, step=0)
+    fresh = Injector([Fault(op="v", layer=0, step=0, kind="nan")])
+    assert fresh.fires(op="v", layer=0, step=0) and fresh.fires(op="v", layer=0, step=0)
+    assert not fresh.fires(op="v", layer=1, step=0) and not fresh.fires(op="q", layer=0, step=0)
 
 
 def test_explicit_location_and_ground_truth_values() -> None:
