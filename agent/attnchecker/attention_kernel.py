@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 
 from .abft import Tolerance, col_norms
-from .abft.checksum import group_sums_cols, group_sums_rows, times_skinny
+from .abft.checksum import group_sums_cols, times_skinny
 from .fused_attention import KernelOutput
 from .product_check import Checks, _verify
 
-__all__ = ["computed_groups", "kernel_checks", "v_checksums"]
+__all__ = ["computed_groups", "kernel_checks"]
 
 
 def computed_groups(t: int, s: int, groups: int, block_q: int, *, is_causal: bool) -> torch.Tensor:
@@ -84,7 +84,3 @@ def kernel_checks(
     )
     return {"scores": scores, "context": context}
 
-
-def v_checksums(v_acc_NSD: torch.Tensor) -> torch.Tensor:
-    """(N, S, 2) V [e, w]: the context's row references come out of the kernel's GEMM on [V | V e | V w]."""
-    return group_sums_rows(v_acc_NSD, 1).flatten(-2)

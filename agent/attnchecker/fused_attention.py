@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import native
 from .matmul_precision import fp32_matmul_operand_roundoff
 
-__all__ = ["KernelOutput", "applies", "available", "emulated_faults", "run", "supports", "take_faults"]
+__all__ = ["KernelOutput", "applies", "available", "emulated_faults", "run", "take_faults"]
 
 enabled = True
 """False: ``run`` declines every call (bench/ and tests price or exercise the PyTorch tiled loop side by side)."""
@@ -111,17 +111,11 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: boo
     return fp32_matmul_operand_roundoff(q.device) is None and available()
 
 
-def supports(q_NTD: torch.Tensor, k_NSD: torch.Tensor, v_NSD: torch.Tensor, *, is_causal: bool, scale: float,
-             has_mask: bool) -> bool:
-    """Whether ``run`` takes this call of (N, T, D), (N, S, D), (N, S, D) operands (``applies``, one batch dim)."""
-    return (q_NTD.dim() == k_NSD.dim() == v_NSD.dim() == 3 and q_NTD.shape[0] == k_NSD.shape[0] == v_NSD.shape[0]
-            and applies(q_NTD, k_NSD, v_NSD, is_causal=is_causal, scale=scale, has_mask=has_mask))
-
-
 def run(q_NTD: torch.Tensor, k_NSD: torch.Tensor, va_NSA: torch.Tensor, *, scale: float, is_causal: bool,
         block_q: int, groups: int, faults: list[Fault] | None = None
         ) -> KernelOutput | None:
-    """One call of the kernel (``supports`` said yes). va: [V | V e | V w] (N, S, D + 2), abft.tiled.augment_v.
+    """One call of the kernel on (N, T, D) / (N, S, D) operands (``applies`` said yes). va: [V | V e | V w]
+    (N, S, D + 2), abft.tiled.augment_v.
     groups: checksum groups per scores row (S % groups == 0). faults: (op, n, row, col, value) written into the
     scores (col a key) or the unnormalised context (col a feature) right after the GEMM that computes them, before
     their checksums: a fault of the kernel's own arithmetic, emulated (tests). None where the kernel declines."""
@@ -141,17 +135,14 @@ def run(q_NTD: torch.Tensor, k_NSD: torch.Tensor, va_NSA: torch.Tensor, *, scale
     if faults:
         where = torch.tensor([[FAULT_OPS.index(op), i, r, c] for op, i, r, c, _ in faults], dtype=torch.int64)
         values = torch.tensor([v for *_, v in faults], dtype=torch.float32)
-    status = kernel(sgemm, n, t, s, d, _ptr(q), _ptr(k), _ptr(va), scale, int(is_causal), block_q, s // groups,
-                    _ptr(work), _ptr(oa), _ptr(out), _ptr(lse), _ptr(p_sum), _ptr(s_sums), _ptr(c_sums),
-                    _ptr(where), _ptr(values), 0 if where is None else where.shape[0], seconds)
+    p = native.ptr
+    status = kernel(sgemm, n, t, s, d, p(q), p(k), p(va), scale, int(is_causal), block_q, s // groups, p(work), p(oa),
+                    p(out), p(lse), p(p_sum), p(s_sums), p(c_sums), p(where), p(values),
+                    0 if where is None else where.shape[0], seconds)
     if status != 0:
         return None
     return KernelOutput(out_NTD=out, lse_NT=lse, p_sum_NT=p_sum, scores_sums_NTg3=s_sums, context_sums_NT5=c_sums,
                         seconds=(seconds[0], seconds[1]))
-
-
-def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
-    return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
 @functools.lru_cache(maxsize=1)

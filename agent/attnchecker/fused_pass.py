@@ -176,14 +176,11 @@ def _call(kernel: ctypes._CFuncPtr, x3: torch.Tensor, groups: int,  # type: igno
     csq = new((nb, cols)) if col_sq else None
     rmax = new((nb, rows)) if row_max else None
     cmax = new((nb, cols)) if col_max else None
-    kernel(nb, rows, cols, _ptr(x3), x3.stride(1), x3.stride(0), groups, _ptr(r_t), nr, sr, _ptr(r2_t), nr2, sr2,
-           _ptr(l_t), nl, sl, _ptr(l2_t), nl2, sl2, _ptr(xr), _ptr(xr2), _ptr(lx), _ptr(lx2), _ptr(rsq), _ptr(csq),
-           _ptr(rmax), _ptr(cmax))
+    p = native.ptr
+    kernel(nb, rows, cols, p(x3), x3.stride(1), x3.stride(0), groups, p(r_t), nr, sr, p(r2_t), nr2, sr2,
+           p(l_t), nl, sl, p(l2_t), nl2, sl2, p(xr), p(xr2), p(lx), p(lx2), p(rsq), p(csq),
+           p(rmax), p(cmax))
     return [xr, xr2, lx, lx2, rsq, csq, rmax, cmax]
-
-
-def _ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
-    return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
 @functools.lru_cache(maxsize=1)

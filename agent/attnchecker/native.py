@@ -15,8 +15,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["NATIVE_ENV", "load"]
+__all__ = ["NATIVE_ENV", "load", "ptr"]
 
 log = logging.getLogger("attnchecker")
 
@@ -39,6 +40,11 @@ def load(source: Path, symbol: str, what: str) -> ctypes._CFuncPtr | None:  # ty
     except (OSError, subprocess.SubprocessError, ValueError, AttributeError) as e:
         log.warning("attnchecker: the native kernel %s is not available (%s); %s", source.name, e, what)
         return None
+
+
+def ptr(t: Any) -> ctypes.c_void_p | None:
+    """A tensor's data pointer as a kernel argument (None: a NULL the kernel reads as "not given")."""
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
 def _build(source_path: Path) -> Path:

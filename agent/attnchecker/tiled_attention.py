@@ -55,7 +55,7 @@ from .abft.tiled import (
     tile_mask,
     v_row_checksums,
 )
-from .attention_kernel import kernel_checks, v_checksums
+from .attention_kernel import kernel_checks
 from .context import LayerContext
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
 from .product_check import _dot, _exact_math, _groups, _tolerance, _verify
@@ -339,9 +339,11 @@ def _kernel_forward(
     ops = tuple(tiers)
     with _exact_math(q):
         q3, k3, v3 = q3.contiguous(), k3.contiguous(), v3.contiguous()
-        vw = v_checksums(v3)
-        got = fused_attention.run(q3, k3, torch.cat([v3, vw], dim=-1), scale=scale, is_causal=is_causal,
-                                  block_q=KERNEL_BLOCK_Q, groups=groups, faults=fused_attention.take_faults())
+        vw = v_row_checksums(v3)
+        va = augment_v(v3, vw)
+        got = None if va is None else fused_attention.run(
+            q3, k3, va, scale=scale, is_causal=is_causal, block_q=KERNEL_BLOCK_Q, groups=groups,
+            faults=fused_attention.take_faults())
         if got is None:
             return None
         t0 = time.perf_counter()

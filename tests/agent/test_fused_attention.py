@@ -23,10 +23,11 @@ import test_attention_fused_backward as fused_suite
 import test_attention_layer as layer_suite
 import torch
 import torch.nn.functional as F
-from attnchecker import Policy, fused_attention
+from attnchecker import fused_attention
 from attnchecker.abft import Tolerance, group_count
+from attnchecker.abft.tiled import augment_v, v_row_checksums
 from attnchecker.attention import protected_sdpa
-from attnchecker.attention_kernel import kernel_checks, v_checksums
+from attnchecker.attention_kernel import kernel_checks
 from attnchecker.emulate import emulate_fp32_matmul
 from attnchecker.tiled_attention import KERNEL_BLOCK_Q, PATH_ENV, TILE_ENV
 from hypothesis import HealthCheck, given, settings
@@ -81,8 +82,8 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
                 tol: Tolerance | None = None) -> tuple[fused_attention.KernelOutput, dict[str, Any]]:
     s = k.shape[1]
     groups = group_count(s)
-    vw = v_checksums(v)
-    got = fused_attention.run(q, k, torch.cat([v, vw], -1), scale=scale, is_causal=is_causal, block_q=block_q,
+    vw = v_row_checksums(v)
+    got = fused_attention.run(q, k, augment_v(v, vw), scale=scale, is_causal=is_causal, block_q=block_q,
                               groups=groups, faults=faults)
     assert got is not None
     checks = kernel_checks(q, k, v, vw, got, tol=tol or Tolerance(), groups=groups, block_q=block_q,
