@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from model_zoo import NanoGPT
+from quiet_period import step_until_due_after_quiet
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnchecker
@@ -105,17 +106,12 @@ def test_after_a_quiet_period_the_next_scheduled_check_catches_the_error() -> No
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights unchanged: every step has the same fault-free result
     guard = attnchecker.protect(model, optimizer=opt)
     try:
-        quiet = 0
-        for _ in range(64):
-            due = guard.check_config.checks("scores")
-            if due and quiet >= 7:
-                break
-            quiet = 0 if due else quiet + 1
+        def clean_step(_due: bool) -> None:
             opt.zero_grad(set_to_none=True)
             _loss(model, ids).backward()
             opt.step()
-        else:
-            raise AssertionError("the default schedule did not come back to scores after 7 quiet steps in 64 steps")
+
+        step_until_due_after_quiet(guard, clean_step)
         assert guard.detections == []
         fault = ScoresRmsFault()
         opt.zero_grad(set_to_none=True)

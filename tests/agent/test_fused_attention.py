@@ -2,8 +2,10 @@
 
 - The kernel alone: output and lse equal to the float64 reference over shapes, causal or not, block sizes and
   checksum groups; clean calls flag nothing; a fault inside the kernel (emulated: written into its scores or context
-  right after the GEMM that computed them) is flagged at its row, whatever its size down to a fraction of the RMS.
-- Through the engine (protected_sdpa, and a GPT-2 step as ``protect(model, optimizer=opt)`` runs it): the output is
+  right after the GEMM that computed them) is flagged at its row, whatever its size down to a fraction of the RMS;
+  the same at a 7B-like head (T = 4096, D = 128).
+- Through the engine (protected_sdpa, and a GPT-2 step as ``protect(model, optimizer=opt)`` runs it, on its first
+  step and on the first full check after a quiet period): the output is
   SDPA's, a fault inside the kernel is recomputed and reported with its place, detect mode reports and keeps it,
   and the checks are counted; calls it does not take (masks, half precision, a dispatch mode, a set tile size, the
   kernel switched off) run the PyTorch tile loop and give the same answer.
@@ -32,6 +34,7 @@ from attnchecker.emulate import emulate_fp32_matmul
 from attnchecker.tiled_attention import KERNEL_BLOCK_Q, PATH_ENV, TILE_ENV
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from quiet_period import step_until_due_after_quiet
 from scoped_env import scoped_env
 from test_attention_layer import seeded
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -164,6 +167,31 @@ def test_a_fault_inside_the_kernel_is_flagged_at_its_row(op: str, kind: str, cau
         assert not bool(checks[other]["row"].bad.any())  # a context fault leaves the scores' sums alone
 
 
+@pytest.mark.parametrize("op", fused_attention.FAULT_OPS)
+def test_at_a_7b_like_head_clean_rows_pass_and_a_2x_rms_fault_is_flagged(op: str) -> None:
+    """A Llama-7B-like head (T = S = 4096, D = 128, causal; 16 checksum groups of 256 keys a scores row), where a
+    bound tight at small shapes could be loose: no clean row flags, with room, and an error of 2 x the RMS of the
+    matrix it lands in is flagged at its row."""
+    t, d = 4096, 128
+    q, k, v = (seeded((1, t, d), 30 + i, torch.float32) for i in range(3))
+    clean, checks = kernel_call(q, k, v, scale=d ** -0.5, is_causal=True)
+    assert clean.scores_sums_NTg3.shape[2] == 16
+    for name, chk in checks.items():
+        row = chk["row"]
+        assert not bool(row.bad.any()), name
+        assert float((row.diff[..., 0].abs() / row.bound).max()) < 0.5, name
+    row, col = 3000, (2000 if op == "scores" else 64)
+    if op == "scores":
+        scores = q[0] @ k[0].T
+        rms, base = float(scores.square().mean().sqrt()), float(scores[row, col])
+    else:
+        z = (d ** -0.5 * q[0] @ k[0].T).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+        cl = torch.softmax(z, -1) @ v[0] * clean.p_sum_NT[0][:, None]  # the kernel checks CL before normalising
+        rms, base = float(cl.square().mean().sqrt()), float(cl[row, col])
+    _, checks = kernel_call(q, k, v, scale=d ** -0.5, is_causal=True, faults=[(op, 0, row, col, base + 2 * rms)])
+    assert checks[op]["row"].bad.view(1, t, -1).any(-1).nonzero().tolist() == [[0, row]]
+
+
 # ------------------------------------------------------------------------------------------------ the engine
 
 
@@ -275,56 +303,99 @@ def test_auto_runs_calls_below_the_tiled_size_on_the_kernel_unless_an_injection_
         os.environ[PATH_ENV] = "tiled"
 
 
-def test_the_default_policy_on_a_gpt2_step_recovers_a_fault_inside_the_kernel() -> None:
-    """The path users take: protect(model, optimizer=opt), default policy, T = 512 (the tiled path's size, so the
-    kernel's), the first step (scores and context checked in full). A finite error of 4 x RMS in layer 1's scores
-    inside the kernel: recomputed, one event, and the loss and every gradient equal the fault-free step's."""
+def _gpt2_at_512() -> tuple[torch.nn.Module, torch.Tensor]:
+    """A 2-layer GPT-2 (transformers, random weights) at T = 512, the size from which auto tiles, and its batch."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=128, n_positions=512, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0,
+                     resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg).train()
+    model.set_attn_implementation("sdpa")
+    return model, torch.randint(0, 128, (2, 512), generator=torch.Generator().manual_seed(1))
+
+
+def _four_rms_scores_fault(model: torch.nn.Module, ids: torch.Tensor) -> fused_attention.Fault:
+    """Layer 0's scores element (batch 1, head 2, row 300, key 200) plus 4 x the RMS of its scores, as the kernel's
+    fault list writes it: the first kernel call of a step holding matrix n = 1·4 + 2 is layer 0's."""
+    with torch.no_grad():
+        h = model.transformer.h[0]
+        x = h.ln_1(model.transformer.wte(ids) + model.transformer.wpe(torch.arange(512)))
+        q, k, _ = h.attn.c_attn(x).split(64, dim=-1)
+        q, k = (z.view(2, 512, 4, 16).transpose(1, 2) for z in (q, k))
+        scores = q @ k.mT
+        rms, base = float(scores.square().mean().sqrt()), float(scores[1, 2, 300, 200])
+    return ("scores", 1 * 4 + 2, 300, 200, base + 4 * rms)
+
+
+def _step(model: torch.nn.Module, ids: torch.Tensor, opt: torch.optim.Optimizer,
+          faults: list[fused_attention.Fault] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """One training step (loss, gradients, kernel calls); lr 0, so every step has the same fault-free result."""
+    opt.zero_grad(set_to_none=True)
+    with Calls().watch() as calls, fused_attention.emulated_faults(faults or []):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    opt.step()
+    return loss.detach(), grads, calls.n
+
+
+@pytest.fixture
+def auto_path() -> Iterator[None]:
+    """The path choice as a user gets it (auto), inside this module's forced tiled path."""
+    with scoped_env({PATH_ENV: None}):
+        yield
+
+
+def _assert_recovered(seen: list, loss: torch.Tensor, grads: dict, want_loss: torch.Tensor, want: dict) -> None:
+    assert [(d.op, d.action, d.layer, d.batch, d.head, d.row, d.kind) for d in seen] == [
+        ("scores", "recomputed", 0, 1, 2, 300, "silent")]
+    torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, want[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_default_policy_on_a_gpt2_step_recovers_a_fault_inside_the_kernel(auto_path: None) -> None:
+    """The path users take: protect(model, optimizer=opt), default policy, T = 512 (the tiled path's size, so the
+    kernel's), the first step (scores and context checked in full). A finite error of 4 x RMS in layer 0's scores
+    inside the kernel: recomputed, one event, and the loss and every gradient equal the fault-free step's."""
     import attnchecker
 
-    os.environ.pop(PATH_ENV)  # auto, as a user runs it
-    try:
-        hf_logging.set_verbosity_error()
-        torch.manual_seed(0)
-        cfg = GPT2Config(vocab_size=128, n_positions=512, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0,
-                         resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-        model = GPT2LMHeadModel(cfg).train()
-        model.set_attn_implementation("sdpa")
-        ids = torch.randint(0, 128, (2, 512), generator=torch.Generator().manual_seed(1))
+    model, ids = _gpt2_at_512()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(twin.parameters(), lr=0.0)
+    with attnchecker.protect(twin, optimizer=opt) as guard:
+        want_loss, want, n_clean = _step(twin, ids, opt)
+        assert guard.detections == [] and n_clean == 2  # both layers on the kernel
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with attnchecker.protect(model, optimizer=opt) as guard:
+        loss, grads, _ = _step(model, ids, opt, [_four_rms_scores_fault(model, ids)])
+        seen = list(guard.detections)
+    _assert_recovered(seen, loss, grads, want_loss, want)
 
-        def step(m: torch.nn.Module, faults: list[fused_attention.Fault] | None) -> tuple[Any, dict, list, int]:
-            opt = torch.optim.SGD(m.parameters(), lr=0.0)
-            guard = attnchecker.protect(m, optimizer=opt)
-            try:
-                with Calls().watch() as calls, fused_attention.emulated_faults(faults or []):
-                    loss = m(input_ids=ids, labels=ids).loss
-                    loss.backward()
-                grads = {n: p.grad.clone() for n, p in m.named_parameters()}
-                opt.step()
-                return loss.detach(), grads, list(guard.detections), calls.n
-            finally:
-                guard.close()
 
-        want_loss, want_grads, clean, n_clean = step(copy.deepcopy(model), None)
-        assert clean == [] and n_clean == 2  # both layers on the kernel
-        # The fault goes to the first kernel call holding matrix n: layer 0's. RMS of its scores, from its q and k.
-        with torch.no_grad():
-            h = model.transformer.h[0]
-            x = h.ln_1(model.transformer.wte(ids) + model.transformer.wpe(torch.arange(512)))
-            q, k, _ = h.attn.c_attn(x).split(64, dim=-1)
-            q, k = (z.view(2, 512, 4, 16).transpose(1, 2) for z in (q, k))
-            scores = q @ k.mT
-            rms, base = float(scores.square().mean().sqrt()), float(scores[1, 2, 300, 200])
-        loss, grads, seen, _ = step(model, [("scores", 1 * 4 + 2, 300, 200, base + 4 * rms)])
-        assert [(d.op, d.action, d.layer, d.batch, d.head, d.row, d.kind) for d in seen] == [
-            ("scores", "recomputed", 0, 1, 2, 300, "silent")]
-        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
-        for name, g in grads.items():
-            torch.testing.assert_close(g, want_grads[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
-    finally:
-        os.environ[PATH_ENV] = "tiled"
+def test_after_a_quiet_period_the_next_scheduled_check_catches_a_fault_inside_the_kernel(auto_path: None) -> None:
+    """The same fault on the default policy's first full scores check after the run has gone quiet (its period grown
+    to the maximum, 7 steps or more without a full scores check, each on SDPA and its tripwire): the path a long
+    clean run takes, not only its first step."""
+    import attnchecker
+
+    model, ids = _gpt2_at_512()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with attnchecker.protect(model, optimizer=opt) as guard:
+        want_loss, want, _ = _step(model, ids, opt)
+        def clean_step(due: bool) -> None:
+            _, _, calls = _step(model, ids, opt)
+            assert calls == (2 if due else 0)  # the kernel runs on the checked steps only
+
+        step_until_due_after_quiet(guard, clean_step)
+        assert guard.detections == []
+        loss, grads, calls = _step(model, ids, opt, [_four_rms_scores_fault(model, ids)])
+        seen = list(guard.detections)
+    assert calls == 2
+    _assert_recovered(seen, loss, grads, want_loss, want)
 
 
 # ------------------------------------------------------------------------------ the engine's no-fault suites
