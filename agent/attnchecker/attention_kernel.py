@@ -1,6 +1,5 @@
 """The checks of the native attention forward (fused_attention.py): its row sums against references from Q, K, V,
-bounded as the unfused and tiled paths bound them (``product_check._verify``, with the sums given, so no pass over
-the scores or the context runs here). Per call, not per tile: a few dozen small ops whatever T is.
+bounded as the unfused and tiled paths bound them. Per call, not per tile.
 
 What each op's rows are (Legend of fused_attention.py; g checksum groups of G keys per scores row):
 - scores AS = Q Kᵀ (N, T, S), row i and group h: (Σ_j AS_ij, Σ_j j·AS_ij) over the group's keys against
@@ -10,27 +9,38 @@ What each op's rows are (Legend of fused_attention.py; g checksum groups of G ke
   sqrt(Σ_j P̃_ij) (0 <= P̃ <= 1, abft/tiled.py) and K = S (a causal row sums fewer keys: the bound is the longer one's).
 One direction, the rows: it detects any single corrupted element (gemm_check.FAST_DIRECTIONS says why that is the
 fast path's choice); a flag is recovered by recomputing the call through the tiled path, which checks both.
+
+The kernel verifies its rows itself: ``kernel_rules`` makes what it needs, O(S·D) per matrix (the K group sums its
+references multiply, and the per-group terms of the row rule, abft.tolerance.row_terms). ``kernel_checks`` makes the
+same checks from the sums and references it returns, in Python (``product_check._verify`` with the sums given, so no
+pass over the scores or the context): the report of a flagged call, and what its tests hold its verdict to.
 """
 from __future__ import annotations
 
 import torch
 
 from .abft import Tolerance, col_norms
-from .abft.checksum import group_sums_cols, times_skinny
-from .fused_attention import KernelOutput
+from .abft.checksum import group_sums_cols
+from .abft.tolerance import row_terms
+from .fused_attention import KernelOutput, KernelRules
 from .product_check import Checks, _verify
 
-__all__ = ["computed_groups", "kernel_checks"]
+__all__ = ["kernel_checks", "kernel_rules"]
 
 
-def computed_groups(t: int, s: int, groups: int, block_q: int, *, is_causal: bool) -> torch.Tensor:
-    """(T,) int64: how many checksum groups of its scores row each query row's block computed (the kernel's kend)."""
-    rows = torch.arange(t)
-    if not is_causal:
-        return torch.full((t,), groups, dtype=torch.int64)
-    block_end = torch.clamp((rows // block_q + 1) * block_q, max=t)
-    last = torch.clamp(block_end - 1, max=s - 1)
-    return last // (s // groups) + 1
+def kernel_rules(q_acc_NTD: torch.Tensor, k_acc_NSD: torch.Tensor, v_acc_NSD: torch.Tensor, vw_NS2: torch.Tensor, *,
+                 tol: Tolerance, groups: int) -> KernelRules:
+    """What the kernel verifies each row against: the same references and bounds as ``kernel_checks`` (no sync;
+    O(T + S·D) per matrix, nothing T×S or T·g-sized)."""
+    d = q_acc_NTD.shape[-1]
+    s = k_acc_NSD.shape[1]
+    kbar_ND2g = group_sums_cols(k_acc_NSD, groups).flatten(-2)
+    scores = row_terms(torch.linalg.vector_norm(k_acc_NSD, dim=-1).unflatten(-1, (groups, -1)),
+                       torch.linalg.vector_norm(kbar_ND2g, dim=-2).unflatten(-1, (groups, 2)), k=d, tol=tol)
+    context = row_terms(col_norms(v_acc_NSD)[:, None, :], torch.linalg.vector_norm(vw_NS2, dim=-2)[:, None, :], k=s,
+                        tol=tol)
+    return KernelRules(kbar_ND2g=kbar_ND2g.contiguous(), q_norm_NT=torch.linalg.vector_norm(q_acc_NTD, dim=-1),
+                       scores=scores, context=context)
 
 
 def kernel_checks(
@@ -42,17 +52,13 @@ def kernel_checks(
     *,
     tol: Tolerance,
     groups: int,
-    block_q: int,
-    is_causal: bool,
 ) -> dict[str, Checks]:
     """{"scores": row checks (N, T·g), "context": row checks (N, T)} of one kernel call (no sync)."""
-    t, d = q_acc_NTD.shape[1:]
+    d = q_acc_NTD.shape[-1]
     s = k_acc_NSD.shape[1]
-    # Scores: q_i · k̄_h per group, zeroed where the block did not compute group h (the kernel wrote 0 there).
+    # Scores: q_i · k̄_h per group as the kernel made them (zero where its block did not compute group h).
     kbar_ND2g = group_sums_cols(k_acc_NSD, groups).flatten(-2)
-    ref_NTg2 = times_skinny(q_acc_NTD, kbar_ND2g).unflatten(-1, (groups, 2))
-    live_Tg = torch.arange(groups)[None, :] < computed_groups(t, s, groups, block_q, is_causal=is_causal)[:, None]
-    ref_NTg2 = torch.where(live_Tg[None, :, :, None], ref_NTg2, 0.0)
+    ref_NTg2 = got.scores_refs_NTg2
     sums = got.scores_sums_NTg3
     ref_norm = torch.linalg.vector_norm(kbar_ND2g, dim=-2)
     scores = _verify(

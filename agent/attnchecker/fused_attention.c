@@ -13,6 +13,12 @@
  *      to the block's last row, P being 0 beyond), then per row
  *      c_sums[i] = (sum_d CL, sum_d d*CL, sum_d CL^2, P (V e), P (V w)), the context check's row side;
  *   5. out = CL / l, lse = m + log l, p_sum = l.
+ * Each row's sums are verified where they are made (check_vectors): the scores' against their references
+ * s_refs = Q_blk [K_h^T e | K_h^T w] (one small GEMM per block on the caller's K_h sums; zeros past a causal block's
+ * groups), the context's against the references its own GEMM produced,
+ * each under the row rule of abft/tolerance.py (row_terms: the caller's per-group terms, evaluated per row here as
+ * Bound.pair does). Out: per matrix and op the rows flagged, per op the worst ratio |d|/bound among the rows not
+ * flagged (NaN if one is NaN), as records._worst_ratio makes it.
  * A fault list (tests: a hardware fault inside the kernel, emulated) is applied to AS after its GEMM and to CL after
  * its GEMM, before their sums: the checks see it as they would see a fault of the arithmetic itself.
  *
@@ -20,8 +26,9 @@
  * block, so that the checks' share of the pass is measured, not estimated; the scores' phase also takes the max).
  *
  * Memory: the caller's work buffers, BQ x S for the block's scores and BQ x (D + 2) for its context; no allocation
- * here (lse holds a block's row maxima between its two row passes). NaN and INF propagate: no finite-math flag (fused_pass.py's flags); exp is a polynomial with an explicit NaN
- * path. Rows are independent: a caller may split [0, N) between threads.
+ * here (lse holds a block's row maxima between its two row passes). NaN and INF
+ * propagate: no finite-math flag (fused_pass.py's flags); exp is a polynomial with an explicit NaN path. Rows are
+ * independent: a caller may split [0, N) between threads.
  */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime under -std=c99 */
 #include <math.h>
@@ -64,6 +71,65 @@ static inline int32_t ordered_bits(float x) {
     int32_t b;
     memcpy(&b, &x, sizeof b);
     return b ^ ((b >> 31) & 0x7fffffff);
+}
+
+/* abft/tolerance.py's RowTerms, one op's: the row rule of a checksum group, per unit of the row's operand norm. */
+typedef struct {
+    const float *rigorous; /* N x g: sum over the group's columns of (column norm + floor) */
+    const double *var;     /* N x g x 2 variance of (d1, d2) per unit (a + a_floor)^2; NULL: not calibrated */
+    double a_floor, rig_coef, under, sq_coef1, sq_coef2, sq_pad, sigmas, off2, n;
+} row_rule;
+
+/* NaN if either is NaN (torch.minimum), else the smaller. */
+static inline float min_nan(float a, float b) { return (a != a || b != b) ? NAN : (a < b ? a : b); }
+
+/* tolerance._clamp: an undefined bound (NaN, +INF) reads NEAR_INF, so an extreme residual still flags. */
+static inline float clamp_bound(float b) { return (b != b || b == INFINITY) ? 1e10f : b; }
+
+/* The verification of `count` vectors (checksum.verify_direction with Bound.pair's rule, records._ratio): vector e
+ * has operand norm a[e * a_step], its rule's group terms at index nh0 + e * t_step, its sums (s1, s2, sum of squares)
+ * at sums + e * s_step and its reference (r1, r2) at refs + e * r_step. Adds the vectors flagged to *bad and takes the
+ * worst ratio of the unflagged ones into *worst (NaN-sticky). No branch in the loop, so that it runs in vector lanes:
+ * one such call per scores row (its groups) and one per block of context rows. */
+static void check_vectors(const row_rule *rule, int64_t nh0, int64_t t_step, const float *a, int64_t a_step,
+                          const float *sums, int64_t s_step, const float *refs, int64_t r_step, int64_t count,
+                          int64_t *bad, float *worst) {
+    const float floor = (float)rule->a_floor, coef = (float)rule->rig_coef, under = (float)rule->under;
+    const float n = (float)rule->n;
+    const double *var = rule->var;
+    int64_t flagged = 0;
+    int32_t nan = 0;
+    float w = 0.0f;
+    for (int64_t e = 0; e < count; e++) {
+        const int64_t nh = nh0 + e * t_step;
+        const float *sm = sums + e * s_step, *rf = refs + e * r_step;
+        const float a_eff = a[e * a_step] + floor;
+        float b1 = a_eff * rule->rigorous[nh] * coef + under;
+        float b2 = b1 * n;
+        if (var) {
+            const double a2 = (double)a_eff * (double)a_eff, sqd = (double)sm[2] + rule->sq_pad;
+            const float c1 = (float)(rule->sigmas * sqrt(a2 * var[2 * nh] + rule->sq_coef1 * sqd) + rule->under);
+            const float c2 = (float)(rule->sigmas * sqrt(a2 * var[2 * nh + 1] + rule->sq_coef2 * sqd) + rule->off2);
+            b1 = min_nan(b1, c1);
+            b2 = min_nan(b2, c2);
+        }
+        b1 = clamp_bound(b1);
+        b2 = clamp_bound(b2);
+        const float d1 = fabsf(rf[0] - sm[0]), d2 = fabsf(rf[1] - sm[1]);
+        const int32_t ok = (d1 <= b1) & (d2 <= b2); /* 0 for a NaN residual */
+        const int32_t is_bad = !ok & (fabsf(rf[0]) <= 3.402823466e38f); /* a non-finite reference: not this op's */
+        flagged += is_bad;
+        const float x1 = d1 / (b1 > 1e-30f ? b1 : 1e-30f), x2 = d2 / (b2 > 1e-30f ? b2 : 1e-30f);
+        const float ratio = x1 > x2 ? x1 : x2;
+        nan |= !is_bad & ((x1 != x1) | (x2 != x2));
+        const float r = is_bad ? 0.0f : ratio;
+        w = r > w ? r : w;
+    }
+    *bad += flagged;
+    if (nan || *worst != *worst)
+        *worst = NAN;
+    else if (w > *worst)
+        *worst = w;
 }
 
 /* acc[0..3) += (sum x_j, sum (j+1) x_j, sum x_j^2) over j in [j0, j1): a checksum group's sums, weights 1 and 1..G. */
@@ -144,13 +210,29 @@ int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S
                                     const float *k, const float *va, float scale, int64_t causal, int64_t BQ,
                                     int64_t G, float *work, float *oa, float *out, float *lse, float *p_sum,
                                     float *s_sums, float *c_sums, const int64_t *fault_at, const float *fault_value,
-                                    int64_t n_faults, double *seconds) {
+                                    int64_t n_faults, double *seconds, const float *kbar, const float *q_norm,
+                                    const row_rule *rules, float *s_refs, int64_t *bad, float *worst) {
     const sgemm_fn gemm = (sgemm_fn)sgemm;
     const int64_t DA = D + 2, groups = S / G;
     if (BQ < 1 || G < 1 || S % G || BQ * S >= (int64_t)1 << 31 || D > (int64_t)1 << 20) return -1;
     const float one = 1.0f, zero = 0.0f;
+    const row_rule *s_rule = rules, *c_rule = rules + 1;
+    worst[0] = worst[1] = 0.0f;
     for (int64_t n = 0; n < N; n++) {
         const float *qn = q + n * T * D, *kn = k + n * S * D, *van = va + n * S * DA;
+        int64_t *bad_n = bad + 2 * n;
+        bad_n[0] = bad_n[1] = 0;
+        /* The scores' row references, (T x 2g) row-major = Q_n (T x D) [K_h^T e | K_h^T w] (D x 2g, row-major): in
+         * column-major terms (2g x T) = Kbar^T Q_n^T. One GEMM per matrix (per block, its calls cost more than its
+         * flops at T = 256); a causal block then zeroes the groups it does not compute. */
+        {
+            const double t_ref = now();
+            const int m = (int)(2 * groups), nn = (int)T, kk = (int)D, lda = (int)(2 * groups), ldb = (int)D,
+                      ldc = (int)(2 * groups);
+            gemm("N", "N", &m, &nn, &kk, &one, kbar + n * D * 2 * groups, &lda, qn, &ldb, &zero,
+                 s_refs + n * T * 2 * groups, &ldc);
+            seconds[0] += now() - t_ref;
+        }
         for (int64_t r0 = 0; r0 < T; r0 += BQ) {
             const int64_t r1 = r0 + BQ < T ? r0 + BQ : T, rows = r1 - r0;
             int64_t kend = S;
@@ -170,12 +252,19 @@ int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S
             /* The checks' sums ride in the softmax's max pass: the pass is timed as the checks' (the max is one
              * compare a key beside three multiply-adds). The row maxima wait in lse. */
             double t0 = now();
+            float *refs = s_refs + (n * T + r0) * 2 * groups;
             for (int64_t i = r0; i < r1; i++) {
                 const float *row = work + (i - r0) * kend;
                 float *sums = s_sums + (n * T + i) * groups * 3;
                 const int64_t live = causal ? (i + 1 < kend ? i + 1 : kend) : kend;
                 lse[n * T + i] = sums_and_max(row, done, G, live, sums);
-                for (int64_t h = done; h < groups; h++) sums[3 * h] = sums[3 * h + 1] = sums[3 * h + 2] = 0.0f;
+                /* Groups past the block's last key are zero on both sides: nothing to verify. */
+                float *ref = refs + (i - r0) * 2 * groups;
+                for (int64_t h = done; h < groups; h++) {
+                    sums[3 * h] = sums[3 * h + 1] = sums[3 * h + 2] = 0.0f;
+                    ref[2 * h] = ref[2 * h + 1] = 0.0f;
+                }
+                check_vectors(s_rule, n * groups, 1, q_norm + n * T + i, 0, sums, 3, ref, 2, done, bad_n, worst);
             }
             seconds[0] += now() - t0;
             for (int64_t i = r0; i < r1; i++) {
@@ -195,6 +284,7 @@ int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S
             }
             if (n_faults) apply_faults(1, n, r0, r1, D, oa, DA, fault_at, fault_value, n_faults);
             t0 = now();
+            float *p_norm = work; /* the context rows' operand norms, where the block's P is no longer needed */
             for (int64_t i = r0; i < r1; i++) {
                 const float *o = oa + (i - r0) * DA;
                 float *cs = c_sums + (n * T + i) * 5;
@@ -202,7 +292,11 @@ int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S
                 add_sums(o, 0, (int32_t)D, cs);
                 cs[3] = o[D];
                 cs[4] = o[D + 1];
+                /* The row's norm bound: 0 <= P <= 1, so ||P_i||_2 <= sqrt(sum_j P_ij) (1.01: its rounding). */
+                p_norm[i - r0] = sqrtf(p_sum[n * T + i]) * 1.01f;
             }
+            check_vectors(c_rule, n, 0, p_norm, 1, c_sums + (n * T + r0) * 5, 5, c_sums + (n * T + r0) * 5 + 3, 5,
+                          rows, bad_n + 1, worst + 1);
             seconds[1] += now() - t0;
             for (int64_t i = r0; i < r1; i++) {
                 const float *o = oa + (i - r0) * DA;

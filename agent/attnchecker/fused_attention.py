@@ -5,9 +5,11 @@ over the scores through memory (GEMM, scale, mask, max, shift, exp, sum, the che
 small ops for the checks. This kernel runs the same contract with each query block's scores in cache: the two GEMMs
 by the BLAS PyTorch itself links (MKL's ``sgemm_``, called from C), and between them one pass for the scores' row
 checksums (plain, weighted, Σ AS²) per checksum group, and the softmax; after the second GEMM one for the context's row
-checksums, whose references come out of that GEMM itself ([V | V w], abft.tiled.augment_v). What stays in Python
-is per call, not per tile: the references Q (K_h w) and the bounds (attention_kernel.py, ``product_check._verify``
-with the sums given), and the recovery (tiled_attention._kernel_forward).
+checksums, whose references come out of that GEMM itself ([V | V w], abft.tiled.augment_v). Each row is verified
+where its sums are made, against the row rule of abft/tolerance.py factored per checksum group (``row_terms``: the
+per-call terms, O(S·D), are made in Python by attention_kernel.kernel_rules); the call returns the rows flagged per
+matrix and the worst ratio per op. Only a flag goes back to Python's checks of the same sums
+(attention_kernel.kernel_checks, for the report) and the recovery (tiled_attention._kernel_forward).
 
 Scope: plain fp32 tensors on the CPU, no explicit mask (none, or causal with T = S), a positive scale, IEEE fp32
 matmuls (TF32 or oneDNN bf16 modes keep the PyTorch path, whose products honour them), no TorchDispatchMode active
@@ -33,15 +35,16 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import native
+from .abft.tolerance import RowTerms
 from .matmul_precision import fp32_matmul_operand_roundoff
 
-__all__ = ["KernelOutput", "applies", "available", "emulated_faults", "run", "take_faults"]
+__all__ = ["OPS", "KernelOutput", "KernelRules", "applies", "available", "emulated_faults", "run", "take_faults"]
 
 enabled = True
 """False: ``run`` declines every call (bench/ and tests price or exercise the PyTorch tiled loop side by side)."""
 _SOURCE = Path(__file__).with_name("fused_attention.c")
-FAULT_OPS = ("scores", "context")
-"""Where the kernel's fault list (``run``'s ``faults``) writes: the scores after their GEMM, the context after its."""
+OPS = ("scores", "context")
+"""The kernel's two checked products, in the order of its per-op outputs (KernelOutput) and of a fault's op."""
 
 
 Fault = tuple[str, int, int, int, float]
@@ -71,6 +74,20 @@ def take_faults() -> list[Fault] | None:
 
 
 @dataclass(frozen=True, slots=True)
+class KernelRules:
+    """What the kernel verifies each row against (attention_kernel.kernel_rules makes it)."""
+
+    kbar_ND2g: torch.Tensor
+    """[K_h^T e | K_h^T w] per checksum group h (column 2h + w): the scores' row references are Q_i times it."""
+    q_norm_NT: torch.Tensor
+    """‖Q_i‖₂, the scores rows' operand norm."""
+    scores: RowTerms
+    """The scores' row rule per checksum group ((N, g) terms)."""
+    context: RowTerms
+    """The context's ((N, 1) terms; its rows' operand norm is sqrt(Σ_j P̃_ij)·1.01, made in the kernel)."""
+
+
+@dataclass(frozen=True, slots=True)
 class KernelOutput:
     out_NTD: torch.Tensor
     """softmax(scale·QKᵀ) V, normalised."""
@@ -81,10 +98,18 @@ class KernelOutput:
     scores_sums_NTg3: torch.Tensor
     """Per row and checksum group of the scores: (Σ AS, Σ j·AS (j = 1..G within the group), Σ AS²); zeros for a
     group a causal block did not compute."""
+    scores_refs_NTg2: torch.Tensor
+    """Their references Q_i (K_hᵀ [e, w]) as the kernel made them; zeros for a group a causal block did not compute."""
     context_sums_NT5: torch.Tensor
     """Per row of the unnormalised context CL = P̃ V: (Σ_d CL, Σ_d d·CL, Σ_d CL², P̃ (V e), P̃ (V w))."""
+    flagged_N2: torch.Tensor
+    """int64: rows flagged per matrix, (scores, context)."""
+    worst_2: torch.Tensor
+    """fp32: per op (scores, context) the worst |d|/bound among the rows not flagged, NaN if one is NaN
+    (records._worst_ratio)."""
     seconds: tuple[float, float]
-    """Time the kernel spent in the scores' and the context's checksum sums (the checks' share of its pass)."""
+    """Time the kernel spent in the scores' and the context's checks: sums and verification (the checks' share of
+    its pass)."""
 
 
 def available() -> bool:
@@ -111,38 +136,62 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: boo
     return fp32_matmul_operand_roundoff(q.device) is None and available()
 
 
-def run(q_NTD: torch.Tensor, k_NSD: torch.Tensor, va_NSA: torch.Tensor, *, scale: float, is_causal: bool,
-        block_q: int, groups: int, faults: list[Fault] | None = None
-        ) -> KernelOutput | None:
+def run(q_NTD: torch.Tensor, k_NSD: torch.Tensor, va_NSA: torch.Tensor, rules: KernelRules, *, scale: float,
+        is_causal: bool, block_q: int, faults: list[Fault] | None = None) -> KernelOutput | None:
     """One call of the kernel on (N, T, D) / (N, S, D) operands (``applies`` said yes). va: [V | V e | V w]
-    (N, S, D + 2), abft.tiled.augment_v.
-    groups: checksum groups per scores row (S % groups == 0). faults: (op, n, row, col, value) written into the
-    scores (col a key) or the unnormalised context (col a feature) right after the GEMM that computes them, before
-    their checksums: a fault of the kernel's own arithmetic, emulated (tests). None where the kernel declines."""
+    (N, S, D + 2), abft.tiled.augment_v. rules: what each row is verified against; its scores terms give the
+    checksum groups per scores row (S % g == 0).
+    faults: (op, n, row, col, value) written into the scores (col a key) or the unnormalised context (col a feature)
+    right after the GEMM that computes them, before their checksums: a fault of the kernel's own arithmetic, emulated
+    (tests). None where the kernel declines."""
     kernel, sgemm = _kernel(), _sgemm()
     if kernel is None or sgemm is None:
         return None
     q, k, va = q_NTD.contiguous(), k_NSD.contiguous(), va_NSA.contiguous()
     (n, t, d), s = q.shape, k.shape[1]
-    if va.shape != (n, s, d + 2) or groups < 1 or s % groups or block_q < 1:
+    groups = rules.scores.rigorous_Ng.shape[-1]
+    if (va.shape != (n, s, d + 2) or groups < 1 or s % groups or block_q < 1
+            or rules.kbar_ND2g.shape != (n, d, 2 * groups) or rules.q_norm_NT.shape != (n, t)):
         return None
     new = functools.partial(torch.empty, dtype=torch.float32)
     out, lse, p_sum = new((n, t, d)), new((n, t)), new((n, t))
-    s_sums, c_sums = new((n, t, groups, 3)), new((n, t, 5))
+    s_sums, s_refs, c_sums = new((n, t, groups, 3)), new((n, t, groups, 2)), new((n, t, 5))
     work, oa = new((min(block_q, t), s)), new((min(block_q, t), d + 2))
+    flagged, worst = torch.empty((n, 2), dtype=torch.int64), new(2)
     seconds = (ctypes.c_double * 2)(0.0, 0.0)
     where = values = None
     if faults:
-        where = torch.tensor([[FAULT_OPS.index(op), i, r, c] for op, i, r, c, _ in faults], dtype=torch.int64)
+        where = torch.tensor([[OPS.index(op), i, r, c] for op, i, r, c, _ in faults], dtype=torch.int64)
         values = torch.tensor([v for *_, v in faults], dtype=torch.float32)
+    kbar, q_norm = rules.kbar_ND2g.contiguous(), rules.q_norm_NT.contiguous()
+    held: list[torch.Tensor] = []  # the terms' buffers, alive until the call returns
+    structs = (_RowRule * 2)(_row_rule(rules.scores, held), _row_rule(rules.context, held))
     p = native.ptr
     status = kernel(sgemm, n, t, s, d, p(q), p(k), p(va), scale, int(is_causal), block_q, s // groups, p(work), p(oa),
                     p(out), p(lse), p(p_sum), p(s_sums), p(c_sums), p(where), p(values),
-                    0 if where is None else where.shape[0], seconds)
+                    0 if where is None else where.shape[0], seconds, p(kbar), p(q_norm), structs, p(s_refs), p(flagged),
+                    p(worst))
     if status != 0:
         return None
-    return KernelOutput(out_NTD=out, lse_NT=lse, p_sum_NT=p_sum, scores_sums_NTg3=s_sums, context_sums_NT5=c_sums,
-                        seconds=(seconds[0], seconds[1]))
+    return KernelOutput(out_NTD=out, lse_NT=lse, p_sum_NT=p_sum, scores_sums_NTg3=s_sums, scores_refs_NTg2=s_refs,
+                        context_sums_NT5=c_sums, flagged_N2=flagged, worst_2=worst, seconds=(seconds[0], seconds[1]))
+
+
+class _RowRule(ctypes.Structure):
+    """fused_attention.c's row_rule."""
+
+    _fields_ = [("rigorous", ctypes.c_void_p), ("var", ctypes.c_void_p)] + [
+        (name, ctypes.c_double)
+        for name in ("a_floor", "rig_coef", "under", "sq_coef1", "sq_coef2", "sq_pad", "sigmas", "off2", "n")]
+
+
+def _row_rule(terms: RowTerms, held: list[torch.Tensor]) -> _RowRule:
+    rigorous = terms.rigorous_Ng.to(torch.float32).contiguous()
+    var = None if terms.var_Ng2 is None else terms.var_Ng2.to(torch.float64).contiguous()
+    held += [rigorous] + ([] if var is None else [var])
+    return _RowRule(rigorous.data_ptr(), None if var is None else var.data_ptr(), terms.a_floor, terms.rig_coef,
+                    terms.under, terms.sq_coef[0], terms.sq_coef[1], terms.sq_pad, terms.sigmas, terms.off2,
+                    float(terms.n))
 
 
 @functools.lru_cache(maxsize=1)
@@ -153,7 +202,7 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn.restype = i64
     fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
-                   ptr, ptr, i64, ctypes.POINTER(ctypes.c_double)]
+                   ptr, ptr, i64, ctypes.POINTER(ctypes.c_double), ptr, ptr, ctypes.POINTER(_RowRule), ptr, ptr, ptr]
     return fn
 
 

@@ -55,7 +55,7 @@ from .abft.tiled import (
     tile_mask,
     v_row_checksums,
 )
-from .attention_kernel import kernel_checks
+from .attention_kernel import kernel_checks, kernel_rules
 from .context import LayerContext
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
 from .product_check import _dot, _exact_math, _groups, _tolerance, _verify
@@ -338,27 +338,28 @@ def _kernel_forward(
     groups = _groups(tol, s)
     ops = tuple(tiers)
     with _exact_math(q):
+        t0 = time.perf_counter()
         q3, k3, v3 = q3.contiguous(), k3.contiguous(), v3.contiguous()
         vw = v_row_checksums(v3)
         va = augment_v(v3, vw)
+        rules = kernel_rules(q3, k3, v3, vw, tol=tol, groups=groups)
+        # This call's share of the rules (split evenly) joins the kernel's own timed checks below.
+        shared = (time.perf_counter() - t0) / max(1, len(ops))
         got = None if va is None else fused_attention.run(
-            q3, k3, va, scale=scale, is_causal=is_causal, block_q=KERNEL_BLOCK_Q, groups=groups,
+            q3, k3, va, rules, scale=scale, is_causal=is_causal, block_q=KERNEL_BLOCK_Q,
             faults=fused_attention.take_faults())
         if got is None:
             return None
-        t0 = time.perf_counter()
-        checks = kernel_checks(q3, k3, v3, vw, got, tol=tol, groups=groups, block_q=KERNEL_BLOCK_Q,
-                               is_causal=is_causal)
-        flags = {op: checks[op]["row"].bad.view(b, h, -1).any(-1) for op in ops}
+        which = [fused_attention.OPS.index(op) for op in ops]
         if ops:
-            _record_ratio(ctx, torch.stack([_worst_ratio(checks[op]) for op in ops]), list(ops))
-        # The kernel's own checksum passes plus this call's share of the references and bounds (split evenly).
-        shared = (time.perf_counter() - t0) / max(1, len(ops))
+            _record_ratio(ctx, got.worst_2[which], list(ops))
     seconds = {"scores": got.seconds[0] + shared, "context": got.seconds[1] + shared}
     out, lse = got.out_NTD.view(b, h, t, d), got.lse_NT.view(b, h, t)
-    if ops and bool(torch.stack([f.any() for f in flags.values()]).any()):  # sync: the one per call
-        # Slow path only from here.
+    if ops and bool(got.flagged_N2[:, which].any()):  # the one decision per call (CPU tensors: no device sync)
+        # Slow path only from here: the same checks in Python, for the flagged rows' report.
         t0 = time.perf_counter()
+        checks = kernel_checks(q3, k3, v3, vw, got, tol=tol, groups=groups)
+        flags = {op: checks[op]["row"].bad.view(b, h, -1).any(-1) for op in ops}
         correct = ctx.config.mode == "correct"
         found = [0]
         if correct:

@@ -29,8 +29,9 @@ from attnchecker import fused_attention
 from attnchecker.abft import Tolerance, group_count
 from attnchecker.abft.tiled import augment_v, v_row_checksums
 from attnchecker.attention import protected_sdpa
-from attnchecker.attention_kernel import kernel_checks
+from attnchecker.attention_kernel import kernel_checks, kernel_rules
 from attnchecker.emulate import emulate_fp32_matmul
+from attnchecker.records import _worst_ratio
 from attnchecker.tiled_attention import KERNEL_BLOCK_Q, PATH_ENV, TILE_ENV
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -84,14 +85,27 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
                 block_q: int = KERNEL_BLOCK_Q, faults: list[fused_attention.Fault] | None = None,
                 tol: Tolerance | None = None) -> tuple[fused_attention.KernelOutput, dict[str, Any]]:
     s = k.shape[1]
-    groups = group_count(s)
+    tol = tol or Tolerance()
+    groups = group_count(s) if tol.mode == "roundoff" and tol.grouped else 1
     vw = v_row_checksums(v)
-    got = fused_attention.run(q, k, augment_v(v, vw), scale=scale, is_causal=is_causal, block_q=block_q,
-                              groups=groups, faults=faults)
+    rules = kernel_rules(q, k, v, vw, tol=tol, groups=groups)
+    got = fused_attention.run(q, k, augment_v(v, vw), rules, scale=scale, is_causal=is_causal, block_q=block_q,
+                              faults=faults)
     assert got is not None
-    checks = kernel_checks(q, k, v, vw, got, tol=tol or Tolerance(), groups=groups, block_q=block_q,
-                           is_causal=is_causal)
+    checks = kernel_checks(q, k, v, vw, got, tol=tol, groups=groups)
+    assert_same_verdict(got, checks)
     return got, checks
+
+
+def assert_same_verdict(got: fused_attention.KernelOutput, checks: dict[str, Any]) -> None:
+    """The kernel's own verdict, the one the engine acts on (rows flagged per matrix, worst ratio per op), is what
+    the Python checks make of the same sums (kernel_checks, the report of a flagged call)."""
+    n = got.flagged_N2.shape[0]
+    for i, op in enumerate(fused_attention.OPS):
+        row = checks[op]["row"]
+        assert got.flagged_N2[:, i].tolist() == row.bad.view(n, -1).sum(-1).tolist(), op
+        torch.testing.assert_close(got.worst_2[i], _worst_ratio({"row": row}), rtol=1e-4, atol=1e-7, equal_nan=True,
+                                   msg=lambda m, op=op: f"{op}: {m}")
 
 
 # ------------------------------------------------------------------------------------------------ the kernel
@@ -120,6 +134,34 @@ def test_the_kernel_gives_the_reference_output_and_lse_and_flags_nothing_clean(n
         assert float((row.diff[..., 0].abs() / row.bound).max()) < 0.5, op
 
 
+TOLERANCES = {
+    "calibrated": Tolerance(),
+    "rigorous": Tolerance(calibrated=False),
+    "extreme": Tolerance(mode="extreme"),
+    "tight": Tolerance(factor=0.02, sigmas=2.0),
+    "ungrouped": Tolerance(grouped=False),
+}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 3), t=st.integers(1, 600), s=st.integers(1, 600), d=st.integers(1, 40),
+       causal=st.booleans(), tol=st.sampled_from(sorted(TOLERANCES)), magnitude=st.sampled_from([1e-3, 1.0, 30.0]),
+       faults=st.lists(st.tuples(st.sampled_from(fused_attention.OPS), st.floats(0.0, 1.0), st.floats(0.0, 1.0),
+                                 st.floats(0.0, 1.0), st.floats(-6.0, 21.0)), max_size=3),
+       seed=st.integers(0, 2**20))
+def test_the_kernel_verifies_each_row_as_the_python_checks_do(n, t, s, d, causal, tol, magnitude, faults,
+                                                             seed) -> None:
+    """The rows the kernel flags, and its worst ratio, under every tolerance mode, on clean calls and with faults
+    from far below the threshold to 1e21 and non-finite (kernel_call asserts the verdicts agree)."""
+    s = t if causal else s
+    q, k, v = (seeded((n, x, d), seed + i, torch.float32, magnitude) for i, x in enumerate((t, s, s)))
+    # Each fault: op, matrix, row and column as fractions, and the value 10^e written there (e > 20: NaN).
+    where = [(op, round(fi * (n - 1)), round(fr * (t - 1)), round(fc * ((s if op == "scores" else d) - 1)),
+              math.nan if e > 20 else 10.0 ** e)
+             for op, fi, fr, fc, e in faults]
+    kernel_call(q, k, v, scale=d ** -0.5, is_causal=causal, faults=where or None, tol=TOLERANCES[tol])
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_grouped_score_rows_cover_exactly_the_keys_each_block_computed(causal: bool) -> None:
     """S = 1024: 4 checksum groups of 256 keys; a causal block computes only the groups up to its last key, and the
@@ -139,7 +181,7 @@ FAULT_VALUES = {"inf": math.inf, "neg_inf": -math.inf, "nan": math.nan, "near_in
 
 
 @pytest.mark.parametrize("kind", [*FAULT_VALUES, "2x_rms", "half_rms"])
-@pytest.mark.parametrize("op", fused_attention.FAULT_OPS)
+@pytest.mark.parametrize("op", fused_attention.OPS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_fault_inside_the_kernel_is_flagged_at_its_row(op: str, kind: str, causal: bool) -> None:
     n, t, d = 3, 700, 32
@@ -167,7 +209,7 @@ def test_a_fault_inside_the_kernel_is_flagged_at_its_row(op: str, kind: str, cau
         assert not bool(checks[other]["row"].bad.any())  # a context fault leaves the scores' sums alone
 
 
-@pytest.mark.parametrize("op", fused_attention.FAULT_OPS)
+@pytest.mark.parametrize("op", fused_attention.OPS)
 def test_at_a_7b_like_head_clean_rows_pass_and_a_2x_rms_fault_is_flagged(op: str) -> None:
     """A Llama-7B-like head (T = S = 4096, D = 128, causal; 16 checksum groups of 256 keys a scores row), where a
     bound tight at small shapes could be loose: no clean row flags, with room, and an error of 2 x the RMS of the
@@ -213,7 +255,7 @@ def test_protected_sdpa_runs_on_the_kernel_and_gives_sdpa(make_ctx) -> None:
     assert int(stats.residual_count) == 2
 
 
-@pytest.mark.parametrize("op", fused_attention.FAULT_OPS)
+@pytest.mark.parametrize("op", fused_attention.OPS)
 @pytest.mark.parametrize("value", [math.inf, math.nan, 1e20, 0.75])
 def test_a_fault_inside_the_kernel_is_recomputed_and_reported_at_its_place(make_ctx, op: str, value: float) -> None:
     q, k, v = _qkv(2, 3, 96, 16, seed=5)

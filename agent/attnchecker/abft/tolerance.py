@@ -35,12 +35,14 @@ __all__ = [
     "NEAR_INF",
     "TF32_OPERAND_ROUNDOFF",
     "Bound",
+    "RowTerms",
     "Tolerance",
     "acc_dtype",
     "bounds",
     "direction_bounds",
     "gamma",
     "norm_floor",
+    "row_terms",
 ]
 
 
@@ -391,6 +393,8 @@ def direction_bounds(
     Σ_k A_ik² (Bw)_k² for w = ones and 1..n ((A∘A)·[β, (Bw)∘(Bw)], β_k = Σ_j w_j² B_kj²: one skinny product, 4
     columns): the exact second moments in place of their Hölder bounds (~2 ln K ≈ 16× lower on Gaussian-like
     columns at K = 4096). Floored here by what fp32 squares and products below the smallest normal can drop.
+    `row_terms` factors the row rule of the fp32 case per row for the native attention pass: a change to that case
+    here must be made there too (tests/agent/test_fused_attention.py holds the two to the same verdicts).
     """
     if not directions or any(d not in ("row", "col") for d in directions):
         raise ValueError(f"direction_bounds: directions must be a non-empty subset of ('row', 'col'), got "
@@ -530,3 +534,59 @@ def direction_bounds(
         out[d] = Bound(vec, coef, var, (c_sq, c_sq * n_vec**2), ref_coef + (trunc if walk_d else 0.0), under, z,
                        n_vec, drift)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class RowTerms:
+    """The row rule of `direction_bounds` factored per row for a kernel that verifies each row where it makes its sums
+    (the native attention pass, fused_attention.c: ``check_row``). For row i of group h, a its operand norm and ΣC² its
+    sum of squares, with a' = a + a_floor:
+      rigorous    b1 = a'·rigorous_Ng[h]·rig_coef + under,  b2 = n·b1
+      calibrated  b1 = min(b1, sigmas·sqrt(a'²·var_Ng2[h, 0] + sq_coef[0]·(ΣC² + sq_pad)) + under)
+                  b2 = min(b2, sigmas·sqrt(a'²·var_Ng2[h, 1] + sq_coef[1]·(ΣC² + sq_pad)) + off2)
+    then NaN and +INF read NEAR_INF (`_clamp`): `Bound.pair` of that rule, term by term (tests pin the two together
+    through the kernel: tests/agent/test_fused_attention.py)."""
+
+    rigorous_Ng: torch.Tensor
+    """(..., g) fp32: Σ over the group's columns of (‖B_j‖ + floor)."""
+    var_Ng2: torch.Tensor | None
+    """(..., g, 2) float64: the modelled variance of (d1, d2) per unit a'²; None: the rigorous rule alone."""
+    a_floor: float
+    rig_coef: float
+    under: float
+    sq_coef: tuple[float, float]
+    sq_pad: float
+    sigmas: float
+    off2: float
+    n: int
+    """Columns per group (the d2 weights run 1..n)."""
+
+
+def row_terms(b_norm_NgC: torch.Tensor, ref_norm_Ng2: torch.Tensor, *, k: int, tol: Tolerance) -> RowTerms:
+    """`direction_bounds(("row",), ...)` of an fp32 product C = A·B accumulated in fp32, without a bias, operand
+    rounding or the random-walk model, factored (`RowTerms`). b_norm_NgC: ‖B_j‖ per column of each checksum group
+    (..., g, n), fp32; ref_norm_Ng2: ‖B_h w‖ per group (..., g, 2), fp32; k: the reduction length. Each line below is
+    that function's for this case (its comments say why)."""
+    n = b_norm_NgC.shape[-1]
+    f32 = torch.float32
+    if tol.mode == "extreme":
+        e = tol.extreme_threshold * tol.factor
+        return RowTerms(torch.zeros(b_norm_NgC.shape[:-1], dtype=f32, device=b_norm_NgC.device), None, 0.0, 0.0, e,
+                        (0.0, 0.0), 0.0, 0.0, 0.0, n)
+    floor = norm_floor(b_norm_NgC, k)
+    b_norm_NgC = b_norm_NgC + floor
+    u_out = torch.finfo(f32).eps / 2
+    slack = 1.01 * tol.factor
+    rig_coef = slack * (2 * gamma(k, f32) + 2 * gamma(n, f32) + u_out)
+    eta = _underflow(f32)
+    under = slack * n * (eta + (k + 2 * n + 2) * eta)
+    rigorous_Ng = b_norm_NgC.sum(-1)
+    if not tol.calibrated:
+        return RowTerms(rigorous_Ng, None, floor, rig_coef, under, (0.0, 0.0), 0.0, 0.0, 0.0, n)
+    u2 = (torch.finfo(f32).eps / 2) ** 2 / 3
+    f64 = torch.float64
+    ref64 = (ref_norm_Ng2 + norm_floor(ref_norm_Ng2, k)).to(f64)
+    var_Ng2 = _weighted_sq(b_norm_NgC.to(f64)) * (k * u2 + n * u2) + ref64.square() * (k * u2)
+    c_sq = n**2 * u2
+    return RowTerms(rigorous_Ng, var_Ng2, floor, rig_coef, under, (c_sq, c_sq * n**2), n * torch.finfo(f32).tiny,
+                    tol.sigmas * tol.factor, under * ((n + 1) / 2), n)
