@@ -27,7 +27,8 @@ import ctypes
 import functools
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,25 +157,92 @@ def run(q_NTD: torch.Tensor, k_NSD: torch.Tensor, va_NSA: torch.Tensor, rules: K
     new = functools.partial(torch.empty, dtype=torch.float32)
     out, lse, p_sum = new((n, t, d)), new((n, t)), new((n, t))
     s_sums, s_refs, c_sums = new((n, t, groups, 3)), new((n, t, groups, 2)), new((n, t, 5))
-    work, oa = new((min(block_q, t), s)), new((min(block_q, t), d + 2))
-    flagged, worst = torch.empty((n, 2), dtype=torch.int64), new(2)
-    seconds = (ctypes.c_double * 2)(0.0, 0.0)
-    where = values = None
-    if faults:
-        where = torch.tensor([[OPS.index(op), i, r, c] for op, i, r, c, _ in faults], dtype=torch.int64)
-        values = torch.tensor([v for *_, v in faults], dtype=torch.float32)
+    flagged = torch.empty((n, 2), dtype=torch.int64)
     kbar, q_norm = rules.kbar_ND2g.contiguous(), rules.q_norm_NT.contiguous()
-    held: list[torch.Tensor] = []  # the terms' buffers, alive until the call returns
-    structs = (_RowRule * 2)(_row_rule(rules.scores, held), _row_rule(rules.context, held))
-    p = native.ptr
-    status = kernel(sgemm, n, t, s, d, p(q), p(k), p(va), scale, int(is_causal), block_q, s // groups, p(work), p(oa),
-                    p(out), p(lse), p(p_sum), p(s_sums), p(c_sums), p(where), p(values),
-                    0 if where is None else where.shape[0], seconds, p(kbar), p(q_norm), structs, p(s_refs), p(flagged),
-                    p(worst))
-    if status != 0:
+    terms = [(x.rigorous_Ng.to(torch.float32).contiguous(),
+              None if x.var_Ng2 is None else x.var_Ng2.to(torch.float64).contiguous(), x)
+             for x in (rules.scores, rules.context)]
+    parts = _parts(n)
+    split = len(parts) > 1
+
+    def call(n0: int, n1: int) -> tuple[int, torch.Tensor, tuple[float, float]]:
+        """The kernel over matrices [n0, n1): its own work buffers, every other pointer offset to n0."""
+        work, oa, worst = new((min(block_q, t), s)), new((min(block_q, t), d + 2)), new(2)
+        seconds = (ctypes.c_double * 2)(0.0, 0.0)
+        mine = [(op, i - n0, r, c, v) for op, i, r, c, v in faults or () if n0 <= i < n1]
+        where = values = None
+        if mine:
+            where = torch.tensor([[OPS.index(op), i, r, c] for op, i, r, c, _ in mine], dtype=torch.int64)
+            values = torch.tensor([v for *_, v in mine], dtype=torch.float32)
+        structs = (_RowRule * 2)(*(_row_rule(rig[n0:n1], None if var is None else var[n0:n1], x)
+                                   for rig, var, x in terms))
+        p = native.ptr
+        with _blas_single_threaded(split):
+            status = kernel(sgemm, n1 - n0, t, s, d, p(q[n0:n1]), p(k[n0:n1]), p(va[n0:n1]), scale, int(is_causal),
+                            block_q, s // groups, p(work), p(oa), p(out[n0:n1]), p(lse[n0:n1]), p(p_sum[n0:n1]),
+                            p(s_sums[n0:n1]), p(c_sums[n0:n1]), p(where), p(values), len(mine), seconds,
+                            p(kbar[n0:n1]), p(q_norm[n0:n1]), structs, p(s_refs[n0:n1]), p(flagged[n0:n1]), p(worst))
+        return status, worst, (seconds[0], seconds[1])
+
+    # The first part on this thread, the others on the pool: ctypes lets go of the GIL for the call.
+    pending = [_pool(len(parts) - 1).submit(call, *part) for part in parts[1:]] if split else []
+    done = [call(*parts[0])] + [f.result() for f in pending]
+    if any(status != 0 for status, _, _ in done):
         return None
+    worsts = torch.stack([w for _, w, _ in done])
+    # NaN-sticky, as the kernel's own per-op maximum (records._worst_ratio's amax).
+    worst_2 = worsts.amax(0) if len(done) > 1 else worsts[0]
     return KernelOutput(out_NTD=out, lse_NT=lse, p_sum_NT=p_sum, scores_sums_NTg3=s_sums, scores_refs_NTg2=s_refs,
-                        context_sums_NT5=c_sums, flagged_N2=flagged, worst_2=worst, seconds=(seconds[0], seconds[1]))
+                        context_sums_NT5=c_sums, flagged_N2=flagged, worst_2=worst_2,
+                        seconds=(sum(x[0] for _, _, x in done), sum(x[1] for _, _, x in done)))
+
+
+def _parts(n: int) -> list[tuple[int, int]]:
+    """[0, n) split between up to torch.get_num_threads() threads, as even as whole matrices allow. One part where
+    the BLAS cannot be told to keep each part's GEMMs on its own thread (``_blas_single_threaded``): parts whose GEMMs
+    each spread over every core would fight for them."""
+    threads = min(n, torch.get_num_threads()) if _mkl_local_threads() is not None else 1
+    bounds = [n * i // threads for i in range(threads + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(threads)]
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+"""(its threads, the pool) that runs the parts after the first."""
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """The threads that run the parts after the first (kept between calls; made again for more threads)."""
+    global _POOL
+    if _POOL is None or _POOL[0] < workers:
+        if _POOL is not None:
+            _POOL[1].shutdown(wait=False)
+        _POOL = (workers, ThreadPoolExecutor(max_workers=workers, thread_name_prefix="attnchecker-attention"))
+    return _POOL[1]
+
+
+def _forget_pool() -> None:
+    """In a forked child the pool's threads do not exist: make a new one there on first use."""
+    global _POOL
+    _POOL = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+@contextlib.contextmanager
+def _blas_single_threaded(on: bool) -> Iterator[None]:
+    """MKL's GEMMs on the calling thread alone while the kernel runs (MKL_Set_Num_Threads_Local, a per-thread
+    setting), when the call is one of several parts running at once; off: MKL's own threading, as for a torch
+    matmul."""
+    setter = _mkl_local_threads() if on else None
+    if setter is None:
+        yield
+        return
+    before = setter(1)
+    try:
+        yield
+    finally:
+        setter(before)
 
 
 class _RowRule(ctypes.Structure):
@@ -185,10 +253,9 @@ class _RowRule(ctypes.Structure):
         for name in ("a_floor", "rig_coef", "under", "sq_coef1", "sq_coef2", "sq_pad", "sigmas", "off2", "n")]
 
 
-def _row_rule(terms: RowTerms, held: list[torch.Tensor]) -> _RowRule:
-    rigorous = terms.rigorous_Ng.to(torch.float32).contiguous()
-    var = None if terms.var_Ng2 is None else terms.var_Ng2.to(torch.float64).contiguous()
-    held += [rigorous] + ([] if var is None else [var])
+def _row_rule(rigorous: torch.Tensor, var: torch.Tensor | None, terms: RowTerms) -> _RowRule:
+    """The struct of ``terms`` with its per-matrix arrays given (fp32 and float64, contiguous: the caller holds them
+    for the call)."""
     return _RowRule(rigorous.data_ptr(), None if var is None else var.data_ptr(), terms.a_floor, terms.rig_coef,
                     terms.under, terms.sq_coef[0], terms.sq_coef[1], terms.sq_pad, terms.sigmas, terms.off2,
                     float(terms.n))
@@ -207,17 +274,38 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 @functools.lru_cache(maxsize=1)
-def _sgemm() -> int | None:
-    """The address of sgemm_ (Fortran BLAS) in the library PyTorch's CPU kernels link (MKL in the x86 wheels), so
-    that the kernel's GEMMs run on the BLAS, and under the thread settings, PyTorch's own matmuls do."""
+def _torch_cpu() -> ctypes.CDLL | None:
+    """The library PyTorch's CPU kernels live in, as already loaded (MKL is linked into it in the x86 wheels)."""
     lib_dir = Path(torch.__file__).parent / "lib"
     for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
         path = lib_dir / name
-        if not path.exists():
-            continue
-        try:
-            return ctypes.cast(ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY).sgemm_,
-                               ctypes.c_void_p).value
-        except (OSError, AttributeError):
-            return None
+        if path.exists():
+            try:
+                return ctypes.CDLL(str(path), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            except OSError:
+                return None
     return None
+
+
+@functools.lru_cache(maxsize=1)
+def _sgemm() -> int | None:
+    """The address of sgemm_ (Fortran BLAS) in the library PyTorch's CPU kernels link (MKL in the x86 wheels), so
+    that the kernel's GEMMs run on the BLAS, and under the thread settings, PyTorch's own matmuls do."""
+    lib = _torch_cpu()
+    try:
+        return None if lib is None else ctypes.cast(lib.sgemm_, ctypes.c_void_p).value
+    except AttributeError:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _mkl_local_threads() -> Callable[[int], int] | None:
+    """MKL's per-thread thread count setter (returns the previous setting), or None where the BLAS is not MKL."""
+    lib = _torch_cpu()
+    try:
+        fn = None if lib is None else lib.MKL_Set_Num_Threads_Local
+    except AttributeError:
+        return None
+    if fn is not None:
+        fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_int]
+    return fn
