@@ -13,10 +13,11 @@ force) run as fp32 GEMMs; bf16 and fp16 operands are multiplied in fp32 and roun
 fp32 accumulation does (CPU half GEMMs are slow).
 
     python bench/coverage.py [--tiny] [--shapes tiny,gpt2,7b] [--dtypes fp32,tf32,bf16,fp16] [--trials 1024]
-                             [--clean-checks 100000] [--path unfused|tiled] [--out bench/results/coverage.json]
+                             [--clean-checks 100000] [--path unfused|tiled|kernel] [--out bench/results/coverage.json]
 
 --path tiled checks scores and context as the tiled attention path does (TiledOp): tile by tile, through the
-engine's per-tile checks.
+engine's per-tile checks. --path kernel (fp32) runs them through the native attention pass (KernelOp): the errors are
+written inside the kernel, and its rows' verdict is read.
 """
 from __future__ import annotations
 
@@ -36,17 +37,19 @@ _common.setup_path()
 import torch
 import torch.nn.functional as F
 
+from attnchecker import fused_attention
 from attnchecker.abft import Tolerance, vector_of
-from attnchecker.abft.tiled import causal_offset, fold_scores, v_row_checksums
+from attnchecker.abft.tiled import augment_v, causal_offset, fold_scores, v_row_checksums
 from attnchecker.attention import (
     _context_checks,
     _ProjectionInput,
     _scores_checks,
 )
+from attnchecker.attention_kernel import kernel_checks, kernel_rules
 from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
 from attnchecker.product_check import _groups
 from attnchecker.projection import fast_directions
-from attnchecker.tiled_attention import context_tile_checks, default_tiles, scores_tile_checks
+from attnchecker.tiled_attention import KERNEL_BLOCK_Q, context_tile_checks, default_tiles, scores_tile_checks
 
 # name -> (tokens T, model width, heads checked in scores/context, head dim D, heads in the clean-check batches)
 SHAPES: dict[str, dict[str, int]] = {
@@ -218,6 +221,59 @@ class TiledOp(Op):
                     per_tile.append(context_tile_checks(c[..., r0:r1, :], self.p_tiles[i], self.v_acc[..., :r1, :],
                                                         vw[..., :r1, :], self.p_sums[i], None, tol=tol, g_v=g_v))
         return {"row": _stitch(per_tile, "row"), "col": _stitch(per_tile, "col")}
+
+
+class KernelOp(Op):
+    """scores or context through the native attention pass (--path kernel; fp32, the kernel's only dtype). The
+    product is the kernel's own; a corrupted copy c is handed to it as emulated faults (every element where c differs
+    from the clean product, written into the kernel's scores or context right after the GEMM that made them:
+    fused_attention.emulated_faults), and the verdict is the kernel's rows, read through kernel_checks (its sums and
+    references; the kernel's own count of flagged rows is asserted equal on every call). Scores: no mask, whole rows,
+    as the unfused campaign's. Context: causal; c is the kernel's unnormalised P̃V (its output times ΣP̃, a value an ulp
+    or so from the kernel's own: flips of the lowest mantissa bits are within that), so an error of m·RMS of the
+    normalised output in row t is m·RMS·ΣP̃_t there, as in TiledOp. The rows alone: the kernel verifies no columns."""
+
+    def __init__(self, name: str, shape: dict[str, int], dtype_name: str, seed: int) -> None:
+        if name not in ("scores", "context") or dtype_name != "fp32":
+            raise ValueError(f"--path kernel covers fp32 scores and context, not {dtype_name} {name}")
+        if not fused_attention.available():
+            raise ValueError("--path kernel: the native attention pass is not available here (no C compiler or no "
+                             "BLAS sgemm_)")
+        super().__init__(name, shape, dtype_name, seed)
+        self.causal = name == "context"
+        self.q3, self.k3 = self.q[0].contiguous(), self.k[0].contiguous()
+        if name == "scores":
+            gen = torch.Generator().manual_seed(seed + 7)
+            self.v3 = activations(self.k3.shape, gen, outliers=1.0)
+        else:
+            self.v3 = self.v[0].contiguous()
+            got = self._run([], Tolerance())[0]
+            self.c = (got.out_NTD * got.p_sum_NT[..., None])[None]
+            self.rms = float((got.out_NTD.square().mean()).sqrt())
+            self.row_scale = got.p_sum_NT[0]
+
+    def _run(self, faults: list[fused_attention.Fault], tol: Tolerance) -> tuple[Any, dict[str, Any]]:
+        groups = _groups(tol, self.k3.shape[-2])
+        vw = v_row_checksums(self.v3)
+        rules = kernel_rules(self.q3, self.k3, self.v3, vw, tol=tol, groups=groups)
+        with fused_attention.emulated_faults(faults):
+            got = fused_attention.run(self.q3, self.k3, augment_v(self.v3, vw), rules,
+                                      scale=1 / math.sqrt(self.q3.shape[-1]), is_causal=self.causal,
+                                      block_q=KERNEL_BLOCK_Q, faults=fused_attention.take_faults())
+        if got is None:
+            raise RuntimeError("the native attention pass declined the call")
+        return got, kernel_checks(self.q3, self.k3, self.v3, vw, got, tol=tol, groups=groups)
+
+    def checks(self, c: torch.Tensor, tol: Tolerance) -> dict[str, Any]:
+        where = (c != self.c).nonzero().tolist()
+        faults = [(self.name, h, r, col, float(c[0, h, r, col])) for _, h, r, col in where]
+        got, checks = self._run(faults, tol)
+        row = checks[self.name]["row"]
+        n = self.q3.shape[0]
+        flagged = got.flagged_N2[:, fused_attention.OPS.index(self.name)]
+        if flagged.tolist() != row.bad.view(n, -1).sum(-1).tolist():
+            raise RuntimeError("the kernel's verdict and kernel_checks' differ")
+        return {"row": _Stitched(row.bad[None], row.diff[None], row.bound[None], row.bound2[None], row.groups)}
 
 
 @dataclasses.dataclass
@@ -453,9 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ks", default=None, help="comma list of K for the --parts model sweep (default 64..8192)")
     p.add_argument("--sigmas", type=float, default=None,
                    help="the calibrated threshold in modelled standard deviations (default: the library's)")
-    p.add_argument("--path", default="unfused", choices=("unfused", "tiled"),
+    p.add_argument("--path", default="unfused", choices=("unfused", "tiled", "kernel"),
                    help="which attention path's checks scores and context go through (tiled: tile by tile, the "
-                        "engine's tiled_attention checks; projections are the same on both paths)")
+                        "engine's tiled_attention checks; kernel: the native pass, fp32; projections are the same "
+                        "on every path)")
     p.add_argument("--projection-directions", default="engine", choices=("engine", "both", "rows"),
                    help="q/out: the directions the engine's clean check verifies (fp32: the rows alone), both, or "
                         "the rows alone in every dtype (what the rows alone give up, side by side)")
@@ -474,6 +531,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in dtypes:
         if name not in DTYPES:
             p.error(f"unknown dtype {name!r}: choose from {sorted(DTYPES)}")
+    if args.path == "kernel" and ("faults" in args.parts.split(",")
+                                  and (set(dtypes) - {"fp32"} or set(args.ops.split(",")) - {"scores", "context"})):
+        p.error(f"--path kernel covers fp32 scores and context (the native pass's only dtype and ops), not "
+                f"--dtypes {args.dtypes} --ops {args.ops}: pass --dtypes fp32 --ops scores,context")
     clean_checks = min(args.clean_checks, 2000) if args.tiny else args.clean_checks
     trials = min(args.trials, 64) if args.tiny else args.trials
     cal = Tolerance() if args.sigmas is None else Tolerance(sigmas=args.sigmas)
@@ -486,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         for dtype_name in dtypes:
             for op_name in args.ops.split(","):
                 t0 = time.perf_counter()
-                op = (TiledOp if args.path == "tiled" else Op)(op_name, SHAPES[shape_name], dtype_name, args.seed)
+                op = {"tiled": TiledOp, "kernel": KernelOp}.get(args.path, Op)(op_name, SHAPES[shape_name],
+                                                                               dtype_name, args.seed)
                 entry = {
                     "shape": shape_name, "dtype": dtype_name, "op": op_name, "path": args.path,
                     "product_shape": list(op.c.shape),

@@ -53,3 +53,28 @@ def test_coverage_bench_drives_the_tiled_path(tmp_path):
         for tol in ("calibrated", "calibrated_ungrouped"):
             assert all(r["magnitude"][tol][str(m)] == 1.0 for m in doc["magnitudes"] if m >= 2), (r["op"], tol)
         assert r["clean"]["flagged_vectors"] == 0 and r["clean_ungrouped"]["flagged_vectors"] == 0
+
+
+def test_coverage_bench_writes_its_errors_inside_the_native_attention_pass(tmp_path):
+    """--path kernel: scores and context errors written inside the native pass (GPT-2 shape, 4 key groups per scores
+    row), its rows' verdict read; every 2x RMS error is caught, no clean row flags, and half-precision dtypes, which
+    the kernel does not take, are refused with a message that says so."""
+    from attnchecker import fused_attention
+
+    if not fused_attention.available():
+        pytest.skip("no C compiler or no BLAS sgemm_ here")
+    out = tmp_path / "coverage_kernel.json"
+    proc = subprocess.run([sys.executable, "bench/coverage.py", "--shapes", "gpt2", "--dtypes", "fp32", "--ops",
+                           "scores,context", "--path", "kernel", "--trials", "32", "--parts", "faults", "--out",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert {(r["op"], r["path"]) for r in doc["results"]} == {("scores", "kernel"), ("context", "kernel")}
+    for r in doc["results"]:
+        assert all(r["magnitude"]["calibrated"][str(m)] == 1.0 for m in doc["magnitudes"] if m >= 2), r["op"]
+        assert r["clean"]["flagged_vectors"] == 0
+        assert r["bits"]["30"]["rate"] == 1.0  # the top exponent bit: INF or a huge value
+    bad = subprocess.run([sys.executable, "bench/coverage.py", "--shapes", "tiny", "--dtypes", "bf16", "--ops",
+                          "scores", "--path", "kernel", "--parts", "faults", "--out", str(tmp_path / "x.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
+    assert bad.returncode != 0 and "--path kernel covers fp32 scores and context" in bad.stderr
