@@ -36,16 +36,21 @@ def test_coverage_bench_writes_rates_per_op_dtype_magnitude_and_bit(tmp_path):
         assert doc["clean"][d]["false_positives"] == 0
 
 
+def attention_paths_run(tmp_path: Path, path: str, dtypes: str) -> subprocess.CompletedProcess[str]:
+    """bench/coverage.py's fault sweeps of scores and context at the GPT-2 shape, 32 trials, on one attention path."""
+    return subprocess.run([sys.executable, "bench/coverage.py", "--shapes", "gpt2", "--dtypes", dtypes, "--ops",
+                           "scores,context", "--path", path, "--trials", "32", "--parts", "faults", "--out",
+                           str(tmp_path / f"coverage_{path}.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
+
+
 def test_coverage_bench_drives_the_tiled_path(tmp_path):
     """--path tiled: scores and context checked tile by tile (GPT-2 shape: 4 query blocks of 256 rows over 1024
     keys, 4 key groups per scores row), grouped and ungrouped in one run; every 2x RMS error is caught and no clean
     vector flags."""
-    out = tmp_path / "coverage_tiled.json"
-    proc = subprocess.run([sys.executable, "bench/coverage.py", "--shapes", "gpt2", "--dtypes", "fp32,bf16", "--ops",
-                           "scores,context", "--path", "tiled", "--trials", "32", "--parts", "faults", "--out",
-                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
+    proc = attention_paths_run(tmp_path, "tiled", "fp32,bf16")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc = json.loads((tmp_path / "coverage_tiled.json").read_text())
     assert doc["path"] == "tiled"
     assert {(r["dtype"], r["op"], r["path"]) for r in doc["results"]} == {
         (d, op, "tiled") for d in ("fp32", "bf16") for op in ("scores", "context")}
@@ -63,18 +68,13 @@ def test_coverage_bench_writes_its_errors_inside_the_native_attention_pass(tmp_p
 
     if not fused_attention.available():
         pytest.skip("no C compiler or no BLAS sgemm_ here")
-    out = tmp_path / "coverage_kernel.json"
-    proc = subprocess.run([sys.executable, "bench/coverage.py", "--shapes", "gpt2", "--dtypes", "fp32", "--ops",
-                           "scores,context", "--path", "kernel", "--trials", "32", "--parts", "faults", "--out",
-                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
+    proc = attention_paths_run(tmp_path, "kernel", "fp32")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc = json.loads((tmp_path / "coverage_kernel.json").read_text())
     assert {(r["op"], r["path"]) for r in doc["results"]} == {("scores", "kernel"), ("context", "kernel")}
     for r in doc["results"]:
         assert all(r["magnitude"]["calibrated"][str(m)] == 1.0 for m in doc["magnitudes"] if m >= 2), r["op"]
         assert r["clean"]["flagged_vectors"] == 0
         assert r["bits"]["30"]["rate"] == 1.0  # the top exponent bit: INF or a huge value
-    bad = subprocess.run([sys.executable, "bench/coverage.py", "--shapes", "tiny", "--dtypes", "bf16", "--ops",
-                          "scores", "--path", "kernel", "--parts", "faults", "--out", str(tmp_path / "x.json")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
+    bad = attention_paths_run(tmp_path, "kernel", "bf16")
     assert bad.returncode != 0 and "--path kernel covers fp32 scores and context" in bad.stderr
