@@ -165,20 +165,23 @@ def test_the_kernel_verifies_each_row_as_the_python_checks_do(n, t, s, d, causal
 @pytest.mark.parametrize("causal", [True, False])
 def test_with_several_torch_threads_the_matrices_are_split_between_them_with_the_one_thread_answer(
         causal: bool) -> None:
-    """torch.set_num_threads(3): the B·H matrices run in 3 parts at once, each part's GEMMs on its own thread (MKL's
-    per-thread setting), where one thread would leave the other cores idle beside SDPA's threaded kernel. Every output
-    is bitwise the one-thread call's, and a fault in a matrix of the last part is flagged at its matrix."""
+    """torch.set_num_threads(3): the B·H matrices run in parts at once, each part's GEMMs on its own thread (MKL's
+    per-thread setting), where one thread would leave the other cores idle beside SDPA's threaded kernel; no part
+    smaller than PART_MIN_MACS (this call's 10.8M multiply-adds make 2 parts, a demo-size call one). Every output is
+    bitwise the one-thread call's, and a fault in a matrix of the last part is flagged at its matrix."""
     if fused_attention._mkl_local_threads() is None:
         pytest.skip("the BLAS is not MKL: the kernel runs in one part")
     q, k, v = (seeded((5, 300, 24), 40 + i, torch.float32) for i in range(3))
+    macs = 5 * 300 * 300 * 24
     fault = [("scores", 4, 100, 7, 1e6)]
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert fused_attention._parts(5) == [(0, 5)]
+        assert fused_attention._parts(5, macs) == [(0, 5)]
         one, _ = kernel_call(q, k, v, scale=0.2, is_causal=causal, faults=fault)
         torch.set_num_threads(3)
-        assert fused_attention._parts(5) == [(0, 1), (1, 3), (3, 5)]
+        assert fused_attention._parts(5, macs) == [(0, 2), (2, 5)]
+        assert fused_attention._parts(32, 32 * 64 * 64 * 32) == [(0, 32)]
         three, _ = kernel_call(q, k, v, scale=0.2, is_causal=causal, faults=fault)
     finally:
         torch.set_num_threads(before)
