@@ -428,12 +428,28 @@ def _assert_recovered(seen: list, loss: torch.Tensor, grads: dict, want_loss: to
         torch.testing.assert_close(g, want[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_the_default_policy_on_a_gpt2_step_recovers_a_fault_inside_the_kernel(auto_path: None) -> None:
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def torch_threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch's threads for the test (2: the kernel's calls split between threads where MKL allows), restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    try:
+        yield request.param
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_default_policy_on_a_gpt2_step_recovers_a_fault_inside_the_kernel(auto_path: None,
+                                                                              torch_threads: int) -> None:
     """The path users take: protect(model, optimizer=opt), default policy, T = 512 (the tiled path's size, so the
-    kernel's), the first step (scores and context checked in full). A finite error of 4 x RMS in layer 0's scores
-    inside the kernel: recomputed, one event, and the loss and every gradient equal the fault-free step's."""
+    kernel's), the first step (scores and context checked in full), on one thread and on two (a CPU job's default is
+    more than one: each call's 8 matrices then run in two parts, the fault's in the second). A finite error of 4 x RMS
+    in layer 0's scores inside the kernel: recomputed, one event, and the loss and every gradient equal the
+    fault-free step's."""
     import attnchecker
 
+    if torch_threads > 1 and fused_attention._mkl_local_threads() is not None:
+        assert fused_attention._parts(8, 8 * 512 * 512 * 16) == [(0, 4), (4, 8)]
     model, ids = _gpt2_at_512()
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(twin.parameters(), lr=0.0)
