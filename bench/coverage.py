@@ -262,7 +262,7 @@ class KernelOp(Op):
                                       block_q=KERNEL_BLOCK_Q, faults=fused_attention.take_faults())
         if got is None:
             raise RuntimeError("the native attention pass declined the call")
-        return got, kernel_checks(self.q3, self.k3, self.v3, vw, got, tol=tol, groups=groups)
+        return got, kernel_checks(self.k3, self.v3, vw, got, rules, tol=tol)
 
     def checks(self, c: torch.Tensor, tol: Tolerance) -> dict[str, Any]:
         where = (c != self.c).nonzero().tolist()

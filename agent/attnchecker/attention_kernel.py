@@ -44,29 +44,28 @@ def kernel_rules(q_acc_NTD: torch.Tensor, k_acc_NSD: torch.Tensor, v_acc_NSD: to
 
 
 def kernel_checks(
-    q_acc_NTD: torch.Tensor,
     k_acc_NSD: torch.Tensor,
     v_acc_NSD: torch.Tensor,
     vw_NS2: torch.Tensor,
     got: KernelOutput,
+    rules: KernelRules,
     *,
     tol: Tolerance,
-    groups: int,
 ) -> dict[str, Checks]:
-    """{"scores": row checks (N, T·g), "context": row checks (N, T)} of one kernel call (no sync)."""
-    d = q_acc_NTD.shape[-1]
+    """{"scores": row checks (N, T·g), "context": row checks (N, T)} of one kernel call made with ``rules`` (no
+    sync)."""
+    d = rules.kbar_ND2g.shape[1]
     s = k_acc_NSD.shape[1]
+    groups = rules.groups
     # Scores: q_i · k̄_h per group as the kernel made them (zero where its block did not compute group h).
-    kbar_ND2g = group_sums_cols(k_acc_NSD, groups).flatten(-2)
-    ref_NTg2 = got.scores_refs_NTg2
     sums = got.scores_sums_NTg3
-    ref_norm = torch.linalg.vector_norm(kbar_ND2g, dim=-2)
+    ref_norm = torch.linalg.vector_norm(rules.kbar_ND2g, dim=-2)
     scores = _verify(
         # Only C's dtype and device are read when its row sums are given: a scalar stand-in, no T×S tensor.
-        q_acc_NTD.new_zeros(()),
-        ref_NTg2.flatten(-3, -2),
+        k_acc_NSD.new_zeros(()),
+        got.scores_refs_NTg2.flatten(-3, -2),
         None,
-        torch.linalg.vector_norm(q_acc_NTD, dim=-1),
+        rules.q_norm_NT,
         torch.linalg.vector_norm(k_acc_NSD, dim=-1),
         k=d,
         tol=tol,
@@ -77,7 +76,7 @@ def kernel_checks(
     )
     c_sums = got.context_sums_NT5
     context = _verify(
-        q_acc_NTD.new_zeros(()),
+        k_acc_NSD.new_zeros(()),
         c_sums[..., 3:5],
         None,
         got.p_sum_NT.sqrt() * 1.01,

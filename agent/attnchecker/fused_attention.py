@@ -87,6 +87,11 @@ class KernelRules:
     context: RowTerms
     """The context's ((N, 1) terms; its rows' operand norm is sqrt(Σ_j P̃_ij)·1.01, made in the kernel)."""
 
+    @property
+    def groups(self) -> int:
+        """Checksum groups per scores row."""
+        return self.scores.rigorous_Ng.shape[-1]
+
 
 @dataclass(frozen=True, slots=True)
 class KernelOutput:
@@ -150,7 +155,7 @@ def run(q_NTD: torch.Tensor, k_NSD: torch.Tensor, va_NSA: torch.Tensor, rules: K
         return None
     q, k, va = q_NTD.contiguous(), k_NSD.contiguous(), va_NSA.contiguous()
     (n, t, d), s = q.shape, k.shape[1]
-    groups = rules.scores.rigorous_Ng.shape[-1]
+    groups = rules.groups
     if (va.shape != (n, s, d + 2) or groups < 1 or s % groups or block_q < 1
             or rules.kbar_ND2g.shape != (n, d, 2 * groups) or rules.q_norm_NT.shape != (n, t)):
         return None

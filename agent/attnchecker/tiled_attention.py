@@ -358,7 +358,7 @@ def _kernel_forward(
     if ops and bool(got.flagged_N2[:, which].any()):  # the one decision per call (CPU tensors: no device sync)
         # Slow path only from here: the same checks in Python, for the flagged rows' report.
         t0 = time.perf_counter()
-        checks = kernel_checks(q3, k3, v3, vw, got, tol=tol, groups=groups)
+        checks = kernel_checks(k3, v3, vw, got, rules, tol=tol)
         flags = {op: checks[op]["row"].bad.view(b, h, -1).any(-1) for op in ops}
         correct = ctx.config.mode == "correct"
         found = [0]

@@ -26,11 +26,12 @@ import test_attention_layer as layer_suite
 import torch
 import torch.nn.functional as F
 from attnchecker import fused_attention
-from attnchecker.abft import Tolerance, group_count
+from attnchecker.abft import Tolerance
 from attnchecker.abft.tiled import augment_v, v_row_checksums
 from attnchecker.attention import protected_sdpa
 from attnchecker.attention_kernel import kernel_checks, kernel_rules
 from attnchecker.emulate import emulate_fp32_matmul
+from attnchecker.product_check import _groups
 from attnchecker.records import _worst_ratio
 from attnchecker.tiled_attention import KERNEL_BLOCK_Q, PATH_ENV, TILE_ENV
 from hypothesis import HealthCheck, given, settings
@@ -86,13 +87,12 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
                 tol: Tolerance | None = None) -> tuple[fused_attention.KernelOutput, dict[str, Any]]:
     s = k.shape[1]
     tol = tol or Tolerance()
-    groups = group_count(s) if tol.mode == "roundoff" and tol.grouped else 1
     vw = v_row_checksums(v)
-    rules = kernel_rules(q, k, v, vw, tol=tol, groups=groups)
+    rules = kernel_rules(q, k, v, vw, tol=tol, groups=_groups(tol, s))
     got = fused_attention.run(q, k, augment_v(v, vw), rules, scale=scale, is_causal=is_causal, block_q=block_q,
                               faults=faults)
     assert got is not None
-    checks = kernel_checks(q, k, v, vw, got, tol=tol, groups=groups)
+    checks = kernel_checks(k, v, vw, got, rules, tol=tol)
     assert_same_verdict(got, checks)
     return got, checks
 
