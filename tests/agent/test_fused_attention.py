@@ -463,10 +463,11 @@ def test_the_default_policy_on_a_gpt2_step_recovers_a_fault_inside_the_kernel(au
     _assert_recovered(seen, loss, grads, want_loss, want)
 
 
-def test_after_a_quiet_period_the_next_scheduled_check_catches_a_fault_inside_the_kernel(auto_path: None) -> None:
+def test_after_a_quiet_period_the_next_scheduled_check_catches_a_fault_inside_the_kernel(auto_path: None,
+                                                                                        torch_threads: int) -> None:
     """The same fault on the default policy's first full scores check after the run has gone quiet (its period grown
     to the maximum, 7 steps or more without a full scores check, each on SDPA and its tripwire): the path a long
-    clean run takes, not only its first step."""
+    clean run takes, not only its first step; on one torch thread and on two (the call then in two parts)."""
     import attnchecker
 
     model, ids = _gpt2_at_512()
