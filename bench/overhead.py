@@ -26,6 +26,8 @@ Variants:
              whole-step GEMMs' (Linear forward, dX, dW, the fused attention backward's dQ/dK/dV) included
   all_full_eager  all_full with the one-pass checksum kernel off (attnchecker/fused_pass.py): every check on its
              eager path, what all_full costs where the kernel cannot be built
+  all_full_rules  all_full with the clean row checks' bounds evaluated eagerly (attnchecker/row_verify.py off):
+             what the native verdict saves, side by side
   all_full_products  all_full with the attention backward's full check on the checked products
              (attention_backward) instead of the fused kernel on encoded operands (encoded_backward.py)
   full_unfused, all_full_unfused  full and all_full with the checked attention forward on the unfused path, not
@@ -54,10 +56,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnchecker
-from attnchecker import Policy, encoded_backward, fused_attention, fused_pass
+from attnchecker import Policy, encoded_backward, fused_attention, fused_pass, row_verify
 
 VARIANTS = ("baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor", "all_full",
-            "all_adaptive", "all_tier1", "all_full_eager", "all_full_products", "full_unfused", "all_full_unfused")
+            "all_adaptive", "all_tier1", "all_full_eager", "all_full_rules", "all_full_products", "full_unfused",
+            "all_full_unfused")
 SIZES = {
     # The issue's sizes; vocab 8192 (not GPT-2's 50257) keeps the LM head from dwarfing the layers the checks are
     # in, which makes the measured overhead larger, not smaller.
@@ -191,11 +194,14 @@ POLICIES = {"full": Policy.full, "paper": Policy.paper, "adaptive": Policy,
             # exactly the engine path of a step the scheduler leaves to tier 1.
             "tier1": Policy,
             "all_full": Policy.full, "all_adaptive": Policy, "all_tier1": Policy, "all_full_eager": Policy.full,
-            "all_full_products": Policy.full, "full_unfused": Policy.full, "all_full_unfused": Policy.full}
+            "all_full_rules": Policy.full, "all_full_products": Policy.full, "full_unfused": Policy.full,
+            "all_full_unfused": Policy.full}
 SCOPE = {"all_full": "all", "all_adaptive": "all", "all_tier1": "all", "all_full_eager": "all",
-         "all_full_products": "all", "all_full_unfused": "all"}
+         "all_full_rules": "all", "all_full_products": "all", "all_full_unfused": "all"}
 EAGER = ("all_full_eager",)
 """Variants whose steps run with the one-pass checksum kernel off."""
+RULES = ("all_full_rules",)
+"""Variants whose clean row checks evaluate their bound eagerly, not in the native verifier."""
 PRODUCTS = ("all_full_products",)
 """Variants whose attention backward is checked through its products, not the encoded fused kernel."""
 UNFUSED = ("full_unfused", "all_full_unfused")
@@ -261,6 +267,7 @@ class Variant:
             self._attach()
         x = self.batch if batch is None else batch
         fused_pass.enabled = self.name not in EAGER
+        row_verify.enabled = self.name not in RULES
         encoded_backward.enabled = self.name not in PRODUCTS
         fused_attention.enabled = self.name not in UNFUSED
         c0, t0 = time.process_time(), time.perf_counter()
@@ -271,7 +278,7 @@ class Variant:
         # step in the optimizer's post-hook (guard.step()), after the gradient net has run in its pre-hook.
         stats = self.guard.step_stats if self.guard is not None else None
         self.opt.step()
-        fused_pass.enabled = encoded_backward.enabled = fused_attention.enabled = True
+        fused_pass.enabled = encoded_backward.enabled = fused_attention.enabled = row_verify.enabled = True
         if self.hooks is not None:
             self.hooks.end_step()
         if self.guard is not None:

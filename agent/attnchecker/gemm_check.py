@@ -20,6 +20,7 @@ from .fused_pass import fused_pass
 from .matmul_precision import fp32_matmul_operand_roundoff
 from .product_check import _exact_math, _tolerance
 from .records import _any_bad, _count, _count_trips, _emit, _emit_unplaced_trip, _record_ratio, _worst_ratio
+from .row_verify import verify_rows
 from .tripwire import extreme
 
 __all__ = ["Gemm", "LinearSums", "backward_sums", "check_gemms", "linear_sums", "trip_gemms"]
@@ -170,7 +171,7 @@ def _verify(gemm: Gemm, tol: Tolerance, directions: tuple[str, ...], *, wide_nor
     return verify_gemm(c, a.detach(), b.detach(), tol, bias_N=None if bias is None else bias.detach(),
                        operand_roundoff=fp32_matmul_operand_roundoff(c.device), directions=directions,
                        wide_norms=wide_norms, one_pass=fused_pass if big or operand_sums is not None else None,
-                       exact_sums=exact_sums, operand_sums=operand_sums)
+                       exact_sums=exact_sums, operand_sums=operand_sums, row_verifier=verify_rows)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

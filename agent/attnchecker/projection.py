@@ -25,11 +25,14 @@ from .abft import (
     times_skinny,
     weighted_cols,
 )
+from .abft.tolerance import row_rule
 from .context import LayerContext
 from .fused_pass import fused_pass
+from .matmul_precision import fp32_matmul_operand_roundoff
 from .passed_checksums import PassedProjection
 from .product_check import Checks, _dot, _Exact, _exact_math, _groups, _tolerance, _verify, _walks
 from .records import _any_bad, _count, _count_trips, _emit, _inject, _observe
+from .row_verify import verify_rows
 from .tripwire import extreme
 
 __all__ = ["PassedProjection", "check_linear", "protected_linear"]
@@ -244,12 +247,23 @@ class _ProjectionInput:
         if bias_O is not None:
             ref_NTg2 = ref_NTg2 + group_sums_rows(bias_O[None], g_r)[0]
         ref_norm, ref_max = torch.linalg.vector_norm(ww_Ig2, dim=-3), abs_max(ww_Ig2, dim=-3)
-        return _verify(y_NTO, ref_NTg2.flatten(-3, -2), None, self.x_norm_NT, w_sq_O.sqrt(), k=n_in, tol=tol,
+        ref_NV2, moments_NV4 = ref_NTg2.flatten(-3, -2), moments_NTc.unflatten(-1, (g_r, 4)).flatten(-3, -2)
+        if y_sums.row_sq is not None and fp32_matmul_operand_roundoff(y_NTO.device) is None:
+            # The verdict in one native call (row_verify.py); the eager rule below where it declines.
+            rule = row_rule(w_sq_O.sqrt().view(g_r, run), k=n_in, tol=tol,
+                            bias_abs_gn=None if bias_O is None else bias_O.abs().view(g_r, run),
+                            ref_norm_g2=ref_norm, b_max_gn=w_max_O.view(g_r, run), ref_max_g2=ref_max, walk=True)
+            native = None if rule is None else verify_rows(rule, ref_NV2, y_sums.right, y_sums.row_sq,
+                                                           self.x_norm_NT, a_max_NR=self.x_max_NT,
+                                                           moments_NV4=moments_NV4)
+            if native is not None:
+                return {"row": native}
+        return _verify(y_NTO, ref_NV2, None, self.x_norm_NT, w_sq_O.sqrt(), k=n_in, tol=tol,
                        bias_abs_C=None if bias_O is None else bias_O.abs(),
                        ref_norms=(ref_norm[0] if g_r == 1 else ref_norm, None), groups=groups,
                        maxes=(self.x_max_NT, w_max_O), ref_maxes=(ref_max[0] if g_r == 1 else ref_max, None),
-                       walk=(True, False), moments_NR4=moments_NTc.unflatten(-1, (g_r, 4)).flatten(-3, -2),
-                       directions=("row",), row_sums=(y_sums.right, y_sums.row_sq))
+                       walk=(True, False), moments_NR4=moments_NV4, directions=("row",),
+                       row_sums=(y_sums.right, y_sums.row_sq))
 
     def weight_norms(
         self, weight_OI: torch.Tensor, bias_O: torch.Tensor | None

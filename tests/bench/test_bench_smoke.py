@@ -47,7 +47,7 @@ def test_overhead_bench_writes_every_variant(tmp_path):
     for m in doc["models"]:
         assert set(m["variants"]) == {"baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr",
                                       "floor", "all_full", "all_adaptive", "all_tier1", "all_full_eager",
-                                      "all_full_products", "full_unfused", "all_full_unfused"}
+                                      "all_full_rules", "all_full_products", "full_unfused", "all_full_unfused"}
         for v in m["variants"].values():
             check_summary(v["step_s"])
             assert positive(v["step_s"]["median"])
@@ -63,8 +63,9 @@ def test_overhead_bench_writes_every_variant(tmp_path):
         assert tier1["checked_step_fraction"] == 0.0
         assert tier1["tier1_checks_per_step"] > 0  # the tripwire ran on every timed step, nothing else did
         # scope="all" checks the Linear GEMMs forward and backward as well.
-        # (with the one-pass kernel, and without it: the eager path the kernel is priced against)
-        for name in ("all_full", "all_full_eager", "all_full_products", "all_full_unfused"):
+        # (with the one-pass kernel, and without it: the eager path the kernel is priced against; the same for the
+        # native row verdict)
+        for name in ("all_full", "all_full_eager", "all_full_rules", "all_full_products", "all_full_unfused"):
             assert m["variants"][name]["checked_step_fraction"] == 1.0
             assert {"linear", "linear_dx", "linear_dw"} <= set(m["variants"][name]["check_s_per_step"])
         # The attention backward: the encoded kernel's checks (scores_bwd is a product of the checked path only).

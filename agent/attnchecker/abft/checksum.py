@@ -276,8 +276,10 @@ class DirectionCheck:
     """(..., V) the tolerance on |d1|."""
     bad: torch.Tensor
     """(..., V) bool: the vector is flagged."""
-    rule: Bound
-    """How the bound was made; re-verification after a correction re-evaluates it on the corrected C."""
+    rule: Bound | None
+    """How the bound was made; re-verification after a correction re-evaluates it on the corrected C. None: a clean
+    check's verdict made natively (attnchecker/row_verify.py), which a repair cannot re-evaluate: a flagged product
+    is checked again, with rules, before its repair."""
     bound2: torch.Tensor | None = None
     """(..., V) the tolerance on |d2| (None: d2 is not checked)."""
     groups: int = 1

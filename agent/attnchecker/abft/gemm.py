@@ -26,9 +26,9 @@ from .checksum import (
     weighted_cols,
     weighted_rows,
 )
-from .tolerance import Tolerance, direction_bounds, norm_floor
+from .tolerance import RowRule, Tolerance, direction_bounds, norm_floor, row_rule
 
-__all__ = ["DIRECTIONS", "FusedSums", "OnePass", "OperandSums", "exact_gemm_elements", "verify_gemm"]
+__all__ = ["DIRECTIONS", "FusedSums", "OnePass", "OperandSums", "RowVerifier", "exact_gemm_elements", "verify_gemm"]
 
 
 DIRECTIONS: tuple[str, ...] = ("row", "col")
@@ -71,6 +71,14 @@ class OperandSums:
     b_norm: torch.Tensor
 
 
+class RowVerifier(Protocol):
+    """A kernel that evaluates a factored row rule on a product's row vectors and returns the check without its rule
+    (attnchecker.row_verify.verify_rows), or None for tensors it does not take."""
+
+    def __call__(self, rule: RowRule, ref_NV2: torch.Tensor, got_NV2: torch.Tensor, sq_NV: torch.Tensor | None,
+                 a_norm_NR: torch.Tensor) -> DirectionCheck | None: ...
+
+
 class OnePass(Protocol):
     """A kernel that computes X·right, Xᵀ·left and X's squared row and column sums (and more: FusedSums) in one read
     of X, or returns None for tensors it does not take (attnchecker.fused_pass: fp32 on the CPU)."""
@@ -92,6 +100,7 @@ def verify_gemm(
     one_pass: OnePass | None = None,
     exact_sums: bool = False,
     operand_sums: OperandSums | None = None,
+    row_verifier: RowVerifier | None = None,
 ) -> dict[str, DirectionCheck]:
     """The requested directions of C = A·B (+ bias) against references from A and B, for 2-D operands or batches of
     them (the same leading dims on all three, e.g. (B, H) for attention; bias 2-D only). The checks carry C's leading
@@ -117,6 +126,9 @@ def verify_gemm(
     operand_sums: the one direction's operand side already made (``OperandSums``): then only C is read here (through
     ``one_pass`` where it takes C). A and B are still passed, for the shapes (and the slow path's own check). Without
     it, a row check through ``one_pass`` makes the same from one read of B and one of A.
+    row_verifier: evaluates the rule of a 2-D fp32 product checked in one direction (``RowVerifier``, with
+    ``row_rule``; a column check as the rows of Cᵀ) in place of the eager bound below; its check carries no rule.
+    Where it declines, the eager rule.
     """
     _check_shapes(c_MN, a_MK, b_KN, bias_N)
     if not directions or any(d not in DIRECTIONS for d in directions):
@@ -169,6 +181,19 @@ def verify_gemm(
         a_norm_M, b_norm_N = _row_norms(a), _col_norms(b)
     if wide_norms:
         a_norm_M, b_norm_N = _widened(a_norm_M, a, k, _row_norms), _widened(b_norm_N, b, k, _col_norms)
+    if (row_verifier is not None and len(directions) == 1 and c_MN.dim() == 2 and acc == c_MN.dtype == torch.float32
+            and not wide_norms and cast_to is None and operand_roundoff is None
+            and (directions[0] == "row" or bias_abs_N is None)):
+        # A column of C = A·B is a row of Cᵀ = Bᵀ·Aᵀ: the same rule with the operands' roles swapped (the bias, one
+        # b_j per column, is the one term that is not symmetric).
+        d = directions[0]
+        mine_V, other_n = (a_norm_M, b_norm_N) if d == "row" else (b_norm_N, a_norm_M)
+        sq_V = sums[d][1]
+        rule = row_rule(other_n[None], k=k, tol=tol, bias_abs_gn=None if bias_abs_N is None else bias_abs_N[None])
+        native = None if rule is None else row_verifier(rule, refs[d][None], got[d][None],
+                                                         None if sq_V is None else sq_V[None], mine_V[None])
+        if native is not None:
+            return {d: native}
     rules = direction_bounds(tuple(got), a_norm_M, b_norm_N, k=k, out_dtype=c_MN.dtype, tol=tol,
                              bias_abs_C=bias_abs_N, use_abs=use_abs, operands_cast_to=cast_to,
                              operand_roundoff=operand_roundoff if c_MN.dtype == torch.float32 else None)
@@ -281,16 +306,17 @@ def _full(chk: DirectionCheck) -> DirectionCheck:
     """The bound rule's base expanded to the check's shape: ``abft.repair`` indexes it per matrix. d2's bound is
     kept: the margin histogram takes the larger of the two ratios (records._worst_ratio)."""
     return DirectionCheck(ref=chk.ref, diff=chk.diff, bound=chk.bound, bad=chk.bad,
-                          rule=chk.rule.select(..., chk.bad.shape), bound2=chk.bound2)
+                          rule=None if chk.rule is None else chk.rule.select(..., chk.bad.shape), bound2=chk.bound2)
 
 
 def _batched(chk: DirectionCheck) -> DirectionCheck:
     """A 2-D product's check with a leading batch dim of 1; every field of the bound rule kept (its vector length
     and calibrated part too: the re-verification after a repair re-evaluates it)."""
-    rule = chk.rule.select(..., chk.bad.shape)
-    offset = rule.offset_NV if isinstance(rule.offset_NV, float) else rule.offset_NV[None]
-    rule = dataclasses.replace(rule, base=rule.base[None], offset_NV=offset,
-                               var_NV2=None if rule.var_NV2 is None else rule.var_NV2[None])
+    rule = None if chk.rule is None else chk.rule.select(..., chk.bad.shape)
+    if rule is not None:
+        offset = rule.offset_NV if isinstance(rule.offset_NV, float) else rule.offset_NV[None]
+        rule = dataclasses.replace(rule, base=rule.base[None], offset_NV=offset,
+                                   var_NV2=None if rule.var_NV2 is None else rule.var_NV2[None])
     return DirectionCheck(ref=chk.ref[None], diff=chk.diff[None], bound=chk.bound[None], bad=chk.bad[None], rule=rule,
                           bound2=None if chk.bound2 is None else chk.bound2[None])
 

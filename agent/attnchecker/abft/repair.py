@@ -82,12 +82,14 @@ def locate_and_fix(
 
 def _recheck(work_MRC: torch.Tensor, refs: dict[str, DirectionCheck]) -> dict[str, DirectionCheck]:
     """Verify C as it stands against the original references, bounds re-evaluated on it."""
-    use_abs = any(chk.rule.abs_coef for chk in refs.values())
-    use_sq = any(chk.rule.var_NV2 is not None and chk.rule.sq_coef != (0.0, 0.0) for chk in refs.values())
+    rules = {d: chk.rule for d, chk in refs.items() if chk.rule is not None}
+    assert len(rules) == len(refs), "repair() refuses checks without rules"
+    use_abs = any(rule.abs_coef for rule in rules.values())
+    use_sq = any(rule.var_NV2 is not None and rule.sq_coef != (0.0, 0.0) for rule in rules.values())
     groups = (refs["row"].groups if "row" in refs else 1, refs["col"].groups if "col" in refs else 1)
     rows_MR2, cols_MC2, sums = checksums_of(work_MRC, with_abs=use_abs, with_sq=use_sq, groups=groups)
     got = {"row": rows_MR2, "col": cols_MC2}
-    return {d: verify_direction(chk.ref, got[d], chk.rule, *(sums.of(d) if sums is not None else (None, None)),
+    return {d: verify_direction(chk.ref, got[d], rules[d], *(sums.of(d) if sums is not None else (None, None)),
                                 groups=chk.groups)
             for d, chk in refs.items()}
 
@@ -170,6 +172,9 @@ def repair(
         direction neither fixes nor vetoes, and the trusted direction alone must end clean.
     Syncs with the device (slow path only).
     """
+    if any(chk.rule is None for chk in checks.values()):
+        raise ValueError("repair: a check without its bound rule (a native clean verdict) cannot re-verify a repair; "
+                         "check the product again with rules (both directions) and repair with those")
     batch_shape = c_NRC.shape[:-2]
     any_N = torch.zeros(batch_shape, dtype=torch.bool, device=c_NRC.device)
     for chk in checks.values():
@@ -278,7 +283,7 @@ def _verify_one(c_RC: torch.Tensor, sub: dict[str, DirectionCheck], trust: dict[
 def _select(chk: DirectionCheck, idx: Any) -> DirectionCheck:
     """The matrices `idx` of a check (leading dims), the bound rule's base included."""
     return DirectionCheck(ref=chk.ref[idx], diff=chk.diff[idx], bound=chk.bound[idx], bad=chk.bad[idx],
-                          rule=chk.rule.select(idx, chk.bad.shape),
+                          rule=None if chk.rule is None else chk.rule.select(idx, chk.bad.shape),
                           bound2=None if chk.bound2 is None else chk.bound2[idx], groups=chk.groups)
 
 

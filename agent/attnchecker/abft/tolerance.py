@@ -35,6 +35,7 @@ __all__ = [
     "NEAR_INF",
     "TF32_OPERAND_ROUNDOFF",
     "Bound",
+    "RowRule",
     "RowTerms",
     "Tolerance",
     "acc_dtype",
@@ -42,6 +43,7 @@ __all__ = [
     "direction_bounds",
     "gamma",
     "norm_floor",
+    "row_rule",
     "row_terms",
 ]
 
@@ -590,3 +592,80 @@ def row_terms(b_norm_NgC: torch.Tensor, ref_norm_Ng2: torch.Tensor, *, k: int, t
     c_sq = n**2 * u2
     return RowTerms(rigorous_Ng, var_Ng2, floor, rig_coef, under, (c_sq, c_sq * n**2), n * torch.finfo(f32).tiny,
                     tol.sigmas * tol.factor, under * ((n + 1) / 2), n)
+
+
+@dataclass(frozen=True, slots=True)
+class RowRule:
+    """The row rule of `direction_bounds` for an fp32 product checked by rows, as a native verifier evaluates it per
+    row vector (attnchecker/row_verify.c, whose comments name each term): the other operand's per-column norms, which
+    it sums per checksum group, and the rule's scalars. Shared by every matrix of a batch (the other operand is 2-D)."""
+
+    b_norm_gn: torch.Tensor
+    """(g, n) fp32: ‖B_j‖ per column of each group."""
+    bias_abs_gn: torch.Tensor | None
+    ref_norm_g2: torch.Tensor | None
+    """(g, 2): ‖B_h w‖ per group; None: bounded by Σ_j w_j ‖B_j‖."""
+    b_max_gn: torch.Tensor | None
+    ref_max_g2: torch.Tensor | None
+    scalars: tuple[float, ...]
+    """row_verify.c's S_* layout."""
+    walk: bool
+
+    @property
+    def groups(self) -> int:
+        return self.b_norm_gn.shape[0]
+
+
+def row_rule(
+    b_norm_gn: torch.Tensor,
+    *,
+    k: int,
+    tol: Tolerance,
+    bias_abs_gn: torch.Tensor | None = None,
+    ref_norm_g2: torch.Tensor | None = None,
+    b_max_gn: torch.Tensor | None = None,
+    ref_max_g2: torch.Tensor | None = None,
+    walk: bool = False,
+) -> RowRule | None:
+    """`direction_bounds(("row",), ...)` of an fp32 product C = A·B (+ bias) accumulated in fp32, without operand
+    rounding, for a native verifier (`RowRule`); None for what it does not cover (the paper's threshold). b_norm_gn:
+    ‖B_j‖ per column of each checksum group (g, n); bias_abs_gn: |b| likewise; ref_norm_g2, ref_max_g2: ‖B_h w‖ and
+    ‖B_h w‖∞ per group; b_max_gn: ‖B_j‖∞ (walk). The scalars below are that function's (and `_calibrated_var`'s) for
+    this case, and row_verify.c's sums over the columns are theirs: a change there must be made here and there too
+    (tests/agent/test_row_verify.py holds the two to the same verdicts)."""
+    if tol.mode != "roundoff":
+        return None
+    scalars = _row_scalars(b_norm_gn.shape[-1], k, tol, bias_abs_gn is not None, walk)
+    return RowRule(b_norm_gn, bias_abs_gn, ref_norm_g2, b_max_gn if walk else None, ref_max_g2 if walk else None,
+                   scalars, walk)
+
+
+@functools.lru_cache(maxsize=512)
+def _row_scalars(n: int, k: int, tol: Tolerance, bias: bool, walk: bool) -> tuple[float, ...]:
+    """`RowRule.scalars` (row_verify.c's S_* order): each as `direction_bounds` makes it for an fp32 product."""
+    f32 = torch.float32
+    u = torch.finfo(f32).eps / 2
+    slack = 1.01 * tol.factor
+    n_round = 2 if bias else 1
+    eta = _underflow(f32)
+    u2 = u**2 / 3
+    return (
+        math.sqrt(k * torch.finfo(f32).tiny),  # norm_floor
+        slack * (2 * gamma(k, f32) + 2 * gamma(n, f32) + n_round * u),
+        slack * (2 * gamma(n, f32) + u),
+        slack * n * (eta + (k + 2 * n + 2) * eta),
+        float(tol.calibrated),
+        float(walk),
+        tol.sigmas * tol.factor,
+        ((RANDOM_WALK * n + DRIFT * k) if walk else n**2) * u2,
+        float(n),
+        float(k),
+        u2,
+        DRIFT * (k + n) * u2 if walk else 0.0,
+        RANDOM_WALK * k * u2 + u2,
+        RANDOM_WALK * k * u2,
+        torch.finfo(f32).tiny,
+        RANDOM_WALK,
+        DRIFT,
+        NEAR_INF,
+    )
