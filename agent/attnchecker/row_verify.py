@@ -3,8 +3,9 @@ fp32 product, evaluated by ``row_verify.c`` from the factored rule (``abft.toler
 
 A clean check by rows reads its matrices once each (fused_pass) and is then left with vectors: per row of C, its
 checksums and square sum, the reference and the operand norms. Eagerly, the bound on them (`direction_bounds`,
-`Bound.pair`, `verify_direction`) is some fifty small tensor ops, a fixed cost of 1.5-2.5 ms a check on this
-machine's CPU, most of a projection check at GPT-2 widths. Here it is one call over the vectors.
+`Bound.pair`, `verify_direction`) is some fifty small tensor ops, a fixed cost of about 2.5 ms a check on this
+machine's CPU: a projection check at GPT-2 width took 6.4 ms so, 3.7 ms with this one call over the vectors
+(docs/performance.md §1).
 
 Where the kernel is not built, the tensors are not fp32 on the CPU, or ``ATTNCHECKER_NATIVE=0``, ``verify_rows``
 returns None and the caller verifies eagerly (the same rule, the same verdicts: tests/agent/test_row_verify.py).

@@ -50,7 +50,8 @@ def corrupt(value: torch.Tensor, kind: str) -> torch.Tensor:
 
 @dataclass
 class GemmInjector(TorchDispatchMode):
-    """Records every GEMM call (``calls``); corrupts element ``element`` (flat, modulo size) of call ``target``,
+    """Records every GEMM call (``calls``); corrupts element ``element`` (flat, modulo size) of call ``target``
+    (``corrupt``'s kinds, or "rms": ``rms`` × the output's RMS added),
     or with ``pattern`` "row" / "col" every element of that element's row / column (a 1-D fault: the checks must
     locate it with the direction across it). ``phase`` is set by the test around backward so each call is labelled
     forward or backward."""
@@ -59,6 +60,8 @@ class GemmInjector(TorchDispatchMode):
     kind: str = "inf"
     element: int = 0
     pattern: str = "0d"
+    rms: float = 4.0
+    """kind "rms": the element gets this many times the output's RMS element added."""
     phase: str = "forward"
     calls: list[GemmCall] = field(default_factory=list)
     hit: GemmCall | None = None
@@ -75,7 +78,10 @@ class GemmInjector(TorchDispatchMode):
             if call.index == self.target:
                 flat = out.view(-1)
                 i = self.element % flat.numel()
-                if self.pattern == "0d":
+                if self.kind == "rms":
+                    # Finite and small: no tripwire sees it, only the checksums can.
+                    flat[i] += self.rms * out.detach().float().square().mean().sqrt()
+                elif self.pattern == "0d":
                     flat[i] = corrupt(flat[i], self.kind)
                 else:
                     mat = out.view(-1, out.shape[-1])

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from gemm_injector import GemmCall, GemmInjector, worst_rel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -209,3 +210,43 @@ def test_a_whole_step_gemm_check_gives_the_eager_verdict_in_either_direction(m, 
     assert_same(eager, native)
     if not faults and tol != "tight":
         assert not bool(native.bad.any())
+
+
+def test_through_the_engine_the_native_verdict_catches_a_few_rms_fault_that_is_then_repaired(
+        monkeypatch: pytest.MonkeyPatch, kernel_everywhere: Any) -> None:
+    """protect(scope="all") with Policy.full() on GPT-2 (Conv1D projections and MLP): every clean row check of a
+    projection and of a Linear GEMM (forward, dX, and dW by columns) takes the native verdict; a 4× RMS error in
+    every distinct Linear GEMM of the step in turn is flagged there (and only there), repaired by the slow path's
+    check with rules, and the step's gradients are the fault-free one's."""
+    from attnchecker import gemm_check, projection
+    from test_linear_abft import model_gemms, one_step
+
+    kernel_everywhere()
+    taken = {"projection": 0, "gemm": 0, "flagged": 0}
+    for module, site in ((projection, "projection"), (gemm_check, "gemm")):
+        def spy(*args: Any, _site: str = site, **kwargs: Any) -> DirectionCheck | None:
+            got = row_verify.verify_rows(*args, **kwargs)
+            taken[_site] += got is not None
+            taken["flagged"] += got is not None and bool(got.bad.any())
+            return got
+        monkeypatch.setattr(module, "verify_rows", spy)
+    recorder = GemmInjector()
+    clean, finite, detections = one_step("gpt2", "all", recorder)
+    assert finite and not detections
+    assert taken["projection"] > 0 and taken["gemm"] > 0 and taken["flagged"] == 0, taken
+    # One call of every distinct Linear GEMM of the step: each projection's and MLP GEMM's forward, dX and dW (a
+    # Conv1D dW checked by columns), and the LM head's.
+    picked: dict[tuple[str, tuple[int, ...], int], GemmCall] = {}
+    for call in model_gemms("gpt2", recorder.calls):
+        if call.op in ("addmm", "mm"):
+            picked.setdefault((call.phase, call.shape, call.k), call)
+    assert {phase for phase, _, _ in picked} == {"forward", "backward"} and len(picked) >= 8, picked
+    for n, call in enumerate(picked.values()):
+        inj = GemmInjector(target=call.index, kind="rms", rms=4.0, element=11 + 29 * n)
+        before = taken["flagged"]
+        grads, finite, detections = one_step("gpt2", "all", inj)
+        assert inj.hit == call
+        assert taken["flagged"] == before + 1, f"{call}: not flagged by a native verdict alone"
+        assert finite
+        assert detections and {d.action for d in detections} <= {"corrected", "recomputed"}, (call, detections)
+        assert worst_rel(grads, clean) <= 1e-5, call
