@@ -30,7 +30,8 @@ Time (`--time`): in one process per T, the three variants are stepped in interle
 ratios against the baseline.
 
     python bench/memory.py [--seqs 1024,2048,4096,8192,16384] [--repeats 3] [--unfused-max 4096]
-                           [--time | --time-only] [--time-seqs 1024,2048,4096 --rounds 3] [--tiny] [--out PATH]
+                           [--time | --time-only] [--time-seqs 1024,2048,4096 --rounds 3] [--padded] [--tiny]
+                           [--out PATH]
                            [--variants baseline,tiled,tiled_torch,unfused,tiled_all]
 """
 from __future__ import annotations
@@ -59,8 +60,11 @@ SIZES = {
 }
 
 
-def _build(size: dict[str, int], seq: int, variant: str, device: str = "cpu") -> tuple[Any, Any, Any, Any]:
-    """(model, optimizer, batch, guard or None) for one variant; the path is forced through the environment."""
+def _build(size: dict[str, int], seq: int, variant: str, device: str = "cpu", padded: bool = False
+           ) -> tuple[Any, Any, Any, Any]:
+    """(model, optimizer, batch (the model's keyword arguments), guard or None) for one variant; the path is forced
+    through the environment. padded: the last eighth of the tokens are padding (attention_mask 0, labels -100), as a
+    fine-tuning batch has: transformers then hands SDPA a 4-D mask, causal and padding together."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
@@ -82,7 +86,12 @@ def _build(size: dict[str, int], seq: int, variant: str, device: str = "cpu") ->
         _native(variant)
         guard = attnchecker.protect(model, policy=Policy.full(), scope="all" if variant == "tiled_all" else "attention")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = torch.randint(0, size["vocab"], (size["batch"], seq), generator=torch.Generator().manual_seed(1)).to(device)
+    ids = torch.randint(0, size["vocab"], (size["batch"], seq), generator=torch.Generator().manual_seed(1)).to(device)
+    batch = {"input_ids": ids, "labels": ids}
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[:, seq - seq // 8:] = 0
+        batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     return model, opt, batch, guard
 
 
@@ -98,7 +107,7 @@ def _step(model: Any, opt: Any, batch: Any, guard: Any) -> float:
     tenants' time slices; docs/performance.md, method)."""
     t0 = time.process_time()
     opt.zero_grad(set_to_none=True)
-    loss = model(input_ids=batch, labels=batch).loss
+    loss = model(**batch).loss
     loss.backward()
     opt.step()
     if guard is not None:
@@ -148,14 +157,15 @@ def measure(variant: str, seq: int, tiny: bool) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def time_section(seqs: list[int], rounds: int, size: dict[str, int], variants: tuple[str, ...] = VARIANTS
-                 ) -> list[dict[str, Any]]:
-    """Step time per variant, interleaved in one process per T (memory is measured elsewhere)."""
+def time_section(seqs: list[int], rounds: int, size: dict[str, int], variants: tuple[str, ...] = VARIANTS,
+                 padded: bool = False) -> list[dict[str, Any]]:
+    """Step time per variant, interleaved in one process per T (memory is measured elsewhere); padded: a padded
+    batch (``_build``)."""
     import torch
 
     out = []
     for seq in seqs:
-        built = {v: _build(size, seq, v) for v in variants}
+        built = {v: _build(size, seq, v, padded=padded) for v in variants}
 
         def runner(v: str, variant_built: tuple[Any, Any, Any, Any]) -> Any:
             def go() -> float:
@@ -168,7 +178,7 @@ def time_section(seqs: list[int], rounds: int, size: dict[str, int], variants: t
 
         samples = _common.interleaved({v: runner(v, built[v]) for v in variants}, rounds=rounds, warmup=1, seed=seq)
         ratios = _common.ratios(samples, "baseline")
-        out.append({"seq": seq, "threads": torch.get_num_threads(),
+        out.append({"seq": seq, "threads": torch.get_num_threads(), "padded": padded,
                     "variants": {v: {"step_s": _common.summary(samples[v]), "samples_s": samples[v],
                                      "ratio_vs_baseline": ratios[v]} for v in variants}})
         del built
@@ -188,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-seqs", default="1024,2048,4096")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--padded", action="store_true", help="time a padded batch (the last eighth of the tokens "
+                    "padding: SDPA gets a 4-D mask, not is_causal)")
     ap.add_argument("--tiny", action="store_true", help="small model and T (the smoke test)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; baseline is always measured")
     ap.add_argument("--out", default=None)
@@ -249,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                                "VmRSS before the measured (second) step", "memory": results}
     if args.time or args.time_only:
         tseqs = [64] if args.tiny else [int(s) for s in args.time_seqs.split(",")]
-        payload["time"] = time_section(tseqs, 2 if args.tiny else args.rounds, size, variants)
+        payload["time"] = time_section(tseqs, 2 if args.tiny else args.rounds, size, variants, padded=args.padded)
         trows = [[e["seq"], v, e["variants"][v]["step_s"]["median"], _common.pct(
             e["variants"][v]["ratio_vs_baseline"]["median"]), _common.pct(e["variants"][v]["ratio_vs_baseline"]["p25"]),
             _common.pct(e["variants"][v]["ratio_vs_baseline"]["p75"])] for e in payload["time"] for v in variants]

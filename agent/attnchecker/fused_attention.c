@@ -8,11 +8,14 @@
  *   2. per row i and checksum group h (G keys each, weights 1 and 1..G): s_sums[i][h] = (sum AS, sum j*AS, sum AS^2),
  *      the scores check's row side (its references Q (K_h^T w) are the caller's); groups past kend hold zeros; in
  *      the same read of the row, the softmax's max over its unmasked keys;
- *   3. the softmax: z = scale*AS, keys past the row masked (causal), m = max z, P = exp(z - m) in place, l = sum P;
+ *   3. the softmax: z = scale*AS (+ the additive mask, where the call has one), keys past the row masked (causal),
+ *      m = max z, P = exp(z - m) in place, l = sum P;
  *   4. OA = P [V | V e | V w] (one GEMM: CL and its row references, abft.tiled.augment_v; causal: over the keys up
  *      to the block's last row, P being 0 beyond), then per row
  *      c_sums[i] = (sum_d CL, sum_d d*CL, sum_d CL^2, P (V e), P (V w)), the context check's row side;
- *   5. out = CL / l, lse = m + log l, p_sum = l.
+ *   5. out = CL / l, lse = m + log l, p_sum = l (a row with every key masked: out 0, lse +INF, p_sum 0).
+ * The mask (a call with one is not causal): fp32, additive, row j of (batch b, head h) at mask + b*m_sb + h*m_sh +
+ * i*m_st (strides 0 where it broadcasts), contiguous along the keys; matrix n of the call is divmod(n_base + n, heads).
  * Each row's sums are verified where they are made (check_vectors): the scores' against their references
  * s_refs = Q_blk [K_h^T e | K_h^T w] (one small GEMM per block on the caller's K_h sums; zeros past a causal block's
  * groups), the context's against the references its own GEMM produced,
@@ -191,6 +194,34 @@ static float exp_scaled(float *restrict x, int64_t n, float scale, float m) {
     return l;
 }
 
+/* The softmax of a row under an additive mask: z_j = x[j] * scale + mask[j] in place, m = max z (NaN if one is),
+ * x[j] = exp(z_j - m); returns their sum and m. A row with every key masked (m = -INF) gets P = 0 and sum 0. */
+static float exp_masked(float *restrict x, int64_t n, float scale, const float *restrict mask, float *m_out) {
+    int32_t mb = ordered_bits(-INFINITY), nan = 0;
+    for (int64_t j = 0; j < n; j++) {
+        const float z = x[j] * scale + mask[j];
+        x[j] = z;
+        const int32_t o = ordered_bits(z);
+        mb = o > mb ? o : mb;
+        int32_t b;
+        memcpy(&b, &z, sizeof b);
+        nan |= (b & 0x7fffffff) > 0x7f800000;
+    }
+    const int32_t b = mb ^ ((mb >> 31) & 0x7fffffff);
+    float m;
+    memcpy(&m, &b, sizeof m);
+    if (nan) m = NAN;
+    *m_out = m;
+    if (m == -INFINITY) {
+        for (int64_t j = 0; j < n; j++) x[j] = 0.0f;
+        return 0.0f;
+    }
+    for (int64_t j = 0; j < n; j++) x[j] = exp_nonpos(x[j] - m);
+    float l = 0.0f;
+    for (int64_t j = 0; j < n; j++) l += x[j];
+    return l;
+}
+
 static double now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -211,16 +242,22 @@ int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S
                                     int64_t G, float *work, float *oa, float *out, float *lse, float *p_sum,
                                     float *s_sums, float *c_sums, const int64_t *fault_at, const float *fault_value,
                                     int64_t n_faults, double *seconds, const float *kbar, const float *q_norm,
-                                    const row_rule *rules, float *s_refs, int64_t *bad, float *worst) {
+                                    const row_rule *rules, float *s_refs, int64_t *bad, float *worst,
+                                    const float *mask, int64_t heads, int64_t m_sb, int64_t m_sh, int64_t m_st,
+                                    int64_t n_base) {
     const sgemm_fn gemm = (sgemm_fn)sgemm;
     const int64_t DA = D + 2, groups = S / G;
-    if (BQ < 1 || G < 1 || S % G || BQ * S >= (int64_t)1 << 31 || D > (int64_t)1 << 20) return -1;
+    if (BQ < 1 || G < 1 || S % G || BQ * S >= (int64_t)1 << 31 || D > (int64_t)1 << 20 || heads < 1
+        || (mask && causal))
+        return -1;
     const float one = 1.0f, zero = 0.0f;
     const row_rule *s_rule = rules, *c_rule = rules + 1;
     worst[0] = worst[1] = 0.0f;
     for (int64_t n = 0; n < N; n++) {
         const float *qn = q + n * T * D, *kn = k + n * S * D, *van = va + n * S * DA;
         int64_t *bad_n = bad + 2 * n;
+        /* Matrix n of the call is (batch, head) = divmod(n_base + n, heads) of the mask's (broadcast) layout. */
+        const float *mask_n = mask ? mask + ((n_base + n) / heads) * m_sb + ((n_base + n) % heads) * m_sh : 0;
         bad_n[0] = bad_n[1] = 0;
         /* The scores' row references, (T x 2g) row-major = Q_n (T x D) [K_h^T e | K_h^T w] (D x 2g, row-major): in
          * column-major terms (2g x T) = Kbar^T Q_n^T. One GEMM per matrix (per block, its calls cost more than its
@@ -271,6 +308,15 @@ int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S
                 float *row = work + (i - r0) * kend;
                 /* Keys past the row (causal) do not take part in the softmax. */
                 const int64_t live = causal ? (i + 1 < kend ? i + 1 : kend) : kend;
+                if (mask_n) {
+                    /* The max of the masked scores, not of AS: taken here, in the pass that adds the mask. A row
+                     * with every key masked: out 0 and lse +INF, as abft.tiled.finish (SDPA's safe softmax). */
+                    float m;
+                    const float l = exp_masked(row, kend, scale, mask_n + i * m_st, &m);
+                    lse[n * T + i] = l == 0.0f ? INFINITY : m + logf(l);
+                    p_sum[n * T + i] = l;
+                    continue;
+                }
                 const float m = lse[n * T + i] * scale;
                 const float l = exp_scaled(row, live, scale, m);
                 for (int64_t j = live; j < pend; j++) row[j] = 0.0f;
@@ -300,7 +346,8 @@ int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S
             seconds[1] += now() - t0;
             for (int64_t i = r0; i < r1; i++) {
                 const float *o = oa + (i - r0) * DA;
-                const float inv = 1.0f / p_sum[n * T + i];
+                const float l = p_sum[n * T + i];
+                const float inv = l != 0.0f ? 1.0f / l : 0.0f; /* 0: every key masked; NaN stays NaN */
                 float *dst = out + (n * T + i) * D;
                 for (int64_t d = 0; d < D; d++) dst[d] = o[d] * inv;
             }

@@ -11,11 +11,14 @@ per-call terms, O(S·D), are made in Python by attention_kernel.kernel_rules); t
 matrix and the worst ratio per op. Only a flag goes back to Python's checks of the same sums
 (attention_kernel.kernel_checks, for the report) and the recovery (tiled_attention._kernel_forward).
 
-Scope: plain fp32 tensors on the CPU, no explicit mask (none, or causal with T = S), a positive scale, IEEE fp32
-matmuls (TF32 or oneDNN bf16 modes keep the PyTorch path, whose products honour them), no TorchDispatchMode active
-(a mode expects to see the products, which here are no aten ops: a fault injector below autograd, a tracer), and a
-BLAS that exports ``sgemm_``. Anything else, or ``enabled = False``, or ``ATTNCHECKER_NATIVE=0``: ``applies`` says
-no and the engine keeps its PyTorch paths. Faults inside the kernel are emulated for tests by ``emulated_faults``.
+Scope: plain fp32 tensors on the CPU; causal with T = S, or an explicit mask (bool or additive, made an fp32
+additive mask and read in place where it broadcasts: key padding (B, 1, 1, S) costs S floats a batch), or neither; a
+positive scale; IEEE fp32 matmuls (TF32 or oneDNN bf16 modes keep the PyTorch path, whose products honour them);
+no TorchDispatchMode active (a mode expects to see the products, which here are no aten ops: a fault injector below
+autograd, a tracer); and a BLAS that exports ``sgemm_``. A mask that requires grad (a learned bias) keeps the
+unfused path (attention.py), whose graph differentiates through it. Anything else, or ``enabled = False``, or
+``ATTNCHECKER_NATIVE=0``: ``applies`` says no and the engine keeps its PyTorch paths. Faults inside the kernel are
+emulated for tests by ``emulated_faults``.
 
 Legend: N batch x heads, T queries, S keys, D head dim, g checksum groups per scores row (G = S/g keys each).
 No host-device sync (CPU tensors only).
@@ -123,11 +126,16 @@ def available() -> bool:
     return _kernel() is not None and _sgemm() is not None
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float, has_mask: bool
-            ) -> bool:
-    """Whether ``run`` would take a call of these operands ((..., T, D), (..., S, D), (..., S, D); module doc:
-    scope), without touching their memory: what the engine asks before it picks a path (attention.py)."""
-    if not enabled or has_mask or not (math.isfinite(scale) and scale > 0.0):
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float,
+            attn_mask: torch.Tensor | None = None) -> bool:
+    """Whether ``run`` would take a call of these operands ((..., T, D), (..., S, D), (..., S, D)) and mask (bool or
+    floating, broadcastable to (..., T, S); module doc: scope), without touching their memory: what the engine asks
+    before it picks a path (attention.py)."""
+    if not enabled or not (math.isfinite(scale) and scale > 0.0):
+        return False
+    if attn_mask is not None and (is_causal or type(attn_mask) is not torch.Tensor or attn_mask.device.type != "cpu"
+                                  or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point())
+                                  or attn_mask.dim() > 4 or q.dim() != 4):
         return False
     # The kernel reads raw memory and its GEMMs are no aten ops: a tensor subclass (fake, meta, distributed) has no
     # such memory, and a TorchDispatchMode (a tracer, a FLOP counter, a fault injector) expects to see the products.
@@ -143,10 +151,12 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: boo
 
 
 def run(q_NTD: torch.Tensor, k_NSD: torch.Tensor, va_NSA: torch.Tensor, rules: KernelRules, *, scale: float,
-        is_causal: bool, block_q: int, faults: list[Fault] | None = None) -> KernelOutput | None:
+        is_causal: bool, block_q: int, faults: list[Fault] | None = None, mask_add: torch.Tensor | None = None,
+        heads: int = 1) -> KernelOutput | None:
     """One call of the kernel on (N, T, D) / (N, S, D) operands (``applies`` said yes). va: [V | V e | V w]
     (N, S, D + 2), abft.tiled.augment_v. rules: what each row is verified against; its scores terms give the
-    checksum groups per scores row (S % g == 0).
+    checksum groups per scores row (S % g == 0). mask_add: an additive fp32 mask (B|1, H|1, T|1, S) of a call that is
+    not causal, matrix n being (batch, head) = divmod(n, heads) (fused_backward._additive_mask makes it).
     faults: (op, n, row, col, value) written into the scores (col a key) or the unnormalised context (col a feature)
     right after the GEMM that computes them, before their checksums: a fault of the kernel's own arithmetic, emulated
     (tests). None where the kernel declines."""
@@ -163,6 +173,9 @@ def run(q_NTD: torch.Tensor, k_NSD: torch.Tensor, va_NSA: torch.Tensor, rules: K
     out, lse, p_sum = new((n, t, d)), new((n, t)), new((n, t))
     s_sums, s_refs, c_sums = new((n, t, groups, 3)), new((n, t, groups, 2)), new((n, t, 5))
     flagged = torch.empty((n, 2), dtype=torch.int64)
+    mask, strides = _mask_layout(mask_add, n, heads, t, s)
+    if mask_add is not None and (mask is None or is_causal):
+        return None
     kbar, q_norm = rules.kbar_ND2g.contiguous(), rules.q_norm_NT.contiguous()
     terms = [(x.rigorous_Ng.to(torch.float32).contiguous(),
               None if x.var_Ng2 is None else x.var_Ng2.to(torch.float64).contiguous(), x)
@@ -186,7 +199,8 @@ def run(q_NTD: torch.Tensor, k_NSD: torch.Tensor, va_NSA: torch.Tensor, rules: K
             status = kernel(sgemm, n1 - n0, t, s, d, p(q[n0:n1]), p(k[n0:n1]), p(va[n0:n1]), scale, int(is_causal),
                             block_q, s // groups, p(work), p(oa), p(out[n0:n1]), p(lse[n0:n1]), p(p_sum[n0:n1]),
                             p(s_sums[n0:n1]), p(c_sums[n0:n1]), p(where), p(values), len(mine), seconds,
-                            p(kbar[n0:n1]), p(q_norm[n0:n1]), structs, p(s_refs[n0:n1]), p(flagged[n0:n1]), p(worst))
+                            p(kbar[n0:n1]), p(q_norm[n0:n1]), structs, p(s_refs[n0:n1]), p(flagged[n0:n1]), p(worst),
+                            p(mask), heads, *strides, n0)
         return status, worst, (seconds[0], seconds[1])
 
     # The first part on this thread, the others on the pool: ctypes lets go of the GIL for the call.
@@ -200,6 +214,21 @@ def run(q_NTD: torch.Tensor, k_NSD: torch.Tensor, va_NSA: torch.Tensor, rules: K
     return KernelOutput(out_NTD=out, lse_NT=lse, p_sum_NT=p_sum, scores_sums_NTg3=s_sums, scores_refs_NTg2=s_refs,
                         context_sums_NT5=c_sums, flagged_N2=flagged, worst_2=worst_2,
                         seconds=(sum(x[0] for _, _, x in done), sum(x[1] for _, _, x in done)))
+
+
+def _mask_layout(mask_add: torch.Tensor | None, n: int, heads: int, t: int, s: int
+                 ) -> tuple[torch.Tensor | None, tuple[int, int, int]]:
+    """(the mask as the kernel reads it, its (batch, head, query) strides in elements, 0 where it broadcasts); None
+    where it cannot: not fp32 4-D broadcastable to (n/heads, heads, t, s), or heads not dividing n."""
+    if mask_add is None:
+        return None, (0, 0, 0)
+    if (heads < 1 or n % heads or mask_add.dtype != torch.float32 or mask_add.dim() != 4
+            or any(m not in (1, want) for m, want in zip(mask_add.shape, (n // heads, heads, t), strict=False))
+            or mask_add.shape[-1] != s):
+        return None, (0, 0, 0)
+    mask = mask_add if mask_add.stride(-1) == 1 else mask_add.contiguous()
+    sb, sh, st = (0 if mask.shape[i] == 1 else mask.stride(i) for i in range(3))
+    return mask, (sb, sh, st)
 
 
 PART_MIN_MACS = 1 << 22
@@ -282,7 +311,8 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn.restype = i64
     fn.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, f32, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr,
-                   ptr, ptr, i64, ctypes.POINTER(ctypes.c_double), ptr, ptr, ctypes.POINTER(_RowRule), ptr, ptr, ptr]
+                   ptr, ptr, i64, ctypes.POINTER(ctypes.c_double), ptr, ptr, ctypes.POINTER(_RowRule), ptr, ptr, ptr,
+                   ptr, i64, i64, i64, i64, i64]
     return fn
 
 

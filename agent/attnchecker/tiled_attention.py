@@ -248,9 +248,9 @@ def _forward(
     hits = {op: [] if injector is None else injector.resolve(op=op, layer=ctx.layer, step=ctx.step, shape=shape)
             for op, shape in (("scores", (b, h, t, s)), ("context", (b, h, t, d)))}
     # attnchecker.inject writes its faults tile by tile into the PyTorch loop's tensors: a call it targets runs there.
-    if kernel and mask is None and not any(hits.values()):
-        done = _kernel_forward(q, k, v, ctx=ctx, is_causal=is_causal, scale=scale, tol=tol, tiers=tiers, tiles=tiles,
-                               force=force, caught=caught)
+    if kernel and not any(hits.values()):
+        done = _kernel_forward(q, k, v, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal, scale=scale, tol=tol,
+                               tiers=tiers, tiles=tiles, force=force, caught=caught)
         if done is not None:
             return done
     acc = acc_dtype(q.dtype)
@@ -308,7 +308,7 @@ def kernel_applies(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Ten
     the loop keeps to)."""
     return (os.environ.get(TILE_ENV) is None and KERNEL_BLOCK_Q * k_BHSD.shape[-2] <= TILE_BUDGET
             and fused_attention.applies(q_BHTD, k_BHSD, v_BHSD, is_causal=is_causal, scale=scale,
-                                        has_mask=attn_mask is not None))
+                                        attn_mask=attn_mask))
 
 
 def _kernel_forward(
@@ -317,6 +317,7 @@ def _kernel_forward(
     v: torch.Tensor,
     *,
     ctx: LayerContext,
+    attn_mask: torch.Tensor | None,
     is_causal: bool,
     scale: float,
     tol: Tolerance,
@@ -332,7 +333,7 @@ def _kernel_forward(
     is kept and each flagged (batch, head) reported "detected"."""
     b, h, t, d = q.shape
     s = k.shape[-2]
-    if not kernel_applies(q, k, v, attn_mask=None, is_causal=is_causal, scale=scale):
+    if not kernel_applies(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale):
         return None
     q3, k3, v3 = (x.reshape(b * h, x.shape[-2], d) for x in (q, k, v))
     groups = _groups(tol, s)
@@ -347,7 +348,7 @@ def _kernel_forward(
         shared = (time.perf_counter() - t0) / max(1, len(ops))
         got = None if va is None else fused_attention.run(
             q3, k3, va, rules, scale=scale, is_causal=is_causal, block_q=KERNEL_BLOCK_Q,
-            faults=fused_attention.take_faults())
+            faults=fused_attention.take_faults(), mask_add=_additive_mask(attn_mask, torch.float32), heads=h)
         if got is None:
             return None
         which = [fused_attention.OPS.index(op) for op in ops]
@@ -363,7 +364,7 @@ def _kernel_forward(
         correct = ctx.config.mode == "correct"
         found = [0]
         if correct:
-            out, lse = _forward(q, k, v, ctx=ctx, attn_mask=None, is_causal=is_causal, scale=scale, tiles=tiles,
+            out, lse = _forward(q, k, v, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal, scale=scale, tiles=tiles,
                                 force=force, caught=found, kernel=False)
         made = 0
         if not found[0]:

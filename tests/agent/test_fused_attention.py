@@ -4,10 +4,12 @@
   checksum groups; clean calls flag nothing; a fault inside the kernel (emulated: written into its scores or context
   right after the GEMM that computed them) is flagged at its row, whatever its size down to a fraction of the RMS;
   the same at a 7B-like head (T = 4096, D = 128).
+- Masks: key padding, bool and additive, broadcast or full, rows with every key masked: the masked softmax's output
+  and lse, faults flagged at their row, SDPA's gradients.
 - Through the engine (protected_sdpa, and a GPT-2 step as ``protect(model, optimizer=opt)`` runs it, on its first
-  step and on the first full check after a quiet period): the output is
+  step, on the first full check after a quiet period, and on a padded batch): the output is
   SDPA's, a fault inside the kernel is recomputed and reported with its place, detect mode reports and keeps it,
-  and the checks are counted; calls it does not take (masks, half precision, a dispatch mode, a set tile size, the
+  and the checks are counted; calls it does not take (half precision, a dispatch mode, a set tile size, the
   kernel switched off) run the PyTorch tile loop and give the same answer.
 - The engine's no-fault suites re-run with the kernel taking every call it can.
 """
@@ -31,6 +33,7 @@ from attnchecker.abft.tiled import augment_v, v_row_checksums
 from attnchecker.attention import protected_sdpa
 from attnchecker.attention_kernel import kernel_checks, kernel_rules
 from attnchecker.emulate import emulate_fp32_matmul
+from attnchecker.fused_backward import _additive_mask
 from attnchecker.product_check import _groups
 from attnchecker.records import _worst_ratio
 from attnchecker.tiled_attention import KERNEL_BLOCK_Q, PATH_ENV, TILE_ENV
@@ -53,7 +56,7 @@ def kernel_path() -> Iterator[None]:
 
 
 class Calls:
-    """Counts the kernel's calls (fused_attention.run) while active."""
+    """Counts the kernel's calls (fused_attention.run) that it took, while active."""
 
     def __init__(self) -> None:
         self.n = 0
@@ -63,8 +66,9 @@ class Calls:
         original = fused_attention.run
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            self.n += 1
-            return original(*args, **kwargs)
+            got = original(*args, **kwargs)
+            self.n += got is not None  # a call it declined inside (None) ran the PyTorch loop
+            return got
 
         fused_attention.run = counted  # type: ignore[assignment]
         try:
@@ -73,24 +77,30 @@ class Calls:
             fused_attention.run = original  # type: ignore[assignment]
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, is_causal: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) in float64."""
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, is_causal: bool,
+              attn_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) in float64; a row with every key masked: out 0, lse +INF (SDPA's safe softmax, abft.tiled.finish)."""
     z = scale * q.double() @ k.double().mT
     if is_causal:
         z = z.masked_fill(torch.ones(z.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
-    return torch.softmax(z, -1) @ v.double(), torch.logsumexp(z, -1)
+    if attn_mask is not None:
+        z = z + (attn_mask.double() if attn_mask.dtype != torch.bool
+                 else torch.zeros(attn_mask.shape, dtype=torch.float64).masked_fill(~attn_mask, -math.inf))
+    dead = torch.isneginf(z).all(-1, keepdim=True)
+    out = torch.softmax(z.masked_fill(dead, 0.0), -1) @ v.double()
+    return out.masked_fill(dead, 0.0), torch.logsumexp(z, -1).masked_fill(dead[..., 0], math.inf)
 
 
 def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, is_causal: bool,
                 block_q: int = KERNEL_BLOCK_Q, faults: list[fused_attention.Fault] | None = None,
-                tol: Tolerance | None = None) -> tuple[fused_attention.KernelOutput, dict[str, Any]]:
+                tol: Tolerance | None = None, mask_add: torch.Tensor | None = None, heads: int = 1
+                ) -> tuple[fused_attention.KernelOutput, dict[str, Any]]:
     s = k.shape[1]
     tol = tol or Tolerance()
     vw = v_row_checksums(v)
     rules = kernel_rules(q, k, v, vw, tol=tol, groups=_groups(tol, s))
     got = fused_attention.run(q, k, augment_v(v, vw), rules, scale=scale, is_causal=is_causal, block_q=block_q,
-                              faults=faults)
+                              faults=faults, mask_add=mask_add, heads=heads)
     assert got is not None
     checks = kernel_checks(k, v, vw, got, rules, tol=tol)
     assert_same_verdict(got, checks)
@@ -325,12 +335,10 @@ def _declined(case: str) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("case", ["bool_mask", "bf16", "dispatch_mode", "tf32", "tile_size", "disabled"])
+@pytest.mark.parametrize("case", ["bf16", "dispatch_mode", "tf32", "tile_size", "disabled"])
 def test_calls_the_kernel_does_not_take_run_the_pytorch_tile_loop(make_ctx, case: str) -> None:
     q, k, v = _qkv(1, 2, 64, 8, seed=3)
     kwargs: dict[str, Any] = {"is_causal": True}
-    if case == "bool_mask":
-        kwargs = {"attn_mask": torch.rand(64, 64, generator=torch.Generator().manual_seed(0)) > 0.3}
     if case == "bf16":
         q, k, v = (x.bfloat16() for x in (q, k, v))
     ctx, rec = make_ctx()
@@ -346,6 +354,95 @@ def test_calls_the_kernel_does_not_take_run_the_pytorch_tile_loop(make_ctx, case
     torch.testing.assert_close(out, expected, **tol)
     assert rec.detections == []
     assert ctx.runtime.stats.checks["scores"] == 1
+
+
+MASKS = ("key_padding", "bool", "additive", "dead_rows", "heads_only")
+
+
+def make_mask(kind: str, b: int, h: int, t: int, s: int, seed: int) -> torch.Tensor:
+    """A mask of the kinds models pass: key padding (B, 1, 1, S) as a bool (HF's padded batches), a bool (T, S), an
+    additive (B, H, T, S) of finite values (ALiBi-like biases), an additive (1, 1, T, S) of 0 / -INF with whole rows
+    masked, and a per-head (H, T, S) bool."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "key_padding":
+        lengths = torch.randint(1, s + 1, (b,), generator=gen)
+        return (torch.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
+    if kind == "bool":
+        return torch.rand(t, s, generator=gen) > 0.3
+    if kind == "additive":
+        return torch.randn(b, h, t, s, generator=gen) * 3.0
+    if kind == "dead_rows":
+        m = torch.where(torch.rand(1, 1, t, s, generator=gen) > 0.4, 0.0, -math.inf)
+        m[..., :: max(1, t // 3), :] = -math.inf
+        return m
+    return torch.rand(h, t, s, generator=gen) > 0.5
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(MASKS), b=st.integers(1, 2), h=st.integers(1, 3), t=st.integers(1, 150),
+       s=st.integers(1, 150), d=st.integers(1, 40), seed=st.integers(0, 2**20))
+def test_a_masked_call_runs_on_the_kernel_and_gives_the_masked_softmax(make_ctx, kind: str, b: int, h: int, t: int,
+                                                                      s: int, d: int, seed: int) -> None:
+    """Key padding, bool and additive masks, broadcast or full, rows with every key masked: the kernel takes the
+    call (read in place where the mask broadcasts), the output is the masked softmax's (0 on dead rows, SDPA's safe
+    softmax), the lse the float64 one (+INF on dead rows), and a clean call flags nothing."""
+    q = seeded((b, h, t, d), seed, torch.float32)
+    k, v = (seeded((b, h, s, d), seed + i, torch.float32) for i in (1, 2))
+    mask = make_mask(kind, b, h, t, s, seed)
+    ctx, rec = make_ctx()
+    with Calls().watch() as calls:
+        out = protected_sdpa(q, k, v, ctx=ctx, attn_mask=mask)
+    assert calls.n == 1
+    want, want_lse = reference(q, k, v, scale=d ** -0.5, is_causal=False, attn_mask=mask)
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+    assert rec.detections == []
+    mask_add = _additive_mask(mask, torch.float32)
+    got, _ = kernel_call(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), scale=d ** -0.5, is_causal=False,
+                         mask_add=mask_add, heads=h)
+    assert int(got.flagged_N2.sum()) == 0
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(got.lse_NT.view(b, h, t)), finite)
+    torch.testing.assert_close(got.lse_NT.view(b, h, t)[finite].double(), want_lse[finite], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("op", fused_attention.OPS)
+def test_a_fault_in_a_masked_call_is_flagged_at_its_row_and_recomputed_through_the_engine(make_ctx, op: str) -> None:
+    """Under a key-padding mask: an error inside the kernel, 4× RMS in the scores (at a key the mask keeps) or 1e3 in
+    the unnormalised context, is flagged at its row; through the engine the call is recomputed on the PyTorch loop,
+    with the mask, and the output is SDPA's."""
+    b, h, t, d = 2, 4, 128, 32
+    q, k, v = _qkv(b, h, t, d, seed=11)
+    mask = make_mask("key_padding", b, h, t, t, 5)
+    keep = int(mask[1, 0, 0].sum()) - 1  # the last key batch 1 keeps
+    scores = q[1, 2] @ k[1, 2].mT
+    value = float(scores[70, keep] + 4.0 * scores.square().mean().sqrt()) if op == "scores" else 1e3
+    col = keep if op == "scores" else 3
+    fault = (op, h + 2, 70, col, value)
+    got, checks = kernel_call(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), scale=d ** -0.5, is_causal=False,
+                              mask_add=_additive_mask(mask, torch.float32), heads=h, faults=[fault])
+    assert got.flagged_N2[:, fused_attention.OPS.index(op)].tolist() == [int(i == h + 2) for i in range(b * h)]
+    assert checks[op]["row"].bad.view(b * h, t, -1).any(-1).nonzero().tolist() == [[h + 2, 70]]
+    ctx, rec = make_ctx()
+    with fused_attention.emulated_faults([fault]):
+        out = protected_sdpa(q, k, v, ctx=ctx, attn_mask=mask)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-5, atol=1e-6)
+    assert [(x.op, x.batch, x.head) for x in rec.detections] == [(op, 1, 2)]
+
+
+def test_gradients_through_a_masked_kernel_call_are_sdpas(make_ctx) -> None:
+    """The fused backward fed the kernel's output and lse, under a key-padding mask: SDPA's gradients."""
+    b, h, t, d = 2, 3, 96, 16
+    q, k, v = (x.requires_grad_() for x in _qkv(b, h, t, d, seed=21))
+    mask = make_mask("key_padding", b, h, t, t, 9)
+    ctx, _ = make_ctx()
+    with Calls().watch() as calls:
+        out = protected_sdpa(q, k, v, ctx=ctx, attn_mask=mask)
+    assert calls.n == 1
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    q2, k2, v2 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    want = torch.autograd.grad(F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask).square().sum(), (q2, k2, v2))
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("t", [16, 256])
@@ -402,11 +499,14 @@ def _four_rms_scores_fault(model: torch.nn.Module, ids: torch.Tensor) -> fused_a
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, opt: torch.optim.Optimizer,
-          faults: list[fused_attention.Fault] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
-    """One training step (loss, gradients, kernel calls); lr 0, so every step has the same fault-free result."""
+          faults: list[fused_attention.Fault] | None = None, attention_mask: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+    """One training step (loss, gradients, kernel calls); lr 0, so every step has the same fault-free result.
+    attention_mask: a padded batch (HF's 0 = padding; its labels there are -100)."""
     opt.zero_grad(set_to_none=True)
+    labels = ids if attention_mask is None else ids.masked_fill(attention_mask == 0, -100)
     with Calls().watch() as calls, fused_attention.emulated_faults(faults or []):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     opt.step()
@@ -486,10 +586,37 @@ def test_after_a_quiet_period_the_next_scheduled_check_catches_a_fault_inside_th
     _assert_recovered(seen, loss, grads, want_loss, want)
 
 
+def test_a_padded_batch_runs_on_the_kernel_and_a_fault_inside_it_is_recovered(auto_path: None) -> None:
+    """A padded batch, as fine-tuning feeds one: GPT-2 given an attention_mask (batch 0's last 112 tokens padding)
+    hands SDPA one 4-D mask, causal and padding together, not is_causal. Under protect(model, optimizer=opt) with the
+    default policy both layers' calls run on the kernel, and the 4× RMS fault in layer 0's scores (batch 1) is
+    recomputed with the mask: one event, the loss and every gradient the fault-free step's."""
+    import attnchecker
+
+    model, ids = _gpt2_at_512()
+    pad = torch.ones_like(ids)
+    pad[0, 400:] = 0
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(twin.parameters(), lr=0.0)
+    with attnchecker.protect(twin, optimizer=opt) as guard:
+        want_loss, want, n_clean = _step(twin, ids, opt, attention_mask=pad)
+        assert guard.detections == [] and n_clean == 2
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with attnchecker.protect(model, optimizer=opt) as guard:
+        loss, grads, _ = _step(model, ids, opt, [_four_rms_scores_fault(model, ids)], attention_mask=pad)
+        seen = list(guard.detections)
+    _assert_recovered(seen, loss, grads, want_loss, want)
+    plain = copy.deepcopy(model)
+    plain.zero_grad(set_to_none=True)
+    plain_loss = plain(input_ids=ids, attention_mask=pad, labels=ids.masked_fill(pad == 0, -100)).loss
+    torch.testing.assert_close(loss, plain_loss.detach(), rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------ the engine's no-fault suites
 
-# Re-collected here, under kernel_path: the tests whose calls the kernel takes (fp32, no mask or causal) run on it;
-# the others (masks, half precision, GQA expansion is taken) check that everything else is unchanged beside it.
+# Re-collected here, under kernel_path: the tests whose calls the kernel takes (fp32; causal, a mask that does not
+# require grad, or neither) run on it; the others (a learned mask, half precision) check that everything else is
+# unchanged beside it.
 for _suite, _names in ((layer_suite, ("test_protected_sdpa_matches_sdpa_without_faults",
                                       "test_protected_layer_matches_the_unprotected_layer",
                                       "test_stats_count_checks_and_bucketize_residuals_on_device")),

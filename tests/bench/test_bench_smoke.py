@@ -141,3 +141,14 @@ def test_memory_bench_measures_every_variant_in_its_own_process(tmp_path):
         for v in entry["variants"].values():
             check_summary(v["step_s"])
             assert positive(v["ratio_vs_baseline"]["median"])
+
+
+def test_memory_bench_times_a_padded_batch(tmp_path):
+    doc = run_bench("memory", tmp_path, "--time-only", "--padded", "--variants", "tiled,tiled_torch")
+    assert doc["memory"] == []
+    for entry in doc["time"]:
+        assert entry["padded"] is True
+        assert set(entry["variants"]) == {"baseline", "tiled", "tiled_torch"}
+        for v in entry["variants"].values():
+            check_summary(v["step_s"])
+            assert positive(v["ratio_vs_baseline"]["median"])
