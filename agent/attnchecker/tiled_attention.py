@@ -173,16 +173,20 @@ def tiled_sdpa(
 
     h = q_BHTD.shape[1]
     k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
+    # The additive form of the mask, made once: the native pass reads it, and the fused backward takes it. A padded
+    # batch's mask is (B, 1, T, S): 64 MB a call at T = 4096, which making twice cost as much as the pass's checks.
+    mask_add = _additive_mask(attn_mask, q_BHTD.dtype) if q_BHTD.device.type == "cpu" else None
     with torch.no_grad():
         out, lse = _forward(q_BHTD.detach(), k_rep.detach(), v_rep.detach(), ctx=ctx, attn_mask=attn_mask,
-                            is_causal=is_causal, scale=scale, tiles=tiles, force=force, caught=caught)
+                            is_causal=is_causal, scale=scale, tiles=tiles, force=force, caught=caught,
+                            mask_add=mask_add)
     if not (torch.is_grad_enabled() and (q_BHTD.requires_grad or k_BHSD.requires_grad or v_BHSD.requires_grad)):
         return out
     if q_BHTD.device.type == "cpu":
         # Under protect(scope="all") the backward is checked too (encoded_backward); its recovery runs the checked
         # products a block of this forward's query rows at a time, so that it keeps O(block·S) as this forward does.
         return _VerifiedAttention.apply(q_BHTD, k_rep, v_rep, _Forward(
-            out_BHTD=out, lse_BHT=lse, mask_add=_additive_mask(attn_mask, q_BHTD.dtype), scale=scale,
+            out_BHTD=out, lse_BHT=lse, mask_add=mask_add, scale=scale,
             is_causal=is_causal, layer=ctx, block_q=tiles.block_q))
     if is_causal and attn_mask is not None:
         attn_mask, is_causal = _causal_into_mask(attn_mask, q_BHTD.shape[-2], k_BHSD.shape[-2]), False
@@ -231,9 +235,11 @@ def _forward(
     force: frozenset[str] = frozenset(),
     caught: list[int] | None = None,
     kernel: bool = True,
+    mask_add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse of one call, verified and repaired. kernel: try the native pass first (fused_attention.py); the
-    PyTorch tile loop below runs where it declines, and as its recovery (kernel=False)."""
+    PyTorch tile loop below runs where it declines, and as its recovery (kernel=False). mask_add: attn_mask's
+    additive form, where the caller has made it (fused_backward._additive_mask)."""
 
     b, h, t, d = q.shape
     s = k.shape[-2]
@@ -250,7 +256,7 @@ def _forward(
     # attnchecker.inject writes its faults tile by tile into the PyTorch loop's tensors: a call it targets runs there.
     if kernel and not any(hits.values()):
         done = _kernel_forward(q, k, v, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal, scale=scale, tol=tol,
-                               tiers=tiers, tiles=tiles, force=force, caught=caught)
+                               tiers=tiers, tiles=tiles, force=force, caught=caught, mask_add=mask_add)
         if done is not None:
             return done
     acc = acc_dtype(q.dtype)
@@ -325,6 +331,7 @@ def _kernel_forward(
     tiles: TileChoice,
     force: frozenset[str],
     caught: list[int] | None,
+    mask_add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The call through the native pass (fused_attention.py), its row checks (attention_kernel.py), one sync; None
     where the kernel declines. A flag: in correct mode the call is recomputed through the PyTorch tile loop, which
@@ -348,7 +355,8 @@ def _kernel_forward(
         shared = (time.perf_counter() - t0) / max(1, len(ops))
         got = None if va is None else fused_attention.run(
             q3, k3, va, rules, scale=scale, is_causal=is_causal, block_q=KERNEL_BLOCK_Q,
-            faults=fused_attention.take_faults(), mask_add=_additive_mask(attn_mask, torch.float32), heads=h)
+            faults=fused_attention.take_faults(), heads=h,
+            mask_add=mask_add if mask_add is not None else _additive_mask(attn_mask, torch.float32))
         if got is None:
             return None
         which = [fused_attention.OPS.index(op) for op in ops]
@@ -365,7 +373,7 @@ def _kernel_forward(
         found = [0]
         if correct:
             out, lse = _forward(q, k, v, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal, scale=scale, tiles=tiles,
-                                force=force, caught=found, kernel=False)
+                                force=force, caught=found, kernel=False, mask_add=mask_add)
         made = 0
         if not found[0]:
             no_cols = torch.tensor([0.0, -1.0, 0.0, 0.0, -1.0])
