@@ -3,8 +3,9 @@
  *
  * For each of N (batch x head) matrices, for each block of BQ query rows [r0, r1):
  *   1. AS = Q_blk K[0:kend)^T with the BLAS the caller hands in (sgemm_, Fortran interface): kend = S, or for a
- *      causal call the end of the checksum group holding the block's last key (whole groups only, so every group's
- *      sums cover the same keys as its reference);
+ *      causal call (or a mask that masks every key past some point for the whole block) the end of the checksum
+ *      group holding the block's last key (whole groups only, so every group's sums cover the same keys as its
+ *      reference);
  *   2. per row i and checksum group h (G keys each, weights 1 and 1..G): s_sums[i][h] = (sum AS, sum j*AS, sum AS^2),
  *      the scores check's row side (its references Q (K_h^T w) are the caller's); groups past kend hold zeros; in
  *      the same read of the row, the softmax's max over its unmasked keys;
@@ -276,9 +277,22 @@ int64_t attnchecker_fused_attention(void *sgemm, int64_t N, int64_t T, int64_t S
             if (causal) {
                 const int64_t last = r1 - 1 < S - 1 ? r1 - 1 : S - 1; /* the block's last unmasked key */
                 kend = (last / G + 1) * G;
+            } else if (mask_n) {
+                /* The same for a mask: keys past the block's last key that some row keeps (a causal mask folded
+                 * into the mask, as transformers does for a padded batch, or trailing padding) are masked for every
+                 * row, so the GEMMs stop at the end of its group. At least one group (BLAS sizes of 0 are not
+                 * portable); a block with every key masked then computes that group and masks it all. */
+                int64_t last = -1;
+                for (int64_t i = r0; i < r1; i++) {
+                    const float *mr = mask_n + i * m_st;
+                    int64_t j = S - 1;
+                    while (j > last && mr[j] == -INFINITY) j--;
+                    last = j > last ? j : last;
+                }
+                kend = ((last < 0 ? 0 : last / G) + 1) * G;
             }
             const int64_t done = kend / G; /* groups computed */
-            /* Keys the block's softmax can reach: the second GEMM stops there (P is 0 beyond, causal). */
+            /* Keys the block's softmax can reach: the second GEMM stops there (P is 0 beyond: causal, or masked). */
             const int64_t pend = causal && r1 < kend ? r1 : kend;
             /* AS (rows x kend, row-major, ld kend) = Q_blk K^T: column-major (kend x rows) = K (kend x D) Q^T. */
             {

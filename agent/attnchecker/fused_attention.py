@@ -106,7 +106,7 @@ class KernelOutput:
     """Σ_j P̃_ij, P̃ = exp(scale·AS - row max) (the context's ‖P̃_i‖₂ <= sqrt of it)."""
     scores_sums_NTg3: torch.Tensor
     """Per row and checksum group of the scores: (Σ AS, Σ j·AS (j = 1..G within the group), Σ AS²); zeros for a
-    group a causal block did not compute."""
+    group a causal (or masked) block did not compute."""
     scores_refs_NTg2: torch.Tensor
     """Their references Q_i (K_hᵀ [e, w]) as the kernel made them; zeros for a group a causal block did not compute."""
     context_sums_NT5: torch.Tensor

@@ -356,17 +356,19 @@ def test_calls_the_kernel_does_not_take_run_the_pytorch_tile_loop(make_ctx, case
     assert ctx.runtime.stats.checks["scores"] == 1
 
 
-MASKS = ("key_padding", "bool", "additive", "dead_rows", "heads_only")
+MASKS = ("key_padding", "causal_padding", "bool", "additive", "dead_rows", "heads_only")
 
 
 def make_mask(kind: str, b: int, h: int, t: int, s: int, seed: int) -> torch.Tensor:
-    """A mask of the kinds models pass: key padding (B, 1, 1, S) as a bool (HF's padded batches), a bool (T, S), an
-    additive (B, H, T, S) of finite values (ALiBi-like biases), an additive (1, 1, T, S) of 0 / -INF with whole rows
-    masked, and a per-head (H, T, S) bool."""
+    """A mask of the kinds models pass: key padding (B, 1, 1, S) as a bool, the same folded into a causal one
+    (B, 1, T, S) as transformers hands SDPA for a padded batch, a bool (T, S), an additive (B, H, T, S) of finite
+    values (ALiBi-like biases), an additive (1, 1, T, S) of 0 / -INF with whole rows masked, and a per-head (H, T, S)
+    bool. The two padding kinds mask every key past some point for whole query blocks (the kernel skips them)."""
     gen = torch.Generator().manual_seed(seed)
-    if kind == "key_padding":
+    if kind in ("key_padding", "causal_padding"):
         lengths = torch.randint(1, s + 1, (b,), generator=gen)
-        return (torch.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
+        pad = (torch.arange(s)[None, :] < lengths[:, None])[:, None, None, :]
+        return pad if kind == "key_padding" else pad & torch.ones(t, s, dtype=torch.bool).tril()
     if kind == "bool":
         return torch.rand(t, s, generator=gen) > 0.3
     if kind == "additive":
@@ -403,6 +405,39 @@ def test_a_masked_call_runs_on_the_kernel_and_gives_the_masked_softmax(make_ctx,
     finite = torch.isfinite(want_lse)
     assert torch.equal(torch.isfinite(got.lse_NT.view(b, h, t)), finite)
     torch.testing.assert_close(got.lse_NT.view(b, h, t)[finite].double(), want_lse[finite], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["causal_padding", "key_padding"])
+def test_a_padding_mask_skips_the_keys_no_row_of_a_block_keeps(kind: str) -> None:
+    """T = S = 1024 in 4 checksum groups of 256 keys: where the mask masks every key past some point for a whole
+    query block (the causal part, or a sequence's padding), the kernel computes only the groups up to the block's last
+    kept key, as a causal call does (their sums and references are zero), with the output and lse of the full masked
+    softmax; a fault in the last group computed is flagged."""
+    b, h, t, d = 2, 2, 1024, 32
+    q, k, v = _qkv(b, h, t, d, seed=13)
+    mask = make_mask(kind, b, h, t, t, 3)
+    lengths = mask[:, 0, -1].sum(-1).tolist()  # keys each sequence keeps (its last row keeps them all)
+    mask_add = _additive_mask(mask, torch.float32)
+    got, _ = kernel_call(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), scale=d ** -0.5, is_causal=False,
+                         mask_add=mask_add, heads=h)
+    assert int(got.flagged_N2.sum()) == 0
+    want, want_lse = reference(q, k, v, scale=d ** -0.5, is_causal=False, attn_mask=mask)
+    torch.testing.assert_close(got.out_NTD.view(b, h, t, d).double(), want, rtol=1e-4, atol=1e-5)
+    live = torch.isfinite(want_lse)
+    torch.testing.assert_close(got.lse_NT.view(b, h, t)[live].double(), want_lse[live], rtol=1e-5, atol=1e-4)
+    sums = got.scores_sums_NTg3.view(b, h, t, 4, 3)
+    for i, keep in enumerate(lengths):
+        for r0 in range(0, t, KERNEL_BLOCK_Q):
+            last = min(keep, r0 + KERNEL_BLOCK_Q if kind == "causal_padding" else t) - 1
+            done = last // 256 + 1
+            assert bool((sums[i, :, r0:r0 + KERNEL_BLOCK_Q, done:] == 0).all()), (i, r0)
+            assert bool((sums[i, :, r0:r0 + KERNEL_BLOCK_Q, done - 1, 2] > 0).all()), (i, r0)
+    # A fault in the last group row 700 of batch 1 computes, at a key it keeps.
+    keep = min(lengths[1], 701 if kind == "causal_padding" else t) - 1
+    fault = ("scores", h + 1, 700, keep, 1e4)
+    got, checks = kernel_call(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), scale=d ** -0.5, is_causal=False,
+                              mask_add=mask_add, heads=h, faults=[fault])
+    assert checks["scores"]["row"].bad.view(b * h, t, -1).any(-1).nonzero().tolist() == [[h + 1, 700]]
 
 
 @pytest.mark.parametrize("op", fused_attention.OPS)
