@@ -647,6 +647,30 @@ def test_a_padded_batch_runs_on_the_kernel_and_a_fault_inside_it_is_recovered(au
     torch.testing.assert_close(loss, plain_loss.detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_after_a_quiet_period_a_padded_batch_s_fault_inside_the_kernel_is_caught(auto_path: None) -> None:
+    """The padded batch on the default policy's first full scores check after the run has gone quiet (7+ steps on
+    SDPA and its tripwire): the masked call runs on the kernel, and the 4× RMS fault is recomputed with the mask."""
+    import attnchecker
+
+    model, ids = _gpt2_at_512()
+    pad = torch.ones_like(ids)
+    pad[0, 400:] = 0
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with attnchecker.protect(model, optimizer=opt) as guard:
+        want_loss, want, _ = _step(model, ids, opt, attention_mask=pad)
+
+        def clean_step(due: bool) -> None:
+            _, _, calls = _step(model, ids, opt, attention_mask=pad)
+            assert calls == (2 if due else 0)
+
+        step_until_due_after_quiet(guard, clean_step)
+        assert guard.detections == []
+        loss, grads, calls = _step(model, ids, opt, [_four_rms_scores_fault(model, ids)], attention_mask=pad)
+        seen = list(guard.detections)
+    assert calls == 2
+    _assert_recovered(seen, loss, grads, want_loss, want)
+
+
 # ------------------------------------------------------------------------------ the engine's no-fault suites
 
 # Re-collected here, under kernel_path: the tests whose calls the kernel takes (fp32; causal, a mask that does not
