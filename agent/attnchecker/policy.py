@@ -15,12 +15,20 @@ from typing import Any
 
 from .errors import AttnCheckerError
 
-__all__ = ["OPS", "Policy", "PolicyError", "Scheduler"]
+__all__ = ["OPS", "WHOLE_STEP_OPS", "WHOLE_STEP_SCHEDULE", "Policy", "PolicyError", "Scheduler"]
 
 # The agent's vocabulary, torch-free so that the transport, the CLI and the wire contract read it without torch.
 # The engine (context.py) re-exports these; nothing defines them a second time.
 OPS: tuple[str, ...] = ("q", "k", "v", "scores", "context", "out")
 """The protected operations, in the order they run in a layer."""
+WHOLE_STEP_OPS: tuple[str, ...] = ("linear", "linear_dx", "linear_dw", "scores_bwd", "grad_probs", "grad_v", "grad_q",
+                                   "grad_k")
+"""What protect(scope="all") checks besides OPS: a Linear/Conv1D output, its input and weight gradients
+(linear_abft.GEMM_OPS), and the attention core's backward (attention_backward.BACKWARD_OPS). Events, fault stats and
+per-op check stats name them; a policy does not (no period of their own)."""
+WHOLE_STEP_SCHEDULE = "out"
+"""The op whose schedule the whole-step ops follow (whole_step.gemm_due): the last GEMM of a layer, checked when the
+layer is."""
 MODES: tuple[str, ...] = ("off", "detect", "correct")
 TIERS: tuple[str, ...] = ("tripwire", "abft", "optimizer")
 """Who caught a fault: tier 1 (every step, extreme values), tier 2 (scheduled full ABFT), the optimizer net."""

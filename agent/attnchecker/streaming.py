@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .context import OPS, RESIDUAL_RATIO_BUCKETS, OpStats
+from .policy import WHOLE_STEP_OPS, WHOLE_STEP_SCHEDULE
 
 __all__ = ["IntervalStats", "add_counts"]
 
@@ -144,6 +145,11 @@ class IntervalStats:
             return False
         return True
 
+    def _active(self, op: str) -> bool:
+        """Whether the interval counted anything for ``op``: checks, their time, tier-1 checks or catches."""
+        return bool(self._checks.get(op) or self._check_seconds.get(op) or self._trip_checks.get(op)
+                    or any(self._catches.get((tier, op)) for tier in ("tripwire", "abft")))
+
     def build(self, *, applied_policy_version: int, periods: Mapping[str, int]) -> dict[str, Any]:
         """The wire payload of the interval so far (``interval_id`` and ``transport`` are the transport's)."""
         assert self._step_start is not None and self._step_end is not None
@@ -155,14 +161,16 @@ class IntervalStats:
             "applied_policy_version": applied_policy_version,
             "step_seconds": self._step_seconds,
             "check_seconds": sum(self._check_seconds.values()),
+            # The attention ops always; a whole-step op (protect(scope="all")) when it did anything this interval,
+            # with the schedule it follows, so a run of the attention scope sends what it always sent.
             "ops": [
                 {"op": op, "checks": self._checks.get(op, 0), "check_seconds": self._check_seconds.get(op, 0.0),
-                 "period": int(periods[op]),
+                 "period": int(periods[op if op in OPS else WHOLE_STEP_SCHEDULE]),
                  # Per tier (docs/wire.md): tier-1 checks, and what each tier caught.
                  "tripwire_checks": self._trip_checks.get(op, 0),
                  "tripwire_catches": self._catches.get(("tripwire", op), 0),
                  "abft_catches": self._catches.get(("abft", op), 0)}
-                for op in OPS
+                for op in (*OPS, *(op for op in WHOLE_STEP_OPS if self._active(op)))
             ],
             "tripwire_seconds": self._trip_seconds,
             "optimizer_checks": self._grad_checks,

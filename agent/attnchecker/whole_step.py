@@ -3,6 +3,7 @@ attention's backward (fused_backward) and decided here, below both it and linear
 from __future__ import annotations
 
 from .context import Runtime
+from .policy import WHOLE_STEP_SCHEDULE
 
 __all__ = ["gemm_due", "gemm_trips", "whole_step_due", "whole_step_trips"]
 
@@ -19,14 +20,14 @@ def whole_step_due(runtime: Runtime) -> bool:
 def gemm_due(runtime: Runtime) -> bool:
     """Whether the whole-step GEMMs are fully checked on the current step: the one place that decides, so it can
     follow a tier/schedule of its own later. Today they ride on the output projection's schedule (the adaptive
-    scheduler's ``out`` op: the last GEMM of a layer, checked when the layer is)."""
-    return runtime.config.checks("out")
+    scheduler's ``out`` op: the last GEMM of a layer, checked when the layer is; ``WHOLE_STEP_SCHEDULE``)."""
+    return runtime.config.checks(WHOLE_STEP_SCHEDULE)
 
 
 def gemm_trips(runtime: Runtime) -> bool:
     """Whether the whole-step GEMMs get tier 1 on the current step: the tripwire is on and their full check is not due
     (the ``out`` op's, as in ``gemm_due``). An INF, NaN or near-INF output then recovers through the full check."""
-    return runtime.config.trips("out")
+    return runtime.config.trips(WHOLE_STEP_SCHEDULE)
 
 
 def whole_step_trips(runtime: Runtime) -> bool:

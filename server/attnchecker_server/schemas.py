@@ -32,9 +32,9 @@ __all__ = [
 
 Op = Literal["q", "k", "v", "scores", "context", "out"]
 OPS: tuple[str, ...] = ("q", "k", "v", "scores", "context", "out")
-# Ops a fault event (and fault stats) may name: the attention ops, plus the whole-step GEMMs of protect(scope="all")
-# (a Linear/Conv1D output, its input and weight gradients; the attention core's backward products). Not policy ops:
-# they follow the "out" schedule.
+# Ops a fault event, fault stats and per-op check stats may name: the attention ops, plus the whole-step GEMMs of
+# protect(scope="all") (a Linear/Conv1D output, its input and weight gradients; the attention core's backward
+# products). Not policy ops: they follow the "out" schedule.
 FaultOp = Literal["q", "k", "v", "scores", "context", "out", "linear", "linear_dx", "linear_dw", "scores_bwd",
                   "grad_probs", "grad_v", "grad_q", "grad_k"]
 FAULT_OPS: tuple[str, ...] = (*OPS, "linear", "linear_dx", "linear_dw", "scores_bwd", "grad_probs", "grad_v",
@@ -326,7 +326,8 @@ class FaultEventsPublic(BaseModel):
 
 
 class OpStatsIn(_In):
-    op: Op
+    # A whole-step op's row carries the period of the schedule it follows ("out"'s).
+    op: FaultOp
     checks: NonNegInt
     check_seconds: NonNegFloat = 0.0
     period: PositiveInt | None = None

@@ -110,3 +110,34 @@ def test_a_failing_emit_costs_the_interval_not_the_step() -> None:
     iv.add(0, step_stats(), 0.1)
     assert not iv.maybe_send(applied_policy_version=0, periods=PERIODS)
     assert iv.pending_steps == 0
+
+
+def test_a_whole_step_op_gets_a_row_of_its_own_only_in_intervals_it_was_active() -> None:
+    """protect(scope="all")'s ops (issue 17): their checks, tier-1 checks and catches get a row each, with the period
+    of the schedule they follow; an interval where one did nothing sends no row for it, so an attention-scope run's
+    payload is what it always was."""
+    from attnchecker.policy import WHOLE_STEP_OPS, WHOLE_STEP_SCHEDULE
+
+    sent: list[dict] = []
+    iv = IntervalStats(sent.append, interval_steps=2)
+    periods = {**PERIODS, WHOLE_STEP_SCHEDULE: 4}
+    full, quiet = step_stats(), step_stats()
+    full.checks["linear_dw"] = 3
+    full.check_seconds["linear_dw"] = 0.03
+    full.add_fault("linear_dw", "inf", "corrected")
+    quiet.trip_checks["linear"] = 5
+    quiet.add_fault("linear", "nan", "corrected", tier="tripwire")
+    iv.add(0, full, 0.1)
+    iv.add(1, quiet, 0.1)
+    iv.maybe_send(applied_policy_version=1, periods=periods)
+    rows = {o["op"]: o for o in sent[0]["ops"]}
+    assert [o["op"] for o in sent[0]["ops"]] == [*OPS, "linear", "linear_dw"]  # the vocabulary's order
+    assert set(WHOLE_STEP_OPS) >= {"linear", "linear_dw"}
+    assert (rows["linear_dw"]["checks"], rows["linear_dw"]["abft_catches"], rows["linear_dw"]["period"]) == (3, 1, 4)
+    assert (rows["linear"]["checks"], rows["linear"]["tripwire_checks"], rows["linear"]["tripwire_catches"]) == (0, 5, 1)
+    assert rows["linear"]["period"] == 4
+    assert sent[0]["check_seconds"] == pytest.approx(2 * 0.006 + 0.03)
+    iv.add(2, step_stats(), 0.1)
+    iv.add(3, step_stats(), 0.1)
+    iv.maybe_send(applied_policy_version=1, periods=periods)
+    assert [o["op"] for o in sent[1]["ops"]] == list(OPS)

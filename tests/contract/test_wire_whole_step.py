@@ -86,6 +86,10 @@ def test_whole_step_events_and_stats_validate(tmp_path: Path, monkeypatch: pytes
     faults = [f for r in records if r["kind"] == "stats" for f in r["body"]["faults"]]
     assert {f["op"] for f in faults} == ops
     assert set(schemas.FAULT_OPS) >= {e["op"] for e in events}
+    # Their checks are on the wire too, a row per op beside the attention ops' (not only in the run's check time).
+    rows = [o for r in records if r["kind"] == "stats" for o in r["body"]["ops"]]
+    assert {o["op"] for o in rows if o["checks"] and o["abft_catches"]} == ops
+    assert {o["op"] for o in rows} <= set(schemas.FAULT_OPS)
 
 
 class _InfIntoFusedBackward(TorchDispatchMode):
@@ -126,3 +130,16 @@ def test_encoded_attention_backward_events_and_stats_validate(tmp_path: Path) ->
     events = [e for r in records if r["kind"] == "events" for e in r["body"]["events"]]
     assert {(e["op"], e["action"]) for e in events} == {(op, "recomputed") for op in ("grad_q", "grad_k", "grad_v")}
     assert set(schemas.FAULT_OPS) >= {e["op"] for e in events}
+
+
+def test_the_agents_whole_step_vocabulary_is_the_collectors() -> None:
+    """One list on each side of the wire (policy.WHOLE_STEP_OPS, schemas.FAULT_OPS), and every op the engine names
+    in its events and stats is in it."""
+    from attnchecker.attention_backward import BACKWARD_OPS
+    from attnchecker.encoded_backward import ENCODED_OPS
+    from attnchecker.linear_abft import GEMM_OPS
+    from attnchecker.policy import OPS, WHOLE_STEP_OPS
+
+    assert WHOLE_STEP_OPS == (*GEMM_OPS, *BACKWARD_OPS)
+    assert set(ENCODED_OPS) <= set(BACKWARD_OPS)
+    assert schemas.FAULT_OPS == (*OPS, *WHOLE_STEP_OPS)

@@ -114,6 +114,33 @@ def test_k_injected_faults_reach_the_collector_exactly_once(backend: str, tmp_pa
         assert c.metrics().value("attnchecker_policy_applied_version", run=guard.run) == version
 
 
+def test_a_whole_step_runs_checks_reach_metrics_per_op(collector: Collector, tmp_path: Path) -> None:
+    """protect(scope="all") on the default policy (issue 17): the weight- and input-gradient checks and the attention
+    backward's, full and tier 1, are on /metrics per op like the attention ops', and in the run's total."""
+    from attnchecker.policy import WHOLE_STEP_OPS
+
+    steps = 12
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = protect_streaming(model, opt, collector.url, collector.agent, "e2e-whole-step", tmp_path / "spool",
+                              scope="all")
+    train(model, opt, steps)
+    guard.close(flush_timeout_s=10.0)
+    report, name = guard.report(), guard.run
+    checked = {op for op in WHOLE_STEP_OPS if report.checks.get(op)}
+    assert {"linear_dx", "linear_dw", "grad_q", "grad_k", "grad_v", "grad_probs"} <= checked
+    m = collector.metrics()
+    for op, n in report.checks.items():
+        assert m.value("attnchecker_checks_total", run=name, op=op) == n, op
+        assert m.value("attnchecker_tier_checks_total", run=name, tier="abft", op=op) == n, op
+    # Tier 1 on the steps the schedule left to it: the whole-step GEMMs' share is on the wire, per op.
+    assert m.value("attnchecker_tier_checks_total", run=name, tier="tripwire") == report.tier_checks["tripwire"]
+    assert m.value("attnchecker_tier_checks_total", run=name, tier="tripwire", op="linear_dw") > 0
+    assert m.value("attnchecker_check_period_steps", run=name, op="linear_dw") == \
+        m.value("attnchecker_check_period_steps", run=name, op="out")
+    assert collector.run(guard.transport.run_id)["totals"]["checks"] == sum(report.checks.values())
+
+
 def test_collector_killed_and_restarted_mid_run(collector: Collector, tmp_path: Path) -> None:
     steps, hang_at, kill_at, restart_at = 40, 8, 14, 20
     fault_steps = [2, 5, 11, 13, 16, 19, 21, 24, 33]  # before, during and after the outage

@@ -136,6 +136,8 @@ class ApiFedAgent:
             {"op": op, "checks": steps * 2, "check_seconds": 0.002, "period": 1 if op == "scores" else 2}
             for op in ("q", "k", "v", "scores", "context", "out")
         ]
+        # A whole-step op of protect(scope="all"), full and tier 1: the backward half of "Checks by phase".
+        ops.append({"op": "linear_dw", "checks": steps, "check_seconds": 0.004, "period": 2, "tripwire_checks": steps})
         return {
             "interval_id": str(uuid.uuid4()),
             "rank": 0,
@@ -359,6 +361,9 @@ class AgentTraining:
             token=token,
             spool_dir=spool_dir,
             faults=FaultPlan([*transient, uncorrectable]),
+            # The whole step, as a user who wants the MLP and the backward checked runs it: the dashboard's backward
+            # series come from the agent too.
+            scope="all",
             # Every step closes a stats interval: the run holds before its uncorrectable step, and faults counted in
             # an interval still open at the hold would never reach the collector (fault counters come from stats).
             stats_interval_steps=1,

@@ -56,3 +56,39 @@ def test_negative_tier_counts_are_422(api: Api) -> None:
     response = api.client.post(f"/api/v1/runs/{run_id}/stats", json=body, headers=api.headers("agent"))
     assert response.status_code == 422
     assert "tripwire_checks" in response.json()["message"]
+
+
+def _op_samples(client: TestClient, api: Api, run: str) -> dict[tuple[str, str], float]:
+    text = client.get("/metrics", headers=api.headers("viewer")).text
+    return {(s.name, s.labels["op"]): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.labels.get("run") == run and "op" in s.labels}
+
+
+def test_whole_step_op_rows_are_summed_and_exported_beside_the_attention_ops(api: Api) -> None:
+    """protect(scope="all") sends a row per whole-step op it checked (issue 17): its checks, tier-1 checks and
+    catches reach the same counters as the attention ops', and its period is the schedule it follows."""
+    run_id = api.register("whole-step")["id"]
+    ops = [{"op": "out", "checks": 2, "check_seconds": 0.1, "period": 8, "tripwire_checks": 14},
+           {"op": "linear_dw", "checks": 6, "check_seconds": 0.3, "period": 8, "tripwire_checks": 42,
+            "tripwire_catches": 1},
+           {"op": "grad_probs", "checks": 2, "check_seconds": 0.05, "period": 8, "abft_catches": 1}]
+    _post(api, run_id, make_stats(ops=ops))
+    _post(api, run_id, make_stats(step_start=200, step_end=215, ops=ops))
+    samples = _op_samples(api.client, api, "whole-step")
+    assert samples[("attnchecker_checks_total", "linear_dw")] == 12
+    assert samples[("attnchecker_check_period_steps", "linear_dw")] == 8
+    tiers = _tier_samples(api.client, api)
+    assert tiers[("attnchecker_tier_checks_total", "whole-step", "abft", "linear_dw")] == 12
+    assert tiers[("attnchecker_tier_checks_total", "whole-step", "tripwire", "linear_dw")] == 84
+    assert tiers[("attnchecker_tier_catches_total", "whole-step", "tripwire", "linear_dw")] == 2
+    assert tiers[("attnchecker_tier_catches_total", "whole-step", "abft", "grad_probs")] == 2
+    run = api.client.get(f"/api/v1/runs/{run_id}", headers=api.headers("viewer")).json()
+    assert run["totals"]["checks"] == 2 * (2 + 6 + 2)
+
+
+def test_an_op_outside_the_vocabulary_is_422_and_names_the_field(api: Api) -> None:
+    run_id = api.register("bad-op")["id"]
+    body = make_stats(ops=[{"op": "mlp", "checks": 1}])
+    response = api.client.post(f"/api/v1/runs/{run_id}/stats", json=body, headers=api.headers("agent"))
+    assert response.status_code == 422
+    assert "op" in response.json()["message"]
