@@ -38,6 +38,7 @@ from .projection import check_linear, protected_linear
 from .records import _any_bad, _count, _count_trips, _emit, _inject, _observe
 from .tiled_attention import choose_tiles, kernel_applies, tiled_sdpa
 from .tripwire import extreme
+from .unfused_backward import context_product, scores_product
 
 __all__ = [
     "PassedProjection",
@@ -133,14 +134,15 @@ def _fused_backward_ok(
     return q_BHTD.device.type == "cpu" and dropout_p == 0.0 and not return_probs and not mask_grad
 
 
-def _scores_product(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor) -> torch.Tensor:
+def _scores_product(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, layer: LayerContext | None = None) -> torch.Tensor:
     """AS = Q Kᵀ (B, H, T, S). fp16 operands are multiplied into fp32: the unscaled logits pass fp16's 65504 well
     before the scaled ones do, and PyTorch's attention (flash/efficient kernels, the CPU kernel) accumulates them in
     fp32, so an fp16 AS would turn a finite attention into INF/NaN and a false "uncorrectable". fp16 values are exact
-    in fp32 (and in TF32), so the checksums of this product are those of an fp32 GEMM. bf16 has fp32's range."""
+    in fp32 (and in TF32), so the checksums of this product are those of an fp32 GEMM. bf16 has fp32's range.
+    layer: the product's backward GEMMs are checked under protect(scope="all") (unfused_backward)."""
     if q_BHTD.dtype == torch.float16:
-        return q_BHTD.float() @ k_BHSD.float().transpose(-2, -1)
-    return q_BHTD @ k_BHSD.transpose(-2, -1)
+        return scores_product(q_BHTD.float(), k_BHSD.float(), layer)
+    return scores_product(q_BHTD, k_BHSD, layer)
 
 
 def _suspect_heads(passed: PassedProjection | None, x_BHSD: torch.Tensor, heads: int) -> torch.Tensor | None:
@@ -288,7 +290,7 @@ def _checked_attention(
         for name, x in (("q", q_BHTD), ("k", k_BHSD), ("v", v_BHSD))
     }
     k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
-    scores = _scores_product(q_BHTD, k_rep)
+    scores = _scores_product(q_BHTD, k_rep, ctx)
     _inject(ctx, "scores", scores)
     checks: dict[str, Checks] = {}
     seconds = dict.fromkeys(("scores", "context"), 0.0)
@@ -307,7 +309,7 @@ def _checked_attention(
         trip_s += time.perf_counter() - t0
     probs, keep, lse = _probs_lse(scores, scale=scale, attn_mask=attn_mask, is_causal=is_causal, dropout_p=dropout_p,
                                   keep_BHTS=None, with_lse=with_lse, probs_dtype=v_rep.dtype)
-    out = probs @ v_rep
+    out = context_product(probs, v_rep, ctx)
     _inject(ctx, "context", out)
     if cfg.checks("context") or "context" in force:
         t0 = time.perf_counter()
@@ -355,7 +357,7 @@ def _checked_attention(
                     probs, _, lse = _probs_lse(scores, scale=scale, attn_mask=attn_mask, is_causal=is_causal,
                                                dropout_p=dropout_p, keep_BHTS=keep, with_lse=with_lse,
                                                probs_dtype=v_rep.dtype)
-                    out = probs @ v_rep
+                    out = context_product(probs, v_rep, ctx)
                     _inject(ctx, "context", out, attempt=1)
                     if "context" in checks:
                         checks["context"] = _context_checks(probs.detach(), v_rep, out.detach(), passed.get("v"), h,

@@ -103,68 +103,31 @@ class EncoderLM(nn.Module):
 def _hf(arch: str, overrides: dict[str, object]) -> nn.Module:
     import transformers as tf
 
-    common: dict[str, object] = {"vocab_size": VOCAB, **overrides}
+    def config(cls: type, **defaults: object) -> object:
+        # The test's overrides win over the zoo's defaults (attention dropout, say).
+        return cls(**{**defaults, "vocab_size": VOCAB, **overrides})
+
     if arch == "gpt2":
-        cfg = tf.GPT2Config(
-            n_embd=64,
-            n_layer=2,
-            n_head=4,
-            n_positions=64,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-            **common,
-        )
-        return tf.GPT2LMHeadModel(cfg)
+        return tf.GPT2LMHeadModel(config(tf.GPT2Config, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                         eos_token_id=0))
     if arch in ("bert", "roberta"):
         cls_cfg, cls_model = (
             (tf.BertConfig, tf.BertForMaskedLM) if arch == "bert" else (tf.RobertaConfig, tf.RobertaForMaskedLM)
         )
-        cfg = cls_cfg(
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-            max_position_embeddings=64,
-            pad_token_id=1,
-            **common,
-        )
-        return cls_model(cfg)
+        return cls_model(config(cls_cfg, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                max_position_embeddings=64, pad_token_id=1))
     if arch == "gpt_neo":
-        cfg = tf.GPTNeoConfig(
-            hidden_size=64,
-            num_layers=2,
-            num_heads=4,
-            attention_types=[[["global", "local"], 1]],
-            window_size=8,
-            max_position_embeddings=64,
-            intermediate_size=128,
-            embed_dropout=0.0,
-            attention_dropout=0.0,
-            resid_dropout=0.0,
-            bos_token_id=0,
-            eos_token_id=0,
-            **common,
-        )
-        return tf.GPTNeoForCausalLM(cfg)
+        return tf.GPTNeoForCausalLM(config(tf.GPTNeoConfig, hidden_size=64, num_layers=2, num_heads=4,
+                                           attention_types=[[["global", "local"], 1]], window_size=8,
+                                           max_position_embeddings=64, intermediate_size=128, embed_dropout=0.0,
+                                           attention_dropout=0.0, resid_dropout=0.0, bos_token_id=0,
+                                           eos_token_id=0))
     if arch == "llama":
-        cfg = tf.LlamaConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            bos_token_id=0,
-            eos_token_id=0,
-            pad_token_id=0,
-            **common,
-        )
-        return tf.LlamaForCausalLM(cfg)
+        return tf.LlamaForCausalLM(config(tf.LlamaConfig, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          bos_token_id=0, eos_token_id=0, pad_token_id=0))
     raise ValueError(arch)
 
 
