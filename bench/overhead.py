@@ -70,7 +70,7 @@ SIZES = {
 }
 
 
-def build_model(arch: str, size: dict[str, int]) -> nn.Module:
+def build_model(arch: str, size: dict[str, int], attn_dropout: float = 0.0) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -78,7 +78,7 @@ def build_model(arch: str, size: dict[str, int]) -> nn.Module:
     torch.manual_seed(0)
     if arch == "gpt2":
         cfg = GPT2Config(vocab_size=size["vocab"], n_positions=size["seq"], n_embd=size["hidden"],
-                         n_layer=size["layers"], n_head=size["heads"], attn_pdrop=0.0, resid_pdrop=0.0,
+                         n_layer=size["layers"], n_head=size["heads"], attn_pdrop=attn_dropout, resid_pdrop=0.0,
                          embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         model = GPT2LMHeadModel(cfg)
     elif arch == "llama":
@@ -87,7 +87,7 @@ def build_model(arch: str, size: dict[str, int]) -> nn.Module:
         cfg = LlamaConfig(vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=inter,
                           num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
                           num_key_value_heads=size["heads"], max_position_embeddings=size["seq"],
-                          attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                          attention_dropout=attn_dropout, bos_token_id=0, eos_token_id=0, pad_token_id=0)
         model = LlamaForCausalLM(cfg)
     else:
         raise ValueError(f"unknown model {arch!r}: gpt2 or llama")
@@ -302,8 +302,9 @@ class Variant:
         self._detach()
 
 
-def run_model(arch: str, size: dict[str, int], rounds: int, variants: tuple[str, ...], seed: int) -> dict[str, Any]:
-    base = build_model(arch, size)
+def run_model(arch: str, size: dict[str, int], rounds: int, variants: tuple[str, ...], seed: int,
+              attn_dropout: float = 0.0) -> dict[str, Any]:
+    base = build_model(arch, size, attn_dropout)
     g = torch.Generator().manual_seed(seed)
     batch = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=g)
     tiny = batch[:1, :8]
@@ -378,7 +379,8 @@ def print_model(res: dict[str, Any]) -> None:
         ])
     size = res["size"]
     print(f"\n{res['model']}: hidden {size['hidden']}, {size['heads']} heads, {size['layers']} layers, seq "
-          f"{size['seq']}, batch {size['batch']}, vocab {size['vocab']}; {res['rounds']} interleaved rounds; "
+          f"{size['seq']}, batch {size['batch']}, vocab {size['vocab']}, attention dropout "
+          f"{res.get('attn_dropout', 0.0)}; {res['rounds']} interleaved rounds; "
           "overhead = median of per-round ratios to the baseline [IQR]")
     print(_common.table(rows, ["variant", "CPU ms/step", "overhead (CPU)", "IQR (CPU)", "wall ms/step",
                                "overhead (wall)", "IQR (wall)", "check ms/step", "tier-1 ms/step",
@@ -411,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads (default 1: on a shared machine an OpenMP team waiting for a busy core makes "
                         "every small op erratic; 0 = torch's choice)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attn-dropout", type=float, default=0.0,
+                   help="attention dropout of the models (GPT-2's and BERT's library default is 0.1): the protected "
+                        "attention then runs its unfused path, whose backward scope=all checks through its own GEMMs")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/overhead.json)")
     a = p.parse_args(argv)
     if a.threads:
@@ -424,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     size = SIZES["tiny" if a.tiny else "full"]
     results = []
     for arch in a.models.split(","):
-        res = run_model(arch, size, a.rounds, variants, a.seed)
+        res = run_model(arch, size, a.rounds, variants, a.seed, a.attn_dropout)
+        res["attn_dropout"] = a.attn_dropout
         print_model(res)
         results.append(res)
     path = _common.write_result("overhead", {"size_name": "tiny" if a.tiny else "full", "models": results}, a.out)
