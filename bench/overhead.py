@@ -56,11 +56,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnchecker
-from attnchecker import Policy, encoded_backward, fused_attention, fused_pass, row_verify
+from attnchecker import Policy, attention, encoded_backward, fused_attention, fused_pass, row_verify
 
 VARIANTS = ("baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor", "all_full",
             "all_adaptive", "all_tier1", "all_full_eager", "all_full_rules", "all_full_products", "full_unfused",
-            "all_full_unfused")
+            "all_full_unfused", "full_softmax_ops")
 SIZES = {
     # The issue's sizes; vocab 8192 (not GPT-2's 50257) keeps the LM head from dwarfing the layers the checks are
     # in, which makes the measured overhead larger, not smaller.
@@ -195,7 +195,7 @@ POLICIES = {"full": Policy.full, "paper": Policy.paper, "adaptive": Policy,
             "tier1": Policy,
             "all_full": Policy.full, "all_adaptive": Policy, "all_tier1": Policy, "all_full_eager": Policy.full,
             "all_full_rules": Policy.full, "all_full_products": Policy.full, "full_unfused": Policy.full,
-            "all_full_unfused": Policy.full}
+            "all_full_unfused": Policy.full, "full_softmax_ops": Policy.full}
 SCOPE = {"all_full": "all", "all_adaptive": "all", "all_tier1": "all", "all_full_eager": "all",
          "all_full_rules": "all", "all_full_products": "all", "all_full_unfused": "all"}
 EAGER = ("all_full_eager",)
@@ -205,6 +205,9 @@ RULES = ("all_full_rules",)
 PRODUCTS = ("all_full_products",)
 """Variants whose attention backward is checked through its products, not the encoded fused kernel."""
 UNFUSED = ("full_unfused", "all_full_unfused")
+SOFTMAX_OPS = ("full_softmax_ops",)
+"""Variants whose unfused attention (attention dropout) differentiates softmax and dropout op by op, not through
+attention._SoftmaxDropout."""
 """Variants whose checked attention forward runs without the native pass (fused_attention.py): the unfused path."""
 TIER1 = ("tier1", "all_tier1")
 """protect(scope=...) per variant; "attention" when absent."""
@@ -270,6 +273,7 @@ class Variant:
         row_verify.enabled = self.name not in RULES
         encoded_backward.enabled = self.name not in PRODUCTS
         fused_attention.enabled = self.name not in UNFUSED
+        attention.softmax_function = self.name not in SOFTMAX_OPS
         c0, t0 = time.process_time(), time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = self.model(input_ids=x, labels=x).loss
@@ -279,6 +283,7 @@ class Variant:
         stats = self.guard.step_stats if self.guard is not None else None
         self.opt.step()
         fused_pass.enabled = encoded_backward.enabled = fused_attention.enabled = row_verify.enabled = True
+        attention.softmax_function = True
         if self.hooks is not None:
             self.hooks.end_step()
         if self.guard is not None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,11 @@ __all__ = [
     "protected_sdpa",
     "protected_self_attention",
 ]
+
+
+softmax_function = True
+"""False: the unfused path with autograd differentiates scale, mask, softmax and dropout op by op, as before
+``_SoftmaxDropout`` (bench/overhead.py's ``full_softmax_ops`` prices it side by side)."""
 
 
 def _dead_rows(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -88,6 +95,18 @@ def _probs_lse(
     +INF on rows with every key masked (so that exp(s - lse) = 0 there, as AP), for the fused backward
     (_VerifiedAttention). probs_dtype: AP's dtype (V's) when AS was formed wider than the operands (fp16,
     _scores_product); default AS's."""
+    if dropout_p > 0.0 and keep_BHTS is None:
+        # Scaled by 1/(1-p) once, as SDPA's math backend does: AP is then one product with it, in forward and backward.
+        keep_BHTS = torch.empty(scores_BHTS.shape, dtype=probs_dtype or scores_BHTS.dtype,
+                                device=scores_BHTS.device).bernoulli_(1.0 - dropout_p).div_(1.0 - dropout_p)
+    if (softmax_function and not with_lse and torch.is_grad_enabled() and scores_BHTS.requires_grad
+            and scores_BHTS.dtype in (torch.float32, torch.float64) and probs_dtype in (None, scores_BHTS.dtype)
+            and not (attn_mask is not None and attn_mask.requires_grad)):
+        # The unfused path with autograd (attention dropout, return_probs, off the CPU): one Function for scale, mask,
+        # softmax and dropout, whose backward is one softmax backward instead of autograd's pass per op.
+        probs: torch.Tensor = _SoftmaxDropout.apply(scores_BHTS, _SoftmaxInputs(scale, attn_mask, is_causal),
+                                                    keep_BHTS)
+        return probs, keep_BHTS, None
     # One new tensor, then in place: out-of-place masking copied the (B, H, T, S) scores once per mask.
     s = scores_BHTS * scale
     if is_causal:
@@ -115,11 +134,51 @@ def _probs_lse(
         probs = probs.masked_fill_(dead, 0.0) if not probs.requires_grad else probs.masked_fill(dead, 0.0)
         if lse_BHT is not None:
             lse_BHT = lse_BHT.masked_fill(dead[..., 0], math.inf)
-    if dropout_p > 0.0:
-        if keep_BHTS is None:
-            keep_BHTS = torch.empty_like(probs).bernoulli_(1.0 - dropout_p)
-        probs = probs * keep_BHTS / (1.0 - dropout_p)
+    if keep_BHTS is not None:
+        probs = probs * keep_BHTS
     return probs, keep_BHTS, lse_BHT
+
+
+@dataclass(frozen=True, slots=True)
+class _SoftmaxInputs:
+    scale: float
+    attn_mask: torch.Tensor | None
+    """bool (True = attend) or additive, without a gradient of its own (a learned mask takes autograd's path)."""
+    is_causal: bool
+
+
+class _SoftmaxDropout(torch.autograd.Function):
+    """AP = softmax(scale·AS + mask) ⊙ keep (keep: the dropout mask scaled by 1/(1-p), or None), fp32 or fp64 AS.
+    Autograd through the separate ops ran a (B, H, T, S) pass per op in backward (the dropout product and its
+    scaling, softmax, the causal fill, the scale); the gradient here is one product with keep, one softmax backward
+    and the scale in place. Rows with every key masked get AP 0 (SDPA's safe softmax) and a zero gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, scores_BHTS: torch.Tensor, how: _SoftmaxInputs, keep_BHTS: torch.Tensor | None
+                ) -> torch.Tensor:
+        s = scores_BHTS * how.scale
+        if how.is_causal:
+            fill_future_(s, -math.inf)
+        mask = how.attn_mask
+        if mask is not None:
+            if mask.dtype == torch.bool:
+                s.masked_fill_(~mask, -math.inf)
+            else:
+                s.add_(mask)
+        probs = torch.softmax(s, dim=-1)
+        dead = _dead_rows(mask)
+        if dead is not None:
+            probs.masked_fill_(dead, 0.0)
+        ctx.save_for_backward(probs, keep_BHTS)
+        ctx.scale = how.scale
+        return probs if keep_BHTS is None else probs * keep_BHTS
+
+    @staticmethod
+    def backward(ctx: Any, grad_BHTS: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        probs, keep = ctx.saved_tensors
+        g = grad_BHTS if keep is None else grad_BHTS * keep
+        ds = torch._softmax_backward_data(g, probs, -1, probs.dtype)
+        return ds.mul_(ctx.scale), None, None
 
 
 def _fused_backward_ok(

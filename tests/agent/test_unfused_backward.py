@@ -10,6 +10,8 @@ import attnchecker
 import pytest
 import torch
 from attnchecker import Policy
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from gemm_injector import GemmInjector, worst_rel
 from model_zoo import BATCH, SEQ, batch, build, loss_of
 from quiet_period import step_until_due_after_quiet
@@ -110,3 +112,47 @@ def test_after_a_quiet_period_the_scheduled_full_check_corrects_the_attention_ba
     assert [(e.op in BACKWARD_OPS, e.action) for e in guard.detections] == [(True, "corrected")]
     assert worst_rel(grads, want) <= 1e-5
     guard.close()
+
+
+def _reference_probs(scores: torch.Tensor, scale: float, mask: torch.Tensor | None, causal: bool,
+                     keep: torch.Tensor | None) -> torch.Tensor:
+    """scale, mask, safe softmax and dropout as separate autograd ops: what the Function replaces."""
+    s = scores * scale
+    t, k = s.shape[-2:]
+    if causal:
+        s = s.masked_fill(torch.ones(t, k, dtype=torch.bool).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    probs = torch.softmax(s, dim=-1)
+    probs = torch.where(torch.isnan(probs), 0.0, probs)  # rows with every key masked: 0, as SDPA
+    return probs if keep is None else probs * keep
+
+
+@settings(max_examples=40, deadline=None)
+@given(t=st.integers(1, 12), s=st.integers(1, 12), causal=st.booleans(), mask=st.sampled_from(["none", "pad", "add"]),
+       p=st.sampled_from([0.0, 0.1, 0.5]), dtype=st.sampled_from([torch.float32, torch.float64]),
+       seed=st.integers(0, 2**16))
+def test_the_softmax_dropout_function_gives_autograds_values_and_gradients(t: int, s: int, causal: bool, mask: str,
+                                                                            p: float, dtype: torch.dtype,
+                                                                            seed: int) -> None:
+    from attnchecker.attention import _probs_lse
+
+    assume(not (causal and mask != "none"))  # SDPA refuses a mask together with is_causal
+    g = torch.Generator().manual_seed(seed)
+    scores = (3 * torch.randn(2, 3, t, s, generator=g, dtype=dtype)).requires_grad_()
+    attn_mask = None
+    if mask == "pad":  # key padding, the first row of batch 0 with every key masked
+        attn_mask = torch.rand(2, 1, t, s, generator=g) > 0.3
+        attn_mask[0, 0, 0] = False
+    elif mask == "add":
+        attn_mask = torch.randn(2, 1, t, s, generator=g, dtype=dtype)
+    keep = None if p == 0.0 else (torch.rand(2, 3, t, s, generator=g) > p).to(dtype) / (1 - p)
+    grad = torch.randn(2, 3, t, s, generator=g, dtype=dtype)
+    got, _, _ = _probs_lse(scores, scale=0.3, attn_mask=attn_mask, is_causal=causal, dropout_p=p, keep_BHTS=keep)
+    assert got.grad_fn is not None and "SoftmaxDropout" in type(got.grad_fn).__name__
+    (d_got,) = torch.autograd.grad(got, scores, grad)
+    want = _reference_probs(scores, 0.3, attn_mask, causal, keep)
+    (d_want,) = torch.autograd.grad(want, scores, grad)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-13}
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(d_got, d_want, **tol)
