@@ -60,7 +60,7 @@ from attnchecker import Policy, attention, encoded_backward, fused_attention, fu
 
 VARIANTS = ("baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor", "all_full",
             "all_adaptive", "all_tier1", "all_full_eager", "all_full_rules", "all_full_products", "full_unfused",
-            "all_full_unfused", "full_softmax_ops")
+            "all_full_unfused", "full_softmax_ops", "all_tier1_sdpa")
 SIZES = {
     # The issue's sizes; vocab 8192 (not GPT-2's 50257) keeps the LM head from dwarfing the layers the checks are
     # in, which makes the measured overhead larger, not smaller.
@@ -195,9 +195,10 @@ POLICIES = {"full": Policy.full, "paper": Policy.paper, "adaptive": Policy,
             "tier1": Policy,
             "all_full": Policy.full, "all_adaptive": Policy, "all_tier1": Policy, "all_full_eager": Policy.full,
             "all_full_rules": Policy.full, "all_full_products": Policy.full, "full_unfused": Policy.full,
-            "all_full_unfused": Policy.full, "full_softmax_ops": Policy.full}
+            "all_full_unfused": Policy.full, "full_softmax_ops": Policy.full, "all_tier1_sdpa": Policy}
 SCOPE = {"all_full": "all", "all_adaptive": "all", "all_tier1": "all", "all_full_eager": "all",
-         "all_full_rules": "all", "all_full_products": "all", "all_full_unfused": "all"}
+         "all_full_rules": "all", "all_full_products": "all", "all_full_unfused": "all", "all_tier1_sdpa": "all"}
+"""protect(scope=...) per variant; "attention" when absent."""
 EAGER = ("all_full_eager",)
 """Variants whose steps run with the one-pass checksum kernel off."""
 RULES = ("all_full_rules",)
@@ -205,12 +206,14 @@ RULES = ("all_full_rules",)
 PRODUCTS = ("all_full_products",)
 """Variants whose attention backward is checked through its products, not the encoded fused kernel."""
 UNFUSED = ("full_unfused", "all_full_unfused")
+"""Variants whose checked attention forward runs without the native pass (fused_attention.py): the unfused path."""
 SOFTMAX_OPS = ("full_softmax_ops",)
 """Variants whose unfused attention (attention dropout) differentiates softmax and dropout op by op, not through
 attention._SoftmaxDropout."""
-"""Variants whose checked attention forward runs without the native pass (fused_attention.py): the unfused path."""
-TIER1 = ("tier1", "all_tier1")
-"""protect(scope=...) per variant; "attention" when absent."""
+SDPA_TIER1 = ("all_tier1_sdpa",)
+"""Variants whose tier-1 steps run a dropout attention on SDPA, not on the unfused path (attention._unfused_tier1)."""
+TIER1 = ("tier1", "all_tier1", "all_tier1_sdpa")
+"""Variants on tier 1 only: attached fresh each step, nothing checked in full."""
 ADAPTIVE = ("adaptive", "all_adaptive")
 
 
@@ -274,6 +277,7 @@ class Variant:
         encoded_backward.enabled = self.name not in PRODUCTS
         fused_attention.enabled = self.name not in UNFUSED
         attention.softmax_function = self.name not in SOFTMAX_OPS
+        attention.unfused_tier1 = self.name not in SDPA_TIER1
         c0, t0 = time.process_time(), time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = self.model(input_ids=x, labels=x).loss
@@ -283,7 +287,7 @@ class Variant:
         stats = self.guard.step_stats if self.guard is not None else None
         self.opt.step()
         fused_pass.enabled = encoded_backward.enabled = fused_attention.enabled = row_verify.enabled = True
-        attention.softmax_function = True
+        attention.softmax_function = attention.unfused_tier1 = True
         if self.hooks is not None:
             self.hooks.end_step()
         if self.guard is not None:

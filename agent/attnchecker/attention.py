@@ -41,6 +41,7 @@ from .records import _any_bad, _count, _count_trips, _emit, _inject, _observe
 from .tiled_attention import choose_tiles, kernel_applies, tiled_sdpa
 from .tripwire import extreme
 from .unfused_backward import context_product, scores_product
+from .whole_step import whole_step_trips
 
 __all__ = [
     "PassedProjection",
@@ -193,6 +194,21 @@ def _fused_backward_ok(
     return q_BHTD.device.type == "cpu" and dropout_p == 0.0 and not return_probs and not mask_grad
 
 
+unfused_tier1 = True
+"""False: tier-1 steps of a dropout attention run SDPA (its math backend on the CPU), as before ``_unfused_tier1``
+(bench/overhead.py's ``all_tier1_sdpa`` prices it side by side)."""
+
+
+def _unfused_tier1(q_BHTD: torch.Tensor, dropout_p: float, attn_mask: torch.Tensor | None, ctx: LayerContext) -> bool:
+    """Whether a tier-1 call runs the unfused path rather than SDPA: under protect(scope="all"), on the CPU, a call
+    SDPA itself runs on its math backend (attention dropout, a mask that requires grad). Both materialise AS and AP,
+    but the unfused path gives tier 1 to AS itself and to its backward GEMMs (unfused_backward), where SDPA's own
+    backward runs unseen."""
+    return (unfused_tier1 and q_BHTD.device.type == "cpu"
+            and (dropout_p > 0.0 or (attn_mask is not None and attn_mask.requires_grad))
+            and torch.is_grad_enabled() and q_BHTD.requires_grad and whole_step_trips(ctx.runtime))
+
+
 def _scores_product(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, layer: LayerContext | None = None) -> torch.Tensor:
     """AS = Q Kᵀ (B, H, T, S). fp16 operands are multiplied into fp32: the unscaled logits pass fp16's 65504 well
     before the scaled ones do, and PyTorch's attention (flash/efficient kernels, the CPU kernel) accumulates them in
@@ -261,7 +277,7 @@ def protected_sdpa(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     cfg = ctx.config
     if (not (cfg.checks("scores") or cfg.checks("context")) and ctx.runtime.injector is None and not return_probs
-            and not (is_causal and attn_mask is not None)):
+            and not (is_causal and attn_mask is not None) and not _unfused_tier1(q_BHTD, dropout_p, attn_mask, ctx)):
         # Nothing to verify or inject in this call (an adaptive step that skips both ops, or mode off): the fused
         # kernel, exactly what the unprotected model runs. Passed checksums of this layer are dropped unused.
         for name in ("q", "k", "v"):

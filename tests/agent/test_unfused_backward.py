@@ -156,3 +156,40 @@ def test_the_softmax_dropout_function_gives_autograds_values_and_gradients(t: in
     tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-13}
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(d_got, d_want, **tol)
+
+
+@pytest.mark.parametrize(("phase", "shape"), [("forward", (BATCH * HEADS, SEQ, SEQ)),
+                                              ("backward", (BATCH * HEADS, SEQ, HEAD_DIM))])
+def test_on_a_tier1_step_a_fault_in_the_dropout_attention_is_caught_and_corrected(phase: str,
+                                                                                  shape: tuple[int, ...]) -> None:
+    """The default policy's steps between full checks: a dropout attention runs the unfused path there (SDPA would
+    run its math backend, which materialises the same products), so tier 1 sees AS itself and the backward GEMMs,
+    and a trip's full check corrects the fault where SDPA's own backward would hand the INF to the optimizer."""
+    model = build("gpt2", **DROPOUT["gpt2"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    guard = attnchecker.protect(model, optimizer=opt, scope="all")
+
+    def step(injector: GemmInjector | None = None) -> dict[str, torch.Tensor]:
+        _, grads = _step("gpt2", model, injector)
+        opt.step()
+        return grads
+
+    def to_a_tier1_step() -> None:
+        while guard.check_config.checks("out"):
+            step()
+        assert guard.check_config.trips("out")
+
+    step()  # the first step checks everything
+    to_a_tier1_step()
+    recorder = GemmInjector()
+    want = step(recorder)
+    assert not guard.detections
+    target = next(c for c in recorder.calls if c.phase == phase and c.op == "bmm" and c.shape == shape)
+    to_a_tier1_step()
+    injector = GemmInjector(target=target.index, kind="inf", element=9)
+    grads = step(injector)
+    assert injector.hit is not None
+    ops = {"scores"} if phase == "forward" else BACKWARD_OPS
+    assert [(e.op in ops, e.action, e.tier) for e in guard.detections] == [(True, "corrected", "tripwire")]
+    assert worst_rel(grads, want) <= 1e-5
+    guard.close()

@@ -48,7 +48,7 @@ def test_overhead_bench_writes_every_variant(tmp_path):
         assert set(m["variants"]) == {"baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr",
                                       "floor", "all_full", "all_adaptive", "all_tier1", "all_full_eager",
                                       "all_full_rules", "all_full_products", "full_unfused", "all_full_unfused",
-                                      "full_softmax_ops"}
+                                      "full_softmax_ops", "all_tier1_sdpa"}
         for v in m["variants"].values():
             check_summary(v["step_s"])
             assert positive(v["step_s"]["median"])
