@@ -108,15 +108,7 @@ def _probs_lse(
         probs: torch.Tensor = _SoftmaxDropout.apply(scores_BHTS, _SoftmaxInputs(scale, attn_mask, is_causal),
                                                     keep_BHTS)
         return probs, keep_BHTS, None
-    # One new tensor, then in place: out-of-place masking copied the (B, H, T, S) scores once per mask.
-    s = scores_BHTS * scale
-    if is_causal:
-        fill_future_(s, -math.inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            s.masked_fill_(~attn_mask, -math.inf)
-        else:
-            s.add_(attn_mask)
+    s = _logits(scores_BHTS, scale, attn_mask, is_causal)
     # Softmax in fp32 for half inputs, like SDPA's kernels: the row sums feed the checksum bound. fp64 stays fp64 (the
     # fused backward wants lse in the inputs' dtype, and an fp32 softmax would cost fp64 inputs their precision).
     soft = torch.promote_types(s.dtype, torch.float32)
@@ -140,6 +132,20 @@ def _probs_lse(
     return probs, keep_BHTS, lse_BHT
 
 
+def _logits(scores_BHTS: torch.Tensor, scale: float, attn_mask: torch.Tensor | None, is_causal: bool) -> torch.Tensor:
+    """scale·AS + mask (B, H, T, S), masked keys -INF. One new tensor, then in place: out-of-place masking copied the
+    scores once per mask."""
+    s = scores_BHTS * scale
+    if is_causal:
+        fill_future_(s, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s.masked_fill_(~attn_mask, -math.inf)
+        else:
+            s.add_(attn_mask)
+    return s
+
+
 @dataclass(frozen=True, slots=True)
 class _SoftmaxInputs:
     scale: float
@@ -157,17 +163,8 @@ class _SoftmaxDropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, scores_BHTS: torch.Tensor, how: _SoftmaxInputs, keep_BHTS: torch.Tensor | None
                 ) -> torch.Tensor:
-        s = scores_BHTS * how.scale
-        if how.is_causal:
-            fill_future_(s, -math.inf)
-        mask = how.attn_mask
-        if mask is not None:
-            if mask.dtype == torch.bool:
-                s.masked_fill_(~mask, -math.inf)
-            else:
-                s.add_(mask)
-        probs = torch.softmax(s, dim=-1)
-        dead = _dead_rows(mask)
+        probs = torch.softmax(_logits(scores_BHTS, how.scale, how.attn_mask, how.is_causal), dim=-1)
+        dead = _dead_rows(how.attn_mask)
         if dead is not None:
             probs.masked_fill_(dead, 0.0)
         ctx.save_for_backward(probs, keep_BHTS)

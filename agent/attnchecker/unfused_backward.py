@@ -8,12 +8,12 @@ the gradients of the two forward products:
   CL = AP·V   dAP = dCL·Vᵀ    (op ``grad_probs``) dV = APᵀ·dCL     (op ``grad_v``)
 
 with AP the probabilities after dropout and dAS the gradient at the raw scores (softmax, scale, mask and dropout are
-elementwise, autograd's own). ``scores_product`` and ``context_product`` make the forward products as before (the
-same aten call) through an autograd Function whose backward computes these GEMMs itself and hands them to
-``gemm_check``, as a checked Linear layer does: on a step the whole-step checks are due, checksums in one direction,
-then location and correction or recomputation (``check_gemms``); on the others, tier 1 (``trip_gemms``). The tier is
-the forward's, so a layer's backward is checked the way its forward step was. Not due and no tripwire, or no
-gradient wanted: the plain product, as before.
+elementwise, not GEMMs: attention._SoftmaxDropout's backward). ``scores_product`` and ``context_product`` make the
+forward products as before (the same aten call) through an autograd Function whose backward computes these GEMMs
+itself and hands them to ``gemm_check``, as a checked Linear layer does: on a step the whole-step checks are due,
+checksums in one direction, then location and correction or recomputation (``check_gemms``); on the others, tier 1
+(``trip_gemms``). The tier is the forward's, so a layer's backward is checked the way its forward step was. Not due
+and no tripwire, or no gradient wanted: the plain product, as before.
 
 Legend: B batch, H heads (K/V expanded to H), T query tokens, S key tokens, D head dim.
 Syncs: one per checked or tier-1 product's backward (gemm_check's), more only on the slow path.

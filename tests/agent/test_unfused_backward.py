@@ -4,6 +4,7 @@ cannot replay the protected softmax's keep-mask, so autograd differentiates the 
 (gemm_injector), chosen by shape: the model's attention products, never the checks' own skinny ones."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import attnchecker
@@ -192,4 +193,38 @@ def test_on_a_tier1_step_a_fault_in_the_dropout_attention_is_caught_and_correcte
     ops = {"scores"} if phase == "forward" else BACKWARD_OPS
     assert [(e.op in ops, e.action, e.tier) for e in guard.detections] == [(True, "corrected", "tripwire")]
     assert worst_rel(grads, want) <= 1e-5
+    guard.close()
+
+
+def test_at_a_7b_head_dim_and_t_1024_a_clean_dropout_step_flags_nothing_and_a_fault_is_corrected() -> None:
+    """Realistic shapes for the unfused backward's bounds: head dim 128, T = S = 1024 (dS and AP 4 × 1024 × 1024 per
+    layer), dropout 0.1, Policy.full(). The clean step's gradients are the unprotected model's (same keep-mask seed),
+    with no detection; an INF in its dK is corrected."""
+    heads, t = 4, 1024
+    cfg = {**DROPOUT["gpt2"], "n_embd": heads * 128, "n_head": heads, "n_layer": 1, "n_positions": t}
+    ids = torch.randint(2, 128, (1, t), generator=torch.Generator().manual_seed(5))
+
+    def run(model: torch.nn.Module, injector: GemmInjector | None = None) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        with injector if injector is not None else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+            if injector is not None:
+                injector.phase = "backward"
+            loss.backward()
+        return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = run(build("gpt2", **cfg))
+    model = build("gpt2", **cfg)
+    guard = attnchecker.protect(model, policy=Policy.full(), scope="all")
+    recorder = GemmInjector()
+    clean = run(model, recorder)
+    assert not guard.detections and guard.report().checks["grad_k"] == 1
+    assert worst_rel(clean, want) <= 1e-5
+    # dV, dQ and dK are all (H, T, 128); autograd runs the context's backward first, then the scores': dK is last.
+    same_shape = [c for c in recorder.calls if c.phase == "backward" and c.op == "bmm" and c.shape == (heads, t, 128)]
+    injector = GemmInjector(target=same_shape[-1].index, kind="inf", element=123_457)
+    grads = run(model, injector)
+    assert [(e.op, e.action) for e in guard.detections] == [("grad_k", "corrected")]
+    assert worst_rel(grads, clean) <= 1e-5
     guard.close()
