@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import logging
 import multiprocessing
@@ -89,7 +90,8 @@ class Run:
 
     @property
     def name(self) -> str:
-        return f"{self.arch}/{self.mask}/{self.variant}" + (f"/T=long/{self.path}" if self.long else "")
+        path = f"/{self.path}" if self.long or self.path != "auto" else ""
+        return f"{self.arch}/{self.mask}/{self.variant}" + ("/T=long" if self.long else "") + path
 
 
 RUNS = (Run("gpt2", "causal", "grow"), Run("gpt2", "causal+pad", "outliers"), Run("bert", "bidir+pad", "grow"),
@@ -296,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (each run is one job)")
+    p.add_argument("--path", choices=("auto", "unfused", "tiled"), default="auto",
+                   help="the attention path of the T=64 runs (ATTNCHECKER_ATTENTION): auto takes the native pass for "
+                        "fp32 on a CPU; unfused is the path a GPU takes at short sequences")
     p.add_argument("--out")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -309,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         args.size, args.checks, args.long_steps = "tiny", min(args.checks, 400), min(args.long_steps, 1)
     size = SIZES[args.size]
     per_run = -(-args.checks // len(RUNS))
-    jobs = [(run, dtype, per_run, args.max_steps, args.seed + i) for dtype in dtypes for i, run in enumerate(RUNS)]
+    runs = [dataclasses.replace(run, path=args.path) for run in RUNS]
+    jobs = [(run, dtype, per_run, args.max_steps, args.seed + i) for dtype in dtypes for i, run in enumerate(runs)]
     jobs += [(run, dtype, 10**12, args.long_steps, args.seed + 100 + i) for dtype in dtypes
              for i, run in enumerate(LONG_RUNS if args.long_steps else ())]
     work = functools.partial(_job, size=size, threads=args.threads)
@@ -335,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     print(_common.table([[d, *[max((r["worst_ratio_by_op"].get(op, 0.0) for r in results if r["dtype"] == d),
                                    default=0.0) for op in worst_ops]] for d in dtypes],
                         ["dtype", *worst_ops]))
-    payload = {"size": vars(size), "per_run_checks": per_run, "jobs": args.jobs, "threads": args.threads,
+    payload = {"size": vars(size), "per_run_checks": per_run, "path": args.path, "jobs": args.jobs,
+               "threads": args.threads,
                "long_steps": args.long_steps, "outlier_scales": list(OUTLIER_SCALES), "lr": LR, "totals": totals,
                "results": results}
     path = _common.write_result("clean_campaign", payload, args.out)

@@ -28,10 +28,18 @@ from .abft import (
     times_skinny,
     weighted_cols,
 )
+from .abft.operand_moments import (
+    context_moments,
+    query_weighted_sums,
+    references_of,
+    scores_moments,
+    value_row_terms,
+)
 from .attention_tripwire import _emit_trip, _tripwire_sdpa
 from .context import LayerContext
 from .engine_caches import fill_future_
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
+from .matmul_precision import fp32_matmul_operand_roundoff
 from .passed_checksums import PassedProjection
 from .product_check import Checks, _dot, _exact_math, _groups, _tolerance
 from .product_check import _verify as _verify  # re-exported: tests and bench/coverage.py verify through it
@@ -525,6 +533,11 @@ def _scores_checks(
         else:
             ref_norms = (torch.linalg.vector_norm(kbar_BHD2, dim=-2).unflatten(-1, (g_r, 2)),
                          torch.linalg.vector_norm(qbar_BHD2, dim=-2).unflatten(-1, (g_c, 2)))
+        moments: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if (pq is None and pk is None and scores_BHTS.dtype == torch.float32 and _calibrated(tol)
+                and fp32_matmul_operand_roundoff(scores_BHTS.device) is not None):
+            # Under TF32 the product rounded Q and K: their moments bound that error (abft/operand_moments.py).
+            moments = scores_moments(q_acc, k_acc, qbar_BHD2, kbar_BHD2, (g_r, g_c))
         return _verify(
             scores_BHTS,
             times_skinny(q_acc, kbar_BHD2).unflatten(-1, (g_r, 2)).flatten(-3, -2),
@@ -537,6 +550,7 @@ def _scores_checks(
             extra_col_NC=extra_col,
             ref_norms=ref_norms,
             groups=(g_r, g_c),
+            operand_moments=moments,
         )
 
 
@@ -556,6 +570,9 @@ def _context_checks(
         acc = acc_dtype(v_BHSD.dtype)
         v_acc, p_acc = v_BHSD.detach().to(acc).contiguous(), probs_BHTS.to(acc)
         s = p_acc.shape[-1]
+        # An fp32 context under TF32 rounded AP and V: their moments bound that error (abft/operand_moments.py).
+        operand_rounding = (passed_v is None and out_BHTD.dtype == torch.float32 and _calibrated(tol)
+                    and fp32_matmul_operand_roundoff(out_BHTD.device) is not None)
         # Grouped checksums (abft/checksum.py): feature groups only with an input-derived V w; query groups always.
         g_r = _groups(tol, v_acc.shape[-1]) if passed_v is None else 1
         g_c = _groups(tol, p_acc.shape[-2])
@@ -567,14 +584,30 @@ def _context_checks(
             row_BHTc = times_skinny(p_acc, torch.cat([vw_BHS2, vbound_BHS1], dim=-1))
         else:
             vw_BHS2 = group_sums_rows(v_acc, g_r).flatten(-2)
-            row_BHTc = times_skinny(p_acc, vw_BHS2)
-        pw_BHS2 = group_sums_cols(p_acc, g_c).flatten(-2)
+            if operand_rounding:
+                # P·[β_h, (V_h w)²] and Σ_k P_tk ride along in the row references' skinny product.
+                ones_BHS1 = torch.ones_like(vw_BHS2[..., :1])
+                row_BHTc = times_skinny(p_acc, torch.cat([vw_BHS2, value_row_terms(v_acc, vw_BHS2, g_r), ones_BHS1],
+                                                         dim=-1))
+            else:
+                row_BHTc = times_skinny(p_acc, vw_BHS2)
+        query_sums = None
+        if operand_rounding:
+            # The column references' weighted sums and the moments' in one pass over AP.
+            query_sums = query_weighted_sums(p_acc, row_BHTc[..., -1], g_c)
+            pw_BHS2 = references_of(query_sums)
+        else:
+            pw_BHS2 = group_sums_cols(p_acc, g_c).flatten(-2)
         # (B, H, g·2, D) -> (B, H, D, g, 2) -> (B, H, D·g, 2)
         col_ref_BHD2 = (pw_BHS2.mT @ v_acc).unflatten(-2, (g_c, 2)).permute(0, 1, 4, 2, 3).flatten(-3, -2)
         p_norm_BHT = torch.full(row_BHTc.shape[:-1], 1.01 / (1.0 - dropout_p), device=p_acc.device, dtype=acc)
         ref_norms = (torch.linalg.vector_norm(vw_BHS2, dim=-2), torch.linalg.vector_norm(pw_BHS2, dim=-2))
         if (g_r, g_c) != (1, 1):
             ref_norms = (ref_norms[0].unflatten(-1, (g_r, 2)), ref_norms[1].unflatten(-1, (g_c, 2)))
+        moments: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if operand_rounding:
+            moments = context_moments(p_acc, v_acc, row_BHTc[..., -1], (g_r, g_c),
+                                      row_terms_NT4g=row_BHTc[..., 2 * g_r : 6 * g_r], query_sums_Ng4S=query_sums)
         return _verify(
             out_BHTD,
             row_BHTc[..., : 2 * g_r].unflatten(-1, (g_r, 2)).flatten(-3, -2),
@@ -586,7 +619,12 @@ def _context_checks(
             extra_row_NR=row_BHTc[..., 2] if passed_v is not None else None,
             ref_norms=ref_norms,
             groups=(g_r, g_c),
+            operand_moments=moments,
         )
+
+
+def _calibrated(tol: Tolerance) -> bool:
+    return tol.mode == "roundoff" and tol.calibrated
 
 
 def protected_self_attention(

@@ -102,6 +102,7 @@ def _verify(
     moments_NR4: torch.Tensor | None = None,
     directions: tuple[str, ...] = ("row", "col"),
     row_sums: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    operand_moments: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> Checks:
     """Both directions of C = A·B against references derived from the inputs (no sync). extra_*: error already in
     a passed reference (paper-faithful mode), added to the bound. operands_cast_to: autocast ran the product on
@@ -117,7 +118,9 @@ def _verify(
     directions: ("row",) verifies the rows only (col_ref_NC2 is then not read, and may be None): one direction
     detects any single corrupted element; locating a column or a block needs both, after a flag. row_sums: (C's
     grouped row checksums (..., R·g_r, 2), their Σ C² (..., R·g_r) or None) already made (fused_pass), for an fp32 C
-    checked by rows only: then no pass over C runs here."""
+    checked by rows only: then no pass over C runs here. operand_moments: (row (..., R·g_r, 4), column (..., C·g_c,
+    4)), laid out as the references: the operand-rounding moments of `tolerance.direction_bounds`, for a product
+    whose operands the GEMM rounded (TF32; attention's AP·V: abft/operand_moments.py)."""
     roundoff = tol.mode == "roundoff"
     use_abs = c_NRC.dtype != acc_dtype(c_NRC.dtype) and roundoff
     want_sq = roundoff and tol.calibrated
@@ -132,7 +135,8 @@ def _verify(
     g_r, g_c = groups
     a_max, b_max = maxes
     row_rule_of = functools.partial(_row_rule, rule, a_norm_NR, b_norm_NC, bias_abs_C, ref_norms[0], maxes,
-                                    ref_maxes[0], moments_NR4, g_r)
+                                    ref_maxes[0], moments_NR4, g_r, operand_NR4=operand_moments[0])
+    col_om = operand_moments[1]
     if directions == ("row",):
         abs_sum: torch.Tensor | None = None
         sq_sum: torch.Tensor | None
@@ -160,7 +164,8 @@ def _verify(
         sums = VectorSums(None, sq_sums)
     if groups == (1, 1):
         rules = rule(("row", "col"), a_norm_NR, b_norm_NC, bias_abs_C=bias_abs_C, ref_norms=ref_norms,
-                     a_max_NR=a_max, b_max_NC=b_max, ref_maxes=ref_maxes, moments_NR4=moments_NR4)
+                     a_max_NR=a_max, b_max_NC=b_max, ref_maxes=ref_maxes, moments_NR4=moments_NR4,
+                     operand_moments=operand_moments)
         row_rule, col_rule = rules["row"], rules["col"]
     else:
         # Each group is the product of A with a column block of B (row groups) or of a row block of A with B (column
@@ -170,7 +175,10 @@ def _verify(
                         ref_norms=(None, ref_norms[1]),
                         a_max_NR=None if a_max is None else a_max.unflatten(-1, (g_c, -1)),
                         b_max_NC=None if b_max is None else b_max[..., None, :],
-                        ref_maxes=(None, ref_maxes[1]))["col"].grouped()
+                        ref_maxes=(None, ref_maxes[1]),
+                        # (..., C·g_c, 2) -> (..., g_c, C, 2): the groups a batch dim, as the rule is made
+                        operand_moments=(None, None if col_om is None
+                                         else col_om.unflatten(-2, (-1, g_c)).transpose(-3, -2)))["col"].grouped()
     if extra_row_NR is not None and roundoff:
         row_rule = row_rule.plus(extra_row_NR)
     if extra_col_NC is not None and roundoff:
@@ -236,6 +244,7 @@ def _row_rule(
     g_r: int,
     *,
     grouped: bool,
+    operand_NR4: torch.Tensor | None = None,
 ) -> Bound:
     """The row direction's bound (`_verify`'s arguments, ref_norm and ref_max shaped as its groups say). Grouped:
     per group of g_r runs of columns, each group the product of A with a column block of B, bounded as that
@@ -243,7 +252,8 @@ def _row_rule(
     a_max, b_max = maxes
     if not grouped:
         return rule(("row",), a_norm_NR, b_norm_NC, bias_abs_C=bias_abs_C, ref_norms=(ref_norm, None),
-                    a_max_NR=a_max, b_max_NC=b_max, ref_maxes=(ref_max, None), moments_NR4=moments_NR4)["row"]
+                    a_max_NR=a_max, b_max_NC=b_max, ref_maxes=(ref_max, None), moments_NR4=moments_NR4,
+                    operand_moments=(operand_NR4, None))["row"]
     return rule(("row",), a_norm_NR[..., None, :], b_norm_NC.unflatten(-1, (g_r, -1)),
                 bias_abs_C=None if bias_abs_C is None else bias_abs_C.unflatten(-1, (g_r, -1)),
                 ref_norms=(ref_norm, None),
@@ -252,4 +262,6 @@ def _row_rule(
                 ref_maxes=(ref_max, None),
                 # (..., R·g, 2) -> (..., g, R, 2): the groups a batch dim, as the rule is made
                 moments_NR4=None if moments_NR4 is None
-                else moments_NR4.unflatten(-2, (-1, g_r)).transpose(-3, -2))["row"].grouped()
+                else moments_NR4.unflatten(-2, (-1, g_r)).transpose(-3, -2),
+                operand_moments=(None if operand_NR4 is None
+                                 else operand_NR4.unflatten(-2, (-1, g_r)).transpose(-3, -2), None))["row"].grouped()

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from . import fused_attention, records
-from .abft import GROUP_MIN, Tolerance, acc_dtype, col_norms, repair
+from .abft import GROUP_MIN, Tolerance, acc_dtype, col_norms, group_sums_cols, repair
+from .abft.operand_moments import context_moments, scores_moments
 from .abft.repair import MatrixReport
 from .abft.tiled import (
     TILE_BUDGET,
@@ -58,6 +59,7 @@ from .abft.tiled import (
 from .attention_kernel import kernel_checks, kernel_rules
 from .context import LayerContext
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
+from .matmul_precision import fp32_matmul_operand_roundoff
 from .product_check import _dot, _exact_math, _groups, _tolerance, _verify
 from .records import _count, _count_trips, _record_ratio, _worst_ratio
 
@@ -566,8 +568,14 @@ def scores_tile_checks(
             and grams_pay(tq, tk, d, groups)):
         gram_k, gram_q = (gram(k_acc_NTkD, groups[0]), gram(q_acc_NTqD, groups[1])) if grams is None else grams(*groups)
         sq = square_sums(q_acc_NTqD, k_acc_NTkD, gram_k, gram_q)
+    moments: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if (s_NTqTk.dtype == torch.float32 and tol.mode == "roundoff" and tol.calibrated
+            and fp32_matmul_operand_roundoff(s_NTqTk.device) is not None):
+        # The tile GEMM rounded Q and K (TF32): their moments bound that error (abft/operand_moments.py).
+        moments = scores_moments(q_acc_NTqD, k_acc_NTkD, group_sums_cols(q_acc_NTqD, groups[1]).flatten(-2),
+                                 group_sums_cols(k_acc_NTkD, groups[0]).flatten(-2), groups)
     return _verify(s_NTqTk, row_ref, col_ref, q_norm_NTq, k_norm_NTk, k=d, tol=tol, sq_sums=sq, ref_norms=ref_norms,
-                   groups=groups)
+                   groups=groups, operand_moments=moments)
 
 
 def _tile_grams(sh: _Shared, q_grams: dict[int, torch.Tensor], q_acc_i: torch.Tensor, c0: int, c1: int
@@ -594,10 +602,16 @@ def context_tile_checks(
     """Both directions of CL_ij = P̃_ij V_j (B, H, Tq, D) (abft.tiled.context_refs), grouped as the unfused path groups:
     g_v runs of features per row (vw's layout), runs of queries per column (product_check._groups on Tq)."""
     groups = (g_v, _groups(tol, pv_NTqD.shape[-2]))
-    row_ref, col_ref, p_norm, ref_norms = context_refs(p_NTqTk.to(v_acc_NTkD.dtype), v_acc_NTkD, vw_NTk2g, p_sum_NTq,
-                                                       cl_rows_NTq2g, groups)
-    return _verify(pv_NTqD, row_ref, col_ref, p_norm.to(v_acc_NTkD.dtype), col_norms(v_acc_NTkD),
-                   k=v_acc_NTkD.shape[-2], tol=tol, ref_norms=ref_norms, groups=groups)
+    p_acc = p_NTqTk.to(v_acc_NTkD.dtype)
+    row_ref, col_ref, p_norm, ref_norms = context_refs(p_acc, v_acc_NTkD, vw_NTk2g, p_sum_NTq, cl_rows_NTq2g, groups)
+    p_norm = p_norm.to(v_acc_NTkD.dtype)
+    moments: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if (pv_NTqD.dtype == torch.float32 and tol.mode == "roundoff" and tol.calibrated
+            and fp32_matmul_operand_roundoff(pv_NTqD.device) is not None):
+        # The tile GEMM rounded P̃ and V (TF32): their moments bound that error (abft/operand_moments.py).
+        moments = context_moments(p_acc, v_acc_NTkD, p_sum_NTq.to(p_norm.dtype), groups, vw_NS2g=vw_NTk2g)
+    return _verify(pv_NTqD, row_ref, col_ref, p_norm, col_norms(v_acc_NTkD),
+                   k=v_acc_NTkD.shape[-2], tol=tol, ref_norms=ref_norms, groups=groups, operand_moments=moments)
 
 
 def _keep(checks: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

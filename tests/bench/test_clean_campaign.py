@@ -43,6 +43,19 @@ def test_clean_campaign_counts_checks_per_dtype_and_flags_nothing(tmp_path):
     assert planted > 5 * plain
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_short_runs_take_the_path_asked_for(tmp_path):
+    # --path unfused: the T=64 runs on the path a GPU takes at short sequences, where a CPU's fp32 default takes the
+    # native pass; named and recorded as such, and still clean.
+    doc = run_bench("clean_campaign", tmp_path, "--checks", "100", "--dtypes", "tf32", "--path", "unfused",
+                    "--long-steps", "0")
+    assert doc["path"] == "unfused"
+    assert {r["path"] for r in doc["results"]} == {"unfused"}
+    assert all(r["run"].endswith("/unfused") for r in doc["results"])
+    assert doc["totals"]["tf32"]["short"]["flags"] == 0
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_gemm_fault_planted_below_autograd_is_counted_as_a_flag(corpus, dtype):
     run = cc.Run("gpt2", "causal+pad", "grow")

@@ -283,6 +283,7 @@ def _calibrated_var(
     split_var: float = 0.0,
     maxes: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     moments_NR4: torch.Tensor | None = None,
+    operand_NR4: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(..., R, 2) modelled variance of (d1, d2) for the row direction of C = A·B (swap the arguments for columns).
 
@@ -305,6 +306,10 @@ def _calibrated_var(
     its Hölder bound, in the product, reference and forming terms (forming: n·u²/3·(½ of the first + DRIFT × the
     second), the sum over k of A_ik² times the variance of (Bw)_k). The output-rounding
     and checksum-summation terms scale with ΣC² of the vector and live in Bound.sq_coef.
+    operand_NR4 (Cauchy-Schwarz model only): [M, R] for (d1, d2) (abft/operand_moments.py): the operand term is then
+    u_in²/3·(M + R), M for the operand whose rounding is independent across the vector and R for the one shared by
+    it, not the Cauchy-Schwarz form, which takes every element's operand rounding as independent across the vector
+    (an operand element shared by the whole vector, V_kj in a context column, is not).
     """
     a_sq_NR1 = a_norm_NR.square()[..., None]
     bsq_N2 = _weighted_sq(b_norm_NC)
@@ -312,8 +317,14 @@ def _calibrated_var(
     n = b_norm_NC.shape[-1]
     u2 = u_acc**2 / 3
     if maxes is None:
-        per_b_N2 = bsq_N2 * (k * u2 + op_var + split_var + n * u2) + ref_sq_N2 * (k * u2)
-        return a_sq_NR1 * per_b_N2[..., None, :]
+        cs_b_NR2 = a_sq_NR1 * bsq_N2[..., None, :]
+        cs_ref_NR2 = a_sq_NR1 * ref_sq_N2[..., None, :]
+        if operand_NR4 is None:
+            return cs_b_NR2 * (k * u2 + op_var + split_var + n * u2) + cs_ref_NR2 * (k * u2)
+        # op_var/2 = u_in²/3 per rounding. The product, reference and forming terms keep Cauchy-Schwarz: bounding their
+        # partial sums by M and R instead was tried and is not safe (docs/abft.md, "The context's operand rounding").
+        moments_NR2 = operand_NR4[..., :2] + operand_NR4[..., 2:]
+        return (cs_b_NR2 * (k * u2 + split_var + n * u2) + cs_ref_NR2 * (k * u2) + moments_NR2 * (op_var / 2))
     a_max_NR, b_max_NC, ref_max_N2 = maxes
     amax_sq_NR1 = a_max_NR.square()[..., None]
     bmax_N2 = _weighted_sq(b_max_NC)
@@ -362,6 +373,7 @@ def direction_bounds(
     ref_maxes: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
     walk: tuple[bool, bool] = (False, False),
     moments_NR4: torch.Tensor | None = None,
+    operand_moments: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> dict[str, Bound]:
     """The bound on |d1| for C = A·B (+ bias) of each direction named ("row": over (..., R), "col": over (..., C)), by
     name. A check that verifies one direction (the clean fast path) or takes its two from different groupings makes
@@ -395,6 +407,10 @@ def direction_bounds(
     Σ_k A_ik² (Bw)_k² for w = ones and 1..n ((A∘A)·[β, (Bw)∘(Bw)], β_k = Σ_j w_j² B_kj²: one skinny product, 4
     columns): the exact second moments in place of their Hölder bounds (~2 ln K ≈ 16× lower on Gaussian-like
     columns at K = 4096). Floored here by what fp32 squares and products below the smallest normal can drop.
+    operand_moments: (row (..., R, 4), column (..., C, 4)) per vector, for a direction that keeps the Cauchy-Schwarz
+    model, of a product whose operands the GEMM rounded: [M, R] for (d1, d2), bounds on that rounding's error per unit
+    of u_in²/3 (abft/operand_moments.py makes the context's; `_calibrated_var` has the term). The rule then adds the
+    truncation mean linearly (u_in·|reference|), as the random-walk model does.
     `row_terms` factors the row rule of the fp32 case per row for the native attention pass: a change to that case
     here must be made there too (tests/agent/test_fused_attention.py holds the two to the same verdicts).
     """
@@ -520,8 +536,10 @@ def direction_bounds(
             per_a_N4 = torch.cat([w2_N2, torch.ones_like(w2_N2)], -1)
             mom64 = (1.01 * moments_NR4.to(f64) + floor_N4[..., None, :]
                      + tiny * a64.square()[..., None] * per_a_N4[..., None, :])
+        om = operand_moments[0 if row else 1]
+        om64 = None if om is None or walk_d or op_var == 0.0 else om.to(f64)
         var = _calibrated_var(mine64, other64, ref64, k=k, u_acc=u_acc, op_var=op_var, split_var=split_var,
-                              maxes=maxes, moments_NR4=mom64)
+                              maxes=maxes, moments_NR4=mom64, operand_NR4=om64)
         if bias64_C is not None:
             if row:
                 # Row references add b·w (n-long sums); column references add (Σw) b_j: both rounded once more.
@@ -533,8 +551,9 @@ def direction_bounds(
         # The drift of the reference's K-long dot and of the checksum's n-long sum, per unit of reference².
         drift = DRIFT * (k + n_vec) * u2 if walk_d else 0.0
         vec, coef, under = rigorous[d]
-        out[d] = Bound(vec, coef, var, (c_sq, c_sq * n_vec**2), ref_coef + (trunc if walk_d else 0.0), under, z,
-                       n_vec, drift)
+        # The random-walk and operand-moment models leave the truncation mean out of their variances: added linearly.
+        common = ref_coef + (trunc if walk_d or om64 is not None else 0.0)
+        out[d] = Bound(vec, coef, var, (c_sq, c_sq * n_vec**2), common, under, z, n_vec, drift)
     return out
 
 
