@@ -6,7 +6,8 @@ data any flag is a false positive. docs/fault-coverage.md quotes the committed r
 
 What the checks see:
 * dtypes: fp32; TF32 (fp32 GEMMs with operands rounded to 10 mantissa bits, ``attnchecker.emulate``, forward and
-  backward); bf16 and fp16 (CPU autocast: GEMMs in the half dtype, LayerNorm/softmax/loss in fp32);
+  backward; ``tf32-trunc``, asked for by name, truncates them as tensor cores may); bf16 and fp16 (CPU autocast: GEMMs
+  in the half dtype, LayerNorm/softmax/loss in fp32);
 * masks: GPT-2 causal, GPT-2 causal + padding (variable lengths, ``attention_mask`` zeros), BERT bidirectional +
   padding (masked-LM on the same text);
 * large activations: AdamW at a learning rate that makes activations grow, and a variant with "massive activations"
@@ -19,8 +20,9 @@ Per run (dtype x model x mask x variant): checks, flags, the worst clean residua
 residual_max``, on the device), max |activation|.
 
     attnchecker bench clean [...]   (or: python bench/clean_campaign.py [...])
-    python bench/clean_campaign.py [--checks 100000] [--dtypes fp32,tf32,bf16,fp16] [--size small|tiny] [--tiny]
-                                   [--long-steps 2] [--jobs 8] [--out docs/perf/clean_campaign.json]
+    python bench/clean_campaign.py [--checks 100000] [--dtypes fp32,tf32,bf16,fp16,tf32-trunc] [--size small|tiny]
+                                   [--tiny] [--long-steps 2] [--jobs 8] [--path auto|unfused|tiled]
+                                   [--out docs/perf/clean_campaign.json]
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ from attnchecker.emulate import emulate_fp32_matmul
 from attnchecker.tiled_attention import PATH_ENV
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
+TF32_TRUNCATED = "tf32-trunc"
+"""TF32 whose conversion truncates the operands (tensor cores may): not in the default set, --dtypes names it."""
 PAD, MASK_TOKEN = 0, 1
 """Byte 0 and byte 1 never occur in Python source: the pad and the masked-LM mask token."""
 
@@ -103,7 +107,7 @@ OUTLIER_SCALES = (50.0, 150.0, 300.0)
 """The planted channels' LayerNorm weight factors (three channels per LayerNorm, the same channels in every layer, as
 massive activations sit in fixed channels)."""
 LR = {"grow": 3e-3, "outliers": 1e-3}
-COST = {"fp32": 1.0, "bf16": 1.2, "tf32": 2.0, "fp16": 5.0}
+COST = {"fp32": 1.0, "bf16": 1.2, "tf32": 2.0, TF32_TRUNCATED: 2.0, "fp16": 5.0}
 """Relative CPU time per check (measured here, one thread): with --jobs, the slow dtypes start first."""
 MAX_LISTED = 50
 """Detections listed in full per run (all are counted)."""
@@ -170,8 +174,8 @@ class Data:
 @contextlib.contextmanager
 def precision(dtype: str) -> Iterator[None]:
     """The step's arithmetic: fp32, TF32 emulated on the fp32 GEMMs, or CPU autocast to bf16 / fp16."""
-    if dtype == "tf32":
-        with emulate_fp32_matmul("tf32"):
+    if dtype in ("tf32", TF32_TRUNCATED):
+        with emulate_fp32_matmul("tf32", truncate=dtype == TF32_TRUNCATED):
             yield
     elif dtype in ("bf16", "fp16"):
         with torch.autocast("cpu", dtype=torch.bfloat16 if dtype == "bf16" else torch.float16):
@@ -251,7 +255,7 @@ def train(run: Run, dtype: str, *, size: Size, corpus: torch.Tensor, checks: int
             with attention_path(run.path), planted:
                 with precision(dtype):
                     loss = loss_of(model, x_BT, keep_BT, y_BT)
-                with emulate_fp32_matmul("tf32") if dtype == "tf32" else contextlib.nullcontext():
+                with precision(dtype) if dtype in ("tf32", TF32_TRUNCATED) else contextlib.nullcontext():
                     loss.backward()
             stats = guard.step_stats
             assert stats is not None
@@ -308,8 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("attnchecker").setLevel(logging.ERROR)
     dtypes = args.dtypes.split(",")
     for name in dtypes:
-        if name not in DTYPES:
-            p.error(f"unknown dtype {name!r}: choose from {', '.join(DTYPES)}")
+        if name not in (*DTYPES, TF32_TRUNCATED):
+            p.error(f"unknown dtype {name!r}: choose from {', '.join((*DTYPES, TF32_TRUNCATED))}")
     if args.tiny:
         args.size, args.checks, args.long_steps = "tiny", min(args.checks, 400), min(args.long_steps, 1)
     size = SIZES[args.size]

@@ -39,9 +39,8 @@ from .attention_tripwire import _emit_trip, _tripwire_sdpa
 from .context import LayerContext
 from .engine_caches import fill_future_
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
-from .matmul_precision import fp32_matmul_operand_roundoff
 from .passed_checksums import PassedProjection
-from .product_check import Checks, _dot, _exact_math, _groups, _tolerance
+from .product_check import Checks, _dot, _exact_math, _groups, _tolerance, operand_rounding
 from .product_check import _verify as _verify  # re-exported: tests and bench/coverage.py verify through it
 from .projection import _ProjectionInput as _ProjectionInput  # re-exported, as _verify
 from .projection import check_linear, protected_linear
@@ -534,8 +533,7 @@ def _scores_checks(
             ref_norms = (torch.linalg.vector_norm(kbar_BHD2, dim=-2).unflatten(-1, (g_r, 2)),
                          torch.linalg.vector_norm(qbar_BHD2, dim=-2).unflatten(-1, (g_c, 2)))
         moments: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        if (pq is None and pk is None and scores_BHTS.dtype == torch.float32 and _calibrated(tol)
-                and fp32_matmul_operand_roundoff(scores_BHTS.device) is not None):
+        if pq is None and pk is None and operand_rounding(scores_BHTS, tol):
             # Under TF32 the product rounded Q and K: their moments bound that error (abft/operand_moments.py).
             moments = scores_moments(q_acc, k_acc, qbar_BHD2, kbar_BHD2, (g_r, g_c))
         return _verify(
@@ -571,8 +569,7 @@ def _context_checks(
         v_acc, p_acc = v_BHSD.detach().to(acc).contiguous(), probs_BHTS.to(acc)
         s = p_acc.shape[-1]
         # An fp32 context under TF32 rounded AP and V: their moments bound that error (abft/operand_moments.py).
-        operand_rounding = (passed_v is None and out_BHTD.dtype == torch.float32 and _calibrated(tol)
-                    and fp32_matmul_operand_roundoff(out_BHTD.device) is not None)
+        rounded = passed_v is None and operand_rounding(out_BHTD, tol)
         # Grouped checksums (abft/checksum.py): feature groups only with an input-derived V w; query groups always.
         g_r = _groups(tol, v_acc.shape[-1]) if passed_v is None else 1
         g_c = _groups(tol, p_acc.shape[-2])
@@ -584,7 +581,7 @@ def _context_checks(
             row_BHTc = times_skinny(p_acc, torch.cat([vw_BHS2, vbound_BHS1], dim=-1))
         else:
             vw_BHS2 = group_sums_rows(v_acc, g_r).flatten(-2)
-            if operand_rounding:
+            if rounded:
                 # P·[β_h, (V_h w)²] and Σ_k P_tk ride along in the row references' skinny product.
                 ones_BHS1 = torch.ones_like(vw_BHS2[..., :1])
                 row_BHTc = times_skinny(p_acc, torch.cat([vw_BHS2, value_row_terms(v_acc, vw_BHS2, g_r), ones_BHS1],
@@ -592,7 +589,7 @@ def _context_checks(
             else:
                 row_BHTc = times_skinny(p_acc, vw_BHS2)
         query_sums = None
-        if operand_rounding:
+        if rounded:
             # The column references' weighted sums and the moments' in one pass over AP.
             query_sums = query_weighted_sums(p_acc, row_BHTc[..., -1], g_c)
             pw_BHS2 = references_of(query_sums)
@@ -605,7 +602,7 @@ def _context_checks(
         if (g_r, g_c) != (1, 1):
             ref_norms = (ref_norms[0].unflatten(-1, (g_r, 2)), ref_norms[1].unflatten(-1, (g_c, 2)))
         moments: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-        if operand_rounding:
+        if rounded:
             moments = context_moments(p_acc, v_acc, row_BHTc[..., -1], (g_r, g_c),
                                       row_terms_NT4g=row_BHTc[..., 2 * g_r : 6 * g_r], query_sums_Ng4S=query_sums)
         return _verify(
@@ -621,10 +618,6 @@ def _context_checks(
             groups=(g_r, g_c),
             operand_moments=moments,
         )
-
-
-def _calibrated(tol: Tolerance) -> bool:
-    return tol.mode == "roundoff" and tol.calibrated
 
 
 def protected_self_attention(

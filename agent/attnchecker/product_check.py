@@ -176,7 +176,7 @@ def _verify(
                         a_max_NR=None if a_max is None else a_max.unflatten(-1, (g_c, -1)),
                         b_max_NC=None if b_max is None else b_max[..., None, :],
                         ref_maxes=(None, ref_maxes[1]),
-                        # (..., C·g_c, 2) -> (..., g_c, C, 2): the groups a batch dim, as the rule is made
+                        # (..., C·g_c, 4) -> (..., g_c, C, 4): the groups a batch dim, as the rule is made
                         operand_moments=(None, None if col_om is None
                                          else col_om.unflatten(-2, (-1, g_c)).transpose(-3, -2)))["col"].grouped()
     if extra_row_NR is not None and roundoff:
@@ -230,6 +230,13 @@ def _both_in_one_pass(
         assert got.row_sq is not None and got.col_sq is not None
         sums = VectorSums(None, (got.row_sq.flatten(-2) if g_c > 1 else got.row_sq, per_column(got.col_sq)))
     return rows, per_column(got.left), sums
+
+
+def operand_rounding(c_NRC: torch.Tensor, tol: Tolerance) -> bool:
+    """Whether the calibrated check of an fp32 product C takes its operands' rounding moments (abft/operand_moments.py):
+    the GEMM ran under an operand-rounding matmul mode (TF32, oneDNN bf16)."""
+    return (c_NRC.dtype == torch.float32 and tol.mode == "roundoff" and tol.calibrated
+            and fp32_matmul_operand_roundoff(c_NRC.device) is not None)
 
 
 def _row_rule(

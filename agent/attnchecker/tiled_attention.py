@@ -59,8 +59,7 @@ from .abft.tiled import (
 from .attention_kernel import kernel_checks, kernel_rules
 from .context import LayerContext
 from .fused_backward import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
-from .matmul_precision import fp32_matmul_operand_roundoff
-from .product_check import _dot, _exact_math, _groups, _tolerance, _verify
+from .product_check import _dot, _exact_math, _groups, _tolerance, _verify, operand_rounding
 from .records import _count, _count_trips, _record_ratio, _worst_ratio
 
 __all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "choose_tiles", "default_tiles", "kernel_applies",
@@ -569,8 +568,7 @@ def scores_tile_checks(
         gram_k, gram_q = (gram(k_acc_NTkD, groups[0]), gram(q_acc_NTqD, groups[1])) if grams is None else grams(*groups)
         sq = square_sums(q_acc_NTqD, k_acc_NTkD, gram_k, gram_q)
     moments: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-    if (s_NTqTk.dtype == torch.float32 and tol.mode == "roundoff" and tol.calibrated
-            and fp32_matmul_operand_roundoff(s_NTqTk.device) is not None):
+    if operand_rounding(s_NTqTk, tol):
         # The tile GEMM rounded Q and K (TF32): their moments bound that error (abft/operand_moments.py).
         moments = scores_moments(q_acc_NTqD, k_acc_NTkD, group_sums_cols(q_acc_NTqD, groups[1]).flatten(-2),
                                  group_sums_cols(k_acc_NTkD, groups[0]).flatten(-2), groups)
@@ -606,8 +604,7 @@ def context_tile_checks(
     row_ref, col_ref, p_norm, ref_norms = context_refs(p_acc, v_acc_NTkD, vw_NTk2g, p_sum_NTq, cl_rows_NTq2g, groups)
     p_norm = p_norm.to(v_acc_NTkD.dtype)
     moments: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-    if (pv_NTqD.dtype == torch.float32 and tol.mode == "roundoff" and tol.calibrated
-            and fp32_matmul_operand_roundoff(pv_NTqD.device) is not None):
+    if operand_rounding(pv_NTqD, tol):
         # The tile GEMM rounded P̃ and V (TF32): their moments bound that error (abft/operand_moments.py).
         moments = context_moments(p_acc, v_acc_NTkD, p_sum_NTq.to(p_norm.dtype), groups, vw_NS2g=vw_NTk2g)
     return _verify(pv_NTqD, row_ref, col_ref, p_norm, col_norms(v_acc_NTkD),

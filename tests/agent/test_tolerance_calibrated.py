@@ -259,6 +259,26 @@ def test_tf32_products_need_the_tf32_bound() -> None:
     assert flagged[None] > 0
     assert flagged[2.0**-10] == 0
 
+def test_truncating_tf32_rows_of_one_sign_are_not_flagged() -> None:
+    """Truncation moves every operand towards zero, so a row whose products share a sign (an output layer's logits all
+    near -5) is off by a mean of ~u_in·|its checksum|. The Cauchy-Schwarz operand term alone flagged such a clean row
+    at 1.03× its threshold (GPT-2 and BERT output layers in bench/clean_campaign.py --dtypes tf32-trunc: 259 flags in
+    10^5 checks); with the truncation mean added linearly it reads ~0.44."""
+    from attnchecker.abft.gemm import verify_gemm
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 128, generator=gen) + 1.0
+    b = torch.randn(128, 512, generator=gen) * 0.05 - 5.0 / 128
+    with emulate_fp32_matmul("tf32", truncate=True), torch.no_grad():
+        c = a @ b
+        u = fp32_matmul_operand_roundoff("cpu")
+        with ieee_fp32_matmul("cpu"):
+            row = verify_gemm(c, a, b, Tolerance(), operand_roundoff=u, directions=("row",))["row"]
+    assert float(c.mean()) < -4.5
+    ratio = max(float((row.diff[..., 0].abs() / row.bound).max()), float((row.diff[..., 1].abs() / row.bound2).max()))
+    assert ratio < 0.7
+
+
 
 @pytest.mark.parametrize("truncate", [False, True], ids=["round", "truncate"])
 def test_tf32_emulated_clean_layers_never_flag_over_ten_thousand_checks(make_ctx, truncate) -> None:
