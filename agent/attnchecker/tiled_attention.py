@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import fused_attention, records
-from .abft import GROUP_MIN, Tolerance, acc_dtype, col_norms, group_sums_cols, repair
+from .abft import GROUP_MIN, Tolerance, acc_dtype, col_norms, repair
 from .abft.operand_moments import context_moments, scores_moments
 from .abft.repair import MatrixReport
 from .abft.tiled import (
@@ -51,6 +51,7 @@ from .abft.tiled import (
     gram,
     grams_pay,
     scores_refs,
+    scores_weights,
     square_sums,
     summarize,
     tile_mask,
@@ -561,17 +562,19 @@ def scores_tile_checks(
     tq, tk = s_NTqTk.shape[-2:]
     d = q_acc_NTqD.shape[-1]
     groups = (_groups(tol, tk), _groups(tol, tq))
-    row_ref, col_ref, ref_norms = scores_refs(q_acc_NTqD, k_acc_NTkD, groups)
+    rounded = operand_rounding(s_NTqTk, tol)
+    weights = scores_weights(q_acc_NTqD, k_acc_NTkD, groups) if rounded else None
+    row_ref, col_ref, ref_norms = scores_refs(q_acc_NTqD, k_acc_NTkD, groups, weights)
     sq = None
     if (s_NTqTk.dtype == q_acc_NTqD.dtype and tol.mode == "roundoff" and tol.calibrated
             and grams_pay(tq, tk, d, groups)):
         gram_k, gram_q = (gram(k_acc_NTkD, groups[0]), gram(q_acc_NTqD, groups[1])) if grams is None else grams(*groups)
         sq = square_sums(q_acc_NTqD, k_acc_NTkD, gram_k, gram_q)
     moments: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-    if operand_rounding(s_NTqTk, tol):
+    if weights is not None:
         # The tile GEMM rounded Q and K (TF32): their moments bound that error (abft/operand_moments.py).
-        moments = scores_moments(q_acc_NTqD, k_acc_NTkD, group_sums_cols(q_acc_NTqD, groups[1]).flatten(-2),
-                                 group_sums_cols(k_acc_NTkD, groups[0]).flatten(-2), groups)
+        kbar, qbar = weights
+        moments = scores_moments(q_acc_NTqD, k_acc_NTkD, qbar, kbar, groups)
     return _verify(s_NTqTk, row_ref, col_ref, q_norm_NTq, k_norm_NTk, k=d, tol=tol, sq_sums=sq, ref_norms=ref_norms,
                    groups=groups, operand_moments=moments)
 

@@ -157,9 +157,12 @@ def scores_moments(
 
 
 def _floor_weights(length: int, g: int, like: torch.Tensor) -> torch.Tensor:
-    """(4·g,): Σ w² per M column (L and Σ j²) and 1 per R column, laid out as the moments' terms."""
-    w2 = (float(length), float(length * (length + 1) * (2 * length + 1) / 6))
-    return torch.tensor([*w2] * g + [1.0, 1.0] * g, device=like.device, dtype=like.dtype)
+    """(4·g,): Σ w² per M column (L and Σ j²) and 1 per R column, laid out as the moments' terms. Filled on the
+    device (a tensor from a host list would be a blocking copy)."""
+    w = torch.ones(2, g, 2, device=like.device, dtype=like.dtype)
+    w[0, :, 0] = float(length)
+    w[0, :, 1] = float(length * (length + 1) * (2 * length + 1) / 6)
+    return w.flatten()
 
 
 def _moment_layout(x_NV4g: torch.Tensor, g: int) -> torch.Tensor:

@@ -118,17 +118,26 @@ def causal_offset(r0: int, c0: int, c1: int, *, is_causal: bool) -> int | None:
     return r0 - c0 if is_causal and c1 - 1 > r0 else None
 
 
-def scores_refs(
+def scores_weights(
     q_acc_NTqD: torch.Tensor, k_acc_NTkD: torch.Tensor, groups: tuple[int, int] = (1, 1)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K_hᵀw (..., D, 2·g_r), Q_hᵀw (..., D, 2·g_c)): the vectors the scores' row and column references dot Q and K
+    with, per group and weighting (h·2 + w)."""
+    return (group_sums_cols(k_acc_NTkD, groups[0]).flatten(-2), group_sums_cols(q_acc_NTqD, groups[1]).flatten(-2))
+
+
+def scores_refs(
+    q_acc_NTqD: torch.Tensor,
+    k_acc_NTkD: torch.Tensor,
+    groups: tuple[int, int] = (1, 1),
+    weights: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """(row references (..., Tq·g_r, 2), column references (..., Tk·g_c, 2), ref norms) of AS_ij = Q_i K_jᵀ, in the acc
     dtype. groups (g_r, g_c): checksum groups per row (runs of keys) and per column (runs of queries), the grouped
     layout of abft/checksum.py; ref norms: (‖K_hᵀ w‖ (..., g_r, 2), ‖Q_hᵀ w‖ (..., g_c, 2)) per group ((..., 2) each
     ungrouped), what the calibrated bound dots the references with (product_check._verify's ref_norms), as the unfused
-    path passes."""
-    g_r, g_c = groups
-    kbar_ND2g = group_sums_cols(k_acc_NTkD, g_r).flatten(-2)
-    qbar_ND2g = group_sums_cols(q_acc_NTqD, g_c).flatten(-2)
+    path passes. weights: `scores_weights` when the caller made them (made here otherwise)."""
+    kbar_ND2g, qbar_ND2g = scores_weights(q_acc_NTqD, k_acc_NTkD, groups) if weights is None else weights
     rows = times_skinny(q_acc_NTqD, kbar_ND2g)  # (..., Tq, g_r·2): already vector i·g_r + h's pair
     cols = times_skinny(k_acc_NTkD, qbar_ND2g)
     return _pairs(rows), _pairs(cols), _ref_norms(kbar_ND2g, qbar_ND2g, groups)
