@@ -3,13 +3,20 @@ under TF32 (emulated on the CPU by rounding or truncating the operands to 10 man
 its operands' roundings can make, shared elements included, not against u_in·‖A_i‖‖B_j‖ per element."""
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from model_zoo import NanoGPT
+from quiet_period import step_until_due_after_quiet
+from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import attnchecker
 from attnchecker.abft import Tolerance, group_sums_cols
 from attnchecker.abft.operand_moments import context_moments, scores_moments
 from attnchecker.attention import _context_checks, _scores_checks
@@ -253,3 +260,65 @@ def test_the_tiled_path_takes_the_scores_moments() -> None:
         bad[0, 100, 30] += 2.0 * rms
         checks = check(bad)
         assert checks["row"].bad.any() or checks["col"].bad.any()
+
+
+class _ContextRmsFault(TorchDispatchMode):
+    """Adds ``times`` × RMS to one element of the first bmm output shaped like an attention context (..., T, D) with a
+    reduction over T keys: chosen by shape alone, knowing nothing of attnchecker."""
+
+    def __init__(self, t: int, d: int, times: float) -> None:
+        super().__init__()
+        self.t, self.d, self.times = t, d, times
+        self.hit = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if (not self.hit and func is torch.ops.aten.bmm.default and out.shape[-2:] == (self.t, self.d)
+                and args[0].shape[-1] == self.t):
+            with torch.no_grad():
+                flat = out.view(-1)
+                flat[flat.numel() // 2 + 5] += self.times * float(flat.double().square().mean().sqrt())
+            self.hit = True
+        return out
+
+
+def test_default_policy_under_truncating_tf32_catches_a_two_rms_context_error_after_a_quiet_period() -> None:
+    # protect(model, optimizer=opt) with nothing else set, every fp32 GEMM under (emulated) truncating TF32, head dim
+    # 128 at T = 256 (the unfused path there): clean steps until the context's first full check after the schedule
+    # went quiet, then a 2x RMS error in the context product. Detected and corrected: the loss is the clean step's.
+    t, n_embd, vocab = 256, 256, 128
+    torch.manual_seed(0)
+    model = NanoGPT(vocab=vocab, n_embd=n_embd, n_head=2, n_layer=2, block=t).train()
+    ids = torch.randint(0, vocab, (1, t + 1), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights unchanged: every step has the same clean result
+
+    def loss_of(fault: TorchDispatchMode | None = None) -> torch.Tensor:
+        with emulate_fp32_matmul("tf32", truncate=True), fault or contextlib.nullcontext():
+            logits = model(ids[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1))
+
+    guard = attnchecker.protect(model, optimizer=opt)
+    try:
+        clean: list[float] = []
+
+        def clean_step(_due: bool) -> None:
+            opt.zero_grad(set_to_none=True)
+            loss = loss_of()
+            with emulate_fp32_matmul("tf32", truncate=True):
+                loss.backward()
+            opt.step()
+            clean.append(float(loss.detach()))
+
+        step_until_due_after_quiet(guard, clean_step, op="context")
+        assert guard.detections == []
+        fault = _ContextRmsFault(t, n_embd // 2, 2.0)
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(fault)
+        opt.step()
+        detections = list(guard.detections)
+    finally:
+        guard.close()
+    assert fault.hit, "no context-shaped product was seen"
+    assert [d.op for d in detections] == ["context"], detections
+    assert detections[0].action in ("corrected", "recomputed")
+    assert abs(float(loss.detach()) - clean[-1]) <= 1e-5 * abs(clean[-1])
