@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from . import fused_attention, records
 from .abft import GROUP_MIN, Tolerance, acc_dtype, col_norms, repair
-from .abft.operand_moments import context_moments, scores_moments
+from .abft.operand_moments import context_moments, query_weighted_sums, references_of, scores_moments
 from .abft.repair import MatrixReport
 from .abft.tiled import (
     TILE_BUDGET,
@@ -604,12 +604,17 @@ def context_tile_checks(
     g_v runs of features per row (vw's layout), runs of queries per column (product_check._groups on Tq)."""
     groups = (g_v, _groups(tol, pv_NTqD.shape[-2]))
     p_acc = p_NTqTk.to(v_acc_NTkD.dtype)
-    row_ref, col_ref, p_norm, ref_norms = context_refs(p_acc, v_acc_NTkD, vw_NTk2g, p_sum_NTq, cl_rows_NTq2g, groups)
+    rounded = operand_rounding(pv_NTqD, tol)
+    # Under TF32 the column references' weighted sums and the moments' in one pass over P̃.
+    query_sums = query_weighted_sums(p_acc, p_sum_NTq.to(p_acc.dtype), groups[1]) if rounded else None
+    row_ref, col_ref, p_norm, ref_norms = context_refs(p_acc, v_acc_NTkD, vw_NTk2g, p_sum_NTq, cl_rows_NTq2g, groups,
+                                                       None if query_sums is None else references_of(query_sums))
     p_norm = p_norm.to(v_acc_NTkD.dtype)
     moments: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
-    if operand_rounding(pv_NTqD, tol):
+    if query_sums is not None:
         # The tile GEMM rounded P̃ and V (TF32): their moments bound that error (abft/operand_moments.py).
-        moments = context_moments(p_acc, v_acc_NTkD, p_sum_NTq.to(p_norm.dtype), groups, vw_NS2g=vw_NTk2g)
+        moments = context_moments(p_acc, v_acc_NTkD, p_sum_NTq.to(p_norm.dtype), groups, vw_NS2g=vw_NTk2g,
+                                  query_sums_Ng4S=query_sums)
     return _verify(pv_NTqD, row_ref, col_ref, p_norm, col_norms(v_acc_NTkD),
                    k=v_acc_NTkD.shape[-2], tol=tol, ref_norms=ref_norms, groups=groups, operand_moments=moments)
 

@@ -211,17 +211,20 @@ def context_refs(
     p_sum_NTq: torch.Tensor,
     row_NTq2: torch.Tensor | None = None,
     groups: tuple[int, int] = (1, 1),
+    pw_NTk2g: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """(row refs (..., Tq·g_r, 2), column refs (..., D·g_c, 2), ‖P̃_t‖₂ bound (..., Tq), ref norms) of CL_ij = P̃_ij V_j.
     vw: V_j w per feature group (..., Tk, 2·g_r) (:func:`v_row_checksums`, sliced from one pass over the whole V);
     p_sum: Σ P̃ per row, as the softmax fold computed it. row_NTq2: P̃ (V_j w) (..., Tq, 2·g_r) when the tile GEMM already
     produced it (V augmented with its checksum columns, :func:`augment_v`), else computed here (one more pass over P̃).
     groups (g_r, g_c): checksum groups per row (runs of features) and per column (runs of queries); ref norms:
-    (‖V_j w‖ (..., g_r, 2), ‖wᵀP̃_h‖ (..., g_c, 2)) per group for the calibrated bound, as the unfused path passes."""
+    (‖V_j w‖ (..., g_r, 2), ‖wᵀP̃_h‖ (..., g_c, 2)) per group for the calibrated bound, as the unfused path passes.
+    pw: wᵀP̃_h per key (..., Tk, 2·g_c) when the caller made it (one more pass over P̃ otherwise)."""
     g_c = groups[1]  # g_r is in vw's layout already
     if row_NTq2 is None:
         row_NTq2 = times_skinny(p_acc_NTqTk, vw_NTk2)
-    pw_NTk2g = group_sums_cols(p_acc_NTqTk, g_c).flatten(-2)
+    if pw_NTk2g is None:
+        pw_NTk2g = group_sums_cols(p_acc_NTqTk, g_c).flatten(-2)
     # (..., 2·g_c, D) -> (..., D, g_c, 2) -> (..., D·g_c, 2)
     col_N2gD = pw_NTk2g.mT @ v_acc_NTkD
     col_ND2 = col_N2gD.view(*col_N2gD.shape[:-2], g_c, 2, -1).movedim(-1, -3).flatten(-3, -2)
