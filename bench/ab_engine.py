@@ -1,7 +1,7 @@
-"""A/B two versions of the engine (agent/attnchecker/attention.py) in one process, interleaved, on the GPT-2 size:
-the installed one ("A") and another copy of attention.py given by path ("B", e.g. `git show REV:agent/attnchecker/
+"""A/B two versions of the engine (agent/attnchecker/attention/pipeline.py) in one process, interleaved, on the GPT-2
+size: the installed one ("A") and another copy of attention.py given by path ("B", e.g. `git show REV:agent/attnchecker/
 attention.py > /tmp/before.py`). Both are driven through the same integrations (they import protected_sdpa and
-check_linear from attnchecker.attention at call time, which is swapped per step).
+check_linear from attnchecker.attention.pipeline at call time, which is swapped per step).
 
     python bench/ab_engine.py /tmp/before.py [rounds]
 """
@@ -21,7 +21,7 @@ import _common
 import overhead as ov
 import torch
 
-import attnchecker.attention as engine_a
+import attnchecker.attention.pipeline as engine_a
 
 
 def load(path: str) -> ModuleType:

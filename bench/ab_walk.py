@@ -20,7 +20,7 @@ import _common
 import overhead as ov
 import torch
 
-import attnchecker.projection as projection
+import attnchecker.gemm.projection as projection
 
 
 @contextlib.contextmanager

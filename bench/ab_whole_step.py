@@ -1,7 +1,7 @@
 """A/B the whole-step check path of two engine versions in one process, interleaved: protect(scope="all") with
-Policy.full() using this checkout's gemm_check / attention_backward / checksum helpers ("new") against those files
-as they were at another revision ("old", read with `git show REV:path`), plus the unprotected baseline. CPU time of
-this process per step, median of per-round ratios to the baseline [IQR]: the comparison that survives a loaded shared
+Policy.full() using this checkout's gemm.check / attention.backward.checked / checksum helpers ("new") against those
+files as they were at another revision ("old", read with `git show REV:path`), plus the unprotected baseline. CPU time
+of this process per step, median of per-round ratios to the baseline [IQR]: the comparison that survives a loaded shared
 machine, where separate runs differ by more than the change.
 
     python bench/ab_whole_step.py REV [--models gpt2] [--rounds 6] [--tiny] [--out PATH]
@@ -32,17 +32,17 @@ import torch
 import attnchecker
 import attnchecker.abft.checksum as checksum_new
 import attnchecker.abft.gemm
-import attnchecker.attention
-import attnchecker.attention_backward as attention_backward_new
-import attnchecker.fused_backward
-import attnchecker.gemm_check as gemm_check_new
-import attnchecker.linear_abft
-import attnchecker.projection
+import attnchecker.attention.backward.checked as attention_backward_new
+import attnchecker.attention.backward.fused
+import attnchecker.attention.pipeline
+import attnchecker.gemm.check as gemm_check_new
+import attnchecker.gemm.linear
+import attnchecker.gemm.projection
 from attnchecker import Policy
 
 # (module in the package, file) swapped as a whole: the functions the whole-step path calls from them.
-SWAPPED = {"abft.checksum": "agent/attnchecker/abft/checksum.py", "gemm_check": "agent/attnchecker/gemm_check.py",
-           "attention_backward": "agent/attnchecker/attention_backward.py"}
+SWAPPED = {"abft.checksum": "agent/attnchecker/abft/checksum.py", "gemm_check": "agent/attnchecker/gemm/check.py",
+           "attention_backward": "agent/attnchecker/attention/backward/checked.py"}
 NAMES = ("weighted_rows", "times_skinny", "check_gemms", "linear_sums", "checked_backward")
 
 

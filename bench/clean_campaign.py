@@ -51,9 +51,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import attnchecker
+from attnchecker.attention.backends.tiled_torch import PATH_ENV
 from attnchecker.cli.corpus import Batches, stdlib_corpus
 from attnchecker.emulate import emulate_fp32_matmul
-from attnchecker.tiled_attention import PATH_ENV
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16")
 TF32_TRUNCATED = "tf32-trunc"

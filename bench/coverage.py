@@ -37,19 +37,24 @@ _common.setup_path()
 import torch
 import torch.nn.functional as F
 
-from attnchecker import fused_attention
 from attnchecker.abft import Tolerance, vector_of
 from attnchecker.abft.tiled import augment_v, causal_offset, fold_scores, v_row_checksums
-from attnchecker.attention import (
+from attnchecker.attention.backends import native_cpu
+from attnchecker.attention.backends.native_rules import kernel_checks, kernel_rules
+from attnchecker.attention.backends.tiled_torch import (
+    KERNEL_BLOCK_Q,
+    context_tile_checks,
+    default_tiles,
+    scores_tile_checks,
+)
+from attnchecker.attention.pipeline import (
     _context_checks,
     _ProjectionInput,
     _scores_checks,
 )
-from attnchecker.attention_kernel import kernel_checks, kernel_rules
+from attnchecker.checks.product import _groups
 from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
-from attnchecker.product_check import _groups
-from attnchecker.projection import fast_directions
-from attnchecker.tiled_attention import KERNEL_BLOCK_Q, context_tile_checks, default_tiles, scores_tile_checks
+from attnchecker.gemm.projection import fast_directions
 
 # name -> (tokens T, model width, heads checked in scores/context, head dim D, heads in the clean-check batches)
 SHAPES: dict[str, dict[str, int]] = {
@@ -170,11 +175,11 @@ class Op:
 
 class TiledOp(Op):
     """scores or context checked as the tiled attention path checks them (--path tiled): one tile per default query
-    block (256 rows) over all its keys, each tile through tiled_attention.scores_tile_checks / context_tile_checks,
-    the engine's own per-tile checks. Scores: no mask, so every 256 × S tile spans whole rows (as the unfused
-    campaign's scores). Context: causal, so block i's tile is P̃_i (256 × its key prefix, unnormalised: the online
-    softmax's exp(z - max)) times V; c is those tiles' P̃V, and an error of m·RMS of the normalised CL in row t is
-    m·RMS·ΣP̃_t in the tile (the same error in the layer's output once the tiled path divides by ΣP̃). The per-tile
+    block (256 rows) over all its keys, each tile through attention.backends.tiled_torch.scores_tile_checks /
+    context_tile_checks, the engine's own per-tile checks. Scores: no mask, so every 256 × S tile spans whole rows (as
+    the unfused campaign's scores). Context: causal, so block i's tile is P̃_i (256 × its key prefix, unnormalised: the
+    online softmax's exp(z - max)) times V; c is those tiles' P̃V, and an error of m·RMS of the normalised CL in row t
+    is m·RMS·ΣP̃_t in the tile (the same error in the layer's output once the tiled path divides by ΣP̃). The per-tile
     checks are stitched into one (R·g, 2) / (C·n_blocks, 2) layout, so a 256-row tile column is column group i."""
 
     def __init__(self, name: str, shape: dict[str, int], dtype_name: str, seed: int) -> None:
@@ -227,7 +232,7 @@ class KernelOp(Op):
     """scores or context through the native attention pass (--path kernel; fp32, the kernel's only dtype). The
     product is the kernel's own; a corrupted copy c is handed to it as emulated faults (every element where c differs
     from the clean product, written into the kernel's scores or context right after the GEMM that made them:
-    fused_attention.emulated_faults), and the verdict is the kernel's rows, read through kernel_checks (its sums and
+    native_cpu.emulated_faults), and the verdict is the kernel's rows, read through kernel_checks (its sums and
     references; the kernel's own count of flagged rows is asserted equal on every call). Scores: no mask, whole rows,
     as the unfused campaign's. Context: causal; c is the kernel's unnormalised P̃V (its output times ΣP̃, a value an ulp
     or so from the kernel's own: flips of the lowest mantissa bits are within that), so an error of m·RMS of the
@@ -236,7 +241,7 @@ class KernelOp(Op):
     def __init__(self, name: str, shape: dict[str, int], dtype_name: str, seed: int) -> None:
         if name not in ("scores", "context") or dtype_name != "fp32":
             raise ValueError(f"--path kernel covers fp32 scores and context, not {dtype_name} {name}")
-        if not fused_attention.available():
+        if not native_cpu.available():
             raise ValueError("--path kernel: the native attention pass is not available here (no C compiler or no "
                              "BLAS sgemm_)")
         super().__init__(name, shape, dtype_name, seed)
@@ -252,14 +257,14 @@ class KernelOp(Op):
             self.rms = float((got.out_NTD.square().mean()).sqrt())
             self.row_scale = got.p_sum_NT[0]
 
-    def _run(self, faults: list[fused_attention.Fault], tol: Tolerance) -> tuple[Any, dict[str, Any]]:
+    def _run(self, faults: list[native_cpu.Fault], tol: Tolerance) -> tuple[Any, dict[str, Any]]:
         groups = _groups(tol, self.k3.shape[-2])
         vw = v_row_checksums(self.v3)
         rules = kernel_rules(self.q3, self.k3, self.v3, vw, tol=tol, groups=groups)
-        with fused_attention.emulated_faults(faults):
-            got = fused_attention.run(self.q3, self.k3, augment_v(self.v3, vw), rules,
+        with native_cpu.emulated_faults(faults):
+            got = native_cpu.run(self.q3, self.k3, augment_v(self.v3, vw), rules,
                                       scale=1 / math.sqrt(self.q3.shape[-1]), is_causal=self.causal,
-                                      block_q=KERNEL_BLOCK_Q, faults=fused_attention.take_faults())
+                                      block_q=KERNEL_BLOCK_Q, faults=native_cpu.take_faults())
         if got is None:
             raise RuntimeError("the native attention pass declined the call")
         return got, kernel_checks(self.k3, self.v3, vw, got, rules, tol=tol)
@@ -270,7 +275,7 @@ class KernelOp(Op):
         got, checks = self._run(faults, tol)
         row = checks[self.name]["row"]
         n = self.q3.shape[0]
-        flagged = got.flagged_N2[:, fused_attention.OPS.index(self.name)]
+        flagged = got.flagged_N2[:, native_cpu.OPS.index(self.name)]
         if flagged.tolist() != row.bad.view(n, -1).sum(-1).tolist():
             raise RuntimeError("the kernel's verdict and kernel_checks' differ")
         return {"row": _Stitched(row.bad[None], row.diff[None], row.bound[None], row.bound2[None], row.groups)}
@@ -446,8 +451,8 @@ def clean_campaign(dtype_name: str, checks: int, seed: int, tol: Tolerance | Non
     """Many clean small checks on realistic data (outlier features, causal and padding masks, fully masked rows):
     flagged matrices per op. A check = one verified matrix: a batch element's projection, a (batch, head)'s scores
     or context."""
-    from attnchecker.attention import check_linear, protected_sdpa
-    from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
+    from attnchecker.attention.pipeline import check_linear, protected_sdpa
+    from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
 
     dtype = DTYPES[dtype_name]
     flagged: list[Any] = []
@@ -456,15 +461,16 @@ def clean_campaign(dtype_name: str, checks: int, seed: int, tol: Tolerance | Non
     if tol is not None and tol.sigmas != Tolerance().sigmas:
         # The policy has no `sigmas` (it is not a user setting): for a what-if run at another quantile the
         # engine's tolerance builder is replaced for this process only.
-        import attnchecker.attention
-        import attnchecker.projection
-        import attnchecker.tiled_attention
+        import attnchecker.attention.backends.tiled_torch
+        import attnchecker.attention.pipeline
+        import attnchecker.gemm.projection
 
         def what_if(c: Any) -> Tolerance:
             return Tolerance(mode=c.config.tolerance, factor=c.config.tolerance_factor, sigmas=tol.sigmas)
 
-        # Every engine module that builds a tolerance holds its own reference to product_check._tolerance.
-        for engine in (attnchecker.attention, attnchecker.projection, attnchecker.tiled_attention):
+        # Every engine module that builds a tolerance holds its own reference to checks.product._tolerance.
+        for engine in (attnchecker.attention.pipeline, attnchecker.gemm.projection,
+                       attnchecker.attention.backends.tiled_torch):
             engine._tolerance = what_if  # type: ignore[attr-defined]
     counts = {"projection": 0, "scores": 0, "context": 0}
     gen = torch.Generator().manual_seed(seed)

@@ -30,8 +30,8 @@ _common.setup_path()
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
-from attnchecker.encoded_backward import ENCODED_OPS, encoded_backward
+from attnchecker.attention.backward.encoded import ENCODED_OPS, encoded_backward
+from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
 
 aten = torch.ops.aten
 FUSED_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -102,7 +102,7 @@ def measure(shapes: dict[str, tuple[int, int, int, int]]) -> list[dict[str, Any]
 
 def timing(rounds: int, tiny: bool) -> dict[str, Any]:
     """ms per layer backward: plain kernel, encoded (with its checks), checked products; median of the rounds."""
-    from attnchecker.attention_backward import checked_backward
+    from attnchecker.attention.backward.checked import checked_backward
 
     b, h, t, d = SHAPES["small"] if tiny else (4, 8, 256, 64)
     case = _case(torch.float32, b, h, t, d)

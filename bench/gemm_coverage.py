@@ -9,7 +9,8 @@ Linear, or an outer product with reduction length 1; none in these two models). 
 
   attention  projections forward + attention core forward
   all        every Linear/Conv1D forward and backward (dX, dW) + attention core forward and backward (its backward
-             checked where the fused-backward path applies: CPU, no dropout, no return_probs; encoded_backward)
+             checked where the fused-backward path applies: CPU, no dropout, no return_probs;
+             attention.backward.encoded)
 
     python bench/gemm_coverage.py [--models gpt2,llama] [--tiny]
 """
@@ -32,7 +33,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnchecker
-from attnchecker.linear_abft import linear_layout
+from attnchecker.gemm.linear import linear_layout
 
 aten = torch.ops.aten
 CLASSES = ("projection", "other_linear", "attention_core", "other")

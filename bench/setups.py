@@ -26,8 +26,8 @@ _common.setup_path()
 import torch
 import torch.nn.functional as F
 
-from attnchecker import attention
-from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
+from attnchecker.attention import pipeline as attention
+from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
 from attnchecker.integrations._common import Binder
 
 

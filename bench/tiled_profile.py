@@ -44,7 +44,7 @@ def _qkv(t: int, *, heads: int = 8, d: int = 32, grad: bool = False) -> list[Any
 
 
 def _ctx(only: str | None = None) -> Any:
-    from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
+    from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
 
     config = CheckConfig() if only is None else CheckConfig(checked_ops=frozenset({only}), tripwire=False)
     runtime = Runtime(step=0, config=config, injector=None, on_detection=lambda _: None, stats=OpStats())
@@ -74,8 +74,8 @@ def profile(t: int, rounds: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from attnchecker.attention import protected_sdpa
-    from attnchecker.tiled_attention import default_tiles
+    from attnchecker.attention.backends.tiled_torch import default_tiles
+    from attnchecker.attention.pipeline import protected_sdpa
 
     q, k, v = _qkv(t, grad=True)
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
@@ -123,8 +123,8 @@ def per_tile_python() -> float:
     """Seconds of fixed cost per tile: a call whose tiles are too small for the arithmetic to count."""
     import torch
 
-    from attnchecker.attention import protected_sdpa
-    from attnchecker.tiled_attention import TILE_ENV
+    from attnchecker.attention.backends.tiled_torch import TILE_ENV
+    from attnchecker.attention.pipeline import protected_sdpa
 
     q, k, v = _qkv(512, heads=1, d=8)
     saved = os.environ.get(TILE_ENV)
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from attnchecker.tiled_attention import PATH_ENV
+    from attnchecker.attention.backends.tiled_torch import PATH_ENV
 
     os.environ[PATH_ENV] = "tiled"
     results = []

@@ -10,7 +10,7 @@ command -v pg_isready >/dev/null || need+=(postgresql-15)
 # The dashboard page's browser test (tests/e2e/test_web_ui.py) drives the distribution's Chromium through Playwright;
 # `playwright install` (a browser download) is never needed.
 command -v chromium >/dev/null || need+=(chromium fonts-dejavu-core)
-# The one-pass checksum kernel (agent/attnchecker/fused_pass.c) is compiled on first use; its tests need a compiler.
+# The one-pass checksum kernel (agent/attnchecker/kernels/fused_pass.c) is compiled on first use; its tests need a compiler.
 command -v cc >/dev/null || need+=(gcc libc6-dev)
 if [ ${#need[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import NullPool
+
 from attnchecker_server.auth import Role, create_token
 from attnchecker_server.config import Settings, normalise_database_url
 from attnchecker_server.db import make_engine, make_session_factory, session_scope
 from attnchecker_server.migrate import upgrade
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
-from sqlalchemy.pool import NullPool
 
 __all__ = [
     "DEFAULT_POSTGRES_URL",

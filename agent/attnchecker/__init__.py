@@ -19,9 +19,9 @@ from .errors import (
     UnsupportedDtypeError,
 )
 from .events import Detection
-from .guard import FaultCounts, Guard, Report, is_protected, protect, unprotect
 from .inject import Fault, FaultPlan
 from .policy import Policy, PolicyError
+from .runtime.guard import FaultCounts, Guard, Report, is_protected, protect, unprotect
 
 # The trainer callbacks import transformers / lightning when they exist: loaded on first use, so that
 # `import attnchecker` stays light for a plain PyTorch training script.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .guard import Guard, protect
+from .runtime.guard import Guard, protect
 
 __all__ = ["AttnCheckerCallback", "AttnCheckerLightningCallback"]
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .context import OPS
+from .checks.context import OPS
 
 __all__ = ["PATHS", "Coverage", "OpCoverage"]
 

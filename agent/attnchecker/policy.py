@@ -24,10 +24,10 @@ OPS: tuple[str, ...] = ("q", "k", "v", "scores", "context", "out")
 WHOLE_STEP_OPS: tuple[str, ...] = ("linear", "linear_dx", "linear_dw", "scores_bwd", "grad_probs", "grad_v", "grad_q",
                                    "grad_k")
 """What protect(scope="all") checks besides OPS: a Linear/Conv1D output, its input and weight gradients
-(linear_abft.GEMM_OPS), and the attention core's backward (attention_backward.BACKWARD_OPS). Events, fault stats and
-per-op check stats name them; a policy does not (no period of their own)."""
+(gemm.linear.GEMM_OPS), and the attention core's backward (attention.backward.checked.BACKWARD_OPS). Events, fault stats
+and per-op check stats name them; a policy does not (no period of their own)."""
 WHOLE_STEP_SCHEDULE = "out"
-"""The op whose schedule the whole-step ops follow (whole_step.gemm_due): the last GEMM of a layer, checked when the
+"""The op whose schedule the whole-step ops follow (gemm.schedule.gemm_due): the last GEMM of a layer, checked when the
 layer is."""
 MODES: tuple[str, ...] = ("off", "detect", "correct")
 TIERS: tuple[str, ...] = ("tripwire", "abft", "optimizer")

@@ -6,9 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
-from attnchecker.events import Detection
 from hypothesis import HealthCheck, settings
+
+from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
+from attnchecker.events import Detection
 
 # Example counts are set per test (the CPU budget differs a lot between a pure checksum test and a whole layer).
 settings.register_profile("ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,11 +52,13 @@ def make_ctx() -> Callable[..., tuple[LayerContext, Recorder]]:
 @pytest.fixture
 def kernel_everywhere(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
     """kernel_everywhere(): from then on in the test, every check reads its matrices through the one-pass kernel
-    (attnchecker.fused_pass), which the zoo's small models are otherwise below the size for (gemm_check.ONE_PASS_MIN,
-    product_check._ONE_PASS_MIN*). Skips where the kernel cannot be built (no C compiler)."""
+    (attnchecker.kernels.fused_pass), which the zoo's small models are otherwise below the size for (gemm.check.ONE_PASS_MIN,
+    checks.product._ONE_PASS_MIN*). Skips where the kernel cannot be built (no C compiler)."""
 
     def lower() -> None:
-        from attnchecker import fused_pass, gemm_check, product_check
+        from attnchecker.checks import product as product_check
+        from attnchecker.gemm import check as gemm_check
+        from attnchecker.kernels import fused_pass
 
         if not fused_pass.available():
             pytest.skip("no C compiler: the kernel cannot be built here")

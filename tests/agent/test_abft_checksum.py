@@ -5,6 +5,9 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from attnchecker.abft import (
     DirectionCheck,
     Tolerance,
@@ -16,8 +19,6 @@ from attnchecker.abft import (
     repair,
     verify_direction,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
-from attnchecker.abft import Tolerance, checksum_weights, repair
-from attnchecker.abft.gemm import OperandSums, exact_gemm_elements, verify_gemm
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from attnchecker.abft import Tolerance, checksum_weights, repair
+from attnchecker.abft.gemm import OperandSums, exact_gemm_elements, verify_gemm
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -163,7 +164,7 @@ def test_checks_carry_the_bound_on_d2(lead: tuple[int, ...]) -> None:
 
 
 def _operand_side(a: torch.Tensor, b: torch.Tensor, direction: str) -> OperandSums:
-    """What a caller that read A and B itself passes (gemm_check.linear_sums makes these in its kernel reads)."""
+    """What a caller that read A and B itself passes (gemm.check.linear_sums makes these in its kernel reads)."""
     a32, b32 = a.float(), b.float()
     if direction == "row":
         ref = a32 @ (b32 @ checksum_weights(b.shape[-1], b.device, torch.float32))
@@ -183,7 +184,7 @@ def test_a_check_given_its_operand_side_flags_what_the_full_check_flags(
 ) -> None:
     """verify_gemm(operand_sums=...) reads only C: the same vectors flagged and the same bound as the check that
     makes the operand side itself, in either direction, with the one-pass kernel reading C or without."""
-    from attnchecker import fused_pass
+    from attnchecker.kernels import fused_pass
 
     a, b = randn((m, k), seed, dtype), randn((k, n), seed + 1, dtype)
     bias = randn((n,), seed + 2, dtype) if with_bias else None

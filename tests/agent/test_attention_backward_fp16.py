@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from test_attention_fp16_overflow import edge_qkv
 
-from attnchecker.attention_backward import checked_backward
+from attnchecker.attention.backward.checked import checked_backward
 
 
 def test_checked_backward_past_the_fp16_edge_is_finite_and_reports_nothing(make_ctx) -> None:

@@ -8,11 +8,12 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812
-from attnchecker.attention import protected_sdpa
+import torch.nn.functional as F
 from gemm_faults import GemmFault, GemmFaults
 from hypothesis import given
 from hypothesis import strategies as st
+
+from attnchecker.attention.pipeline import protected_sdpa
 
 FP16_MAX = 65504.0
 
@@ -82,8 +83,9 @@ def test_fault_at_the_edge_is_corrected(make_ctx, value) -> None:
 def test_fp16_gpt2_layer_past_the_edge_matches_sdpa_finiteness() -> None:
     """An unmodified transformers GPT-2 in fp16 whose first layer's q and k align along one direction: unscaled logits
     ~1.9e5 (past 65504), scaled ones inside fp16. SDPA is finite; so is the protected model, with nothing reported."""
-    import attnchecker
     from model_zoo import batch, build
+
+    import attnchecker
 
     model = build("gpt2").half().eval()
     width = 64

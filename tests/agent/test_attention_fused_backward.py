@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from attnchecker.attention import _probs, protected_sdpa
 from test_attention_layer import tiled
+
+from attnchecker.attention.pipeline import _probs, protected_sdpa
 
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 5e-2, "atol": 5e-2}}
 

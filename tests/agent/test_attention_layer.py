@@ -9,17 +9,18 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from attnchecker.attention import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnchecker.attention.pipeline import (
     check_linear,
     protected_linear,
     protected_sdpa,
     protected_self_attention,
 )
-from attnchecker.context import OPS
+from attnchecker.checks.context import OPS
 from attnchecker.inject import Fault
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 EXTREME_KINDS = ("inf", "neg_inf", "nan", "near_inf", "bitflip")

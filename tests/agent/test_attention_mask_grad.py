@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import math
 
-import attnchecker
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812
-from attnchecker.attention import protected_sdpa
+import torch.nn.functional as F
 from gemm_faults import GemmFault, GemmFaults
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+
+import attnchecker
+from attnchecker.attention.pipeline import protected_sdpa
 
 B, T, C, H = 2, 12, 32, 4
 

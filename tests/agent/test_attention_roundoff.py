@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from attnchecker.abft import Tolerance
-from attnchecker.attention import _context_checks, _probs, check_linear, protected_sdpa
+from attnchecker.attention.pipeline import _context_checks, _probs, check_linear, protected_sdpa
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (batch, heads, queries, keys, head dim, mask): batch × heads matrices per op and call.

@@ -16,21 +16,22 @@ import test_attention_fused_backward as fused_suite
 import test_attention_layer as layer_suite
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scoped_env import scoped_env
+from test_attention_layer import TOL, layer_params, run_layer, seeded
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from attnchecker.abft.tiled import TilePlan, finish, fold_scores, square_sums
-from attnchecker.attention import protected_sdpa
-from attnchecker.inject import Fault
-from attnchecker.tiled_attention import (
+from attnchecker.attention.backends.tiled_torch import (
     PATH_ENV,
     TILE_ENV,
     TILED_MIN_ENV,
     _RecomputedBackward,
     choose_tiles,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from scoped_env import scoped_env
-from test_attention_layer import TOL, layer_params, run_layer, seeded
-from torch.utils._python_dispatch import TorchDispatchMode
+from attnchecker.attention.pipeline import protected_sdpa
+from attnchecker.inject import Fault
 
 SMALL_TILES = "4,3"
 
@@ -91,14 +92,14 @@ def test_no_tensor_of_the_attention_matrix_size_is_made_forward_or_backward(make
 
 
 def test_the_checked_backward_keeps_to_blocks_of_rows_and_gives_the_sdpa_gradient(make_ctx, monkeypatch) -> None:
-    """Under protect(scope="all") the backward's products are checked (attention_backward), on this path a block of
+    """Under protect(scope="all") the backward's products are checked (attention.backward.checked), on this path a block of
     query rows at a time: no T×S tensor in backward either, one check per block and product, SDPA's gradient. They
     are the encoded kernel's recovery and the full check off the CPU: the encoded kernel is switched off to reach
     them (the next test is the encoded path's)."""
-    from attnchecker import encoded_backward
-    from attnchecker.whole_step import _WHOLE_STEP
+    from attnchecker.attention.backward import encoded
+    from attnchecker.gemm.schedule import _WHOLE_STEP
 
-    monkeypatch.setattr(encoded_backward, "enabled", False)
+    monkeypatch.setattr(encoded, "enabled", False)
 
     b, h, t, d, rows = 1, 2, 128, 8, 16
     q, k, v = (seeded((b, h, t, d), i, torch.float32).requires_grad_() for i in range(3))
@@ -126,7 +127,7 @@ def test_the_checked_backward_keeps_to_blocks_of_rows_and_gives_the_sdpa_gradien
 def _whole_step_backward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
     """Causal protected_sdpa with ctx's runtime taken for a scope="all" guard's (its whole-step checks due), then its
     backward: the largest tensor that backward made."""
-    from attnchecker.whole_step import _WHOLE_STEP
+    from attnchecker.gemm.schedule import _WHOLE_STEP
 
     _WHOLE_STEP.add(id(ctx.runtime))
     try:
@@ -140,9 +141,9 @@ def _whole_step_backward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 
 def test_the_encoded_backward_keeps_the_kernels_memory_and_gives_the_sdpa_gradient(make_ctx, monkeypatch) -> None:
     """The full check of the backward as it runs on the CPU: the fused kernel on checksum-encoded operands
-    (encoded_backward), one check of each of its ops per layer, no T×S tensor (its buffers are (B, H, T, D + 5)),
+    (attention.backward.encoded), one check of each of its ops per layer, no T×S tensor (its buffers are (B, H, T, D + 5)),
     SDPA's gradient."""
-    from attnchecker.encoded_backward import ENCODED_COLS, ENCODED_OPS
+    from attnchecker.attention.backward.encoded import ENCODED_COLS, ENCODED_OPS
 
     b, h, t, d = 1, 2, 128, 8
     q, k, v = (seeded((b, h, t, d), 20 + i, torch.float32).requires_grad_() for i in range(3))
@@ -162,10 +163,10 @@ def test_the_checked_backward_holds_to_the_tile_budget_on_any_path(make_ctx, mon
     """Every caller of the checked backward gets blocks within the tile budget: here the unfused path (T·S below the
     tiled threshold, but B·H·T·S past a budget made small), which the fused tier-1 kernel's recovery from a trip at
     long context shares (it passes no block size either). Before, those callers materialised all of (B, H, T, S)."""
-    import attnchecker.attention_backward as attention_backward
-    from attnchecker import encoded_backward
+    import attnchecker.attention.backward.checked as attention_backward
+    from attnchecker.attention.backward import encoded
 
-    monkeypatch.setattr(encoded_backward, "enabled", False)  # its products, as above
+    monkeypatch.setattr(encoded, "enabled", False)  # its products, as above
     b, h, t, d = 1, 2, 64, 8
     q, k, v = (seeded((b, h, t, d), 10 + i, torch.float32).requires_grad_() for i in range(3))
     monkeypatch.setattr(attention_backward, "TILE_BUDGET", b * h * 16 * t)  # 16 rows over all keys
@@ -308,7 +309,7 @@ def test_recomputed_backward_gives_the_fused_sdpa_gradient() -> None:
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_off_cpu_backward_folds_a_causal_flag_into_an_explicit_mask(kind: str) -> None:
     """SDPA takes is_causal or attn_mask, not both; the off-CPU backward gets the two folded into one mask."""
-    from attnchecker.tiled_attention import _causal_into_mask
+    from attnchecker.attention.backends.tiled_torch import _causal_into_mask
 
     q, k, v = (seeded((1, 2, 9, 4), 95 + i, torch.float32).requires_grad_() for i in range(3))
     g = torch.Generator().manual_seed(4)
@@ -348,7 +349,7 @@ def test_path_choice_by_size_and_by_environment(monkeypatch) -> None:
 
 
 def test_default_tiles_take_all_keys_up_to_the_budget_then_block_them(monkeypatch) -> None:
-    from attnchecker.tiled_attention import DEFAULT_BLOCK_Q, MIN_BLOCK_K, TILE_BUDGET, default_tiles
+    from attnchecker.attention.backends.tiled_torch import DEFAULT_BLOCK_Q, MIN_BLOCK_K, TILE_BUDGET, default_tiles
 
     monkeypatch.setenv(PATH_ENV, "tiled")
     monkeypatch.delenv(TILE_ENV)

@@ -1,5 +1,5 @@
 """The attention backward's full check on the fused kernel itself, through checksum-encoded operands
-(attnchecker.encoded_backward, protect(scope="all") on a step whose whole-step checks are due).
+(attnchecker.attention.backward.encoded, protect(scope="all") on a step whose whole-step checks are due).
 
 Clean: nothing flagged, and the gradients are the plain fused kernel's (hypothesis over dtypes, shapes, masks and the
 strided layouts heads split from a projection have). Faulty: an injector below autograd corrupts the kernel's outputs
@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from attnchecker import encoded_backward
-from attnchecker.encoded_backward import ENCODED_OPS, encoded_backward as run_encoded
+from attnchecker.attention.backward import encoded as encoded_backward
+from attnchecker.attention.backward.encoded import ENCODED_OPS
+from attnchecker.attention.backward.encoded import encoded_backward as run_encoded
 
 aten = torch.ops.aten
 FUSED_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -308,7 +309,7 @@ def test_detect_mode_reports_and_keeps_the_kernels_result(make_ctx: Any) -> None
 
 def test_an_fp16_overflow_both_paths_compute_is_not_reported(make_ctx: Any) -> None:
     """GradScaler's first steps overflow fp16 gradients on purpose (and skip the step): the encoded check flags the
-    INF, the checked products compute the same overflow, and nothing is reported (gemm_check._overflowed)."""
+    INF, the checked products compute the same overflow, and nothing is reported (gemm.check._overflowed)."""
     a = attention(torch.float16, 1, 2, 32, 32, 16, mask="causal", strided=False, seed=4)
     a["do"] = (a["do"].float() * 2.0**15).half()
     assert not torch.isfinite(fused(a)[2]).all()
@@ -327,7 +328,7 @@ def test_off_the_cpu_or_when_disabled_the_checked_products_run(monkeypatch: pyte
 
 def test_the_model_injector_hits_the_encoded_kernel() -> None:
     """gemm_injector.FusedBackwardFault (used on whole models) sees the encoded call as the plain one."""
-    from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
+    from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
 
     seen: list[Any] = []
     ctx = LayerContext(layer=0, runtime=Runtime(step=0, config=CheckConfig(), injector=None,

@@ -7,13 +7,14 @@ import math
 import sys
 from pathlib import Path
 
-import attnchecker
 import pytest
 import torch
-from attnchecker import Policy
-from attnchecker.engine_caches import _future_mask, engine_caches, fill_future_
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import attnchecker
+from attnchecker import Policy
+from attnchecker.checks.caches import _future_mask, engine_caches, fill_future_
 
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))

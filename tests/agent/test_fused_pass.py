@@ -1,4 +1,4 @@
-"""attnchecker.fused_pass: the one-pass checksum kernel gives what the eager reductions give, on every layout the checks
+"""attnchecker.kernels.fused_pass: the one-pass checksum kernel gives what the eager reductions give, on every layout the checks
 pass it, keeps NaN and INF, declines what it does not take, and where it cannot be built the checks run eagerly."""
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from unittest import mock
 
 import pytest
 import torch
-from torch import nn
-from attnchecker import fused_pass as fp
-from attnchecker.abft import Tolerance, group_count
-from attnchecker.abft.gemm import verify_gemm
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
+
+from attnchecker.abft import Tolerance, group_count
+from attnchecker.abft.gemm import verify_gemm
+from attnchecker.kernels import fused_pass as fp
 
 pytestmark = pytest.mark.skipif(not fp.available(), reason="no C compiler: the kernel cannot be built here")
 
@@ -223,10 +224,11 @@ def test_a_protected_step_checks_its_whole_step_gemms_through_the_kernel(arch: s
     """The engine's fast path reaches the kernel on the layouts a real step has (Conv1D and Linear weights, dYᵀ and
     Xᵀ views in the weight gradients; the encoded attention backward's strided q/k/v, its dO and its outputs in the
     kernel's (B, T, H, D) layout), instead of quietly declining them."""
-    import attnchecker
-    import attnchecker.encoded_backward as encoded_backward
-    import attnchecker.gemm_check as gemm_check
     from model_zoo import batch, build, loss_of
+
+    import attnchecker
+    import attnchecker.attention.backward.encoded as encoded
+    import attnchecker.gemm.check as gemm_check
 
     taken: list[bool] = []
     taken_encoded: list[bool] = []
@@ -239,8 +241,8 @@ def test_a_protected_step_checks_its_whole_step_gemms_through_the_kernel(arch: s
         return counted
 
     monkeypatch.setattr(gemm_check, "fused_pass", counting(taken))
-    monkeypatch.setattr(encoded_backward, "fused_pass", counting(taken_encoded))
-    # The zoo's models are small enough for the eager path (gemm_check.ONE_PASS_MIN); their layouts are the point.
+    monkeypatch.setattr(encoded, "fused_pass", counting(taken_encoded))
+    # The zoo's models are small enough for the eager path (gemm.check.ONE_PASS_MIN); their layouts are the point.
     monkeypatch.setattr(gemm_check, "ONE_PASS_MIN", 0)
     model = build(arch)
     guard = attnchecker.protect(model, policy=attnchecker.Policy.full(), scope="all")
@@ -262,14 +264,15 @@ def test_a_protected_step_checks_its_whole_step_gemms_through_the_kernel(arch: s
 def test_a_checked_step_reads_each_weight_once_for_its_three_gemm_checks(arch: str,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The forward check of a Linear/Conv1D reads x and W once, and keeps what the backward's dX and dW checks need
-    of them (gemm_check.linear_sums); the backward reads dy once for both. So a checked step's kernel reads each
+    of them (gemm.check.linear_sums); the backward reads dy once for both. So a checked step's kernel reads each
     weight once (it read it twice: for y and for dX), whether the module's forward is the GEMM check's (the MLP) or
     the projection hook's (then the backward makes the sums). Faults are still corrected on this path:
     test_linear_abft's per-GEMM fault test runs it (its kernel variants)."""
-    import attnchecker
-    import attnchecker.gemm_check as gemm_check
     from model_zoo import batch, build, loss_of
     from transformers.pytorch_utils import Conv1D
+
+    import attnchecker
+    import attnchecker.gemm.check as gemm_check
 
     reads: list[int] = []
 
@@ -298,7 +301,7 @@ def test_a_projection_checked_by_rows_through_the_kernel_flags_what_the_eager_ch
     """The fp32 projection check (rows, random-walk model, grouped from 512 outputs on): W, X and Y each read once
     by the kernel, for an nn.Linear weight, a Conv1D one and a Conv1D column slice (GPT-2's q/k/v in c_attn). The
     same vectors flag as on the eager path, and the bounds agree to round-off."""
-    from attnchecker.projection import _ProjectionInput
+    from attnchecker.gemm.projection import _ProjectionInput
 
     x = randn((2, tokens, n_in), seed) * (1 + 10 * (torch.arange(n_in) == 3))  # an outlier channel
     if layout == "out_in":
@@ -345,12 +348,12 @@ def test_both_directions_in_one_pass_are_the_grouped_checksums(
     """Scores, context and the slow path's two-direction checks: the grouped row and column checksums and ΣC² per
     vector from one read of C (row groups runs of a row, column groups blocks of rows), laid out as checksums_of
     lays them out (abft/checksum.py), equal to its values at fp32 round-off."""
-    from attnchecker import product_check
     from attnchecker.abft import checksums_of
+    from attnchecker.checks import product as product_check
 
     (g_r, g_c), (run_c, run_r) = runs, sizes
     c = layout(randn((*batch, g_c * run_r, g_r * run_c), seed), kind)
-    # Small C go to the eager path by default (product_check._ONE_PASS_MIN): here the kernel's layout is the point.
+    # Small C go to the eager path by default (checks.product._ONE_PASS_MIN): here the kernel's layout is the point.
     with mock.patch.object(product_check, "_ONE_PASS_MIN", 0), mock.patch.object(product_check, "_ONE_PASS_MIN_SQ", 0):
         got = product_check._both_in_one_pass(c, (g_r, g_c), with_sq=with_sq)
     assert got is not None
@@ -372,7 +375,7 @@ def test_both_directions_in_one_pass_are_the_grouped_checksums(
 def test_scores_and_context_checks_at_a_real_size_flag_as_the_eager_path(fault: str | None) -> None:
     """A 4-head 1024 × 1024 causal layer (grouped: 4 × 4 groups), over the kernel's size threshold: the same vectors
     flag through the kernel as eagerly, for a clean layer, an INF and an error of 3 × the RMS score."""
-    from attnchecker.attention import _context_checks, _scores_checks
+    from attnchecker.attention.pipeline import _context_checks, _scores_checks
 
     t, d, h = 1024, 64, 4
     q, k, v = randn((1, h, t, d), 0), randn((1, h, t, d), 1), randn((1, h, t, d), 2)
@@ -387,7 +390,7 @@ def test_scores_and_context_checks_at_a_real_size_flag_as_the_eager_path(fault: 
         scores[0, 1, 700, 3] += 3 * float(scores.square().mean().sqrt())
         out[0, 2, 5, 60] += 3 * float(out.square().mean().sqrt())
     tol = Tolerance()
-    from attnchecker.product_check import _both_in_one_pass
+    from attnchecker.checks.product import _both_in_one_pass
 
     assert _both_in_one_pass(scores, (4, 4), with_sq=True) is not None  # this size goes through the kernel
     fused = (_scores_checks(q, k, scores, {}, h, tol), _context_checks(probs, v, out, None, h, tol))

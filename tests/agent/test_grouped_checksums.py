@@ -9,6 +9,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_tolerance_calibrated import activations  # LLM-like hidden states, one recipe for the calibrated tests
+
 from attnchecker.abft import (
     Tolerance,
     bounds,
@@ -19,12 +23,9 @@ from attnchecker.abft import (
     vector_of,
 )
 from attnchecker.abft.checksum import spread, vector_sum
-from attnchecker.attention import _ProjectionInput, _verify, check_linear, protected_sdpa
+from attnchecker.attention.backends.tiled_torch import PATH_ENV
+from attnchecker.attention.pipeline import _ProjectionInput, _verify, check_linear, protected_sdpa
 from attnchecker.inject import Fault
-from attnchecker.tiled_attention import PATH_ENV
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from test_tolerance_calibrated import activations  # LLM-like hidden states, one recipe for the calibrated tests
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

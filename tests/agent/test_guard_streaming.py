@@ -8,11 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import attnchecker
 import pytest
 import torch
-from attnchecker import Policy
 from torch import nn
+
+import attnchecker
+from attnchecker import Policy
 
 
 def _model() -> nn.Module:

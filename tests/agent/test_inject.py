@@ -5,7 +5,8 @@ import math
 
 import pytest
 import torch
-from attnchecker.attention import protected_linear
+
+from attnchecker.attention.pipeline import protected_linear
 from attnchecker.inject import Fault, FaultPlan, Injector, bitflip
 
 

@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import attnchecker
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812
-from attnchecker import FaultPlan, Policy
-from attnchecker import AttnCheckerCallback, AttnCheckerLightningCallback
+import torch.nn.functional as F
+
+import attnchecker
+from attnchecker import AttnCheckerCallback, AttnCheckerLightningCallback, FaultPlan, Policy
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-import attnchecker
 import pytest
 import torch
 from gemm_faults import GemmFault, GemmFaults, gemm_shapes
@@ -16,6 +15,8 @@ from gemm_injector import GemmInjector, is_model_gemm, worst_rel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_zoo import BATCH, SEQ, batch, build, loss_of
+
+import attnchecker
 
 peft = pytest.importorskip("peft", reason="peft is an optional extra: pip install attnchecker[peft]")
 
@@ -243,7 +244,7 @@ def test_mixed_adapter_batch_is_a_counted_fallback() -> None:
     model = peft.get_peft_model(_Proj(16, 8, True), peft.LoraConfig(r=2, target_modules=["q_proj"]))
     model.eval()
     layer = model.base_model.model.q_proj
-    binder = Binder(attnchecker.context.Runtime(step=0, stats=attnchecker.context.OpStats()))
+    binder = Binder(attnchecker.checks.context.Runtime(step=0, stats=attnchecker.checks.context.OpStats()))
     ctx = binder.new_context()
     binder.add_site(ctx, "q_proj", "sdpa", ("q",), paths={"q": binder.hook_projection(layer, ctx, op="q")})
     layer(torch.randn(2, 3, 16), adapter_names=["default", "__base__"])

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import copy
 
-import attnchecker
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812
-from attnchecker import Fault, FaultPlan, Policy
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.functional import scaled_dot_product_attention
+
+import attnchecker
+from attnchecker import Fault, FaultPlan, Policy
 
 E, H, T = 32, 4, 10
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 
-import attnchecker
 import pytest
 import torch
-from attnchecker import Policy
 from torch import nn
+
+import attnchecker
+from attnchecker import Policy
 
 E, H, L, S, N = 32, 4, 6, 7, 3
 

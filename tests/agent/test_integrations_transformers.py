@@ -6,9 +6,10 @@ import os
 import sys
 from pathlib import Path
 
-import attnchecker
 import pytest
 import torch
+
+import attnchecker
 from attnchecker import Fault, FaultPlan, Policy
 
 # The model zoo lives next to this file; make it importable under either pytest import mode.

@@ -1,5 +1,5 @@
 """Whole-step protection (protect(scope="all")): a fault in any forward or backward GEMM of attention and MLP (the
-attention core's backward included: attention_backward), injected
+attention core's backward included: attention.backward.checked), injected
 below autograd (gemm_injector: a TorchDispatchMode on aten mm/addmm/bmm), is corrected before it reaches a gradient.
 
 Every model GEMM of one training step is hit once (the injection kinds cycle over the calls), and the gradients must
@@ -9,14 +9,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import attnchecker
 import pytest
 import torch
-from attnchecker import Policy
 from gemm_injector import FusedBackwardFault, GemmCall, GemmInjector, is_model_gemm, worst_rel
 from model_zoo import ARCHS as ZOO
 from model_zoo import batch, build, loss_of, train
 from torch import nn
+
+import attnchecker
+from attnchecker import Policy
 
 ARCHS = ("gpt2", "llama", "bert")
 KINDS = ("inf", "nan", "near_inf", "bitflip")
@@ -73,7 +74,7 @@ def uncorrected(arch: str, targets: list[GemmCall], clean: dict[str, torch.Tenso
 def test_a_fault_in_any_forward_or_backward_gemm_is_corrected(arch: str, kernel: bool,
                                                               kernel_everywhere: Callable[[], None]) -> None:
     """kernel: every check through the one-pass kernel (conftest.kernel_everywhere), the Linear checks with their
-    operand sums shared between the forward and the backward (gemm_check.linear_sums): Conv1D (GPT-2) and nn.Linear
+    operand sums shared between the forward and the backward (gemm.check.linear_sums): Conv1D (GPT-2) and nn.Linear
     (Llama) layouts."""
     if kernel:
         kernel_everywhere()
@@ -87,7 +88,7 @@ def test_a_fault_in_any_forward_or_backward_gemm_is_corrected(arch: str, kernel:
     targets = model_gemms(arch, recorder.calls)
     kinds = {(c.phase, c.op) for c in targets}
     # Linear GEMMs both ways and the attention core's forward products; its backward is the fused kernel on encoded
-    # operands (encoded_backward: no GEMM of its own to hit, the test below hits its outputs).
+    # operands (attention.backward.encoded: no GEMM of its own to hit, the test below hits its outputs).
     assert {("forward", "bmm"), ("backward", "mm")} <= kinds, kinds
     assert not uncorrected(arch, targets, clean)
 
@@ -95,7 +96,7 @@ def test_a_fault_in_any_forward_or_backward_gemm_is_corrected(arch: str, kernel:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_a_fault_in_the_checked_attention_backward_kernel_is_recomputed(arch: str, which: int) -> None:
-    """The attention backward's full check runs the fused kernel on checksum-encoded operands (encoded_backward):
+    """The attention backward's full check runs the fused kernel on checksum-encoded operands (attention.backward.encoded):
     a fault in its dQ, dK or dV, of each layer in turn, is flagged by the row checksums and recomputed through the
     checked products; the gradients are the fault-free step's (GQA for Llama, the padding mask for BERT)."""
     clean, _, _ = one_step(arch, "all", GemmInjector())
@@ -121,10 +122,10 @@ def test_the_tiled_path_checks_the_attention_backward_a_block_of_rows_at_a_time(
     autograd, hits each of those block products in turn (S, dP, the dQ rows, the dK and dV contributions): each fault
     is corrected, the gradients are the fault-free step's. Those products are the encoded kernel's recovery path and
     the full check off the CPU; the encoded kernel is switched off here to reach them on every layer."""
-    from attnchecker import encoded_backward
-    from attnchecker.tiled_attention import PATH_ENV, TILE_ENV
+    from attnchecker.attention.backends.tiled_torch import PATH_ENV, TILE_ENV
+    from attnchecker.attention.backward import encoded
 
-    monkeypatch.setattr(encoded_backward, "enabled", False)
+    monkeypatch.setattr(encoded, "enabled", False)
     monkeypatch.setenv(PATH_ENV, "tiled")
     monkeypatch.setenv(TILE_ENV, "4,4")
     recorder = GemmInjector()
@@ -207,7 +208,7 @@ def test_bf16_autocast_under_scope_all_flags_nothing_and_trains(arch: str) -> No
 
 @pytest.mark.parametrize("pattern", ("row", "col"))
 def test_a_corrupted_row_or_column_is_located_with_one_fast_direction(pattern: str) -> None:
-    """A clean check verifies one direction only (gemm_check.FAST_DIRECTIONS); a whole corrupted row (or column) of
+    """A clean check verifies one direction only (gemm.check.FAST_DIRECTIONS); a whole corrupted row (or column) of
     a forward, input-gradient and weight-gradient GEMM needs the direction across it to be located, which the slow
     path computes after the flag. Each is corrected in place (not recomputed: one direction alone would see several
     faults in one vector and fall back to recomputing) to the fault-free gradients."""
@@ -294,8 +295,8 @@ def test_an_inf_in_a_half_gemm_is_still_a_fault_where_the_exact_value_fits(dtype
     ordinary value is corrected, an INF the exact product gives is left alone. bf16 reaches its range (3.4e38) only in
     diverged training: the clean campaign's bf16 `outliers` run, whose weight gradient of ~1e37 activations overflowed
     and was reported near-INF and uncorrectable."""
-    from attnchecker.gemm_check import _overflowed, check_gemms
-    from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
+    from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
+    from attnchecker.gemm.check import _overflowed, check_gemms
 
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(16, 32, generator=gen).to(dtype), torch.randn(32, 24, generator=gen).to(dtype)
@@ -321,7 +322,7 @@ def test_huge_finite_products_of_diverged_bf16_training_are_not_faults(scale: fl
     weighted by 1..n, overflow, and INF - INF flagged the correct product as near-INF and uncorrectable (the clean
     campaign's bf16 `outliers` run). Summed in float64 the product is consistent: not reported. A fault in such a
     product is still reported."""
-    from attnchecker.gemm_check import check_gemms
+    from attnchecker.gemm.check import check_gemms
 
     g = torch.Generator().manual_seed(0)
     a = (torch.randn(64, 512, generator=g) * scale).bfloat16()

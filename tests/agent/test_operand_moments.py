@@ -19,9 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import attnchecker
 from attnchecker.abft import Tolerance, group_sums_cols
 from attnchecker.abft.operand_moments import context_moments, scores_moments
-from attnchecker.attention import _context_checks, _scores_checks
+from attnchecker.attention.backends.tiled_torch import context_tile_checks, scores_tile_checks
+from attnchecker.attention.pipeline import _context_checks, _scores_checks
 from attnchecker.emulate import emulate_fp32_matmul
-from attnchecker.tiled_attention import context_tile_checks, scores_tile_checks
 
 
 def _probs(scores_TS: torch.Tensor, causal: bool) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pickle
 import pytest
 
 from attnchecker.errors import AttnCheckerError
-from attnchecker.policy import OPS, Policy, PolicyError
+from attnchecker.policy import Policy, PolicyError
 
 WIRE_EXAMPLE = {
     "version": 4, "mode": "correct", "period": 1, "op_periods": {"scores": 4}, "adaptive": True,
@@ -113,7 +113,8 @@ def test_policy_pickles():
 
 
 def test_the_engine_uses_the_policy_vocabulary_not_a_copy():
-    from attnchecker import context, policy
+    from attnchecker import policy
+    from attnchecker.checks import context
 
     assert (context.OPS, context.MODES, context.TOLERANCES) == (policy.OPS, policy.MODES, policy.TOLERANCES)
     assert context.OPS is policy.OPS and context.MODES is policy.MODES and context.TOLERANCES is policy.TOLERANCES

@@ -8,15 +8,16 @@ from __future__ import annotations
 import logging
 import math
 
-import attnchecker
 import pytest
 import torch
-import torch.nn.functional as F  # noqa: N812
-from attnchecker.context import OPS
-from attnchecker.coverage import Coverage, OpCoverage
+import torch.nn.functional as F
 from gemm_faults import GemmFault, GemmFaults
 from model_zoo import ARCHS, BATCH, SEQ, batch, build, loss_of
 from torch import nn
+
+import attnchecker
+from attnchecker.checks.context import OPS
+from attnchecker.coverage import Coverage, OpCoverage
 
 EXPECTED_PATHS = {
     "gpt2": "q,k,v,out:hook scores,context:transformers",

@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import attnchecker
 import pytest
 import torch
+from torch import nn
+
+import attnchecker
 from attnchecker import (
     AlreadyProtectedError,
     AttnCheckerError,
@@ -17,7 +19,6 @@ from attnchecker import (
     UnsupportedDeviceError,
     UnsupportedDtypeError,
 )
-from torch import nn
 
 # The model zoo lives next to this file; make it importable under either pytest import mode.
 if str(Path(__file__).resolve().parent) not in sys.path:

@@ -7,9 +7,10 @@ import logging
 import sys
 from pathlib import Path
 
-import attnchecker
 import pytest
 import torch
+
+import attnchecker
 from attnchecker import Fault, FaultPlan, Policy, UncorrectableFault
 
 # The model zoo lives next to this file; make it importable under either pytest import mode.

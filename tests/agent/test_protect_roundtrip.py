@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import attnchecker
 import pytest
 import torch
-from attnchecker import Policy
 from torch import nn
+
+import attnchecker
+from attnchecker import Policy
 
 # The model zoo lives next to this file; make it importable under either pytest import mode.
 if str(Path(__file__).resolve().parent) not in sys.path:

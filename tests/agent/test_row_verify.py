@@ -19,14 +19,14 @@ from gemm_injector import GemmCall, GemmInjector, worst_rel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnchecker import row_verify
 from attnchecker.abft import Tolerance, checksum_weights, direction_bounds, verify_direction
 from attnchecker.abft.checksum import DirectionCheck, group_sums_rows
 from attnchecker.abft.gemm import verify_gemm
 from attnchecker.abft.tolerance import row_rule
-from attnchecker.fused_pass import fused_pass
-from attnchecker.product_check import _row_rule
-from attnchecker.records import _worst_ratio
+from attnchecker.checks.product import _row_rule
+from attnchecker.checks.records import _worst_ratio
+from attnchecker.kernels import row_verify
+from attnchecker.kernels.fused_pass import fused_pass
 
 pytestmark = pytest.mark.skipif(not row_verify.available(), reason="no C compiler: the native verifier is not built")
 
@@ -71,7 +71,7 @@ def c_side(c: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def both_verdicts(p: dict[str, Any], c: torch.Tensor, tol: Tolerance, *, walk: bool, moments: bool
                   ) -> tuple[DirectionCheck, DirectionCheck]:
-    """(the eager check, as product_check._verify makes it by rows; the native one) of the same vectors."""
+    """(the eager check, as checks.product._verify makes it by rows; the native one) of the same vectors."""
     g, k = p["groups"], p["k"]
     got, sq = c_side(c, g)
     a_norm = torch.linalg.vector_norm(p["a"], dim=-1)
@@ -218,8 +218,10 @@ def test_through_the_engine_the_native_verdict_catches_a_few_rms_fault_that_is_t
     projection and of a Linear GEMM (forward, dX, and dW by columns) takes the native verdict; a 4× RMS error in
     every distinct Linear GEMM of the step in turn is flagged there (and only there), repaired by the slow path's
     check with rules, and the step's gradients are the fault-free one's."""
-    from attnchecker import gemm_check, projection
     from test_linear_abft import model_gemms, one_step
+
+    from attnchecker.gemm import check as gemm_check
+    from attnchecker.gemm import projection
 
     kernel_everywhere()
     taken = {"projection": 0, "gemm": 0, "flagged": 0}

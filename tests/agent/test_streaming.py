@@ -1,10 +1,11 @@
-"""attnchecker.streaming.IntervalStats: steps summed into stats intervals, sent by steps or by time, whichever first."""
+"""attnchecker.runtime.streaming.IntervalStats: steps summed into stats intervals, sent by steps or by time, whichever first."""
 from __future__ import annotations
 
 import pytest
 import torch
-from attnchecker.context import OPS, RESIDUAL_RATIO_BUCKETS, OpStats
-from attnchecker.streaming import IntervalStats
+
+from attnchecker.checks.context import OPS, RESIDUAL_RATIO_BUCKETS, OpStats
+from attnchecker.runtime.streaming import IntervalStats
 
 PERIODS = dict.fromkeys(OPS, 1)
 

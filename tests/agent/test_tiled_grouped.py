@@ -10,14 +10,21 @@ import math
 
 import pytest
 import torch
-from attnchecker.abft import GROUP_MIN, Tolerance, checksums_of, group_count
-from attnchecker.abft.tiled import fold_scores, gram, grams_pay, square_sums
-from attnchecker.attention import _context_checks, _scores_checks, protected_sdpa
-from attnchecker.inject import Fault
-from attnchecker.tiled_attention import PATH_ENV, TILE_ENV, _KeyGrams, context_tile_checks, scores_tile_checks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_tolerance_calibrated import activations
+
+from attnchecker.abft import GROUP_MIN, Tolerance, checksums_of, group_count
+from attnchecker.abft.tiled import fold_scores, gram, grams_pay, square_sums
+from attnchecker.attention.backends.tiled_torch import (
+    PATH_ENV,
+    TILE_ENV,
+    _KeyGrams,
+    context_tile_checks,
+    scores_tile_checks,
+)
+from attnchecker.attention.pipeline import _context_checks, _scores_checks, protected_sdpa
+from attnchecker.inject import Fault
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BLOCK_Q = 256  # the default query block: one of the unfused path's column groups at T = 512
@@ -272,7 +279,7 @@ def test_a_tiles_worst_clean_ratio_takes_d2_as_the_unfused_path_does() -> None:
     records._ratio takes it on the unfused path (d1 alone read 0.1 here, where d2 sits at 0.9 of its bound)."""
     from attnchecker.abft.checksum import DirectionCheck
     from attnchecker.abft.tolerance import Bound
-    from attnchecker.tiled_attention import _keep
+    from attnchecker.attention.backends.tiled_torch import _keep
 
     def check(d1: float, d2: float) -> DirectionCheck:
         diff = torch.tensor([[[d1, d2], [0.0, 0.0]]])  # (1, V=2, 2)

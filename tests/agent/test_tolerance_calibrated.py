@@ -9,8 +9,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from attnchecker.abft import CALIBRATED_SIGMAS, Bound, Tolerance, bounds, direction_bounds
-from attnchecker.attention import check_linear, protected_sdpa
+from attnchecker.attention.pipeline import check_linear, protected_sdpa
 from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
 from attnchecker.inject import Fault
 from attnchecker.matmul_precision import (
@@ -18,8 +21,6 @@ from attnchecker.matmul_precision import (
     fp32_matmul_operand_roundoff,
     ieee_fp32_matmul,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 U32 = 2.0**-24
 
@@ -172,7 +173,7 @@ def _inject_one_per_row_col(y_TO: torch.Tensor, mag: float, seed: int, count: in
 def test_two_rms_single_errors_are_caught_where_the_rigorous_bound_misses(dtype) -> None:
     """A 1024 x 1024 (tokens x features) projection of 1024 inputs with outlier features: 2x RMS errors, 300
     single-error trials, each in its own row and column."""
-    from attnchecker.attention import _ProjectionInput, _verify
+    from attnchecker.attention.pipeline import _ProjectionInput, _verify
 
     x = activations((1, 1024, 1024), 7, outliers=30.0).to(dtype)
     w = (torch.randn(1024, 1024, generator=torch.Generator().manual_seed(8)) / 32).to(dtype)

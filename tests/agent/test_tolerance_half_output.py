@@ -91,7 +91,7 @@ def test_errors_in_a_huge_product_and_near_inf_faults_are_still_flagged() -> Non
 
 def test_operand_norms_that_overflow_fp32_are_taken_in_float64_on_the_slow_path() -> None:
     """Elements of ~1e19 and up: ‖row‖² overflows fp32, the fast path's bound is undefined (NEAR_INF fallback) and
-    flags; the slow path (gemm_check, wide_norms) bounds the same clean product, and still flags a 2× RMS error."""
+    flags; the slow path (gemm.check, wide_norms) bounds the same clean product, and still flags a 2× RMS error."""
     a, b, c = huge_product(1e19, 1e-3)
     assert float(c.float().abs().max()) > 1e16 and bool(torch.isfinite(c.float()).all())
     assert flagged(verify_gemm(c, a, b, Tolerance())) > 0  # the premise: fp32 norms are INF

@@ -55,12 +55,12 @@ def test_fp16_products_of_subnormal_gradients_are_not_flagged_by_the_weighted_ch
 def test_bf16_products_whose_subnormal_operands_were_flushed_are_not_faults(product: str) -> None:
     """bf16 GEMMs may treat operands below bf16's smallest normal (1.2e-38) as zero: this machine's AVX512-BF16 CPU
     kernels do. In the clean campaign's diverged bf16 run a dS row whose one nonzero was 8e-39 gave a dK row of 0
-    where the exact product is 1e-37; the float64 re-check of the flagged product (gemm_check: references and norms in
+    where the exact product is 1e-37; the float64 re-check of the flagged product (gemm.check: references and norms in
     float64, no fp32 norm floor) flagged it, and it was reported near-INF and uncorrectable. flushed_by_hand: the
     product such a backend computes, made explicitly, so the test does not depend on this CPU. Faults far above what
     a flush can change are still caught: in the float64 check (1e-30), and by the engine (1e-10, corrected)."""
-    from attnchecker.context import CheckConfig, LayerContext, OpStats, Runtime
-    from attnchecker.gemm_check import check_gemms
+    from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
+    from attnchecker.gemm.check import check_gemms
 
     tiny = torch.finfo(torch.bfloat16).tiny
     g = torch.Generator().manual_seed(2)

@@ -16,7 +16,7 @@ from test_tolerance_calibrated import activations
 from attnchecker.abft import Tolerance, abs_max, bounds
 from attnchecker.abft.tolerance import DRIFT, RANDOM_WALK
 from attnchecker.emulate import emulate_fp32_matmul
-from attnchecker.projection import _ProjectionInput
+from attnchecker.gemm.projection import _ProjectionInput
 
 U64 = 2.0**-53
 

@@ -3,7 +3,7 @@
 of the compiled graphs (torch.compiler.disable), so Dynamo graph-breaks around them and the checks run eagerly.
 
 Before, Dynamo traced into the engine and the first protected forward failed inside it (an AttributeError from a
-resumed frame of product_check._verify). The aot_eager backend runs Dynamo and AOT autograd, which is where the hooks
+resumed frame of checks.product._verify). The aot_eager backend runs Dynamo and AOT autograd, which is where the hooks
 and custom autograd Functions meet the compiler, without Inductor's C++ build (tens of seconds per graph here); the
 same model under Inductor was run by hand (docs/fault-coverage.md)."""
 from __future__ import annotations

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from attnchecker.cli.sync import sync_main
 from attnchecker.policy import Policy
 from attnchecker.transport import Transport, replay_spool
@@ -18,7 +19,7 @@ from attnchecker.transport.spool import SpoolWriter, list_files, read_records
 # The loopback collector lives next to this file; make it importable under either pytest import mode.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_transport_collector import (  # noqa: E402, F401 (collector is a fixture)
+from test_transport_collector import (  # noqa: F401 (collector is a fixture)
     TOKEN,
     LoopbackCollector,
     collector,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import attnchecker
 import pytest
 import torch
-from attnchecker.transport import Transport, TransportConfig
 from torch import nn
+
+import attnchecker
+from attnchecker.transport import Transport, TransportConfig
 
 
 def _model() -> nn.Module:

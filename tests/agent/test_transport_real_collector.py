@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+
 from attnchecker.cli.sync import sync_main
 from attnchecker.transport import Transport
 

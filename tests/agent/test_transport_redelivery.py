@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from attnchecker.transport import Transport, replay_spool
 from attnchecker.transport.client import CollectorClient
 from attnchecker.transport.spool import (

@@ -8,12 +8,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import attnchecker
 import pytest
 import torch
 import torch.nn.functional as F
-from attnchecker import Policy
 from torch import nn
+
+import attnchecker
+from attnchecker import Policy
 
 sys.path.insert(0, str(Path(__file__).parent))
 import model_zoo as mz

@@ -6,11 +6,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import attnchecker
 import pytest
 import torch
-from attnchecker import Policy, UncorrectableFault
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnchecker
+from attnchecker import Policy, UncorrectableFault
 
 sys.path.insert(0, str(Path(__file__).parent))
 import model_zoo as mz

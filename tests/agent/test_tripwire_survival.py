@@ -12,9 +12,10 @@ import random
 import sys
 from pathlib import Path
 
-import attnchecker
 import pytest
 import torch
+
+import attnchecker
 from attnchecker import Fault, FaultPlan, Policy
 
 # The model zoo and the injector live next to this file; make them importable under either pytest import mode.

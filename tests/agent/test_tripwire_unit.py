@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from attnchecker.attention import protected_linear, protected_sdpa
-from attnchecker.inject import Fault
-from attnchecker.tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from attnchecker.attention.pipeline import protected_linear, protected_sdpa
+from attnchecker.inject import Fault
+from attnchecker.tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_attention_layer import SyncCounter

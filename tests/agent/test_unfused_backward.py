@@ -1,4 +1,4 @@
-"""The attention backward with attention dropout under protect(scope="all") (unfused_backward.py): the fused kernel
+"""The attention backward with attention dropout under protect(scope="all") (attention/backends/unfused.py): the fused kernel
 cannot replay the protected softmax's keep-mask, so autograd differentiates the unfused graph, and its four GEMMs
 (dQ, dK, dAP, dV) are checked like a Linear layer's. Faults come from a TorchDispatchMode below autograd
 (gemm_injector), chosen by shape: the model's attention products, never the checks' own skinny ones."""
@@ -7,15 +7,16 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import attnchecker
 import pytest
 import torch
-from attnchecker import Policy
+from gemm_injector import GemmInjector, worst_rel
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from gemm_injector import GemmInjector, worst_rel
 from model_zoo import BATCH, SEQ, batch, build, loss_of
 from quiet_period import step_until_due_after_quiet
+
+import attnchecker
+from attnchecker import Policy
 
 DROPOUT: dict[str, dict[str, Any]] = {"gpt2": {"attn_pdrop": 0.1}, "llama": {"attention_dropout": 0.1},
                                       "bert": {"attention_probs_dropout_prob": 0.1}}
@@ -136,7 +137,7 @@ def _reference_probs(scores: torch.Tensor, scale: float, mask: torch.Tensor | No
 def test_the_softmax_dropout_function_gives_autograds_values_and_gradients(t: int, s: int, causal: bool, mask: str,
                                                                             p: float, dtype: torch.dtype,
                                                                             seed: int) -> None:
-    from attnchecker.attention import _probs_lse
+    from attnchecker.attention.pipeline import _probs_lse
 
     assume(not (causal and mask != "none"))  # SDPA refuses a mask together with is_causal
     g = torch.Generator().manual_seed(seed)

@@ -142,7 +142,7 @@ def test_a_trip_on_a_correct_gemm_is_silent_and_a_non_finite_input_is_reported(m
     """trip_gemms after a trip: the full check decides. Real values past 1e10 (diverged training) that the operands
     explain are no fault: no event, C unchanged. An INF that came in with an input (its reference is not finite either)
     cannot be repaired here: one "detected" event. An INF written into C itself is corrected."""
-    from attnchecker.gemm_check import trip_gemms
+    from attnchecker.gemm.check import trip_gemms
     from attnchecker.tripwire import extreme
 
     gen = torch.Generator().manual_seed(0)
@@ -222,14 +222,14 @@ def test_after_a_quiet_period_the_scheduled_full_check_corrects_faults_on_the_sh
     arch: str, kernel_everywhere: Callable[[], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The default policy after its first quiet period, on the next step it checks in full: with the kernel (the
-    Linear checks take the operand sums their forward kept, gemm_check.linear_sums) and the tiled path forced with
+    Linear checks take the operand sums their forward kept, gemm.check.linear_sums) and the tiled path forced with
     4-row blocks. An injector below autograd hits the step's GEMMs in turn (Conv1D for GPT-2, nn.Linear for Llama;
     the forward's tile products): every fault is corrected by the full check itself, the gradients are the
     fault-free step's. A fault in the checksum columns the tiled context product carries beside V ([V | V w]) never
     reaches the model: the gradients are then bitwise the fault-free ones, and nothing needs reporting. The
-    attention backward is the fused kernel on encoded operands (encoded_backward): a fault in its dQ, dK or dV is
+    attention backward is the fused kernel on encoded operands (attention.backward.encoded): a fault in its dQ, dK or dV is
     flagged and recomputed through the checked products, 4-row blocks of them."""
-    from attnchecker.tiled_attention import PATH_ENV, TILE_ENV
+    from attnchecker.attention.backends.tiled_torch import PATH_ENV, TILE_ENV
 
     kernel_everywhere()
     monkeypatch.setenv(PATH_ENV, "tiled")

@@ -11,11 +11,12 @@ import json
 import typing
 from pathlib import Path
 
-import attnchecker
 import pytest
 import torch
-from attnchecker import Fault, FaultPlan, Policy
 from torch import nn
+
+import attnchecker
+from attnchecker import Fault, FaultPlan, Policy
 
 schemas = pytest.importorskip("attnchecker_server.schemas")
 

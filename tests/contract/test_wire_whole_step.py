@@ -7,12 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import attnchecker
 import pytest
 import torch
-from attnchecker import Policy
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import attnchecker
+from attnchecker import Policy
 
 schemas = pytest.importorskip("attnchecker_server.schemas")
 
@@ -58,9 +59,9 @@ class _Attn(nn.Module):
 def test_whole_step_events_and_stats_validate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The attention backward's checked products (its full check off the CPU, and the encoded kernel's recovery) are
     hit here; the encoded kernel's own events are the next test's."""
-    from attnchecker import encoded_backward
+    from attnchecker.attention.backward import encoded
 
-    monkeypatch.setattr(encoded_backward, "enabled", False)
+    monkeypatch.setattr(encoded, "enabled", False)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(64, 32), _Attn(), nn.Linear(32, 48), nn.Linear(48, 64)).train()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -135,9 +136,9 @@ def test_encoded_attention_backward_events_and_stats_validate(tmp_path: Path) ->
 def test_the_agents_whole_step_vocabulary_is_the_collectors() -> None:
     """One list on each side of the wire (policy.WHOLE_STEP_OPS, schemas.FAULT_OPS), and every op the engine names
     in its events and stats is in it."""
-    from attnchecker.attention_backward import BACKWARD_OPS
-    from attnchecker.encoded_backward import ENCODED_OPS
-    from attnchecker.linear_abft import GEMM_OPS
+    from attnchecker.attention.backward.checked import BACKWARD_OPS
+    from attnchecker.attention.backward.encoded import ENCODED_OPS
+    from attnchecker.gemm.linear import GEMM_OPS
     from attnchecker.policy import OPS, WHOLE_STEP_OPS
 
     assert WHOLE_STEP_OPS == (*GEMM_OPS, *BACKWARD_OPS)

@@ -106,7 +106,7 @@ def _handler(fake: FakeGrafana) -> type[BaseHTTPRequestHandler]:
                 )
             return self._answer(404, {"message": f"fake Grafana has no {self.command} {path}"})
 
-        do_GET = do_POST = do_PUT = _handle  # noqa: N815 - the names http.server dispatches to
+        do_GET = do_POST = do_PUT = _handle
 
     return Handler
 

@@ -13,12 +13,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import attnchecker
 import httpx
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import attnchecker
 
 try:
     import collector_testing as testing

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from attnchecker import Fault, FaultPlan, Policy
 from e2e_helpers import VOCAB, Collector, protect_streaming, tiny_model, wait_until
+
+from attnchecker import Fault, FaultPlan, Policy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.usefixtures("single_thread")]
 

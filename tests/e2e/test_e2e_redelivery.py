@@ -19,7 +19,6 @@ import httpx
 import pytest
 import test_e2e_streaming as streaming
 import torch
-from attnchecker import Policy
 from e2e_helpers import (
     BACKENDS,
     FAST,
@@ -29,6 +28,8 @@ from e2e_helpers import (
     train,
     wait_until,
 )
+
+from attnchecker import Policy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240), pytest.mark.usefixtures("single_thread")]
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from attnchecker import Fault, FaultPlan, Policy
 from e2e_helpers import (
     BACKENDS,
     FAST,
@@ -28,6 +27,8 @@ from e2e_helpers import (
     tiny_model,
     train,
 )
+
+from attnchecker import Fault, FaultPlan, Policy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180), pytest.mark.usefixtures("single_thread")]
 

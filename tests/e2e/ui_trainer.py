@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import torch
-from attnchecker import Fault, FaultPlan, Policy
 from e2e_helpers import FAST, protect_streaming, tiny_model, train
+
+from attnchecker import Fault, FaultPlan, Policy
 
 # (step, op, layer, kind): what the page must show. The persistent 2D block at step 7 stays wrong after recompute.
 FAULTS = [(1, "scores", 0, "inf"), (2, "q", 1, "nan"), (3, "context", 0, "near_inf"), (4, "v", 1, "neg_inf"),

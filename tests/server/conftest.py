@@ -6,9 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from attnchecker_server.config import Settings
-from attnchecker_server.db import make_engine
-from attnchecker_server.models import Base
 from collector_testing import (
     create_postgres_database,
     drop_postgres_database,
@@ -18,6 +15,10 @@ from collector_testing import (
 )
 from server_helpers import Api, make_api  # tests/server is on sys.path (rootdir-relative "prepend" imports)
 from sqlalchemy import text
+
+from attnchecker_server.config import Settings
+from attnchecker_server.db import make_engine
+from attnchecker_server.models import Base
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 

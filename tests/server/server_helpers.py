@@ -5,13 +5,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from collector_testing import make_token
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+
 from attnchecker_server.config import Settings
 from attnchecker_server.db import make_engine
 from attnchecker_server.main import create_app
 from attnchecker_server.models import Base
-from collector_testing import make_token
-from fastapi.testclient import TestClient
-from sqlalchemy import text
 
 
 @dataclass

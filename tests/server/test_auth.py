@@ -3,11 +3,12 @@
 from typing import Any
 
 import pytest
+from server_helpers import Api, make_api, make_batch, make_stats
+from sqlalchemy import text
+
 from attnchecker_server.auth import revoke_tokens
 from attnchecker_server.db import make_engine, make_session_factory, session_scope
 from attnchecker_server.models import Base
-from server_helpers import Api, make_api, make_batch, make_stats
-from sqlalchemy import text
 
 RUN = "{run}"
 

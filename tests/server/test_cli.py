@@ -10,14 +10,15 @@ from typing import Any
 
 import httpx
 import pytest
-from attnchecker_server.cli import main
-from attnchecker_server.db import make_engine, make_session_factory
-from attnchecker_server.main import create_app
-from attnchecker_server.models import ApiToken
 from collector_testing import free_port, make_settings, make_token, run_collector
 from fastapi.testclient import TestClient
 from server_helpers import make_batch
 from sqlalchemy import select
+
+from attnchecker_server.cli import main
+from attnchecker_server.db import make_engine, make_session_factory
+from attnchecker_server.main import create_app
+from attnchecker_server.models import ApiToken
 
 
 @pytest.fixture

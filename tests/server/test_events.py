@@ -5,9 +5,10 @@ import threading
 from typing import Any
 
 import pytest
-from attnchecker_server.main import create_app
 from fastapi.testclient import TestClient
 from server_helpers import Api, make_api, make_batch, make_event, new_id, table_counts
+
+from attnchecker_server.main import create_app
 
 
 def _post(api: Api, run_id: str, body: Any, **kwargs: Any) -> Any:

@@ -6,9 +6,10 @@ import json
 from typing import Any
 
 import pytest
-from attnchecker_server.db import make_engine
 from server_helpers import Api, make_batch, make_event, make_stats, table_counts
 from sqlalchemy import text
+
+from attnchecker_server.db import make_engine
 
 
 def _reads_still_work(api: Api, run_id: str | None = None) -> None:

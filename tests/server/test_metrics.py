@@ -7,14 +7,15 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from attnchecker_server.db import make_engine, make_session_factory, session_scope
-from attnchecker_server.main import create_app
-from attnchecker_server.metrics import METRIC_NAMES, DbCollector
-from attnchecker_server.models import Run, utcnow
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import Api, make_api, make_batch, make_event, make_stats
 from sqlalchemy import update
+
+from attnchecker_server.db import make_engine, make_session_factory, session_scope
+from attnchecker_server.main import create_app
+from attnchecker_server.metrics import METRIC_NAMES, DbCollector
+from attnchecker_server.models import Run, utcnow
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -4,12 +4,13 @@ from pathlib import Path
 
 import pytest
 from alembic import command
-from attnchecker_server.db import make_engine
-from attnchecker_server.migrate import alembic_config
-from attnchecker_server.models import Base
 from collector_testing import postgres_available, postgres_database
 from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError
+
+from attnchecker_server.db import make_engine
+from attnchecker_server.migrate import alembic_config
+from attnchecker_server.models import Base
 
 
 def _tables(url: str) -> set[str]:

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from attnchecker_server.main import create_app
 from collector_testing import make_settings
 from fastapi.testclient import TestClient
 from server_helpers import Api, make_batch, make_stats
@@ -14,6 +13,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 from test_auth import ENDPOINTS
+
+from attnchecker_server.main import create_app
 
 FAKE_TOKEN = "atk_0123456789ab_not-checked-because-the-database-is-down"
 

@@ -4,12 +4,13 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from attnchecker_server.auth import parse_duration
-from attnchecker_server.cli import main
-from attnchecker_server.db import make_engine
 from collector_testing import make_token
 from server_helpers import Api, make_batch, make_stats, table_counts
 from sqlalchemy import text
+
+from attnchecker_server.auth import parse_duration
+from attnchecker_server.cli import main
+from attnchecker_server.db import make_engine
 
 
 def _bearer(token: str) -> dict[str, str]:

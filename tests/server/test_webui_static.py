@@ -3,8 +3,9 @@ page relies on to decide whether to offer the policy editor (tests/e2e/test_web_
 
 import re
 
-from attnchecker_server.webui import STATIC_DIR
 from server_helpers import Api
+
+from attnchecker_server.webui import STATIC_DIR
 
 
 def test_the_page_is_served_at_the_root_with_a_strict_content_security_policy(api: Api) -> None:

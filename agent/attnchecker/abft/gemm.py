@@ -61,7 +61,7 @@ class FusedSums:
 @dataclasses.dataclass(frozen=True, slots=True)
 class OperandSums:
     """The operand side of one direction's check of C = A·B, made by the caller (the whole-step Linear checks read
-    each operand once per step for the forward and backward checks together, gemm_check.linear_sums). For the row
+    each operand once per step for the forward and backward checks together, gemm.check.linear_sums). For the row
     direction: ref A (B w) (..., M, 2) for w = ones and 1..N; for the column direction: ref (wᵀA) B as (..., N, 2).
     Both: ‖A_m‖₂ (..., M) and ‖B_:,n‖₂ (..., N), as the bound takes them. The bias is not in ref (verify_gemm adds
     it)."""
@@ -73,7 +73,7 @@ class OperandSums:
 
 class RowVerifier(Protocol):
     """A kernel that evaluates a factored row rule on a product's row vectors and returns the check without its rule
-    (attnchecker.row_verify.verify_rows), or None for tensors it does not take."""
+    (attnchecker.kernels.row_verify.verify_rows), or None for tensors it does not take."""
 
     def __call__(self, rule: RowRule, ref_NV2: torch.Tensor, got_NV2: torch.Tensor, sq_NV: torch.Tensor | None,
                  a_norm_NR: torch.Tensor) -> DirectionCheck | None: ...
@@ -81,7 +81,7 @@ class RowVerifier(Protocol):
 
 class OnePass(Protocol):
     """A kernel that computes X·right, Xᵀ·left and X's squared row and column sums (and more: FusedSums) in one read
-    of X, or returns None for tensors it does not take (attnchecker.fused_pass: fp32 on the CPU)."""
+    of X, or returns None for tensors it does not take (attnchecker.kernels.fused_pass: fp32 on the CPU)."""
 
     def __call__(self, x: torch.Tensor, *, right: torch.Tensor | None = None, left: torch.Tensor | None = None,
                  row_sq: bool = False, col_sq: bool = False) -> FusedSums | None: ...
@@ -109,14 +109,14 @@ def verify_gemm(
 
     directions: ("row",) is the fast path (issue 17): one direction detects any single corrupted element (it changes
     its row's sum as much as its column's) and reads C once for the checksums, once for its bound; locating a 1-D or
-    2-D pattern needs both, which the slow path computes after a flag (``gemm_check``).
+    2-D pattern needs both, which the slow path computes after a flag (``gemm.check``).
 
     Operands may be strided views (dYᵀ); they are read once each in the accumulation dtype. operand_roundoff: an
     fp32 GEMM that rounded its operands itself (TF32, oneDNN bf16; ``tolerance.bounds``).
     wide_norms: operand norms (and so the bound) in float64. An fp32 norm overflows once a row's elements reach
     ~1e19 (its square sum passes 3.4e38); the bound is then undefined and falls back to NEAR_INF, which flags
     finite values a diverged bf16 run really computed. A copy of both operands in float64: for the slow path,
-    after a flag (``gemm_check``), not for every check.
+    after a flag (``gemm.check``), not for every check.
     one_pass: a kernel that reads each of C, A and B once for the row direction's sums (``OnePass``); where it
     declines (None), the eager reductions below compute the same, reading each matrix about twice.
     exact_sums: references and checksums in float64, the bound still C's dtype's (its terms for the checksums' own

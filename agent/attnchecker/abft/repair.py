@@ -12,15 +12,7 @@ from typing import Any
 
 import torch
 
-from .checksum import (
-    DirectionCheck,
-    acc_dtype,
-    checksum_weights,
-    checksums_of,
-    spread,
-    vector_sum,
-    verify_direction,
-)
+from .checksum import DirectionCheck, acc_dtype, checksum_weights, checksums_of, spread, vector_sum, verify_direction
 from .tolerance import Tolerance
 
 __all__ = ["MatrixReport", "locate_and_fix", "repair"]

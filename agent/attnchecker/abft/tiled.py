@@ -4,8 +4,8 @@ tensors out; no modules, no I/O, no host-device sync.
 Legend: N leading dims (batch, heads), Tq query rows of one tile, Tk key columns of one tile, D head dim, 2 a
 checksum pair (weights ones and 1..n, tile-local).
 
-The contract a backend implements (the PyTorch loop in ``attnchecker.tiled_attention`` does; a fused GPU kernel can
-do the same per program), for each query block i and each key block j it visits:
+The contract a backend implements (the PyTorch loop in ``attention/backends/tiled_torch.py`` does; a fused GPU
+kernel can do the same per program), for each query block i and each key block j it visits:
 
 1. AS_ij = Q_i K_jᵀ. Its references come from the operands only: rows Q_i (K_jᵀ w) and columns K_j (Q_iᵀ w)
    (:func:`scores_refs`). The checksum identities hold per tile because a tile is itself a matrix product. A tile
@@ -55,7 +55,7 @@ __all__ = [
 TILE_BUDGET = 1 << 23
 """Elements (B·H·Tq·Tk) of one score tile: 32 MB in fp32. Up to it the keys are not blocked at all (one tile per query
 block: exact softmax, no online rescaling); beyond it (long S) they are, so the extra memory stays O(budget + T). The
-checked attention backward takes its blocks of query rows within it too (attention_backward)."""
+checked attention backward takes its blocks of query rows within it too (attention.backward.checked)."""
 
 SUMMARY_FIELDS = ("n_bad", "first_bad", "worst_d1", "worst_bound", "worst_index")
 """What :func:`summarize` keeps per matrix and direction of a flagged tile: enough to report a fault after the tile
@@ -135,7 +135,7 @@ def scores_refs(
     """(row references (..., Tq·g_r, 2), column references (..., Tk·g_c, 2), ref norms) of AS_ij = Q_i K_jᵀ, in the acc
     dtype. groups (g_r, g_c): checksum groups per row (runs of keys) and per column (runs of queries), the grouped
     layout of abft/checksum.py; ref norms: (‖K_hᵀ w‖ (..., g_r, 2), ‖Q_hᵀ w‖ (..., g_c, 2)) per group ((..., 2) each
-    ungrouped), what the calibrated bound dots the references with (product_check._verify's ref_norms), as the unfused
+    ungrouped), what the calibrated bound dots the references with (checks.product._verify's ref_norms), as the unfused
     path passes. weights: `scores_weights` when the caller made them (made here otherwise)."""
     kbar_ND2g, qbar_ND2g = scores_weights(q_acc_NTqD, k_acc_NTkD, groups) if weights is None else weights
     rows = times_skinny(q_acc_NTqD, kbar_ND2g)  # (..., Tq, g_r·2): already vector i·g_r + h's pair
@@ -152,7 +152,7 @@ def _ref_norms(
     row_w_NK2g: torch.Tensor, col_w_NK2g: torch.Tensor, groups: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """‖·‖ over K of the row and column references' weight vectors: (..., g, 2) per group, or (..., 2) ungrouped (the
-    shapes product_check._verify takes)."""
+    shapes checks.product._verify takes)."""
     row, col = torch.linalg.vector_norm(row_w_NK2g, dim=-2), torch.linalg.vector_norm(col_w_NK2g, dim=-2)
     if groups == (1, 1):
         return row, col

@@ -22,7 +22,7 @@ from .corpus import Batches, stdlib_corpus
 from .local_collector import LocalCollector, start_local_collector
 
 if TYPE_CHECKING:
-    from ..guard import Guard
+    from ..runtime.guard import Guard
 
 DASHBOARD_UID = "attnchecker-overview"
 EARLY_STEPS = 50
@@ -100,7 +100,7 @@ def _build(args: argparse.Namespace) -> Trainer:
 def _fault_plan(args: argparse.Namespace) -> Any:
     import random
 
-    from ..context import OPS
+    from ..checks.context import OPS
     from ..inject import Fault, FaultPlan
 
     rng = random.Random(args.seed)

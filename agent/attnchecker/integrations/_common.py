@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ..context import LayerContext, Runtime
+from ..checks.context import LayerContext, Runtime
 from ..coverage import Coverage, OpCoverage
 from ..errors import UnprotectedAttentionError
 from .projection_hook import ContextRef, Outputs, Splits, check_projection

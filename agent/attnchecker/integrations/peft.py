@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..context import LayerContext
+from ..checks.context import LayerContext
 from .projection_hook import check_projection
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from ..context import LayerContext
+from ..checks.context import LayerContext
 
 __all__ = ["ContextRef", "HookOwner", "Outputs", "Splits", "check_projection"]
 
@@ -46,7 +46,7 @@ def check_projection(
     """check_linear on a projection's output = x·W (+ b) as its module computed it, under autocast too; records the
     output's storage for ``Binder.passed_matches``. cast_operands=False: x and W are given wider than the output on
     purpose (the bound then covers the rounding of the operands and of the intermediate sums: peft.py)."""
-    from ..attention import check_linear
+    from ..attention.pipeline import check_linear
 
     ptr, rows = output.untyped_storage().data_ptr(), output.numel() // output.shape[-1]
     sizes = [size for _, size in splits] if splits is not None else [output.shape[-1]]

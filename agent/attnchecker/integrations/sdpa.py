@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..context import LayerContext
+from ..checks.context import LayerContext
 from ._common import Binder, ContextRef, engine_call, forward_source_mentions, projection_gap, rotates_qk
 from .peft import base_linear
 
@@ -99,7 +99,7 @@ class _SDPAMode(TorchFunctionMode):
 
 
 def _call_protected(owner: _Owner, ctx: LayerContext, a: dict[str, Any]) -> torch.Tensor:
-    from ..attention import protected_sdpa
+    from ..attention.pipeline import protected_sdpa
 
     # Q/K rotated (RoPE) or otherwise rebuilt after the projections: the scores need checksums of these tensors.
     use_passed = owner.binder.passed_matches(ctx, rotates=owner.rotates, q=a["query"], k=a["key"], v=a["value"])

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..context import LayerContext
+from ..checks.context import LayerContext
 from ._common import Binder, engine_call
 
 __all__ = ["attach"]
@@ -70,7 +70,7 @@ def _mha_forward(
     average_attn_weights: bool = True,
     is_causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    from ..attention import protected_linear, protected_sdpa
+    from ..attention.pipeline import protected_linear, protected_sdpa
 
     if is_causal and attn_mask is None:
         raise RuntimeError(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..context import LayerContext
+from ..checks.context import LayerContext
 from ._common import Binder, engine_call, forward_source_mentions, projection_gap, rotates_qk
 from .peft import base_linear
 
@@ -86,7 +86,7 @@ def attnchecker_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
             position_bias=position_bias, **kwargs
         )
-    from ..attention import protected_sdpa
+    from ..attention.pipeline import protected_sdpa
 
     ctx, binder, rotates = entry
     n_rep = getattr(module, "num_key_value_groups", 1)
@@ -273,7 +273,7 @@ def _neo_attn(
 
     query/key/value (B, H, T, D) -> (B, H, T, D), None.
     """
-    from ..attention import protected_sdpa
+    from ..attention.pipeline import protected_sdpa
 
     q = query.to(torch.float32)
     k = key.to(torch.float32)

@@ -21,14 +21,7 @@ from typing import Any
 
 from ..policy import Policy, PolicyError
 from .backoff import Backoff
-from .client import (
-    CollectorClient,
-    Reply,
-    encode,
-    events_body,
-    registration_body,
-    send_events,
-)
+from .client import CollectorClient, Reply, encode, events_body, registration_body, send_events
 from .config import TransportConfig
 from .leftovers import Leftovers
 from .outbox import Outbox

@@ -1,0 +1,1 @@
+"""Every way of computing a checked attention forward."""

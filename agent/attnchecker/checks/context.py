@@ -1,0 +1,120 @@
+"""What a protected call needs to know, passed explicitly from the guard to the engine.
+
+The engine (``attention.py`` over ``abft/``) never reads global state: every protected projection and attention call
+gets a :class:`LayerContext`, one per protected attention layer, whose ``runtime`` is shared by all layers of a guard
+and swapped by the guard at step boundaries.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..policy import MODES, OPS, TIERS, TOLERANCES
+from .passed import PassedChecksums
+
+if TYPE_CHECKING:
+    from ..events import Detection
+    from ..inject import Injector
+
+__all__ = [
+    "MODES", "OPS", "RESIDUAL_RATIO_BUCKETS", "TIERS", "TOLERANCES",
+    "CheckConfig", "LayerContext", "OpStats", "Runtime",
+]
+
+# Upper bounds of the residual/bound histogram the agent keeps on the device (wire: stats.residual_ratio.le).
+RESIDUAL_RATIO_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 1.0, 10.0, 1000.0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckConfig:
+    """The per-step snapshot of the policy the engine acts on. Immutable: the guard swaps whole objects."""
+
+    mode: str = "correct"
+    """off: compute (and inject) only; detect: verify and report; correct: verify, correct, recompute."""
+    tolerance: str = "roundoff"
+    """roundoff: a bound from dtype epsilon, reduction length and operand norms; extreme: the paper's thresholds."""
+    tolerance_factor: float = 1.0
+    """Multiplies the bound (roundoff) or the absolute threshold (extreme)."""
+    source_repair: bool = True
+    """True: q/k/v are verified and repaired at their projection, so autograd never saves a faulty value.
+    False: paper-faithful checksum passing; q/k/v are only verified through scores and context."""
+    checked_ops: frozenset[str] = frozenset(OPS)
+    """Ops verified on the current step (the scheduler decides); the others are computed (and injected) only."""
+    tripwire: bool = True
+    """Tier 1: every op that is not verified on this step still gets the extreme-value tripwire (INF/NaN/near-INF),
+    and a trip recovers through the full check (docs/abft.md, "Tier 1")."""
+
+    def checks(self, op: str) -> bool:
+        return self.mode != "off" and op in self.checked_ops
+
+    def trips(self, op: str) -> bool:
+        """Whether ``op`` gets the tier-1 tripwire on this step (it is on, and the op is not fully checked)."""
+        return self.tripwire and self.mode != "off" and op not in self.checked_ops
+
+
+@dataclass(slots=True)
+class OpStats:
+    """Counters for one interval. Host-side ints for things the host already knows; device tensors for the rest,
+    copied out only at step boundaries (no sync on the hot path)."""
+
+    checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
+    check_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(OPS, 0.0))
+    # (op, kind) -> [detected, corrected, uncorrectable]
+    faults: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    trip_checks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OPS, 0))
+    """Tier-1 tripwire checks per op (op calls not fully checked on their step)."""
+    catches: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(tier, op) -> faults caught; tier is one of TIERS. The optimizer net counts under op "grad"."""
+    trip_seconds: float = 0.0
+    """Time spent in tier 1 (and recovering from its trips), all ops."""
+    grad_checks: int = 0
+    """Optimizer steps whose gradients the last net looked at."""
+    # Device tensors, created lazily on the first check's device: bucket counts (len(buckets)+1,), sum, count.
+    residual_counts: torch.Tensor | None = None
+    residual_sum: torch.Tensor | None = None
+    residual_count: torch.Tensor | None = None
+    residual_max: dict[str, torch.Tensor] = field(default_factory=dict)
+    """op -> the worst clean residual/bound ratio of its checks this interval (a device scalar, no sync): how close
+    clean data came to a flag, per op (the clean campaign reports it; the histogram above mixes the ops)."""
+
+    def add_fault(self, op: str, kind: str, action: str, tier: str = "abft") -> None:
+        self.catches[(tier, op)] = self.catches.get((tier, op), 0) + 1
+        row = self.faults.setdefault((op, kind), [0, 0, 0])
+        row[0] += 1
+        if action in ("corrected", "recomputed"):
+            row[1] += 1
+        elif action == "uncorrectable":
+            row[2] += 1
+
+
+@dataclass(slots=True, kw_only=True)
+class Runtime:
+    """Guard-wide state every layer reads: the current step, what to check, where records go."""
+
+    step: int = 0
+    config: CheckConfig = dataclasses.field(default_factory=CheckConfig)
+    injector: Injector | None = None
+    on_detection: Callable[[Detection], None] | None = None
+    stats: OpStats | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class LayerContext:
+    """One per protected attention layer. The projections of the layer and its attention call share it."""
+
+    layer: int
+    runtime: Runtime
+    passed: PassedChecksums = field(default_factory=PassedChecksums)
+    """Checksum passing within one forward of this layer (projections put, the attention takes)."""
+
+    @property
+    def step(self) -> int:
+        return self.runtime.step
+
+    @property
+    def config(self) -> CheckConfig:
+        return self.runtime.config

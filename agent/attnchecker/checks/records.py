@@ -1,0 +1,153 @@
+"""What a check reports to the runtime: planned faults injected, one Detection per flagged matrix, check counts and
+their time, and the histogram of residual/bound ratios (kept on the device, no sync)."""
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from ..abft import DirectionCheck, MatrixReport
+from ..events import Detection, kind_of, value_to_wire
+from ..tripwire import NEAR_INF, extreme_value
+from .caches import engine_caches
+from .context import RESIDUAL_RATIO_BUCKETS, LayerContext
+from .product import Checks
+
+
+def _inject(ctx: LayerContext, op: str, out: torch.Tensor, attempt: int = 0) -> None:
+    injector = ctx.runtime.injector
+    if injector is not None:
+        with torch.no_grad():
+            injector.apply(out, op=op, layer=ctx.layer, step=ctx.step, attempt=attempt)
+
+
+@functools.lru_cache(maxsize=16)
+def _bucket_edges(device: torch.device) -> torch.Tensor:
+    return torch.tensor(RESIDUAL_RATIO_BUCKETS, device=device, dtype=torch.float32)
+
+
+engine_caches.register(_bucket_edges)
+
+
+def _any_bad(checks: Checks) -> torch.Tensor:
+    flags = [chk.bad.any() for chk in checks.values()]
+    return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
+
+
+def _observe(ctx: LayerContext, checks: Checks, op: str | None = None) -> None:
+    """Histogram of the worst residual/bound ratio (d1 and d2, both flag) among the unflagged vectors of one check,
+    kept on the device: the dashboard's margin is its inverse. op: also kept as that op's worst ratio."""
+    stats = ctx.runtime.stats
+    if stats is None or not checks:
+        return
+    _record_ratio(ctx, _worst_ratio(checks), op)
+
+
+def _worst_ratio(checks: Checks) -> torch.Tensor:
+    """() fp32: the worst residual/bound ratio among the unflagged vectors of one check (all its directions)."""
+    worst = [torch.where(chk.bad, 0.0, _ratio(chk)).amax().float() for chk in checks.values()]
+    return worst[0] if len(worst) == 1 else torch.stack(worst).amax()
+
+
+def _record_ratio(ctx: LayerContext, worst: torch.Tensor, op: str | Sequence[str] | None = None) -> None:
+    """Add checks' worst residual/bound ratios (a device scalar, one check, or (V,), one per check) to the histogram
+    (also the tiled path's): several at once cost the few ops of one. op: the op of every ratio, or one per ratio;
+    each op's running maximum is kept too."""
+    stats = ctx.runtime.stats
+    if stats is None:
+        return
+    device = worst.device
+    if stats.residual_counts is None or stats.residual_counts.device != device:
+        stats.residual_counts = torch.zeros(len(RESIDUAL_RATIO_BUCKETS) + 1, device=device, dtype=torch.int64)
+        stats.residual_sum = torch.zeros((), device=device, dtype=torch.float64)
+        stats.residual_count = torch.zeros((), device=device, dtype=torch.int64)
+    # A non-finite ratio is a check that could not be evaluated (its inputs already carried a fault that another op
+    # reports, e.g. context computed from scores before their repair): it is left out, so one such check does not
+    # turn the interval's sum into NaN (JSON cannot carry it, and the whole histogram would be lost).
+    valid = torch.isfinite(worst)
+    bucket = torch.bucketize(torch.where(valid, worst, 0.0), _bucket_edges(device))
+    assert stats.residual_sum is not None and stats.residual_count is not None
+    stats.residual_counts.index_add_(0, bucket.view(-1), valid.view(-1).to(torch.int64))
+    ratio_V = torch.where(valid, worst, 0.0).view(-1)
+    stats.residual_sum += ratio_V.double().sum()
+    stats.residual_count += valid.to(torch.int64).sum()
+    if op is None:
+        return
+    names = [op] * ratio_V.numel() if isinstance(op, str) else list(op)
+    for name in dict.fromkeys(names):
+        picked = [i for i, n in enumerate(names) if n == name]
+        ratio = ratio_V[picked[0]] if len(picked) == 1 else ratio_V[picked].amax()
+        seen = stats.residual_max.get(name)
+        stats.residual_max[name] = ratio.float() if seen is None else torch.maximum(seen, ratio.float())
+
+
+def _ratio(chk: DirectionCheck) -> torch.Tensor:
+    """(..., V) the larger of |d1|/bound and |d2|/bound2."""
+    ratio = chk.diff[..., 0].abs() / chk.bound.clamp_min(1e-30)
+    if chk.bound2 is None:
+        return ratio
+    return torch.maximum(ratio, chk.diff[..., 1].abs() / chk.bound2.clamp_min(1e-30))
+
+
+def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: bool, tier: str = "abft") -> None:
+    """One Detection per flagged matrix: to the runtime's callback and its counters. tier: who caught it."""
+    for rep in reports:
+        kind = kind_of(rep.value)
+        det = Detection(
+            op=op,
+            layer=ctx.layer,
+            step=ctx.step,
+            pattern=rep.pattern,
+            kind=kind,
+            action=rep.action,
+            batch=rep.index[0] if rep.index else None,
+            head=rep.index[1] if heads and len(rep.index) > 1 else None,
+            row=rep.row,
+            col=rep.col,
+            value=value_to_wire(rep.value),
+            residual=rep.residual,
+            bound=rep.bound,
+            tier=tier,
+        )
+        _deliver(ctx, det)
+
+
+def _deliver(ctx: LayerContext, det: Detection) -> None:
+    """A Detection to the runtime's counters (per op, kind, action and tier) and its callback."""
+    rt = ctx.runtime
+    if rt.stats is not None:
+        rt.stats.add_fault(det.op, det.kind, det.action, det.tier)
+    if rt.on_detection is not None:
+        rt.on_detection(det)
+
+
+def _count(ctx: LayerContext, op: str, seconds: float) -> None:
+    stats = ctx.runtime.stats
+    if stats is not None:
+        stats.checks[op] = stats.checks.get(op, 0) + 1
+        stats.check_seconds[op] = stats.check_seconds.get(op, 0.0) + seconds
+
+
+def _count_trips(ctx: LayerContext, ops: Sequence[str], seconds: float) -> None:
+    """Tier-1 checks of ``ops`` (one each) and their time (recovery after a trip too: ``ops`` empty). Kept apart from
+    check_seconds: the scheduler's overhead rule relaxes tier 2, which cannot make tier 1 cheaper."""
+    stats = ctx.runtime.stats
+    if stats is None:
+        return
+    for name in ops:
+        stats.trip_checks[name] = stats.trip_checks.get(name, 0) + 1
+    stats.trip_seconds += seconds
+
+
+def _emit_unplaced_trip(ctx: LayerContext, op: str, out: torch.Tensor, *, action: str) -> None:
+    """The event of a tier-1 trip on a GEMM output that its full check did not place: "recomputed" when the output was
+    thrown away and made again (the fused attention backward), "detected" when the fault came in with an input.
+    out: (M, N) or (B, H, M, N); the event points at its most extreme element (a sync: slow path only)."""
+    value, index = extreme_value(out)
+    lead, (row, col) = index[:-2], index[-2:]
+    kind = kind_of(value)
+    det = Detection(op=op, layer=ctx.layer, step=ctx.step, pattern="0d", kind=kind, action=action,
+                    batch=lead[0] if lead else None, head=lead[1] if len(lead) > 1 else None, row=row, col=col,
+                    value=value_to_wire(value), residual=None, bound=NEAR_INF, tier="tripwire")
+    _deliver(ctx, det)
