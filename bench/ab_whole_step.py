@@ -40,18 +40,21 @@ import attnchecker.gemm.linear
 import attnchecker.gemm.projection
 from attnchecker import Policy
 
-# (module in the package, file) swapped as a whole: the functions the whole-step path calls from them.
-SWAPPED = {"abft.checksum": "agent/attnchecker/abft/checksum.py", "gemm_check": "agent/attnchecker/gemm/check.py",
-           "attention_backward": "agent/attnchecker/attention/backward/checked.py"}
+# Modules swapped as a whole (the functions the whole-step path calls from them): key -> (module in the package, its
+# file). REV must have the agent's layout in folders (f240a9d or later): an older file's relative imports name modules
+# that no longer exist.
+SWAPPED = {"abft.checksum": ("abft.checksum", "agent/attnchecker/abft/checksum.py"),
+           "gemm_check": ("gemm.check", "agent/attnchecker/gemm/check.py"),
+           "attention_backward": ("attention.backward.checked", "agent/attnchecker/attention/backward/checked.py")}
 NAMES = ("weighted_rows", "times_skinny", "check_gemms", "linear_sums", "checked_backward")
 
 
 def _load_old(rev: str, tmp: Path) -> dict[str, ModuleType]:
     out = {}
-    for mod, path in SWAPPED.items():
+    for key, (mod, path) in SWAPPED.items():
         src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=_common.ROOT, check=True, capture_output=True,
                              text=True).stdout
-        file = tmp / f"{mod.replace('.', '_')}.py"
+        file = tmp / f"{key.replace('.', '_')}.py"
         file.write_text(src)
         # Named inside the package, so its relative imports resolve to this checkout's other modules.
         spec = importlib.util.spec_from_file_location(f"attnchecker.{mod}_old", file)
@@ -59,7 +62,7 @@ def _load_old(rev: str, tmp: Path) -> dict[str, ModuleType]:
         m = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = m
         spec.loader.exec_module(m)
-        out[mod] = m
+        out[key] = m
     # The old attention backward calls the old check_gemms.
     out["attention_backward"].check_gemms = out["gemm_check"].check_gemms  # type: ignore[attr-defined]
     return out
