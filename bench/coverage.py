@@ -39,7 +39,6 @@ import torch.nn.functional as F
 
 from attnchecker.abft import Tolerance, vector_of
 from attnchecker.abft.tiled import augment_v, causal_offset, fold_scores, v_row_checksums
-from attnchecker.attention.backends import native_cpu
 from attnchecker.attention.backends.native_rules import kernel_checks, kernel_rules
 from attnchecker.attention.backends.tiled_torch import (
     KERNEL_BLOCK_Q,
@@ -48,13 +47,14 @@ from attnchecker.attention.backends.tiled_torch import (
     scores_tile_checks,
 )
 from attnchecker.attention.pipeline import (
-    _context_checks,
     _ProjectionInput,
-    _scores_checks,
+    context_checks,
+    scores_checks,
 )
 from attnchecker.checks.product import _groups
 from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
 from attnchecker.gemm.projection import fast_directions
+from attnchecker.kernels import fused_attention
 
 # name -> (tokens T, model width, heads checked in scores/context, head dim D, heads in the clean-check batches)
 SHAPES: dict[str, dict[str, int]] = {
@@ -136,8 +136,8 @@ class Op:
                                                                                                ("row", "col"))
                 return _ProjectionInput.of(self.x).checks(c, self.w, None, tol=tol, directions=directions)
             if self.name == "scores":
-                return _scores_checks(self.q, self.k, c, {}, self.h, tol)
-            return _context_checks(self.probs, self.v, c, None, self.h, tol)
+                return scores_checks(self.q, self.k, c, {}, self.h, tol)
+            return context_checks(self.probs, self.v, c, None, self.h, tol)
 
     def check_seconds(self, tols: dict[str, Tolerance], reps: int = 3) -> dict[str, float]:
         """Median seconds of one verification of the clean product per tolerance, interleaved (a loaded machine
@@ -232,7 +232,7 @@ class KernelOp(Op):
     """scores or context through the native attention pass (--path kernel; fp32, the kernel's only dtype). The
     product is the kernel's own; a corrupted copy c is handed to it as emulated faults (every element where c differs
     from the clean product, written into the kernel's scores or context right after the GEMM that made them:
-    native_cpu.emulated_faults), and the verdict is the kernel's rows, read through kernel_checks (its sums and
+    fused_attention.emulated_faults), and the verdict is the kernel's rows, read through kernel_checks (its sums and
     references; the kernel's own count of flagged rows is asserted equal on every call). Scores: no mask, whole rows,
     as the unfused campaign's. Context: causal; c is the kernel's unnormalised P̃V (its output times ΣP̃, a value an ulp
     or so from the kernel's own: flips of the lowest mantissa bits are within that), so an error of m·RMS of the
@@ -241,7 +241,7 @@ class KernelOp(Op):
     def __init__(self, name: str, shape: dict[str, int], dtype_name: str, seed: int) -> None:
         if name not in ("scores", "context") or dtype_name != "fp32":
             raise ValueError(f"--path kernel covers fp32 scores and context, not {dtype_name} {name}")
-        if not native_cpu.available():
+        if not fused_attention.available():
             raise ValueError("--path kernel: the native attention pass is not available here (no C compiler or no "
                              "BLAS sgemm_)")
         super().__init__(name, shape, dtype_name, seed)
@@ -257,14 +257,14 @@ class KernelOp(Op):
             self.rms = float((got.out_NTD.square().mean()).sqrt())
             self.row_scale = got.p_sum_NT[0]
 
-    def _run(self, faults: list[native_cpu.Fault], tol: Tolerance) -> tuple[Any, dict[str, Any]]:
+    def _run(self, faults: list[fused_attention.Fault], tol: Tolerance) -> tuple[Any, dict[str, Any]]:
         groups = _groups(tol, self.k3.shape[-2])
         vw = v_row_checksums(self.v3)
         rules = kernel_rules(self.q3, self.k3, self.v3, vw, tol=tol, groups=groups)
-        with native_cpu.emulated_faults(faults):
-            got = native_cpu.run(self.q3, self.k3, augment_v(self.v3, vw), rules,
+        with fused_attention.emulated_faults(faults):
+            got = fused_attention.run(self.q3, self.k3, augment_v(self.v3, vw), rules,
                                       scale=1 / math.sqrt(self.q3.shape[-1]), is_causal=self.causal,
-                                      block_q=KERNEL_BLOCK_Q, faults=native_cpu.take_faults())
+                                      block_q=KERNEL_BLOCK_Q, faults=fused_attention.take_faults())
         if got is None:
             raise RuntimeError("the native attention pass declined the call")
         return got, kernel_checks(self.k3, self.v3, vw, got, rules, tol=tol)
@@ -275,7 +275,7 @@ class KernelOp(Op):
         got, checks = self._run(faults, tol)
         row = checks[self.name]["row"]
         n = self.q3.shape[0]
-        flagged = got.flagged_N2[:, native_cpu.OPS.index(self.name)]
+        flagged = got.flagged_N2[:, fused_attention.OPS.index(self.name)]
         if flagged.tolist() != row.bad.view(n, -1).sum(-1).tolist():
             raise RuntimeError("the kernel's verdict and kernel_checks' differ")
         return {"row": _Stitched(row.bad[None], row.diff[None], row.bound[None], row.bound2[None], row.groups)}

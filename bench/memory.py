@@ -8,8 +8,8 @@ One training step = forward + backward + AdamW step.
 Variants:
   baseline  unprotected, attn_implementation="sdpa" (the fused flash kernel: no T×T tensor)
   tiled     attnchecker.protect(model, policy=Policy.full()) with ATTNCHECKER_ATTENTION=tiled: the native pass
-            (native_cpu.py) where it applies, as a user gets it
-  tiled_torch  the same with the native pass off (native_cpu.enabled = False): the PyTorch tile loop
+            (kernels/fused_attention.py) where it applies, as a user gets it
+  tiled_torch  the same with the native pass off (fused_attention.enabled = False): the PyTorch tile loop
   unfused   the same with ATTNCHECKER_ATTENTION=unfused (the checked path that holds AS and AP, B·H·T·S each)
   tiled_all protect(model, policy=Policy.full(), scope="all") on the tiled path: every Linear GEMM checked too, and
             the attention backward checked on the fused kernel with encoded operands (its recovery: the checked
@@ -97,9 +97,9 @@ def _build(size: dict[str, int], seq: int, variant: str, device: str = "cpu", pa
 
 def _native(variant: str) -> None:
     """The native attention pass on, except for the variant that prices the PyTorch tile loop beside it."""
-    from attnchecker.attention.backends import native_cpu
+    from attnchecker.kernels import fused_attention
 
-    native_cpu.enabled = variant != "tiled_torch"
+    fused_attention.enabled = variant != "tiled_torch"
 
 
 def _step(model: Any, opt: Any, batch: Any, guard: Any) -> float:

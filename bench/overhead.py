@@ -32,7 +32,7 @@ Variants:
              (attention.backward.checked) instead of the fused kernel on encoded operands
              (attention/backward/encoded.py)
   full_unfused, all_full_unfused  full and all_full with the checked attention forward on the unfused path, not
-             the native pass (native_cpu.py): what the native pass saves, side by side
+             the native pass (kernels/fused_attention.py): what the native pass saves, side by side
 
     python bench/overhead.py [--models gpt2,llama] [--rounds 16] [--tiny]
 """
@@ -59,9 +59,9 @@ from torch import nn
 import attnchecker
 from attnchecker import Policy
 from attnchecker.attention import pipeline as attention
-from attnchecker.attention.backends import native_cpu
+from attnchecker.attention.backends import unfused
 from attnchecker.attention.backward import encoded
-from attnchecker.kernels import fused_pass, row_verify
+from attnchecker.kernels import fused_attention, fused_pass, row_verify
 
 VARIANTS = ("baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor", "all_full",
             "all_adaptive", "all_tier1", "all_full_eager", "all_full_rules", "all_full_products", "full_unfused",
@@ -211,10 +211,11 @@ RULES = ("all_full_rules",)
 PRODUCTS = ("all_full_products",)
 """Variants whose attention backward is checked through its products, not the encoded fused kernel."""
 UNFUSED = ("full_unfused", "all_full_unfused")
-"""Variants whose checked attention forward runs without the native pass (native_cpu.py): the unfused path."""
+"""Variants whose checked attention forward runs without the native pass (kernels/fused_attention.py): the
+unfused path."""
 SOFTMAX_OPS = ("full_softmax_ops",)
 """Variants whose unfused attention (attention dropout) differentiates softmax and dropout op by op, not through
-attention._SoftmaxDropout."""
+attention.backends.unfused._SoftmaxDropout."""
 SDPA_TIER1 = ("all_tier1_sdpa",)
 """Variants whose tier-1 steps run a dropout attention on SDPA, not on the unfused path (attention._unfused_tier1)."""
 TIER1 = ("tier1", "all_tier1", "all_tier1_sdpa")
@@ -280,8 +281,8 @@ class Variant:
         fused_pass.enabled = self.name not in EAGER
         row_verify.enabled = self.name not in RULES
         encoded.enabled = self.name not in PRODUCTS
-        native_cpu.enabled = self.name not in UNFUSED
-        attention.softmax_function = self.name not in SOFTMAX_OPS
+        fused_attention.enabled = self.name not in UNFUSED
+        unfused.softmax_function = self.name not in SOFTMAX_OPS
         attention.unfused_tier1 = self.name not in SDPA_TIER1
         c0, t0 = time.process_time(), time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
@@ -291,8 +292,8 @@ class Variant:
         # step in the optimizer's post-hook (guard.step()), after the gradient net has run in its pre-hook.
         stats = self.guard.step_stats if self.guard is not None else None
         self.opt.step()
-        fused_pass.enabled = encoded.enabled = native_cpu.enabled = row_verify.enabled = True
-        attention.softmax_function = attention.unfused_tier1 = True
+        fused_pass.enabled = encoded.enabled = fused_attention.enabled = row_verify.enabled = True
+        unfused.softmax_function = attention.unfused_tier1 = True
         if self.hooks is not None:
             self.hooks.end_step()
         if self.guard is not None:

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from attnchecker.attention import pipeline as attention
+from attnchecker.attention.backends import unfused
 from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
 from attnchecker.integrations._common import Binder
 
@@ -76,19 +77,19 @@ def fp16_cases(heads: int, tokens: int, d: int) -> dict[str, Callable[[], None]]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, tokens, d, generator=g).half() for _ in range(3))
     ctx = _ctx()
-    fp32_product = attention._scores_product
+    fp32_product = unfused._scores_product
 
     def fp16_product(q_: torch.Tensor, k_: torch.Tensor) -> torch.Tensor:
         return q_ @ k_.transpose(-2, -1)
 
     def checked(product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[], None]:
         def run() -> None:
-            attention._scores_product = product
+            unfused._scores_product = product
             try:
                 with torch.no_grad():
                     attention.protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
             finally:
-                attention._scores_product = fp32_product
+                unfused._scores_product = fp32_product
 
         return run
 

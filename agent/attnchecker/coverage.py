@@ -54,6 +54,10 @@ class Coverage:
     entries: tuple[OpCoverage, ...]
     fallbacks: Mapping[tuple[int, str, str], int] = field(default_factory=dict)
     """Calls that ran unprotected at run time, by (layer, ops "scores,context", reason)."""
+    backends: Mapping[tuple[int, str], int] = field(default_factory=dict)
+    """Checked attention calls by (layer, backend that ran them) (attention/backends)."""
+    declined: Mapping[tuple[int, str], tuple[str, ...]] = field(default_factory=dict)
+    """(layer, backend) -> why that backend, ahead in the order, did not take the layer's last call it declined."""
 
     @property
     def protected(self) -> tuple[OpCoverage, ...]:
@@ -93,6 +97,27 @@ class Coverage:
         ]
         return lines
 
+    def backend_lines(self) -> list[str]:
+        """One line per group of layers that ran on the same backends for the same reasons, calls summed over the
+        group: "layers 0-11: native (96 calls); declined: triton (tensors on cpu, not cuda)"."""
+        ran: dict[int, dict[str, int]] = {}
+        for (layer, name), n in self.backends.items():
+            ran.setdefault(layer, {})[name] = n
+        why: dict[int, list[str]] = {}
+        for (layer, name), reasons in sorted(self.declined.items()):
+            if (layer, name) not in self.backends:
+                why.setdefault(layer, []).append(f"{name} ({'; '.join(reasons)})")
+        groups: dict[tuple[tuple[str, ...], tuple[str, ...]], list[int]] = {}
+        for layer in sorted(set(ran) | set(why)):
+            groups.setdefault((tuple(sorted(ran.get(layer, {}))), tuple(why.get(layer, []))), []).append(layer)
+        lines = []
+        for (names, declined), layers in groups.items():
+            calls = [f"{name} ({sum(ran[layer].get(name, 0) for layer in layers)} calls)" for name in names]
+            tail = f"; declined: {', '.join(declined)}" if declined else ""
+            lines.append(f"layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}: {', '.join(calls) or 'no call'}"
+                         f"{tail}")
+        return lines
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready, every entry (``Report.as_dict()``)."""
         return {
@@ -105,6 +130,13 @@ class Coverage:
             "fallbacks": [
                 {"layer": layer, "ops": ops, "reason": reason, "calls": n}
                 for (layer, ops, reason), n in sorted(self.fallbacks.items())
+            ],
+            "backends": [
+                {"layer": layer, "backend": name, "calls": n} for (layer, name), n in sorted(self.backends.items())
+            ],
+            "declined": [
+                {"layer": layer, "backend": name, "reasons": list(reasons)}
+                for (layer, name), reasons in sorted(self.declined.items())
             ],
         }
 

@@ -1,7 +1,7 @@
 """The checked attention backward (protect(scope="all")) in fp16 at the overflow edge: where the unscaled logits QKᵀ
 pass fp16's 65504 but the scaled ones and SDPA's gradients are finite, the recomputed scores must not overflow into a
 false "uncorrectable" INF (found by bench/clean_campaign.py: fp16 BERT with massive activations; the forward has
-the same guard, attention._scores_product)."""
+the same guard, attention.backends.unfused._scores_product)."""
 from __future__ import annotations
 
 import math

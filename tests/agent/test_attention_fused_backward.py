@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from test_attention_layer import tiled
 
-from attnchecker.attention.pipeline import _probs, protected_sdpa
+from attnchecker.attention.backends.unfused import _probs
+from attnchecker.attention.pipeline import protected_sdpa
 
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 5e-2, "atol": 5e-2}}
 

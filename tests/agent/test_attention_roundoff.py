@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from attnchecker.abft import Tolerance
-from attnchecker.attention.pipeline import _context_checks, _probs, check_linear, protected_sdpa
+from attnchecker.attention.backends.unfused import _probs, context_checks
+from attnchecker.attention.pipeline import check_linear, protected_sdpa
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (batch, heads, queries, keys, head dim, mask): batch × heads matrices per op and call.
@@ -78,7 +79,7 @@ def test_probability_times_v_detects_errors_ten_times_the_bound(dtype: torch.dty
     tol = Tolerance()
     probs, _ = _probs(q @ k.mT, scale=d**-0.5, attn_mask=attn_mask, is_causal=True, dropout_p=0.0, keep_BHTS=None)
     out = probs @ v
-    base = _context_checks(probs, v, out, None, h, tol)
+    base = context_checks(probs, v, out, None, h, tol)
     assert not any(bool(c.bad.any()) for c in base.values())
     gen = torch.Generator().manual_seed(10)
     rows, cols = torch.randint(t, (b, h), generator=gen), torch.randint(d, (b, h), generator=gen)
@@ -88,7 +89,7 @@ def test_probability_times_v_detects_errors_ten_times_the_bound(dtype: torch.dty
     clean_values = out[bi, hi, rows, cols].float()
     faulty[bi, hi, rows, cols] = (clean_values + 11 * bound).to(dtype)
     eligible = (faulty[bi, hi, rows, cols].float() - clean_values).abs() >= 10 * bound
-    checks = _context_checks(probs, v, faulty, None, h, tol)
+    checks = context_checks(probs, v, faulty, None, h, tol)
     hit = checks["row"].bad[bi, hi, rows] | checks["col"].bad[bi, hi, cols]
     assert float(eligible.float().mean()) > 0.9
     assert float(hit[eligible].float().mean()) >= 0.99

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
 
 import pytest
 import test_attention_fused_backward as fused_suite
@@ -26,9 +25,7 @@ from attnchecker.abft.tiled import TilePlan, finish, fold_scores, square_sums
 from attnchecker.attention.backends.tiled_torch import (
     PATH_ENV,
     TILE_ENV,
-    TILED_MIN_ENV,
     _RecomputedBackward,
-    choose_tiles,
 )
 from attnchecker.attention.pipeline import protected_sdpa
 from attnchecker.inject import Fault
@@ -330,38 +327,6 @@ def causal_and_masked(q, k, v, mask):
     return fused_suite.reference(q, k, v, attn_mask=mask, is_causal=True, scale=0.5)
 
 
-def test_path_choice_by_size_and_by_environment(monkeypatch) -> None:
-    cpu = torch.device("cpu")
-    kw: dict[str, Any] = {"device": cpu, "dropout_p": 0.0, "return_probs": False, "paper": False}
-    monkeypatch.setenv(PATH_ENV, "auto")
-    monkeypatch.delenv(TILE_ENV)
-    assert choose_tiles(511, 512, **kw) is None
-    assert choose_tiles(512, 512, **kw) is not None
-    monkeypatch.setenv(TILED_MIN_ENV, "100")
-    assert choose_tiles(10, 10, **kw) is not None and choose_tiles(9, 10, **kw) is None
-    monkeypatch.setenv(PATH_ENV, "unfused")
-    assert choose_tiles(8192, 8192, **kw) is None
-    monkeypatch.setenv(PATH_ENV, "tiled")
-    assert choose_tiles(2, 2, **kw) is not None
-    # Never tiled: dropout, AP asked for, paper-faithful passing.
-    for never in ({"dropout_p": 0.1}, {"return_probs": True}, {"paper": True}):
-        assert choose_tiles(4096, 4096, **{**kw, **never}) is None
-
-
-def test_default_tiles_take_all_keys_up_to_the_budget_then_block_them(monkeypatch) -> None:
-    from attnchecker.attention.backends.tiled_torch import DEFAULT_BLOCK_Q, MIN_BLOCK_K, TILE_BUDGET, default_tiles
-
-    monkeypatch.setenv(PATH_ENV, "tiled")
-    monkeypatch.delenv(TILE_ENV)
-    kw: dict[str, Any] = {"device": torch.device("cpu"), "dropout_p": 0.0, "return_probs": False, "paper": False}
-    fit = TILE_BUDGET // (8 * DEFAULT_BLOCK_Q)
-    got = choose_tiles(fit, fit, batch_heads=8, **kw)
-    assert got is not None and (got.block_q, got.block_k) == (DEFAULT_BLOCK_Q, fit)  # one tile per query block
-    long = default_tiles(4 * fit, 8)
-    assert long.block_k == fit and 8 * long.block_q * long.block_k <= TILE_BUDGET  # O(budget), whatever S is
-    assert default_tiles(1 << 30, 1 << 10).block_k == MIN_BLOCK_K
-
-
 def test_causal_tiles_stop_at_the_diagonal() -> None:
     """A key block reaching past a causal query block's last row is cut there; blocks wholly above it are skipped."""
     plan = TilePlan(t=10, s=10, block_q=4, block_k=100, is_causal=True)
@@ -369,19 +334,6 @@ def test_causal_tiles_stop_at_the_diagonal() -> None:
     plan = TilePlan(t=8, s=8, block_q=4, block_k=3, is_causal=True)
     assert list(plan.keys(0)) == [(0, 0, 3), (1, 3, 4)]
     assert list(TilePlan(t=8, s=8, block_q=4, block_k=3, is_causal=False).keys(0))[-1] == (2, 6, 8)
-
-
-@pytest.mark.parametrize(("env", "value", "message"), [
-    (PATH_ENV, "fast", "use auto, tiled or unfused"),
-    (TILE_ENV, "64,32,16", "give 'Tq,Tk'"),
-    (TILE_ENV, "0", "must be >= 1"),
-    (TILED_MIN_ENV, "lots", "is not an integer"),
-])
-def test_a_bad_setting_is_a_clear_error(monkeypatch, env: str, value: str, message: str) -> None:
-    monkeypatch.setenv(PATH_ENV, "auto" if env == TILED_MIN_ENV else os.environ[PATH_ENV])
-    monkeypatch.setenv(env, value)
-    with pytest.raises(ValueError, match=message):
-        choose_tiles(64, 64, device=torch.device("cpu"), dropout_p=0.0, return_probs=False, paper=False)
 
 
 @pytest.mark.gpu

@@ -36,7 +36,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnchecker.abft import Tolerance
 from attnchecker.abft.tiled import augment_v, v_row_checksums
-from attnchecker.attention.backends import native_cpu
 from attnchecker.attention.backends.native_rules import kernel_checks, kernel_rules
 from attnchecker.attention.backends.tiled_torch import KERNEL_BLOCK_Q, PATH_ENV, TILE_ENV
 from attnchecker.attention.backward.fused import _additive_mask
@@ -44,38 +43,39 @@ from attnchecker.attention.pipeline import protected_sdpa
 from attnchecker.checks.product import _groups
 from attnchecker.checks.records import _worst_ratio
 from attnchecker.emulate import emulate_fp32_matmul
+from attnchecker.kernels import fused_attention
 
-pytestmark = pytest.mark.skipif(not native_cpu.available(), reason="no C compiler or no BLAS sgemm_ here")
+pytestmark = pytest.mark.skipif(not fused_attention.available(), reason="no C compiler or no BLAS sgemm_ here")
 
 
 @pytest.fixture(autouse=True, scope="module")
 def kernel_path() -> Iterator[None]:
     """The tiled path at every size, its own tile sizes (so the kernel may take the call): module scope, for
     hypothesis."""
-    with scoped_env({PATH_ENV: "tiled", TILE_ENV: None}):
+    with scoped_env({PATH_ENV: "native", TILE_ENV: None}):
         yield
 
 
 class Calls:
-    """Counts the kernel's calls (native_cpu.run) that it took, while active."""
+    """Counts the kernel's calls (fused_attention.run) that it took, while active."""
 
     def __init__(self) -> None:
         self.n = 0
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[Calls]:
-        original = native_cpu.run
+        original = fused_attention.run
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             got = original(*args, **kwargs)
             self.n += got is not None  # a call it declined inside (None) ran the PyTorch loop
             return got
 
-        native_cpu.run = counted  # type: ignore[assignment]
+        fused_attention.run = counted  # type: ignore[assignment]
         try:
             yield self
         finally:
-            native_cpu.run = original  # type: ignore[assignment]
+            fused_attention.run = original  # type: ignore[assignment]
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, is_causal: bool,
@@ -93,14 +93,14 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
 
 
 def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, is_causal: bool,
-                block_q: int = KERNEL_BLOCK_Q, faults: list[native_cpu.Fault] | None = None,
+                block_q: int = KERNEL_BLOCK_Q, faults: list[fused_attention.Fault] | None = None,
                 tol: Tolerance | None = None, mask_add: torch.Tensor | None = None, heads: int = 1
-                ) -> tuple[native_cpu.KernelOutput, dict[str, Any]]:
+                ) -> tuple[fused_attention.KernelOutput, dict[str, Any]]:
     s = k.shape[1]
     tol = tol or Tolerance()
     vw = v_row_checksums(v)
     rules = kernel_rules(q, k, v, vw, tol=tol, groups=_groups(tol, s))
-    got = native_cpu.run(q, k, augment_v(v, vw), rules, scale=scale, is_causal=is_causal, block_q=block_q,
+    got = fused_attention.run(q, k, augment_v(v, vw), rules, scale=scale, is_causal=is_causal, block_q=block_q,
                               faults=faults, mask_add=mask_add, heads=heads)
     assert got is not None
     checks = kernel_checks(k, v, vw, got, rules, tol=tol)
@@ -108,11 +108,11 @@ def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: flo
     return got, checks
 
 
-def assert_same_verdict(got: native_cpu.KernelOutput, checks: dict[str, Any]) -> None:
+def assert_same_verdict(got: fused_attention.KernelOutput, checks: dict[str, Any]) -> None:
     """The kernel's own verdict, the one the engine acts on (rows flagged per matrix, worst ratio per op), is what
     the Python checks make of the same sums (kernel_checks, the report of a flagged call)."""
     n = got.flagged_N2.shape[0]
-    for i, op in enumerate(native_cpu.OPS):
+    for i, op in enumerate(fused_attention.OPS):
         row = checks[op]["row"]
         assert got.flagged_N2[:, i].tolist() == row.bad.view(n, -1).sum(-1).tolist(), op
         torch.testing.assert_close(got.worst_2[i], _worst_ratio({"row": row}), rtol=1e-4, atol=1e-7, equal_nan=True,
@@ -157,7 +157,7 @@ TOLERANCES = {
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 3), t=st.integers(1, 600), s=st.integers(1, 600), d=st.integers(1, 40),
        causal=st.booleans(), tol=st.sampled_from(sorted(TOLERANCES)), magnitude=st.sampled_from([1e-3, 1.0, 30.0]),
-       faults=st.lists(st.tuples(st.sampled_from(native_cpu.OPS), st.floats(0.0, 1.0), st.floats(0.0, 1.0),
+       faults=st.lists(st.tuples(st.sampled_from(fused_attention.OPS), st.floats(0.0, 1.0), st.floats(0.0, 1.0),
                                  st.floats(0.0, 1.0), st.floats(-6.0, 21.0)), max_size=3),
        seed=st.integers(0, 2**20))
 def test_the_kernel_verifies_each_row_as_the_python_checks_do(n, t, s, d, causal, tol, magnitude, faults,
@@ -180,7 +180,7 @@ def test_with_several_torch_threads_the_matrices_are_split_between_them_with_the
     per-thread setting), where one thread would leave the other cores idle beside SDPA's threaded kernel; no part
     smaller than PART_MIN_MACS (this call's 10.8M multiply-adds make 2 parts, a demo-size call one). Every output is
     bitwise the one-thread call's, and a fault in a matrix of the last part is flagged at its matrix."""
-    if native_cpu._mkl_local_threads() is None:
+    if fused_attention._mkl_local_threads() is None:
         pytest.skip("the BLAS is not MKL: the kernel runs in one part")
     q, k, v = (seeded((5, 300, 24), 40 + i, torch.float32) for i in range(3))
     macs = 5 * 300 * 300 * 24
@@ -188,11 +188,11 @@ def test_with_several_torch_threads_the_matrices_are_split_between_them_with_the
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert native_cpu._parts(5, macs) == [(0, 5)]
+        assert fused_attention._parts(5, macs) == [(0, 5)]
         one, _ = kernel_call(q, k, v, scale=0.2, is_causal=causal, faults=fault)
         torch.set_num_threads(3)
-        assert native_cpu._parts(5, macs) == [(0, 2), (2, 5)]
-        assert native_cpu._parts(32, 32 * 64 * 64 * 32) == [(0, 32)]
+        assert fused_attention._parts(5, macs) == [(0, 2), (2, 5)]
+        assert fused_attention._parts(32, 32 * 64 * 64 * 32) == [(0, 32)]
         three, _ = kernel_call(q, k, v, scale=0.2, is_causal=causal, faults=fault)
     finally:
         torch.set_num_threads(before)
@@ -221,7 +221,7 @@ FAULT_VALUES = {"inf": math.inf, "neg_inf": -math.inf, "nan": math.nan, "near_in
 
 
 @pytest.mark.parametrize("kind", [*FAULT_VALUES, "2x_rms", "half_rms"])
-@pytest.mark.parametrize("op", native_cpu.OPS)
+@pytest.mark.parametrize("op", fused_attention.OPS)
 @pytest.mark.parametrize("causal", [True, False])
 def test_a_fault_inside_the_kernel_is_flagged_at_its_row(op: str, kind: str, causal: bool) -> None:
     n, t, d = 3, 700, 32
@@ -249,7 +249,7 @@ def test_a_fault_inside_the_kernel_is_flagged_at_its_row(op: str, kind: str, cau
         assert not bool(checks[other]["row"].bad.any())  # a context fault leaves the scores' sums alone
 
 
-@pytest.mark.parametrize("op", native_cpu.OPS)
+@pytest.mark.parametrize("op", fused_attention.OPS)
 def test_at_a_7b_like_head_clean_rows_pass_and_a_2x_rms_fault_is_flagged(op: str) -> None:
     """A Llama-7B-like head (T = S = 4096, D = 128, causal; 16 checksum groups of 256 keys a scores row), where a
     bound tight at small shapes could be loose: no clean row flags, with room, and an error of 2 x the RMS of the
@@ -295,14 +295,14 @@ def test_protected_sdpa_runs_on_the_kernel_and_gives_sdpa(make_ctx) -> None:
     assert int(stats.residual_count) == 2
 
 
-@pytest.mark.parametrize("op", native_cpu.OPS)
+@pytest.mark.parametrize("op", fused_attention.OPS)
 @pytest.mark.parametrize("value", [math.inf, math.nan, 1e20, 0.75])
 def test_a_fault_inside_the_kernel_is_recomputed_and_reported_at_its_place(make_ctx, op: str, value: float) -> None:
     q, k, v = _qkv(2, 3, 96, 16, seed=5)
     clean = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     ctx, rec = make_ctx()
     # Matrix n = batch·H + head = 1·3 + 2; row 70; a key at or before the row, or a feature.
-    with Calls().watch() as calls, native_cpu.emulated_faults([(op, 5, 70, 40 if op == "scores" else 3, value)]):
+    with Calls().watch() as calls, fused_attention.emulated_faults([(op, 5, 70, 40 if op == "scores" else 3, value)]):
         out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
     assert calls.n == 1  # the recompute runs the PyTorch tile loop, which the emulated fault does not reach
     torch.testing.assert_close(out, clean, rtol=1e-5, atol=1e-6)
@@ -312,7 +312,7 @@ def test_a_fault_inside_the_kernel_is_recomputed_and_reported_at_its_place(make_
 def test_detect_mode_reports_the_kernels_fault_and_keeps_its_output(make_ctx) -> None:
     q, k, v = _qkv(1, 2, 80, 8, seed=9)
     ctx, rec = make_ctx(mode="detect")
-    with native_cpu.emulated_faults([("context", 1, 33, 2, math.nan)]):
+    with fused_attention.emulated_faults([("context", 1, 33, 2, math.nan)]):
         out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
     assert [(d.op, d.action, d.head, d.row, d.kind) for d in rec.detections] == [("context", "detected", 1, 33, "nan")]
     assert bool(out[0, 1, 33].isnan().any()) and not bool(out[0, 0].isnan().any())
@@ -332,7 +332,7 @@ def _declined(case: str) -> contextlib.AbstractContextManager[Any]:
         os.environ[TILE_ENV] = "32,32"
         return contextlib.nullcontext()
     if case == "disabled":
-        native_cpu.enabled = False
+        fused_attention.enabled = False
     return contextlib.nullcontext()
 
 
@@ -348,7 +348,7 @@ def test_calls_the_kernel_does_not_take_run_the_pytorch_tile_loop(make_ctx, case
             out = protected_sdpa(q, k, v, ctx=ctx, **kwargs)
     finally:
         os.environ.pop(TILE_ENV, None)
-        native_cpu.enabled = True
+        fused_attention.enabled = True
     assert calls.n == 0
     expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kwargs).to(q.dtype)
     tol = {"rtol": 2e-2, "atol": 2e-2} if q.dtype == torch.bfloat16 else {"rtol": 1e-3, "atol": 1e-3}
@@ -441,7 +441,7 @@ def test_a_padding_mask_skips_the_keys_no_row_of_a_block_keeps(kind: str) -> Non
     assert checks["scores"]["row"].bad.view(b * h, t, -1).any(-1).nonzero().tolist() == [[h + 1, 700]]
 
 
-@pytest.mark.parametrize("op", native_cpu.OPS)
+@pytest.mark.parametrize("op", fused_attention.OPS)
 def test_a_fault_in_a_masked_call_is_flagged_at_its_row_and_recomputed_through_the_engine(make_ctx, op: str) -> None:
     """Under a key-padding mask: an error inside the kernel, 4× RMS in the scores (at a key the mask keeps) or 1e3 in
     the unnormalised context, is flagged at its row; through the engine the call is recomputed on the PyTorch loop,
@@ -456,10 +456,10 @@ def test_a_fault_in_a_masked_call_is_flagged_at_its_row_and_recomputed_through_t
     fault = (op, h + 2, 70, col, value)
     got, checks = kernel_call(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), scale=d ** -0.5, is_causal=False,
                               mask_add=_additive_mask(mask, torch.float32), heads=h, faults=[fault])
-    assert got.flagged_N2[:, native_cpu.OPS.index(op)].tolist() == [int(i == h + 2) for i in range(b * h)]
+    assert got.flagged_N2[:, fused_attention.OPS.index(op)].tolist() == [int(i == h + 2) for i in range(b * h)]
     assert checks[op]["row"].bad.view(b * h, t, -1).any(-1).nonzero().tolist() == [[h + 2, 70]]
     ctx, rec = make_ctx()
-    with native_cpu.emulated_faults([fault]):
+    with fused_attention.emulated_faults([fault]):
         out = protected_sdpa(q, k, v, ctx=ctx, attn_mask=mask)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=1e-5, atol=1e-6)
     assert [(x.op, x.batch, x.head) for x in rec.detections] == [(op, 1, 2)]
@@ -504,7 +504,7 @@ def test_auto_runs_calls_below_the_tiled_size_on_the_kernel_unless_an_injection_
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), rtol=1e-5,
                                    atol=1e-6)
     finally:
-        os.environ[PATH_ENV] = "tiled"
+        os.environ[PATH_ENV] = "native"
 
 
 def _gpt2_at_512() -> tuple[torch.nn.Module, torch.Tensor]:
@@ -521,7 +521,7 @@ def _gpt2_at_512() -> tuple[torch.nn.Module, torch.Tensor]:
     return model, torch.randint(0, 128, (2, 512), generator=torch.Generator().manual_seed(1))
 
 
-def _four_rms_scores_fault(model: torch.nn.Module, ids: torch.Tensor) -> native_cpu.Fault:
+def _four_rms_scores_fault(model: torch.nn.Module, ids: torch.Tensor) -> fused_attention.Fault:
     """Layer 0's scores element (batch 1, head 2, row 300, key 200) plus 4 x the RMS of its scores, as the kernel's
     fault list writes it: the first kernel call of a step holding matrix n = 1·4 + 2 is layer 0's."""
     with torch.no_grad():
@@ -535,13 +535,13 @@ def _four_rms_scores_fault(model: torch.nn.Module, ids: torch.Tensor) -> native_
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, opt: torch.optim.Optimizer,
-          faults: list[native_cpu.Fault] | None = None, attention_mask: torch.Tensor | None = None
+          faults: list[fused_attention.Fault] | None = None, attention_mask: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     """One training step (loss, gradients, kernel calls); lr 0, so every step has the same fault-free result.
     attention_mask: a padded batch (HF's 0 = padding; its labels there are -100)."""
     opt.zero_grad(set_to_none=True)
     labels = ids if attention_mask is None else ids.masked_fill(attention_mask == 0, -100)
-    with Calls().watch() as calls, native_cpu.emulated_faults(faults or []):
+    with Calls().watch() as calls, fused_attention.emulated_faults(faults or []):
         loss = model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -584,8 +584,8 @@ def test_the_default_policy_on_a_gpt2_step_recovers_a_fault_inside_the_kernel(au
     fault-free step's."""
     import attnchecker
 
-    if torch_threads > 1 and native_cpu._mkl_local_threads() is not None:
-        assert native_cpu._parts(8, 8 * 512 * 512 * 16) == [(0, 4), (4, 8)]
+    if torch_threads > 1 and fused_attention._mkl_local_threads() is not None:
+        assert fused_attention._parts(8, 8 * 512 * 512 * 16) == [(0, 4), (4, 8)]
     model, ids = _gpt2_at_512()
     twin = copy.deepcopy(model)
     opt = torch.optim.SGD(twin.parameters(), lr=0.0)

@@ -375,7 +375,7 @@ def test_both_directions_in_one_pass_are_the_grouped_checksums(
 def test_scores_and_context_checks_at_a_real_size_flag_as_the_eager_path(fault: str | None) -> None:
     """A 4-head 1024 × 1024 causal layer (grouped: 4 × 4 groups), over the kernel's size threshold: the same vectors
     flag through the kernel as eagerly, for a clean layer, an INF and an error of 3 × the RMS score."""
-    from attnchecker.attention.pipeline import _context_checks, _scores_checks
+    from attnchecker.attention.pipeline import context_checks, scores_checks
 
     t, d, h = 1024, 64, 4
     q, k, v = randn((1, h, t, d), 0), randn((1, h, t, d), 1), randn((1, h, t, d), 2)
@@ -393,9 +393,9 @@ def test_scores_and_context_checks_at_a_real_size_flag_as_the_eager_path(fault: 
     from attnchecker.checks.product import _both_in_one_pass
 
     assert _both_in_one_pass(scores, (4, 4), with_sq=True) is not None  # this size goes through the kernel
-    fused = (_scores_checks(q, k, scores, {}, h, tol), _context_checks(probs, v, out, None, h, tol))
+    fused = (scores_checks(q, k, scores, {}, h, tol), context_checks(probs, v, out, None, h, tol))
     with kernel_off():
-        eager = (_scores_checks(q, k, scores, {}, h, tol), _context_checks(probs, v, out, None, h, tol))
+        eager = (scores_checks(q, k, scores, {}, h, tol), context_checks(probs, v, out, None, h, tol))
     for got, want in zip(fused, eager, strict=True):
         for d_ in ("row", "col"):
             assert got[d_].groups == want[d_].groups

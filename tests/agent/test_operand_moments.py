@@ -20,7 +20,7 @@ import attnchecker
 from attnchecker.abft import Tolerance, group_sums_cols
 from attnchecker.abft.operand_moments import context_moments, scores_moments
 from attnchecker.attention.backends.tiled_torch import context_tile_checks, scores_tile_checks
-from attnchecker.attention.pipeline import _context_checks, _scores_checks
+from attnchecker.attention.pipeline import context_checks, scores_checks
 from attnchecker.emulate import emulate_fp32_matmul
 
 
@@ -77,7 +77,7 @@ def _context(p_TS: torch.Tensor, v_SD: torch.Tensor, *, truncate: bool, err: tup
         c = p_TS @ v_SD
         if err is not None:
             c[err[0], err[1]] += err[2]
-        return _context_checks(p_TS[None, None], v_SD[None, None], c[None, None], None, 1, Tolerance())
+        return context_checks(p_TS[None, None], v_SD[None, None], c[None, None], None, 1, Tolerance())
 
 
 @pytest.mark.parametrize("truncate", [False, True], ids=["round", "truncate"])
@@ -189,7 +189,7 @@ def test_the_tiled_path_takes_the_same_moments() -> None:
 
 def _scores(q_TD: torch.Tensor, k_SD: torch.Tensor, *, truncate: bool):
     with emulate_fp32_matmul("tf32", truncate=truncate), torch.no_grad():
-        return _scores_checks(q_TD[None, None], k_SD[None, None], (q_TD @ k_SD.T)[None, None], {}, 1, Tolerance())
+        return scores_checks(q_TD[None, None], k_SD[None, None], (q_TD @ k_SD.T)[None, None], {}, 1, Tolerance())
 
 
 @pytest.mark.parametrize("truncate", [False, True], ids=["round", "truncate"])
@@ -238,7 +238,7 @@ def test_a_two_rms_error_in_tf32_scores_is_flagged() -> None:
                             torch.randint(0, t, (8,), generator=gen).tolist(), strict=True):
             bad = s.clone()
             bad[row, col] += 2.0 * rms
-            checks = _scores_checks(q[None, None], k[None, None], bad[None, None], {}, 1, Tolerance())
+            checks = scores_checks(q[None, None], k[None, None], bad[None, None], {}, 1, Tolerance())
             assert checks["row"].bad.any() or checks["col"].bad.any(), (row, col)
 
 

@@ -23,7 +23,7 @@ from attnchecker.attention.backends.tiled_torch import (
     context_tile_checks,
     scores_tile_checks,
 )
-from attnchecker.attention.pipeline import _context_checks, _scores_checks, protected_sdpa
+from attnchecker.attention.pipeline import context_checks, protected_sdpa, scores_checks
 from attnchecker.inject import Fault
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -84,7 +84,7 @@ def test_tiled_scores_check_flags_what_the_unfused_check_flags(dtype, head, row,
     if torch.equal(s_bad, s):
         return  # the error rounded away in half precision
     tol = Tolerance()
-    unfused = _scores_checks(q, k, s_bad, {}, H, tol)
+    unfused = scores_checks(q, k, s_bad, {}, H, tol)
     g = group_count(T)
     assert g == 2 and unfused["row"].groups == g and unfused["col"].groups == g
     rows, cols = _tiled_scores_flags(q, k, s_bad, tol)
@@ -131,7 +131,7 @@ def test_tiled_context_check_flags_what_the_unfused_check_flags(dtype, head, row
     if torch.equal(cl_bad, cl):
         return
     tol = Tolerance()
-    unfused = _context_checks(ap_c, v, cl_bad, None, H, tol)
+    unfused = context_checks(ap_c, v, cl_bad, None, H, tol)
     g = group_count(T)
     assert unfused["row"].groups == 1 and unfused["col"].groups == g
     v_acc = v.float()
@@ -250,7 +250,7 @@ def test_an_error_between_the_group_bound_and_the_plain_bound_is_caught_on_the_t
     s = _product(q, k.mT)
 
     def bounds_at(tol: Tolerance) -> tuple[float, float]:
-        chk = _scores_checks(q, k, s, {}, 1, tol)
+        chk = scores_checks(q, k, s, {}, 1, tol)
         g_r, g_c = chk["row"].groups, chk["col"].groups
         return (float(chk["row"].bound[0, 0, row * g_r + col // (1024 // g_r)]),
                 float(chk["col"].bound[0, 0, col * g_c]))

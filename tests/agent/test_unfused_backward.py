@@ -1,4 +1,4 @@
-"""The attention backward with attention dropout under protect(scope="all") (attention/backends/unfused.py): the fused kernel
+"""The attention backward with attention dropout under protect(scope="all") (attention/backward/unfused.py): the fused kernel
 cannot replay the protected softmax's keep-mask, so autograd differentiates the unfused graph, and its four GEMMs
 (dQ, dK, dAP, dV) are checked like a Linear layer's. Faults come from a TorchDispatchMode below autograd
 (gemm_injector), chosen by shape: the model's attention products, never the checks' own skinny ones."""
@@ -137,7 +137,7 @@ def _reference_probs(scores: torch.Tensor, scale: float, mask: torch.Tensor | No
 def test_the_softmax_dropout_function_gives_autograds_values_and_gradients(t: int, s: int, causal: bool, mask: str,
                                                                             p: float, dtype: torch.dtype,
                                                                             seed: int) -> None:
-    from attnchecker.attention.pipeline import _probs_lse
+    from attnchecker.attention.backends.unfused import _probs_lse
 
     assume(not (causal and mask != "none"))  # SDPA refuses a mask together with is_causal
     g = torch.Generator().manual_seed(seed)

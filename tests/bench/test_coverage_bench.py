@@ -64,9 +64,9 @@ def test_coverage_bench_writes_its_errors_inside_the_native_attention_pass(tmp_p
     """--path kernel: scores and context errors written inside the native pass (GPT-2 shape, 4 key groups per scores
     row), its rows' verdict read; every 2x RMS error is caught, no clean row flags, and half-precision dtypes, which
     the kernel does not take, are refused with a message that says so."""
-    from attnchecker.attention.backends import native_cpu
+    from attnchecker.kernels import fused_attention
 
-    if not native_cpu.available():
+    if not fused_attention.available():
         pytest.skip("no C compiler or no BLAS sgemm_ here")
     proc = attention_paths_run(tmp_path, "kernel", "fp32")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

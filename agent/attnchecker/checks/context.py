@@ -7,7 +7,7 @@ and swapped by the guard at step boundaries.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,12 +17,13 @@ from ..policy import MODES, OPS, TIERS, TOLERANCES
 from .passed import PassedChecksums
 
 if TYPE_CHECKING:
+    from ..abft.repair import MatrixReport
     from ..events import Detection
     from ..inject import Injector
 
 __all__ = [
     "MODES", "OPS", "RESIDUAL_RATIO_BUCKETS", "TIERS", "TOLERANCES",
-    "CheckConfig", "LayerContext", "OpStats", "Runtime",
+    "CallLog", "CheckConfig", "Deferred", "LayerContext", "OpStats", "Runtime",
 ]
 
 # Upper bounds of the residual/bound histogram the agent keeps on the device (wire: stats.residual_ratio.le).
@@ -91,6 +92,22 @@ class OpStats:
             row[2] += 1
 
 
+@dataclass(slots=True)
+class CallLog:
+    """Which attention backend ran each layer's checked calls, and why the ones ahead of it in the order did not
+    (attention/backends): what the coverage map shows. Bounded by layers × backends."""
+
+    ran_by: dict[tuple[int, str], int] = field(default_factory=dict)
+    """(layer, backend) -> checked calls it ran."""
+    declined: dict[tuple[int, str], tuple[str, ...]] = field(default_factory=dict)
+    """(layer, backend) -> the reasons it gave, the last time it declined a call of that layer."""
+
+    def ran(self, layer: int, backend: str, declined: Mapping[str, tuple[str, ...]]) -> None:
+        self.ran_by[(layer, backend)] = self.ran_by.get((layer, backend), 0) + 1
+        for name, reasons in declined.items():
+            self.declined[(layer, name)] = reasons
+
+
 @dataclass(slots=True, kw_only=True)
 class Runtime:
     """Guard-wide state every layer reads: the current step, what to check, where records go."""
@@ -100,6 +117,25 @@ class Runtime:
     injector: Injector | None = None
     on_detection: Callable[[Detection], None] | None = None
     stats: OpStats | None = None
+    calls: CallLog = field(default_factory=CallLog)
+    deferred: list[Deferred] = field(default_factory=list)
+    """Device-side outcomes of this step's checks, emitted at the step boundary (checks/deferred.py)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Deferred:
+    """One checked call's outcome for one op, left on the device until the step boundary (checks/deferred.py)."""
+
+    ctx: LayerContext
+    step: int
+    op: str
+    tier: str
+    flagged: torch.Tensor
+    """() bool or integer, on the call's device: nonzero = something to report."""
+    reports: Callable[[], list[MatrixReport]]
+    """Host side, after the drain's sync, only when ``flagged``: the call's reports (its summaries read back)."""
+    heads: bool = True
+    """The reports' index is (batch, head) (attention) rather than (batch,) or () (a GEMM)."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -90,14 +90,16 @@ def _ratio(chk: DirectionCheck) -> torch.Tensor:
     return torch.maximum(ratio, chk.diff[..., 1].abs() / chk.bound2.clamp_min(1e-30))
 
 
-def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: bool, tier: str = "abft") -> None:
-    """One Detection per flagged matrix: to the runtime's callback and its counters. tier: who caught it."""
+def _emit(ctx: LayerContext, op: str, reports: list[MatrixReport], *, heads: bool, tier: str = "abft",
+          step: int | None = None) -> None:
+    """One Detection per flagged matrix: to the runtime's callback and its counters. tier: who caught it. step: the
+    step of the call (default the current one; a deferred record's, checks/deferred.py)."""
     for rep in reports:
         kind = kind_of(rep.value)
         det = Detection(
             op=op,
             layer=ctx.layer,
-            step=ctx.step,
+            step=ctx.step if step is None else step,
             pattern=rep.pattern,
             kind=kind,
             action=rep.action,

@@ -114,7 +114,9 @@ class Binder:
             OpCoverage(layer=site.layer, name=site.name, op=op, reason=why) for site in self.sites
             for op, why in site.gaps
         ] + self.unprotected
-        return Coverage(entries=tuple(entries), fallbacks=dict(self.fallbacks))
+        calls = self.runtime.calls
+        return Coverage(entries=tuple(entries), fallbacks=dict(self.fallbacks), backends=dict(calls.ran_by),
+                        declined=dict(calls.declined))
 
     def on_close(self, fn: Callable[[], None]) -> None:
         self._undo.append(fn)

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..checks.caches import engine_caches
 from ..checks.context import OPS, CheckConfig, OpStats, Runtime
+from ..checks.deferred import drain
 from ..coverage import Coverage
 from ..errors import AlreadyProtectedError, NoProtectableAttentionError
 from ..events import Detection
@@ -246,6 +247,8 @@ class Guard:
         """Close the current step: feed the scheduler, apply a pending policy, pick the ops of the next step."""
         if self._closed:
             return
+        # The step's device-side outcomes (checks/deferred.py) belong to the step that ends here.
+        drain(self._runtime.deferred)
         stats = self._runtime.stats
         assert stats is not None
         # A fresh interval first: anything the engine records from now on belongs to the next step.

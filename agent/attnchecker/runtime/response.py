@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..checks.context import Runtime
+from ..checks.deferred import drain
 from ..errors import UncorrectableFault
 from ..events import Detection
 from ..policy import Scheduler
@@ -95,6 +96,9 @@ class FaultResponse:
             self._raise_uncorrectable()
 
     def optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # The step's device-side outcomes first (checks/deferred.py): an uncorrectable fault among them can still
+        # skip this step.
+        drain(self._runtime.deferred)
         if not self._skip_next_step and self._scheduler.policy.tripwire and self._scheduler.policy.mode != "off":
             self._gradient_net(optimizer)
         if not self._skip_next_step:

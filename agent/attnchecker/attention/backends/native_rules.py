@@ -1,7 +1,7 @@
-"""The checks of the native attention forward (attention/backends/native_cpu.py): its row sums against references from
+"""The checks of the native attention forward (kernels/fused_attention.py): its row sums against references from
 Q, K, V, bounded as the unfused and tiled paths bound them. Per call, not per tile.
 
-What each op's rows are (Legend of attention/backends/native_cpu.py; g checksum groups of G keys per scores row):
+What each op's rows are (Legend of kernels/fused_attention.py; g checksum groups of G keys per scores row):
 - scores AS = Q Kᵀ (N, T, S), row i and group h: (Σ_j AS_ij, Σ_j j·AS_ij) over the group's keys against
   q_i · (K_hᵀ [e, w]) (the grouped layout of abft/checksum.py, as the unfused path checks AS); a group the kernel did
   not compute (past a causal block's last key) holds 0 on both sides;
@@ -23,7 +23,7 @@ from ...abft import Tolerance, col_norms
 from ...abft.checksum import group_sums_cols
 from ...abft.tolerance import row_terms
 from ...checks.product import Checks, _verify
-from .native_cpu import KernelOutput, KernelRules
+from ...kernels.fused_attention import KernelOutput, KernelRules
 
 __all__ = ["kernel_checks", "kernel_rules"]
 

@@ -61,15 +61,15 @@ from ...checks import records
 from ...checks.context import LayerContext
 from ...checks.product import _dot, _exact_math, _groups, _tolerance, _verify, operand_rounding
 from ...checks.records import _count, _count_trips, _record_ratio, _worst_ratio
+from ...kernels import fused_attention
 from ..backward.fused import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
-from . import native_cpu
+from . import BACKEND_ENV, AttentionCall, BackendOutput
 from .native_rules import kernel_checks, kernel_rules
 
-__all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "choose_tiles", "default_tiles", "kernel_applies",
-           "tiled_sdpa"]
+__all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "TiledBackend", "default_tiles", "kernel_applies",
+           "run_tiled", "tile_choice", "tile_reasons", "tiled_sdpa"]
 
-PATH_ENV = "ATTNCHECKER_ATTENTION"
-"""auto (default): tiled when T·S >= the threshold; tiled / unfused: always that path (where it applies)."""
+PATH_ENV = BACKEND_ENV
 TILED_MIN_ENV = "ATTNCHECKER_TILED_MIN_TS"
 """The T·S from which auto picks the tiled path."""
 TILE_ENV = "ATTNCHECKER_TILE"
@@ -101,35 +101,24 @@ def _env_int(name: str, raw: str) -> int:
     return value
 
 
-def choose_tiles(
-    t: int,
-    s: int,
-    *,
-    device: torch.device,  # noqa: ARG001 - the contract's, for a device-specific kernel
-    dropout_p: float,
-    return_probs: bool,
-    paper: bool,
-    batch_heads: int = 1,
-    native: bool = False,
-) -> TileChoice | None:
-    """The tile sizes when this call takes the tiled path, else None (the unfused path). device: for a future
-    device-specific backend (a fused GPU kernel); the PyTorch backend runs on any device. batch_heads: B·H, which
-    with the tile sizes sets one tile's memory (TILE_BUDGET).
+def tile_reasons(call: AttentionCall) -> list[str]:
+    """Why no tiled pass (this loop or the native one) can take ``call``: its backward is the fused kernel at the
+    verified output and log-sum-exp, and its tiles see one block of keys and queries at a time."""
+    reasons = []
+    if call.dropout_p > 0.0:
+        reasons.append(f"attention dropout (p = {call.dropout_p:g}): the fused backward cannot replay our keep-mask")
+    if call.return_probs:
+        reasons.append("the caller asked for AP itself (return_probs), which tiles never hold whole")
+    if call.paper:
+        reasons.append("paper-faithful checksum passing: its references sum over all T tokens, not one tile's")
+    if call.mask_grad:
+        reasons.append("a mask that requires grad (a learned bias): the fused backward has no gradient for it")
+    return reasons
 
-    Never tiled: dropout (the fused backward cannot replay our dropout mask), return_probs (AP itself is asked for),
-    paper-faithful checksum passing (its passed references sum over all T tokens, not one tile's). native: the call
-    runs on the native pass (``kernel_applies``): auto then tiles at every T·S, that pass being faster than the
-    unfused path at every size measured (docs/performance.md §5)."""
-    mode = os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "tiled", "unfused"):
-        raise ValueError(f"{PATH_ENV}={mode!r}: use auto, tiled or unfused")
-    if mode == "unfused" or dropout_p > 0.0 or return_probs or paper:
-        return None
-    if mode == "auto" and not native:
-        raw = os.environ.get(TILED_MIN_ENV)
-        threshold = DEFAULT_MIN_TS if raw is None else _env_int(TILED_MIN_ENV, raw)
-        if t * s < threshold:
-            return None
+
+def tile_choice(s: int, batch_heads: int) -> TileChoice:
+    """ATTNCHECKER_TILE ("Tq,Tk" or one size for both), else ``default_tiles``. batch_heads: B·H, which with the tile
+    sizes sets one tile's memory (TILE_BUDGET)."""
     raw_tile = os.environ.get(TILE_ENV)
     if raw_tile is None:
         return default_tiles(s, batch_heads)
@@ -138,6 +127,45 @@ def choose_tiles(
         raise ValueError(f"{TILE_ENV}={raw_tile!r}: give 'Tq,Tk' or one size for both, e.g. 256,256")
     sizes = [_env_int(TILE_ENV, p.strip()) for p in parts]
     return TileChoice(sizes[0], sizes[-1])
+
+
+def min_tiled_ts() -> int:
+    """The T·S from which auto takes the PyTorch tile loop over the unfused path (ATTNCHECKER_TILED_MIN_TS)."""
+    raw = os.environ.get(TILED_MIN_ENV)
+    return DEFAULT_MIN_TS if raw is None else _env_int(TILED_MIN_ENV, raw)
+
+
+class TiledBackend:
+    """The tile contract of ``abft.tiled`` as a PyTorch loop over (query block, key block) tiles: O(T) extra memory,
+    any device and dtype. Auto takes it from T·S = ATTNCHECKER_TILED_MIN_TS (below that the unfused path is
+    faster and its T×S tensors are small anyway)."""
+
+    name = "tiled"
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = tile_reasons(call)
+        t, s = call.q_BHTD.shape[-2], call.k_BHSD.shape[-2]
+        if call.requested != self.name and t * s < min_tiled_ts():
+            reasons.append(f"T·S = {t}·{s} is below {TILED_MIN_ENV} = {min_tiled_ts()}, where the unfused path is "
+                           "faster")
+        return reasons
+
+    def run(self, call: AttentionCall) -> BackendOutput:
+        return run_tiled(call, kernel=False)
+
+
+def run_tiled(call: AttentionCall, *, kernel: bool) -> BackendOutput:
+    """A call through ``tiled_sdpa``; kernel: the native pass first (backends/native_cpu.py), this loop where it
+    declines and as its recovery."""
+    ctx = call.ctx
+    for name in ("q", "k", "v"):
+        # Tiles take their references from the operands: a projection's passed checksums go unused.
+        ctx.passed.take(name)
+    tiles = tile_choice(call.k_BHSD.shape[-2], call.q_BHTD.shape[:-2].numel())
+    out = tiled_sdpa(call.q_BHTD, call.k_BHSD, call.v_BHSD, ctx=ctx, attn_mask=call.attn_mask,
+                     is_causal=call.is_causal, scale=call.scale, tiles=tiles, force=call.force, caught=call.caught,
+                     kernel=kernel)
+    return BackendOutput(out)
 
 
 def default_tiles(s: int, batch_heads: int) -> TileChoice:
@@ -169,11 +197,13 @@ def tiled_sdpa(
     tiles: TileChoice,
     force: frozenset[str] = frozenset(),
     caught: list[int] | None = None,
+    kernel: bool = True,
 ) -> torch.Tensor:
     """protected_sdpa's tiled path: out (B, H, T, D), verified and repaired, with autograd attached.
     force: ops verified whatever the step's config says (a tier-1 recovery). An op that is not due but has the
     tier-1 tripwire is verified in full here too (per tile that costs about what the tripwire would), its events
-    under tier "tripwire". caught: [n], incremented by the number of detections emitted."""
+    under tier "tripwire". caught: [n], incremented by the number of detections emitted. kernel: try the native pass
+    (kernels/fused_attention.py) first."""
 
     h = q_BHTD.shape[1]
     k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
@@ -183,7 +213,7 @@ def tiled_sdpa(
     with torch.no_grad():
         out, lse = _forward(q_BHTD.detach(), k_rep.detach(), v_rep.detach(), ctx=ctx, attn_mask=attn_mask,
                             is_causal=is_causal, scale=scale, tiles=tiles, force=force, caught=caught,
-                            mask_add=mask_add)
+                            mask_add=mask_add, kernel=kernel)
     if not (torch.is_grad_enabled() and (q_BHTD.requires_grad or k_BHSD.requires_grad or v_BHSD.requires_grad)):
         return out
     if q_BHTD.device.type == "cpu":
@@ -242,8 +272,8 @@ def _forward(
     kernel: bool = True,
     mask_add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out and lse of one call, verified and repaired. kernel: try the native pass first (native_cpu.py); the
-    PyTorch tile loop below runs where it declines, and as its recovery (kernel=False). mask_add: attn_mask's
+    """out and lse of one call, verified and repaired. kernel: try the native pass first (kernels/fused_attention.py);
+    the PyTorch tile loop below runs where it declines, and as its recovery (kernel=False). mask_add: attn_mask's
     additive form, where the caller has made it (attention.backward.fused._additive_mask)."""
 
     b, h, t, d = q.shape
@@ -314,11 +344,11 @@ and 256 rows within 5 % of each other)."""
 
 def kernel_applies(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, *,
                    attn_mask: torch.Tensor | None, is_causal: bool, scale: float) -> bool:
-    """Whether the tiled path would run this call on the native pass (native_cpu.applies, and no
+    """Whether the tiled path would run this call on the native pass (fused_attention.applies, and no
     ATTNCHECKER_TILE, which asks for the PyTorch loop's tiles, and a block KERNEL_BLOCK_Q x S within the tile budget
     the loop keeps to)."""
     return (os.environ.get(TILE_ENV) is None and KERNEL_BLOCK_Q * k_BHSD.shape[-2] <= TILE_BUDGET
-            and native_cpu.applies(q_BHTD, k_BHSD, v_BHSD, is_causal=is_causal, scale=scale,
+            and fused_attention.applies(q_BHTD, k_BHSD, v_BHSD, is_causal=is_causal, scale=scale,
                                         attn_mask=attn_mask))
 
 
@@ -338,8 +368,8 @@ def _kernel_forward(
     caught: list[int] | None,
     mask_add: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The call through the native pass (native_cpu.py), its row checks (attention/backends/native_rules.py), one sync;
-    None where the kernel declines. A flag: in correct mode the call is recomputed through the PyTorch tile loop, which
+    """The call through the native pass (kernels/fused_attention.py), its row checks (native_rules.py), one sync; None
+    where the kernel declines. A flag: in correct mode the call is recomputed through the PyTorch tile loop, which
     verifies both directions and locates and repairs a fault that repeats; a flagged op the recompute finds clean
     held a transient fault, reported "recomputed" from the kernel's row summary. In detect mode the kernel's output
     is kept and each flagged (batch, head) reported "detected"."""
@@ -358,13 +388,13 @@ def _kernel_forward(
         rules = kernel_rules(q3, k3, v3, vw, tol=tol, groups=groups)
         # This call's share of the rules (split evenly) joins the kernel's own timed checks below.
         shared = (time.perf_counter() - t0) / max(1, len(ops))
-        got = None if va is None else native_cpu.run(
+        got = None if va is None else fused_attention.run(
             q3, k3, va, rules, scale=scale, is_causal=is_causal, block_q=KERNEL_BLOCK_Q,
-            faults=native_cpu.take_faults(), heads=h,
+            faults=fused_attention.take_faults(), heads=h,
             mask_add=mask_add if mask_add is not None else _additive_mask(attn_mask, torch.float32))
         if got is None:
             return None
-        which = [native_cpu.OPS.index(op) for op in ops]
+        which = [fused_attention.OPS.index(op) for op in ops]
         if ops:
             _record_ratio(ctx, got.worst_2[which], list(ops))
     seconds = {"scores": got.seconds[0] + shared, "context": got.seconds[1] + shared}
