@@ -15,7 +15,7 @@ import torch
 
 from .abft.tolerance import BF16_OPERAND_ROUNDOFF, TF32_OPERAND_ROUNDOFF
 
-__all__ = ["current_fp32_precision", "fp32_matmul_operand_roundoff", "ieee_fp32_matmul"]
+__all__ = ["current_fp32_precision", "fp32_matmul_operand_roundoff", "full_precision_reductions", "ieee_fp32_matmul"]
 
 _ROUNDOFF = {"tf32": TF32_OPERAND_ROUNDOFF, "bf16": BF16_OPERAND_ROUNDOFF}
 # Per thread and device kind: the precision in force outside the innermost ieee_fp32_matmul scope, i.e. the one the
@@ -82,3 +82,20 @@ def ieee_fp32_matmul(device: torch.device | str) -> Iterator[None]:
     finally:
         flags.fp32_precision = prec
         setattr(_outer, kind, None)
+
+
+@contextlib.contextmanager
+def full_precision_reductions() -> Iterator[None]:
+    """cuBLAS's half-precision GEMMs reduce in fp32 inside the scope (PyTorch's default lets them reduce partial sums
+    in fp16 / bf16): for the products the engine makes itself (the tiled attention's tiles), whose rounding the bound
+    then models as fp32 accumulation (checks.product._gemm_accumulation reads the same flags) instead of a half
+    precision one that hides a 40x error under its own round-off. Process-wide while it lasts, like every PyTorch
+    precision flag; restored on exit."""
+    flags = torch.backends.cuda.matmul
+    before = (flags.allow_fp16_reduced_precision_reduction, flags.allow_bf16_reduced_precision_reduction)
+    flags.allow_fp16_reduced_precision_reduction = False
+    flags.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        flags.allow_fp16_reduced_precision_reduction, flags.allow_bf16_reduced_precision_reduction = before

@@ -322,3 +322,62 @@ def test_default_policy_under_truncating_tf32_catches_a_two_rms_context_error_af
     assert [d.op for d in detections] == ["context"], detections
     assert detections[0].action in ("corrected", "recomputed")
     assert abs(float(loss.detach()) - clean[-1]) <= 1e-5 * abs(clean[-1])
+
+
+class _ProductPrecisions(TorchDispatchMode):
+    """Records, per fp32 matrix product, its output's last two dims and the fp32 precision in force when it ran
+    (entered inside emulate_fp32_matmul, it sees each product before the emulation rounds its operands)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[tuple[int, int], str]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default) and out.dtype == torch.float32:
+            from attnchecker.matmul_precision import current_fp32_precision
+
+            self.seen.append((tuple(out.shape[-2:]), current_fp32_precision("cpu")))
+        return out
+
+
+@pytest.mark.parametrize("truncate", [False, True])
+def test_the_tiled_path_runs_its_tile_gemms_in_tf32_and_checks_them_with_the_matching_bound(monkeypatch,
+                                                                                             truncate) -> None:
+    """Under TF32 the tiled attention's own tile GEMMs run in TF32, as the model's would (IEEE fp32 ran them ~7x below
+    a tensor core's rate, while the bound already charged TF32's rounding), and the checksum products in IEEE fp32.
+    The bound is TF32's (operand moments): clean LLM-like attention raises nothing, a 2x RMS error in either product is
+    caught."""
+    from test_tolerance_calibrated import activations
+
+    from attnchecker.attention.backends import BACKEND_ENV
+    from attnchecker.attention.pipeline import protected_sdpa
+    from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
+    from attnchecker.inject import Fault, Injector
+
+    monkeypatch.setenv(BACKEND_ENV, "tiled")
+    t, h, d = 512, 2, 64
+    x = activations((1, t, 128), 3, outliers=30.0)
+    w = torch.randn(3 * h * d, 128, generator=torch.Generator().manual_seed(4)) / math.sqrt(128)
+    q, k, v = ((x @ wp.T).view(1, t, h, d).transpose(1, 2).contiguous() for wp in w.split(h * d))
+
+    def run(faults: list[Fault]) -> tuple[list[Any], list[tuple[tuple[int, int], str]]]:
+        found: list[Any] = []
+        ctx = LayerContext(layer=0, runtime=Runtime(config=CheckConfig(), stats=OpStats(),
+                                                    injector=Injector(faults) if faults else None,
+                                                    on_detection=found.append))
+        with emulate_fp32_matmul("tf32", truncate=truncate), _ProductPrecisions() as seen, torch.no_grad():
+            protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+        return found, seen.seen
+
+    found, seen = run([])
+    assert found == []
+    tiles = {prec for shape, prec in seen if shape[0] == 256 and shape[1] in (256, 512, d)}
+    assert tiles == {"tf32"}, seen  # the (Tq, Tk) scores and (Tq, D) context tiles
+    assert any(prec == "ieee" for _, prec in seen)  # the checksum references
+    rms = {"scores": float((q[0, 1] @ k[0, 1].T).square().mean().sqrt()), "context": float(v.square().mean().sqrt())}
+    for op in ("scores", "context"):
+        found, _ = run([Fault(op=op, layer=0, step=0, kind="add", value=2.0 * rms[op], batch=0, head=1, row=300,
+                              col=40)])
+        # A transient fault: the recompute of its block is clean ("recomputed", located by its row).
+        assert [(det.op, det.row, det.action) for det in found] == [(op, 300, "recomputed")], found

@@ -24,6 +24,7 @@ from attnchecker.attention.backends.tiled_torch import (
     scores_tile_checks,
 )
 from attnchecker.attention.pipeline import context_checks, protected_sdpa, scores_checks
+from attnchecker.checks import product
 from attnchecker.inject import Fault
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -155,17 +156,37 @@ def tiled(monkeypatch):
     monkeypatch.delenv(TILE_ENV, raising=False)
 
 
+CASES = [("scores", 800.0, 300, 290, True), ("scores", 40.0, 100, 700, False), ("context", 100.0, 400, 33, True)]
+
+
 @pytest.mark.usefixtures("tiled")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("op", "value", "row", "col", "causal"),
-                         [("scores", 800.0, 300, 290, True), ("scores", 40.0, 100, 700, False),
-                          ("context", 100.0, 400, 33, True)])
+@pytest.mark.parametrize(("op", "value", "row", "col", "causal"), CASES)
 def test_one_error_in_a_second_group_is_corrected_in_place_on_the_tiled_path(make_ctx, dtype, op, value, row, col,
                                                                              causal) -> None:
     """Default tiles (256 queries × all keys): the scores error sits in the second key group of its row (causal
     block 1 spans 512 keys in 2 groups; S = 768 without a mask: 3 groups). It is located and corrected in place
     (action "corrected": the fault is persistent, so the slow path's recompute of the block sees it again), and the
     output equals the clean one."""
+    _corrected_in_place(make_ctx, dtype, op, value, row, col, causal)
+
+
+@pytest.mark.usefixtures("tiled")
+@pytest.mark.parametrize(("op", "value", "row", "col", "causal"), CASES)
+def test_a_bf16_error_is_caught_with_cublas_reduced_precision_reductions_at_their_default(
+        make_ctx, monkeypatch, op, value, row, col, causal) -> None:
+    """On a GPU PyTorch lets cuBLAS reduce bf16 partial sums in bf16 (allow_bf16_reduced_precision_reduction, True by
+    default), and the bound of a product made that way models a bf16 accumulation, loose enough to hide a 40x error.
+    The tile GEMMs are the engine's own: they run with fp32 reductions, which their bound models. The CUDA branch of
+    the bound is forced here on the CPU (the product counts as cuBLAS's); the flag is the user's again after."""
+    flags = torch.backends.cuda.matmul
+    assert flags.allow_bf16_reduced_precision_reduction  # PyTorch's default
+    monkeypatch.setattr(product, "_cublas_made", lambda _c: True)
+    _corrected_in_place(make_ctx, torch.bfloat16, op, value, row, col, causal)
+    assert flags.allow_bf16_reduced_precision_reduction
+
+
+def _corrected_in_place(make_ctx, dtype, op, value, row, col, causal) -> None:
     gen = torch.Generator().manual_seed(5)
     s = 512 if causal else 768
     q = torch.randn(1, 2, 512, 64, generator=gen).to(dtype)

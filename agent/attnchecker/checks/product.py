@@ -67,10 +67,16 @@ def _groups(tol: Tolerance, n: int) -> int:
     return group_count(n) if tol.grouped and tol.mode == "roundoff" else 1
 
 
+def _cublas_made(c: torch.Tensor) -> bool:
+    """Whether cuBLAS made this product (its reduced-precision flags apply). A seam for tests that run the CUDA
+    branch's bound on a CPU."""
+    return c.is_cuda
+
+
 def _gemm_accumulation(c: torch.Tensor) -> torch.dtype | None:
     """The precision a half-precision product may have been reduced in: its own dtype when cuBLAS is allowed
     reduced-precision reductions (PyTorch's default), else fp32 (None)."""
-    if not c.is_cuda:
+    if not _cublas_made(c):
         return None
     flags = torch.backends.cuda.matmul
     if c.dtype == torch.float16 and flags.allow_fp16_reduced_precision_reduction:

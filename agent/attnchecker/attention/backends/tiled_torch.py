@@ -27,6 +27,7 @@ verified q, k, v.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -62,6 +63,7 @@ from ...checks.context import LayerContext
 from ...checks.product import _dot, _exact_math, _groups, _tolerance, _verify, operand_rounding
 from ...checks.records import _count, _count_trips, _record_ratio, _worst_ratio
 from ...kernels import fused_attention
+from ...matmul_precision import fp32_matmul_operand_roundoff, full_precision_reductions, ieee_fp32_matmul
 from ..backward.fused import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
 from . import BACKEND_ENV, AttentionCall, BackendOutput
 from .native_rules import kernel_checks, kernel_rules
@@ -309,7 +311,9 @@ def _forward(
         vw = v_row_checksums(v_acc, g_v)
         v_aug = augment_v(v, vw) if "context" in ops else None
     shared = _Shared(q=q, k=k, v=v, q_acc=q_acc, k_acc=k_acc, v_acc=v_acc, q_norm=q_norm, k_norm=k_norm, vw=vw,
-                     v_aug=v_aug, g_v=g_v, grams=_KeyGrams(k_acc),
+                     v_aug=v_aug, g_v=g_v,
+                     rounding=q.dtype == torch.float32 and fp32_matmul_operand_roundoff(q.device) is not None,
+                     grams=_KeyGrams(k_acc),
                      mask=mask, is_causal=is_causal, scale=scale, tol=tol, plan=plan, ops=ops, tiers=tiers,
                      caught=caught)
     out = torch.empty_like(q)
@@ -447,6 +451,8 @@ class _Shared:
     """(B, H, S, D + 2·g_v) [V | V w] (abft.tiled.augment_v), or None."""
     g_v: int
     """Checksum groups per row of CL (over the D features)."""
+    rounding: bool
+    """The tile GEMMs round their fp32 operands (TF32 or oneDNN bf16 in force): their references are made apart."""
     grams: _KeyGrams
     mask: torch.Tensor | None
     is_causal: bool
@@ -523,7 +529,11 @@ def _query_block(
         op: [] for op in sh.ops}
     # Q_hᵀQ_h per query group of this block, made on its first tile that uses Grams (abft.tiled.square_sums).
     q_grams: dict[int, torch.Tensor] = {}
-    with _exact_math(q_i):
+    ieee = functools.partial(ieee_fp32_matmul, q_i.device)
+    # The tile GEMMs run in the model's fp32 precision (TF32 where it is on; the checks' bound models it, and IEEE fp32
+    # would run them ~7x below a tensor core's rate) and, for half products, with fp32 reductions (ours to choose,
+    # and what the bound then models); the checks' own products run in IEEE fp32 (ieee).
+    with torch.no_grad(), torch.autocast(q_i.device.type, enabled=False), full_precision_reductions():
         qbar_src = sh.q_acc[..., r0:r1, :]
         for j, c0, c1 in plan.keys(i):
             k_j, v_j = sh.k[..., c0:c1, :], sh.v[..., c0:c1, :]
@@ -532,9 +542,10 @@ def _query_block(
                 hit.apply(s_ij, r0, c0)
             if "scores" in sh.ops:
                 t0 = time.perf_counter()
-                checks = scores_tile_checks(s_ij, qbar_src, sh.k_acc[..., c0:c1, :], sh.q_norm[..., r0:r1],
-                                            sh.k_norm[..., c0:c1], tol=sh.tol,
-                                            grams=_tile_grams(sh, q_grams, qbar_src, c0, c1))
+                with ieee():
+                    checks = scores_tile_checks(s_ij, qbar_src, sh.k_acc[..., c0:c1, :], sh.q_norm[..., r0:r1],
+                                                sh.k_norm[..., c0:c1], tol=sh.tol,
+                                                grams=_tile_grams(sh, q_grams, qbar_src, c0, c1))
                 if fix is not None:
                     _repair_tile(fix, "scores", s_ij, checks, j, r0, c0,
                                  lambda key, rows, cols, q_i=q_i, k_j=k_j: _dot(q_i[key][rows], k_j[key][cols]))
@@ -547,21 +558,27 @@ def _query_block(
                                                  causal_offset=causal_offset(r0, c0, c1, is_causal=sh.is_causal))
             p_c = p.to(v_j.dtype)
             cl_rows: torch.Tensor | None = None
-            if sh.v_aug is not None:
+            if sh.v_aug is not None and not sh.rounding:
                 # One GEMM for CL and its row references: (Tq, Tk) @ (Tk, D + 2·g_v).
                 pv_aug = p_c @ sh.v_aug[..., c0:c1, :]
                 d = sh.v.shape[-1]
                 pv, cl_rows = pv_aug[..., :d], pv_aug[..., d:]
             else:
                 pv = p_c @ v_j
+                if sh.v_aug is not None:
+                    # Under TF32 the references stay IEEE products of their own: rounded operands in [V | V w] would
+                    # put the rounding of V w itself into the references the bound does not model.
+                    with ieee():
+                        cl_rows = p_c.to(sh.vw.dtype) @ sh.vw[..., c0:c1, :]
             if j == 0:
                 # A fault in CL (B, H, T, D) lands in the first partial product its row block folds in.
                 for hit in hits["context"]:
                     hit.apply(pv, r0, 0)
             if "context" in sh.ops:
                 t0 = time.perf_counter()
-                checks = context_tile_checks(pv, p_c, sh.v_acc[..., c0:c1, :], sh.vw[..., c0:c1, :], p_sum, cl_rows,
-                                             tol=sh.tol, g_v=sh.g_v)
+                with ieee():
+                    checks = context_tile_checks(pv, p_c, sh.v_acc[..., c0:c1, :], sh.vw[..., c0:c1, :], p_sum,
+                                                 cl_rows, tol=sh.tol, g_v=sh.g_v)
                 if fix is not None:
                     _repair_tile(fix, "context", pv, checks, j, r0, 0,
                                  lambda key, rows, cols, p_c=p_c, v_j=v_j: _dot(p_c[key][rows], v_j[key].mT[cols]))
