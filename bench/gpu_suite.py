@@ -1,0 +1,325 @@
+"""The device script: what to run, in one command of at most 8 minutes, the first time a GPU is at hand.
+
+    python bench/gpu_suite.py [--out docs/perf/gpu_suite.json] [--budget-s 460]
+    python bench/gpu_suite.py --dry-run        # on a CPU: Triton's interpreter, tiny sizes, every section end to end
+
+Sections, in order (each records its own wall time; one that would pass the budget is skipped and says so):
+1. tests: the `gpu`-marked tests (pytest -m gpu), their outcome and counts.
+2. steps: training-step time (forward, backward, SGD step; CUDA-synchronised, interleaved shuffled rounds, median of
+   per-round ratios) and peak memory (torch.cuda.max_memory_allocated over a step) of protection against the
+   unprotected step, bf16, on a GPT-2-small-like (hidden 768, 12 heads) and a Llama-7B-like (hidden 4096, 32 heads,
+   SwiGLU 11008) transformers model of 2 layers, at T = 2048 and 8192, B = 1. Variants: `baseline` (unprotected,
+   attn_implementation="sdpa": PyTorch picks its best backend), `full` (Policy.full(): every op every step),
+   `default` (Policy(): tier 1 every step, full checks on the adaptive schedule, measured after warming up past the
+   schedule's ramp over whole periods), `all_full` and `all_default` (the same under scope="all": every Linear GEMM
+   forward and backward and the attention backward too). Each row says which attention backend ran.
+3. kernel: the Triton checked-attention forward with its checks against the same kernel with checks off (the cost of
+   the checks inside the kernel), where the Triton backend is installed.
+4. coverage: the share of a step's GEMM FLOPs each scope checks (torch.utils.flop_counter over one unprotected
+   step: the attention core's products against the projections', the MLP's and the LM head's).
+
+Targets (docs/performance.md states them with the measured figures): full protection <= 1.10x the unprotected step at
+T >= 2048 in bf16, the default policy <= 2 %, peak memory <= 1.05x, checks inside the kernel <= 5 % of the kernel;
+scope="all" full <= 1.15x and default <= 3 %.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SHAPES: dict[str, dict[str, int]] = {
+    "gpt2_small": {"hidden": 768, "heads": 12, "inter": 3072},
+    "llama_7b": {"hidden": 4096, "heads": 32, "inter": 11008},
+}
+DRY_SHAPES: dict[str, dict[str, int]] = {
+    "gpt2_small": {"hidden": 64, "heads": 2, "inter": 256},
+    "llama_7b": {"hidden": 64, "heads": 2, "inter": 176},
+}
+LAYERS, VOCAB = 2, 8192
+VARIANTS = ("baseline", "full", "default", "all_full", "all_default")
+
+
+def _model(kind: str, shape: dict[str, int], seq: int, vocab: int) -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "gpt2_small":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=shape["hidden"],
+                                           n_layer=LAYERS, n_head=shape["heads"], n_inner=shape["inter"],
+                                           attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=shape["hidden"],
+                                             intermediate_size=shape["inter"], num_hidden_layers=LAYERS,
+                                             num_attention_heads=shape["heads"], num_key_value_heads=shape["heads"],
+                                             max_position_embeddings=seq, bos_token_id=0, eos_token_id=0,
+                                             pad_token_id=0))
+    model.set_attn_implementation("sdpa")
+    return model.train()
+
+
+class _Sync:
+    """Wall time of a step, the device drained before and after (no-op on a CPU)."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.sync: Callable[[], None] = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    @contextlib.contextmanager
+    def timed(self, into: list[float]) -> Iterator[None]:
+        self.sync()
+        t0 = time.perf_counter()
+        yield
+        self.sync()
+        into.append(time.perf_counter() - t0)
+
+
+class _Job:
+    """One model copy, its optimizer and (for a protected variant) its guard, attached once."""
+
+    def __init__(self, variant: str, base: Any, device: str, dtype: Any) -> None:
+        import copy
+
+        import torch
+
+        import attnchecker
+        from attnchecker import Policy
+
+        self.model = copy.deepcopy(base).to(device=device, dtype=dtype)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-6)
+        self.guard = None
+        if variant != "baseline":
+            policy = Policy.full() if variant.endswith("full") else Policy()
+            self.guard = attnchecker.protect(self.model, optimizer=self.opt, policy=policy,
+                                             scope="all" if variant.startswith("all") else "attention")
+
+    def step(self, ids: Any) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        self.opt.step()
+
+    def backends(self) -> list[str]:
+        return [] if self.guard is None else self.guard.coverage.backend_lines()
+
+    def close(self) -> None:
+        if self.guard is not None:
+            self.guard.close()
+
+
+def steps_section(args: argparse.Namespace, device: str, deadline: float) -> list[dict[str, Any]]:
+    import torch
+
+    from attnchecker import Policy
+
+    dtype = torch.bfloat16
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    seqs = [32] if args.dry_run else [int(s) for s in args.seqs.split(",")]
+    rows: list[dict[str, Any]] = []
+    timer = _Sync(device)
+    for kind, shape in shapes.items():
+        for seq in seqs:
+            if time.monotonic() > deadline:
+                rows.append({"model": kind, "seq": seq, "skipped": "over the time budget"})
+                continue
+            t0 = time.monotonic()
+            base = _model(kind, shape, seq, 256 if args.dry_run else VOCAB)
+            ids = torch.randint(0, 256 if args.dry_run else VOCAB, (1, seq), device=device,
+                                generator=torch.Generator(device=device).manual_seed(seq))
+            row: dict[str, Any] = {"model": kind, "seq": seq, "shape": shape, "variants": {}}
+            jobs: dict[str, _Job] = {}
+            try:
+                for v in VARIANTS:
+                    jobs[v] = _Job(v, base, device, dtype)
+                # Warm-up: kernels compiled and autotuned, allocator settled, and the default policy past its ramp
+                # (period 1 -> max_period takes 56 quiet steps, docs/adaptive.md).
+                ramp = 2 if args.dry_run else 64
+                for v, job in jobs.items():
+                    for _ in range(ramp if v.endswith("default") else 2):
+                        job.step(ids)
+                # Whole periods of the default schedule, so checked and tier-1-only steps come in their proportion.
+                rounds = 1 if args.dry_run else Policy().max_period * args.periods
+                samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
+                _common.interleaved({v: functools.partial(_timed, timer, jobs[v], ids, samples[v]) for v in VARIANTS},
+                                    rounds=rounds, warmup=0, seed=seq)
+                ratios = _common.ratios(samples, "baseline")
+                for v, job in jobs.items():
+                    row["variants"][v] = {"step_s": _common.summary(samples[v]), "ratio_vs_baseline": ratios[v],
+                                          "backends": job.backends(),
+                                          "detections": 0 if job.guard is None else len(job.guard.detections)}
+                if device == "cuda":
+                    for v, job in jobs.items():
+                        torch.cuda.reset_peak_memory_stats()
+                        job.step(ids)
+                        torch.cuda.synchronize()
+                        row["variants"][v]["peak_bytes"] = torch.cuda.max_memory_allocated()
+                    peak = row["variants"]["baseline"]["peak_bytes"]
+                    for entry in row["variants"].values():
+                        entry["peak_ratio"] = entry["peak_bytes"] / peak
+            except torch.cuda.OutOfMemoryError as e:  # type: ignore[attr-defined]
+                row["error"] = f"out of memory: {e}"
+            finally:
+                for job in jobs.values():
+                    job.close()
+                jobs.clear()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            row["seconds"] = time.monotonic() - t0
+            rows.append(row)
+            _print_steps(row)
+    return rows
+
+
+def _timed(timer: _Sync, job: _Job, ids: Any, into: list[float]) -> float:
+    with timer.timed(into):
+        job.step(ids)
+    return into[-1]
+
+
+def _print_steps(row: dict[str, Any]) -> None:
+    if "variants" not in row or not row["variants"]:
+        print(f"{row['model']} T={row['seq']}: {row.get('skipped') or row.get('error')}")
+        return
+    lines = []
+    for v, e in row["variants"].items():
+        r = e["ratio_vs_baseline"]
+        lines.append([v, e["step_s"]["median"] * 1e3, _common.pct(r["median"]),
+                      f"[{_common.pct(r['p25'])}, {_common.pct(r['p75'])}]",
+                      f"{e['peak_ratio']:.3f}" if "peak_ratio" in e else "", "; ".join(e["backends"])[:60]])
+    print(f"\n{row['model']} T={row['seq']}")
+    print(_common.table(lines, ["variant", "ms/step", "overhead", "IQR", "peak mem ratio", "backend"]))
+
+
+def kernel_section(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """The Triton forward with checks against the same kernel with checks off, per shape."""
+    try:
+        from attnchecker.kernels import triton_attention
+    except ImportError as e:
+        return {"skipped": f"the Triton attention kernel is not in this checkout ({e})"}
+    bench = getattr(triton_attention, "bench_checks", None)
+    if bench is None:
+        return {"skipped": "kernels/triton_attention.py has no bench_checks(...) to time with and without checks"}
+    if not triton_attention.available():
+        return {"skipped": "Triton cannot run here (no triton, or no CUDA device and no TRITON_INTERPRET=1)"}
+    shapes = ([(1, 2, 64, 16)] if args.dry_run else
+              [(1, 12, 2048, 64), (1, 12, 8192, 64), (1, 32, 2048, 128), (1, 32, 8192, 128)])
+    out = []
+    for b, h, t, d in shapes:
+        got = bench(b=b, h=h, t=t, d=d, device=device, causal=True, reps=1 if args.dry_run else 20)
+        out.append({"shape": [b, h, t, d], **got})
+        print(f"kernel B={b} H={h} T={t} D={d}: {got}")
+    return {"rows": out}
+
+
+def coverage_section(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """FLOPs of one unprotected training step by GEMM class: what scope="attention" and scope="all" check."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    seq = 32 if args.dry_run else 2048
+    rows = []
+    for kind, shape in shapes.items():
+        model = _model(kind, shape, seq, 256 if args.dry_run else VOCAB).to(device=device, dtype=torch.bfloat16)
+        ids = torch.randint(0, 256 if args.dry_run else VOCAB, (1, seq), device=device)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            model(input_ids=ids, labels=ids).loss.backward()
+        by_op = counter.get_flop_counts()["Global"]
+        total = sum(by_op.values())
+        # The fused attention kernels' products (forward and backward): what scope="attention" checks in the core;
+        # its projections are Linear GEMMs (checked in both scopes), the MLP's and the LM head's under "all" only.
+        core = sum(n for op, n in by_op.items() if "scaled_dot_product" in str(op) or "flash_attention" in str(op))
+        estimated = core == 0
+        if estimated:
+            # The CPU's fused attention op has no FLOP formula in the counter: forward 2 products of 2·H·T·S·D each,
+            # backward twice that (as the counter counts the CUDA kernels, mask ignored).
+            core = 3 * 2 * 2 * shape["heads"] * seq * seq * (shape["hidden"] // shape["heads"]) * LAYERS
+            total += core
+        rows.append({"model": kind, "seq": seq, "gemm_flops": total, "attention_core_flops": core,
+                     "attention_core_estimated": estimated,
+                     "attention_core_share": core / total if total else None,
+                     "by_op": {str(op): n for op, n in by_op.items()}})
+        print(f"{kind} T={seq}: attention core {core / max(total, 1):.1%} of a step's GEMM FLOPs; scope='all' checks "
+              "every GEMM of the step")
+        del model
+    return {"rows": rows}
+
+
+def tests_section(budget_s: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/agent"]
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"command": " ".join(cmd), "timed_out_after_s": budget_s}
+    tail = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
+    print("gpu-marked tests:", tail[0] if tail else done.stderr[-300:])
+    return {"command": " ".join(cmd), "returncode": done.returncode, "summary": tail, "seconds": time.monotonic() - t0,
+            "output_tail": done.stdout[-4000:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="on a CPU: Triton's interpreter, tiny sizes, 1 round")
+    ap.add_argument("--seqs", default="2048,8192")
+    ap.add_argument("--periods", type=int, default=2, help="whole default-policy periods of timed rounds")
+    ap.add_argument("--budget-s", type=float, default=460.0, help="wall-time budget of the whole suite")
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON path (default docs/perf/gpu_suite[_dry_run].json)")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    _common.setup_path()
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
+    if device == "cpu" and not args.dry_run:
+        print("gpu_suite: no CUDA device visible; run it on a GPU machine, or with --dry-run here", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    result: dict[str, Any] = {"dry_run": args.dry_run, "device": device,
+                              "device_name": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
+                              "torch": torch.__version__}
+    sections: list[tuple[str, Callable[[], Any]]] = [
+        ("tests", lambda: {"skipped": "--skip-tests"} if args.skip_tests else tests_section(args.budget_s / 4)),
+        ("steps", lambda: steps_section(args, device, deadline)),
+        ("kernel", lambda: kernel_section(args, device)),
+        ("coverage", lambda: coverage_section(args, device)),
+    ]
+    for name, run in sections:
+        if time.monotonic() > deadline:
+            result[name] = {"skipped": "over the time budget"}
+            continue
+        t0 = time.monotonic()
+        try:
+            result[name] = run()
+        except Exception as e:  # a section that breaks must not lose the others' numbers
+            result[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"gpu_suite: section {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        result.setdefault("seconds", {})[name] = time.monotonic() - t0
+    result["total_seconds"] = time.monotonic() - start
+    out = Path(args.out) if args.out else ROOT / "docs" / "perf" / f"gpu_suite{'_dry_run' if args.dry_run else ''}.json"
+    path = _common.write_result("gpu_suite", result, out)
+    print(f"wrote {path} ({result['total_seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
