@@ -1,4 +1,4 @@
-"""attnchecker-server: serve, migrate, token create|list|revoke, grafana push. The only module that prints."""
+"""attnchecker-server: serve, migrate, token create|list|revoke, prune, grafana push. The only module that prints."""
 
 import argparse
 import json
@@ -101,6 +101,22 @@ def _token(args: argparse.Namespace, settings: Settings) -> int:
     return 0 if count else 1
 
 
+def _prune(args: argparse.Namespace, settings: Settings) -> int:
+    from .services.retention import prune
+
+    try:
+        older_than = parse_duration(args.older_than)
+        report = prune(_sessions(settings), older_than=older_than, batch_size=args.batch_size, dry_run=args.dry_run)
+    except ValueError as exc:
+        print(f"attnchecker-server prune: {exc}", file=sys.stderr)
+        return 2
+    verb = "would delete" if args.dry_run else "deleted"
+    rows = ", ".join(f"{n} {table}" for table, n in report.deleted.items())
+    print(f"{verb} {rows} received before {report.cutoff.isoformat()} ({report.runs_scanned} runs scanned); "
+          "run and device totals are kept")
+    return 0
+
+
 def _grafana(args: argparse.Namespace, _settings: Settings) -> int:
     # Imported lazily: grafana-client is only needed by this subcommand.
     from .grafana import push  # type: ignore[import-not-found,unused-ignore]
@@ -158,6 +174,15 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--name")
     which.add_argument("--prefix")
     token.set_defaults(func=_token)
+
+    prune = sub.add_parser(
+        "prune", help="delete old events, stats intervals and batch receipts in batches; totals are kept"
+    )
+    prune.add_argument("--older-than", required=True, metavar="DURATION",
+                       help="what was received longer ago than this, e.g. 90d (at least 1d)")
+    prune.add_argument("--batch-size", type=int, default=5000, help="rows per transaction (default 5000)")
+    prune.add_argument("--dry-run", action="store_true", help="count what would go, delete nothing")
+    prune.set_defaults(func=_prune)
 
     grafana = sub.add_parser("grafana", help="Grafana dashboards")
     grafana_sub = grafana.add_subparsers(dest="grafana_command", required=True)

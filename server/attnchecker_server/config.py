@@ -34,6 +34,20 @@ class Settings(BaseSettings):
     """A scrape within this many seconds of the previous refresh reuses its result."""
     metrics_max_runs: int = Field(default=500, ge=1)
     """Bound on the runs /metrics exposes: every live run, then finished ones (most recently seen first) up to this."""
+    metrics_device_recent_seconds: float = Field(default=86400.0, gt=0)
+    """Devices stay in /metrics this long after a rank on them last reported."""
+    metrics_max_devices: int = Field(default=2000, ge=1)
+    """Bound on the devices /metrics exposes (most recently seen first); attnchecker_metrics_devices_omitted counts
+    the recent ones left out."""
+    max_live_runs_per_token: int = Field(default=100, ge=1)
+    """Live runs one agent token may hold (registering another is a 429); operators and run-bound tokens have none."""
+    run_abandoned_seconds: float = Field(default=86400.0, gt=0)
+    """A running run not heard from for this long is abandoned: it leaves its token's quota and the live runs of
+    /metrics (its agent died without finishing it)."""
+    suspicion_alpha: float = Field(default=0.01, gt=0, lt=1)
+    """Family-wise false-alarm rate of the suspicion test over the fleet (Holm): docs/collector.md, Suspicion."""
+    suspicion_min_fault_runs: int = Field(default=2, ge=1)
+    """A device is significant only if it faulted in at least this many runs."""
 
     @field_validator("database_url")
     @classmethod

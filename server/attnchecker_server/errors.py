@@ -22,6 +22,7 @@ __all__ = [
     "InvalidRequest",
     "NotFound",
     "PreconditionFailed",
+    "TooManyRequests",
     "install_error_handlers",
     "unavailable_response",
     "validation_message",
@@ -56,6 +57,16 @@ class PreconditionFailed(CollectorError):
 
 class InvalidRequest(CollectorError):
     status_code = 422
+
+
+class TooManyRequests(CollectorError):
+    """A quota is full (429): retry after ``retry_after_s`` seconds, once something has made room."""
+
+    status_code = 429
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 def _field(loc: tuple[Any, ...] | list[Any]) -> str:
@@ -94,7 +105,8 @@ def install_error_handlers(app: FastAPI) -> None:
             where = exc.field or "body"
             msg = exc.message.removeprefix(f"{where}: ")
             return _invalid(["query" if where == "cursor" else "body", *where.split(".")], msg)
-        return JSONResponse({"detail": exc.message}, status_code=exc.status_code)
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, TooManyRequests) else None
+        return JSONResponse({"detail": exc.message}, status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _request_invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -7,11 +7,12 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from . import __version__
-from .api import events, health, policy, runs
+from .api import devices, events, health, policy, runs
 from .api.deps import AppState
 from .config import Settings
 from .db import make_engine, make_session_factory
 from .errors import install_error_handlers
+from .fleet_metrics import FleetMetricsConfig
 from .metrics import DbCollector, IngestMetrics
 from .middleware import BodyLimitMiddleware, IngestMetricsMiddleware
 from .webui import install_web_ui
@@ -31,6 +32,12 @@ def create_app(settings: Settings | None = None, registry: CollectorRegistry | N
         recent_seconds=settings.metrics_recent_seconds,
         cache_seconds=settings.metrics_cache_seconds,
         max_runs=settings.metrics_max_runs,
+        abandoned_seconds=settings.run_abandoned_seconds,
+        fleet=FleetMetricsConfig(
+            recent_seconds=settings.metrics_device_recent_seconds,
+            max_devices=settings.metrics_max_devices,
+            suspicion=devices.suspicion_settings(settings),
+        ),
     )
     registry.register(db_collector)
     ingest = IngestMetrics(registry)
@@ -51,7 +58,8 @@ def create_app(settings: Settings | None = None, registry: CollectorRegistry | N
     )
     app.state.engine = engine
     install_error_handlers(app)
-    for router in (runs.router, events.router, policy.router, health.router, health.metrics_route(registry)):
+    for router in (runs.router, events.router, policy.router, devices.router, health.router,
+                   health.metrics_route(registry)):
         app.include_router(router)
     install_web_ui(app)
     # Outermost last: the ingest metrics also count the 413s the body limit answers.

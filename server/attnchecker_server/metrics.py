@@ -14,9 +14,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from .fleet_metrics import FleetMetricsConfig, device_families
 from .models import Policy, Run, RunFaultCounter, RunOpCounter, RunResidualBucket, RunTierCounter, utcnow
 
 __all__ = ["METRIC_NAMES", "DbCollector", "IngestMetrics"]
@@ -45,6 +46,13 @@ METRIC_NAMES: dict[str, tuple[str, tuple[str, ...]]] = {
     "attnchecker_agent_events_dropped_total": ("counter", ("run",)),
     "attnchecker_coverage_ops": ("gauge", ("run", "state")),
     "attnchecker_metrics_runs_omitted": ("gauge", ()),
+    # Per device (fleet_metrics.py): labelled as dcgm-exporter labels a GPU, so PromQL joins them on (UUID).
+    "attnchecker_device_checks_total": ("counter", ("Hostname", "UUID")),
+    "attnchecker_device_faults_total": ("counter", ("Hostname", "UUID", "kind", "action")),
+    "attnchecker_device_suspect": ("gauge", ("Hostname", "UUID")),
+    "attnchecker_device_suspicion_score": ("gauge", ("Hostname", "UUID")),
+    "attnchecker_device_status": ("gauge", ("Hostname", "UUID", "status")),
+    "attnchecker_metrics_devices_omitted": ("gauge", ()),
     "attnchecker_ingest_events_total": ("counter", ()),
     "attnchecker_ingest_requests_total": ("counter", ("endpoint", "status")),
     "attnchecker_ingest_request_duration_seconds": ("histogram", ("endpoint",)),
@@ -66,10 +74,14 @@ class DbCollector(Collector):
         recent_seconds: float,
         cache_seconds: float,
         max_runs: int,
+        abandoned_seconds: float = 86400.0,
+        fleet: FleetMetricsConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._session_factory = session_factory
         self._recent = timedelta(seconds=recent_seconds)
+        self._abandoned = timedelta(seconds=abandoned_seconds)
+        self._fleet = fleet or FleetMetricsConfig()
         self._cache_seconds = cache_seconds
         self._max_runs = max_runs
         self._clock = clock
@@ -103,10 +115,15 @@ class DbCollector(Collector):
     def _runs(self, session: Session) -> tuple[list[Run], int]:
         """Every live run, whatever the cap (a live run whose agent went quiet is exactly what "agent silent"
         watches), then the most recently seen finished runs in the room the cap leaves; and how many finished
-        runs within recent_seconds did not fit."""
-        cutoff = utcnow() - self._recent
-        live = list(session.scalars(select(Run).where(Run.status == "running").order_by(Run.last_seen_at.desc())))
-        recent = (Run.status != "running", Run.last_seen_at >= cutoff)
+        runs within recent_seconds did not fit. Live: running and heard from within abandoned_seconds; there are at
+        most the agent tokens' quotas of them (services/quota.py), so the cap-free part stays bounded too."""
+        now = utcnow()
+        cutoff = now - self._recent
+        fresh = Run.last_seen_at >= now - self._abandoned
+        live = list(session.scalars(
+            select(Run).where(Run.status == "running", fresh).order_by(Run.last_seen_at.desc())
+        ))
+        recent = (or_(Run.status != "running", ~fresh), Run.last_seen_at >= cutoff)
         room = max(0, self._max_runs - len(live))
         finished = list(session.scalars(select(Run).where(*recent).order_by(Run.last_seen_at.desc()).limit(room)))
         omitted = 0
@@ -116,6 +133,8 @@ class DbCollector(Collector):
 
     def _read(self) -> Iterator[Metric]:
         snapshot = self._snapshot()
+        with self._session_factory() as session:
+            devices = device_families(session, self._fleet)
         names = {run.id: run.name for run in snapshot.runs}
         checks, period = _op_families(snapshot.op_rows, names)
         families: list[Metric] = [
@@ -132,6 +151,7 @@ class DbCollector(Collector):
                 "Finished runs seen within metrics_recent_seconds left out by metrics_max_runs (live runs never are).",
                 value=snapshot.omitted,
             ),
+            *devices,
         ]
         return iter(families)
 

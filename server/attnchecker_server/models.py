@@ -21,6 +21,10 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 __all__ = [
     "ApiToken",
     "Base",
+    "Device",
+    "DeviceFaultCounter",
+    "DeviceRun",
+    "DeviceStatusRevision",
     "EventBatch",
     "FaultEvent",
     "Policy",
@@ -28,6 +32,7 @@ __all__ = [
     "Run",
     "RunFaultCounter",
     "RunOpCounter",
+    "RunRank",
     "RunResidualBucket",
     "RunTierCounter",
     "StatsInterval",
@@ -129,9 +134,16 @@ class FaultEvent(Base):
     bound: Mapped[float] = mapped_column(Float)
     policy_version: Mapped[int | None] = mapped_column(Integer)
     received_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    device_uuid: Mapped[str | None] = mapped_column(String(64))
+    """The device of the event's rank when it was stored (run_rank), so a rank that later moves keeps its history;
+    NULL for a rank that registered no identity (an agent older than device identities)."""
 
-    # The events query's order and cursor: (step, ts, id) within one run.
-    __table_args__ = (Index("ix_fault_event_run_order", "run_id", "step", "ts", "id"),)
+    __table_args__ = (
+        # The events query's order and cursor: (step, ts, id) within one run.
+        Index("ix_fault_event_run_order", "run_id", "step", "ts", "id"),
+        # A device's events over time (GET /devices/{uuid}).
+        Index("ix_fault_event_device_ts", "device_uuid", "ts"),
+    )
 
 
 class EventBatch(Base):
@@ -159,6 +171,8 @@ class StatsInterval(Base):
     check_seconds: Mapped[float] = mapped_column(Float)
     payload: Mapped[dict[str, Any]] = mapped_column(JsonType)
     received_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    device_uuid: Mapped[str | None] = mapped_column(String(64))
+    """As for events: the rank's device when the interval was stored."""
 
 
 class RunOpCounter(Base):
@@ -248,3 +262,96 @@ class ApiToken(Base):
     run_name: Mapped[str | None] = mapped_column(String(200))
     """An agent token bound to this run name may register (create or resume) and write to it, whoever created it:
     the ranks of one job share one run this way."""
+
+
+# --- devices (docs/collector.md "Devices") -----------------------------------------------------------------------
+
+
+class Device(Base):
+    """One accelerator (or CPU machine) as its ranks identify it, with totals across every run it took part in.
+
+    The totals are summed from the interval statistics on ingest (as the run counters are), so the device list, its
+    suspicion and /metrics read one row per device and survive ``prune``."""
+
+    __tablename__ = "device"
+
+    uuid: Mapped[str] = mapped_column(String(64), primary_key=True)
+    """"GPU-…" as nvidia-smi and dcgm-exporter write it; "CPU-…" for a machine without an accelerator."""
+    hostname: Mapped[str] = mapped_column(String(253))
+    """The host it was last registered from."""
+    kind: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str | None] = mapped_column(String(200))
+    pci_bus_id: Mapped[str | None] = mapped_column(String(32))
+    serial: Mapped[str | None] = mapped_column(String(64))
+    first_seen_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    last_seen_at: Mapped[datetime] = mapped_column(UtcDateTime, index=True)
+    status: Mapped[str] = mapped_column(String(16), default="ok")
+    """ok | suspect | quarantined; set by operators (PATCH /devices/{uuid}), never by the statistics."""
+    status_version: Mapped[int] = mapped_column(Integer, default=1)
+    status_reason: Mapped[str | None] = mapped_column(String(500))
+    status_by: Mapped[str | None] = mapped_column(String(100))
+    status_at: Mapped[datetime | None] = mapped_column(UtcDateTime)
+    checks: Mapped[int] = mapped_column(BigInteger, default=0)
+    """Op calls checked on it, by either tier (ops[].checks + ops[].tripwire_checks): its exposure."""
+    detected: Mapped[int] = mapped_column(BigInteger, default=0)
+    corrected: Mapped[int] = mapped_column(BigInteger, default=0)
+    uncorrectable: Mapped[int] = mapped_column(BigInteger, default=0)
+    runs: Mapped[int] = mapped_column(Integer, default=0)
+    """Distinct runs that registered a rank on it."""
+    fault_runs: Mapped[int] = mapped_column(Integer, default=0)
+    """Distinct runs in which it detected at least one fault."""
+
+
+class DeviceFaultCounter(Base):
+    __tablename__ = "device_fault_counter"
+
+    device_uuid: Mapped[str] = mapped_column(ForeignKey("device.uuid", ondelete="CASCADE"), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    detected: Mapped[int] = mapped_column(BigInteger, default=0)
+    corrected: Mapped[int] = mapped_column(BigInteger, default=0)
+    uncorrectable: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class DeviceRun(Base):
+    """What a device did in one run: the repeat-across-runs signal and the device page's list of runs."""
+
+    __tablename__ = "device_run"
+
+    device_uuid: Mapped[str] = mapped_column(ForeignKey("device.uuid", ondelete="CASCADE"), primary_key=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True, index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    checks: Mapped[int] = mapped_column(BigInteger, default=0)
+    detected: Mapped[int] = mapped_column(BigInteger, default=0)
+    uncorrectable: Mapped[int] = mapped_column(BigInteger, default=0)
+    first_seen_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    last_seen_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+
+class RunRank(Base):
+    """(run, rank) -> device, as the rank registered it; ingest attributes the rank's events and intervals with it."""
+
+    __tablename__ = "run_rank"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    device_uuid: Mapped[str] = mapped_column(ForeignKey("device.uuid", ondelete="CASCADE"), index=True)
+    hostname: Mapped[str] = mapped_column(String(253))
+    local_rank: Mapped[int | None] = mapped_column(Integer)
+    registered_at: Mapped[datetime] = mapped_column(UtcDateTime)
+    applied_policy_version: Mapped[int | None] = mapped_column(Integer)
+    applied_policy_scope: Mapped[str | None] = mapped_column(String(16))
+    """"run" (the run's policy) or "device" (the suspect-device policy), as the rank last reported."""
+
+
+class DeviceStatusRevision(Base):
+    __tablename__ = "device_status_revision"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    device_uuid: Mapped[str] = mapped_column(ForeignKey("device.uuid", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(String(500))
+    actor: Mapped[str] = mapped_column(String(100))
+    changed_at: Mapped[datetime] = mapped_column(UtcDateTime)
+
+    __table_args__ = (Index("uq_device_status_revision_device_version", "device_uuid", "version", unique=True),)

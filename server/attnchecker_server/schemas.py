@@ -9,8 +9,15 @@ from typing_extensions import TypeAliasType
 from .bounds import TS_PATTERN, bounded_json, in_range_utc, valid_text
 
 __all__ = [
+    "DEVICE_STATUSES",
     "FAULT_OPS",
     "OPS",
+    "DeviceDetailPublic",
+    "DeviceIdentityIn",
+    "DevicePublic",
+    "DeviceStatusPublic",
+    "DeviceStatusUpdate",
+    "DevicesPublic",
     "EventBatchIn",
     "EventBatchResult",
     "FaultEventIn",
@@ -21,6 +28,8 @@ __all__ = [
     "PolicyPublic",
     "PolicyRevisionPublic",
     "PolicyUpdate",
+    "RankPublic",
+    "RanksPublic",
     "RunFinishIn",
     "RunPublic",
     "RunRegisterIn",
@@ -46,6 +55,10 @@ Mode = Literal["off", "detect", "correct"]
 Tolerance = Literal["roundoff", "extreme"]
 OnUncorrectable = Literal["log", "skip_step", "raise"]
 RunStatus = Literal["running", "finished"]
+DeviceStatus = Literal["ok", "suspect", "quarantined"]
+DEVICE_STATUSES: tuple[str, ...] = ("ok", "suspect", "quarantined")
+PolicyScope = Literal["run", "device"]
+"""Which policy a rank follows: the run's, or the suspect-device policy (its device is suspect or quarantined)."""
 
 # A counter delta: at most 2^53 - 1, so that every client (and JSON Schema validators that compare in doubles) reads
 # the bound exactly; the run totals these add up to are 64-bit and guarded against overflow at ingest.
@@ -82,6 +95,27 @@ ConfigValue = TypeAliasType(
 )
 
 
+class DeviceIdentityIn(_In):
+    """Who a rank is (docs/wire.md, "Device identity"). Every string here can become a Prometheus label value or a
+    path segment, so each is a short token of a fixed alphabet."""
+
+    uuid: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    """"GPU-…" as nvidia-smi and dcgm-exporter write it (label UUID), "CPU-…" for a machine without a GPU."""
+    hostname: str = Field(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    kind: str = Field(pattern=r"^[a-z][a-z0-9_]{0,15}$")
+    """torch's device type: cuda, cpu, …"""
+    index: SmallNonNegInt | None = None
+    local_rank: SmallNonNegInt | None = None
+    name: str | None = Field(default=None, max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$")
+    pci_bus_id: str | None = Field(default=None, max_length=32, pattern=r"^[0-9A-Fa-f:.]+$")
+    serial: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
+
+    @field_validator("name")
+    @classmethod
+    def _text(cls, value: str | None) -> str | None:
+        return None if value is None else valid_text(value)
+
+
 class RunRegisterIn(_In):
     # The name is a Prometheus label value and a path in dashboards: printable text only.
     name: str = Field(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
@@ -95,6 +129,17 @@ class RunRegisterIn(_In):
     )
     # The new run's starting policy (version 1) instead of a copy of the default; ignored when the run is resumed.
     policy: "PolicyIn | None" = None
+    # The rank's device (agents from before device identities send none: their events stay unattributed).
+    device: DeviceIdentityIn | None = None
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> "RunRegisterIn":
+        if self.device is not None and self.rank >= self.world_size:
+            raise ValueError(
+                f"rank ({self.rank}) must be below world_size ({self.world_size}): send the job's world size with "
+                "every rank's registration"
+            )
+        return self
 
     @field_validator("name", "model", "host", "agent_version")
     @classmethod
@@ -138,6 +183,23 @@ class RunPublic(BaseModel):
 class RunsPublic(BaseModel):
     data: list[RunPublic]
     next_cursor: str | None
+
+
+class RankPublic(BaseModel):
+    """One rank of a run, as it registered: its device, and the policy it last reported applied."""
+
+    rank: int
+    hostname: str
+    local_rank: int | None
+    device_uuid: str
+    device_status: DeviceStatus
+    registered_at: datetime
+    applied_policy_version: int | None
+    applied_policy_scope: PolicyScope | None
+
+
+class RanksPublic(BaseModel):
+    data: list[RankPublic]
 
 
 # --- policy -----------------------------------------------------------------------------------------------------
@@ -234,12 +296,24 @@ class PolicyHistoryPublic(BaseModel):
     data: list[PolicyRevisionPublic]
 
 
+class DeviceStatusPublic(BaseModel):
+    """What a rank needs to know about its device: the status an operator set, and why."""
+
+    uuid: str
+    status: DeviceStatus
+    reason: str | None
+
+
 class RunRegistered(BaseModel):
     id: str
     name: str
     created: bool
     status: RunStatus
     policy: PolicyPublic
+    """The policy this rank follows: the run's, or the suspect-device policy when its device is under suspicion."""
+    policy_scope: PolicyScope = "run"
+    device: DeviceStatusPublic | None = None
+    """The registering rank's device, when the registration named one."""
 
 
 # --- events -----------------------------------------------------------------------------------------------------
@@ -315,6 +389,8 @@ class FaultEventPublic(BaseModel):
     bound: float
     policy_version: int | None
     received_at: datetime
+    device_uuid: str | None = None
+    """The device of the event's rank (null: the rank registered no identity)."""
 
 
 class FaultEventsPublic(BaseModel):
@@ -385,6 +461,8 @@ class StatsIn(_In):
     tripwire_seconds: NonNegFloat = 0.0
     optimizer_checks: NonNegInt = 0
     optimizer_catches: NonNegInt = 0
+    # Which policy applied_policy_version belongs to: the run's, or the suspect-device policy (docs/wire.md).
+    applied_policy_scope: PolicyScope = "run"
 
     @model_validator(mode="after")
     def _consistent(self) -> "StatsIn":
@@ -396,3 +474,112 @@ class StatsIn(_In):
 class StatsResult(BaseModel):
     interval_id: str
     duplicate: bool
+
+
+# --- devices ------------------------------------------------------------------------------------------------------
+
+
+class DeviceStatusUpdate(_In):
+    """An operator's verdict on a device (PATCH /api/v1/devices/{uuid})."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    status: DeviceStatus
+    reason: str = Field(min_length=1, max_length=500, pattern=r"^[^\x00]+$")
+    """Why: kept in the device's history with the operator's token name."""
+
+    @field_validator("reason")
+    @classmethod
+    def _text(cls, value: str) -> str:
+        return valid_text(value)
+
+
+class SuspicionPublic(BaseModel):
+    """docs/collector.md "Suspicion": a conditional binomial test of the device's faults against the fleet's rate for
+    its checks, Holm-corrected over the devices with checks, and faults in at least min_fault_runs runs."""
+
+    score: float
+    """-log10 of the p-value (0 at or below the fleet's rate)."""
+    significant: bool
+    p_value: float
+    expected: float
+    """Faults the fleet's rate predicts for the device's checks."""
+    reason: str
+
+
+class DeviceTotals(BaseModel):
+    checks: int
+    detected: int
+    corrected: int
+    uncorrectable: int
+    runs: int
+    fault_runs: int
+
+
+class DeviceFaultsPublic(BaseModel):
+    kind: Kind
+    detected: int
+    corrected: int
+    uncorrectable: int
+
+
+class DevicePublic(BaseModel):
+    uuid: str
+    hostname: str
+    kind: str
+    name: str | None
+    pci_bus_id: str | None
+    serial: str | None
+    first_seen_at: datetime
+    last_seen_at: datetime
+    status: DeviceStatus
+    status_version: int
+    status_reason: str | None
+    status_by: str | None
+    status_at: datetime | None
+    totals: DeviceTotals
+    faults: list[DeviceFaultsPublic]
+    suspicion: SuspicionPublic
+
+
+class FleetPublic(BaseModel):
+    devices: int
+    """Devices with checks: the m of Holm's correction."""
+    checks: int
+    detected: int
+    alpha: float
+    min_fault_runs: int
+
+
+class DevicesPublic(BaseModel):
+    items: list[DevicePublic]
+    total: int
+    """Devices matching the filters (items holds at most `limit` of them, most suspect first)."""
+    fleet: FleetPublic
+
+
+class DeviceRunPublic(BaseModel):
+    run_id: str
+    run_name: str
+    rank: int
+    checks: int
+    detected: int
+    uncorrectable: int
+    first_seen_at: datetime
+    last_seen_at: datetime
+
+
+class DeviceStatusRevisionPublic(BaseModel):
+    version: int
+    status: DeviceStatus
+    reason: str | None
+    actor: str
+    changed_at: datetime
+
+
+class DeviceDetailPublic(DevicePublic):
+    runs: list[DeviceRunPublic]
+    """Its most recent runs (at most 200), newest first."""
+    events: list[FaultEventPublic]
+    """Its most recent fault events (at most 200), newest first; older ones go with `prune`."""
+    history: list[DeviceStatusRevisionPublic]

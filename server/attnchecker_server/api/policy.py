@@ -1,15 +1,17 @@
-"""Policy per run and the server default: GET (ETag, If-None-Match), PUT/PATCH (If-Match), history."""
+"""Policy per run, the server default and the suspect-device policy: GET (ETag, If-None-Match), PUT/PATCH (If-Match),
+history. A run's GET with ?rank=N answers the policy that rank follows (its device's status decides)."""
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Header, Response
+from fastapi import APIRouter, Path, Query, Response
 from fastapi.responses import JSONResponse
 
 from ..auth import Principal
-from ..errors import PreconditionFailed
+from ..models import Policy
 from ..schemas import PolicyHistoryPublic, PolicyIn, PolicyPublic, PolicyUpdate
 from ..services import policy as service
 from .deps import OPERATOR, POLICY_READ, READ, SessionDep
+from .etags import IfMatch, IfNoneMatch, etag_versions, if_match_version
 from .responses import errors
 
 __all__ = ["router"]
@@ -23,62 +25,72 @@ _DEFAULT_READ = {**_NOT_MODIFIED, **errors(403)}
 _DEFAULT_WRITE = errors(403, 412, 413)
 
 
-def _versions(header: str) -> list[str]:
-    return [part.strip().removeprefix("W/").strip('"') for part in header.split(",") if part.strip()]
+SCOPE_HEADER = "X-Policy-Scope"
+"""On a GET with ?rank: "run" (the run's policy) or "device" (the suspect-device policy the rank follows)."""
 
 
-def _if_match(header: str | None) -> int | None:
-    if header is None or "*" in _versions(header):
-        return None
-    versions = _versions(header)
-    try:
-        return int(versions[0]) if len(versions) == 1 else None
-    except ValueError:
-        pass
-    raise PreconditionFailed(f'If-Match must be one ETag from GET, like "4"; got {header!r}')
+def _etag(row: Policy, scope: str) -> str:
+    # The suspect-device policy has versions of its own: its ETag must never equal one of the run's.
+    return f'"{row.version}"' if scope == "run" else f'"device-{row.version}"'
 
 
-def _with_etag(public: PolicyPublic) -> JSONResponse:
-    return JSONResponse(public.model_dump(mode="json"), headers={"ETag": f'"{public.version}"'})
+def _with_etag(public: PolicyPublic, etag: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    etag = etag or f'"{public.version}"'
+    return JSONResponse(public.model_dump(mode="json"), headers={"ETag": etag, **(headers or {})})
 
 
-def _get(session: SessionDep, run_id: str | None, if_none_match: str | None) -> Response:
-    row = service.get_policy(session, scope=service.policy_scope(session, run_id))
-    session.commit()  # the default policy may just have been created
-    if if_none_match is not None and (str(row.version) in _versions(if_none_match) or if_none_match.strip() == "*"):
-        return Response(status_code=304, headers={"ETag": f'"{row.version}"'})
-    return _with_etag(service.to_public(row))
+def _answer(row: Policy, if_none_match: str | None, *, scope: str, headers: dict[str, str]) -> Response:
+    etag = _etag(row, scope)
+    if if_none_match is not None and (etag.strip('"') in etag_versions(if_none_match) or if_none_match.strip() == "*"):
+        return Response(status_code=304, headers={"ETag": etag, **headers})
+    return _with_etag(service.to_public(row), etag, headers)
+
+
+def _get(session: SessionDep, scope: str, if_none_match: str | None) -> Response:
+    row = service.get_policy(session, scope=scope)
+    session.commit()  # a server-wide policy may just have been created
+    return _answer(row, if_none_match, scope="run", headers={})
 
 
 def _change(
     session: SessionDep,
-    run_id: str | None,
+    scope: str,
     changes: dict[str, object],
     *,
     replace: bool,
     actor: str,
     if_match: str | None,
 ) -> JSONResponse:
-    scope = service.policy_scope(session, run_id)
+    """``scope``: a run's (service.policy_scope: 404 for an unknown run), DEFAULT_SCOPE or SUSPECT_SCOPE."""
     row = service.change_policy(
-        session, scope=scope, changes=changes, replace=replace, actor=actor, if_match=_if_match(if_match)
+        session, scope=scope, changes=changes, replace=replace, actor=actor, if_match=if_match_version(if_match)
     )
     public = service.to_public(row)
     session.commit()
     return _with_etag(public)
 
 
-IfNoneMatch = Annotated[str | None, Header()]
-# One ETag as GET sends it ("4"; W/"4" and 4 are read the same) or *.
-# Typed str (not str | None, whose OpenAPI form lets clients send the text "null"); absent means None.
-IfMatch = Annotated[str, Header(pattern=r'^(\*|(W/)?"?[0-9]{1,10}"?)$')]
+_RANK_READ = {
+    **_RUN_READ,
+    200: {"description": "the policy; with ?rank, the one that rank follows",
+          "headers": {SCOPE_HEADER: {"description": "with ?rank: run or device", "schema": {"type": "string"}}}},
+}
 
 
-@router.get("/api/v1/runs/{run_id}/policy", response_model=PolicyPublic, responses=_RUN_READ)
+@router.get("/api/v1/runs/{run_id}/policy", response_model=PolicyPublic, responses=_RANK_READ)
 def get_run_policy(
-    run_id: str, session: SessionDep, _: Annotated[Principal, POLICY_READ], if_none_match: IfNoneMatch = None
+    run_id: str,
+    session: SessionDep,
+    _: Annotated[Principal, POLICY_READ],
+    if_none_match: IfNoneMatch = None,
+    rank: Annotated[int | None, Query(ge=0, le=2**31 - 1)] = None,
 ) -> Response:
-    return _get(session, run_id, if_none_match)
+    scope = service.policy_scope(session, run_id)
+    if rank is None:
+        return _get(session, scope, if_none_match)
+    row, which = service.rank_policy(session, run_id=scope, rank=rank)
+    session.commit()  # the suspect-device policy may just have been created
+    return _answer(row, if_none_match, scope=which, headers={SCOPE_HEADER: which})
 
 
 @router.put("/api/v1/runs/{run_id}/policy", response_model=PolicyPublic, responses=_RUN_WRITE)
@@ -89,9 +101,8 @@ def put_run_policy(
     principal: Annotated[Principal, OPERATOR],
     if_match: IfMatch = None,  # type: ignore[assignment]
 ) -> Response:
-    return _change(
-        session, run_id, policy.model_dump(mode="json"), replace=True, actor=principal.name, if_match=if_match
-    )
+    return _change(session, service.policy_scope(session, run_id), policy.model_dump(mode="json"), replace=True,
+                   actor=principal.name, if_match=if_match)
 
 
 @router.patch("/api/v1/runs/{run_id}/policy", response_model=PolicyPublic, responses=_RUN_WRITE)
@@ -103,7 +114,8 @@ def patch_run_policy(
     if_match: IfMatch = None,  # type: ignore[assignment]
 ) -> Response:
     changes = patch.model_dump(mode="json", exclude_unset=True)
-    return _change(session, run_id, changes, replace=False, actor=principal.name, if_match=if_match)
+    return _change(session, service.policy_scope(session, run_id), changes, replace=False, actor=principal.name,
+                   if_match=if_match)
 
 
 @router.get("/api/v1/runs/{run_id}/policy/history", response_model=PolicyHistoryPublic, responses=errors(403, 404))
@@ -111,34 +123,43 @@ def get_run_policy_history(run_id: str, session: SessionDep, _: Annotated[Princi
     return PolicyHistoryPublic(data=service.policy_history(session, scope=service.policy_scope(session, run_id)))
 
 
-@router.get("/api/v1/policy/default", response_model=PolicyPublic, responses=_DEFAULT_READ)
-def get_default_policy(
-    session: SessionDep, _: Annotated[Principal, POLICY_READ], if_none_match: IfNoneMatch = None
+# The server-wide policies: "default" (copied into new runs registered without a policy) and "suspect" (what every
+# rank on a suspect or quarantined device follows instead of its run's).
+ServerScope = Annotated[Literal["default", "suspect"], Path(description="default, or suspect (suspect devices)")]
+
+
+@router.get("/api/v1/policy/{scope}", response_model=PolicyPublic, responses=_DEFAULT_READ)
+def get_server_policy(
+    scope: ServerScope, session: SessionDep, _: Annotated[Principal, POLICY_READ], if_none_match: IfNoneMatch = None
 ) -> Response:
-    return _get(session, None, if_none_match)
+    return _get(session, scope, if_none_match)
 
 
-@router.put("/api/v1/policy/default", response_model=PolicyPublic, responses=_DEFAULT_WRITE)
-def put_default_policy(
+@router.put("/api/v1/policy/{scope}", response_model=PolicyPublic, responses=_DEFAULT_WRITE)
+def put_server_policy(
+    scope: ServerScope,
     policy: PolicyIn,
     session: SessionDep,
     principal: Annotated[Principal, OPERATOR],
     if_match: IfMatch = None,  # type: ignore[assignment]
 ) -> Response:
-    return _change(session, None, policy.model_dump(mode="json"), replace=True, actor=principal.name, if_match=if_match)
+    return _change(session, scope, policy.model_dump(mode="json"), replace=True, actor=principal.name,
+                   if_match=if_match)
 
 
-@router.patch("/api/v1/policy/default", response_model=PolicyPublic, responses=_DEFAULT_WRITE)
-def patch_default_policy(
+@router.patch("/api/v1/policy/{scope}", response_model=PolicyPublic, responses=_DEFAULT_WRITE)
+def patch_server_policy(
+    scope: ServerScope,
     patch: PolicyUpdate,
     session: SessionDep,
     principal: Annotated[Principal, OPERATOR],
     if_match: IfMatch = None,  # type: ignore[assignment]
 ) -> Response:
     changes = patch.model_dump(mode="json", exclude_unset=True)
-    return _change(session, None, changes, replace=False, actor=principal.name, if_match=if_match)
+    return _change(session, scope, changes, replace=False, actor=principal.name, if_match=if_match)
 
 
-@router.get("/api/v1/policy/default/history", response_model=PolicyHistoryPublic, responses=errors(403))
-def get_default_policy_history(session: SessionDep, _: Annotated[Principal, READ]) -> PolicyHistoryPublic:
-    return PolicyHistoryPublic(data=service.policy_history(session, scope=service.DEFAULT_SCOPE))
+@router.get("/api/v1/policy/{scope}/history", response_model=PolicyHistoryPublic, responses=errors(403))
+def get_server_policy_history(scope: ServerScope, session: SessionDep,
+                              _: Annotated[Principal, READ]) -> PolicyHistoryPublic:
+    return PolicyHistoryPublic(data=service.policy_history(session, scope=scope))

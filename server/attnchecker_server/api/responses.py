@@ -27,10 +27,11 @@ class ValidationErrorOut(BaseModel):
 _DESCRIPTIONS = {
     401: "missing, unknown, revoked or expired bearer token",
     403: "the token's role may not do this, or an agent token may not write to this run",
-    404: "no run with this id",
+    404: "no run (or device) with this id",
     412: "If-Match names a version that is no longer current (or is not an ETag)",
     413: "request body larger than ATTNCHECKER_MAX_BODY_BYTES",
     422: "invalid request: the field and the problem are in detail[].loc / msg and in message",
+    429: "the token's quota of live runs is full: retry after the Retry-After seconds (docs/collector.md, Quotas)",
     503: "database down or unreachable: retry after the Retry-After seconds; nothing was applied",
 }
 
@@ -43,7 +44,7 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
             "model": ValidationErrorOut if code == 422 else ErrorOut,
             "description": _DESCRIPTIONS[code],
         }
-        if code == 503:
+        if code in (429, 503):
             entry["headers"] = {
                 "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}
             }

@@ -7,6 +7,7 @@ from fastapi.exceptions import RequestValidationError
 
 from ..auth import Principal
 from ..schemas import (
+    DeviceStatusPublic,
     EventBatchIn,
     EventBatchResult,
     RunFinishIn,
@@ -20,6 +21,7 @@ from ..schemas import (
 from ..services import ingest, runs
 from ..services.policy import to_public
 from .deps import AGENT_WRITE, READ, SessionDep, StateDep
+from .devices import live_run_quota
 from .responses import errors
 
 __all__ = ["router"]
@@ -28,15 +30,33 @@ router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
 
 @router.post(
-    "", response_model=RunRegistered, status_code=201, responses={200: {"model": RunRegistered}, **errors(403, 413)}
+    "",
+    response_model=RunRegistered,
+    status_code=201,
+    responses={200: {"model": RunRegistered}, **errors(403, 413, 429)},
 )
 def register_run(
-    run_in: RunRegisterIn, response: Response, session: SessionDep, principal: Annotated[Principal, AGENT_WRITE]
+    run_in: RunRegisterIn,
+    response: Response,
+    session: SessionDep,
+    state: StateDep,
+    principal: Annotated[Principal, AGENT_WRITE],
 ) -> RunRegistered:
-    run, policy, created = runs.register_run(session, run_in=run_in, principal=principal)
-    result = RunRegistered(id=run.id, name=run.name, created=created, status="running", policy=to_public(policy))
+    reg = runs.register_run(session, run_in=run_in, principal=principal, quota=live_run_quota(state.settings))
+    device = reg.device
+    result = RunRegistered(
+        id=reg.run.id,
+        name=reg.run.name,
+        created=reg.created,
+        status="running",
+        policy=to_public(reg.policy),
+        policy_scope=reg.scope,  # type: ignore[arg-type]
+        device=DeviceStatusPublic(uuid=device.uuid, status=device.status, reason=device.status_reason)  # type: ignore[arg-type]
+        if device is not None
+        else None,
+    )
     session.commit()
-    response.status_code = 201 if created else 200
+    response.status_code = 201 if reg.created else 200
     return result
 
 

@@ -9,7 +9,7 @@ from ..schemas import FaultEventPublic, Location
 from .cursor import cursor_id, cursor_int, cursor_time, decode_cursor, encode_cursor
 from .runs import require_run
 
-__all__ = ["EventFilters", "query_events"]
+__all__ = ["EventFilters", "event_public", "query_events"]
 
 from dataclasses import dataclass
 
@@ -25,7 +25,7 @@ class EventFilters:
     step_max: int | None = None
 
 
-def _public(e: FaultEvent) -> FaultEventPublic:
+def event_public(e: FaultEvent) -> FaultEventPublic:
     return FaultEventPublic(
         id=e.id,
         run_id=e.run_id,
@@ -45,6 +45,7 @@ def _public(e: FaultEvent) -> FaultEventPublic:
         bound=e.bound,
         policy_version=e.policy_version,
         received_at=e.received_at,
+        device_uuid=e.device_uuid,
     )
 
 
@@ -78,4 +79,4 @@ def query_events(
     if len(rows) > limit:
         last = page[-1]
         next_cursor = encode_cursor([last.step, last.ts.isoformat(), last.id])
-    return [_public(e) for e in page], next_cursor
+    return [event_public(e) for e in page], next_cursor

@@ -26,6 +26,7 @@ from ..models import (
     utcnow,
 )
 from ..schemas import EventBatchIn, EventBatchResult, FaultEventIn, StatsIn, StatsResult
+from .devices import attribute_interval, rank_devices
 from .runs import require_writable_run
 from .sql import greatest, upsert_insert
 from .tiers import add_tier_counts
@@ -58,6 +59,9 @@ _SELECTED = {
     "loc_head": "CAST(e.location->>'head' AS integer)",
     "loc_row": "CAST(e.location->>'row' AS integer)",
     "loc_col": "CAST(e.location->>'col' AS integer)",
+    # The rank's device as registered now (run_rank's primary key): an event is attributed where it is stored.
+    "device_uuid": "(SELECT rr.device_uuid FROM run_rank rr "
+    "WHERE rr.run_id = CAST(:run_id AS varchar) AND rr.rank = e.rank)",
 }
 
 # One statement whose text never depends on the batch size, so SQLAlchemy caches it and psycopg prepares it
@@ -108,6 +112,7 @@ def _insert_events_executemany(
     by string operations, not a fresh compile per batch size."""
     accepted = 0
     if events:
+        devices = rank_devices(session, run_id, {e.rank for e in events})
         rows = [
             {
                 "id": e.id,
@@ -130,6 +135,7 @@ def _insert_events_executemany(
                 "bound": e.bound,
                 "policy_version": e.policy_version,
                 "received_at": now,
+                "device_uuid": devices.get(e.rank),
             }
             for e in events
         ]
@@ -241,6 +247,8 @@ def _check_headroom(session: Session, run_id: str, stats: StatsIn) -> None:
 
 def ingest_stats(session: Session, *, run_id: str, stats: StatsIn, principal: Principal) -> StatsResult:
     require_writable_run(session, run_id, principal)
+    now = utcnow()
+    device_uuid = rank_devices(session, run_id, {stats.rank}).get(stats.rank)
     new = session.execute(
         upsert_insert(session, StatsInterval)
         .values(
@@ -254,7 +262,8 @@ def ingest_stats(session: Session, *, run_id: str, stats: StatsIn, principal: Pr
             step_seconds=stats.step_seconds,
             check_seconds=stats.check_seconds,
             payload=stats.model_dump(mode="json"),
-            received_at=utcnow(),
+            received_at=now,
+            device_uuid=device_uuid,
         )
         .on_conflict_do_nothing(index_elements=["run_id", "id"])
         .returning(StatsInterval.id)
@@ -300,6 +309,8 @@ def ingest_stats(session: Session, *, run_id: str, stats: StatsIn, principal: Pr
             )
         )
     add_tier_counts(session, run_id, stats)
+    if device_uuid is not None:
+        attribute_interval(session, run_id=run_id, device_uuid=device_uuid, stats=stats, now=now)
     hist = stats.residual_ratio
     if hist is not None:
         for le, count in zip([*hist.le, math.inf], hist.counts, strict=True):
@@ -321,7 +332,9 @@ def ingest_stats(session: Session, *, run_id: str, stats: StatsIn, principal: Pr
     if hist is not None:
         changes["residual_sum"] = Run.residual_sum + hist.sum
         changes["residual_count"] = Run.residual_count + sum(hist.counts)
-    if stats.applied_policy_version is not None:
+    # The run's applied version is the run policy's: a rank on the suspect-device policy reports its own version
+    # (run_rank keeps it), which must not read as the run lagging behind its policy.
+    if stats.applied_policy_version is not None and stats.applied_policy_scope == "run":
         changes["applied_policy_version"] = stats.applied_policy_version
     _touch(session, run_id, **changes)
     return StatsResult(interval_id=stats.interval_id, duplicate=False)

@@ -1,6 +1,7 @@
 """Run registration (idempotent by name, so every rank of a job lands on one run), finish, list and totals."""
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, func, or_, select, update
@@ -8,14 +9,17 @@ from sqlalchemy.orm import Session
 
 from ..auth import Principal
 from ..errors import NotFound
-from ..models import Policy, Run, RunFaultCounter, RunOpCounter, utcnow
+from ..models import Device, Policy, Run, RunFaultCounter, RunOpCounter, utcnow
 from ..schemas import RunFinishIn, RunPublic, RunRegisterIn, RunTotals
 from .access import check_may_register, check_may_write
 from .cursor import cursor_id, cursor_time, decode_cursor, encode_cursor
-from .policy import create_run_policy
+from .devices import register_identity
+from .policy import create_run_policy, rank_policy
+from .quota import LiveRunQuota, is_live
 from .sql import greatest, upsert_insert
 
 __all__ = [
+    "Registration",
     "finish_run",
     "get_run",
     "list_runs",
@@ -57,13 +61,29 @@ def _claim_or_check(session: Session, run_id: str, principal: Principal) -> None
     check_may_write(principal, run)
 
 
-def register_run(session: Session, *, run_in: RunRegisterIn, principal: Principal) -> tuple[Run, Policy, bool]:
-    """Creates the run (owned by principal's token), or resumes the one with that name; returns (run, its policy,
-    created). Raises Forbidden when principal may not write to the existing run (nothing is changed then).
+@dataclass(frozen=True, slots=True)
+class Registration:
+    run: Run
+    policy: Policy
+    """The policy the registering rank follows: its run's, or the suspect-device policy."""
+    scope: str
+    """"run" or "device" (the rank's device is suspect or quarantined)."""
+    created: bool
+    device: Device | None
+    """The rank's device, when the registration named one."""
+
+
+def register_run(
+    session: Session, *, run_in: RunRegisterIn, principal: Principal, quota: LiveRunQuota
+) -> Registration:
+    """Creates the run (owned by principal's token), or resumes the one with that name, and records the rank's device.
+    Raises Forbidden when principal may not write to the existing run, TooManyRequests when a new (or revived) run
+    would take the token past its quota of live runs; nothing is changed then (the route commits only on success).
 
     A created run starts with ``run_in.policy`` when given (else the default); a resumed run keeps its policy.
     """
     check_may_register(principal, run_in.name)
+    quota.lock(session, principal)
     actor = principal.name
     now = utcnow()
     values: dict[str, Any] = {
@@ -96,24 +116,39 @@ def register_run(session: Session, *, run_in: RunRegisterIn, principal: Principa
         .on_conflict_do_nothing(index_elements=["name"])
         .returning(Run.id)
     ).scalar()
+    device: Device | None = None
     if created_id is not None:
-        policy = create_run_policy(session, run_id=created_id, actor=actor, policy=run_in.policy)
-        run = session.get(Run, created_id)
-        assert run is not None
-        return run, policy, True
-    run_id = session.scalar(select(Run.id).where(Run.name == run_in.name))
-    assert run_id is not None
-    _claim_or_check(session, run_id, principal)
-    # Rank 0 describes the job; other ranks only mark it alive so they don't overwrite its host.
-    changes: dict[str, Any] = {"status": "running", "last_seen_at": now, "finished_at": None}
-    if run_in.rank == 0:
-        changes.update(values)
-    session.execute(update(Run).where(Run.id == run_id).values(**changes).execution_options(synchronize_session=False))
-    resumed = session.get(Run, run_id, populate_existing=True)
-    resumed_policy = session.get(Policy, run_id)
-    assert resumed is not None
-    assert resumed_policy is not None
-    return resumed, resumed_policy, False
+        run_id = created_id
+        # After the write: on SQLite this transaction now holds the write lock, so the count sees every other one.
+        quota.require_room(session, principal, run_id=run_id)
+        create_run_policy(session, run_id=run_id, actor=actor, policy=run_in.policy)
+        if run_in.device is not None:
+            device = register_identity(session, run_id=run_id, rank=run_in.rank, identity=run_in.device, now=now)
+    else:
+        found = session.scalar(select(Run.id).where(Run.name == run_in.name))
+        assert found is not None
+        run_id = found
+        _claim_or_check(session, run_id, principal)
+        before = session.get(Run, run_id)
+        assert before is not None
+        # Another rank of a live run (or the same one again) adds nothing to the token's live runs.
+        was_live = is_live(before, now, quota.abandoned_after)
+        # The device rows before the run row: the lock order of ingest_stats (devices, then the run).
+        if run_in.device is not None:
+            device = register_identity(session, run_id=run_id, rank=run_in.rank, identity=run_in.device, now=now)
+        # Rank 0 describes the job; other ranks only mark it alive so they don't overwrite its host.
+        changes: dict[str, Any] = {"status": "running", "last_seen_at": now, "finished_at": None}
+        if run_in.rank == 0:
+            changes.update(values)
+        session.execute(
+            update(Run).where(Run.id == run_id).values(**changes).execution_options(synchronize_session=False)
+        )
+        if not was_live:
+            quota.require_room(session, principal, run_id=run_id)
+    run = session.get(Run, run_id, populate_existing=True)
+    assert run is not None
+    policy, scope = rank_policy(session, run_id=run_id, rank=run_in.rank)
+    return Registration(run=run, policy=policy, scope=scope, created=created_id is not None, device=device)
 
 
 def finish_run(session: Session, *, run_id: str, finish_in: RunFinishIn, principal: Principal) -> Run:

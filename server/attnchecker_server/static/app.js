@@ -1,5 +1,6 @@
 // The collector's dashboard page: sign-in, routing, the runs table. It reads the JSON API (/api/v1) and /metrics
 // with the signed-in token, exactly as any client would, so the API's roles decide what it may see and do.
+import { devicePage, devicesPage } from "./devices_page.js";
 import { fmtAgo, fmtNum, fmtTime, h, num, show } from "./dom.js";
 import { policyVersions, runPage } from "./run_page.js";
 import { TOKEN_KEY, detailOf, get, poll, request, setUnauthorizedHandler, state, stopPolling } from "./session.js";
@@ -96,14 +97,21 @@ function route() {
   state.view += 1;
   renderSession();
   if (!state.token && !state.open) return renderSignIn();
-  const match = /^#\/runs\/([^/?#]+)$/.exec(location.hash);
-  let runId = null;
+  const match = /^#\/(runs|devices)\/([^/?#]+)$/.exec(location.hash);
+  let id = null;
   try {
-    runId = match ? decodeURIComponent(match[1]) : null;
+    id = match ? decodeURIComponent(match[2]) : null;
   } catch (_) {
-    runId = null; // a mangled address: show the runs instead
+    id = null; // a mangled address: show the list instead
   }
-  if (runId) runPage(runId, state.view);
+  const devices = location.hash.startsWith("#/devices");
+  for (const link of document.querySelectorAll("nav.views a")) {
+    link.classList.toggle("active", link.getAttribute("href") === (devices ? "#/devices" : "#/"));
+  }
+  if (devices) {
+    if (id) devicePage(id, state.view);
+    else devicesPage(state.view);
+  } else if (id) runPage(id, state.view);
   else runsPage(state.view);
 }
 
