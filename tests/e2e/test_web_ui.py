@@ -19,17 +19,14 @@ from typing import Any
 import httpx
 import pytest
 from e2e_helpers import Collector, running_collector, testing, wait_until
-from playwright import sync_api as playwright_api
 from playwright.sync_api import expect
 from ui_trainer import FAULTS, UNCORRECTABLE_STEP
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-CHROMIUM = "/usr/bin/chromium"
 RUN = "ui-run"
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT = REPO / "docs" / "img" / "dashboard.png"
-UI_TIMEOUT_MS = 20_000  # a shared 2-core machine: the page polls every 2 s, the agent every 0.2 s
 
 
 @dataclasses.dataclass
@@ -72,31 +69,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 def _detected(collector: Collector) -> int:
     runs = collector.api("GET", "/runs").json()["data"]
     return sum(r["totals"]["detected"] for r in runs if r["name"] == RUN)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"{CHROMIUM} is absent: install the distribution's chromium (scripts/system-deps.sh does)")
-    with playwright_api.sync_playwright() as p:
-        # --no-sandbox: the test may run as root in a container, where Chromium's sandbox cannot start.
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            yield b
-        finally:
-            b.close()
-
-
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    context = browser.new_context(viewport={"width": 1280, "height": 1000})
-    context.set_default_timeout(UI_TIMEOUT_MS)
-    pg = context.new_page()
-    errors: list[str] = []
-    pg.on("pageerror", lambda exc: errors.append(str(exc)))
-    yield pg
-    context.close()
-    assert not errors, f"the page raised: {errors}"
 
 
 def sign_in(page: Any, url: str, token: str) -> None:
