@@ -13,6 +13,8 @@ __all__ = [
     "AlreadyProtectedError",
     "AttnCheckerError",
     "NoProtectableAttentionError",
+    "QuarantinedDeviceError",
+    "QuarantinedDeviceWarning",
     "UncorrectableFault",
     "UnprotectedAttentionError",
     "UnsupportedDeviceError",
@@ -42,6 +44,14 @@ class UnsupportedDeviceError(AttnCheckerError, TypeError):
 
 class UnprotectedAttentionError(AttnCheckerError, RuntimeError):
     """``protect(..., strict=True)``: some attention op would run unprotected (the message lists which and why)."""
+
+
+class QuarantinedDeviceError(AttnCheckerError, RuntimeError):
+    """``protect(..., strict=True)`` on a device an operator has quarantined on the collector."""
+
+
+class QuarantinedDeviceWarning(UserWarning):
+    """``protect()`` on a device an operator has quarantined on the collector (without ``strict``: it trains on)."""
 
 
 class UncorrectableFault(AttnCheckerError, RuntimeError):

@@ -14,6 +14,7 @@ from torch import nn
 
 import attnchecker
 from attnchecker import Policy
+from attnchecker.transport import RemotePolicy
 
 
 def _model() -> nn.Module:
@@ -85,7 +86,7 @@ def test_the_collectors_policy_is_applied_at_the_next_step_boundary(tmp_path: Pa
                                 run="offline-policy", stats_interval_steps=100)
     _step(model, guard)
     remote = Policy(version=3, period=2, adaptive=False)
-    guard.transport._latest_policy = remote
+    guard.transport._latest = RemotePolicy(remote)
     assert guard.policy.version == 0  # not before the boundary
     _step(model, guard)
     assert guard.policy is remote and set(guard.periods.values()) == {2}
@@ -96,10 +97,10 @@ def test_the_collectors_policy_is_applied_at_the_next_step_boundary(tmp_path: Pa
 
     # set_policy() pending at the same boundary as a new collector version wins there; the next version replaces it.
     guard.set_policy(Policy.full(version=0))
-    guard.transport._latest_policy = Policy(version=4)
+    guard.transport._latest = RemotePolicy(Policy(version=4))
     _step(model, guard)
     assert guard.policy.version == 0
-    guard.transport._latest_policy = Policy(version=5)
+    guard.transport._latest = RemotePolicy(Policy(version=5))
     _step(model, guard)
     assert guard.policy.version == 5
     guard.close()
@@ -107,6 +108,32 @@ def test_the_collectors_policy_is_applied_at_the_next_step_boundary(tmp_path: Pa
              if json.loads(line)["kind"] == "stats"]
     assert [b["applied_policy_version"] for b in stats] == [3, 0, 5]
     assert sum(b["steps"] for b in stats) == 4
+
+
+def test_the_suspect_device_policy_is_applied_at_a_boundary_and_reported_with_its_scope(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """What the collector's answer for a rank on a suspect device looks like to the guard (the sender's RemotePolicy,
+    scope "device"): applied at the next boundary, reported with its scope, and said out loud; back to the run's
+    policy when the suspicion is lifted. Against a real collector: tests/e2e/test_fleet.py."""
+    model = _model()
+    guard = attnchecker.protect(model, collector="offline", spool_dir=tmp_path, run="suspect", rank=1,
+                                stats_interval_steps=100)
+    guard.transport._latest = RemotePolicy(Policy(version=2, period=4))
+    _step(model, guard)
+    guard.transport._latest = RemotePolicy(Policy.full(version=1), scope="device")
+    with caplog.at_level("WARNING", logger="attnchecker"):
+        _step(model, guard)
+    assert guard.policy.version == 1 and set(guard.periods.values()) == {1}
+    assert "rank 1's device" in caplog.text and "suspect-device policy v1" in caplog.text
+    guard.transport._latest = RemotePolicy(Policy(version=2, period=4))
+    _step(model, guard)
+    assert guard.policy.version == 2
+    guard.close()
+    stats = [json.loads(line)["body"] for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_text().splitlines()
+             if json.loads(line)["kind"] == "stats"]
+    # Each change of policy sends its interval at once; only the device policy's names its scope.
+    assert [(b["applied_policy_version"], b.get("applied_policy_scope")) for b in stats] == [
+        (2, None), (1, "device"), (2, None)]
 
 
 def test_a_measured_step_with_nothing_checked_costs_zero_overhead() -> None:

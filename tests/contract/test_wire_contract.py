@@ -102,6 +102,9 @@ def test_registration_describes_the_run(spooled) -> None:
     assert run.name == "contract-run" and run.model == "Sequential" and run.rank == 0 and run.world_size == 1
     assert run.host and run.agent_version
     assert run.config["layers"] == 2 and run.config["policy"]["period"] == 1
+    # Who the rank is (runtime/identity.py): a CPU rank is its machine, named as the collector accepts it.
+    assert run.device is not None and run.device.kind == "cpu" and run.device.uuid.startswith("CPU-")
+    assert run.device.hostname == run.host
     # protect() was given policy=: it goes as the new run's starting policy, every field as PUT takes it.
     assert run.policy is not None
     assert run.policy.model_dump(mode="json") == {
@@ -165,3 +168,17 @@ def test_a_registration_policy_of_every_field_validates(tmp_path: Path) -> None:
     assert run.policy is not None
     expected = {k: v for k, v in policy.to_wire().items() if k != "version"}
     assert run.policy.model_dump(mode="json") == expected
+
+
+def test_an_interval_under_the_suspect_device_policy_validates() -> None:
+    """The only interval field an agent sends to a collector that knows devices: the scope of the applied version."""
+    from attnchecker.checks.context import OpStats
+    from attnchecker.runtime.streaming import IntervalStats
+
+    sent: list[dict] = []
+    interval = IntervalStats(sent.append, rank=3, interval_steps=1)
+    interval.add(0, OpStats(), 0.1)
+    interval.maybe_send(applied_policy_version=2, periods=dict.fromkeys(attnchecker.policy.OPS, 1),
+                        applied_policy_scope="device")
+    stats = schemas.StatsIn.model_validate_json(json.dumps({**sent[0], "interval_id": "00000000-0000-4000-8000-1"}))
+    assert (stats.applied_policy_version, stats.applied_policy_scope) == (2, "device")

@@ -38,7 +38,7 @@ from .attach import (
     require_supported_params,
     unwrap_optimizer,
 )
-from .link import RunLink, StreamingConfig, run_info, streaming_config
+from .link import RunLink, StreamingConfig, check_device_at_start, run_info, streaming_config
 from .report import FaultCounts, Report, Totals
 from .response import FaultResponse
 
@@ -142,7 +142,8 @@ class Guard:
         if streaming is not None:
             # Only once the model is attached: a protect() that raises leaves no sender thread behind.
             try:
-                self._link = RunLink(streaming, self.run_info(register_policy=streaming.register_policy),
+                self._link = RunLink(streaming, self.run_info(register_policy=streaming.register_policy,
+                                                              device=streaming.device),
                                      rank=rank, close_at_exit=self.close)
             except BaseException:
                 self._binder.undo_all()
@@ -163,6 +164,13 @@ class Guard:
     def policy(self) -> Policy:
         """The policy in force on the current step (a ``set_policy`` waits for the next step boundary)."""
         return self._policy
+
+    @property
+    def policy_scope(self) -> str:
+        """Whose policy is in force: "run" (the run's on the collector, or a local one), or "device": the collector's
+        suspect-device policy, since an operator marked this rank's device suspect or quarantined (docs/streaming.md).
+        """
+        return self._link.applied_scope if self._link is not None else "run"
 
     @property
     def sites(self) -> tuple[Site, ...]:
@@ -348,11 +356,11 @@ class Guard:
         self._scheduler.set_policy(new)
         return True
 
-    def run_info(self, *, register_policy: bool = False) -> dict[str, Any]:
-        """The body this guard registers its run with (docs/wire.md): model, world size, rank, host, and in
-        ``config`` the protected layers, integrations, ops, coverage and policy."""
+    def run_info(self, *, register_policy: bool = False, device: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The body this guard registers its run with (docs/wire.md): model, world size, rank, host, this rank's
+        ``device`` when given, and in ``config`` the protected layers, integrations, ops, coverage and policy."""
         return run_info(self.model, sites=self._binder.sites, coverage=self._binder.coverage(), policy=self._policy,
-                        rank=self.rank, register_policy=register_policy)
+                        rank=self.rank, register_policy=register_policy, device=device)
 
     def _final_interval(self) -> int | None:
         """At close: fold a step in progress (a forward after the last ``step()``) into the last interval, so the
@@ -433,14 +441,16 @@ def protect(
             batch size, ``poll_interval_s``, ...); an unknown key is a ValueError that lists the known ones.
         strict: raise ``UnprotectedAttentionError`` instead of warning when an attention op would run unprotected
             (a projection wrapper or attention variant the engine does not support: ``Guard.coverage``), here and at
-            a run-time fallback.
+            a run-time fallback; and ``QuarantinedDeviceError`` instead of a ``QuarantinedDeviceWarning`` when an
+            operator has quarantined this rank's device on the collector (docs/streaming.md).
         scope: ``"attention"`` (default) protects the attention ops; ``"all"`` also checks every nn.Linear /
             transformers Conv1D GEMM forward and backward (dX and dW), on the steps the ``out`` op is checked
             (docs/fault-coverage.md). Chosen at protect() time: it decides which modules are wrapped.
 
     Raises:
         NoProtectableAttentionError, AlreadyProtectedError, UnsupportedDtypeError, UnsupportedDeviceError,
-        UnprotectedAttentionError (strict), PolicyError, ValueError (bad arguments).
+        UnprotectedAttentionError (strict), QuarantinedDeviceError (strict), PolicyError, ValueError (bad arguments,
+        or an ``ATTNCHECKER_HOSTNAME`` / ``ATTNCHECKER_DEVICE_UUID`` the collector would refuse).
     """
     if not isinstance(model, nn.Module):
         raise NoProtectableAttentionError(f"protect() needs a torch.nn.Module, got {type(model).__name__}")
@@ -467,6 +477,8 @@ def protect(
     streaming = streaming_config(model, run=run, collector=collector, token=token, spool_dir=spool_dir,
                                   interval_s=stats_interval_s, interval_steps=stats_interval_steps,
                                   transport_options=transport_options, register_policy=policy is not None)
+    if streaming is not None:
+        check_device_at_start(streaming, strict=strict)
     return Guard(
         model,
         policy=_coerce_policy(policy),

@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,15 +25,17 @@ from torch import nn
 
 from ..checks.context import OpStats
 from ..coverage import Coverage
+from ..errors import QuarantinedDeviceError, QuarantinedDeviceWarning
 from ..events import Detection
 from ..integrations._common import Site
 from ..policy import Policy
+from .identity import device_identity
 from .streaming import IntervalStats
 
 if TYPE_CHECKING:
-    from ..transport import Transport, TransportConfig
+    from ..transport import RemotePolicy, Transport, TransportConfig
 
-__all__ = ["RunLink", "StreamingConfig", "run_info", "streaming_config"]
+__all__ = ["RunLink", "StreamingConfig", "check_device_at_start", "run_info", "streaming_config"]
 
 log = logging.getLogger("attnchecker")
 
@@ -51,6 +54,8 @@ class StreamingConfig:
     transport: TransportConfig
     register_policy: bool = False
     """protect() was given ``policy=`` explicitly: send it as a new run's starting policy (docs/wire.md)."""
+    device: Mapping[str, Any] | None = None
+    """This rank's identity (runtime/identity.py): the registration's ``device``."""
 
 
 def streaming_config(
@@ -82,6 +87,8 @@ def streaming_config(
         # One directory per run, so `attnchecker sync DIR` uploads exactly that run.
         spool_dir = Path(base) / (re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "run")
     IntervalStats(lambda _: None, interval_s=interval_s, interval_steps=interval_steps)  # validates both, now
+    param = next(iter(model.parameters()), None)
+    device = device_identity(param.device if param is not None else None)  # ValueError for a bad override, now
     # httpx and the sender load only for a guard that streams.
     from ..transport import TransportConfig
 
@@ -94,23 +101,26 @@ def streaming_config(
         interval_steps=interval_steps,
         transport=TransportConfig.from_options(transport_options),
         register_policy=register_policy,
+        device=device,
     )
 
 
 def run_info(model: nn.Module, *, sites: Sequence[Site], coverage: Coverage, policy: Policy, rank: int,
-             register_policy: bool = False) -> dict[str, Any]:
-    """The registration body besides the name (docs/wire.md): what an operator needs to recognise the run, and
-    with ``register_policy`` the policy given to protect() as a new run's starting policy (a resumed run keeps
-    the collector's)."""
+             register_policy: bool = False, device: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The registration body besides the name (docs/wire.md): what an operator needs to recognise the run, with
+    ``register_policy`` the policy given to protect() as a new run's starting policy (a resumed run keeps the
+    collector's), and with ``device`` who this rank is (runtime/identity.py)."""
     world_size = 1
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         world_size = torch.distributed.get_world_size()
+    # protect(rank=N) without torch.distributed: the job has at least N + 1 ranks (the collector checks rank < world).
+    world_size = max(world_size, rank + 1)
     param = next(iter(model.parameters()), None)
     info: dict[str, Any] = {
         "model": type(model).__name__[:200],
         "world_size": world_size,
         "rank": rank,
-        "host": socket.gethostname()[:200],
+        "host": device["hostname"] if device is not None else socket.gethostname()[:200],
         "config": {
             "layers": len(sites),
             "integrations": sorted({site.integration for site in sites}),
@@ -125,7 +135,48 @@ def run_info(model: nn.Module, *, sites: Sequence[Site], coverage: Coverage, pol
     }
     if register_policy:
         info["policy"] = {k: v for k, v in policy.to_wire().items() if k != "version"}
+    if device is not None:
+        info["device"] = {k: v for k, v in device.items() if v is not None}
     return info
+
+
+def check_device_at_start(config: StreamingConfig, *, strict: bool) -> str | None:
+    """At protect(): the status an operator set on this rank's device on the collector, or None when unknown. On a
+    quarantined device ``strict`` refuses (QuarantinedDeviceError), else a loud warning. One request, bounded by the
+    transport's connect and read timeouts; a collector that does not answer stops nothing (training is never blocked
+    by us), and the registration answer carries the status again."""
+    if config.collector is None or config.device is None:
+        return None
+    from ..transport.client import CollectorClient
+
+    uuid = str(config.device["uuid"])
+    client = CollectorClient(config.collector, config.token, connect_timeout_s=config.transport.connect_timeout_s,
+                             read_timeout_s=config.transport.read_timeout_s)
+    try:
+        reply = client.device_status(uuid)
+    finally:
+        client.close()
+    if not reply.ok or not isinstance(reply.body, dict):
+        if reply.status != 404:  # 404: a device the collector has not seen yet
+            log.info("attnchecker: could not ask the collector about device %s (%s); training goes on",
+                     uuid, reply.error or reply.status)
+        return None
+    status = reply.body.get("status")
+    reason = reply.body.get("reason") or "no reason given"
+    if status == "quarantined":
+        message = (
+            f"device {uuid} on {config.device.get('hostname')} is QUARANTINED on the collector ({reason}): faults "
+            "from it are not to be trusted. Move this rank to another device, or have an operator lift the "
+            f"quarantine (PATCH /api/v1/devices/{uuid}). strict=True refuses to start here."
+        )
+        if strict:
+            raise QuarantinedDeviceError(message)
+        log.error("attnchecker: %s", message)
+        warnings.warn(message, QuarantinedDeviceWarning, stacklevel=4)
+    elif status == "suspect":
+        log.warning("attnchecker: device %s is under suspicion on the collector (%s): this rank follows the "
+                    "suspect-device policy", uuid, reason)
+    return status if isinstance(status, str) else None
 
 
 class RunLink:
@@ -145,7 +196,12 @@ class RunLink:
         ).start(at_exit=False)
         self._interval = IntervalStats(self.transport.emit_stats, rank=rank, interval_s=config.interval_s,
                                        interval_steps=config.interval_steps)
-        self._remote_policy: Policy | None = None
+        self._remote: RemotePolicy | None = None
+        self.rank = rank
+        self.device_uuid = config.device.get("uuid") if config.device is not None else None
+        self.applied_scope = "run"
+        """Which policy the guard applies: "run", or "device" (the suspect-device policy) since the collector said
+        this rank's device is under suspicion. Reported with the applied version in every interval."""
         # Weak, so the hook does not keep a dropped guard (and its model) alive.
         ref = weakref.WeakMethod(close_at_exit)
 
@@ -178,15 +234,29 @@ class RunLink:
         (``Transport.latest_policy`` is one attribute read). A ``set_policy`` one (``pending``) at the same boundary
         wins for that boundary; the next collector version replaces it.
         """
-        remote = self.transport.latest_policy()
-        if remote is None or remote is self._remote_policy:
+        remote = self.transport.latest_remote()
+        if remote is None or remote is self._remote:
             return pending
-        self._remote_policy = remote
+        self._remote = remote
         if pending is not None:
+            self.applied_scope = "run"
             return pending
+        if remote.scope != self.applied_scope:
+            self._say_scope(remote.scope, remote.policy.version)
+        self.applied_scope = remote.scope
         if current.version == 0:
-            _warn_replaced(current, remote, self.run)
-        return remote
+            _warn_replaced(current, remote.policy, self.run)
+        return remote.policy
+
+    def _say_scope(self, scope: str, version: int) -> None:
+        if scope == "device":
+            log.warning(
+                "attnchecker: rank %d's device %s is under suspicion on the collector: from this step boundary it "
+                "follows the suspect-device policy v%d instead of run %s's (GET /api/v1/policy/suspect)",
+                self.rank, self.device_uuid, version, self.run)
+        else:
+            log.warning("attnchecker: rank %d's device %s is no longer under suspicion: back to run %s's policy v%d",
+                        self.rank, self.device_uuid, self.run, version)
 
     def end_step(self, step: int, stats: OpStats, step_s: float, *, policy_version: int, periods: dict[str, int],
                  force: bool) -> None:
@@ -194,7 +264,8 @@ class RunLink:
         once, so the collector shows it as applied at this boundary). Never raises: telemetry never stops training."""
         try:
             self._interval.add(step, stats, step_s)
-            self._interval.maybe_send(applied_policy_version=policy_version, periods=periods, force=force)
+            self._interval.maybe_send(applied_policy_version=policy_version, periods=periods, force=force,
+                                      applied_policy_scope=self.applied_scope)
         except Exception:
             log.exception("attnchecker: stats interval failed at step %d; training goes on", step)
 
@@ -204,7 +275,8 @@ class RunLink:
         send it."""
         if partial is not None:
             self._interval.add(step, partial, 0.0, count_step=False)
-        self._interval.maybe_send(applied_policy_version=policy_version, periods=periods, force=True)
+        self._interval.maybe_send(applied_policy_version=policy_version, periods=periods, force=True,
+                                  applied_policy_scope=self.applied_scope)
 
     def close(self, flush_timeout_s: float, *, last_step: int | None) -> None:
         """Finish the run: what cannot reach the collector within ``flush_timeout_s`` is spooled."""

@@ -131,11 +131,13 @@ class IntervalStats:
         return self._steps > 0 and (self._steps >= self.interval_steps
                                     or self._clock() - self._started >= self.interval_s)
 
-    def maybe_send(self, *, applied_policy_version: int, periods: Mapping[str, int], force: bool = False) -> bool:
+    def maybe_send(self, *, applied_policy_version: int, periods: Mapping[str, int], force: bool = False,
+                   applied_policy_scope: str = "run") -> bool:
         """Send the interval when it is due (or ``force`` and it holds anything). True when one was sent."""
         if not (self.due() or (force and self._step_start is not None)):
             return False
-        payload = self.build(applied_policy_version=applied_policy_version, periods=periods)
+        payload = self.build(applied_policy_version=applied_policy_version, periods=periods,
+                             applied_policy_scope=applied_policy_scope)
         self._reset()
         self.sent.append(payload)
         try:
@@ -150,7 +152,8 @@ class IntervalStats:
         return bool(self._checks.get(op) or self._check_seconds.get(op) or self._trip_checks.get(op)
                     or any(self._catches.get((tier, op)) for tier in ("tripwire", "abft")))
 
-    def build(self, *, applied_policy_version: int, periods: Mapping[str, int]) -> dict[str, Any]:
+    def build(self, *, applied_policy_version: int, periods: Mapping[str, int],
+              applied_policy_scope: str = "run") -> dict[str, Any]:
         """The wire payload of the interval so far (``interval_id`` and ``transport`` are the transport's)."""
         assert self._step_start is not None and self._step_end is not None
         body: dict[str, Any] = {
@@ -180,6 +183,10 @@ class IntervalStats:
                 for (op, kind), row in sorted(self._faults.items())
             ],
         }
+        if applied_policy_scope != "run":
+            # Only then: "run" is the default, and a collector from before devices (which never sends the
+            # suspect-device policy) refuses fields it does not know.
+            body["applied_policy_scope"] = applied_policy_scope
         if self._residual is not None:
             host = self._residual.tolist()  # sync: the one copy-out per stats interval, at a step boundary
             total = float(host[_NB])

@@ -6,6 +6,6 @@ from __future__ import annotations
 
 from .config import TransportConfig
 from .replay import ReplaySummary, replay_spool
-from .sender import Transport
+from .sender import RemotePolicy, Transport
 
-__all__ = ["ReplaySummary", "Transport", "TransportConfig", "replay_spool"]
+__all__ = ["RemotePolicy", "ReplaySummary", "Transport", "TransportConfig", "replay_spool"]

@@ -60,6 +60,8 @@ class Reply:
     error: str = ""
     retry_after_s: float | None = None
     """The collector's ``Retry-After`` (seconds) on a 503 or 429: do not come back sooner."""
+    policy_scope: str | None = None
+    """``X-Policy-Scope`` of a policy GET with ``?rank``: "run", or "device" (the rank's device is under suspicion)."""
 
     @property
     def ok(self) -> bool:
@@ -100,13 +102,13 @@ class CollectorClient:
 
     def request(
         self, method: str, path: str, *, body: bytes | None = None, etag: str | None = None,
-        budget_s: float | None = None, prefix: str = API,
+        budget_s: float | None = None, prefix: str = API, params: Mapping[str, Any] | None = None,
     ) -> Reply:
         if budget_s is not None and budget_s < 0.05:
             return Reply(None, error="deadline reached before the request")
         headers = {"If-None-Match": etag} if etag else None
         try:
-            r = self._http.request(method, prefix + path, content=body, headers=headers,
+            r = self._http.request(method, prefix + path, content=body, headers=headers, params=params,
                                    timeout=self._timeout(budget_s))
         except httpx.HTTPError as e:
             return Reply(None, error=f"{type(e).__name__}: {e}")
@@ -115,7 +117,8 @@ class CollectorClient:
         except ValueError:
             data = None
         error = "" if r.is_success or r.status_code == 304 else f"HTTP {r.status_code}: {r.text[:300]}"
-        return Reply(r.status_code, data, r.headers.get("ETag"), error, _retry_after_s(r.headers.get("Retry-After")))
+        return Reply(r.status_code, data, r.headers.get("ETag"), error, _retry_after_s(r.headers.get("Retry-After")),
+                     r.headers.get("X-Policy-Scope"))
 
     def ready(self, *, budget_s: float | None = None) -> Reply:
         """``GET /readyz``: 200 once the collector and its database answer. Cheap; probed while backing off."""
@@ -128,8 +131,16 @@ class CollectorClient:
         """``kind`` is a spool record kind: events, stats or finish."""
         return self.request("POST", f"/runs/{run_id}/{_ENDPOINT[kind]}", body=body, budget_s=budget_s)
 
-    def get_policy(self, run_id: str, etag: str | None, *, budget_s: float | None = None) -> Reply:
-        return self.request("GET", f"/runs/{run_id}/policy", etag=etag, budget_s=budget_s)
+    def get_policy(self, run_id: str, etag: str | None, *, rank: int | None = None,
+                   budget_s: float | None = None) -> Reply:
+        """The policy ``rank`` follows (the run's, or the suspect-device policy while its device is under suspicion;
+        ``Reply.policy_scope`` says which). A collector from before devices ignores ``rank``."""
+        params = {"rank": rank} if rank is not None else None
+        return self.request("GET", f"/runs/{run_id}/policy", etag=etag, budget_s=budget_s, params=params)
+
+    def device_status(self, uuid: str, *, budget_s: float | None = None) -> Reply:
+        """``GET /devices/{uuid}/status``: the status an operator set on this rank's device (404: never seen)."""
+        return self.request("GET", f"/devices/{uuid}/status", budget_s=budget_s)
 
 
 def _retry_after_s(value: str | None) -> float | None:

@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,15 @@ log = logging.getLogger(__name__)
 
 LEFTOVER_SLICE_S = 0.5
 """Seconds per sender round spent on earlier transports' spool files: new events wait at most about this long."""
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePolicy:
+    """A policy the collector gave this rank, and which one it is: the run's ("run"), or the suspect-device policy
+    ("device") while the rank's device is under suspicion. One object, so the training thread reads both at once."""
+
+    policy: Policy
+    scope: str = "run"
 
 
 class Transport:
@@ -73,7 +83,7 @@ class Transport:
 
         # Shared with the training thread: the outbox, the policy slot, the flags and the counters below.
         self._outbox = Outbox(cfg, self._warn_once)
-        self._latest_policy: Policy | None = None
+        self._latest: RemotePolicy | None = None
         self._stop = threading.Event()
         self._flush_req = threading.Event()
         self._flush_done = threading.Event()
@@ -150,7 +160,12 @@ class Transport:
     def latest_policy(self) -> Policy | None:
         """The newest policy the collector gave (registration or poll), or None. One attribute read: call it at
         step boundaries and apply the policy when its version differs from the applied one."""
-        return self._latest_policy
+        latest = self._latest
+        return latest.policy if latest is not None else None
+
+    def latest_remote(self) -> RemotePolicy | None:
+        """The newest policy with its scope (``RemotePolicy``), or None; one attribute read, like ``latest_policy``."""
+        return self._latest
 
     @property
     def sent(self) -> int:
@@ -327,7 +342,8 @@ class Transport:
             if "id" not in body:
                 return Reply(r.status, error="registration answer had no run id")
             self._run_id = str(body["id"])
-            self._set_policy(body.get("policy"), r.etag)
+            self._set_policy(body.get("policy"), r.etag, body.get("policy_scope"))
+            self._note_device(body.get("device"))
             self._next_poll_at = time.monotonic() + self.config.poll_interval_s
             if self._leftovers is not None and not self._leftovers_scanned:
                 self._leftovers_scanned = True
@@ -348,12 +364,12 @@ class Transport:
             if failed is not None:
                 return failed
         if time.monotonic() >= self._next_poll_at and not self._stop.is_set():
-            polled = client.get_policy(self._run_id, self._etag, budget_s=budget())
+            polled = client.get_policy(self._run_id, self._etag, rank=self.rank, budget_s=budget())
             self._next_poll_at = time.monotonic() + self.config.poll_interval_s
             if polled.transient:
                 return self._run_missing(polled)
             if polled.ok:
-                self._set_policy(polled.body, polled.etag)
+                self._set_policy(polled.body, polled.etag, polled.policy_scope)
             elif polled.status != 304:
                 self._warn_once("poll", "policy poll failed: %s", polled.error)
         if self._leftovers is not None and self._leftovers.due and not self._stop.is_set():
@@ -475,7 +491,7 @@ class Transport:
                 return
         self._spool_rest()
 
-    def _set_policy(self, data: Any, etag: str | None) -> None:
+    def _set_policy(self, data: Any, etag: str | None, scope: Any = None) -> None:
         if not isinstance(data, dict):
             return
         try:
@@ -483,10 +499,19 @@ class Transport:
         except PolicyError as e:
             self._warn_once(f"policy-{data.get('version')}", "collector sent a policy the agent cannot use: %s", e)
             return
-        self._etag = etag or f'"{policy.version}"'
-        current = self._latest_policy
-        if current is None or current.version != policy.version or current != policy:
-            self._latest_policy = policy  # one reference assignment: atomic for the training thread's read
+        scope = "device" if scope == "device" else "run"  # a collector from before devices says nothing: the run's
+        self._etag = etag or (f'"{policy.version}"' if scope == "run" else f'"device-{policy.version}"')
+        current = self._latest
+        if current is None or current.scope != scope or current.policy != policy:
+            # One reference assignment: atomic for the training thread's read.
+            self._latest = RemotePolicy(policy, scope)
+
+    def _note_device(self, device: Any) -> None:
+        """The registration's word on this rank's device: an operator's suspicion is said once, loudly."""
+        if isinstance(device, dict) and device.get("status") in ("suspect", "quarantined"):
+            self._warn_once(
+                "device-status", "the collector lists this rank's device %s as %s (%s): it follows the "
+                "suspect-device policy", device.get("uuid"), device.get("status"), device.get("reason") or "no reason")
 
     def _warn_once(self, key: str, msg: str, *args: Any) -> None:
         if key not in self._warned:
