@@ -19,6 +19,13 @@ DASHBOARDS_DIR = REPO / "dashboards" / "json"
 PROVISIONING_DIR = REPO / "dashboards" / "provisioning"
 WIRE_MD = REPO / "docs" / "wire.md"
 
+# dcgm-exporter's series a dashboard may join with ours on (UUID) (the Fleet dashboard): its default counters' names
+# before 4.9. They are not the collector's, so the wire contract does not list them, and they exist only where
+# Prometheus scrapes dcgm-exporter too.
+DCGM_SERIES = frozenset({"DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL"})
+# Each dashboard's scope variable, and the label its collector selectors must filter by.
+SCOPES = {"attnchecker-overview": 'run=~"$run"', "attnchecker-fleet": 'Hostname=~"$hostname"'}
+
 # Grafana's built-in macros, replaced by what Grafana would send for a 1 h range and a 15 s scrape interval.
 MACROS = {"__rate_interval": "1m", "__interval": "15s", "__range": "1h", "__range_s": "3600", "__range_ms": "3600000"}
 # $var, ${var}, ${var:format} and the deprecated [[var]]

@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import yaml
 from dashboard_queries import (
+    DCGM_SERIES,
     PROVISIONING_DIR,
+    SCOPES,
     iter_panels,
     iter_queries,
     load_dashboards,
@@ -36,18 +38,22 @@ PROVISIONED_UID = PROVISIONED_DATASOURCES[0]["uid"]
 TEMPLATED_DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 
 
-def _overview() -> dict[str, Any]:
-    [dashboard] = [d for _, d in DASHBOARDS if d["uid"] == "attnchecker-overview"]
+def _dashboard(uid: str) -> dict[str, Any]:
+    [dashboard] = [d for _, d in DASHBOARDS if d["uid"] == uid]
     return dashboard
 
 
-def _panel(title: str) -> dict[str, Any]:
-    [panel] = [p for p in iter_panels(_overview()) if p["title"] == title]
+def _overview() -> dict[str, Any]:
+    return _dashboard("attnchecker-overview")
+
+
+def _panel(title: str, uid: str = "attnchecker-overview") -> dict[str, Any]:
+    [panel] = [p for p in iter_panels(_dashboard(uid)) if p["title"] == title]
     return panel
 
 
 def test_dashboards_have_stable_uids_and_a_current_classic_schema() -> None:
-    assert [path.name for path, _ in DASHBOARDS] == ["attnchecker-overview.json"]
+    assert [path.name for path, _ in DASHBOARDS] == ["attnchecker-fleet.json", "attnchecker-overview.json"]
     uids = [dashboard["uid"] for _, dashboard in DASHBOARDS]
     assert len(set(uids)) == len(uids)
     for path, dashboard in DASHBOARDS:
@@ -96,8 +102,8 @@ def test_query_parses_after_grafana_substitution(dashboard: dict, panel: dict, t
 @pytest.mark.parametrize(("dashboard", "panel", "target"), QUERIES)
 def test_query_names_only_metrics_the_wire_contract_lists(dashboard: dict, panel: dict, target: dict) -> None:
     names = metric_names(substitute(target["expr"], variable_values(dashboard)))
-    assert names, f"{panel['title']}: a panel query must select at least one collector metric"
-    unknown = names - series_names(wire_metrics())
+    assert names - DCGM_SERIES, f"{panel['title']}: a panel query must select at least one collector metric"
+    unknown = names - series_names(wire_metrics()) - DCGM_SERIES
     assert not unknown, f"{panel['title']} [{target['refId']}] selects metrics docs/wire.md does not list: {unknown}"
 
 
@@ -113,16 +119,17 @@ def test_wire_metrics_table_matches_the_collectors_metric_names() -> None:
     assert {name: kind for name, (kind, _) in metrics.METRIC_NAMES.items()} == wire_metrics()
 
 
-def test_wire_metrics_table_is_read_and_every_metric_is_on_the_dashboard() -> None:
+def test_wire_metrics_table_is_read_and_every_metric_is_on_a_dashboard() -> None:
     metrics = wire_metrics()
     assert len(metrics) >= 20
     assert metrics["attnchecker_checksum_residual_ratio"] == "histogram"
-    used = set().union(
-        *(metric_names(substitute(t["expr"], variable_values(_overview()))) for _, t in iter_queries(_overview()))
-    )
+    used = set().union(*(metric_names(substitute(t["expr"], variable_values(d))) for _, d in DASHBOARDS
+                         for _, t in iter_queries(d)))
+    # The status gauge drives the alert and the count of marked devices; the device cap's omissions are for the
+    # collector's operator (as the run cap's are).
     assert series_names(metrics) - used <= {
         f"{name}_{suffix}" for name, kind in metrics.items() if kind == "histogram" for suffix in ("sum", "count")
-    }
+    } | {"attnchecker_metrics_devices_omitted"}
 
 
 @pytest.mark.parametrize(("path", "dashboard"), DASHBOARDS, ids=[p.stem for p, _ in DASHBOARDS])
@@ -160,12 +167,15 @@ def test_run_variable_lists_runs_from_checks_with_all_and_multi() -> None:
 
 
 @pytest.mark.parametrize(("dashboard", "panel", "target"), QUERIES)
-def test_run_scoped_queries_filter_by_the_run_variable(dashboard: dict, panel: dict, target: dict) -> None:
+def test_scoped_queries_filter_by_the_dashboards_scope_variable(dashboard: dict, panel: dict, target: dict) -> None:
+    """The overview's collector selectors filter by $run, the fleet's by $hostname (dcgm-exporter's series are
+    joined on UUID with a filtered selector of ours)."""
     names = metric_names(substitute(target["expr"], variable_values(dashboard)))
     per_process = {n for n in names if n.startswith("attnchecker_ingest_")}
-    if names - per_process:  # the collector's own ingest metrics carry no run label
+    if names - per_process - DCGM_SERIES:  # the collector's own ingest metrics carry no run label
         selectors = len(re.findall(r"attnchecker_\w+\{", target["expr"]))
-        assert target["expr"].count('run=~"$run"') == selectors, f"{panel['title']}: a selector ignores $run"
+        scope = SCOPES[dashboard["uid"]]
+        assert target["expr"].count(scope) == selectors, f"{panel['title']}: a selector ignores {scope}"
 
 
 def test_refids_are_unique_within_each_panel() -> None:
@@ -195,3 +205,33 @@ def test_residual_panel_takes_quantiles_of_the_histogram_buckets() -> None:
     for target in _panel("Checksum residual over bound")["targets"]:
         assert target["expr"].startswith("histogram_quantile(")
         assert "attnchecker_checksum_residual_ratio_bucket" in target["expr"]
+
+
+def test_fleet_suspect_devices_stat_turns_red_above_zero_and_every_device_series_uses_dcgm_labels() -> None:
+    panel = _panel("Significant devices", "attnchecker-fleet")
+    assert panel["type"] == "stat"
+    assert panel["fieldConfig"]["defaults"]["thresholds"]["steps"] == [{"color": "green", "value": None},
+                                                                       {"color": "red", "value": 1}]
+    assert "attnchecker_device_suspect" in panel["targets"][0]["expr"]
+    for _, target in iter_queries(_dashboard("attnchecker-fleet")):
+        for grouping in re.findall(r"by \(([^)]*)\)", target["expr"]):
+            labels = {label.strip() for label in grouping.split(",")}
+            assert labels & {"UUID", "status"} or labels <= {"kind", "action"}, target["expr"]
+            assert not labels & {"uuid", "hostname", "run"}, f"dcgm-exporter spells them UUID and Hostname: {grouping}"
+
+
+def test_fleet_suspect_devices_table_keeps_the_devices_the_statistic_flags() -> None:
+    panel = _panel("Suspect devices", "attnchecker-fleet")
+    [target] = panel["targets"]
+    assert target["expr"].startswith("max by (Hostname, UUID) (attnchecker_device_suspect{")
+    [keep] = [t for t in panel["transformations"] if t["id"] == "filterByValue"]
+    assert keep["options"]["type"] == "include"
+    assert keep["options"]["filters"] == [{"fieldName": "Value", "config": {"id": "equal", "options": {"value": 1}}}]
+
+
+def test_fleet_joins_dcgm_exporter_series_on_uuid() -> None:
+    panel = _panel("XID and ECC errors beside ABFT faults", "attnchecker-fleet")
+    exprs = [t["expr"] for t in panel["targets"]]
+    assert all(any(name in e for e in exprs) for name in DCGM_SERIES)
+    for expr in exprs:
+        assert "on (UUID)" in expr and "attnchecker_device_" in expr and any(n in expr for n in DCGM_SERIES), expr

@@ -90,6 +90,7 @@ def test_alerts_cover_what_operators_must_hear_about() -> None:
         "AttncheckerOverheadAboveBudget",
         "AttncheckerEventsDropped",
         "AttncheckerPolicyNotApplied",
+        "AttncheckerDeviceSuspect",
     } <= set(rules)
     for name, rule in rules.items():
         assert rule["labels"]["severity"] in {"warning", "critical"}, name

@@ -26,6 +26,8 @@ PROVISIONING = REPO / "dashboards" / "provisioning"
 TOKEN = "glsa_test_token"
 DS_UID = "attnchecker-prometheus"
 DASH_UID = "attnchecker-overview"
+# Every committed dashboard, by uid, in the order push() sends them (file names, sorted).
+COMMITTED = {d["uid"]: d for d in (json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json")))}
 
 
 @dataclass
@@ -100,7 +102,7 @@ def _handler(fake: FakeGrafana) -> type[BaseHTTPRequestHandler]:
                     return self._answer(412, {"status": "version-mismatch"})
                 version = previous["version"] + 1 if previous else 1
                 fake.dashboards[dashboard["uid"]] = {"version": version, **body}
-                url = f"{fake.prefix}/d/{dashboard['uid']}/attnchecker-overview"
+                url = f"{fake.prefix}/d/{dashboard['uid']}/{dashboard['uid']}"
                 return self._answer(
                     200, {"status": "success", "uid": dashboard["uid"], "url": url, "version": version, "id": 3}
                 )
@@ -139,7 +141,7 @@ def test_push_creates_datasource_folder_and_dashboard_on_an_empty_grafana(fake_g
         ("POST", "/api/datasources"),
         ("GET", "/api/folders/attnchecker"),
         ("POST", "/api/folders"),
-        ("POST", "/api/dashboards/db"),
+        *[("POST", "/api/dashboards/db")] * len(COMMITTED),
     ]
     assert {auth for _, _, auth, _ in fake_grafana.requests} == {f"Bearer {TOKEN}"}
 
@@ -151,17 +153,15 @@ def test_push_creates_datasource_folder_and_dashboard_on_an_empty_grafana(fake_g
 
     assert fake_grafana.bodies("POST", "/api/folders") == [{"title": "ATTNChecker", "uid": "attnchecker"}]
 
-    [upsert] = fake_grafana.bodies("POST", "/api/dashboards/db")
-    committed = json.loads((DASHBOARDS / "attnchecker-overview.json").read_text())
-    assert upsert["overwrite"] is True
-    assert upsert["folderUid"] == "attnchecker"
-    assert upsert["dashboard"] == {**committed, "id": None}
+    upserts = fake_grafana.bodies("POST", "/api/dashboards/db")
+    assert [u["dashboard"] for u in upserts] == [{**committed, "id": None} for committed in COMMITTED.values()]
+    assert {(u["overwrite"], u["folderUid"]) for u in upserts} == {(True, "attnchecker")}
 
     assert result == {
         "grafana_version": "12.4.0",
         "datasources": {DS_UID: "created"},
         "folder": {"uid": "attnchecker", "title": "ATTNChecker", "created": True},
-        "dashboards": {DASH_UID: {"url": f"{fake_grafana.prefix}/d/{DASH_UID}/attnchecker-overview", "version": 1}},
+        "dashboards": {uid: {"url": f"{fake_grafana.prefix}/d/{uid}/{uid}", "version": 1} for uid in COMMITTED},
     }
 
 
@@ -177,7 +177,7 @@ def test_push_updates_existing_datasource_by_uid_and_overwrites_dashboard(fake_g
         ("GET", f"/api/datasources/uid/{DS_UID}"),
         ("PUT", f"/api/datasources/uid/{DS_UID}"),
         ("GET", "/api/folders/attnchecker"),
-        ("POST", "/api/dashboards/db"),
+        *[("POST", "/api/dashboards/db")] * len(COMMITTED),
     ]
     [update] = fake_grafana.bodies("PUT", f"/api/datasources/uid/{DS_UID}")
     assert update["uid"] == DS_UID
