@@ -97,12 +97,12 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, *,
 # --- the collector -----------------------------------------------------------------------------------------------
 
 
-def wait_until(predicate: Callable[[], Any], timeout_s: float = 15.0) -> bool:
+def wait_until(predicate: Callable[[], Any], timeout_s: float = 15.0, every_s: float = 0.05) -> bool:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if predicate():
             return True
-        time.sleep(0.05)
+        time.sleep(every_s)
     return bool(predicate())
 
 
