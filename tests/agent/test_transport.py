@@ -380,3 +380,17 @@ def test_module_does_not_import_torch(module):
     # The sender thread parses policies; neither may drag torch into a process that only ships events.
     code = _ISOLATED_IMPORT.format(module=module)
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_a_collector_from_before_device_identities_still_gets_the_run(collector, make_transport, caplog):
+    """Agents may be upgraded before their collector: a 422 for the unknown `device` field costs the attribution, not
+    the telemetry."""
+    collector.knows_devices = False
+    info = {**RUN_INFO, "device": {"uuid": "GPU-1", "hostname": "n1", "kind": "cuda"}}
+    t = make_transport(collector.url, run_info=info).start()
+    t.emit_event(event())
+    with caplog.at_level("WARNING"):
+        assert t.flush(10)
+    assert [("device" in r) for r in collector.registrations] == [True, False]
+    assert len(collector.event_ids()) == 1 and t.spooled == 0
+    assert "predates device identities" in caplog.text

@@ -37,6 +37,7 @@ class LoopbackCollector:
                                        "source_repair": True, "overhead_budget": 0.05,
                                        "updated_at": "2026-11-29T15:00:00Z", "updated_by": "test"}
         self.mode = "ok"  # ok | fail503 | hang | store_then_hang_once
+        self.knows_devices = True  # False: refuse a registration's device field, as collectors before issue 34 do
         self.retry_after: str | None = None  # the Retry-After header of a fail503 answer
         self.release = threading.Event()
         self.port = 0
@@ -119,6 +120,9 @@ class LoopbackCollector:
 
     def _register(self, body: dict[str, Any]) -> tuple[int, Any, dict[str, str]]:
         self.registrations.append(body)
+        if "device" in body and not self.knows_devices:
+            error = {"loc": ["body", "device"], "msg": "Extra inputs are not permitted", "type": "extra_forbidden"}
+            return 422, {"detail": [error], "message": "device: Extra inputs are not permitted"}, {}
         run = self.runs.get(body["name"])
         created = run is None
         if created:

@@ -35,6 +35,14 @@ LEFTOVER_SLICE_S = 0.5
 """Seconds per sender round spent on earlier transports' spool files: new events wait at most about this long."""
 
 
+def _refuses_device(r: Reply) -> bool:
+    """A 422 that says the registration's ``device`` field is unknown: a collector older than device identities."""
+    detail = r.body.get("detail") if r.status == 422 and isinstance(r.body, dict) else None
+    return isinstance(detail, list) and any(
+        isinstance(e, dict) and e.get("loc") == ["body", "device"] and e.get("type") == "extra_forbidden"
+        for e in detail)
+
+
 @dataclass(frozen=True, slots=True)
 class RemotePolicy:
     """A policy the collector gave this rank, and which one it is: the run's ("run"), or the suspect-device policy
@@ -72,6 +80,9 @@ class Transport:
             raise ValueError("Transport takes config= or its fields as keyword arguments, not both")
         self.config = config if config is not None else TransportConfig.from_options(options)
         self.run_body, info = registration_body(run_name, run_info)
+        # For a collector from before device identities, which refuses the field (docs/streaming.md).
+        self._run_body_without_device = (encode({k: v for k, v in info.items() if k != "device"})
+                                         if "device" in info else None)
         cfg = self.config
         self.collector_url = collector_url
         self.token = token
@@ -333,6 +344,12 @@ class Transport:
     ) -> Reply | None:
         if self._run_id is None:
             r = client.register(self.run_body, budget_s=budget())
+            if self._run_body_without_device is not None and _refuses_device(r):
+                self._warn_once("old-collector", "collector %s predates device identities: this rank registers "
+                                "without its device (its faults stay unattributed); upgrade the collector",
+                                self.collector_url)
+                self.run_body, self._run_body_without_device = self._run_body_without_device, None
+                r = client.register(self.run_body, budget_s=budget())
             if not r.ok:
                 if not r.transient and not r.too_large:
                     self._register_rejected = True
