@@ -13,6 +13,7 @@
    collector (SQLite, default settings): how many are refused, and how large /metrics grows.
 
     python bench/fleet.py [--parts history,suspicion,quota] [--runs 10000] [--devices 64] [--requests 7] [--repeats 3]
+                          [--tiny]
 
 Every figure is the median of --repeats repetitions with min and max; latencies are per request, median over
 --requests requests in each repetition. Writes bench/results/fleet.json (or --out).
@@ -265,7 +266,7 @@ def suspicion_once(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     return out
 
 
-def quota_once(seed: int, attempts: int = 600) -> dict[str, Any]:
+def quota_once(seed: int, attempts: int) -> dict[str, Any]:
     import tempfile
 
     import collector_testing as testing
@@ -296,15 +297,19 @@ def quota_once(seed: int, attempts: int = 600) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="history,suspicion")
+    p.add_argument("--parts", default="history,suspicion,quota")
     p.add_argument("--runs", type=int, default=10_000)
     p.add_argument("--devices", type=int, default=64)
     p.add_argument("--requests", type=int, default=7)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fleets", type=int, default=2000, help="simulated fleets per repetition (suspicion)")
     p.add_argument("--alpha", type=float, default=0.01)
+    p.add_argument("--attempts", type=int, default=600, help="registrations of the quota flood")
+    p.add_argument("--tiny", action="store_true", help="a few hundred runs, one repetition: the smoke test's size")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.tiny:
+        args.runs, args.devices, args.requests, args.repeats, args.fleets, args.attempts = 300, 32, 2, 1, 40, 110
     parts = set(args.parts.split(","))
     result: dict[str, Any] = {"parts": sorted(parts)}
     if "history" in parts:
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_common.table(rows, ["healthy faults/device", "false alarms (median)", "min", "max",
                                    "10x found (median)", "10x ranked first"]))
     if "quota" in parts:
-        reps = [quota_once(seed) for seed in range(args.repeats)]
+        reps = [quota_once(seed, args.attempts) for seed in range(args.repeats)]
         result["quota"] = reps
         print(_common.table([[r["attempts"], json.dumps(r["statuses"]), ",".join(r["retry_after"]), r["seconds"],
                               r["metrics_runs"], r["metrics_bytes"]] for r in reps],

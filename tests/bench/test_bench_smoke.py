@@ -153,3 +153,22 @@ def test_memory_bench_times_a_padded_batch(tmp_path):
         for v in entry["variants"].values():
             check_summary(v["step_s"])
             assert positive(v["ratio_vs_baseline"]["median"])
+
+
+@pytest.mark.postgres
+def test_fleet_bench_keeps_every_total_through_prune_and_the_quota_holds(tmp_path):
+    testing = pytest.importorskip("collector_testing")
+    if not testing.postgres_available():
+        pytest.skip("PostgreSQL is not reachable on 127.0.0.1:5432 (set ATTNCHECKER_TEST_DATABASE_URL)")
+    doc = run_bench("fleet", tmp_path)
+    [history] = doc["history"]
+    assert history["run_totals_unchanged"] and history["device_totals_unchanged"]
+    assert history["runs_compared"] == 300
+    assert sum(history["left_older_than_cutoff"].values()) == 0 and history["left"]["fault_event"] > 0
+    assert history["first_device"] == history["history"]["bad_device"]
+    for name in ("devices_list_s", "device_detail_s", "metrics_s"):
+        assert all(positive(x) for x in history[name])
+    [suspicion] = doc["suspicion"]
+    assert all(0 <= v <= 1 for v in suspicion["null"].values())
+    [quota] = doc["quota"]
+    assert quota["statuses"] == {"201": 100, "429": 10} and quota["metrics_runs"] == 100
