@@ -18,7 +18,7 @@ from ..schemas import (
     DeviceStatusUpdate,
     RanksPublic,
 )
-from ..services import devices as writes
+from ..services import devices as device_service
 from ..services import fleet
 from ..services.quota import LiveRunQuota
 from .deps import OPERATOR, POLICY_READ, READ, SessionDep, StateDep
@@ -67,7 +67,7 @@ def get_device_status(
     uuid: DeviceUuid, session: SessionDep, _: Annotated[Principal, POLICY_READ]
 ) -> DeviceStatusPublic:
     """What an agent asks at protect() about the device it runs on (agent tokens may read this, not the fleet)."""
-    return writes.device_status(session, uuid)
+    return device_service.device_status(session, uuid)
 
 
 @router.patch("/api/v1/devices/{uuid}", response_model=DevicePublic, responses=errors(403, 404, 412, 413))
@@ -79,11 +79,10 @@ def patch_device(
     principal: Annotated[Principal, OPERATOR],
     if_match: IfMatch = None,  # type: ignore[assignment]
 ) -> Response:
-    writes.change_status(session, uuid=uuid, update_in=update_in, actor=principal.name,
-                         if_match=if_match_version(if_match))
+    device_service.change_status(session, uuid=uuid, update_in=update_in, actor=principal.name,
+                                 if_match=if_match_version(if_match))
     session.commit()
-    detail = fleet.device_detail(session, suspicion_settings(state.settings), uuid)
-    public = DevicePublic.model_validate(detail.model_dump(exclude={"runs", "events", "history"}))
+    public = fleet.device_summary(session, suspicion_settings(state.settings), uuid)
     return JSONResponse(public.model_dump(mode="json"), headers={"ETag": f'"{public.status_version}"'})
 
 

@@ -26,7 +26,15 @@ from .devices import require_device
 from .events import event_public
 from .runs import require_run
 
-__all__ = ["FleetView", "SuspicionSettings", "device_detail", "fleet_view", "list_devices", "run_ranks"]
+__all__ = [
+    "FleetView",
+    "SuspicionSettings",
+    "device_detail",
+    "device_summary",
+    "fleet_view",
+    "list_devices",
+    "run_ranks",
+]
 
 DETAIL_RUNS = 200
 DETAIL_EVENTS = 200
@@ -114,10 +122,15 @@ def list_devices(
     return DevicesPublic(items=items, total=len(devices), fleet=view.fleet)
 
 
-def device_detail(session: Session, settings: SuspicionSettings, uuid: str) -> DeviceDetailPublic:
+def device_summary(session: Session, settings: SuspicionSettings, uuid: str) -> DevicePublic:
+    """One device as the list shows it (404 when unknown)."""
     device = require_device(session, uuid)
-    view = fleet_view(session, settings)
     faults = list(session.scalars(select(DeviceFaultCounter).where(DeviceFaultCounter.device_uuid == uuid)))
+    return _public(device, fleet_view(session, settings).verdicts[uuid], faults)
+
+
+def device_detail(session: Session, settings: SuspicionSettings, uuid: str) -> DeviceDetailPublic:
+    base = device_summary(session, settings, uuid)
     runs = session.execute(
         select(DeviceRun, Run.name)
         .join(Run, Run.id == DeviceRun.run_id)
@@ -133,7 +146,6 @@ def device_detail(session: Session, settings: SuspicionSettings, uuid: str) -> D
         select(DeviceStatusRevision).where(DeviceStatusRevision.device_uuid == uuid)
         .order_by(DeviceStatusRevision.version)
     )
-    base = _public(device, view.verdicts[uuid], faults)
     return DeviceDetailPublic(
         **base.model_dump(),
         runs=[DeviceRunPublic(run_id=r.run_id, run_name=name, rank=r.rank, checks=r.checks, detected=r.detected,

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 from ..errors import NotFound, PreconditionFailed
 from ..models import Device, Policy, PolicyRevision, Run, RunRank, utcnow
 from ..schemas import PolicyIn, PolicyPublic, PolicyRevisionPublic
+from .devices import SUSPECT_STATUSES
 from .sql import upsert_insert
 
 __all__ = [
@@ -33,7 +34,7 @@ _SERVER_SCOPES = {
     DEFAULT_SCOPE: lambda: PolicyIn(),
     SUSPECT_SCOPE: lambda: PolicyIn(period=1, adaptive=False),
 }
-_SUSPECT_STATUSES = ("suspect", "quarantined")
+
 # Concurrent writers without If-Match retry on a lost race rather than failing.
 MAX_UPDATE_ATTEMPTS = 5
 
@@ -103,7 +104,7 @@ def rank_policy(session: Session, *, run_id: str, rank: int) -> tuple[Policy, st
         select(Device.status).join(RunRank, RunRank.device_uuid == Device.uuid)
         .where(RunRank.run_id == run_id, RunRank.rank == rank)
     )
-    if status in _SUSPECT_STATUSES:
+    if status in SUSPECT_STATUSES:
         return get_policy(session, scope=SUSPECT_SCOPE), "device"
     return get_policy(session, scope=run_id), "run"
 
