@@ -235,12 +235,15 @@ class RunLink:
         wins for that boundary; the next collector version replaces it.
         """
         remote = self.transport.latest_remote()
-        if remote is None or remote is self._remote:
-            return pending
-        self._remote = remote
+        fresh = remote is not None and remote is not self._remote
+        if fresh:
+            self._remote = remote
         if pending is not None:
-            self.applied_scope = "run"
+            self.applied_scope = "run"  # a set_policy() one is this rank's own, not the suspect-device policy
             return pending
+        if not fresh:
+            return None
+        assert remote is not None
         if remote.scope != self.applied_scope:
             self._say_scope(remote.scope, remote.policy.version)
         self.applied_scope = remote.scope
