@@ -26,7 +26,7 @@ per-tile summaries of :func:`summarize`, report) each tile before folding it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -65,17 +65,22 @@ itself is gone (the slow path recomputes it)."""
 @dataclass(frozen=True, slots=True)
 class TilePlan:
     """Which tiles of a T × S attention matrix are computed. A causal (top-left aligned, as SDPA's is_causal) tile
-    entirely above the diagonal is skipped: every score in it is masked."""
+    entirely above the diagonal is skipped: every score in it is masked. key_ranges: per query block, the [lo, hi) of
+    keys any of its rows may attend (a block-sparse mask: sliding window, packed documents); the keys outside are
+    skipped as the causal future is, an empty range skips the block's keys entirely."""
 
     t: int
     s: int
     block_q: int
     block_k: int
     is_causal: bool
+    key_ranges: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.block_q < 1 or self.block_k < 1:
             raise ValueError(f"tile sizes must be >= 1, got block_q={self.block_q}, block_k={self.block_k}")
+        if self.key_ranges is not None and len(self.key_ranges) != self.n_q:
+            raise ValueError(f"key_ranges has {len(self.key_ranges)} entries for {self.n_q} query blocks")
 
     @property
     def n_q(self) -> int:
@@ -90,15 +95,18 @@ class TilePlan:
 
     def keys(self, i: int) -> Iterator[tuple[int, int, int]]:
         """(j, c0, c1) for the key blocks query block i visits. Causal: a block reaching past the block's last row is
-        cut there (its columns beyond are all masked), so a key block as wide as S costs what the causal prefix does."""
+        cut there (its columns beyond are all masked), so a key block as wide as S costs what the causal prefix does.
+        key_ranges: a block is cut to the query block's range the same way, at both ends."""
         _, r1 = self.rows(i)
+        lo, hi = (0, self.s) if self.key_ranges is None else self.key_ranges[i]
+        if self.is_causal:
+            hi = min(hi, r1)
         for j in range(self.n_k):
-            c0, c1 = j * self.block_k, min(self.s, (j + 1) * self.block_k)
-            if self.is_causal:
-                if c0 > r1 - 1:
-                    break
-                c1 = min(c1, r1)
-            yield j, c0, c1
+            c0, c1 = max(j * self.block_k, lo), min(self.s, (j + 1) * self.block_k, hi)
+            if c0 >= hi:
+                break
+            if c0 < c1:
+                yield j, c0, c1
 
 
 def tile_mask(
@@ -242,15 +250,20 @@ def fold_scores(
     blocked: torch.Tensor | None,
     additive: torch.Tensor | None,
     causal_offset: int | None = None,
+    score_mod: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One online-softmax step: (P̃ (..., Tq, Tk), alpha (..., Tq), new m, new l, Σ P̃ per row). P̃ = exp(z - m_new) with
-    z = scale·AS + mask; alpha rescales what was folded so far. m starts at -INF and l at 0, in fp32 (fp64 for fp64
-    inputs): the softmax runs in m's dtype, like SDPA's kernels for half inputs. causal_offset: r0 - c0 of a tile the
-    causal diagonal crosses (key c masked past row r where c > r + offset).
+    z = score_mod(scale·AS) + mask; alpha rescales what was folded so far. m starts at -INF and l at 0, in fp32 (fp64
+    for fp64 inputs): the softmax runs in m's dtype, like SDPA's kernels for half inputs. causal_offset: r0 - c0 of a
+    tile the causal diagonal crosses (key c masked past row r where c > r + offset). score_mod: an elementwise
+    function of this tile's scaled scores (FlexAttention's, bound to the tile's indices), applied before the mask as
+    FlexAttention applies it.
 
     AS is consumed: when it already has m's dtype, P̃ is written over it (every pass over a tile is memory traffic the
     fused kernel does not pay, and a fresh tile-sized tensor costs page faults on CPU)."""
     z = s_NTqTk.mul_(scale) if s_NTqTk.dtype == m_NTq.dtype else s_NTqTk.to(m_NTq.dtype).mul_(scale)
+    if score_mod is not None:
+        z = score_mod(z).to(m_NTq.dtype)
     if additive is not None:
         z.add_(additive)
     if blocked is not None:

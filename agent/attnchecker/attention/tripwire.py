@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -77,16 +78,27 @@ def _tripwire_sdpa(
         flags = [extreme(out)]
     trip: _Trip | None = None
     if bool(torch.stack(flags).any()):  # sync: the one per attention call on a tier-1 step
-        if bool(extreme(out)):  # sync: slow path only
-            value, index = extreme_value(out)
-            trip = _Trip("context", value, index[:3])
-        elif lse_BHT is not None:
+
+        def lse_trips() -> bool:
+            assert lse_BHT is not None  # called only with a log-sum-exp
             mask_max = 0.0 if mask_add is None else float(mask_add.amax())  # sync: slow path only
-            if bool(lse_over_bound(q_BHTD, k_rep, lse_BHT, scale=scale, mask_max=mask_max)):  # sync: slow path
-                value, index = extreme_value(lse_BHT)
-                trip = _Trip("scores", value, index)
+            return bool(lse_over_bound(q_BHTD, k_rep, lse_BHT, scale=scale, mask_max=mask_max))  # sync: slow path
+
+        trip = _which_trip(out, lse_BHT, lse_trips)
     _count_trips(ctx, ["scores", "context"], time.perf_counter() - t0)
     return out, trip
+
+
+def _which_trip(out_BHTD: torch.Tensor, lse_BHT: torch.Tensor | None, lse_trips: Callable[[], bool]) -> _Trip | None:
+    """Slow path, after a trip: the output's extreme value (op "context": INF/NaN in AS reach it too), else the row
+    log-sum-exp's (op "scores", a huge score that never reached memory) when ``lse_trips`` confirms it."""
+    if bool(extreme(out_BHTD)):  # sync: slow path only
+        value, index = extreme_value(out_BHTD)
+        return _Trip("context", value, index[:3])
+    if lse_BHT is not None and lse_trips():
+        value, index = extreme_value(lse_BHT)
+        return _Trip("scores", value, index)
+    return None
 
 
 def _emit_trip(ctx: LayerContext, trip: _Trip, *, action: str) -> None:

@@ -65,11 +65,12 @@ from ...checks.records import _count, _count_trips, _record_ratio, _worst_ratio
 from ...kernels import fused_attention
 from ...matmul_precision import fp32_matmul_operand_roundoff, full_precision_reductions, ieee_fp32_matmul
 from ..backward.fused import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
+from ..tile_mods import TileMods
 from . import BACKEND_ENV, AttentionCall, BackendOutput
 from .native_rules import kernel_checks, kernel_rules
 
 __all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "TiledBackend", "default_tiles", "kernel_applies",
-           "run_tiled", "tile_choice", "tile_reasons", "tiled_sdpa"]
+           "plan_tiles", "run_tiled", "tile_choice", "tile_reasons", "tiled_sdpa"]
 
 PATH_ENV = BACKEND_ENV
 TILED_MIN_ENV = "ATTNCHECKER_TILED_MIN_TS"
@@ -168,6 +169,16 @@ def run_tiled(call: AttentionCall, *, kernel: bool) -> BackendOutput:
                      is_causal=call.is_causal, scale=call.scale, tiles=tiles, force=call.force, caught=call.caught,
                      kernel=kernel)
     return BackendOutput(out)
+
+
+def plan_tiles(t: int, s: int, tiles: TileChoice, *, is_causal: bool, mods: TileMods | None = None) -> TilePlan:
+    """The tiles of a T × S call: causal ones skipped, and with mods (a block-sparse mask) the keys outside what each
+    query block may attend."""
+    plan = TilePlan(t, s, tiles.block_q, tiles.block_k, is_causal)
+    if mods is None or not mods.masks:
+        return plan
+    return TilePlan(t, s, tiles.block_q, tiles.block_k, is_causal,
+                    key_ranges=mods.key_ranges([plan.rows(i) for i in range(plan.n_q)]))
 
 
 def default_tiles(s: int, batch_heads: int) -> TileChoice:
@@ -273,16 +284,21 @@ def _forward(
     caught: list[int] | None = None,
     kernel: bool = True,
     mask_add: torch.Tensor | None = None,
+    mods: TileMods | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse of one call, verified and repaired. kernel: try the native pass first (kernels/fused_attention.py);
     the PyTorch tile loop below runs where it declines, and as its recovery (kernel=False). mask_add: attn_mask's
-    additive form, where the caller has made it (attention.backward.fused._additive_mask)."""
+    additive form, where the caller has made it (attention.backward.fused._additive_mask). mods: a FlexAttention
+    call's score_mod and block mask, or a varlen window (attention/tile_mods.py), applied per tile; such a call runs
+    the tile loop, which visits only the keys the mask keeps."""
 
     b, h, t, d = q.shape
     s = k.shape[-2]
     cfg = ctx.config
     tol = _tolerance(ctx)
-    plan = TilePlan(t, s, tiles.block_q, tiles.block_k, is_causal)
+    plan = plan_tiles(t, s, tiles, is_causal=is_causal, mods=mods)
+    if mods is not None:
+        kernel = False
     mask = None if attn_mask is None else torch.broadcast_to(attn_mask, (b, h, t, s))
     tiers = {op: "abft" if cfg.checks(op) and op not in force else "tripwire"
              for op in ("scores", "context") if cfg.checks(op) or op in force or cfg.trips(op)}
@@ -315,7 +331,7 @@ def _forward(
                      rounding=q.dtype == torch.float32 and fp32_matmul_operand_roundoff(q.device) is not None,
                      grams=_KeyGrams(k_acc),
                      mask=mask, is_causal=is_causal, scale=scale, tol=tol, plan=plan, ops=ops, tiers=tiers,
-                     caught=caught)
+                     caught=caught, mods=mods)
     out = torch.empty_like(q)
     lse = torch.empty(b, h, t, device=q.device, dtype=torch.promote_types(q.dtype, torch.float32))
     record = _Pass({op: [] for op in ops}, {op: [] for op in ops}, dict.fromkeys(ops), dict.fromkeys(ops, 0.0))
@@ -463,6 +479,7 @@ class _Shared:
     tiers: dict[str, str]
     """op -> who verifies it on this call: "abft" (due on this step) or "tripwire" (tier 1, or its recovery)."""
     caught: list[int] | None
+    mods: TileMods | None = None
 
 
 @dataclass(slots=True)
@@ -535,7 +552,9 @@ def _query_block(
     # and what the bound then models); the checks' own products run in IEEE fp32 (ieee).
     with torch.no_grad(), torch.autocast(q_i.device.type, enabled=False), full_precision_reductions():
         qbar_src = sh.q_acc[..., r0:r1, :]
-        for j, c0, c1 in plan.keys(i):
+        # n: the tile's place among the block's visits (its flags and summaries are kept in that order); j: its key
+        # block, c0..c1 its keys (a block-sparse mask narrows them).
+        for n, (_, c0, c1) in enumerate(plan.keys(i)):
             k_j, v_j = sh.k[..., c0:c1, :], sh.v[..., c0:c1, :]
             s_ij = q_i @ k_j.mT
             for hit in hits["scores"]:
@@ -547,15 +566,22 @@ def _query_block(
                                                 sh.k_norm[..., c0:c1], tol=sh.tol,
                                                 grams=_tile_grams(sh, q_grams, qbar_src, c0, c1))
                 if fix is not None:
-                    _repair_tile(fix, "scores", s_ij, checks, j, r0, c0,
+                    _repair_tile(fix, "scores", s_ij, checks, n, r0, c0,
                                  lambda key, rows, cols, q_i=q_i, k_j=k_j: _dot(q_i[key][rows], k_j[key][cols]))
                 else:
                     rows_by_op["scores"].append(_keep(checks))
                 if record is not None:
                     record.seconds["scores"] += time.perf_counter() - t0
             blocked, additive = tile_mask(sh.mask, r0, r1, c0, c1)
+            score_mod = None
+            if sh.mods is not None:
+                masked = sh.mods.blocked(r0, r1, c0, c1, s_ij.device)
+                if masked is not None:
+                    blocked = masked if blocked is None else blocked | masked
+                score_mod = sh.mods.score_fn(r0, c0)
             p, alpha, m, l_, p_sum = fold_scores(s_ij, m, l_, scale=sh.scale, blocked=blocked, additive=additive,
-                                                 causal_offset=causal_offset(r0, c0, c1, is_causal=sh.is_causal))
+                                                 causal_offset=causal_offset(r0, c0, c1, is_causal=sh.is_causal),
+                                                 score_mod=score_mod)
             p_c = p.to(v_j.dtype)
             cl_rows: torch.Tensor | None = None
             if sh.v_aug is not None and not sh.rounding:
@@ -570,7 +596,7 @@ def _query_block(
                     # put the rounding of V w itself into the references the bound does not model.
                     with ieee():
                         cl_rows = p_c.to(sh.vw.dtype) @ sh.vw[..., c0:c1, :]
-            if j == 0:
+            if n == 0:
                 # A fault in CL (B, H, T, D) lands in the first partial product its row block folds in.
                 for hit in hits["context"]:
                     hit.apply(pv, r0, 0)
@@ -580,7 +606,7 @@ def _query_block(
                     checks = context_tile_checks(pv, p_c, sh.v_acc[..., c0:c1, :], sh.vw[..., c0:c1, :], p_sum,
                                                  cl_rows, tol=sh.tol, g_v=sh.g_v)
                 if fix is not None:
-                    _repair_tile(fix, "context", pv, checks, j, r0, 0,
+                    _repair_tile(fix, "context", pv, checks, n, r0, 0,
                                  lambda key, rows, cols, p_c=p_c, v_j=v_j: _dot(p_c[key][rows], v_j[key].mT[cols]))
                 else:
                     rows_by_op["context"].append(_keep(checks))
@@ -714,7 +740,7 @@ def _slow_path(sh: _Shared, ctx: LayerContext, record: _Pass, out: torch.Tensor,
                 summaries = record.summaries[op][i]
                 assert summaries is not None
                 reports = [_shift(_from_summary(summaries[j, b, h], (b, h), None, "detected"), r0_of[i],
-                                  _col0(sh.plan, op, j))
+                                  _col0(sh.plan, op, i, j))
                            for j, pairs in sorted(tiles.items()) for b, h in pairs]
                 _emit(sh, ctx, op, reports)
         return
@@ -728,8 +754,11 @@ def _slow_path(sh: _Shared, ctx: LayerContext, record: _Pass, out: torch.Tensor,
         _query_block(sh, i, out, lse, hits, fix=fix)
 
 
-def _col0(plan: TilePlan, op: str, j: int) -> int:
-    return j * plan.block_k if op == "scores" else 0
+def _col0(plan: TilePlan, op: str, i: int, n: int) -> int:
+    """The first key of query block i's n-th tile (scores); 0 for the context, whose columns are features."""
+    if op != "scores":
+        return 0
+    return next(c0 for visit, (_, c0, _) in enumerate(plan.keys(i)) if visit == n)
 
 
 def _repair_tile(
