@@ -14,9 +14,10 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-$(STAMP): $(PY) agent/pyproject.toml server/pyproject.toml requirements-test.txt
+$(STAMP): $(PY) agent/pyproject.toml server/pyproject.toml requirements-test.txt requirements-torchtitan.txt
 	$(PIP) install -q $(TORCH_PIN)
 	$(PIP) install -q -e agent -e server -r requirements-test.txt
+	$(PIP) install -q --no-deps -r requirements-torchtitan.txt
 	touch $(STAMP)
 
 install: $(STAMP)

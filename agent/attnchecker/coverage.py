@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .checks.context import OPS
 
-__all__ = ["PATHS", "Coverage", "OpCoverage"]
+if TYPE_CHECKING:
+    from .checks.context import CheckConfig, OpStats
+
+__all__ = ["PATHS", "Coverage", "Miss", "OpCoverage", "unchecked_claims"]
 
 PATHS: Mapping[str, str] = {
     "hook": "forward hook on the nn.Linear / HF Conv1D projection: its output is verified and repaired in place",
@@ -25,8 +28,51 @@ PATHS: Mapping[str, str] = {
     "transformers": "transformers AttentionInterface function 'attnchecker' (protected_sdpa)",
     "gpt_neo": "GPT-Neo _attn replaced per instance (protected_sdpa)",
     "sdpa": "TorchFunctionMode routing F.scaled_dot_product_attention to protected_sdpa",
+    "flex": "flex_attention calls of the module routed to protected_flex_attention (checked tiles, score_mod and "
+            "BlockMask per tile)",
+    "varlen": "varlen attention calls of the module (torch's varlen_attn, flash_attn_varlen_func) checked per "
+              "sequence",
+    "torchtitan": "torchtitan's inner attention (FlexAttention, VarlenAttention, ScaledDotProductAttention) "
+                  "replaced by the checked one",
 }
 """Every protection path, with what it means (docs/architectures.md, coverage)."""
+
+class _Claims(Protocol):
+    """A protected layer as the integrations record it (integrations._common.Site)."""
+
+    @property
+    def layer(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def paths(self) -> tuple[tuple[str, str], ...]: ...
+
+
+@dataclass(slots=True)
+class Miss:
+    """An op a site claims that a step left unchecked: from the first such step on it is reported unprotected."""
+
+    path: str
+    first_step: int
+    steps: int = 1
+
+    def reason(self) -> str:
+        return (f"claimed ({self.path}) but not checked in {self.steps} step{'s' if self.steps != 1 else ''} it was "
+                f"due (first: step {self.first_step}): its computation did not reach the check protect() attached "
+                "(docs/architectures.md, 'Claims are checked')")
+
+
+def unchecked_claims(sites: Iterable[_Claims], stats: OpStats, config: CheckConfig) -> list[tuple[int, str, str, str]]:
+    """(layer, name, op, path) of every op a site claims that was due on the step ``stats`` counts (a full check or
+    tier 1) and that no check or tripwire saw, if the model finished a forward in that step (none for a step with no
+    forward: a layer that did not run was not left unchecked)."""
+    if stats.forwards == 0:
+        return []
+    return [(site.layer, site.name, op, path) for site in sites for op, path in site.paths
+            if (config.checks(op) or config.trips(op)) and (site.layer, op) not in stats.seen]
+
 
 # The registration config is bounded by the collector: 2 x 8 lines of 160 characters at most, ~2.6 kB.
 _WIRE_MAX_LINES = 8

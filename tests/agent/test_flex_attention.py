@@ -152,7 +152,7 @@ def test_faults_in_a_flex_call_are_corrected(make_ctx, op: str, kind: str, persi
     """A transient fault is gone when the flagged query block is recomputed ("recomputed"); a persistent one comes back
     and is located and corrected in the recomputed tile ("corrected"). Either way out and gradients are the clean
     call's."""
-    mask_mod, score_mod = CASES["document"]
+    mask_mod = CASES["document"][0]
     q, k, v = qkv(3)
     bm = block_mask_of(mask_mod)
     g = seeded((B, H, T, D), 4, torch.float64)

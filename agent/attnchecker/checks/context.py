@@ -74,6 +74,10 @@ class OpStats:
     """Time spent in tier 1 (and recovering from its trips), all ops."""
     grad_checks: int = 0
     """Optimizer steps whose gradients the last net looked at."""
+    seen: set[tuple[int, str]] = field(default_factory=set)
+    """(layer, op) checked or tripwired this interval: what the coverage map's claims are held to (coverage.py)."""
+    forwards: int = 0
+    """Forward passes of the protected model that finished this interval."""
     # Device tensors, created lazily on the first check's device: bucket counts (len(buckets)+1,), sum, count.
     residual_counts: torch.Tensor | None = None
     residual_sum: torch.Tensor | None = None

@@ -129,6 +129,14 @@ def _count(ctx: LayerContext, op: str, seconds: float) -> None:
     if stats is not None:
         stats.checks[op] = stats.checks.get(op, 0) + 1
         stats.check_seconds[op] = stats.check_seconds.get(op, 0.0) + seconds
+        stats.seen.add((ctx.layer, op))
+
+
+def _seen(ctx: LayerContext, ops: Sequence[str]) -> None:
+    """ops of this layer verified by another op's check (paper mode: q/k/v through the scores and context)."""
+    stats = ctx.runtime.stats
+    if stats is not None:
+        stats.seen.update((ctx.layer, op) for op in ops)
 
 
 def _count_trips(ctx: LayerContext, ops: Sequence[str], seconds: float) -> None:
@@ -139,6 +147,7 @@ def _count_trips(ctx: LayerContext, ops: Sequence[str], seconds: float) -> None:
         return
     for name in ops:
         stats.trip_checks[name] = stats.trip_checks.get(name, 0) + 1
+        stats.seen.add((ctx.layer, name))
     stats.trip_seconds += seconds
 
 

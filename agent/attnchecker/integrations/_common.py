@@ -14,12 +14,13 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ..checks.context import LayerContext, Runtime
-from ..coverage import Coverage, OpCoverage
+from ..checks.context import CheckConfig, LayerContext, OpStats, Runtime
+from ..coverage import Coverage, Miss, OpCoverage, unchecked_claims
 from ..errors import UnprotectedAttentionError
 from .projection_hook import ContextRef, Outputs, Splits, check_projection
 
-__all__ = ["Binder", "ContextRef", "Site", "engine_call", "forward_source_mentions", "projection_gap", "rotates_qk"]
+__all__ = ["Binder", "ContextRef", "Site", "engine_call", "forward_source_mentions", "projection_gap", "rotates_qk",
+           "source_readable"]
 
 log = logging.getLogger("attnchecker")
 
@@ -34,7 +35,7 @@ class Site:
     name: str
     """Qualified module name in the protected model ('' for the root)."""
     integration: str
-    """transformers | gpt_neo | sdpa | sdpa-order | torch_mha"""
+    """transformers | gpt_neo | sdpa | flex | varlen | torchtitan | torch_mha"""
     ops: tuple[str, ...]
     """The ops verified in this layer (a subset of context.OPS)."""
     paths: tuple[tuple[str, str], ...] = ()
@@ -58,6 +59,8 @@ class Binder:
         # Attention modules left out whole (no layer), and calls that fell back to an unprotected kernel at run time.
         self.unprotected: list[OpCoverage] = []
         self.fallbacks: dict[tuple[int, str, str], int] = {}
+        # (layer, op) a site claims that went unchecked in steps it was due: reported unprotected (coverage.Miss).
+        self.misses: dict[tuple[int, str], Miss] = {}
         self.strict = False
 
     def new_context(self) -> LayerContext:
@@ -106,10 +109,36 @@ class Binder:
             log.warning("attnchecker: layer %d %s runs unprotected: %s (Guard.coverage counts every such call)",
                         ctx.layer, ops, reason)
 
-    def coverage(self) -> Coverage:
+    def note_step(self, stats: OpStats, config: CheckConfig, step: int) -> None:
+        """At a step boundary: an op a site claims, due on that step (full check or tier 1) in a step the model ran,
+        that no check or tripwire saw, is from now on reported unprotected with the reason, and warned about once
+        (an error under strict=True). What the coverage map says is then what the steps did, not what attaching
+        intended."""
+        for layer, name, op, path in unchecked_claims(self.sites, stats, config):
+            miss = self.misses.get((layer, op))
+            if miss is not None:
+                miss.steps += 1
+                continue
+            miss = self.misses[(layer, op)] = Miss(path=path, first_step=step)
+            if self.strict:
+                raise UnprotectedAttentionError(f"layer {layer} ({name}) {op}: {miss.reason()}; "
+                                                "protect(strict=True) allows no unchecked op")
+            if not any(m.path == path for key, m in self.misses.items() if key != (layer, op)):
+                log.warning("attnchecker: layer %d (%s) %s: %s (Guard.coverage reports it, and every such op, "
+                            "unprotected)", layer, name, op, miss.reason())
+
+    def coverage(self, current: tuple[OpStats, CheckConfig] | None = None) -> Coverage:
+        """The map: every site's ops (unprotected where a step left them unchecked, ``note_step``; with ``current``
+        the step in progress too, when the model has finished a forward in it), the modules left out and the
+        run-time fallbacks."""
+        misses = dict(self.misses)
+        if current is not None:
+            for layer, _, op, path in unchecked_claims(self.sites, *current):
+                misses.setdefault((layer, op), Miss(path=path, first_step=self.runtime.step))
         entries = [
-            OpCoverage(layer=site.layer, name=site.name, op=op, path=path) for site in self.sites
-            for op, path in site.paths
+            OpCoverage(layer=site.layer, name=site.name, op=op, path=path) if (site.layer, op) not in misses else
+            OpCoverage(layer=site.layer, name=site.name, op=op, reason=misses[(site.layer, op)].reason())
+            for site in self.sites for op, path in site.paths
         ] + [
             OpCoverage(layer=site.layer, name=site.name, op=op, reason=why) for site in self.sites
             for op, why in site.gaps
@@ -252,6 +281,12 @@ def forward_source_mentions(module: nn.Module, needle: str) -> bool:
     the model.
     """
     return _source_search(type(module), f"forward:{needle}", _forward_source_has(needle))
+
+
+def source_readable(module: nn.Module) -> bool:
+    """Whether the source of the module's class ``forward`` can be read (not a class made in a notebook or by exec)."""
+    return _source_search(type(module), "readable",
+                          lambda cls: bool(inspect.getsource(cls.forward)))  # type: ignore[attr-defined]
 
 
 def _forward_source_has(needle: str) -> Callable[[type], bool]:

@@ -1,20 +1,26 @@
-"""Plain PyTorch models that call ``F.scaled_dot_product_attention`` inline (nanoGPT style).
+"""Plain PyTorch models that call ``F.scaled_dot_product_attention`` inline (nanoGPT style), FlexAttention's
+``flex_attention``, or packed varlen attention (torch's ``varlen_attn``, flash-attn's ``flash_attn_varlen_func``).
 
 A ``TorchFunctionMode`` is active only while an identified attention module runs (forward pre/post hooks on it), and
 routes each SDPA call to ``protected_sdpa`` with that module's LayerContext (the k-th call of one forward gets the
-module's k-th context, for modules that loop over several attentions). A mode catches every call site, including
-``from torch.nn.functional import scaled_dot_product_attention``, which a monkey-patch would miss; it does not see
-calls nested inside other overridden functions (pytorch#131947).
+module's k-th context, for modules that loop over several attentions), and each varlen op to the checked varlen
+engine. A mode catches every call site, including ``from torch.nn.functional import scaled_dot_product_attention``,
+which a monkey-patch would miss; it does not see calls nested inside other overridden functions (pytorch#131947).
+flex_attention and flash_attn_varlen_func are Python functions no mode sees: the names the attention class's module
+binds them to are routed instead (integrations/flex_varlen.py).
 
-Attention modules are found without running the model: the class ``forward`` mentions scaled_dot_product_attention
-(or, when the source is unavailable, the module owns a fused q/k/v Linear with out = 3 * in). Their projections are
+Attention modules are found without running the model: the class ``forward`` mentions one of those calls
+(or, only when no class of the model has readable source, the module owns a fused q/k/v Linear named as one, with
+out = 3 * in, beside an output projection). Their projections are
 hooked when the structure is recognisable: a fused q/k/v Linear or separate q/k/v Linears, and an output Linear.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +30,26 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..checks.context import LayerContext
-from ._common import Binder, ContextRef, engine_call, forward_source_mentions, projection_gap, rotates_qk
+from ._common import (
+    Binder,
+    ContextRef,
+    engine_call,
+    forward_source_mentions,
+    projection_gap,
+    rotates_qk,
+    source_readable,
+)
+from .flex_varlen import (
+    FLASH_VARLEN,
+    FLEX,
+    PASS,
+    call_names,
+    flash_varlen_call,
+    flex_call,
+    is_varlen_op,
+    patch_names,
+    varlen_op_call,
+)
 from .peft import base_linear
 
 __all__ = ["attach"]
@@ -32,6 +57,8 @@ __all__ = ["attach"]
 log = logging.getLogger("attnchecker")
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+# What an attention class's forward calls, and the coverage path (coverage.PATHS) its scores and context then take.
+_CALLS = {"scaled_dot_product_attention": "sdpa", FLEX: "flex", "varlen_attn": "varlen", FLASH_VARLEN: "varlen"}
 _FUSED_NAMES = ("c_attn", "qkv", "Wqkv", "qkv_proj", "in_proj", "to_qkv", "wqkv")
 _SEPARATE_NAMES = (("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"), ("query", "key", "value"), ("q", "k", "v"))
 _OUT_NAMES = ("c_proj", "o_proj", "out_proj", "wo", "proj", "out", "to_out", "dense")
@@ -45,6 +72,8 @@ class _Owner:
     name: str
     binder: Binder
     ops: tuple[str, ...]
+    path: str = "sdpa"
+    """How its attention calls are routed: sdpa, flex or varlen (coverage.PATHS)."""
     rotates: bool = False
     """The module rotates Q/K (RoPE) between its projections and SDPA."""
     paths: dict[str, str] = field(default_factory=dict)
@@ -59,7 +88,7 @@ class _Owner:
             ctx = self.binder.new_context()
             name = self.name if not self.contexts else f"{self.name}#{len(self.contexts)}"
             self.contexts.append(ctx)
-            self.binder.add_site(ctx, name, "sdpa", self.ops, paths=self.paths, gaps=self.gaps)
+            self.binder.add_site(ctx, name, self.path, self.ops, paths=self.paths, gaps=self.gaps)
         return self.contexts[k]
 
     def reset(self) -> None:
@@ -85,6 +114,10 @@ class _SDPAMode(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if is_varlen_op(func):
+            owner = self._router.current()
+            if owner is not None:
+                return varlen_op_call(owner.next_sdpa_context(), owner.binder, func, args, kwargs)
         if func is F.scaled_dot_product_attention:
             owner = self._router.current()
             if owner is not None:
@@ -143,6 +176,36 @@ class _Router:
 
     def current(self) -> _Owner | None:
         return self._stack[-1] if self._stack else None
+
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """The mode off while the engine runs a call that reached it by name (flex_attention): every op of the engine
+        would pass through it, and the caller's compiled flex_attention would trace it. Left on when another mode was
+        pushed above it (popping that one is not ours to do)."""
+        top = torch._C._len_torch_function_stack() > 0 and torch._C._get_function_stack_at(
+            torch._C._len_torch_function_stack() - 1) is self._mode
+        if self._depth == 0 or not top:
+            yield
+            return
+        self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        try:
+            yield
+        finally:
+            self._mode.__enter__()  # type: ignore[no-untyped-call]
+
+    def route(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call that reached a routed name (flex_varlen.patch_names): checked when a protected module runs."""
+        owner = self.current()
+        if owner is None:
+            return PASS
+        ctx = owner.next_sdpa_context()
+        call = flash_varlen_call if _is(original, call_names().get(FLASH_VARLEN)) else flex_call
+        with self.outside():
+            return call(ctx, owner.binder, original, args, kwargs)
+
+
+def _is(value: Any, fn: Any) -> bool:
+    return fn is not None and (value is fn or getattr(value, "_torchdynamo_orig_callable", None) is fn)
 
 
 def _linear(m: nn.Module | None) -> nn.Linear | None:
@@ -233,11 +296,27 @@ def _candidates(model: nn.Module, exclude: set[nn.Module]) -> list[tuple[str, nn
     modules = [
         (n, m) for n, m in model.named_modules() if m not in exclude and not isinstance(m, nn.MultiheadAttention)
     ]
-    found = [(n, m) for n, m in modules if forward_source_mentions(m, "scaled_dot_product_attention")]
-    if found:
+    found = [(n, m) for n, m in modules if _path_of(m) is not None]
+    if found or any(source_readable(m) for _, m in modules if not type(m).__module__.startswith("torch.")):
+        # The model's own classes can be read, and those that call SDPA are the attention: nothing is guessed.
         return found
-    # No readable source (a model built in a notebook or by exec): fall back on the shape of a fused attention.
-    return [(n, m) for n, m in modules if _fused(dict(m.named_children())) is not None]
+    # No readable source at all (a model built in a notebook or by exec): fall back on the shape of a fused
+    # attention, a q/k/v projection by its name with out = 3 * in next to an output projection of the q width. An MLP's
+    # up projection can have out = 3 * in too (torchtitan's debug model: w1 is 256 -> 768), never with those names.
+    return [(n, m) for n, m in modules if _fused_attention_shape(dict(m.named_children()))]
+
+
+def _path_of(module: nn.Module) -> str | None:
+    """The coverage path of a module whose forward makes one of the routed attention calls, else None."""
+    return next((path for call, path in _CALLS.items() if forward_source_mentions(module, call)), None)
+
+
+def _fused_attention_shape(children: dict[str, nn.Module]) -> bool:
+    for name in _FUSED_NAMES:
+        lin = _linear(children.get(name))
+        if lin is not None and lin.out_features == 3 * lin.in_features:
+            return _out(children, lin.in_features, {name}) is not None
+    return False
 
 
 def attach(binder: Binder, model: nn.Module, *, exclude: set[nn.Module] | frozenset[nn.Module] = frozenset()) -> None:
@@ -259,7 +338,8 @@ def attach(binder: Binder, model: nn.Module, *, exclude: set[nn.Module] | frozen
         owner = owners.get(owner_module)
         if owner is None:
             rotates = rotates_qk(owner_module) or rotates_qk(module)
-            owner = owners[owner_module] = _Owner(name=owner_name, binder=binder, ops=(), rotates=rotates)
+            owner = owners[owner_module] = _Owner(name=owner_name, binder=binder, ops=(), rotates=rotates,
+                                                  path=_path_of(module) or "sdpa")
             ops = _hook_projections(binder, owner_module, owner)
             qkv = tuple(op for op in ops if op in ("q", "k", "v"))
             owner.ops = (*qkv, "scores", "context", *(op for op in ops if op == "out"))
@@ -273,6 +353,8 @@ def attach(binder: Binder, model: nn.Module, *, exclude: set[nn.Module] | frozen
         post = module.register_forward_hook(functools.partial(_post, router, owner), always_call=True)
         binder.on_close(pre.remove)
         binder.on_close(post.remove)
+    # flex_attention and flash_attn_varlen_func by the names the attention classes' code resolves them through.
+    patch_names(binder, {type(m).forward for _, m in candidates}, router.route)
 
 
 def _reset(owner: _Owner, module: nn.Module, args: Any) -> None:  # noqa: ARG001

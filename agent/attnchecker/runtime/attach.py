@@ -33,7 +33,9 @@ SUPPORTED_DEVICES = ("cpu", "cuda")
 SUPPORTED_MODELS = (
     "Hugging Face transformers models whose attention goes through the AttentionInterface "
     "(tested: GPT-2, BERT, RoBERTa, Llama), and GPT-Neo; "
-    "plain PyTorch modules that call torch.nn.functional.scaled_dot_product_attention (nanoGPT style); "
+    "torchtitan language models (GQAttention with FlexAttention, varlen or SDPA inner attention); "
+    "plain PyTorch modules that call torch.nn.functional.scaled_dot_product_attention (nanoGPT style), "
+    "flex_attention or varlen attention; "
     "torch.nn.MultiheadAttention and the nn.Transformer*Layer modules built on it "
     "(see docs/architectures.md)"
 )
@@ -61,15 +63,17 @@ def make_injector(faults: Any) -> Any:
 
 
 def attach_integrations(binder: Binder, model: nn.Module) -> None:
-    from ..integrations import sdpa, torch_mha
+    from ..integrations import sdpa, torch_mha, torchtitan
     from ..integrations import transformers as hf
 
     # transformers models anywhere in the tree (the model itself, or inside DDP, a LightningModule, a wrapper).
-    inside_hf: set[nn.Module] = set()
+    attached: set[nn.Module] = set()
     for prefix, root in hf.transformers_roots(model):
         hf.attach(binder, root, prefix=prefix)
-        inside_hf.update(root.modules())
-    sdpa.attach(binder, model, exclude=inside_hf)
+        attached.update(root.modules())
+    # torchtitan's attention modules, by class.
+    attached |= torchtitan.attach(binder, model)
+    sdpa.attach(binder, model, exclude=attached)
     torch_mha.attach(binder, model)
 
 

@@ -181,7 +181,11 @@ class Guard:
     def coverage(self) -> Coverage:
         """What is protected, per layer and op and by which path, and what is not and why (docs/architectures.md),
         including calls that fell back to an unprotected kernel so far."""
-        return self._binder.coverage()
+        return self._binder.coverage(self._current())
+
+    def _current(self) -> tuple[OpStats, CheckConfig] | None:
+        stats = self._runtime.stats
+        return None if stats is None else (stats, self._runtime.config)
 
     @property
     def detections(self) -> list[Detection]:
@@ -261,6 +265,8 @@ class Guard:
         assert stats is not None
         # A fresh interval first: anything the engine records from now on belongs to the next step.
         self._runtime.stats = OpStats()
+        # What the sites claim, held to what this step checked.
+        self._binder.note_step(stats, self._runtime.config, self._runtime.step)
         self._totals.add(stats)
         now = time.perf_counter()
         step_s = now - self._step_started
@@ -293,7 +299,8 @@ class Guard:
     def report(self) -> Report:
         """Counts since ``protect()``, including the step in progress."""
         return self._totals.report(in_progress=self._runtime.stats, steps=self._steps,
-                                   skipped_steps=self._response.skipped_steps, coverage=self._binder.coverage())
+                                   skipped_steps=self._response.skipped_steps,
+                                   coverage=self._binder.coverage(self._current()))
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, *, step: bool = True) -> None:
         """Hook an optimizer: ``step=True`` calls ``Guard.step()`` after each ``optimizer.step()``; either way

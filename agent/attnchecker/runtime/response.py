@@ -91,6 +91,8 @@ class FaultResponse:
     @torch.compiler.disable
     def root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         self._forward_depth -= 1
+        if self._forward_depth == 0 and self._runtime.stats is not None:
+            self._runtime.stats.forwards += 1
         if self._forward_depth == 0 and self._raise_pending:
             # Deferred to the end of the forward so the engine finishes its record of every layer first.
             self._raise_uncorrectable()

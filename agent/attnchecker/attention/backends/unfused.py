@@ -32,7 +32,7 @@ from ...checks.caches import fill_future_
 from ...checks.context import LayerContext
 from ...checks.passed import PassedProjection
 from ...checks.product import Checks, _dot, _exact_math, _groups, _tolerance, _verify, operand_rounding
-from ...checks.records import _any_bad, _count, _count_trips, _emit, _inject, _observe
+from ...checks.records import _any_bad, _count, _count_trips, _emit, _inject, _observe, _seen
 from ...tripwire import extreme
 from ..backward.fused import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
 from ..backward.unfused import context_product, scores_product
@@ -300,6 +300,8 @@ def _checked_attention(
         t0 = time.perf_counter()
         checks["scores"] = scores_checks(q_BHTD, k_rep, scores.detach(), passed, h, tol)
         _observe(ctx, checks["scores"], "scores")
+        # Paper mode: q and k are verified here, through the checksums their projections passed.
+        _seen(ctx, [name for name in ("q", "k") if passed[name] is not None])
         seconds["scores"] += time.perf_counter() - t0
     elif cfg.trips("scores"):
         t0 = time.perf_counter()
@@ -313,6 +315,7 @@ def _checked_attention(
         t0 = time.perf_counter()
         checks["context"] = context_checks(probs.detach(), v_rep, out.detach(), passed.get("v"), h, tol, dropout_p)
         _observe(ctx, checks["context"], "context")
+        _seen(ctx, ["v"] if passed["v"] is not None else [])
         seconds["context"] += time.perf_counter() - t0
     elif cfg.trips("context"):
         t0 = time.perf_counter()
