@@ -120,6 +120,9 @@ def test_flex_call_equals_flex_forward_and_math_gradients(make_ctx, case: str) -
     _, ref_grads = grads_of(lambda *x: reference(*x, mask_mod, score_mod), (q, k, v), g)
     assert rec.detections == []
     assert ctx.runtime.stats.checks["scores"] == ctx.runtime.stats.checks["context"] == 1
+    # Through the backend contract: the tile loop ran it; the native pass ahead of it said why not.
+    assert ctx.runtime.calls.ran_by == {(0, "tiled"): 1}
+    assert any("score_mod / BlockMask" in r for r in ctx.runtime.calls.declined[(0, "native")])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for name, a, r in zip("qkv", grads, ref_grads, strict=True):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"d{n}: {m}")

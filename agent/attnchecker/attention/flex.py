@@ -4,10 +4,11 @@ BlockMask applied per tile (attention/tile_mods.py) in the PyTorch tile loop (at
 which visits only the key blocks the mask keeps. Its gradient comes from attention/backward/modded.py, so a protected
 flex model trains on CPU, where FlexAttention itself has no backward.
 
-When neither op is due on a step, the call runs the caller's own flex_attention (``fused``, compiled or not): with
-tier 1 on, its output is tested for INF/NaN/near-INF and, without a score_mod (which may raise any score), its row
-log-sum-exp against the bound ‖q‖·‖k‖ sets; a trip reruns the call checked. On CPU with autograd on, every call takes
-the checked path (flex_attention cannot differentiate there).
+The call goes through the backend contract (attention/backends: an AttentionCall with ``mods``), which the tile loop
+takes. When neither op is due on a step, the call runs the caller's own flex_attention (``fused``, compiled or not):
+with tier 1 on, its output is tested for INF/NaN/near-INF and, without a score_mod (which may raise any score), its
+row log-sum-exp against the bound ‖q‖·‖k‖ sets; a trip reruns the call checked. On CPU with autograd on, every call
+takes the checked path (flex_attention cannot differentiate there).
 
 Legend: B batch, H query heads, Hk key/value heads, T queries, S keys, D head dim.
 """
@@ -23,13 +24,12 @@ import torch
 from ..checks.context import LayerContext
 from ..checks.records import _count_trips
 from ..tripwire import extreme, lse_over_bound
-from .backends.tiled_torch import _forward, plan_tiles, tile_choice
+from .backends import AttentionCall, choose, requested
 from .backward.fused import _expand_heads
-from .backward.modded import ModdedForward, captured_parameters, modded_attention
 from .tile_mods import ScoreMod, TileMods, flex_lse
 from .tripwire import _emit_trip, _Trip, _which_trip
 
-__all__ = ["Fused", "checked_call", "checked_tiles", "fused_tier1", "protected_flex_attention"]
+__all__ = ["Fused", "checked", "checked_call", "fused_tier1", "protected_flex_attention"]
 
 Fused = Callable[[], tuple[torch.Tensor, torch.Tensor]]
 """The caller's own kernel for this call, returning (out, row log-sum-exp in FlexAttention's convention)."""
@@ -84,16 +84,17 @@ def checked_call(
     lse_bound: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse in FlexAttention's convention) of one call: the caller's kernel with tier 1 where nothing is due and it
-    can run, else the checked tile loop (ops not due but tripwired are verified there in full, tier "tripwire")."""
+    can run, else the checked call (ops not due but tripwired are verified there in full, tier "tripwire")."""
     kept, trip = fused_tier1(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, scale=scale, fused=fused, lse_bound=lse_bound)
     if kept is not None:
         return kept
     force = frozenset(("scores", "context")) if trip is not None else frozenset()
     caught = [0]
-    out, lse = checked_tiles(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, mods=mods, scale=scale, is_causal=is_causal,
-                             force=force, caught=caught)
+    out, lse = checked(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, mods=mods, scale=scale, is_causal=is_causal, force=force,
+                       caught=caught, return_lse=True)
     if trip is not None and not caught[0]:
         _emit_trip(ctx, trip, action="recomputed")
+    assert lse is not None
     return out, flex_lse(lse)
 
 
@@ -133,34 +134,35 @@ def fused_tier1(
     return None, trip
 
 
-def checked_tiles(
+def checked(
     q_BHTD: torch.Tensor,
     k_BHSD: torch.Tensor,
     v_BHSD: torch.Tensor,
     *,
     ctx: LayerContext,
-    mods: TileMods,
+    mods: TileMods | None,
     scale: float,
     is_causal: bool,
-    force: frozenset[str] = frozenset(),
-    caught: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse with +INF on fully masked rows) of the checked tile loop, autograd attached (backward/modded.py)."""
-    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q_BHTD, k_BHSD, v_BHSD))
-    b, h, t, _ = q_BHTD.shape
-    s = k_BHSD.shape[-2]
-    k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
-    tiles = tile_choice(s, b * h)
-    with torch.no_grad():
-        out, lse = _forward(q_BHTD.detach(), k_rep.detach(), v_rep.detach(), ctx=ctx, attn_mask=None,
-                            is_causal=is_causal, scale=scale, tiles=tiles, force=force, caught=caught, kernel=False,
-                            mods=mods)
-    params = captured_parameters(mods.score_mod, q_BHTD.device) if torch.is_grad_enabled() else ()
-    if not (grad or any(p.requires_grad for p in params)):
-        return out, lse
-    plan = plan_tiles(t, s, tiles, is_causal=is_causal, mods=mods)
-    return modded_attention(q_BHTD, k_rep, v_rep, ModdedForward(out_BHTD=out, lse_BHT=lse, plan=plan, mods=mods,
-                                                                scale=scale), params)
+    force: frozenset[str],
+    caught: list[int],
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out, lse with +INF on fully masked rows, or None where not asked for) of the call through the backend contract
+    (attention/backends): the backend that takes it is chosen and logged as for an SDPA call. mods None (no score_mod,
+    mask or window) and no lse asked for: a plain (causal) attention, which any backend may take."""
+    from .pipeline import BACKEND_ORDER
+
+    injector = ctx.runtime.injector
+    call = AttentionCall(
+        q_BHTD=q_BHTD, k_BHSD=k_BHSD, v_BHSD=v_BHSD, ctx=ctx, attn_mask=None, is_causal=is_causal, scale=scale,
+        dropout_p=0.0, return_probs=False, paper=False, force=force,
+        injected=injector is not None and any(injector.fires(op=op, layer=ctx.layer, step=ctx.step)
+                                              for op in ("scores", "context")),
+        requested=requested(), caught=caught, mods=mods, return_lse=return_lse)
+    choice = choose(call, BACKEND_ORDER)
+    ctx.runtime.calls.ran(ctx.layer, choice.backend.name, choice.declined)
+    got = choice.backend.run(call)
+    return got.out_BHTD, got.lse_BHT
 
 
 def _tripwire(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,

@@ -1,8 +1,9 @@
 """Packed (varlen) attention, checked per sequence: ``torch.nn.attention.varlen.varlen_attn`` and flash-attn's
 ``flash_attn_varlen_func`` take documents packed into one (T, H, D) tensor with cumulative sequence lengths; here each
-document is its own checked call (attention/flex.py's tile loop, its backward from attention/backward/modded.py), so
-no tile ever crosses a document boundary, and a sliding window (``window_size``) is applied per tile as FlexAttention's
-masks are (attention/tile_mods.py).
+document is its own checked call through the backend contract (attention/backends), so no tile ever crosses a
+document boundary: a plain or causal sequence on any backend (the native pass on CPU), a sliding window
+(``window_size``) or a returned log-sum-exp in the tile loop, the window applied per tile as FlexAttention's masks are
+(attention/tile_mods.py), with the gradient of attention/backward/modded.py.
 
 When neither op is due, the caller's varlen kernel runs (``fused``; tier 1 on its output and row log-sum-exp), as
 for FlexAttention; on CPU there is no such kernel (flash attention only), so a protected varlen model runs, and
@@ -18,7 +19,7 @@ import math
 import torch
 
 from ..checks.context import LayerContext
-from .flex import Fused, checked_tiles, fused_tier1
+from .flex import Fused, checked, fused_tier1
 from .tile_mods import TileMods, Window, flex_lse
 from .tripwire import _emit_trip
 
@@ -93,10 +94,11 @@ def protected_varlen_attention(
         q_d, k_d, v_d = (x[a:b].transpose(0, 1)[None] for x, a, b in
                          ((q_THD, q0, q1), (k_SHD, k0, k1), (v_SHD, k0, k1)))
         mods, causal = _sequence_mods(left, right, q1 - q0, k1 - k0, h)
-        out_d, lse_d = checked_tiles(q_d, k_d, v_d, ctx=ctx, mods=mods, scale=scale, is_causal=causal, force=force,
-                                     caught=caught)
+        out_d, lse_d = checked(q_d, k_d, v_d, ctx=ctx, mods=mods, scale=scale, is_causal=causal, force=force,
+                               caught=caught, return_lse=return_lse)
         outs.append(out_d[0].transpose(0, 1))
-        lses.append(flex_lse(lse_d[0]))
+        if lse_d is not None:
+            lses.append(flex_lse(lse_d[0]))
     tail = t - offsets_q[-1]
     if tail:
         outs.append(q_THD.new_zeros(tail, h, v_SHD.shape[-1]))
@@ -127,12 +129,11 @@ def _offsets(cu: torch.Tensor, total: int, name: str) -> list[int]:
     return offsets
 
 
-def _sequence_mods(left: int, right: int, t: int, s: int, heads: int) -> tuple[TileMods, bool]:
-    """One sequence's mask: none, SDPA's causal (top-left, which is flash-attn's bottom-right when T = S), or the
-    window as a per-tile mask."""
-    plain = TileMods(batch=1, heads=heads, t=t, s=s)
+def _sequence_mods(left: int, right: int, t: int, s: int, heads: int) -> tuple[TileMods | None, bool]:
+    """One sequence's mask: none, SDPA's causal (top-left, which is flash-attn's bottom-right when T = S), both plain
+    attention any backend takes (the native pass, on CPU), or the window as a per-tile mask (the tile loop)."""
     if (left, right) == (-1, -1):
-        return plain, False
+        return None, False
     if (left, right) == (-1, 0) and t == s:
-        return plain, True
+        return None, True
     return TileMods(batch=1, heads=heads, t=t, s=s, window=Window(left, right, offset=s - t)), False

@@ -19,11 +19,14 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ...checks.context import LayerContext
+
+if TYPE_CHECKING:
+    from ..tile_mods import TileMods
 
 __all__ = ["BACKENDS", "BACKEND_ENV", "AttentionBackend", "AttentionCall", "BackendOutput", "Choice", "choose",
            "requested"]
@@ -62,6 +65,12 @@ class AttentionCall:
     """What ``ATTNCHECKER_ATTENTION`` asked for: "auto" or a backend's name."""
     caught: list[int]
     """[n]: detections emitted for this call so far (the pipeline's tier-1 event depends on it)."""
+    mods: TileMods | None = None
+    """A FlexAttention call's score_mod and BlockMask, or a varlen sequence's window (attention/tile_mods.py): the
+    scores changed per tile, which only a backend that applies them per tile can take."""
+    return_lse: bool = False
+    """The caller takes the row log-sum-exp too, as an output with its own gradient (flex_attention's return_aux,
+    torchtitan's out_transform, the varlen op)."""
 
     @property
     def mask_grad(self) -> bool:
@@ -130,4 +139,5 @@ def choose(call: AttentionCall, backends: Sequence[AttentionBackend]) -> Choice:
             _warned.add((backend.name, reasons[0]))
             log.warning("attnchecker: %s=%s cannot take this call (%s); layer %d runs on the next backend that can",
                         BACKEND_ENV, backend.name, "; ".join(reasons), call.ctx.layer)
-    raise RuntimeError(f"no attention backend takes this call: {declined}")  # the unfused backend takes every call
+    # The unfused backend takes every call but those only the tile loop takes (per-tile mods, a differentiable lse).
+    raise RuntimeError(f"no attention backend takes this call: {declined}")

@@ -8,7 +8,7 @@ import os
 
 from ...kernels import fused_attention
 from . import AttentionCall, BackendOutput
-from .tiled_torch import KERNEL_BLOCK_Q, TILE_BUDGET, TILE_ENV, run_tiled, tile_reasons
+from .tiled_torch import KERNEL_BLOCK_Q, TILE_BUDGET, TILE_ENV, mods_reasons, run_tiled, tile_reasons
 
 __all__ = ["NativeBackend"]
 
@@ -17,7 +17,7 @@ class NativeBackend:
     name = "native"
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        reasons = tile_reasons(call)
+        reasons = tile_reasons(call) + mods_reasons(call, "the native pass")
         if call.injected:
             reasons.append("attnchecker.inject has a fault for this call, and it writes into the PyTorch paths' "
                            "tensors (the kernel's own faults: fused_attention.emulated_faults)")

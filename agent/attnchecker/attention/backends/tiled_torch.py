@@ -65,12 +65,13 @@ from ...checks.records import _count, _count_trips, _record_ratio, _worst_ratio
 from ...kernels import fused_attention
 from ...matmul_precision import fp32_matmul_operand_roundoff, full_precision_reductions, ieee_fp32_matmul
 from ..backward.fused import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
+from ..backward.modded import ModdedForward, captured_parameters, modded_attention
 from ..tile_mods import TileMods
 from . import BACKEND_ENV, AttentionCall, BackendOutput
 from .native_rules import kernel_checks, kernel_rules
 
 __all__ = ["PATH_ENV", "TILED_MIN_ENV", "TILE_ENV", "TileChoice", "TiledBackend", "default_tiles", "kernel_applies",
-           "plan_tiles", "run_tiled", "tile_choice", "tile_reasons", "tiled_sdpa"]
+           "mods_reasons", "plan_tiles", "run_modded", "run_tiled", "tile_choice", "tile_reasons", "tiled_sdpa"]
 
 PATH_ENV = BACKEND_ENV
 TILED_MIN_ENV = "ATTNCHECKER_TILED_MIN_TS"
@@ -148,13 +149,56 @@ class TiledBackend:
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         reasons = tile_reasons(call)
         t, s = call.q_BHTD.shape[-2], call.k_BHSD.shape[-2]
-        if call.requested != self.name and t * s < min_tiled_ts():
+        # A FlexAttention or varlen call has no other backend (mods_reasons): the tile loop at every size.
+        modded = call.mods is not None or call.return_lse
+        if modded and call.attn_mask is not None:
+            reasons.append("an explicit mask with per-tile mods or a returned log-sum-exp (their backward, "
+                           "attention/backward/modded.py, takes the mods only)")
+        if call.requested != self.name and t * s < min_tiled_ts() and not modded:
             reasons.append(f"T·S = {t}·{s} is below {TILED_MIN_ENV} = {min_tiled_ts()}, where the unfused path is "
                            "faster")
         return reasons
 
     def run(self, call: AttentionCall) -> BackendOutput:
+        if call.mods is not None or call.return_lse:
+            return run_modded(call)
         return run_tiled(call, kernel=False)
+
+
+def mods_reasons(call: AttentionCall, backend: str) -> list[str]:
+    """Why a backend that is not the tile loop cannot take a FlexAttention or varlen call."""
+    reasons = []
+    if call.mods is not None and (call.mods.masks or call.mods.score_mod is not None):
+        reasons.append(f"a FlexAttention score_mod / BlockMask or a varlen window, which {backend} does not apply "
+                       "(the tile loop applies them per tile)")
+    if call.return_lse:
+        reasons.append(f"the caller takes the row log-sum-exp with its own gradient, which {backend}'s backward "
+                       "does not give")
+    return reasons
+
+
+def run_modded(call: AttentionCall) -> BackendOutput:
+    """A FlexAttention or varlen call (call.mods), or one whose row log-sum-exp the caller takes: the tile loop with
+    the mods applied per tile, and its gradient from attention/backward/modded.py (lse +INF on fully masked rows)."""
+    q, k, v, ctx = call.q_BHTD, call.k_BHSD, call.v_BHSD, call.ctx
+    b, h, t, _ = q.shape
+    s = k.shape[-2]
+    mods = call.mods if call.mods is not None else TileMods(batch=b, heads=h, t=t, s=s)
+    for name in ("q", "k", "v"):
+        ctx.passed.take(name)
+    k_rep, v_rep = _expand_heads(k, h), _expand_heads(v, h)
+    tiles = tile_choice(s, b * h)
+    with torch.no_grad():
+        out, lse = _forward(q.detach(), k_rep.detach(), v_rep.detach(), ctx=ctx, attn_mask=call.attn_mask,
+                            is_causal=call.is_causal, scale=call.scale, tiles=tiles, force=call.force,
+                            caught=call.caught, kernel=False, mods=mods)
+    params = captured_parameters(mods.score_mod, q.device) if torch.is_grad_enabled() else ()
+    if not (call.needs_grad or any(p.requires_grad for p in params)):
+        return BackendOutput(out, lse)
+    plan = plan_tiles(t, s, tiles, is_causal=call.is_causal, mods=mods)
+    out, lse = modded_attention(q, k_rep, v_rep, ModdedForward(out_BHTD=out, lse_BHT=lse, plan=plan, mods=mods,
+                                                               scale=call.scale), params)
+    return BackendOutput(out, lse)
 
 
 def run_tiled(call: AttentionCall, *, kernel: bool) -> BackendOutput:

@@ -37,18 +37,20 @@ from ...tripwire import extreme
 from ..backward.fused import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
 from ..backward.unfused import context_product, scores_product
 from . import AttentionCall, BackendOutput
+from .tiled_torch import mods_reasons
 
 __all__ = ["UnfusedBackend", "context_checks", "scores_checks"]
 
 
 class UnfusedBackend:
-    """Takes every call (no reasons): the backend of last resort, and the only one for attention dropout,
-    return_probs, paper-faithful checksum passing and a mask that requires grad."""
+    """The backend of last resort, and the only one for attention dropout, return_probs, paper-faithful checksum
+    passing and a mask that requires grad. It takes every call but a FlexAttention or varlen call's (per-tile mods,
+    the row log-sum-exp as an output), which the tile loop takes whatever its size."""
 
     name = "unfused"
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
-        return []
+        return mods_reasons(call, "the unfused path")
 
     def run(self, call: AttentionCall) -> BackendOutput:
         q_BHTD, k_BHSD, v_BHSD, attn_mask = call.q_BHTD, call.k_BHSD, call.v_BHSD, call.attn_mask
