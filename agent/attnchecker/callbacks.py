@@ -7,11 +7,14 @@ protects the model when training begins and closes the guard when it ends).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from .runtime.guard import Guard, protect
 
 __all__ = ["AttnCheckerCallback", "AttnCheckerLightningCallback"]
+
+log = logging.getLogger("attnchecker")
 
 try:
     from transformers import TrainerCallback as _HFCallbackBase
@@ -57,11 +60,14 @@ class AttnCheckerCallback(_HFCallbackBase):
     """``Trainer(..., callbacks=[AttnCheckerCallback(policy=Policy.full())])``.
 
     on_train_begin: protect ``model`` (unless a guard was given); on_step_end: ``guard.step()`` (one optimizer step,
-    after gradient accumulation); on_train_end: close the guard it created.
+    after gradient accumulation); on_train_end: close the guard it created. With ``logging_nan_inf_filter`` on (the
+    Trainer's default, which logs a NaN loss as the mean of the others) it warns at train begin, and at each step
+    whose gradients were not finite.
     """
 
     def __init__(self, guard: Guard | None = None, **protect_kwargs: Any) -> None:
         self._owner = _GuardOwner(guard, protect_kwargs)
+        self._nan_filter = False
 
     @property
     def guard(self) -> Guard | None:
@@ -69,8 +75,24 @@ class AttnCheckerCallback(_HFCallbackBase):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._owner._begin(model, kwargs.get("optimizer"))
+        # Trainer replaces a NaN or INF loss by the mean of the losses logged before it (0.0 on a first step): its
+        # own logs then show a run that went NaN as healthy.
+        self._nan_filter = bool(getattr(args, "logging_nan_inf_filter", False))
+        if self._nan_filter:
+            log.warning("attnchecker: TrainingArguments.logging_nan_inf_filter is on (Trainer's default): a NaN or INF "
+                        "loss is logged as the mean of the losses before it (0.0 on the first step), so a run that "
+                        "went NaN looks healthy in the Trainer's logs. attnchecker reports what it catches "
+                        "(Guard.detections, Guard.report(), the collector) and warns at each step whose gradients "
+                        "were not finite; logging_nan_inf_filter=False logs the loss as it is")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        guard = self._owner.guard
+        stats = guard.step_stats if guard is not None else None
+        if self._nan_filter and stats is not None and stats.catches.get(("optimizer", "grad"), 0):
+            log.warning("attnchecker: step %s had non-finite gradients (a NaN or INF loss, or a fault outside the "
+                        "checked ops; the optimizer net kept them from the weights), and Trainer's "
+                        "logging_nan_inf_filter logs that step's loss as the mean of the others",
+                        getattr(state, "global_step", "?"))
         self._owner._step()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -97,6 +97,42 @@ def test_hf_trainer_with_callback_corrects_faults(tmp_path: Path) -> None:
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("nan_filter", [True, False])
+def test_hf_callback_warns_when_the_trainer_would_hide_a_nan_loss(tmp_path: Path, nan_filter: bool,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A NaN in an MLP weight (outside the checked ops) at step 1: the loss is NaN, the optimizer net keeps the NaN
+    gradients out of the weights, and Trainer (logging_nan_inf_filter, its default) logs the mean of the earlier
+    losses instead. The callback says so, at train begin and at that step; with the filter off it has nothing to say."""
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    import logging
+
+    import transformers as tf
+
+    model = build("gpt2")
+
+    class NanWeight(tf.TrainerCallback):
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 1:
+                with torch.no_grad():
+                    model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
+
+    args = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2,
+                                learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="no", logging_steps=1,
+                                disable_tqdm=True, dataloader_num_workers=0, logging_nan_inf_filter=nan_filter)
+    trainer = tf.Trainer(model=model, args=args, train_dataset=_Batches(),
+                         callbacks=[NanWeight(), AttnCheckerCallback(policy=Policy.full())])
+    with caplog.at_level(logging.WARNING, "attnchecker"):
+        trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    warned = [r.getMessage() for r in caplog.records if "logging_nan_inf_filter" in r.getMessage()]
+    if nan_filter:
+        assert all(torch.isfinite(torch.tensor(losses))), losses  # the NaN step's loss is hidden
+        assert len(warned) == 2 and "step 2 had non-finite gradients" in warned[1], warned
+    else:
+        assert not torch.isfinite(torch.tensor(losses[-1])), losses
+        assert warned == []
+
+
 def test_lightning_callback_protects_the_module() -> None:
     lightning = pytest.importorskip("lightning")
 
