@@ -5,11 +5,13 @@ flag. torch's varlen_attn itself has no CPU kernel, so the reference is per-sequ
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.nn.attention.varlen import varlen_attn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnchecker.attention.varlen import protected_varlen_attention
@@ -32,7 +34,7 @@ def packed(total: int, seed: int, dtype: torch.dtype = torch.float32, h: int = H
                                                                                                seed + 2, dtype)
 
 
-def reference(q, k, v, cu_q, cu_k, window):
+def reference(q, k, v, cu_q, cu_k, window, scale=None):
     """Each sequence on its own, materialised in fp64, flash-attn's bottom-right window; 0 outside every sequence."""
     h = q.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
@@ -44,7 +46,7 @@ def reference(q, k, v, cu_q, cu_k, window):
             continue
         qd = q[q0:q1].double().transpose(0, 1)
         kd, vd = (x[k0:k1].double().transpose(0, 1).repeat_interleave(h // x.shape[1], 0) for x in (k, v))
-        s = qd @ kd.mT / math.sqrt(D)
+        s = qd @ kd.mT * (scale if scale is not None else 1 / math.sqrt(q.shape[-1]))
         i, j = torch.arange(q1 - q0)[:, None] + (k1 - k0) - (q1 - q0), torch.arange(k1 - k0)[None]
         ok = torch.ones(s.shape[-2:], dtype=torch.bool)
         if window[0] >= 0:
@@ -168,3 +170,81 @@ def test_offsets_that_do_not_fit_the_packed_tensor_are_refused(make_ctx) -> None
     ctx, _ = make_ctx()
     with pytest.raises(ValueError, match="cu_seq_q must be non-decreasing offsets"):
         protected_varlen_attention(q, k, v, torch.tensor([0, 6, 4, 12]), None, ctx=ctx, enable_gqa=True)
+
+
+class PackedAttention(torch.nn.Module):
+    """A plain module over packed documents calling torch's varlen_attn, which has no CPU kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x_TC: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(-1, 4, 8) for t in self.qkv(x_TC).split(32, -1))
+        return self.out(varlen_attn(q, k, v, cu, cu, 64, 64, window_size=(-1, 0)).reshape(-1, 32))
+
+
+def test_a_module_calling_torchs_varlen_attn_trains_protected_on_cpu() -> None:
+    """varlen_attn's op reaches the checked engine through the SDPA integration's TorchFunctionMode."""
+    import attnchecker
+    from attnchecker import Policy
+
+    torch.manual_seed(0)
+    model = PackedAttention()
+    cu = offsets((40, 24, 64))
+    x = torch.randn(128, 32)
+    with pytest.raises(NotImplementedError):
+        model(x, cu)
+    with attnchecker.protect(model, policy=Policy.full()) as guard:
+        out = model(x, cu)
+        out.square().mean().backward()
+        guard.step()
+        assert guard.coverage.complete, guard.coverage.gaps()
+        assert {e.path for e in guard.coverage.protected if e.op == "scores"} == {"varlen"}
+        assert guard.report().checks["scores"] == 3  # one checked call per document
+    q, k, v = (t.view(-1, 4, 8) for t in model.qkv(x).split(32, -1))
+    want = model.out(reference(q, k, v, cu, cu, (-1, 0)).float().reshape(-1, 32))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+class FlashPacked(PackedAttention):
+    """The same through flash-attn's call convention (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, softmax_scale=, causal=)."""
+
+    def forward(self, x_TC: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(-1, 4, 8) for t in self.qkv(x_TC).split(32, -1))
+        out = flash_attn_varlen_func(q, k, v, cu, cu, 64, 64, softmax_scale=0.25, causal=True)  # noqa: F821
+        return self.out(out.reshape(-1, 32))
+
+
+def test_flash_attn_varlen_func_is_routed_by_its_call_convention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flash-attn is CUDA-only and not installed here: a stand-in module whose function fails as the real one does on
+    CPU gives the model the name to call. Protected, the call never reaches it (routed by name to the checked engine,
+    with flash-attn's arguments); unprotected, it fails; unprotect restores the name."""
+    import types
+
+    import attnchecker
+    from attnchecker import Policy
+
+    def flash_attn_varlen_func(*args, **kwargs):
+        raise RuntimeError("FlashAttention only supports CUDA")
+
+    stand_in = types.ModuleType("flash_attn")
+    stand_in.flash_attn_varlen_func = flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", stand_in)
+    monkeypatch.setitem(globals(), "flash_attn_varlen_func", flash_attn_varlen_func)
+    torch.manual_seed(0)
+    model = FlashPacked()
+    cu, x = offsets((40, 24, 64)), torch.randn(128, 32)
+    with attnchecker.protect(model, policy=Policy.full()) as guard:
+        out = model(x, cu)
+        out.square().mean().backward()
+        guard.step()
+        assert guard.coverage.complete, guard.coverage.gaps()
+        assert guard.report().checks["context"] == 3
+    assert globals()["flash_attn_varlen_func"] is flash_attn_varlen_func
+    with pytest.raises(RuntimeError, match="only supports CUDA"):
+        model(x, cu)
+    q, k, v = (t.view(-1, 4, 8) for t in model.qkv(x).split(32, -1))
+    want = model.out(reference(q, k, v, cu, cu, (-1, 0), scale=0.25).float().reshape(-1, 32))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
