@@ -228,3 +228,28 @@ def test_a_block_mask_made_for_other_lengths_is_refused(make_ctx) -> None:
     ctx, _ = make_ctx()
     with pytest.raises(ValueError, match=r"made for \(Q_LEN, KV_LEN\) = \(64, 64\)"):
         protected_flex_attention(q, k, v, ctx=ctx, block_mask=block_mask_of(causal, 64), enable_gqa=True)
+
+
+def test_a_transformers_model_on_flex_attention_trains_protected_on_cpu() -> None:
+    """transformers' "flex_attention" implementation: protect() switches the model to its checked interface function,
+    which computes the same attention as the model's SDPA implementation (compared here: transformers' flex path on
+    CPU compiles its BlockMask and kernel first, ~15 s, and has no backward), so the model trains on CPU, and gets its
+    implementation back on close."""
+    import model_zoo as mz
+
+    import attnchecker
+    from attnchecker import Policy
+
+    model = mz.build("llama")
+    b = mz.batch("llama", 0)
+    with torch.no_grad():
+        want = mz.loss_of("llama", model, b)  # the zoo's llama runs "sdpa"
+    model.set_attn_implementation("flex_attention")
+    with attnchecker.protect(model, policy=Policy.full()) as guard:
+        loss = mz.loss_of("llama", model, b)
+        loss.backward()
+        guard.step()
+        assert guard.coverage.complete, guard.coverage.gaps()
+    torch.testing.assert_close(loss.detach(), want, rtol=1e-5, atol=1e-6)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    assert model.config._attn_implementation == "flex_attention"
