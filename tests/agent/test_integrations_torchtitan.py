@@ -178,6 +178,7 @@ def scores_tile(shape: tuple[int, ...], k: int) -> bool:
     return len(shape) == 3 and shape[0] == B * 16 and shape[-1] > 16 and k == 16
 
 
+@pytest.mark.slow
 def test_llama3_debug_flex_trains_checked_and_faults_below_autograd_are_corrected() -> None:
     """The issue's case: 6 layers of FlexAttention with packed-document masks. Before, protect() took qkv_linear and
     feed_forward for attention, claimed scores/context through sdpa and checked them 0 times."""
@@ -281,13 +282,14 @@ def gloo() -> Iterator[Any]:
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", [("protect", "shard", "compile"), ("shard", "compile", "protect")])
 def test_fsdp2_and_compile_per_block_in_either_order(gloo: Any, order: tuple[str, ...]) -> None:
     """FSDP2 fully_shard per block and at the root (one gloo rank), torch.compile per block (aot_eager; the checks
     graph-break, so fullgraph=False), and protect(), in either order: same losses, every op checked."""
     from torch.distributed.fsdp import fully_shard
 
-    want, _ = train(build(layers=2), 3, guard_kw={})
+    want, _ = train(build(layers=2), 2, guard_kw={})
     model = build(layers=2)
     guard = None
     for what in order:
@@ -306,7 +308,7 @@ def test_fsdp2_and_compile_per_block_in_either_order(gloo: Any, order: tuple[str
         guard.attach_optimizer(opt)
         attention_masks = masks(model, False)
         got = []
-        for _ in range(3):
+        for _ in range(2):
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(TOKENS[:, :-1], POSITIONS, attention_masks).flatten(0, 1),
                                    TOKENS[:, 1:].flatten())
