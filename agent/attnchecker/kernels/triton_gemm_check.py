@@ -1,0 +1,383 @@
+"""Launchers of the GEMM checks' Triton kernels (triton_gemm_kernels.py has the kernels and what each computes): one
+fused pass over each checked output, the operand passes its references come from, the tier-1 pass, and the repair
+kernel that does nothing on a clean call. The GPU sibling of fused_pass.c and row_verify.c together.
+
+On CUDA tensors the kernels run compiled; on CPU tensors only under Triton's interpreter (``TRITON_INTERPRET=1`` set
+before triton is first imported), which is how the tests run them without a GPU. This module imports without
+triton: ``available()`` says whether it can launch anything, ``takes(...)`` whether it takes these tensors.
+
+No launcher syncs with the device: every outcome stays in device tensors (``Check.state`` and its summaries) until the
+step boundary (gemm/device.py, checks/deferred.py). ``LAUNCHES`` counts the kernel launches, for the launch-count
+test and the docs' figure.
+
+Legend: nb = nb0·nb1 matrices (a product's leading dims, at most two: (B, H) for attention, none for a Linear GEMM),
+M, N rows and columns of C, K the reduction length, R, C an operand's rows and columns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..abft.gemm_rule import GemmRowRule
+
+__all__ = ["LAUNCHES", "OUTCOMES", "SLOTS", "STATE", "STATE_SIZE", "Check", "EmulatedFault", "OperandOut", "RowSide",
+           "Workspace", "available", "check_pass", "fault_kind", "gate_of", "interpreted", "new_state",
+           "operand_floats", "operand_pass", "repair_rows", "takes", "trip_pass"]
+
+SLOTS = 16
+"""Flagged rows per check whose summary (batch, row, column, outcome, value, residual, bound) is kept for its report;
+the counts in ``state`` cover every row."""
+STATE = {"flagged": 0, "worst": 1, "extreme": 2, "recompute": 3, "corrected": 4, "recomputed": 5,
+         "uncorrectable": 6, "consistent": 7, "detected": 8, "upstream": 9}
+"""Index of each count in a check's ``state`` (int32; "worst" holds the bits of an fp32 ratio)."""
+STATE_SIZE = 16
+OUTCOMES = {0: "clean", 1: "corrected", 2: "recompute", 3: "recomputed", 4: "uncorrectable", 5: "consistent",
+            6: "detected", 7: "upstream"}
+"""A row's outcome code (triton_gemm_kernels' constants)."""
+
+
+class _Launches:
+    """Kernel launches since the process started (or the last ``reset``), by kernel name."""
+
+    def __init__(self) -> None:
+        self.by_kernel: dict[str, int] = {}
+
+    def count(self, name: str) -> None:
+        self.by_kernel[name] = self.by_kernel.get(name, 0) + 1
+
+    def reset(self) -> None:
+        self.by_kernel.clear()
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kernel.values())
+
+
+LAUNCHES = _Launches()
+
+
+def available() -> bool:
+    """Whether triton can be imported here (it is not imported by this call)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """Whether Triton's interpreter is on (``TRITON_INTERPRET=1``): kernels then run on CPU tensors. Triton decides
+    at its first import (its standard library's functions are built then), so the variable set later is not enough."""
+    if os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("1", "true", "yes", "on"):
+        return False
+    return "triton" not in sys.modules or _built_for_interpreter()
+
+
+@functools.lru_cache(maxsize=1)
+def _built_for_interpreter() -> bool:
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.standard.argmax, InterpretedFunction)
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels can run on these tensors (a product's matrices and its bias): all on one CUDA device, or all
+    on the CPU under the interpreter; fp32, bf16 or fp16; at most two leading dims. No pass over them, no sync."""
+    if not tensors or not available():
+        return False
+    device = tensors[0].device
+    if device.type == "cuda":
+        if interpreted():
+            return False
+    elif device.type != "cpu" or not interpreted():
+        return False
+    return all(t.device == device and t.dtype in (torch.float32, torch.bfloat16, torch.float16) and 1 <= t.dim() <= 4
+               for t in tensors)
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> ModuleType:
+    from . import triton_gemm_kernels
+
+    return triton_gemm_kernels
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Blocks:
+    rows: int
+    cols: int
+    k: int
+
+
+def _blocks(device: torch.device) -> _Blocks:
+    # On a GPU: tiles a program streams through registers (the check pass is memory-bound; 32 rows × 128 columns of
+    # bf16 is 8 KB a step). Under the interpreter each op is a numpy call, whatever its size: big tiles, few ops.
+    return _Blocks(32, 128, 32) if device.type == "cuda" else _Blocks(64, 256, 64)
+
+
+def _lead(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(nb0, nb1, stride0, stride1) of t's leading dims (none, one or two)."""
+    if t.dim() == 2:
+        return 1, 1, 0, 0
+    if t.dim() == 3:
+        return t.shape[0], 1, t.stride(0), 0
+    return t.shape[0], t.shape[1], t.stride(0), t.stride(1)
+
+
+class Workspace:
+    """One zero-filled fp32 buffer (one memset) carved into the outputs the kernels accumulate into with atomics:
+    operand passes' column sums and checks' ``state``. Sized by the caller (``operand_floats``, ``STATE_SIZE``)."""
+
+    def __init__(self, device: torch.device, floats: int) -> None:
+        self.buf = torch.zeros(max(floats, 1), device=device, dtype=torch.float32)
+        self.used = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        if self.used + n > self.buf.numel():
+            raise ValueError(f"Workspace: {n} more floats asked of {self.buf.numel() - self.used} left (sized short)")
+        out = self.buf[self.used : self.used + n]
+        self.used += n
+        return out
+
+
+def operand_floats(x: torch.Tensor, *, left: bool = False, left_w: bool = False, col_sq: bool = False) -> int:
+    """The zeroed floats ``operand_pass`` takes from its workspace for these outputs."""
+    nb0, nb1, _, _ = _lead(x)
+    cols = x.shape[-1] * nb0 * nb1
+    return cols * (2 * left + 2 * left_w + col_sq)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OperandOut:
+    """What one read of X (.., R, C) gave, dense with the leading dims flattened to nb (None where not asked for)."""
+
+    xv: torch.Tensor | None = None
+    """(nb, R, 2) X·V"""
+    xw: torch.Tensor | None = None
+    """(nb, R, 2) X·[1, 1..C]"""
+    rsq: torch.Tensor | None = None
+    """(nb, R) ΣX² per row"""
+    lx: torch.Tensor | None = None
+    """(nb, C, 2) Xᵀ·L"""
+    wx: torch.Tensor | None = None
+    """(nb, C, 2) Xᵀ·[1, 1..R]"""
+    csq: torch.Tensor | None = None
+    """(nb, C) ΣX² per column"""
+
+
+def _factor(f: torch.Tensor | None, lead: tuple[int, int], like: torch.Tensor
+            ) -> tuple[torch.Tensor, int, int, int, int]:
+    """A (.., L, 2) factor as (tensor, batch strides, element strides); a 2-D one is shared by the batch (strides 0),
+    a (nb, L, 2) one is split into the (nb0, nb1) leading dims."""
+    if f is None:
+        return like, 0, 0, 0, 0
+    if f.dim() == 2:
+        return f, 0, 0, f.stride(0), f.stride(1)
+    nb0, nb1 = lead
+    if f.shape[0] != nb0 * nb1:
+        raise ValueError(f"operand_pass: a factor of {f.shape[0]} matrices for {nb0 * nb1}")
+    return f, f.stride(0) * nb1, f.stride(0), f.stride(1), f.stride(2)
+
+
+def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None = None, right_w: bool = False,
+                 left: torch.Tensor | None = None, left_w: bool = False, row_sq: bool = False, col_sq: bool = False,
+                 gate: torch.Tensor | None = None) -> OperandOut:
+    """One read of X (R, C) or (.., R, C), any strides: X·right for right (C, 2) or (nb, C, 2), X·w, Xᵀ·left for
+    left (R, 2) or (nb, R, 2), Xᵀ·w, and the squared row and column sums, in fp32. gate: a device int32 scalar; the
+    kernel returns at once where it is 0 (a tier-1 trip's full check). No sync."""
+    k = _kernels()
+    nb0, nb1, s0, s1 = _lead(x)
+    nb = nb0 * nb1
+    rows, cols = x.shape[-2:]
+    dev = x.device
+    new = functools.partial(torch.empty, device=dev, dtype=torch.float32)
+    xv = new(nb, rows, 2) if right is not None else None
+    xw = new(nb, rows, 2) if right_w else None
+    rsq = new(nb, rows) if row_sq else None
+    lx = ws.take(nb * cols * 2).view(nb, cols, 2) if left is not None else None
+    wx = ws.take(nb * cols * 2).view(nb, cols, 2) if left_w else None
+    csq = ws.take(nb * cols).view(nb, cols) if col_sq else None
+    vt, sv0, sv1, svk, svj = _factor(right, (nb0, nb1), x)
+    lt, sl0, sl1, slr, slj = _factor(left, (nb0, nb1), x)
+    blk = _blocks(dev)
+    dummy = ws.buf
+    grid = (triton_cdiv(rows, blk.rows), nb)
+    k.operand_pass[grid](
+        x, rows, cols, nb1, s0, s1, x.stride(-2), x.stride(-1),
+        vt, sv0, sv1, svk, svj, lt, sl0, sl1, slr, slj,
+        xv if xv is not None else dummy, xw if xw is not None else dummy, rsq if rsq is not None else dummy,
+        lx if lx is not None else dummy, wx if wx is not None else dummy, csq if csq is not None else dummy,
+        gate if gate is not None else dummy,
+        RIGHT_V=right is not None, RIGHT_W=right_w, LEFT_L=left is not None, LEFT_W=left_w, ROW_SQ=row_sq,
+        COL_SQ=col_sq,
+        GATED=gate is not None, BR=blk.rows, BC=blk.cols,
+    )
+    LAUNCHES.count("operand_pass")
+    return OperandOut(xv=xv, xw=xw, rsq=rsq, lx=lx, wx=wx, csq=csq)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RowSide:
+    """The operand side of C = A·B's row check, as the operand passes make it (fp32, dense, squares not norms: a
+    square sum added up across programs can be rooted only by its reader, the check pass)."""
+
+    ref: torch.Tensor
+    """(nb, M, 2) A·(B w), w = ones and 1..N; the bias is added by the check pass."""
+    a_sq: torch.Tensor
+    """(nb, M) ‖A_i‖²"""
+    b_sq: torch.Tensor
+    """(nb, N) or (N,) ‖B_j‖² (one row shared by the batch)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EmulatedFault:
+    """A planned fault (attnchecker.inject) that a recomputation inside the repair kernel meets, where a torch op's
+    output would have been hit (attempt 1): rows [row0, row1) × cols [col0, col1) of matrix ``batch`` of C as the
+    check sees it. kind: 0 set to value, 1 add value, 2 flip the exponent bit inject.bitflip flips."""
+
+    batch: int
+    row0: int
+    row1: int
+    col0: int
+    col1: int
+    kind: int
+    value: float
+
+
+@dataclasses.dataclass(slots=True)
+class Check:
+    """One product's check on the device: its counts (``state``, int32 (STATE_SIZE,): ``STATE``), each row's outcome
+    (``code``, (nb, M) int32), and the first SLOTS flagged rows' summaries (``slot_i`` (SLOTS, 4) int32: batch, row,
+    column, outcome; ``slot_f`` (SLOTS, 4) fp32: value, d1, bound, -). ``args`` keeps what the repair kernel needs
+    (dropped once it ran)."""
+
+    state: torch.Tensor
+    code: torch.Tensor
+    slot: torch.Tensor
+    slot_i: torch.Tensor
+    slot_f: torch.Tensor
+    lead: tuple[int, int]
+    args: dict[str, Any] | None
+
+
+def _rule_args(rule: GemmRowRule) -> tuple[float, ...]:
+    return (rule.floor_a, rule.floor_b, rule.rig_ab, rule.rig_bias, rule.abs_coef, rule.under0, rule.flush,
+            rule.var_b, rule.var_ref, rule.var_bias, rule.sq_coef, rule.tiny_pad, rule.common, rule.sigmas,
+            rule.near_inf, math.sqrt(rule.k))
+
+
+def _side_args(side: RowSide, lead: tuple[int, int]) -> tuple[Any, ...]:
+    """The kernels' (pointer, batch strides, element strides) of a RowSide, its (nb, ...) outputs split into the
+    (nb0, nb1) leading dims; a b_sq of one row is shared by the batch (batch strides 0)."""
+    nb1 = lead[1]
+    ref, a_sq, b_sq = side.ref, side.a_sq, side.b_sq
+    sb0, sb1 = ((b_sq.stride(0) * nb1, b_sq.stride(0)) if b_sq.dim() == 2 and b_sq.shape[0] > 1 else (0, 0))
+    return (ref, ref.stride(0) * nb1, ref.stride(0), ref.stride(-2), ref.stride(-1),
+            a_sq, a_sq.stride(0) * nb1, a_sq.stride(0), a_sq.stride(-1), b_sq, sb0, sb1, b_sq.stride(-1))
+
+
+def check_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, side: RowSide,
+               rule: GemmRowRule, ws: Workspace, *, correct: bool, state: torch.Tensor | None = None) -> Check:
+    """The row check of C = A·B (+ bias) (M, N) or (.., M, N), C any strides (a column check is the row check of the
+    transposed view), A (.., M, K) and B (.., K, N) for recomputing located elements, against ``side`` under
+    ``rule``: one read of C, located single errors corrected in place (``correct``) within the same launch, rows that
+    need recomputing marked for ``repair_rows``. state: a tier-1 pass's (``new_state``): then the check is that
+    trip's, and returns at once where it counted no extreme element. No sync."""
+    k = _kernels()
+    nb0, nb1, sc0, sc1 = _lead(c)
+    nb = nb0 * nb1
+    m, n = c.shape[-2:]
+    dev = c.device
+    gate = None if state is None else gate_of(state)
+    state = new_state(ws) if state is None else state
+    code = torch.empty(nb * m, device=dev, dtype=torch.int32)
+    slot = torch.empty(nb * m, device=dev, dtype=torch.int32)
+    slot_i = torch.empty(SLOTS, 4, device=dev, dtype=torch.int32)
+    slot_f = torch.empty(SLOTS, 4, device=dev, dtype=torch.float32)
+    _, _, sa0, sa1 = _lead(a)
+    _, _, sb0, sb1 = _lead(b)
+    a_args = (a, sa0, sa1, a.stride(-2), a.stride(-1))
+    b_args = (b, sb0, sb1, b.stride(-2), b.stride(-1), a.shape[-1])
+    blk = _blocks(dev)
+    flags = {"CORRECT": correct, "USE_ABS": rule.use_abs, "HAS_BIAS": bias is not None,
+             "CALIBRATED": rule.calibrated, "FLUSH": rule.flush != 0.0}
+    bias_t = bias if bias is not None else state
+    c_args = (c, m, n, nb1, sc0, sc1, c.stride(-2), c.stride(-1))
+    side_args = _side_args(side, (nb0, nb1))
+    k.check_pass[(triton_cdiv(m, blk.rows), nb)](
+        *c_args, *side_args, bias_t, *a_args, *b_args, state, code, slot, slot_i, slot_f, SLOTS,
+        gate if gate is not None else state, *_rule_args(rule),
+        GATED=gate is not None, BM=blk.rows, BN=blk.cols, BK=blk.k, **flags,
+    )
+    LAUNCHES.count("check_pass")
+    args = {"c": c_args, "side": side_args, "bias": bias_t, "a": a_args, "b": b_args, "rule": rule, "flags": flags,
+            "grid": (triton_cdiv(m, blk.rows), nb), "blk": blk}
+    return Check(state=state, code=code, slot=slot, slot_i=slot_i, slot_f=slot_f, lead=(nb0, nb1), args=args)
+
+
+def new_state(ws: Workspace) -> torch.Tensor:
+    """A check's counts, (STATE_SIZE,) int32 zeros from the workspace."""
+    return ws.take(STATE_SIZE).view(torch.int32)
+
+
+def gate_of(state: torch.Tensor) -> torch.Tensor:
+    """The count of extreme elements a tier-1 pass left in ``state``: the gate of its full check's kernels."""
+    return state[STATE["extreme"] : STATE["extreme"] + 1]
+
+
+def trip_pass(c: torch.Tensor, state: torch.Tensor, *, near_inf: float) -> None:
+    """Tier 1: the count of C's INF, NaN and |x| > near_inf elements added to state[STATE["extreme"]]; one read of C."""
+    k = _kernels()
+    nb0, nb1, sc0, sc1 = _lead(c)
+    m, n = c.shape[-2:]
+    blk = _blocks(c.device)
+    k.trip_pass[(triton_cdiv(m, blk.rows), nb0 * nb1)](c, m, n, nb1, sc0, sc1, c.stride(-2), c.stride(-1), state,
+                                                       near_inf, BM=blk.rows, BN=blk.cols)
+    LAUNCHES.count("trip_pass")
+
+
+_KINDS = {"inf": (0, math.inf), "neg_inf": (0, -math.inf), "nan": (0, math.nan), "add": (1, 1.0), "bitflip": (2, 0.0)}
+
+
+def fault_kind(kind: str, value: float | None) -> tuple[int, float]:
+    """(kernel kind, value) of an attnchecker.inject fault kind (near_inf: its value, 1e20 by default)."""
+    if kind == "near_inf":
+        return 0, 1e20 if value is None else value
+    code, default = _KINDS[kind]
+    return code, default if value is None or kind != "add" else value
+
+
+def repair_rows(check: Check, faults: tuple[EmulatedFault, ...] = ()) -> None:
+    """Recompute, re-verify and write back the rows ``check`` marked; every program returns at once when there are
+    none (a clean call: one launch that reads one int). faults: planned faults its recomputation meets (tests, the
+    demo); their table is copied to the device (a copy from host memory: injection only). No sync otherwise."""
+    args = check.args
+    if args is None:
+        raise ValueError("repair_rows: this check's repair already ran")
+    k = _kernels()
+    c = args["c"][0]
+    a_t, b_t = args["a"][0], args["b"][0]
+    rule: GemmRowRule = args["rule"]
+    blk: _Blocks = args["blk"]
+    table = (torch.tensor([[f.batch, f.row0, f.row1, f.col0, f.col1, f.kind, f.value, 0.0] for f in faults],
+                          dtype=torch.float32, device=c.device) if faults else check.state)
+    # The interpreter's tl.dot takes fp32 and fp16, not bf16: products there in fp32, as the GPU accumulates them.
+    dot_fp32 = c.device.type != "cuda" or a_t.dtype != b_t.dtype
+    ieee = dot_fp32 or a_t.dtype == torch.float32
+    k.repair_rows[args["grid"]](
+        *args["c"], *args["side"], args["bias"], *args["a"], *args["b"], check.state, check.code, check.slot,
+        check.slot_i, SLOTS, table, *_rule_args(rule), rule.elem_ab, rule.elem_abs,
+        DOT_FP32=dot_fp32, IEEE=ieee, IS_F32=c.dtype == torch.float32, NF=len(faults), BM=blk.rows, BN=blk.cols,
+        BK=blk.k, **args["flags"],
+    )
+    LAUNCHES.count("repair_rows")
+    check.args = None

@@ -1,0 +1,540 @@
+"""The Triton kernels of the GEMM checks (launched by ``triton_gemm_check``, which says when and how; imported only
+there, once triton is known to be importable). Four kernels, each one pass:
+
+- ``operand_pass``: one read of an operand X (..., R, C): X·V and X·w (w the checksum weights ones and 1..C), Xᵀ·L and
+  Xᵀ·w, and X's squared row and column sums; the references and norms of a row check come from one such pass per
+  operand side (the skinny GEMMs X·[B w] and the like), never from C. The GPU sibling of fused_pass.c.
+- ``check_pass``: one read of C (..., M, N): each row's checksums (weights ones and 1..N), ΣC², Σ|C| (half outputs) and
+  its extreme values, the row rule (abft/gemm_rule.py) against the references, the flags. A flagged row is located
+  and corrected in the same program (an extreme element by value, else d2/d1; the element recomputed exactly from
+  A's row and B's column, then the row re-verified), or marked for recomputation. The per-row work past the first
+  read runs only in programs that hold a flagged row.
+- ``trip_pass``: tier 1: the extreme-value test alone (INF, NaN, |x| > near_inf), one read of C.
+- ``repair_rows``: recomputes the rows the check pass marked (a tl.dot over K per tile), re-verifies them and writes
+  them back; every program returns at once on a clean call.
+
+Outcomes live on the device (``state``, per-row ``code``, a few ``slot`` summaries for the reports); the host reads them
+at the step boundary (checks/deferred.py). Layouts: the leading dims of a batched product are (nb0, nb1) with their own
+strides (B, H for attention; nb = 1 for a Linear GEMM); per-row outputs are dense (nb, M). Legend: M rows of C, N its
+columns, K the reduction length, R/C an operand's rows/columns.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Outcome codes of a row (triton_gemm_check.OUTCOMES names them).
+CLEAN = tl.constexpr(0)
+CORRECTED = tl.constexpr(1)
+NEED_RECOMPUTE = tl.constexpr(2)
+RECOMPUTED = tl.constexpr(3)
+UNCORRECTABLE = tl.constexpr(4)
+CONSISTENT = tl.constexpr(5)
+DETECTED = tl.constexpr(6)
+UPSTREAM = tl.constexpr(7)
+# state[] slots (triton_gemm_check.STATE).
+S_FLAGGED = tl.constexpr(0)
+S_WORST = tl.constexpr(1)
+S_EXTREME = tl.constexpr(2)
+S_RECOMPUTE = tl.constexpr(3)
+S_CORRECTED = tl.constexpr(4)
+S_RECOMPUTED = tl.constexpr(5)
+S_UNCORRECTABLE = tl.constexpr(6)
+S_CONSISTENT = tl.constexpr(7)
+S_DETECTED = tl.constexpr(8)
+S_UPSTREAM = tl.constexpr(9)
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+LOCATE_SLACK = tl.constexpr(0.3)
+"""abft.repair._LOCATE_SLACK: d2/d1 this far from an integer is not a position."""
+# tl.sum and tl.max are tl.reduce over these combine functions behind a @jit wrapper of their own (tl.zeros likewise
+# wraps tl.full); Triton's interpreter re-patches the language on every call of a @jit function (about 1.5 ms), which
+# made most of these kernels' time there, so they call tl.reduce and tl.full directly. Compiled, it is the same code.
+_add = tl.standard._sum_combine
+_max = tl.standard._elementwise_max
+
+
+@triton.jit
+def operand_pass(
+    x_ptr, R, C, nb1, sx0, sx1, sxr, sxc,
+    v_ptr, sv0, sv1, svk, svj,
+    l_ptr, sl0, sl1, slr, slj,
+    xv_ptr, xw_ptr, rsq_ptr, lx_ptr, wx_ptr, csq_ptr,
+    gate_ptr,
+    RIGHT_V: tl.constexpr, RIGHT_W: tl.constexpr, LEFT_L: tl.constexpr, LEFT_W: tl.constexpr,
+    ROW_SQ: tl.constexpr, COL_SQ: tl.constexpr, GATED: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+):
+    """One read of X (.., R, C), BR rows a program: xv = X·V (V (.., C, 2)), xw = X·[1, 1..C], rsq = ΣX² per row
+    (dense (nb, R, 2) / (nb, R)); lx = Xᵀ·L (L (.., R, 2)), wx = Xᵀ·[1, 1..R], csq = ΣX² per column (dense (nb, C, 2)
+    / (nb, C), zeroed by the caller: the programs add their rows' parts). GATED: return at once where gate[0] is 0."""
+    if GATED:
+        if tl.load(gate_ptr) == 0:
+            return
+    pid_r = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    # Matrix pid_b of the (nb0, nb1) leading dims, each with its own strides.
+    bi0 = (pid_b // nb1).to(tl.int64)
+    bi1 = (pid_b % nb1).to(tl.int64)
+    rows = pid_r * BR + tl.arange(0, BR)
+    rmask = rows < R
+    xb = x_ptr + (bi0 * sx0 + bi1 * sx1)
+    vb = v_ptr + (bi0 * sv0 + bi1 * sv1)
+    acc_v0 = tl.full([BR], 0, tl.float32)
+    acc_v1 = tl.full([BR], 0, tl.float32)
+    acc_w0 = tl.full([BR], 0, tl.float32)
+    acc_w1 = tl.full([BR], 0, tl.float32)
+    acc_sq = tl.full([BR], 0, tl.float32)
+    l0 = tl.full([BR], 0, tl.float32)
+    l1 = tl.full([BR], 0, tl.float32)
+    if LEFT_L:
+        lb = l_ptr + (bi0 * sl0 + bi1 * sl1)
+        l0 = tl.load(lb + rows.to(tl.int64) * slr, mask=rmask, other=0.0).to(tl.float32)
+        l1 = tl.load(lb + rows.to(tl.int64) * slr + slj, mask=rmask, other=0.0).to(tl.float32)
+    # The checksum weights over the rows (1..R); rows past R read X as 0.
+    wr = (rows + 1).to(tl.float32)
+    out_c = pid_b.to(tl.int64) * C
+    for c0 in range(0, C, BC):
+        cols = c0 + tl.arange(0, BC)
+        cmask = cols < C
+        x = tl.load(xb + rows.to(tl.int64)[:, None] * sxr + cols[None, :].to(tl.int64) * sxc,
+                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        if RIGHT_V:
+            v0 = tl.load(vb + cols.to(tl.int64) * svk, mask=cmask, other=0.0).to(tl.float32)
+            v1 = tl.load(vb + cols.to(tl.int64) * svk + svj, mask=cmask, other=0.0).to(tl.float32)
+            acc_v0 += tl.reduce(x * v0[None, :], 1, _add)
+            acc_v1 += tl.reduce(x * v1[None, :], 1, _add)
+        if RIGHT_W:
+            acc_w0 += tl.reduce(x, 1, _add)
+            acc_w1 += tl.reduce(x * (cols + 1).to(tl.float32)[None, :], 1, _add)
+        x2 = x * x
+        if ROW_SQ:
+            acc_sq += tl.reduce(x2, 1, _add)
+        if LEFT_L:
+            tl.atomic_add(lx_ptr + (out_c + cols) * 2, tl.reduce(x * l0[:, None], 0, _add), mask=cmask)
+            tl.atomic_add(lx_ptr + (out_c + cols) * 2 + 1, tl.reduce(x * l1[:, None], 0, _add), mask=cmask)
+        if LEFT_W:
+            tl.atomic_add(wx_ptr + (out_c + cols) * 2, tl.reduce(x, 0, _add), mask=cmask)
+            tl.atomic_add(wx_ptr + (out_c + cols) * 2 + 1, tl.reduce(x * wr[:, None], 0, _add), mask=cmask)
+        if COL_SQ:
+            tl.atomic_add(csq_ptr + out_c + cols, tl.reduce(x2, 0, _add), mask=cmask)
+    out_r = pid_b.to(tl.int64) * R + rows
+    if RIGHT_V:
+        tl.store(xv_ptr + out_r * 2, acc_v0, mask=rmask)
+        tl.store(xv_ptr + out_r * 2 + 1, acc_v1, mask=rmask)
+    if RIGHT_W:
+        tl.store(xw_ptr + out_r * 2, acc_w0, mask=rmask)
+        tl.store(xw_ptr + out_r * 2 + 1, acc_w1, mask=rmask)
+    if ROW_SQ:
+        tl.store(rsq_ptr + out_r, acc_sq, mask=rmask)
+
+
+@triton.jit
+def _other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS: tl.constexpr, BN: tl.constexpr):
+    """The rule's sums over the row's N columns (abft/gemm_rule.py): Σb (fp32), Σb² and Σj²b² (fp64), (Σb, Σj·b)
+    (fp64, the triangle bound on ‖B w‖), and of the bias: Σ|β| (fp32), Σβ², Σj²β² (fp64), Σβ, Σj·β (fp32, the bias's
+    part of the references). b_j = √(B's squared column sum) + floor_b."""
+    sb = tl.full([BN], 0, tl.float32)
+    b2_1 = tl.full([BN], 0, tl.float64)
+    b2_2 = tl.full([BN], 0, tl.float64)
+    r2 = tl.full([BN], 0, tl.float64)
+    babs = tl.full([BN], 0, tl.float32)
+    bw2_1 = tl.full([BN], 0, tl.float64)
+    bw2_2 = tl.full([BN], 0, tl.float64)
+    bref1 = tl.full([BN], 0, tl.float32)
+    bref2 = tl.full([BN], 0, tl.float32)
+    for n0 in range(0, N, BN):
+        cols = n0 + tl.arange(0, BN)
+        cmask = cols < N
+        w = (cols + 1).to(tl.float32)
+        w64 = w.to(tl.float64)
+        b = tl.where(cmask, tl.sqrt(tl.load(bsq_b + cols * sbn, mask=cmask, other=0.0)) + floor_b, 0.0)
+        b64 = b.to(tl.float64)
+        sb += b
+        b2_1 += b64 * b64
+        b2_2 += (w64 * b64) * (w64 * b64)
+        r2 += w64 * b64
+        if HAS_BIAS:
+            beta = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            beta64 = beta.to(tl.float64)
+            babs += tl.abs(beta)
+            bw2_1 += beta64 * beta64
+            bw2_2 += (w64 * beta64) * (w64 * beta64)
+            bref1 += beta
+            bref2 += w * beta
+    sb_s = tl.reduce(sb, 0, _add)
+    return (sb_s, tl.reduce(b2_1, 0, _add), tl.reduce(b2_2, 0, _add), sb_s.to(tl.float64), tl.reduce(r2, 0, _add),
+            tl.reduce(babs, 0, _add), tl.reduce(bw2_1, 0, _add), tl.reduce(bw2_2, 0, _add), tl.reduce(bref1, 0, _add),
+            tl.reduce(bref2, 0, _add))
+
+
+@triton.jit
+def _bound(a, sq, ab, ref1, ref2, terms, rule, nf, USE_ABS: tl.constexpr, CALIBRATED: tl.constexpr,
+           FLUSH: tl.constexpr):
+    """(bound on |d1|, bound on |d2|) per row: abft/gemm_rule.py's formulas, in its order of terms. terms:
+    ``_other_terms``'s sums; rule: the rule scalars the kernel was passed, as one tuple."""
+    sb, b2_1, b2_2, r1, r2, babs, bw2_1, bw2_2, _, _ = terms
+    rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common, sigmas, near_inf, \
+        sqrt_k = rule
+    under = tl.full(a.shape, 0.0, tl.float32) + under0
+    if FLUSH:
+        under += flush * (sqrt_k * (sb + nf * a) + nf)
+    rig1 = rig_ab * (a * sb) + rig_bias * babs + under
+    if USE_ABS:
+        rig1 += abs_coef * ab
+    rig2 = rig1 * nf
+    b1 = rig1
+    b2 = rig2
+    if CALIBRATED:
+        a64 = a.to(tl.float64)
+        a2 = a64 * a64
+        sq64 = sq.to(tl.float64) + tiny_pad
+        v1 = a2 * (var_b * b2_1 + var_ref * (r1 * r1)) + var_bias * bw2_1 + sq_coef * sq64
+        v2 = a2 * (var_b * b2_2 + var_ref * (r2 * r2)) + var_bias * bw2_2 + (sq_coef * nf * nf) * sq64
+        u64 = under.to(tl.float64)
+        # |ref| read as 0 where it is not finite (Bound.pair's nan_to_num).
+        ref1_abs = tl.where(tl.abs(ref1) <= FLT_MAX, tl.abs(ref1), 0.0).to(tl.float64)
+        ref2_abs = tl.where(tl.abs(ref2) <= FLT_MAX, tl.abs(ref2), 0.0).to(tl.float64)
+        c1 = sigmas * tl.sqrt(v1) + u64 + common * ref1_abs
+        c2 = sigmas * tl.sqrt(v2) + u64 * ((nf + 1.0) / 2.0) + common * ref2_abs
+        b1 = tl.minimum(rig1, c1.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+        b2 = tl.minimum(rig2, c2.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+    # tolerance._clamp: an undefined bound (NaN, +INF) reads near_inf.
+    b1 = tl.where((b1 != b1) | (b1 > FLT_MAX), near_inf, b1)
+    b2 = tl.where((b2 != b2) | (b2 > FLT_MAX), near_inf, b2)
+    return b1, b2
+
+
+@triton.jit
+def check_pass(
+    c_ptr, M, N, nb1, sc0, sc1, scm, scn,
+    ref_ptr, sr0, sr1, srm, srj,
+    asq_ptr, sa0, sa1, sam,
+    bsq_ptr, sb0, sb1, sbn,
+    bias_ptr,
+    a_ptr, sA0, sA1, sAm, sAk,
+    b_ptr, sB0, sB1, sBk, sBn, K,
+    state_ptr, code_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS,
+    gate_ptr,
+    floor_a, floor_b, rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common,
+    sigmas, near_inf, sqrt_k,
+    CORRECT: tl.constexpr, USE_ABS: tl.constexpr, HAS_BIAS: tl.constexpr, CALIBRATED: tl.constexpr,
+    FLUSH: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """The row check of C = A·B (+ bias), BM rows of one matrix a program (module docstring). ref: A·(B w) without
+    the bias; asq: ‖A_i‖²; bsq: ‖B_j‖². CORRECT: write corrections (else locate and report only: "detect")."""
+    if GATED:
+        if tl.load(gate_ptr) == 0:
+            return
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    # Matrix pid_b of the (nb0, nb1) leading dims, each with its own strides.
+    bi0 = (pid_b // nb1).to(tl.int64)
+    bi1 = (pid_b % nb1).to(tl.int64)
+    rows = pid_m * BM + tl.arange(0, BM)
+    rmask = rows < M
+    rows64 = rows.to(tl.int64)
+    cb = c_ptr + (bi0 * sc0 + bi1 * sc1)
+    s1 = tl.full([BM], 0, tl.float32)
+    s2 = tl.full([BM], 0, tl.float32)
+    sq = tl.full([BM], 0, tl.float32)
+    ab = tl.full([BM], 0, tl.float32)
+    ext = tl.full([BM], 0, tl.int32)
+    # The one read of C.
+    for n0 in range(0, N, BN):
+        cols = n0 + tl.arange(0, BN)
+        m2 = rmask[:, None] & (cols < N)[None, :]
+        c = tl.load(cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn, mask=m2, other=0.0)
+        c = c.to(tl.float32)
+        s1 += tl.reduce(c, 1, _add)
+        s2 += tl.reduce(c * (cols + 1).to(tl.float32)[None, :], 1, _add)
+        sq += tl.reduce(c * c, 1, _add)
+        if USE_ABS:
+            ab += tl.reduce(tl.abs(c), 1, _add)
+        ext += tl.reduce((~(tl.abs(c) <= near_inf)).to(tl.int32), 1, _add)
+    terms = _other_terms(bsq_ptr + (bi0 * sb0 + bi1 * sb1), sbn, bias_ptr, N, floor_b, HAS_BIAS, BN)
+    bref1, bref2 = terms[8], terms[9]
+    rule = (rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common, sigmas,
+            near_inf, sqrt_k)
+    nf = N * 1.0
+    rb = ref_ptr + (bi0 * sr0 + bi1 * sr1)
+    ref1 = tl.load(rb + rows64 * srm, mask=rmask, other=0.0) + bref1
+    ref2 = tl.load(rb + rows64 * srm + srj, mask=rmask, other=0.0) + bref2
+    a = tl.sqrt(tl.load(asq_ptr + (bi0 * sa0 + bi1 * sa1) + rows64 * sam, mask=rmask, other=0.0)) + floor_a
+    b1, b2 = _bound(a, sq, ab, ref1, ref2, terms, rule, nf, USE_ABS, CALIBRATED, FLUSH)
+    d1 = ref1 - s1
+    d2 = ref2 - s2
+    ok = (tl.abs(d1) <= b1) & (tl.abs(d2) <= b2)
+    # A non-finite reference is an input's fault, never this product's (abft.checksum.verify_direction).
+    bad = rmask & (tl.abs(ref1) <= FLT_MAX) & ~ok
+    upstream = rmask & (ext > 0) & ~(tl.abs(ref1) <= FLT_MAX)
+    # The worst clean residual/bound ratio, for the histogram: non-negative floats compare as their bits.
+    ratio = tl.maximum(tl.abs(d1) / tl.maximum(b1, 1e-30), tl.abs(d2) / tl.maximum(b2, 1e-30))
+    ratio = tl.where(rmask & ~bad & (ratio <= FLT_MAX), ratio, 0.0)
+    tl.atomic_max(state_ptr + S_WORST, tl.reduce(ratio, 0, _max).to(tl.int32, bitcast=True))
+    n_ext = tl.reduce(ext, 0, _add)
+    if n_ext > 0:
+        tl.atomic_add(state_ptr + S_EXTREME, n_ext)
+    code = tl.full([BM], 0, tl.int32)
+    rep = bad | upstream
+    n_rep = tl.reduce(rep.to(tl.int32), 0, _add)
+    if n_rep > 0:
+        # The slow path, in the programs holding a flagged row only: read those rows again for what locating and
+        # reporting need (their sums without extreme elements, where those are, the worst value).
+        s1f = tl.full([BM], 0, tl.float32)
+        s2f = tl.full([BM], 0, tl.float32)
+        sqf = tl.full([BM], 0, tl.float32)
+        abf = tl.full([BM], 0, tl.float32)
+        nx = tl.full([BM], 0, tl.int32)
+        xpos = tl.full([BM], -1, tl.int32)
+        wkey = tl.full([BM], 0, tl.int32)
+        wpos = tl.full([BM], 0, tl.int32)
+        for n0 in range(0, N, BN):
+            cols = n0 + tl.arange(0, BN)
+            m2 = rep[:, None] & (cols < N)[None, :]
+            c = tl.load(cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn, mask=m2, other=0.0)
+            c = c.to(tl.float32)
+            e = ~(tl.abs(c) <= near_inf) & m2
+            cf = tl.where(e, 0.0, c)
+            s1f += tl.reduce(cf, 1, _add)
+            s2f += tl.reduce(cf * (cols + 1).to(tl.float32)[None, :], 1, _add)
+            sqf += tl.reduce(cf * cf, 1, _add)
+            abf += tl.reduce(tl.abs(cf), 1, _add)
+            nx += tl.reduce(e.to(tl.int32), 1, _add)
+            xpos = tl.maximum(xpos, tl.reduce(tl.where(e, cols[None, :], -1), 1, _max))
+            # |x| as its bits: ordered as |x| is, every NaN above INF (the worst value: NaN, INF, then largest).
+            key = c.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            kmax = tl.reduce(key, 1, _max)
+            kpos = tl.argmax(key, axis=1) + n0
+            wpos = tl.where(kmax > wkey, kpos, wpos)
+            wkey = tl.maximum(wkey, kmax)
+        # Locate (abft.repair.locate_and_fix): one extreme element by value, else d2/d1 - 1 where it is an index.
+        d1f = ref1 - s1f
+        d2f = ref2 - s2f
+        single = nx == 1
+        pos = d2f / d1f
+        rnd = tl.floor(pos + 0.5)
+        located = (tl.abs(pos) <= FLT_MAX) & (tl.abs(pos - rnd) <= LOCATE_SLACK) & (rnd >= 1.0) & (rnd <= nf)
+        loc = tl.where(single, xpos, tl.where(located, rnd, 1.0).to(tl.int32) - 1)
+        fixable = bad & (tl.abs(ref2) <= FLT_MAX) & (single | ((nx == 0) & located))
+        loc64 = loc.to(tl.int64)
+        old = tl.load(cb + rows64 * scm + loc64 * scn, mask=fixable, other=0.0)
+        old_f = old.to(tl.float32)
+        # The located element exactly, from A's row and B's column (the CPU ladder's `exact`), fp32 products.
+        exact = tl.full([BM], 0, tl.float32)
+        if tl.reduce(fixable.to(tl.int32), 0, _add) > 0:
+            ab_ = a_ptr + (bi0 * sA0 + bi1 * sA1)
+            bb_ = b_ptr + (bi0 * sB0 + bi1 * sB1)
+            for k0 in range(0, K, BK):
+                ks = (k0 + tl.arange(0, BK)).to(tl.int64)
+                mk = fixable[:, None] & (ks < K)[None, :]
+                av = tl.load(ab_ + rows64[:, None] * sAm + ks[None, :] * sAk, mask=mk, other=0.0).to(tl.float32)
+                bv = tl.load(bb_ + ks[None, :] * sBk + loc64[:, None] * sBn, mask=mk, other=0.0).to(tl.float32)
+                exact += tl.reduce(av * bv, 1, _add)
+            if HAS_BIAS:
+                exact += tl.load(bias_ptr + loc64, mask=fixable, other=0.0).to(tl.float32)
+        stored = exact.to(c_ptr.dtype.element_ty)
+        new = stored.to(tl.float32)
+        # The row after the fix, from its sums without extreme elements; a finite old value leaves them too.
+        # (A multiplication by 0 would keep an INF's NaN: the extreme value is left out by where.)
+        kept = tl.where(single, 0.0, old_f)
+        wl = (loc + 1).to(tl.float32)
+        base1 = s1f - kept
+        base2 = s2f - wl * kept
+        base_sq = sqf - kept * kept
+        base_ab = abf - tl.abs(kept)
+        e1, e2 = _bound(a, base_sq + new * new, base_ab + tl.abs(new), ref1, ref2, terms, rule, nf, USE_ABS,
+                        CALIBRATED, FLUSH)
+        fixed_ok = (tl.abs(ref1 - (base1 + new)) <= e1) & (tl.abs(ref2 - (base2 + wl * new)) <= e2)
+        # The exact value rounds to what C holds (an fp16 product past 65504 is INF): C is what the GEMM gives, no
+        # fault, when the row checks out with the unrounded value (gemm.check._overflowed's case).
+        x1, x2 = _bound(a, base_sq + exact * exact, base_ab + tl.abs(exact), ref1, ref2, terms, rule, nf, USE_ABS,
+                        CALIBRATED, FLUSH)
+        exact_ok = (tl.abs(ref1 - (base1 + exact)) <= x1) & (tl.abs(ref2 - (base2 + wl * exact)) <= x2)
+        same = new == old_f
+        consistent = fixable & same & exact_ok
+        corrected = fixable & ~same & fixed_ok
+        if CORRECT:
+            code = tl.where(consistent, CONSISTENT, tl.where(corrected, CORRECTED, NEED_RECOMPUTE))
+            tl.store(cb + rows64 * scm + loc64 * scn, stored, mask=corrected)
+        else:
+            code = tl.where(consistent, CONSISTENT, DETECTED)
+        code = tl.where(bad, code, tl.where(upstream, UPSTREAM, CLEAN))
+        # Counts, then the first SLOTS flagged rows' summaries for the reports (batch, row, col, code; value, d1,
+        # bound): the column the fix went to, else the worst element's.
+        tl.atomic_add(state_ptr + S_CORRECTED, tl.reduce((code == CORRECTED).to(tl.int32), 0, _add))
+        tl.atomic_add(state_ptr + S_RECOMPUTE, tl.reduce((code == NEED_RECOMPUTE).to(tl.int32), 0, _add))
+        tl.atomic_add(state_ptr + S_CONSISTENT, tl.reduce((code == CONSISTENT).to(tl.int32), 0, _add))
+        tl.atomic_add(state_ptr + S_DETECTED, tl.reduce((code == DETECTED).to(tl.int32), 0, _add))
+        tl.atomic_add(state_ptr + S_UPSTREAM, tl.reduce((code == UPSTREAM).to(tl.int32), 0, _add))
+        first = tl.atomic_add(state_ptr + S_FLAGGED, n_rep)
+        slot = first + tl.cumsum(rep.to(tl.int32), axis=0) - 1
+        keep_slot = rep & (slot < SLOTS)
+        col = tl.where(fixable, loc, wpos)
+        value = tl.load(cb + rows64 * scm + col.to(tl.int64) * scn, mask=rep & ~fixable, other=0.0).to(tl.float32)
+        value = tl.where(fixable, old_f, value)
+        slot64 = slot.to(tl.int64)
+        tl.store(slot_i_ptr + slot64 * 4, tl.full(slot.shape, 0, tl.int32) + pid_b, mask=keep_slot)
+        tl.store(slot_i_ptr + slot64 * 4 + 1, rows, mask=keep_slot)
+        tl.store(slot_i_ptr + slot64 * 4 + 2, col, mask=keep_slot)
+        tl.store(slot_i_ptr + slot64 * 4 + 3, code, mask=keep_slot)
+        tl.store(slot_f_ptr + slot64 * 4, value, mask=keep_slot)
+        tl.store(slot_f_ptr + slot64 * 4 + 1, d1, mask=keep_slot)
+        tl.store(slot_f_ptr + slot64 * 4 + 2, b1, mask=keep_slot)
+        tl.store(slot_ptr + pid_b.to(tl.int64) * M + rows64, slot, mask=rep)
+    tl.store(code_ptr + pid_b.to(tl.int64) * M + rows64, code, mask=rmask)
+
+
+@triton.jit
+def trip_pass(c_ptr, M, N, nb1, sc0, sc1, scm, scn, state_ptr, near_inf, BM: tl.constexpr, BN: tl.constexpr):
+    """Tier 1: count C's extreme elements (INF, NaN, |x| > near_inf) into state[S_EXTREME]; one read of C."""
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    # Matrix pid_b of the (nb0, nb1) leading dims, each with its own strides.
+    bi0 = (pid_b // nb1).to(tl.int64)
+    bi1 = (pid_b % nb1).to(tl.int64)
+    rows = pid_m * BM + tl.arange(0, BM)
+    rmask = rows < M
+    cb = c_ptr + (bi0 * sc0 + bi1 * sc1)
+    ext = tl.full([BM], 0, tl.int32)
+    for n0 in range(0, N, BN):
+        cols = n0 + tl.arange(0, BN)
+        m2 = rmask[:, None] & (cols < N)[None, :]
+        c = tl.load(cb + rows.to(tl.int64)[:, None] * scm + cols[None, :].to(tl.int64) * scn, mask=m2, other=0.0)
+        ext += tl.reduce((~(tl.abs(c.to(tl.float32)) <= near_inf)).to(tl.int32), 1, _add)
+    n_ext = tl.reduce(ext, 0, _add)
+    if n_ext > 0:
+        tl.atomic_add(state_ptr + S_EXTREME, n_ext)
+
+
+@triton.jit
+def _emulate(fresh, rows, cols, pid_b, fault_ptr, IS_F32: tl.constexpr, NF: tl.constexpr):
+    """attnchecker.inject's faults planned for a recomputation (attempt 1), applied to the recomputed tile in C's dtype:
+    fault f is 8 floats (batch, row0, row1, col0, col1, kind, value, -): kind 0 writes value, 1 adds it, 2 flips the
+    exponent bit inject.bitflip flips."""
+    for f in tl.static_range(NF):
+        p = fault_ptr + f * 8
+        hit = ((pid_b == tl.load(p).to(tl.int32))
+               & ((rows >= tl.load(p + 1).to(tl.int32)) & (rows < tl.load(p + 2).to(tl.int32)))[:, None]
+               & ((cols >= tl.load(p + 3).to(tl.int32)) & (cols < tl.load(p + 4).to(tl.int32)))[None, :])
+        kind = tl.load(p + 5).to(tl.int32)
+        value = tl.load(p + 6)
+        small = tl.abs(fresh.to(tl.float32)) < 2.0
+        if IS_F32:
+            flipped = (fresh.to(tl.int32, bitcast=True) ^ tl.where(small, 1 << 30, 1 << 29)).to(tl.float32,
+                                                                                               bitcast=True)
+        else:
+            flip = tl.where(small, 1 << 14, 1 << 13).to(tl.int16)
+            flipped = (fresh.to(tl.int16, bitcast=True) ^ flip).to(fresh.dtype, bitcast=True)
+        set_to = (tl.full(fresh.shape, 0.0, tl.float32) + value).to(fresh.dtype)
+        added = (fresh.to(tl.float32) + value).to(fresh.dtype)
+        corrupt = tl.where(kind == 0, set_to, tl.where(kind == 1, added, flipped))
+        fresh = tl.where(hit, corrupt, fresh)
+    return fresh
+
+
+@triton.jit
+def repair_rows(
+    c_ptr, M, N, nb1, sc0, sc1, scm, scn,
+    ref_ptr, sr0, sr1, srm, srj,
+    asq_ptr, sa0, sa1, sam,
+    bsq_ptr, sb0, sb1, sbn,
+    bias_ptr,
+    a_ptr, sA0, sA1, sAm, sAk,
+    b_ptr, sB0, sB1, sBk, sBn, K,
+    state_ptr, code_ptr, slot_ptr, slot_i_ptr, SLOTS,
+    fault_ptr,
+    floor_a, floor_b, rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common,
+    sigmas, near_inf, sqrt_k, elem_ab, elem_abs,
+    CORRECT: tl.constexpr, USE_ABS: tl.constexpr, HAS_BIAS: tl.constexpr, CALIBRATED: tl.constexpr,
+    FLUSH: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, IS_F32: tl.constexpr, NF: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Recompute the rows the check pass marked NEED_RECOMPUTE (BM rows of one matrix a program), re-verify them with
+    the same rule, write them back, and give each its outcome: RECOMPUTED, UNCORRECTABLE (a fault that came back), or
+    CONSISTENT (the recomputation equals the old row to round-off, and that row's checksums overflowed or it held INF
+    or NaN: the product as the dtype holds it, not a fault). Returns at once on a clean call."""
+    if tl.load(state_ptr + S_RECOMPUTE) == 0:
+        return
+    pid_m = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    # Matrix pid_b of the (nb0, nb1) leading dims, each with its own strides.
+    bi0 = (pid_b // nb1).to(tl.int64)
+    bi1 = (pid_b % nb1).to(tl.int64)
+    rows = pid_m * BM + tl.arange(0, BM)
+    rows64 = rows.to(tl.int64)
+    rmask = rows < M
+    need = rmask & (tl.load(code_ptr + pid_b.to(tl.int64) * M + rows64, mask=rmask, other=0) == NEED_RECOMPUTE)
+    if tl.reduce(need.to(tl.int32), 0, _add) == 0:
+        return
+    cb = c_ptr + (bi0 * sc0 + bi1 * sc1)
+    ab_ = a_ptr + (bi0 * sA0 + bi1 * sA1)
+    bb_ = b_ptr + (bi0 * sB0 + bi1 * sB1)
+    bsq_b = bsq_ptr + (bi0 * sb0 + bi1 * sb1)
+    a = tl.sqrt(tl.load(asq_ptr + (bi0 * sa0 + bi1 * sa1) + rows64 * sam, mask=need, other=0.0)) + floor_a
+    s1 = tl.full([BM], 0, tl.float32)
+    s2 = tl.full([BM], 0, tl.float32)
+    sq = tl.full([BM], 0, tl.float32)
+    sab = tl.full([BM], 0, tl.float32)
+    o1 = tl.full([BM], 0, tl.float32)
+    o2 = tl.full([BM], 0, tl.float32)
+    differs = tl.full([BM], 0, tl.int32)
+    for n0 in range(0, N, BN):
+        cols = n0 + tl.arange(0, BN)
+        cmask = cols < N
+        m2 = need[:, None] & cmask[None, :]
+        acc = tl.full([BM, BN], 0, tl.float32)
+        for k0 in range(0, K, BK):
+            ks = (k0 + tl.arange(0, BK)).to(tl.int64)
+            at = tl.load(ab_ + rows64[:, None] * sAm + ks[None, :] * sAk, mask=need[:, None] & (ks < K)[None, :],
+                         other=0.0)
+            bt = tl.load(bb_ + ks[:, None] * sBk + cols[None, :].to(tl.int64) * sBn,
+                         mask=(ks < K)[:, None] & cmask[None, :], other=0.0)
+            if DOT_FP32:
+                at = at.to(tl.float32)
+                bt = bt.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(at, bt, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(at, bt, acc)
+        beta = tl.full([BN], 0, tl.float32)
+        if HAS_BIAS:
+            beta = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            acc += beta[None, :]
+        fresh = _emulate(acc.to(c_ptr.dtype.element_ty), rows, cols, pid_b, fault_ptr, IS_F32, NF)
+        fresh_f = fresh.to(tl.float32)
+        ptrs = cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn
+        old = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
+        w = (cols + 1).to(tl.float32)
+        # Apart by more than two correct computations can be: the old row held a fault. The tolerance from the fresh
+        # values only (an INF in the old row must not widen its own test).
+        bj = tl.where(cmask, tl.sqrt(tl.load(bsq_b + cols * sbn, mask=cmask, other=0.0)) + floor_b, 0.0)
+        tol = elem_ab * (a[:, None] * bj[None, :]) + elem_abs * (2.0 * tl.abs(fresh_f) + tl.abs(beta)[None, :])
+        same = (fresh_f == old) | (tl.abs(fresh_f - old) <= tol)
+        differs += tl.reduce((m2 & ~same).to(tl.int32), 1, _add)
+        o1 += tl.reduce(old, 1, _add)
+        o2 += tl.reduce(old * w[None, :], 1, _add)
+        s1 += tl.reduce(fresh_f, 1, _add)
+        s2 += tl.reduce(fresh_f * w[None, :], 1, _add)
+        sq += tl.reduce(fresh_f * fresh_f, 1, _add)
+        if USE_ABS:
+            sab += tl.reduce(tl.abs(fresh_f), 1, _add)
+        if CORRECT:
+            tl.store(ptrs, fresh, mask=m2)
+    terms = _other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS, BN)
+    bref1, bref2 = terms[8], terms[9]
+    rule = (rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common, sigmas,
+            near_inf, sqrt_k)
+    rb = ref_ptr + (bi0 * sr0 + bi1 * sr1)
+    ref1 = tl.load(rb + rows64 * srm, mask=need, other=0.0) + bref1
+    ref2 = tl.load(rb + rows64 * srm + srj, mask=need, other=0.0) + bref2
+    nf = N * 1.0
+    b1, b2 = _bound(a, sq, sab, ref1, ref2, terms, rule, nf, USE_ABS, CALIBRATED, FLUSH)
+    ok = (tl.abs(ref1 - s1) <= b1) & (tl.abs(ref2 - s2) <= b2)
+    overflowed = ~(tl.abs(o1) <= FLT_MAX) | ~(tl.abs(o2) <= FLT_MAX)
+    consistent = (differs == 0) & overflowed
+    code = tl.where(consistent, CONSISTENT, tl.where(ok, RECOMPUTED, UNCORRECTABLE))
+    tl.atomic_add(state_ptr + S_RECOMPUTED, tl.reduce((need & (code == RECOMPUTED)).to(tl.int32), 0, _add))
+    tl.atomic_add(state_ptr + S_UNCORRECTABLE, tl.reduce((need & (code == UNCORRECTABLE)).to(tl.int32), 0, _add))
+    tl.atomic_add(state_ptr + S_CONSISTENT, tl.reduce((need & (code == CONSISTENT)).to(tl.int32), 0, _add))
+    tl.store(code_ptr + pid_b.to(tl.int64) * M + rows64, code, mask=need)
+    slot = tl.load(slot_ptr + pid_b.to(tl.int64) * M + rows64, mask=need, other=SLOTS)
+    tl.store(slot_i_ptr + slot.to(tl.int64) * 4 + 3, code, mask=need & (slot < SLOTS))
