@@ -14,14 +14,18 @@ from typing import Any
 
 import torch
 
-from .policy import OPS
+from .policy import OPS, WHOLE_STEP_OPS
 
-__all__ = ["FAULT_KINDS", "FAULT_PATTERNS", "Fault", "FaultPlan", "Injected", "Injector", "WindowHit", "bitflip"]
+__all__ = ["FAULT_KINDS", "FAULT_PATTERNS", "INJECTABLE_OPS", "Fault", "FaultPlan", "Injected", "Injector", "WindowHit",
+           "bitflip"]
 
 FAULT_KINDS = ("inf", "neg_inf", "nan", "near_inf", "bitflip", "add")
 """add: a finite error of `value` added to the element (an ordinary silent error)."""
 FAULT_PATTERNS = ("0d", "1d", "2d")
 DEFAULT_NEAR_INF = 1e20
+INJECTABLE_OPS: tuple[str, ...] = (*OPS, *WHOLE_STEP_OPS[:3])
+"""The ops a fault can name: the six attention ops and, under protect(scope="all"), a Linear/Conv1D GEMM's output,
+input gradient and weight gradient ("linear", "linear_dx", "linear_dw")."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,8 +52,8 @@ class Fault:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.op not in OPS:
-            raise ValueError(f"fault.op must be one of {OPS}, got {self.op!r}")
+        if self.op not in INJECTABLE_OPS:
+            raise ValueError(f"fault.op must be one of {INJECTABLE_OPS}, got {self.op!r}")
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"fault.kind must be one of {FAULT_KINDS}, got {self.kind!r}")
         if self.pattern not in FAULT_PATTERNS:

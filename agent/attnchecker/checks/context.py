@@ -140,6 +140,9 @@ class Deferred:
     """Host side, after the drain's sync, only when ``flagged``: the call's reports (its summaries read back)."""
     heads: bool = True
     """The reports' index is (batch, head) (attention) rather than (batch,) or () (a GEMM)."""
+    ratio: torch.Tensor | None = None
+    """() fp32 on the device: the check's worst clean residual/bound ratio, put in the histogram at the drain with the
+    step's others (one update a step, not a few ops a check); None: recorded by the check itself."""
 
 
 @dataclass(slots=True, kw_only=True)

@@ -7,8 +7,9 @@ Legend: N leading batch dims (none for a Linear GEMM; (B, H) for attention), M, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,11 +18,21 @@ from ..abft.checksum import DirectionCheck
 from ..abft.gemm import DIRECTIONS, OperandSums, exact_gemm_elements, verify_gemm
 from ..checks.context import LayerContext
 from ..checks.product import _exact_math, _tolerance
-from ..checks.records import _any_bad, _count, _count_trips, _emit, _emit_unplaced_trip, _record_ratio, _worst_ratio
+from ..checks.records import (
+    _any_bad,
+    _count,
+    _count_trips,
+    _emit,
+    _emit_unplaced_trip,
+    _inject,
+    _record_ratio,
+    _worst_ratio,
+)
 from ..kernels.fused_pass import fused_pass
 from ..kernels.row_verify import verify_rows
 from ..matmul_precision import fp32_matmul_operand_roundoff
 from ..tripwire import extreme
+from . import device
 
 __all__ = ["Gemm", "LinearSums", "backward_sums", "check_gemms", "linear_sums", "trip_gemms"]
 
@@ -46,8 +57,13 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft",
     (``_overflowed``), and inconsistent with their operands in the full check). tier: "tripwire" for a tier-1 recovery
     (``trip_gemms``): its events say so, and its time counts as tier 1's, not as the scheduled checks'.
     given: per GEMM, the direction and operand side of its clean check already made (``linear_sums``), or None;
-    given_seconds: the time that took, counted in these checks' time."""
+    given_seconds: the time that took, counted in these checks' time.
+    On the Triton path (gemm/device.py: CUDA tensors, ``ATTNCHECKER_GEMM``) nothing waits for the device: the checks
+    and their repairs run as kernels, their reports come at the step boundary, and this returns 0."""
     if not gemms or ctx.config.mode == "off":
+        return 0
+    if device.takes(*_operands(gemms)):
+        device.check_gemms(ctx, gemms, tier=tier)
         return 0
     tol = _tolerance(ctx)
     pending: list[tuple[Gemm, dict[str, DirectionCheck], float]] = []
@@ -85,7 +101,8 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft",
                 # fp32 checksums overflowed (`_consistent_in_float64`).
                 full = _verify(gemm, tol, DIRECTIONS, wide_norms=True)
                 reports = [] if _consistent_in_float64(gemm, full, tol) else _repair(
-                    c, a.detach(), b.detach(), None if bias is None else bias.detach(), full, tol, correct)
+                    c, a.detach(), b.detach(), None if bias is None else bias.detach(), full, tol, correct,
+                    functools.partial(_inject, ctx, op, attempt=1))
             reported += bool(reports)
             _emit(ctx, op, reports, heads=c.dim() > 2, tier=tier)
         if tier == "abft":
@@ -149,6 +166,9 @@ def trip_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
     upstream fault this GEMM cannot repair)."""
     if not gemms or ctx.config.mode == "off":
         return
+    if device.takes(*_operands(gemms)):
+        device.trip_gemms(ctx, gemms)
+        return
     t0 = time.perf_counter()
     tripped = torch.stack([extreme(c) for _, c, *_ in gemms]).tolist()  # sync: the one per call on a tier-1 step
     _count_trips(ctx, [gemm[0] for gemm in gemms], time.perf_counter() - t0)
@@ -156,6 +176,10 @@ def trip_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
         if (trip and not check_gemms(ctx, [gemm], tier="tripwire") and not bool(gemm[1].isfinite().all())  # sync
                 and not _overflowed(*gemm[1:])):
             _emit_unplaced_trip(ctx, gemm[0], gemm[1], action="detected")
+
+
+def _operands(gemms: list[Gemm]) -> list[torch.Tensor]:
+    return [t for _op, c, a, b, bias in gemms for t in (c, a, b, bias) if t is not None]
 
 
 ONE_PASS_MIN = 1 << 18
@@ -168,10 +192,12 @@ def _verify(gemm: Gemm, tol: Tolerance, directions: tuple[str, ...], *, wide_nor
             exact_sums: bool = False, operand_sums: OperandSums | None = None) -> dict[str, DirectionCheck]:
     _op, c, a, b, bias = gemm
     big = c.numel() + a.numel() + b.numel() >= ONE_PASS_MIN
+    native = device.native_allowed()
     return verify_gemm(c, a.detach(), b.detach(), tol, bias_N=None if bias is None else bias.detach(),
                        operand_roundoff=fp32_matmul_operand_roundoff(c.device), directions=directions,
-                       wide_norms=wide_norms, one_pass=fused_pass if big or operand_sums is not None else None,
-                       exact_sums=exact_sums, operand_sums=operand_sums, row_verifier=verify_rows)
+                       wide_norms=wide_norms,
+                       one_pass=fused_pass if native and (big or operand_sums is not None) else None,
+                       exact_sums=exact_sums, operand_sums=operand_sums, row_verifier=verify_rows if native else None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -197,7 +223,7 @@ def linear_sums(x_MI: torch.Tensor, w_IO: torch.Tensor, *, forward: bool
     forward check's row side of y = x·W_IO (x·(W_IO w_O), ‖x_m‖, ‖W_IO_:,o‖). None where the kernel declines (the
     checks then read the operands themselves), or for a GEMM below ``ONE_PASS_MIN``, where the eager calls win."""
     (m, i), o = x_MI.shape, w_IO.shape[-1]
-    if m * i + i * o + m * o < ONE_PASS_MIN:
+    if m * i + i * o + m * o < ONE_PASS_MIN or not device.native_allowed():
         return None
     w_I2 = checksum_weights(i, x_MI.device, torch.float32)
     w_O2 = checksum_weights(o, x_MI.device, torch.float32) if forward else None
@@ -255,12 +281,15 @@ def backward_sums(dy_MO: torch.Tensor, sums: LinearSums, *, need_x: bool, dw_dir
 
 
 def _repair(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
-            checks: dict[str, DirectionCheck], tol: Tolerance, correct: bool) -> list:
+            checks: dict[str, DirectionCheck], tol: Tolerance, correct: bool,
+            inject: Callable[[torch.Tensor], None]) -> list:
     batched = c.dim() > 2
 
     def recompute() -> torch.Tensor:
-        # A transient fault does not repeat: the same GEMM again, then verified against the same checksums.
+        # A transient fault does not repeat: the same GEMM again, then verified against the same checksums. A planned
+        # persistent fault does (inject: attempt 1).
         fresh = a @ b if bias is None else torch.addmm(bias, a, b)
+        inject(fresh)
         return fresh if batched else fresh[None]
 
     def exact(key: tuple[int, ...], rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

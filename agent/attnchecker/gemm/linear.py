@@ -14,7 +14,8 @@ Projections the attention integration already verifies in forward (q/k/v/out, GP
 they get only the backward checks, so no output is verified twice. The math is ``abft.gemm`` over ``abft.repair``.
 
 Legend: M tokens (all leading dims flattened), I input features, O output features, 2 a checksum pair.
-Syncs: one per checked or tier-1 forward and one per backward (the slow-path decision), more only on the slow path.
+Syncs: one per checked or tier-1 forward and one per backward (the slow-path decision), more only on the slow path;
+none on the Triton path (gemm/device.py), whose detections come at the step boundary.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..checks.context import LayerContext
+from ..checks.records import _inject
+from . import device
 from .check import Gemm, Given, LinearSums, backward_sums, check_gemms, linear_sums, trip_gemms
 
 __all__ = ["GEMM_OPS", "SCOPES", "LinearSite", "checked_linear", "linear_layout", "overrides_forward"]
@@ -104,9 +107,17 @@ class _CheckedLinear(torch.autograd.Function):
         # The same aten call the unprotected module makes (addmm with a bias), so a clean step is bitwise the same.
         y_MO = F.linear(x_MI, weight, bias) if site.layout == "out_in" else (
             x_MI @ weight if bias is None else torch.addmm(bias, x_MI, weight))
+        if site.check_forward:
+            _inject(site.ctx, "linear", y_MO)
         check = check_gemms if tier == "abft" else trip_gemms
         sums: LinearSums | None = None
-        if tier == "abft" and site.check_forward:
+        # On CUDA (or under Triton's interpreter when asked for), the checks run as Triton kernels that never wait for
+        # the GPU (gemm/device.py); otherwise as below, with one sync per checked call.
+        ctx.on_device, ctx.sides = device.takes(x_MI, weight, y_MO), None
+        if ctx.on_device:
+            ctx.sides = device.linear_forward(site.ctx, tier, y_MO, x_MI, weight, bias, site.layout,
+                                              check_forward=site.check_forward)
+        elif tier == "abft" and site.check_forward:
             # One read of x and of W for this check and the backward's two (gemm.check.linear_sums).
             t0 = time.perf_counter()
             made = linear_sums(x_MI, w_IO, forward=True)
@@ -118,7 +129,7 @@ class _CheckedLinear(torch.autograd.Function):
         elif site.check_forward:
             check(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)])
         ctx.save_for_backward(x_MI, weight, bias)
-        ctx.site, ctx.check, ctx.sums = site, check, sums
+        ctx.site, ctx.check, ctx.sums, ctx.tier = site, check, sums, tier
         return y_MO
 
     @staticmethod
@@ -132,6 +143,7 @@ class _CheckedLinear(torch.autograd.Function):
         dx_MI = dw = None
         if need_x:
             dx_MI = dy_MO.mm(w_OI)
+            _inject(site.ctx, "linear_dx", dx_MI)
             todo.append(("linear_dx", dx_MI, dy_MO, w_OI, None))
         if need_w:
             # The orientation autograd itself uses per layout: W's gradient in W's own shape, no transpose copy.
@@ -141,7 +153,10 @@ class _CheckedLinear(torch.autograd.Function):
             else:
                 dw = x_MI.t().mm(dy_MO)
                 todo.append(("linear_dw", dw, x_MI.t(), dy_MO, None))
-        if ctx.check is check_gemms and todo:
+            _inject(site.ctx, "linear_dw", dw)
+        if ctx.on_device:
+            device.linear_backward(site.ctx, ctx.tier, dy_MO, x_MI, weight, site.layout, dx_MI, dw, ctx.sides)
+        elif ctx.check is check_gemms and todo:
             t0 = time.perf_counter()
             given = _backward_given(ctx.sums, x_MI, weight, dy_MO, site.layout, need_x=dx_MI is not None,
                                     need_w=dw is not None)

@@ -1,0 +1,395 @@
+"""The GPU path of the whole-step GEMM checks (issue 32): one fused Triton pass per checked output, its references from
+one operand pass per operand side, tier 1 as a mode of the same pass, repair on the device, and the outcome kept on the
+device until the step boundary (checks/deferred.py). No host-device sync on the way; the kernels and their launchers
+are kernels/triton_gemm_kernels.py and kernels/triton_gemm_check.py.
+
+Which path a GEMM check takes is ``ATTNCHECKER_GEMM``'s:
+- auto (default): this one for CUDA tensors where triton is installed; the CPU path (gemm/check.py, with its native
+  one-pass kernels) for CPU tensors;
+- triton: the same, and CPU tensors too under Triton's interpreter (``TRITON_INTERPRET=1``): how the tests run it;
+- torch: every check as PyTorch ops (gemm/check.py without the native kernels), with its sync per check: the escape
+  hatch, and what a dispatch-mode injector sees op by op.
+
+Launches (counted under the interpreter by tests/agent/test_triton_gemm_check.py): a checked GEMM's own are the check
+pass and the repair kernel, which returns at once on a clean call; each operand matrix is read once a step by an operand
+pass (a Linear's W and x in its forward, dY in its backward, for its three checks); each phase allocates one zeroed
+workspace (a memset) for the kernels' atomics. A Linear's three GEMMs: 11 launches in all. A tier-1 GEMM: the tier-1
+pass, then its full check's two operand passes, check pass and repair kernel, each gated on the device (they return at
+once where the tier-1 pass counted nothing), and one memset per call.
+
+What it does not do: the check of a product with more than two leading dims, or of a dtype other than fp32, bf16 and
+fp16, declines to the CPU path's torch ops (``takes``); the in-kernel recomputation is not recorded in
+``Injector.injected`` (its original value is never read back: that would be a sync).
+
+Legend: M tokens, I input features, O output features; nb matrices of a batched product; 2 a checksum pair.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+import time
+
+import torch
+
+from ..abft import Tolerance
+from ..abft.gemm_rule import gemm_row_rule
+from ..abft.repair import MatrixReport
+from ..checks.context import LayerContext
+from ..checks.deferred import defer
+from ..checks.product import _exact_math, _tolerance
+from ..checks.records import _count, _count_trips
+from ..kernels import triton_gemm_check as tg
+from ..matmul_precision import fp32_matmul_operand_roundoff
+
+__all__ = ["GEMM_ENV", "MODES", "DeviceGemm", "LinearSides", "check_gemms", "check_product", "linear_backward",
+           "linear_forward", "native_allowed", "requested", "takes", "trip_gemms"]
+
+log = logging.getLogger("attnchecker")
+
+GEMM_ENV = "ATTNCHECKER_GEMM"
+MODES: tuple[str, ...] = ("auto", "triton", "torch")
+
+
+def requested() -> str:
+    """ATTNCHECKER_GEMM: auto, triton or torch. Raises ValueError on anything else."""
+    mode = os.environ.get(GEMM_ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{GEMM_ENV}={mode!r}: use auto, triton (the Triton checks; CPU tensors under "
+                         f"TRITON_INTERPRET=1) or torch (every GEMM check as PyTorch ops)")
+    return mode
+
+
+def native_allowed() -> bool:
+    """Whether the CPU path may read through its native kernels (not under ATTNCHECKER_GEMM=torch)."""
+    return requested() != "torch"
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        log.warning("attnchecker: %s", reason)
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """Whether these tensors' GEMM checks take this path (module docstring). No sync, no pass over them."""
+    mode = requested()
+    if mode == "torch" or not tensors:
+        return False
+    device = tensors[0].device
+    if device.type == "cuda" or mode == "triton":
+        if tg.takes(*tensors):
+            return True
+        if not tg.available():
+            _warn_once(f"the GEMM checks on {device.type} run as PyTorch ops, with a host sync each: triton is not "
+                       "installed (pip install triton)")
+        elif device.type == "cpu" and not tg.interpreted():
+            _warn_once(f"{GEMM_ENV}=triton takes CPU tensors only under Triton's interpreter: set TRITON_INTERPRET=1 "
+                       "before triton is first imported (importing attnchecker imports it); the GEMM checks run on "
+                       "the CPU path")
+        else:
+            _warn_once(f"a GEMM check the Triton path cannot take ({', '.join(str(t.dtype) for t in tensors)}, "
+                       f"dims {', '.join(str(t.dim()) for t in tensors)}) runs as PyTorch ops")
+    return False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeviceGemm:
+    """One GEMM C = A·B (+ bias) to check by rows, in place. C (.., M, N) any strides; A (.., M, K), B (.., K, N)."""
+
+    op: str
+    c: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    bias: torch.Tensor | None = None
+    transposed: bool = False
+    """C is the transpose of the op's output (a Conv1D weight gradient, checked along its input features): its
+    reports and planned faults swap rows and columns."""
+
+
+def check_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                     torch.Tensor | None]], *, tier: str = "abft") -> None:
+    """gemm.check.check_gemms on this path: each GEMM's operand passes, check pass and repair kernel; its reports at
+    the step boundary. No sync."""
+    if not gemms or ctx.config.mode == "off":
+        return
+    t0 = time.perf_counter()
+    todo = [DeviceGemm(op, c, a, b, bias) for op, c, a, b, bias in gemms]
+    ws = tg.Workspace(todo[0].c.device, sum(_side_floats(g) + tg.STATE_SIZE for g in todo))
+    with _exact_math(todo[0].c):
+        for g in todo:
+            _check(ctx, g, _row_side(g, ws), ws, tier=tier)
+    _counted(ctx, [g.op for g in todo], tier, time.perf_counter() - t0)
+
+
+def trip_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor | None]]) -> None:
+    """gemm.check.trip_gemms on this path: the tier-1 pass over each output, and its full check gated on what that
+    found (every kernel of it returns at once on a clean output). No sync."""
+    if not gemms or ctx.config.mode == "off":
+        return
+    t0 = time.perf_counter()
+    _trip(ctx, [DeviceGemm(op, c, a, b, bias) for op, c, a, b, bias in gemms])
+    _count_trips(ctx, [g[0] for g in gemms], time.perf_counter() - t0)
+
+
+def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
+    ws = tg.Workspace(todo[0].c.device, sum(_side_floats(g) + tg.STATE_SIZE for g in todo))
+    with _exact_math(todo[0].c):
+        for g in todo:
+            state = tg.new_state(ws)
+            tg.trip_pass(g.c, state, near_inf=_tolerance(ctx).near_inf)
+            _check(ctx, g, _row_side(g, ws, gate=tg.gate_of(state)), ws, tier="tripwire", state=state)
+
+
+def _side_floats(g: DeviceGemm) -> int:
+    return tg.operand_floats(g.b, col_sq=True)
+
+
+def _row_side(g: DeviceGemm, ws: tg.Workspace, *, gate: torch.Tensor | None = None) -> tg.RowSide:
+    """A GEMM's row references and norms from one read of B (B w, ‖B_j‖²) and one of A (A·(B w), ‖A_i‖²)."""
+    bo = tg.operand_pass(g.b, ws, right_w=True, col_sq=True, gate=gate)
+    ao = tg.operand_pass(g.a, ws, right=bo.xw, row_sq=True, gate=gate)
+    assert ao.xv is not None and ao.rsq is not None and bo.csq is not None
+    return tg.RowSide(ref=ao.xv, a_sq=ao.rsq, b_sq=bo.csq)
+
+
+def check_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, tol: Tolerance, *,
+                  correct: bool = True) -> tg.Check:
+    """One product's row check on this path outside a guard (tests, bench/): its operand passes, check pass and
+    repair kernel, the outcome left in the returned Check's device tensors (``Check.code`` per row). No sync."""
+    g = DeviceGemm("product", c, a, b, bias)
+    ws = tg.Workspace(c.device, _side_floats(g) + tg.STATE_SIZE)
+    with _exact_math(c):
+        chk = _launch(g, _row_side(g, ws), ws, tol, correct=correct)
+    return chk
+
+
+def _launch(g: DeviceGemm, side: tg.RowSide, ws: tg.Workspace, tol: Tolerance, *, correct: bool,
+            state: torch.Tensor | None = None, faults: tuple[tg.EmulatedFault, ...] = ()) -> tg.Check:
+    """The check pass and the repair kernel of one GEMM under ``tol`` (verify_gemm's rule for it)."""
+    cast = g.c.dtype if (g.a.dtype != g.c.dtype or g.b.dtype != g.c.dtype) else None
+    rule = gemm_row_rule(g.c.shape[-1], g.a.shape[-1], tol, g.c.dtype, bias=g.bias is not None,
+                         operands_cast_to=cast, operand_roundoff=fp32_matmul_operand_roundoff(g.c.device))
+    chk = tg.check_pass(g.c, g.a, g.b, g.bias, side, rule, ws, correct=correct, state=state)
+    tg.repair_rows(chk, faults=faults)
+    return chk
+
+
+def _check(ctx: LayerContext, g: DeviceGemm, side: tg.RowSide, ws: tg.Workspace, *, tier: str,
+           state: torch.Tensor | None = None) -> None:
+    """One GEMM's check pass and repair kernel, its outcome deferred to the step boundary."""
+    chk = _launch(g, side, ws, _tolerance(ctx), correct=ctx.config.mode == "correct", state=state,
+                  faults=_planned(ctx, g))
+    summary = (chk.state, chk.slot_i, chk.slot_f)
+    worst = tg.STATE["worst"]
+    defer(ctx, g.op, chk.state[tg.STATE["flagged"]],
+          functools.partial(_reports, summary, chk.lead, g.c.dim(), g.transposed, tier),
+          tier=tier, heads=g.c.dim() > 2, ratio=chk.state[worst : worst + 1].view(torch.float32))
+
+
+def _counted(ctx: LayerContext, ops: list[str], tier: str, seconds: float) -> None:
+    """Check counts and their host time (the launches': the kernels run on after it), as gemm.check counts them."""
+    if tier == "abft":
+        for op in ops:
+            _count(ctx, op, seconds / len(ops))
+    else:
+        _count_trips(ctx, [], seconds)
+
+
+def _planned(ctx: LayerContext, g: DeviceGemm) -> tuple[tg.EmulatedFault, ...]:
+    """The planned faults (attnchecker.inject) a recomputation of this op meets (attempt 1: persistent ones), placed on
+    C as the kernel sees it. Host-side lookups only, none when nothing is planned."""
+    injector = ctx.runtime.injector
+    if injector is None or not injector.fires(op=g.op, layer=ctx.layer, step=ctx.step):
+        return ()
+    shape = tuple((g.c.mT if g.transposed else g.c).shape)
+    nb1 = g.c.shape[1] if g.c.dim() == 4 else 1
+    faults = []
+    for hit in injector.resolve(op=g.op, layer=ctx.layer, step=ctx.step, shape=shape, attempt=1):
+        batch = (hit.lead[0] * nb1 + hit.lead[1]) if len(hit.lead) == 2 else (hit.lead[0] if hit.lead else 0)
+        rows, cols = (min(hit.rows), max(hit.rows) + 1), (min(hit.cols), max(hit.cols) + 1)
+        if g.transposed:
+            rows, cols = cols, rows
+        kind, value = tg.fault_kind(hit.fault.kind, hit.fault.value)
+        faults.append(tg.EmulatedFault(batch, *rows, *cols, kind, value))
+    return tuple(faults)
+
+
+def _reports(summary: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lead: tuple[int, int], dims: int,
+             transposed: bool, tier: str) -> list[MatrixReport]:
+    """The reports of one flagged check, read back at the drain (after its sync), one per flagged matrix: from the
+    first SLOTS flagged rows' summaries and the counts over all of them."""
+    state_t, slot_i_t, slot_f_t = summary
+    state = state_t.tolist()  # sync: the drain's, for a flagged record only
+    n = min(state[tg.STATE["flagged"]], tg.SLOTS)
+    slot_i, slot_f = slot_i_t[:n].tolist(), slot_f_t[:n].tolist()  # sync: the drain's, flagged record only
+    by_matrix: dict[int, list[tuple[list[int], list[float]]]] = {}
+    for si, sf in zip(slot_i, slot_f, strict=True):
+        by_matrix.setdefault(si[0], []).append((si, sf))
+    overflowed = state[tg.STATE["flagged"]] > tg.SLOTS
+    reports = []
+    for batch, entries in sorted(by_matrix.items()):
+        rep = _matrix_report(batch, entries, state if overflowed else None, lead, dims, transposed, tier)
+        if rep is not None:
+            reports.append(rep)
+    return reports
+
+
+_ACTION = {1: "corrected", 2: "uncorrectable", 3: "recomputed", 4: "uncorrectable", 6: "detected", 7: "detected"}
+"""A row outcome's report action (2: marked for recomputation and never recomputed; 5, consistent: no report)."""
+
+
+def _matrix_report(batch: int, entries: list[tuple[list[int], list[float]]], counts: list[int] | None,
+                   lead: tuple[int, int], dims: int, transposed: bool, tier: str) -> MatrixReport | None:
+    """One matrix's report: its action the worst of its rows' (uncorrectable, recomputed, corrected; detected in
+    detect mode, and for an output whose non-finite values came in with an input on a tier-1 trip), its pattern from
+    where they lie (a recomputed row counts as a whole row), its value the most extreme found (NaN, INF, then the
+    largest), its residual and bound the worst ratio's. counts: the check's totals when its rows outnumbered the
+    slots."""
+    kept = [(si, sf) for si, sf in entries if si[3] in _ACTION and (si[3] != 7 or tier == "tripwire")]
+    if not kept:
+        return None
+    actions = {_ACTION[si[3]] for si, _ in kept}
+    if counts is not None:
+        actions |= {name for key, name in (("uncorrectable", "uncorrectable"), ("recomputed", "recomputed"),
+                                           ("corrected", "corrected")) if counts[tg.STATE[key]] > 0}
+    action = next(a for a in ("uncorrectable", "recomputed", "detected", "corrected") if a in actions)
+    rows = sorted({si[1] for si, _ in kept})
+    whole = any(si[3] in (2, 3, 4) for si, _ in kept)
+    cols = sorted({si[2] for si, _ in kept})
+    row: int | None
+    col: int | None
+    if whole:
+        pattern, row, col = ("1d" if len(rows) == 1 else "2d"), rows[0], None
+    elif len(rows) >= 2 and len(cols) >= 2:
+        pattern, row, col = "2d", rows[0], cols[0]
+    else:
+        pattern = "0d" if len(rows) == 1 and len(cols) == 1 else "1d"
+        row, col = rows[0] if len(rows) == 1 else None, cols[0] if len(cols) == 1 else None
+    if transposed:
+        row, col = col, row
+    values = [sf[0] for _, sf in kept]
+    # NaN first, then INF, then the largest magnitude (abft.repair._worst_value's order).
+    value = max(values, key=lambda v: (math.isnan(v), math.isinf(v), 0.0 if math.isnan(v) else abs(v)))
+    worst = max(kept, key=lambda e: abs(e[1][1]) / max(e[1][2], 1e-30) if math.isfinite(e[1][1]) else math.inf)
+    residual = abs(worst[1][1]) if math.isfinite(worst[1][1]) else None
+    index = (batch // lead[1], batch % lead[1]) if dims == 4 else (batch,)
+    return MatrixReport(index=index, pattern=pattern, row=row, col=col, value=value, residual=residual,
+                        bound=worst[1][2], action=action)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LinearSides:
+    """What a Linear's forward read of W and x leaves for its backward's checks: dX = dY·W_OI by rows needs
+    dY·(W_OI w_I) and ‖W_OI[:, i]‖²; dW (as dYᵀ·x (O, I)) by rows needs dYᵀ·(x w_I) and ‖x[:, i]‖²."""
+
+    ww_O2: torch.Tensor
+    """(1, O, 2) W_OI·w_I"""
+    w_col_sq_I: torch.Tensor
+    """(1, I) ‖W_OI[:, i]‖²"""
+    xw_M2: torch.Tensor
+    """(1, M, 2) x·w_I"""
+    x_col_sq_I: torch.Tensor
+    """(1, I) ‖x[:, i]‖²"""
+
+
+def _weight_pass(weight: torch.Tensor, layout: str, ws: tg.Workspace, *, forward: bool
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """One read of the weight as stored: (W_IO·w_O (1, I, 2) and ‖W_IO[:, o]‖² (1, O) for the forward check, or None;
+    W_OI·w_I (1, O, 2) and ‖W_OI[:, i]‖² (1, I) for dX's)."""
+    if layout == "out_in":  # nn.Linear: W (O, I)
+        out = tg.operand_pass(weight, ws, left_w=forward, right_w=True, row_sq=forward, col_sq=True)
+        fwd, fwd_sq, ww, w_sq = out.wx, out.rsq, out.xw, out.csq
+    else:  # Conv1D: W (I, O)
+        out = tg.operand_pass(weight, ws, right_w=forward, left_w=True, col_sq=forward, row_sq=True)
+        fwd, fwd_sq, ww, w_sq = out.xw, out.csq, out.wx, out.rsq
+    assert ww is not None and w_sq is not None
+    return fwd, fwd_sq, ww, w_sq
+
+
+def _weight_floats(weight: torch.Tensor, layout: str, *, forward: bool) -> int:
+    if layout == "out_in":
+        return tg.operand_floats(weight, left_w=forward, col_sq=True)
+    return tg.operand_floats(weight, left_w=True, col_sq=forward)
+
+
+def linear_forward(ctx: LayerContext, tier: str, y_MO: torch.Tensor, x_MI: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None, layout: str, *, check_forward: bool) -> LinearSides | None:
+    """A checked Linear's forward on this path: on a full-check step, one read of W and one of x for this check and
+    the backward's two (``LinearSides``), then y's check pass and repair; on a tier-1 step, y's tier-1 pass (when this
+    module's forward is ours to check). No sync."""
+    if ctx.config.mode == "off":
+        return None
+    w_IO = weight.T if layout == "out_in" else weight
+    gemm = DeviceGemm("linear", y_MO, x_MI, w_IO, bias)
+    if tier != "abft":
+        if check_forward:
+            t0 = time.perf_counter()
+            _trip(ctx, [gemm])
+            _count_trips(ctx, ["linear"], time.perf_counter() - t0)
+        return None
+    t0 = time.perf_counter()
+    ws = tg.Workspace(y_MO.device, _weight_floats(weight, layout, forward=check_forward)
+                      + tg.operand_floats(x_MI, col_sq=True) + tg.STATE_SIZE)
+    with _exact_math(y_MO):
+        fwd, fwd_sq, ww, w_sq = _weight_pass(weight, layout, ws, forward=check_forward)
+        xo = tg.operand_pass(x_MI, ws, right=fwd if check_forward else None, right_w=True, row_sq=check_forward,
+                             col_sq=True)
+        assert xo.xw is not None and xo.csq is not None
+        sides = LinearSides(ww_O2=ww, w_col_sq_I=w_sq, xw_M2=xo.xw, x_col_sq_I=xo.csq)
+        if check_forward:
+            assert xo.xv is not None and xo.rsq is not None and fwd_sq is not None
+            _check(ctx, gemm, tg.RowSide(ref=xo.xv, a_sq=xo.rsq, b_sq=fwd_sq), ws, tier="abft")
+    if check_forward:
+        _count(ctx, "linear", time.perf_counter() - t0)
+    return sides
+
+
+def linear_backward(ctx: LayerContext, tier: str, dy_MO: torch.Tensor, x_MI: torch.Tensor, weight: torch.Tensor,
+                    layout: str, dx_MI: torch.Tensor | None, dw: torch.Tensor | None, sides: LinearSides | None
+                    ) -> None:
+    """A checked Linear's backward on this path: dX = dY·W_OI and dW (as dYᵀ·x (O, I): a Conv1D's (I, O) gradient
+    through its transposed view), both by rows from one read of dY and the forward's ``sides``. No sync."""
+    if ctx.config.mode == "off" or (dx_MI is None and dw is None):
+        return
+    w_OI = weight if layout == "out_in" else weight.T
+    gemms = []
+    if dx_MI is not None:
+        gemms.append(DeviceGemm("linear_dx", dx_MI, dy_MO, w_OI, None))
+    if dw is not None:
+        gemms.append(DeviceGemm("linear_dw", dw if layout == "out_in" else dw.mT, dy_MO.T, x_MI, None,
+                                transposed=layout != "out_in"))
+    t0 = time.perf_counter()
+    if tier != "abft":
+        _trip(ctx, gemms)
+        _count_trips(ctx, [g.op for g in gemms], time.perf_counter() - t0)
+        return
+    floats = tg.operand_floats(dy_MO, left=dw is not None, col_sq=dw is not None) + len(gemms) * tg.STATE_SIZE
+    if sides is None:
+        floats += _weight_floats(weight, layout, forward=False) + tg.operand_floats(x_MI, col_sq=True)
+    ws = tg.Workspace(dy_MO.device, floats)
+    with _exact_math(dy_MO):
+        if sides is None:
+            # A module whose forward the attention's projection hook checked: its W and x are read now.
+            _, _, ww, w_sq = _weight_pass(weight, layout, ws, forward=False)
+            xo = tg.operand_pass(x_MI, ws, right_w=True, col_sq=True)
+            assert xo.xw is not None and xo.csq is not None
+            sides = LinearSides(ww_O2=ww, w_col_sq_I=w_sq, xw_M2=xo.xw, x_col_sq_I=xo.csq)
+        do = tg.operand_pass(dy_MO, ws, right=sides.ww_O2 if dx_MI is not None else None,
+                             row_sq=dx_MI is not None, left=sides.xw_M2 if dw is not None else None,
+                             col_sq=dw is not None)
+        for g in gemms:
+            if g.op == "linear_dx":
+                assert do.xv is not None and do.rsq is not None
+                side = tg.RowSide(ref=do.xv, a_sq=do.rsq, b_sq=sides.w_col_sq_I)
+            else:
+                assert do.lx is not None and do.csq is not None
+                side = tg.RowSide(ref=do.lx, a_sq=do.csq, b_sq=sides.x_col_sq_I)
+            _check(ctx, g, side, ws, tier="abft")
+    _counted(ctx, [g.op for g in gemms], "abft", time.perf_counter() - t0)
