@@ -1,0 +1,345 @@
+"""The Triton GEMM checks (issue 32: kernels/triton_gemm_check.py, gemm/device.py) under Triton's interpreter, on CPU
+tensors: the pass gives verify_gemm's verdicts, corrects located errors in place and recomputes the rest on the device,
+tells a product the dtype cannot hold from a fault, launches a fixed number of kernels per checked GEMM and never
+waits for the device. The tests that compare with the CPU path run both (``impl``). conftest.py asks for the
+interpreter where there is no CUDA device."""
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnchecker.abft import Tolerance
+from attnchecker.abft.gemm import verify_gemm
+from attnchecker.checks.deferred import drain
+from attnchecker.gemm import device
+from attnchecker.gemm.check import check_gemms, trip_gemms
+from attnchecker.gemm.linear import LinearSite, checked_linear
+from attnchecker.inject import Fault
+from attnchecker.kernels import triton_gemm_check as tg
+
+pytestmark = pytest.mark.skipif(not (tg.available() and (torch.cuda.is_available() or tg.interpreted())),
+                                reason="needs triton, and its interpreter where there is no CUDA device")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(params=["cpu", "triton"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The CPU path (gemm/check.py as on a machine without a GPU) or the Triton path on CPU tensors; afterwards, that
+    the path named is the one that ran (Triton kernels launched, or none)."""
+    monkeypatch.setenv(device.GEMM_ENV, "auto" if request.param == "cpu" else "triton")
+    tg.LAUNCHES.reset()
+    yield request.param
+    assert (tg.LAUNCHES.by_kernel.get("check_pass", 0) > 0) == (request.param == "triton")
+
+
+def detections(ctx, recorder) -> list:
+    """What the checks reported by the step boundary (the Triton path's reports come at the drain)."""
+    drain(ctx.runtime.deferred)
+    return recorder.detections
+
+
+def product(m: int, k: int, n: int, dtype: torch.dtype, *, seed: int = 0, bias: bool = False, cast: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(C, A, B, bias) with C as a GEMM computes it: fp32 accumulation, one rounding to C's dtype. cast: A and B
+    stay fp32 (autocast's master weights), C is the half dtype."""
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    beta = torch.randn(n, generator=g) if bias else None
+    exact = a @ b if beta is None else torch.addmm(beta, a, b)
+    if not cast:
+        a, b = a.to(dtype), b.to(dtype)
+        beta = None if beta is None else beta.to(dtype)
+        exact = a.float() @ b.float() if beta is None else torch.addmm(beta.float(), a.float(), b.float())
+    return exact.to(dtype), a, b, beta
+
+
+TOLERANCES = {"calibrated": Tolerance(), "rigorous": Tolerance(calibrated=False), "extreme": Tolerance(mode="extreme")}
+
+
+@settings(max_examples=24)
+@given(m=st.integers(1, 80), k=st.integers(1, 96), n=st.integers(1, 300), dtype=st.sampled_from(DTYPES),
+       bias=st.booleans(), cast=st.booleans(), tol=st.sampled_from(sorted(TOLERANCES)),
+       fault=st.sampled_from([None, 0.25, 4.0]), seed=st.integers(0, 2**31 - 1))
+def test_the_pass_flags_the_rows_verify_gemm_flags(m: int, k: int, n: int, dtype: torch.dtype, bias: bool, cast: bool,
+                                                  tol: str, fault: float | None, seed: int) -> None:
+    """The pass evaluates verify_gemm's row rule (abft/gemm_rule.py, every dtype, bias, operand cast and tolerance
+    mode): on the same product its flagged rows are verify_gemm's, clean or with an error of 1/4 or 4 times the
+    row's bound (n up to 300 crosses the kernel's 256-column tiles); a flagged row's bound is verify_gemm's."""
+    cast = cast and dtype != torch.float32
+    c, a, b, beta = product(m, k, n, dtype, seed=seed, bias=bias, cast=cast)
+    tolerance = TOLERANCES[tol]
+    i, j = seed % m, (seed // m) % n
+    if fault is not None:
+        chk = verify_gemm(c, a, b, tolerance, bias_N=beta, directions=("row",))["row"]
+        assert chk.bound2 is not None
+        e = fault * min(float(chk.bound[0, i]), float(chk.bound2[0, i]) / (j + 1))
+        c[i, j] = (c[i, j].float() + e).to(dtype)
+    want = verify_gemm(c, a, b, tolerance, bias_N=beta, directions=("row",))["row"]
+    got = device.check_product(c, a, b, beta, tolerance, correct=False)
+    flagged = got.code != 0
+    assert torch.equal(flagged, want.bad[0]), (flagged.nonzero().tolist(), want.bad[0].nonzero().tolist())
+    if fault == 4.0:
+        assert bool(flagged[i])
+    n_flagged = int(got.state[tg.STATE["flagged"]])
+    for row, bound in zip(got.slot_i[:n_flagged, 1].tolist(), got.slot_f[:n_flagged, 2].tolist(), strict=True):
+        assert bound == pytest.approx(float(want.bound[0, row]), rel=1e-4)
+
+
+def test_verdicts_fail_without_the_rule() -> None:
+    """The control: a rule whose calibrated part is off (the rigorous bound alone, ~100× looser at these sizes) lets
+    the 4× error through that the real rule flags, so the comparison above can fail."""
+    c, a, b, _ = product(64, 256, 256, torch.float32, seed=3)
+    chk = verify_gemm(c, a, b, Tolerance(), directions=("row",))["row"]
+    assert chk.bound2 is not None
+    c[5, 9] += 4.0 * min(float(chk.bound[0, 5]), float(chk.bound2[0, 5]) / 10)
+    assert bool(device.check_product(c.clone(), a, b, None, Tolerance(), correct=False).code[5] != 0)
+    assert not bool(device.check_product(c, a, b, None, Tolerance(calibrated=False), correct=False).code[5] != 0)
+
+
+KINDS = {"inf": float("inf"), "nan": float("nan"), "1e20": 1e20, "bitflip": None}
+
+
+def corrupt(c: torch.Tensor, i: int, j: int, kind: str) -> None:
+    if kind == "bitflip":
+        from attnchecker.inject import bitflip
+
+        c[i, j] = bitflip(c[i, j])
+    else:
+        c[i, j] = KINDS[kind]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.usefixtures("impl")
+def test_a_located_fault_is_corrected_in_place(dtype: torch.dtype, kind: str, make_ctx) -> None:
+    """INF, NaN, 1e20 and an exponent flip in one element of a bf16/fp16/fp32 product with a bias: corrected in place
+    (located by value or by d2/d1, recomputed exactly from A's row and B's column), one "corrected" 0-D event at the
+    element, on both paths."""
+    c, a, b, beta = product(48, 64, 96, dtype, seed=1, bias=True)
+    want = c.clone()
+    corrupt(c, 5, 7, kind)
+    ctx, rec = make_ctx()
+    check_gemms(ctx, [("linear", c, a, b, beta)])
+    (det,) = detections(ctx, rec)
+    assert (det.op, det.action, det.pattern, det.row, det.col) == ("linear", "corrected", "0d", 5, 7)
+    # To the dtype's tolerance: the exact element, summed in another order than the GEMM's, may round to the next
+    # bf16 value at a tie.
+    torch.testing.assert_close(c, want)
+
+
+@pytest.mark.parametrize("pattern", ["row", "col", "block"])
+def test_a_row_and_a_block_are_recomputed_and_a_column_corrected(pattern: str, make_ctx, monkeypatch) -> None:
+    """The Triton path checks rows only: a corrupted column leaves one error in each row, each located and corrected;
+    a corrupted row, or a 2-D block, holds several in a row, and those rows are recomputed on the device (a tl.dot over
+    K, only in the programs that hold one) and verified again."""
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+    c, a, b, _ = product(48, 64, 96, torch.bfloat16, seed=2)
+    want = c.clone()
+    region = {"row": (slice(3, 4), slice(None)), "col": (slice(None), slice(9, 10)), "block": (slice(4, 7),
+                                                                                                slice(10, 13))}
+    c[region[pattern]] = float("inf")
+    ctx, rec = make_ctx()
+    check_gemms(ctx, [("linear_dw", c, a, b, None)])
+    (det,) = detections(ctx, rec)
+    expect = {"row": ("recomputed", "1d", 3, None), "col": ("corrected", "1d", None, 9),
+              "block": ("recomputed", "2d", 4, None)}[pattern]
+    assert (det.action, det.pattern, det.row, det.col) == expect
+    torch.testing.assert_close(c, want, rtol=1e-2, atol=1e-2)
+
+
+def test_detect_mode_reports_and_changes_nothing(make_ctx, monkeypatch) -> None:
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+    c, a, b, _ = product(32, 48, 64, torch.float32, seed=4)
+    c[2, 3] = float("nan")
+    seen = c.clone()
+    ctx, rec = make_ctx(mode="detect")
+    check_gemms(ctx, [("linear_dx", c, a, b, None)])
+    (det,) = detections(ctx, rec)
+    assert (det.action, det.kind, det.row, det.col) == ("detected", "nan", 2, 3)
+    assert torch.equal(c.isnan(), seen.isnan()) and torch.equal(c.nan_to_num(), seen.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.usefixtures("impl")
+def test_an_inf_the_dtype_cannot_avoid_is_no_fault_and_a_planted_one_is(dtype: torch.dtype, make_ctx) -> None:
+    """gemm.check's _overflowed on both paths: an INF where the exact product is past the dtype's range (fp16 GradScaler
+    steps; bf16 only in diverged training) is what the GEMM gives: no event, C unchanged. An INF planted over an
+    ordinary value is corrected."""
+    c, a, b, _ = product(16, 32, 24, dtype, seed=0)
+    want = c.clone()
+    c[3, 5] = float("inf")
+    ctx, rec = make_ctx()
+    check_gemms(ctx, [("linear_dw", c, a, b, None)])
+    assert [(d.action, d.row, d.col) for d in detections(ctx, rec)] == [("corrected", 3, 5)]
+    torch.testing.assert_close(c, want)
+    big_a, big_b = (a * 4000, b * 4) if dtype == torch.float16 else (a * 1e20, b * 1e19)
+    c_big = (big_a.double() @ big_b.double()).to(dtype)
+    assert not bool(torch.isfinite(c_big).all())
+    before = c_big.clone()
+    ctx, rec = make_ctx()
+    check_gemms(ctx, [("linear_dw", c_big, big_a, big_b, None)])
+    assert detections(ctx, rec) == []
+    assert torch.equal(c_big.isinf(), before.isinf()) and torch.equal(c_big.nan_to_num(), before.nan_to_num())
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.usefixtures("impl")
+def test_a_planned_fault_that_comes_back_in_the_recomputation_is_uncorrectable(persistent: bool, make_ctx) -> None:
+    """attnchecker.inject reaches the products the kernels compute themselves: a planned 2-D fault in a Linear's
+    weight gradient (attempt 0, on the GEMM's output) is recomputed; persistent, it comes back in the recomputation
+    (attempt 1: inside the repair kernel on the Triton path, on the recomputed tensor on the CPU path), which is then
+    not verified: "uncorrectable". The same plan on both paths."""
+    fault = Fault(op="linear_dw", layer=0, step=0, kind="nan", pattern="2d", block=(2, 3), persistent=persistent,
+                  seed=5)
+    ctx, rec = make_ctx(faults=[fault])
+    lin = torch.nn.Linear(64, 96)
+    x = torch.randn(48, 64, requires_grad=True)
+    site = LinearSite(ctx=ctx, layout="out_in", check_forward=True)
+    checked_linear(x, lin.weight, lin.bias, site, "abft").square().sum().backward()
+    (det,) = detections(ctx, rec)
+    assert (det.op, det.pattern) == ("linear_dw", "2d")
+    assert det.action == ("uncorrectable" if persistent else "recomputed")
+    assert bool(lin.weight.grad.isnan().any()) == persistent
+
+
+def test_tier1_on_the_device_corrects_a_trip_and_reports_an_input_fault(make_ctx, monkeypatch) -> None:
+    """trip_gemms on the Triton path: the tier-1 pass counts extreme values on the device and gates the full check's
+    kernels on that count. Real values past 1e10 that the operands explain: no event, C unchanged. An INF that came in
+    with an input (its reference is not finite): "detected", tier "tripwire". An INF written into C: corrected."""
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 48, generator=gen) * 1e6, torch.randn(48, 40, generator=gen) * 1e6
+    ctx, rec = make_ctx(checked_ops=frozenset())
+    huge = a @ b
+    want = huge.clone()
+    trip_gemms(ctx, [("linear", huge, a, b, None)])
+    assert detections(ctx, rec) == [] and torch.equal(huge, want)
+    bad_a = a / 1e6
+    bad_a[3, 5] = float("inf")
+    c = bad_a @ (b / 1e6)
+    trip_gemms(ctx, [("linear_dx", c, bad_a, b / 1e6, None)])
+    a1, b1 = a / 1e6, b / 1e6
+    c1 = a1 @ b1
+    want1 = c1.clone()
+    c1[7, 9] = float("inf")
+    trip_gemms(ctx, [("linear_dw", c1, a1, b1, None)])
+    got = [(d.op, d.tier, d.action) for d in detections(ctx, rec)]
+    assert got == [("linear_dx", "tripwire", "detected"), ("linear_dw", "tripwire", "corrected")]
+    torch.testing.assert_close(c1, want1)
+    assert ctx.runtime.stats.trip_checks["linear_dw"] == 1
+
+
+SYNCS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.cpu, torch.Tensor.numpy,
+                   torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.nonzero})
+
+
+class SyncCounter(TorchFunctionMode):
+    """Every call that makes the host wait for a device tensor's value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in SYNCS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+VIEWS_AND_ALLOCATIONS = frozenset({"empty", "view", "slice", "select", "t", "permute", "expand", "detach", "transpose",
+                                   "as_strided", "alias"})
+"""Ops that launch nothing on a GPU. new_empty, set_ and copy_ are the interpreter's own host copies of the kernels'
+arguments (GridExecutor._init_args_hst / _restore_args_dev): a compiled launch makes none."""
+INTERPRETER = frozenset({"new_empty", "set_", "copy_"})
+
+
+class DeviceOps(TorchDispatchMode):
+    """The aten ops that do device work, by name, while ``on`` (set around the checks' entry points)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        if self.on and name not in VIEWS_AND_ALLOCATIONS | INTERPRETER:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_device_work(monkeypatch: pytest.MonkeyPatch, mode: DeviceOps) -> None:
+    """Switch ``mode`` on inside the Linear checks' entry points (both paths), not in the model's own ops."""
+    from attnchecker.gemm import linear
+
+    for owner, name in ((device, "linear_forward"), (device, "linear_backward"), (linear, "check_gemms"),
+                        (linear, "trip_gemms"), (linear, "linear_sums"), (linear, "_backward_given")):
+        fn = getattr(owner, name)
+
+        def wrapped(*args, fn=fn, **kwargs):  # type: ignore[no-untyped-def]
+            mode.on = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                mode.on = False
+
+        monkeypatch.setattr(owner, name, wrapped)
+
+
+@pytest.mark.parametrize("tier", ["abft", "tripwire"])
+def test_a_checked_linear_launches_a_fixed_number_of_kernels_and_never_syncs(tier: str, impl: str,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            make_ctx) -> None:
+    """One nn.Linear forward and backward, its three GEMMs checked (abft) or given tier 1: on the Triton path, 0 host
+    syncs and a fixed set of launches: abft 3 operand passes (W, x, dY), 3 check passes, 3 repair kernels and 2
+    workspace memsets (11); tier 1, per GEMM the tier-1 pass, 2 operand passes, the check pass and the repair kernel,
+    all four gated on the device, and one memset per phase (17). The CPU path syncs (its slow-path decision), so the
+    count can fail."""
+    ctx, rec = make_ctx()
+    lin = torch.nn.Linear(64, 96)
+    x = torch.randn(48, 64, requires_grad=True)
+    site = LinearSite(ctx=ctx, layout="out_in", check_forward=True)
+    syncs, ops = SyncCounter(), DeviceOps()
+    count_device_work(monkeypatch, ops)
+    tg.LAUNCHES.reset()
+    with syncs, ops:
+        checked_linear(x, lin.weight, lin.bias, site, tier).square().sum().backward()
+    assert detections(ctx, rec) == []
+    if impl == "cpu":
+        assert syncs.calls and not tg.LAUNCHES.total
+        return
+    assert syncs.calls == []
+    launches = dict(tg.LAUNCHES.by_kernel)
+    if tier == "abft":
+        assert launches == {"operand_pass": 3, "check_pass": 3, "repair_rows": 3}
+    else:
+        assert launches == {"trip_pass": 3, "operand_pass": 6, "check_pass": 3, "repair_rows": 3}
+    assert dict(ops.ops) == {"zeros": 2}
+
+
+def test_a_bad_setting_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, make_ctx) -> None:
+    monkeypatch.setenv(device.GEMM_ENV, "cuda")
+    c, a, b, _ = product(8, 8, 8, torch.float32)
+    ctx, _ = make_ctx()
+    with pytest.raises(ValueError, match="ATTNCHECKER_GEMM='cuda': use auto, triton"):
+        check_gemms(ctx, [("linear", c, a, b, None)])
+
+
+def test_triton_named_without_the_interpreter_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch, make_ctx,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(device, "_warned", set())
+    c, a, b, _ = product(8, 8, 8, torch.float32)
+    c[1, 1] = float("inf")
+    ctx, rec = make_ctx()
+    with caplog.at_level("WARNING", logger="attnchecker"):
+        assert check_gemms(ctx, [("linear", c, a, b, None)]) == 1  # the CPU path, reporting at once
+    assert "TRITON_INTERPRET=1" in caplog.text and len(rec.detections) == 1
