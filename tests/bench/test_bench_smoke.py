@@ -172,3 +172,25 @@ def test_fleet_bench_keeps_every_total_through_prune_and_the_quota_holds(tmp_pat
     assert all(0 <= v <= 1 for v in suspicion["null"].values())
     [quota] = doc["quota"]
     assert quota["statuses"] == {"201": 100, "429": 10} and quota["metrics_runs"] == 100
+
+
+def test_tripwire_fusion_bench_times_both_modes_and_reads_the_kernels(tmp_path):
+    doc = run_bench("tripwire_fusion", tmp_path)
+    assert set(doc["per_call_s"]) == {"eager", "eager_tripwire", "compiled", "compiled_tripwire"}
+    for name in ("ratio_eager", "ratio_compiled"):
+        check_summary(doc[name])
+        assert positive(doc[name]["median"])
+    # inductor folds the tripwire's reduction into the loop that applies GELU (docs/performance.md): one kernel
+    assert len(doc["kernels"]["compiled_tripwire"]["kernels"]) == len(doc["kernels"]["compiled"]["kernels"])
+    assert doc["kernels"]["compiled_tripwire"]["reduction_in_gelu_kernel"]
+
+
+def test_triton_gemm_check_bench_compares_the_two_rules(tmp_path):
+    pytest.importorskip("triton")
+    doc = run_bench("triton_gemm_check", tmp_path)
+    assert [r["dtype"] for r in doc["detect"]] == ["float32", "bfloat16"]
+    for r in doc["detect"]:
+        assert 0 <= r["clean_worst_ratio_triton"] < 1 and 0 <= r["clean_worst_ratio_cpu"] < 1
+        for caught in r["caught"].values():
+            assert caught["clean_rows_flagged_cpu"] == caught["clean_rows_flagged_triton"] == 0
+            assert 0 <= caught["triton"] <= 1
