@@ -156,6 +156,24 @@ def test_a_row_and_a_block_are_recomputed_and_a_column_corrected(pattern: str, m
     torch.testing.assert_close(c, want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.usefixtures("impl")
+def test_a_batched_product_is_checked_per_matrix(make_ctx) -> None:
+    """The attention backward's products (B, H, M, K)·(B, H, K, N), one operand a transposed view as k.mT is: two
+    matrices with a fault each, both corrected, one report each at its (batch, head), the others untouched."""
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(2, 3, 24, 16, generator=g)
+    b = torch.randn(2, 3, 40, 16, generator=g).mT
+    c = a @ b
+    want = c.clone()
+    c[0, 2, 5, 7] = float("nan")
+    c[1, 0, 11, 30] = 1e20
+    ctx, rec = make_ctx()
+    check_gemms(ctx, [("grad_q", c, a, b, None)])
+    got = sorted((d.batch, d.head, d.row, d.col, d.action) for d in detections(ctx, rec))
+    assert got == [(0, 2, 5, 7, "corrected"), (1, 0, 11, 30, "corrected")]
+    torch.testing.assert_close(c, want)
+
+
 def test_detect_mode_reports_and_changes_nothing(make_ctx, monkeypatch) -> None:
     monkeypatch.setenv(device.GEMM_ENV, "triton")
     c, a, b, _ = product(32, 48, 64, torch.float32, seed=4)
