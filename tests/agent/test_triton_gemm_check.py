@@ -301,10 +301,10 @@ def test_a_checked_linear_launches_a_fixed_number_of_kernels_and_never_syncs(tie
                                                                             monkeypatch: pytest.MonkeyPatch,
                                                                             make_ctx) -> None:
     """One nn.Linear forward and backward, its three GEMMs checked (abft) or given tier 1: the histogram gets the same
-    ratios on both paths; on the Triton path, 0 host syncs and a fixed set of launches: abft 3 operand passes (W, x, dY), 3 check passes, 3 repair kernels and 2
-    workspace memsets (11); tier 1, per GEMM the tier-1 pass, 2 operand passes, the check pass and the repair kernel,
-    all four gated on the device, and one memset per phase (17). The CPU path syncs (its slow-path decision), so the
-    count can fail."""
+    ratios on both paths; on the Triton path, 0 host syncs and a fixed set of launches: abft 3 operand passes (W, x,
+    dY), 3 check passes, 3 repair kernels and 2 workspace memsets (11); tier 1, per GEMM the tier-1 pass, 2 operand
+    passes, the check pass and the repair kernel, all four gated on the device, and one memset per phase (17). The CPU
+    path syncs (its slow-path decision), so the count can fail."""
     ctx, rec = make_ctx()
     lin = torch.nn.Linear(64, 96)
     x = torch.randn(48, 64, requires_grad=True)
