@@ -10,8 +10,8 @@ import torch
 from hypothesis import HealthCheck, settings
 
 if not torch.cuda.is_available():
-    # Triton's interpreter runs the Triton kernels on CPU tensors (the GEMM checks' tests). It must be asked for before
-    # triton is first imported, which importing attnchecker does (through torch._dynamo).
+    # Triton's interpreter runs the Triton kernels on CPU tensors (the GEMM checks' tests, the attention backward's). It
+    # must be asked for before triton is first imported, which importing attnchecker does (through torch._dynamo).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime

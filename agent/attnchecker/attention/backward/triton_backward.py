@@ -1,0 +1,225 @@
+"""The checked attention backward on the GPU: the Triton kernels of kernels/triton_attention_bwd.py under the engine's
+policy, with no host-device sync. What the kernels find stays on the device until the step boundary
+(checks/deferred.py), where one sync per step emits the detections: "recomputed" for a flagged block whose repair
+came back clean, "uncorrectable" for one that flagged again (a fault that repeats), "detected" in detect mode (no
+repair is launched there, and the gradients keep the fault, as every backend's do in that mode).
+
+``backward`` is what an autograd Function calls with the forward's verified output and row log-sum-exp: the Triton
+forward's (attention/backends), and the PyTorch tile loop's off the CPU (attention/backward/fused.py).
+
+Legend: B batch, H query heads, HK key/value heads, T queries, S keys, D head dim, O the kernels' ops, P programs.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import time
+
+import torch
+
+from ...abft.repair import MatrixReport
+from ...abft.tolerance import NEAR_INF, TF32_OPERAND_ROUNDOFF, Tolerance
+from ...abft.vector_rules import product_rule, softmax_grad_rule
+from ...checks.caches import engine_caches
+from ...checks.context import LayerContext, Runtime
+from ...checks.deferred import defer
+from ...checks.product import _tolerance
+from ...checks.records import _count, _count_trips, _record_ratio
+from ...gemm.schedule import whole_step_due, whole_step_trips
+from ...kernels import triton_attention_bwd as kernels
+from ...matmul_precision import current_fp32_precision, fp32_matmul_operand_roundoff
+
+__all__ = ["BACKWARD_ENV", "KernelFault", "backward", "check_mode", "emulated_faults", "not_supported_reasons",
+           "requested", "take_faults"]
+
+log = logging.getLogger("attnchecker")
+
+KernelFault = kernels.KernelFault
+
+BACKWARD_ENV = "ATTNCHECKER_ATTENTION_BACKWARD"
+"""auto (default): the Triton kernels where they run (CUDA), else the checked PyTorch products; triton: the kernels
+(a call they cannot take gets the products, with a warning); torch: always the products, whose GEMMs are aten ops
+that profilers and fault injectors below autograd see (attention/backward/checked.py)."""
+_CHOICES = ("auto", "triton", "torch")
+
+_pending: list[KernelFault] = []
+
+
+def requested() -> str:
+    """ATTNCHECKER_ATTENTION_BACKWARD: auto, triton or torch. Raises ValueError on anything else."""
+    mode = os.environ.get(BACKWARD_ENV, "auto").strip().lower() or "auto"
+    if mode not in _CHOICES:
+        raise ValueError(f"{BACKWARD_ENV}={mode!r}: use one of {', '.join(_CHOICES)}")
+    return mode
+
+
+def not_supported_reasons(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+                          attn_mask: torch.Tensor | None) -> list[str]:
+    """Why ``backward`` cannot take this call ([] = it can), ATTNCHECKER_ATTENTION_BACKWARD=torch included."""
+    reasons = ["ATTNCHECKER_ATTENTION_BACKWARD=torch"] if requested() == "torch" else []
+    if attn_mask is not None and attn_mask.requires_grad:
+        reasons.append("a mask that requires grad (the kernels give no gradient for it)")
+    return reasons + kernels.not_supported_reasons(q_BHTD, k_BHSD, v_BHSD, attn_mask)
+
+
+def check_mode(runtime: Runtime) -> str:
+    """What a backward of this step checks under the runtime's policy: "abft" where the whole-step checks are due
+    (protect(scope="all")), "tripwire" where they get tier 1, else "off"."""
+    if whole_step_due(runtime):
+        return "abft"
+    return "tripwire" if whole_step_trips(runtime) else "off"
+
+
+def emulated_faults(faults: list[KernelFault]) -> _Pending:
+    """Tests: the next backward through ``backward`` (with faults=None) inside the block writes these faults in its
+    kernels, as a fault of their own arithmetic would; persistent ones again in the repair's recompute."""
+    return _Pending(faults)
+
+
+class _Pending:
+    def __init__(self, faults: list[KernelFault]) -> None:
+        self.faults = list(faults)
+
+    def __enter__(self) -> None:
+        _pending[:] = self.faults
+
+    def __exit__(self, *exc: object) -> None:
+        _pending.clear()
+
+
+def take_faults() -> list[KernelFault] | None:
+    """The pending emulated faults, now consumed (None: none)."""
+    if not _pending:
+        return None
+    got = list(_pending)
+    _pending.clear()
+    return got
+
+
+def backward(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    out_BHTD: torch.Tensor,
+    lse_BHT: torch.Tensor,
+    dout_BHTD: torch.Tensor,
+    *,
+    scale: float,
+    is_causal: bool,
+    window: int | None = None,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed: int = 0,
+    check: str,
+    faults: list[KernelFault] | None = None,
+    ctx: LayerContext | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq (B, H, T, D), dk, dv (B, HK, S, D), dk and dv summed over each KV head's query heads) of
+    softmax(scale·QKᵀ + mask)·V with dropout (kernels/triton_dropout.py's mask for ``seed``), at the forward's
+    verified out and lse (fp32, +INF on rows with every key masked). check: "abft", "tripwire" or "off"
+    (``check_mode`` picks it from the step's policy); the policy's mode "off" turns it off, "detect" launches no
+    repair. faults: emulated faults (tests; None: those of ``emulated_faults``). ctx: where the records go (None:
+    check "off" only). Window, mask and causal: kernels.run. No host-device sync."""
+    if check not in kernels.CHECKS:
+        raise ValueError(f"check must be one of {kernels.CHECKS}, got {check!r}")
+    if ctx is None or ctx.config.mode == "off":
+        check = "off"
+    t0 = time.perf_counter()
+    faults = take_faults() if faults is None else faults
+    tf32 = q_BHTD.dtype == torch.float32 and current_fp32_precision(q_BHTD.device.type) == "tf32"
+    rules = None
+    if check == "abft":
+        assert ctx is not None
+        _, h, t, d = q_BHTD.shape
+        # The forward's fp32 products rounded their operands too, under the same flags (its scores and output).
+        u_fwd = fp32_matmul_operand_roundoff(q_BHTD.device) if q_BHTD.dtype == torch.float32 else None
+        rules = _rules(kernels.default_block(), t, k_BHSD.shape[-2], d, h // k_BHSD.shape[1], q_BHTD.dtype,
+                       _tolerance(ctx), tf32, u_fwd or 0.0)
+    repair = ctx is not None and ctx.config.mode == "correct"
+    dq, dk, dv, launch = kernels.run(
+        q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, dout_BHTD, scale=scale, is_causal=is_causal, window=window,
+        attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, check=check, rules=rules, faults=faults, repair=repair,
+        tf32=tf32)
+    if launch is not None:
+        assert ctx is not None
+        _defer(ctx, launch, check)
+        # Host time only: the kernels' own time is on the device and is not waited for.
+        seconds = (time.perf_counter() - t0) / len(kernels.OPS)
+        if check == "abft":
+            for op in kernels.OPS:
+                _count(ctx, op, seconds)
+        else:
+            _count_trips(ctx, TRIP_OPS, time.perf_counter() - t0)
+    return dq, dk, dv
+
+
+TRIP_OPS: tuple[str, ...] = ("grad_v", "grad_k", "grad_q")
+"""What tier 1 looks at: the three outputs."""
+
+
+@functools.lru_cache(maxsize=64)
+def _rules(block: int, t: int, s: int, d: int, group: int, dtype: torch.dtype, tol: Tolerance, tf32: bool,
+           u_fwd: float) -> kernels.Rules:
+    """The bounds' scalars of one call shape (abft.vector_rules): the tiles' S and dP (vectors ``block`` long over D
+    products), dV and dK (D long over the group's G·T rows), dQ (D long over S keys), Σ_j dS_ij."""
+    r = TF32_OPERAND_ROUNDOFF if tf32 else None
+    return kernels.Rules(
+        tile=product_rule(block, d, tol, operand_roundoff=r).scalars(),
+        keys=product_rule(d, t * group, tol, operand_roundoff=r).scalars(),
+        queries=product_rule(d, s, tol, operand_roundoff=r).scalars(),
+        softmax=softmax_grad_rule(t=t, s=s, d=d, dtype=dtype, tol=tol, u_fwd=u_fwd, u_kernel=r or 0.0).scalars())
+
+
+@functools.lru_cache(maxsize=8)
+def _op_bits(device: torch.device) -> torch.Tensor:
+    """(O,) the status word's bit of each op."""
+    return torch.arange(len(kernels.OPS), dtype=torch.int32, device=device)
+
+
+engine_caches.register(_op_bits)
+
+
+def _defer(ctx: LayerContext, launch: kernels.Launch, check: str) -> None:
+    """One deferred record per op (flagged: some program's bit, on the device), and the clean ratios' histogram."""
+    flags_PO = (launch.status_P[:, None] >> _op_bits(launch.status_P.device)) & 1
+    flagged_O = flags_PO.amax(0)
+    tier = "abft" if check == "abft" else "tripwire"
+    for o, op in enumerate(kernels.OPS):
+        if check == "tripwire" and op not in TRIP_OPS:
+            continue
+        defer(ctx, op, flagged_O[o], functools.partial(_reports, launch, o, check), tier=tier)
+    if check == "abft" and ctx.runtime.stats is not None:
+        ratio_PO = launch.summary_PO6[..., 0]
+        # The worst ratio of the vectors that passed, per op (a flagged one is reported, not a margin).
+        _record_ratio(ctx, torch.where(ratio_PO <= 1.0, ratio_PO, 0.0).amax(0), list(kernels.OPS))
+
+
+def _reports(launch: kernels.Launch, o: int, check: str) -> list[MatrixReport]:
+    """At the step boundary, after the drain's sync: one report per program that flagged op ``o``."""
+    status = launch.status_P.tolist()  # sync: slow path only (a flagged step)
+    repaired = None if launch.repaired_P is None else launch.repaired_P.tolist()  # sync: slow path only
+    reports = []
+    for p, word in enumerate(status):
+        if not word >> o & 1:
+            continue
+        _, head, index, error, bound, column = launch.summary_PO6[p, o].tolist()  # sync: slow path only
+        _, batch, _ = launch.program(p)
+        outcome = None if repaired is None else repaired[p]
+        if check == "tripwire":
+            # Tier 1: a block that trips again after its recompute holds what its inputs give: an event only when
+            # that is not finite (an upstream fault); values past NEAR_INF from finite inputs are diverged training.
+            if outcome == 2 and math.isfinite(error):
+                continue
+            action = "recomputed" if outcome == 1 else "detected"
+            reports.append(MatrixReport(index=(batch, int(head)), pattern="1d", row=int(index), col=None, value=error,
+                                        residual=None, bound=NEAR_INF, action=action))
+            continue
+        action = {None: "detected", 1: "recomputed", 2: "uncorrectable"}[outcome]
+        at = int(index)
+        reports.append(MatrixReport(index=(batch, int(head)), pattern="1d", row=None if column else at,
+                                    col=at if column else None, value=error,
+                                    residual=abs(error) if math.isfinite(error) else None, bound=bound, action=action))
+    return reports
+

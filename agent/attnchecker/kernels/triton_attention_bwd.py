@@ -1,0 +1,794 @@
+"""The checked attention backward as Triton kernels (FlashAttention-2 style): dQ, dK, dV of
+softmax(scale·QKᵀ + mask)·V at the forward's verified output and row log-sum-exp, with checksums on the backward's
+own products in the kernel, flags and a small summary on the device, and a repair launch that recomputes what was
+flagged. No host-device sync anywhere here.
+
+Launches (each a constant, whatever T and S):
+  1. ``_delta``: δ_i = rowsum(dO_i ∘ O_i) in fp32.
+  2. ``_query_pass`` over (query block, batch·head): recomputes S = Q_i K_jᵀ and AP from the lse, dP = dO_i V_jᵀ,
+     dS = AP ∘ (dP ∘ Z - δ) key block by key block, and accumulates dQ_i = scale·Σ_j dS_ij K_j.
+  3. ``_key_pass`` over (key block, batch·KV head): the same S, AP, dP, dS for its keys against every query block
+     (and every query head of its GQA group), accumulating dV_j = Σ_i (AP ∘ Z)ᵀ dO_i and dK_j = scale·Σ_i dSᵀ Q_i.
+  4., 5. the same two kernels with REPAIR: a program whose first run flagged nothing returns at once; a flagged one
+     recomputes its block (a transient fault does not repeat), checks it again and says on the device whether it
+     came back clean. Each program owns its outputs (dQ rows, or dK and dV rows), so a recompute touches nothing else.
+Dropout: Z = keep/(1-p) regenerated from the forward's counter-based mask (kernels/triton_dropout.py).
+
+Checks (``check="abft"``), every product, one direction each (a repair recomputes, so a flag need not locate):
+  scores_bwd  S = Q Kᵀ per tile: by rows (over the tile's keys) in the key pass, by columns (over its queries) in
+              the query pass; references Q_i·(K_jᵀ w) and (wᵀQ_i)·K_j from the block the program keeps. And
+              Σ_j AP_ij = 1 per query row: the recomputed AP against the forward's lse (a wrong lse scales a row of
+              AP, which every checksum downstream is consistent with).
+  grad_probs  dP = dO Vᵀ per tile, the same way; and Σ_j dS_ij = 0 per query row (an identity of any consistent AP,
+              dP and δ, attention/backward/encoded.py): it sees what feeds dS elementwise, one recomputed score or
+              probability off, and δ.
+  grad_v      dV_j = Σ_i (AP ∘ Z)ᵀ dO_i, by rows once accumulated: the reference Σ_i (AP ∘ Z)_ijᵀ (dO_i w) is
+              accumulated beside it, so a fault in a tile's product or in the accumulation shows.
+  grad_k      dK_j = Σ_i dS_ijᵀ Q_i, likewise.   grad_q  dQ_i = Σ_j dS_ij K_j, likewise.
+The bounds are abft's calibrated rules (abft/vector_rules.py: direction_bounds factored into scalars), evaluated per
+vector from norms the programs make of the blocks they load. ``check="tripwire"``: INF, NaN or |x| > NEAR_INF in
+dQ, dK, dV only; ``check="off"``: the plain kernels (to time what the checks cost).
+
+Faults for tests (``KernelFault``): the kernels' products never reach a TorchDispatchMode, so an emulated fault table
+overwrites elements right after the product that made them (inf, nan, 1e20, an exponent bit flip, a finite error).
+
+Legend: B batch, H query heads, HK key/value heads (G = H/HK per group), T queries, S keys, D head dim; N = B·H a
+matrix; P programs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import triton_dropout
+from .triton_common import device_function, interpreting, triton
+
+if triton is not None:
+    import triton.language as tl
+
+__all__ = ["CHECKS", "FIELDS", "OPS", "KernelFault", "Launch", "Rules", "available", "default_block",
+           "interpreting", "not_supported_reasons", "run"]
+
+OPS: tuple[str, ...] = ("scores_bwd", "grad_probs", "grad_v", "grad_k", "grad_q")
+"""The checked products, in the order of an Outcome's per-op fields and of a status word's bits."""
+FIELDS: tuple[str, ...] = ("ratio", "head", "index", "error", "bound", "column")
+"""Per program and op, the worst vector of its first run: |d|/bound (INF for NaN), its head, its row (or its column
+when ``column`` is 1), d1 = checksum - reference (abft: the error as the checksum sees it), the bound."""
+CHECKS: tuple[str, ...] = ("off", "tripwire", "abft")
+FAULT_KINDS: tuple[str, ...] = ("value", "add", "bitflip")
+_SIDES = ("keys", "queries")
+BLOCK = 64
+"""Rows and keys per tile on a GPU (FlashAttention-2's backward takes 64-128 at D ≤ 128)."""
+BLOCK_INTERPRETED = 32
+"""Under the interpreter, which runs one program at a time in numpy: its cost is per op, so fewer, larger tiles."""
+NUM_WARPS = 8
+"""Warps per program on a GPU. Not measured (no GPU run yet): ptxas for sm_90 (bench/triton_kernels.py) reports the
+checked kernels at 64×64 tiles, D = 64, bf16 spilling ~4.9 KB (key pass) at 4 warps and ~3.3 KB at 8, the plain ones
+none; what to tune first on a GPU."""
+MAX_HEAD_DIM = 256
+
+
+def available() -> bool:
+    """Whether the kernels can run here: triton imports, and there is a CUDA device or the interpreter is on."""
+    return triton is not None and (torch.cuda.is_available() or interpreting())
+
+
+def default_block() -> int:
+    """The tile size ``run`` takes by default here."""
+    return BLOCK_INTERPRETED if interpreting() else BLOCK
+
+
+def not_supported_reasons(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+                          attn_mask: torch.Tensor | None) -> list[str]:
+    """Why ``run`` cannot take these operands ([] = it can). No sync, no pass over the tensors."""
+    reasons = []
+    if triton is None:
+        reasons.append("triton is not installed")
+    elif q_BHTD.device.type == "cuda" and interpreting():
+        reasons.append("TRITON_INTERPRET=1 runs kernels on CPU tensors only")
+    elif q_BHTD.device.type != "cuda" and not interpreting():
+        reasons.append(f"the Triton kernels run on CUDA (this call is on {q_BHTD.device.type}; TRITON_INTERPRET=1 "
+                       "runs them on the CPU for tests)")
+    if q_BHTD.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        reasons.append(f"dtype {q_BHTD.dtype} (the kernels take float32, bfloat16, float16)")
+    if k_BHSD.dtype != q_BHTD.dtype or v_BHSD.dtype != q_BHTD.dtype:
+        reasons.append("q, k and v in different dtypes")
+    if q_BHTD.shape[-1] > MAX_HEAD_DIM or v_BHSD.shape[-1] != q_BHTD.shape[-1]:
+        reasons.append(f"head dims q {q_BHTD.shape[-1]}, v {v_BHSD.shape[-1]} (one head dim up to {MAX_HEAD_DIM})")
+    if attn_mask is not None and not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+        reasons.append(f"a {attn_mask.dtype} mask (bool or additive float)")
+    return reasons
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KernelFault:
+    """One emulated fault: element (row, col) of matrix n of product ``op``, overwritten right after the product
+    that made it. op: one of OPS. n: b·H + query head for scores_bwd, grad_probs and grad_q; b·HK + KV head for
+    grad_v and grad_k. (row, col): (query, key) in S and dP; (key, feature) in dV and dK; (query, feature) in dQ; a
+    fault in dV, dK or dQ lands in the first tile's share of the sum. side: which pass computes S or dP with the
+    fault ("keys": the key pass, whose dK and dV use them; "queries": the query pass, for dQ). kind: "value" (the
+    element becomes ``value``: inf, nan, 1e20), "add" (``value`` is added: a finite error), "bitflip" (an exponent
+    bit, as attnchecker.inject.bitflip). persistent: it fires in the repair's recompute too."""
+
+    op: str
+    n: int
+    row: int
+    col: int
+    kind: str = "value"
+    value: float = math.inf
+    side: str = "keys"
+    persistent: bool = False
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"KernelFault.op must be one of {OPS}, got {self.op!r}")
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"KernelFault.kind must be one of {FAULT_KINDS}, got {self.kind!r}")
+        if self.side not in _SIDES:
+            raise ValueError(f"KernelFault.side must be one of {_SIDES}, got {self.side!r}")
+        if (self.op, self.side) in (("grad_q", "keys"), ("grad_v", "queries"), ("grad_k", "queries")):
+            raise ValueError(f"{self.op} is made by the {'query' if self.op == 'grad_q' else 'key'} pass only")
+
+    def row_values(self) -> list[float]:
+        return [float(OPS.index(self.op)), float(_SIDES.index(self.side)), float(self.n), float(self.row),
+                float(self.col), float(FAULT_KINDS.index(self.kind)), self.value, float(self.persistent)]
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """The scalars of each check's bound (abft.vector_rules): ``ProductRule.scalars()`` of the tile products S and dP
+    (vectors BLOCK long over D products), of dV and dK (D long over the G·T rows of a group), of dQ (D long over S
+    keys), and ``SoftmaxGradRule.scalars()``."""
+
+    tile: tuple[float, ...]
+    keys: tuple[float, ...]
+    queries: tuple[float, ...]
+    softmax: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One call's geometry and what its first run found, on the device."""
+
+    b: int
+    h: int
+    hk: int
+    key_blocks: int
+    query_blocks: int
+    status_P: torch.Tensor
+    """int32 per program (key pass first, then query pass): bit o set = op OPS[o] flagged in its first run."""
+    summary_PO6: torch.Tensor
+    """fp32 (P, len(OPS), len(FIELDS)): the worst vector per op of each program's first run."""
+    repaired_P: torch.Tensor | None
+    """int32 per program after the repair launch: 0 not flagged, 1 clean after its recompute, 2 flagged again; None
+    when no repair ran (detect mode)."""
+
+    @property
+    def key_programs(self) -> int:
+        return self.b * self.hk * self.key_blocks
+
+    def program(self, p: int) -> tuple[str, int, int]:
+        """(pass, batch, head of the program's block: the KV head in the key pass)."""
+        if p < self.key_programs:
+            n = p // self.key_blocks
+            return "keys", n // self.hk, n % self.hk
+        n = (p - self.key_programs) // self.query_blocks
+        return "queries", n // self.h, n % self.h
+
+
+
+def _strides(x: torch.Tensor) -> tuple[int, ...]:
+    return tuple(x.stride())
+
+
+def _mask_4d(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int]) -> tuple[Any, tuple[int, ...], int]:
+    """(the mask as the kernels read it, its (B, H, T, S) strides (0 where it broadcasts), kind: 0 none, 1 additive,
+    2 bool)."""
+    if attn_mask is None:
+        return None, (0, 0, 0, 0), 0
+    m = attn_mask.view((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape)).expand(shape)
+    return m, _strides(m), 2 if attn_mask.dtype == torch.bool else 1
+
+
+def run(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    out_BHTD: torch.Tensor,
+    lse_BHT: torch.Tensor,
+    dout_BHTD: torch.Tensor,
+    *,
+    scale: float,
+    is_causal: bool,
+    window: int | None,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    seed: int,
+    check: str,
+    rules: Rules | None,
+    faults: list[KernelFault] | None = None,
+    repair: bool = True,
+    tf32: bool = False,
+    block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Launch | None]:
+    """(dq (B, H, T, D), dk, dv (B, HK, S, D) summed over each KV head's query heads, and what the checks found, None
+    for check "off"). window: keys more than window - 1 before a query are masked (GPT-Neo's local attention: key j
+    is seen by query i when 0 <= i - j < window with is_causal); None for none. attn_mask: bool (True = attend) or
+    additive, broadcastable to (B, H, T, S); causal is top-left aligned, as SDPA's. rules: for check "abft" (and
+    "tripwire", which ignores them). repair: launch the recompute of flagged programs. tf32: fp32 products with TF32
+    operands (the rules must say so). block: tile size (default BLOCK, or BLOCK_INTERPRETED under the interpreter).
+    Launches 3 kernels, 5 with repair; no host-device sync."""
+    if triton is None:
+        raise RuntimeError("the Triton attention backward needs triton (pip install triton)")
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {CHECKS}, got {check!r}")
+    b, h, t, d = q_BHTD.shape
+    hk, s = k_BHSD.shape[1], k_BHSD.shape[2]
+    if h % hk:
+        raise ValueError(f"q has {h} heads and k/v {hk}: the KV heads must divide the query heads")
+    device = q_BHTD.device
+    interp = interpreting()
+    blk = block or default_block()
+    block_d = max(16, triton.next_power_of_2(d))
+    n_kb, n_qb = triton.cdiv(s, blk), triton.cdiv(t, blk)
+    p_keys, p_queries = b * hk * n_kb, b * h * n_qb
+    mode = CHECKS.index(check)
+
+    delta_BHT = torch.empty((b, h, t), dtype=torch.float32, device=device)
+    _delta[(triton.cdiv(t, blk), b * h)](out_BHTD, dout_BHTD, delta_BHT, *_strides(out_BHTD), *_strides(dout_BHTD),
+                                         h, t, d, BLOCK_M=blk, BLOCK_D=block_d)
+    dq = torch.empty((b, h, t, d), dtype=q_BHTD.dtype, device=device)
+    dk = torch.empty((b, hk, s, d), dtype=k_BHSD.dtype, device=device)
+    dv = torch.empty((b, hk, s, d), dtype=v_BHSD.dtype, device=device)
+    status = torch.empty((p_keys + p_queries,), dtype=torch.int32, device=device) if mode else dq
+    summary = torch.empty((p_keys + p_queries, len(OPS), len(FIELDS)), dtype=torch.float32,
+                          device=device) if mode else dq
+    mask, mask_strides, mask_kind = _mask_4d(attn_mask, (b, h, t, s))
+    fault_rows = [f.row_values() for f in faults or ()]
+    # Emulated faults only: a test's table, copied once (a tiny synchronous copy; never on a training call).
+    table = torch.tensor(fault_rows, dtype=torch.float32, device=device) if fault_rows else dq
+    r = rules if rules is not None else Rules((0.0,) * 12, (0.0,) * 12, (0.0,) * 12, (0.0,) * 7)
+    common: dict[str, Any] = {
+        "BLOCK_M": blk, "BLOCK_N": blk, "BLOCK_D": block_d, "CAUSAL": is_causal, "WINDOW": window is not None,
+        "MASK_KIND": mask_kind, "DROPOUT": dropout_p > 0.0, "CHECK": mode, "FAULTS_ON": bool(fault_rows),
+        "INTERPRET": interp, "PRECISION": "tf32" if tf32 and q_BHTD.dtype == torch.float32 else "ieee"}
+    inputs = (q_BHTD, k_BHSD, v_BHSD, dout_BHTD, lse_BHT, delta_BHT, mask if mask is not None else dq)
+    sizes = (*_strides(q_BHTD), *_strides(k_BHSD), *_strides(v_BHSD), *_strides(dout_BHTD), *_strides(lse_BHT),
+             *mask_strides, h, hk, t, s, d, scale, window or 0, dropout_p, seed, len(fault_rows))
+    repaired = None
+    for attempt in (0, 1) if mode and repair else (0,):
+        # The repair: the same launches, whose programs read their first run's status and return when it is 0.
+        if attempt:
+            repaired = torch.empty_like(status)
+        written = repaired if attempt else status
+        _query_pass[(n_qb, b * h)](*inputs, dq, written, summary, table, *sizes, p_keys, r.tile, r.queries,
+                                   r.softmax, FIRST=status, REPAIR=bool(attempt), num_warps=NUM_WARPS, **common)
+        _key_pass[(n_kb, b * hk)](*inputs, dk, dv, written, summary, table, *sizes, 0, r.tile, r.keys,
+                                  FIRST=status, REPAIR=bool(attempt), num_warps=NUM_WARPS, **common)
+    if not mode:
+        return dq, dk, dv, None
+    return dq, dk, dv, Launch(b, h, hk, n_kb, n_qb, status, summary, repaired)
+
+
+if triton is not None:
+    _keep = triton_dropout.keep
+
+    @triton.jit
+    def _delta(OUT, DO, DELTA, so_b, so_h, so_t, so_d, sdo_b, sdo_h, sdo_t, sdo_d, H, T, D,
+               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """δ = rowsum(dO ∘ O) in fp32 (the forward's output, as it was verified)."""
+        n = tl.program_id(1)
+        bb, hh = n // H, n % H
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        inside = (rows[:, None] < T) & (cols[None, :] < D)
+        o = tl.load(OUT + bb * so_b + hh * so_h + rows[:, None] * so_t + cols[None, :] * so_d, mask=inside, other=0.0)
+        do = tl.load(DO + bb * sdo_b + hh * sdo_h + rows[:, None] * sdo_t + cols[None, :] * sdo_d, mask=inside,
+                     other=0.0)
+        tl.store(DELTA + n * T + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < T)
+
+    @device_function
+    def _dot(a, b, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+        # The interpreter's tl.dot mishandles bf16 operands: fp32 there (bf16 and fp16 products are exact in fp32,
+        # as a tensor core's are).
+        if INTERPRET:
+            c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            c = tl.dot(a, b, input_precision=PRECISION)
+        return c
+
+    @device_function
+    def _hypot3(x, y, z):
+        """sqrt(x² + y² + z²) of non-negative terms, scaled by the largest: no square of a small norm underflows."""
+        top = tl.maximum(tl.maximum(x, y), z)
+        unit = tl.where(top > 0, top, 1.0)
+        x, y, z = x / unit, y / unit, z / unit
+        return top * tl.sqrt(x * x + y * y + z * z)
+
+    @device_function
+    def _bound(a, bsum, bsq1, bsq2, r1, r2, sq, ref1, ref2, R):
+        """abft.vector_rules.ProductRule per vector: (bound on |d1|, on |d2|). R: its ``scalars()``."""
+        a = a + R[0]
+        rig1 = R[1] * a * bsum + R[2]
+        rig2 = rig1 * R[8]
+        t_sq = R[7] * tl.sqrt(sq + R[9])
+        s1 = _hypot3(a * tl.sqrt(bsq1) * R[5], a * r1 * R[6], t_sq)
+        s2 = _hypot3(a * tl.sqrt(bsq2) * R[5], a * r2 * R[6], t_sq * R[8])
+        ref1 = tl.where(tl.abs(ref1) < float("inf"), tl.abs(ref1), 0.0)
+        ref2 = tl.where(tl.abs(ref2) < float("inf"), tl.abs(ref2), 0.0)
+        c1 = R[4] * s1 + R[2] + R[11] * ref1
+        c2 = R[4] * s2 + R[10] + R[11] * ref2
+        b1 = tl.where(R[3] > 0, tl.minimum(rig1, c1), rig1)
+        b2 = tl.where(R[3] > 0, tl.minimum(rig2, c2), rig2)
+        # An undefined bound (an operand norm that overflowed) reads NEAR_INF, as abft's _clamp.
+        b1 = tl.where(b1 < float("inf"), b1, 1e10)
+        b2 = tl.where(b2 < float("inf"), b2, 1e10)
+        return b1, b2
+
+    @device_function
+    def _ratio(d1, d2, b1, b2):
+        """max(|d1|/b1, |d2|/b2); INF where it is NaN (a NaN residual flags)."""
+        r = tl.maximum(tl.abs(d1) / tl.maximum(b1, 1e-30), tl.abs(d2) / tl.maximum(b2, 1e-30))
+        return tl.where(r == r, r, float("inf"))
+
+    @device_function
+    def _nonfinite(x):
+        """1 where some element of x is INF or NaN."""
+        x = x.to(tl.float32)
+        return tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32))
+
+    @device_function
+    def _rows_nonfinite(q, do, delta, lse):
+        """1 where a query block's inputs hold INF or NaN (lse: NaN or -INF; +INF is a row with every key masked)."""
+        return tl.maximum(tl.maximum(_nonfinite(q), _nonfinite(do)), tl.maximum(
+            _nonfinite(delta), tl.max(((lse != lse) | (lse == float("-inf"))).to(tl.int32))))
+
+    @device_function
+    def _clear_summary(SUMMARY, slot):
+        """A first run's summary starts at 0 for every op (a pass checks some of them only)."""
+        for o in range(5):
+            for f in range(6):
+                tl.store(SUMMARY + (slot + o) * 6 + f, 0.0)
+
+    @device_function
+    def _store_status(STATUS, pid, flags, bad_in, REPAIR: tl.constexpr):
+        """The program's status word: the flagged ops' bits (first run), or 1 clean / 2 flagged again (repair).
+        Nothing is flagged for non-finite inputs (bad_in): their producer's check reports them."""
+        flags = tl.where(bad_in > 0, 0, flags)
+        if REPAIR:
+            flags = tl.where(flags != 0, 2, 1)
+        tl.store(STATUS + pid, flags)
+
+    @device_function
+    def _overflowed(x, x_c):
+        """1 where some finite x rounded to an INF x_c: the dtype's range, not a fault (fp16 under GradScaler, which
+        skips such a step); the products that read x_c are then not flagged, as gemm.check._overflowed leaves them."""
+        return tl.max(((tl.abs(x) < float("inf")) & (tl.abs(x_c.to(tl.float32)) == float("inf"))).to(tl.int32))
+
+    @device_function
+    def _b_terms(norm_V, ref1_sq, ref2_sq, valid_V, w_V, R):
+        """What a block B contributes to the rule of every vector checked against it (abft.vector_rules.
+        product_terms): (Σ‖B_j‖', Σ‖B_j‖'², Σ j²‖B_j‖'², ‖B e‖', ‖B w‖'). norm_V: ‖B_j‖ per column j of B, valid_V
+        which of them exist, w_V the weights; ref_sq: ‖B e‖², ‖B w‖²."""
+        nb = tl.where(valid_V, norm_V + R[0], 0.0)
+        return (tl.sum(nb, 0), tl.sum(nb * nb, 0), tl.sum(nb * nb * w_V * w_V, 0), tl.sqrt(ref1_sq) + R[0],
+                tl.sqrt(ref2_sq) + R[0])
+
+    @device_function
+    def _sq(x):
+        return tl.sum(x * x, 0)
+
+    @device_function
+    def _emulate(x, FAULTS, n_faults, OP: tl.constexpr, SIDE: tl.constexpr, n, rows, cols, REPAIR: tl.constexpr,
+                 first):
+        """x with the emulated faults of (OP, SIDE, matrix n) written at (rows, cols) (tile coordinates of the whole
+        matrix); first: None, or 1.0 where this tile is the first share of a sum (dV, dK, dQ take faults there), 0.0
+        elsewhere."""
+        for f in range(n_faults):
+            row = FAULTS + f * 8
+            # Whether this fault fires here, as 0/1 (the interpreter cannot AND a scalar bool into a block).
+            fires = ((tl.load(row) == OP).to(tl.float32) * (tl.load(row + 1) == SIDE).to(tl.float32)
+                     * (tl.load(row + 2) == n).to(tl.float32))
+            if REPAIR:
+                fires = fires * (tl.load(row + 7) != 0).to(tl.float32)
+            if first is not None:
+                fires = fires * first
+            at = tl.where((rows[:, None] == tl.load(row + 3)) & (cols[None, :] == tl.load(row + 4)), fires, 0.0) > 0.5
+            kind = tl.load(row + 5)
+            value = tl.load(row + 6)
+            bits = x.to(tl.int32, bitcast=True)
+            flipped = (bits ^ tl.where(tl.abs(x) < 2.0, 1 << 30, 1 << 29)).to(tl.float32, bitcast=True)
+            x = tl.where(at, tl.where(kind == 0, value, tl.where(kind == 1, x + value, flipped)), x)
+        return x
+
+    @device_function
+    def _keep_worst(best, ratio_V, index_V, error_V, bound_V, valid_V, head, COLUMN: tl.constexpr, SUMMARY, slot,
+                    WRITE: tl.constexpr, SECONDARY: tl.constexpr = False):
+        """Fold one set of vectors into an op's worst: written to SUMMARY[slot] (FIELDS) when it is worse. Returns
+        the new worst ratio. SECONDARY: an identity downstream of the op's products (Σ_j AP_ij, Σ_j dS_ij), whose
+        vector is reported only where no product check of the op flagged: a fault's own product locates it best."""
+        r = tl.where(valid_V, ratio_V, 0.0)
+        top = tl.max(r, 0)
+        if WRITE:
+            worse = top > best
+            if SECONDARY:
+                worse = worse & (best <= 1.0)
+            if worse:
+                at = tl.min(tl.where(valid_V & (r == top), index_V, 2147483647), 0)
+                pick = index_V == at
+                tl.store(SUMMARY + slot * 6, top)
+                tl.store(SUMMARY + slot * 6 + 1, head.to(tl.float32))
+                tl.store(SUMMARY + slot * 6 + 2, at.to(tl.float32))
+                tl.store(SUMMARY + slot * 6 + 3, tl.sum(tl.where(pick, error_V, 0.0), 0))
+                tl.store(SUMMARY + slot * 6 + 4, tl.sum(tl.where(pick, bound_V, 0.0), 0))
+                tl.store(SUMMARY + slot * 6 + 5, COLUMN * 1.0)
+        return tl.maximum(best, top)
+
+    @device_function
+    def _tile_check(c, a_V, ref1_V, ref2_V, w_U, bt, R, AXIS: tl.constexpr):
+        """One tile product c checked along AXIS (1: its rows, each over the tile's columns; 0: its columns) with
+        weights (e, w_U): (d1, bound1 per vector, ratio per vector). bt: the other block's ``_b_terms``."""
+        if AXIS == 1:
+            act1, act2 = tl.sum(c, 1), tl.sum(c * w_U[None, :], 1)
+        else:
+            act1, act2 = tl.sum(c, 0), tl.sum(c * w_U[:, None], 0)
+        b1, b2 = _bound(a_V, bt[0], bt[1], bt[2], bt[3], bt[4], tl.sum(c * c, AXIS), ref1_V, ref2_V, R)
+        d1, d2 = act1 - ref1_V, act2 - ref2_V
+        return d1, b1, _ratio(d1, d2, b1, b2)
+
+    @device_function
+    def _trip(x, rows_V, valid, head, best, SUMMARY, slot, WRITE: tl.constexpr):
+        """Tier 1 on an output block (as stored): INF, NaN or |x| > NEAR_INF. Its summary: ratio max|x|/NEAR_INF
+        (INF for NaN), the row of the largest, the largest signed value (NaN if any)."""
+        x = tl.where(valid, x, 0.0)
+        nan = tl.sum((x != x).to(tl.int32), 1) > 0
+        mag = tl.where(nan, float("inf"), tl.max(tl.abs(x), 1))
+        hi, lo = tl.max(tl.where(x == x, x, 0.0), 1), tl.min(tl.where(x == x, x, 0.0), 1)
+        value = tl.where(nan, float("nan"), tl.where(hi >= -lo, hi, lo))
+        ratio = mag / 1e10
+        ratio = tl.where(ratio == ratio, ratio, float("inf"))
+        return _keep_worst(best, ratio, rows_V, value, tl.full(ratio.shape, 1e10, tl.float32), rows_V >= 0, head,
+                           0, SUMMARY, slot, WRITE)
+
+    @device_function
+    def _scores_to_probs(s, q_rows, k_cols, lse, n, bb, hh, MASK, sm_b, sm_h, sm_t, sm_s, T, S, scale, window, p_drop,
+                         seed, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK_KIND: tl.constexpr,
+                         DROPOUT: tl.constexpr):
+        """(AP, Z, the live additive mask's |value| per row) of one tile: AP = exp(scale·S + mask - lse) where the
+        key is seen, 0 elsewhere; Z = keep/(1-p) (ones without dropout)."""
+        seen = (q_rows[:, None] < T) & (k_cols[None, :] < S)
+        if CAUSAL:
+            seen = seen & (k_cols[None, :] <= q_rows[:, None])
+        if WINDOW:
+            seen = seen & (q_rows[:, None] - k_cols[None, :] < window)
+        z = s * scale
+        live = tl.zeros(q_rows.shape, tl.float32)
+        if MASK_KIND == 1:
+            m = tl.load(MASK + bb * sm_b + hh * sm_h + q_rows[:, None] * sm_t + k_cols[None, :] * sm_s, mask=seen,
+                        other=0.0).to(tl.float32)
+            z = z + m
+            live = tl.max(tl.where(seen & (m > -200.0), tl.abs(m), 0.0), 1)
+        if MASK_KIND == 2:
+            keep_key = tl.load(MASK + bb * sm_b + hh * sm_h + q_rows[:, None] * sm_t + k_cols[None, :] * sm_s,
+                               mask=seen, other=0)
+            seen = seen & (keep_key != 0)
+        # A row with every key masked has lse = +INF (the tiled paths' convention; -INF is read the same way).
+        lse = tl.where(lse == float("-inf"), float("inf"), lse)
+        p = tl.where(seen, tl.exp(z - lse[:, None]), 0.0)
+        if DROPOUT:
+            kept = _keep(seed, n, T, S, q_rows[:, None], k_cols[None, :], p_drop)
+            zs = tl.where(kept, 1.0 / (1.0 - p_drop), 0.0)
+        else:
+            zs = tl.full(p.shape, 1.0, tl.float32)
+        return p, zs, live
+
+    @triton.jit
+    def _query_pass(Q, K, V, DO, LSE, DELTA, MASK, DQ, STATUS, SUMMARY, FAULTS,
+                    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                    sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t, sm_b, sm_h, sm_t, sm_s,
+                    H, HK, T, S, D, scale, window, p_drop, seed, n_faults, P0, R_TILE, R_Q, R_SM, FIRST,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                    WINDOW: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, CHECK: tl.constexpr,
+                    FAULTS_ON: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+                    REPAIR: tl.constexpr):
+        """dQ of one query block of one head (module doc), with its checks."""
+        n = tl.program_id(1)
+        bb, hh = n // H, n % H
+        hk = hh // (H // HK)
+        pid = P0 + n * tl.num_programs(0) + tl.program_id(0)
+        if REPAIR:
+            if tl.load(FIRST + pid) == 0:
+                tl.store(STATUS + pid, 0)
+                return
+        start_m = tl.program_id(0) * BLOCK_M
+        rows = start_m + tl.arange(0, BLOCK_M)
+        feats = tl.arange(0, BLOCK_D)
+        row_in, feat_in = rows < T, feats < D
+        io = row_in[:, None] & feat_in[None, :]
+        q = tl.load(Q + bb * sq_b + hh * sq_h + rows[:, None] * sq_t + feats[None, :] * sq_d, mask=io, other=0.0)
+        do = tl.load(DO + bb * sdo_b + hh * sdo_h + rows[:, None] * sdo_t + feats[None, :] * sdo_d, mask=io,
+                     other=0.0)
+        lse = tl.load(LSE + bb * sl_b + hh * sl_h + rows * sl_t, mask=row_in, other=0.0).to(tl.float32)
+        delta = tl.load(DELTA + n * T + rows, mask=row_in, other=0.0)
+        # A non-finite input (q, dO, O through δ, the lse; K and V below) makes a non-finite backward on any path:
+        # its producer's check reports it, and nothing here is flagged for it (as attention.backward.encoded).
+        bad_in = tl.full((), 0, tl.int32)
+        if CHECK > 0:
+            bad_in = _rows_nonfinite(q, do, delta, lse)
+        dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        w_m = (tl.arange(0, BLOCK_M) + 1).to(tl.float32)
+        w_d = tl.where(feat_in, (feats + 1).to(tl.float32), 0.0)
+        # Checks' state: the worst ratio per op, the running references and norms of dQ's check, Σ_j dS_ij.
+        worst_s = tl.full((), 0.0, tl.float32)
+        worst_p = tl.full((), 0.0, tl.float32)
+        worst_q = tl.full((), 0.0, tl.float32)
+        ref_q1 = tl.zeros((BLOCK_M,), tl.float32)
+        ref_q2 = tl.zeros((BLOCK_M,), tl.float32)
+        ds_sq = tl.zeros((BLOCK_M,), tl.float32)
+        ds_sum = tl.zeros((BLOCK_M,), tl.float32)
+        p_sum = tl.zeros((BLOCK_M,), tl.float32)
+        k_col_sq = tl.zeros((BLOCK_D,), tl.float32)
+        k_ref1_sq = tl.full((), 0.0, tl.float32)
+        k_ref2_sq = tl.full((), 0.0, tl.float32)
+        k_max = tl.full((), 0.0, tl.float32)
+        v_max = tl.full((), 0.0, tl.float32)
+        live = tl.zeros((BLOCK_M,), tl.float32)
+        overflow = tl.full((), 0, tl.int32)
+        slot = pid * 5
+        write = not REPAIR
+        if CHECK > 0:
+            if write:
+                _clear_summary(SUMMARY, slot)
+        if CHECK == 2:
+            # The block this program keeps is the B of its tiles' column checks (Sᵀ = K_j Q_iᵀ, dPᵀ = V_j dO_iᵀ).
+            qf, dof = q.to(tl.float32), do.to(tl.float32)
+            q_norm = tl.sqrt(tl.sum(qf * qf, 1))
+            do_norm = tl.sqrt(tl.sum(dof * dof, 1))
+            qbar1, qbar2 = tl.sum(qf, 0), tl.sum(qf * w_m[:, None], 0)
+            dobar1, dobar2 = tl.sum(dof, 0), tl.sum(dof * w_m[:, None], 0)
+            bt_q = _b_terms(q_norm, _sq(qbar1), _sq(qbar2), row_in, w_m, R_TILE)
+            bt_do = _b_terms(do_norm, _sq(dobar1), _sq(dobar2), row_in, w_m, R_TILE)
+        lo, hi = 0, S
+        if CAUSAL:
+            hi = tl.minimum(S, start_m + BLOCK_M)
+        if WINDOW:
+            lo = tl.maximum(0, start_m - window + 1) // BLOCK_N * BLOCK_N
+        for start_n in range(lo, hi, BLOCK_N):
+            keys = start_n + tl.arange(0, BLOCK_N)
+            key_in = keys < S
+            kv_io = key_in[:, None] & feat_in[None, :]
+            k = tl.load(K + bb * sk_b + hk * sk_h + keys[:, None] * sk_s + feats[None, :] * sk_d, mask=kv_io,
+                        other=0.0)
+            v = tl.load(V + bb * sv_b + hk * sv_h + keys[:, None] * sv_s + feats[None, :] * sv_d, mask=kv_io,
+                        other=0.0)
+            if CHECK > 0:
+                bad_in = tl.maximum(bad_in, tl.maximum(_nonfinite(k), _nonfinite(v)))
+            s = _dot(q, tl.trans(k), PRECISION, INTERPRET)
+            if FAULTS_ON:
+                s = _emulate(s, FAULTS, n_faults, 0, 1, n, rows, keys, REPAIR, None)
+            dp = _dot(do, tl.trans(v), PRECISION, INTERPRET)
+            if FAULTS_ON:
+                dp = _emulate(dp, FAULTS, n_faults, 1, 1, n, rows, keys, REPAIR, None)
+            if CHECK == 2:
+                kf, vf = k.to(tl.float32), v.to(tl.float32)
+                k_norm = tl.sqrt(tl.sum(kf * kf, 1))
+                v_norm = tl.sqrt(tl.sum(vf * vf, 1))
+                d1, b1, ratio = _tile_check(s, k_norm, tl.sum(kf * qbar1[None, :], 1), tl.sum(kf * qbar2[None, :], 1),
+                                            w_m, bt_q, R_TILE, 0)
+                worst_s = _keep_worst(worst_s, ratio, keys, d1, b1, key_in, hh, 1, SUMMARY, slot + 0, write)
+                d1, b1, ratio = _tile_check(dp, v_norm, tl.sum(vf * dobar1[None, :], 1),
+                                            tl.sum(vf * dobar2[None, :], 1), w_m, bt_do, R_TILE, 0)
+                worst_p = _keep_worst(worst_p, ratio, keys, d1, b1, key_in, hh, 1, SUMMARY, slot + 1, write)
+                k_max = tl.maximum(k_max, tl.max(tl.where(key_in, k_norm, 0.0), 0))
+                v_max = tl.maximum(v_max, tl.max(tl.where(key_in, v_norm, 0.0), 0))
+            p, zs, live_t = _scores_to_probs(s, rows, keys, lse, n, bb, hh, MASK, sm_b, sm_h, sm_t, sm_s, T, S,
+                                             scale, window, p_drop, seed, CAUSAL, WINDOW, MASK_KIND, DROPOUT)
+            ds = p * (dp * zs - delta[:, None])
+            ds_c = ds.to(k.dtype)
+            overflow = tl.maximum(overflow, _overflowed(ds, ds_c))
+            part = _dot(ds_c, k, PRECISION, INTERPRET)
+            if FAULTS_ON:
+                part = _emulate(part, FAULTS, n_faults, 4, 1, n, rows, feats, REPAIR, (start_n == lo) * 1.0)
+            dq += part
+            if CHECK == 2:
+                # dQ's reference Σ_j dS_ij (K_j w) and its rule's norms, accumulated as dQ is.
+                dsf = ds_c.to(tl.float32)
+                kw1, kw2 = tl.sum(kf, 1), tl.sum(kf * w_d[None, :], 1)
+                ref_q1 += tl.sum(dsf * kw1[None, :], 1)
+                ref_q2 += tl.sum(dsf * kw2[None, :], 1)
+                ds_sq += tl.sum(dsf * dsf, 1)
+                k_col_sq += tl.sum(kf * kf, 0)
+                k_ref1_sq += tl.sum(kw1 * kw1, 0)
+                k_ref2_sq += tl.sum(kw2 * kw2, 0)
+                ds_sum += tl.sum(ds, 1)
+                p_sum += tl.sum(p, 1)
+                live = tl.maximum(live, live_t)
+        flags = 0
+        if CHECK == 2:
+            bt_k = _b_terms(tl.sqrt(k_col_sq), k_ref1_sq, k_ref2_sq, feat_in, w_d, R_Q)
+            d1, b1, ratio = _tile_check(dq, tl.sqrt(ds_sq), ref_q1, ref_q2, w_d, bt_k, R_Q, 1)
+            ratio = tl.where(overflow > 0, 0.0, ratio)
+            worst_q = _keep_worst(worst_q, ratio, rows, d1, b1, row_in, hh, 0, SUMMARY, slot + 4, write)
+            # Σ_j dS_ij = 0 (op grad_probs), and Σ_j AP_ij = 1 (op scores_bwd: the recomputed AP against the
+            # forward's lse, which a uniform error in a row's AP, such as a wrong lse, leaves Σ_j dS_ij blind to):
+            # bounds from q, the keys read, the lse, dO and the values read (abft.vector_rules.SoftmaxGradRule).
+            lse_abs = tl.where(tl.abs(lse) < float("inf"), tl.abs(lse), 0.0)
+            rho = tl.exp(R_SM[0] * (scale * q_norm * k_max + live) + R_SM[1] * (1.0 + lse_abs))
+            g = R_SM[2] * do_norm * v_max * (1.0 + rho) / (1.0 - p_drop)
+            bound = R_SM[4] * (g * ((rho - 1.0) + rho * R_SM[3]) + R_SM[5] * (1.0 + g))
+            bound = tl.where(R_SM[6] > 0, R_SM[4], bound)
+            ratio = tl.abs(ds_sum) / tl.maximum(bound, 1e-30)
+            ratio = tl.where(ratio == ratio, ratio, float("inf"))
+            worst_p = _keep_worst(worst_p, ratio, rows, ds_sum, bound, row_in, hh, 0, SUMMARY, slot + 1, write, True)
+            bound = tl.where(R_SM[6] > 0, R_SM[4], R_SM[4] * ((rho - 1.0) + rho * R_SM[3]))
+            ratio = tl.abs(p_sum - 1.0) / bound
+            ratio = tl.where(ratio == ratio, ratio, float("inf"))
+            # A row with every key masked (lse +INF) has no AP to sum.
+            alive = row_in & (lse < float("inf"))
+            worst_s = _keep_worst(worst_s, ratio, rows, p_sum - 1.0, bound, alive, hh, 0, SUMMARY, slot + 0, write,
+                                  True)
+            flags = (worst_s > 1.0).to(tl.int32) | ((worst_p > 1.0).to(tl.int32) << 1) | (
+                (worst_q > 1.0).to(tl.int32) << 4)
+        if CHECK == 1:
+            worst_q = _trip(dq * scale, rows, io, hh, worst_q, SUMMARY, slot + 4, write)
+            flags = (worst_q > 1.0).to(tl.int32) << 4
+        tl.store(DQ + n * T * D + rows[:, None] * D + feats[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=io)
+        if CHECK > 0:
+            _store_status(STATUS, pid, flags, bad_in, REPAIR)
+
+    @triton.jit
+    def _key_pass(Q, K, V, DO, LSE, DELTA, MASK, DK, DV, STATUS, SUMMARY, FAULTS,
+                  sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                  sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t, sm_b, sm_h, sm_t, sm_s,
+                  H, HK, T, S, D, scale, window, p_drop, seed, n_faults, P0, R_TILE, R_KV, FIRST,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, CHECK: tl.constexpr,
+                  FAULTS_ON: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
+                  REPAIR: tl.constexpr):
+        """dK and dV of one key block of one KV head, over every query head of its group (module doc), with its
+        checks."""
+        nk = tl.program_id(1)
+        bb, hk = nk // HK, nk % HK
+        group = H // HK
+        pid = P0 + nk * tl.num_programs(0) + tl.program_id(0)
+        if REPAIR:
+            if tl.load(FIRST + pid) == 0:
+                tl.store(STATUS + pid, 0)
+                return
+        start_n = tl.program_id(0) * BLOCK_N
+        keys = start_n + tl.arange(0, BLOCK_N)
+        feats = tl.arange(0, BLOCK_D)
+        key_in, feat_in = keys < S, feats < D
+        kv_io = key_in[:, None] & feat_in[None, :]
+        k = tl.load(K + bb * sk_b + hk * sk_h + keys[:, None] * sk_s + feats[None, :] * sk_d, mask=kv_io, other=0.0)
+        v = tl.load(V + bb * sv_b + hk * sv_h + keys[:, None] * sv_s + feats[None, :] * sv_d, mask=kv_io, other=0.0)
+        dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+        # Non-finite inputs: nothing flagged for them (the query pass says why).
+        bad_in = tl.full((), 0, tl.int32)
+        if CHECK > 0:
+            bad_in = tl.maximum(_nonfinite(k), _nonfinite(v))
+        w_n = (tl.arange(0, BLOCK_N) + 1).to(tl.float32)
+        w_d = tl.where(feat_in, (feats + 1).to(tl.float32), 0.0)
+        worst_s = tl.full((), 0.0, tl.float32)
+        worst_p = tl.full((), 0.0, tl.float32)
+        worst_v = tl.full((), 0.0, tl.float32)
+        worst_k = tl.full((), 0.0, tl.float32)
+        ref_v1 = tl.zeros((BLOCK_N,), tl.float32)
+        ref_v2 = tl.zeros((BLOCK_N,), tl.float32)
+        ref_k1 = tl.zeros((BLOCK_N,), tl.float32)
+        ref_k2 = tl.zeros((BLOCK_N,), tl.float32)
+        p_sq = tl.zeros((BLOCK_N,), tl.float32)
+        ds_sq = tl.zeros((BLOCK_N,), tl.float32)
+        q_col_sq = tl.zeros((BLOCK_D,), tl.float32)
+        do_col_sq = tl.zeros((BLOCK_D,), tl.float32)
+        q_ref1_sq = tl.full((), 0.0, tl.float32)
+        q_ref2_sq = tl.full((), 0.0, tl.float32)
+        do_ref1_sq = tl.full((), 0.0, tl.float32)
+        do_ref2_sq = tl.full((), 0.0, tl.float32)
+        overflow = tl.full((), 0, tl.int32)
+        slot = pid * 5
+        write = not REPAIR
+        if CHECK > 0:
+            if write:
+                _clear_summary(SUMMARY, slot)
+        if CHECK == 2:
+            # The block this program keeps is the B of its tiles' row checks (S = Q_i K_jᵀ, dP = dO_i V_jᵀ).
+            kf, vf = k.to(tl.float32), v.to(tl.float32)
+            kbar1, kbar2 = tl.sum(kf, 0), tl.sum(kf * w_n[:, None], 0)
+            vbar1, vbar2 = tl.sum(vf, 0), tl.sum(vf * w_n[:, None], 0)
+            bt_k = _b_terms(tl.sqrt(tl.sum(kf * kf, 1)), _sq(kbar1), _sq(kbar2), key_in, w_n, R_TILE)
+            bt_v = _b_terms(tl.sqrt(tl.sum(vf * vf, 1)), _sq(vbar1), _sq(vbar2), key_in, w_n, R_TILE)
+        lo, hi = 0, T
+        if CAUSAL:
+            lo = start_n // BLOCK_M * BLOCK_M
+        if WINDOW:
+            hi = tl.minimum(T, start_n + BLOCK_N - 1 + window)
+        for g in range(0, group):
+            hh = hk * group + g
+            n = bb * H + hh
+            for start_m in range(lo, hi, BLOCK_M):
+                rows = start_m + tl.arange(0, BLOCK_M)
+                row_in = rows < T
+                io = row_in[:, None] & feat_in[None, :]
+                q = tl.load(Q + bb * sq_b + hh * sq_h + rows[:, None] * sq_t + feats[None, :] * sq_d, mask=io,
+                            other=0.0)
+                do = tl.load(DO + bb * sdo_b + hh * sdo_h + rows[:, None] * sdo_t + feats[None, :] * sdo_d, mask=io,
+                             other=0.0)
+                lse = tl.load(LSE + bb * sl_b + hh * sl_h + rows * sl_t, mask=row_in, other=0.0).to(tl.float32)
+                delta = tl.load(DELTA + n * T + rows, mask=row_in, other=0.0)
+                if CHECK > 0:
+                    bad_in = tl.maximum(bad_in, _rows_nonfinite(q, do, delta, lse))
+                s = _dot(q, tl.trans(k), PRECISION, INTERPRET)
+                if FAULTS_ON:
+                    s = _emulate(s, FAULTS, n_faults, 0, 0, n, rows, keys, REPAIR, None)
+                dp = _dot(do, tl.trans(v), PRECISION, INTERPRET)
+                if FAULTS_ON:
+                    dp = _emulate(dp, FAULTS, n_faults, 1, 0, n, rows, keys, REPAIR, None)
+                if CHECK == 2:
+                    qf, dof = q.to(tl.float32), do.to(tl.float32)
+                    q_norm = tl.sqrt(tl.sum(qf * qf, 1))
+                    do_norm = tl.sqrt(tl.sum(dof * dof, 1))
+                    d1, b1, ratio = _tile_check(s, q_norm, tl.sum(qf * kbar1[None, :], 1),
+                                                tl.sum(qf * kbar2[None, :], 1), w_n, bt_k, R_TILE, 1)
+                    worst_s = _keep_worst(worst_s, ratio, rows, d1, b1, row_in, hh, 0, SUMMARY, slot + 0, write)
+                    d1, b1, ratio = _tile_check(dp, do_norm, tl.sum(dof * vbar1[None, :], 1),
+                                                tl.sum(dof * vbar2[None, :], 1), w_n, bt_v, R_TILE, 1)
+                    worst_p = _keep_worst(worst_p, ratio, rows, d1, b1, row_in, hh, 0, SUMMARY, slot + 1, write)
+                p, zs, _live = _scores_to_probs(s, rows, keys, lse, n, bb, hh, MASK, sm_b, sm_h, sm_t, sm_s, T, S,
+                                                scale, window, p_drop, seed, CAUSAL, WINDOW, MASK_KIND, DROPOUT)
+                pd = p * zs
+                ds = p * (dp * zs - delta[:, None])
+                pd_c, ds_c = pd.to(do.dtype), ds.to(q.dtype)
+                overflow = tl.maximum(overflow, tl.maximum(_overflowed(pd, pd_c), _overflowed(ds, ds_c)))
+                first = ((g == 0) & (start_m == lo)) * 1.0
+                part = _dot(tl.trans(pd_c), do, PRECISION, INTERPRET)
+                if FAULTS_ON:
+                    part = _emulate(part, FAULTS, n_faults, 2, 0, nk, keys, feats, REPAIR, first)
+                dv += part
+                part = _dot(tl.trans(ds_c), q, PRECISION, INTERPRET)
+                if FAULTS_ON:
+                    part = _emulate(part, FAULTS, n_faults, 3, 0, nk, keys, feats, REPAIR, first)
+                dk += part
+                if CHECK == 2:
+                    # dV's and dK's references Σ_i (AP∘Z)_ijᵀ (dO_i w), Σ_i dS_ijᵀ (Q_i w), and their rules' norms,
+                    # accumulated as dV and dK are, over the operands as the products took them.
+                    pdf, dsf = pd_c.to(tl.float32), ds_c.to(tl.float32)
+                    qw1, qw2 = tl.sum(qf, 1), tl.sum(qf * w_d[None, :], 1)
+                    dow1, dow2 = tl.sum(dof, 1), tl.sum(dof * w_d[None, :], 1)
+                    ref_v1 += tl.sum(pdf * dow1[:, None], 0)
+                    ref_v2 += tl.sum(pdf * dow2[:, None], 0)
+                    ref_k1 += tl.sum(dsf * qw1[:, None], 0)
+                    ref_k2 += tl.sum(dsf * qw2[:, None], 0)
+                    p_sq += tl.sum(pdf * pdf, 0)
+                    ds_sq += tl.sum(dsf * dsf, 0)
+                    q_col_sq += tl.sum(qf * qf, 0)
+                    do_col_sq += tl.sum(dof * dof, 0)
+                    q_ref1_sq += tl.sum(qw1 * qw1, 0)
+                    q_ref2_sq += tl.sum(qw2 * qw2, 0)
+                    do_ref1_sq += tl.sum(dow1 * dow1, 0)
+                    do_ref2_sq += tl.sum(dow2 * dow2, 0)
+        flags = 0
+        if CHECK == 2:
+            bt = _b_terms(tl.sqrt(do_col_sq), do_ref1_sq, do_ref2_sq, feat_in, w_d, R_KV)
+            d1, b1, ratio = _tile_check(dv, tl.sqrt(p_sq), ref_v1, ref_v2, w_d, bt, R_KV, 1)
+            ratio = tl.where(overflow > 0, 0.0, ratio)
+            worst_v = _keep_worst(worst_v, ratio, keys, d1, b1, key_in, hk, 0, SUMMARY, slot + 2, write)
+            bt = _b_terms(tl.sqrt(q_col_sq), q_ref1_sq, q_ref2_sq, feat_in, w_d, R_KV)
+            d1, b1, ratio = _tile_check(dk, tl.sqrt(ds_sq), ref_k1, ref_k2, w_d, bt, R_KV, 1)
+            ratio = tl.where(overflow > 0, 0.0, ratio)
+            worst_k = _keep_worst(worst_k, ratio, keys, d1, b1, key_in, hk, 0, SUMMARY, slot + 3, write)
+            flags = ((worst_s > 1.0).to(tl.int32) | ((worst_p > 1.0).to(tl.int32) << 1)
+                     | ((worst_v > 1.0).to(tl.int32) << 2) | ((worst_k > 1.0).to(tl.int32) << 3))
+        if CHECK == 1:
+            worst_v = _trip(dv, keys, kv_io, hk, worst_v, SUMMARY, slot + 2, write)
+            worst_k = _trip(dk * scale, keys, kv_io, hk, worst_k, SUMMARY, slot + 3, write)
+            flags = ((worst_v > 1.0).to(tl.int32) << 2) | ((worst_k > 1.0).to(tl.int32) << 3)
+        at = nk * S * D + keys[:, None] * D + feats[None, :]
+        tl.store(DK + at, (dk * scale).to(DK.dtype.element_ty), mask=kv_io)
+        tl.store(DV + at, dv.to(DV.dtype.element_ty), mask=kv_io)
+        if CHECK > 0:
+            _store_status(STATUS, pid, flags, bad_in, REPAIR)

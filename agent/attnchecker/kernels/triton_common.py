@@ -1,0 +1,42 @@
+"""What the Triton kernels share: triton imported where it is installed (the library runs without it), whether the
+interpreter runs them, and ``device_function``.
+
+Under ``TRITON_INTERPRET=1`` (read when the kernel modules are imported, as triton.jit reads it then) kernels run
+on CPU tensors, one program at a time, in numpy: how the suite runs them without a GPU. The interpreter patches
+``triton.language`` again on every call of a ``@triton.jit`` helper from a kernel (about a millisecond each,
+thousands per backward call), so under it ``device_function`` leaves helpers as the plain Python functions they are,
+which the interpreter runs the same way inside the kernel; compiled for a GPU they are ``@triton.jit`` functions,
+inlined into the kernels.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+try:
+    import triton
+    from triton import knobs
+except ImportError:  # no triton: available() says so, and nothing here is called
+    triton = None
+    knobs = None
+
+# Read once, when the kernels are decorated (triton.jit reads it then too): kernels built for the interpreter stay
+# interpreted, whatever the environment says later.
+_INTERPRET = knobs is not None and bool(knobs.runtime.interpret)
+
+__all__ = ["device_function", "interpreting", "triton"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET=1 was set when the kernels were built (this module imported): they run on CPU tensors."""
+    return _INTERPRET
+
+
+def device_function(fn: F) -> F:
+    """@triton.jit for a helper that kernels call (module doc)."""
+    if triton is None or interpreting():
+        return fn
+    jitted: F = triton.jit(fn)
+    return jitted

@@ -1,0 +1,370 @@
+"""The checked attention backward's Triton kernels (kernels/triton_attention_bwd.py) through the engine's glue
+(attention/backward/triton_backward.py), run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, which
+conftest.py sets when there is no CUDA device).
+
+Clean: dQ, dK, dV equal autograd's through the math reference (the same regenerated dropout mask), for every mask,
+GQA and dtype, and nothing is flagged. Faulty: an emulated fault in each of the backward's products (the kernels'
+products reach no TorchDispatchMode) is flagged, its block recomputed, and the gradients are the fault-free ones,
+bit for bit. And the fast path's claims: a constant number of launches whatever T, no host-device sync.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from attnchecker.attention.backward import triton_backward
+from attnchecker.checks.deferred import drain
+from attnchecker.kernels import triton_attention_bwd as kernels
+from attnchecker.kernels.triton_dropout import keep_mask
+
+if not kernels.available():
+    pytest.skip("the Triton kernels cannot run here (no CUDA, and the interpreter is off)", allow_module_level=True)
+
+# The interpreter's numpy warnings (overflow in exp, INF - INF) are what the injected faults do.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+KernelFault = triton_backward.KernelFault
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool, window: int | None,
+              mask: torch.Tensor | None, p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scale·QKᵀ + mask)·V through the math, in fp32 from the operands as given, GQA by repeating K and V,
+    dropout with the kernels' mask for ``seed``: (out, lse), lse +INF on a row with every key masked."""
+    b, h, t, _ = q.shape
+    hk, s = k.shape[1], k.shape[2]
+    k32, v32 = (x.float().repeat_interleave(h // hk, 1) for x in (k, v))
+    z = (q.float() @ k32.mT) * scale
+    i, j = torch.arange(t)[:, None], torch.arange(s)[None, :]
+    seen = torch.ones(t, s, dtype=torch.bool)
+    if causal:
+        seen &= j <= i
+    if window is not None:
+        seen &= i - j < window
+    z = z.masked_fill(~seen, -math.inf)
+    if mask is not None:
+        z = z.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else z + mask.float()
+    lse = torch.logsumexp(z, -1)
+    probs = torch.softmax(z, -1)
+    if p > 0:
+        probs = probs * keep_mask(seed, (b, h, t, s), p, q.device) / (1 - p)
+    return probs @ v32, torch.where(torch.isfinite(lse), lse, math.inf).detach()
+
+
+def make(dtype: torch.dtype, *, b: int = 1, h: int = 2, hk: int = 1, t: int = 40, s: int = 40, d: int = 24,
+         mask: str = "causal", p: float = 0.0, seed: int = 0, window: int = 7, v_scale: float = 1.0,
+         do_max: float | None = None) -> dict[str, Any]:
+    """One call's inputs as a forward hands them to the backward, and autograd's gradients through ``reference``
+    (fp32, from the operands as given). v_scale: V's; do_max: dO scaled to that largest |element|."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, t, d, generator=g).to(dtype)
+    k = torch.randn(b, hk, s, d, generator=g).to(dtype)
+    v = (torch.randn(b, hk, s, d, generator=g) * v_scale).to(dtype)
+    attn_mask = None
+    if mask == "padding":  # key padding: every row keeps its first key
+        keep = torch.rand(b, 1, 1, s, generator=g) > 0.3
+        keep[..., 0] = True
+        attn_mask = keep
+    elif mask == "additive":  # a relative bias (ALiBi / T5 style)
+        attn_mask = (torch.randn(1, h, t, s, generator=g) * 2).to(dtype)
+    how = {"scale": 1 / math.sqrt(d), "causal": mask in ("causal", "window"),
+           "window": window if mask == "window" else None, "mask": attn_mask, "p": p, "seed": seed + 1}
+    leaves = [x.float().requires_grad_() for x in (q, k, v)]
+    out32, lse = reference(*leaves, **how)
+    do = torch.randn(out32.shape, generator=g)
+    do = (do * (do_max / do.abs().max()) if do_max else do).to(dtype)
+    grads = torch.autograd.grad(out32, leaves, do.float())
+    return {"q": q, "k": k, "v": v, "out": out32.detach().to(dtype), "lse": lse, "do": do, "how": how,
+            "want": grads}
+
+
+def backward(a: dict[str, Any], ctx: Any, *, check: str = "abft", faults: list[KernelFault] | None = None
+             ) -> tuple[torch.Tensor, ...]:
+    how = a["how"]
+    return triton_backward.backward(a["q"], a["k"], a["v"], a["out"], a["lse"], a["do"], scale=how["scale"],
+                                    is_causal=how["causal"], window=how["window"], attn_mask=how["mask"],
+                                    dropout_p=how["p"], seed=how["seed"], check=check, faults=faults or [], ctx=ctx)
+
+
+def close(got: tuple[torch.Tensor, ...], a: dict[str, Any], rel: float) -> bool:
+    """Each gradient within rel of the largest element of autograd's, plus what its terms can reach (a gradient that
+    is 0 in exact arithmetic is round-off through and through)."""
+    def top(x: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(x.double(), dim=-1).max()) if x.numel() else 0.0
+
+    size = a["how"]["scale"] * top(a["do"]) * top(a["v"]) * max(top(a["q"]), top(a["k"])) + top(a["do"])
+    return all(bool((g.double() - w.double()).abs().max() <= rel * (float(w.double().abs().max()) + size))
+               for g, w in zip(got, a["want"], strict=True))
+
+
+# Autograd's fp32 gradient against the kernels': fp32 to round-off (the issue's ≤ 1e-5 relative); a half-precision
+# call multiplies AP and dS in its dtype and rounds its outputs to it, as FlashAttention does.
+REL = {torch.float32: 1e-5, torch.bfloat16: 4 * 2.0**-8, torch.float16: 4 * 2.0**-11}
+
+
+@settings(max_examples=6, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), mask=st.sampled_from(["none", "causal", "window", "padding", "additive"]),
+       group=st.sampled_from([1, 2]), b=st.integers(1, 2), t=st.integers(1, 64), extra=st.integers(0, 20),
+       d=st.sampled_from([8, 16, 24, 32]), p=st.sampled_from([0.0, 0.1]), seed=st.integers(0, 2**16))
+def test_clean_gradients_equal_autograds_through_the_math_and_nothing_flags(
+        make_ctx: Any, dtype: torch.dtype, mask: str, group: int, b: int, t: int, extra: int, d: int, p: float,
+        seed: int) -> None:
+    """B·H ≤ 4, T, S ≤ 64, D ≤ 32. S ≥ T: a causal or windowed row always keeps its own key (a row with none has no
+    gradient to compare)."""
+    hk = 1 if b == 2 else 2
+    a = make(dtype, b=b, h=hk * group, hk=hk, t=t, s=min(64, t + extra), d=d, mask=mask, p=p, seed=seed,
+             window=1 + seed % 9)
+    ctx, rec = make_ctx()
+    got = backward(a, ctx)
+    drain(ctx.runtime.deferred)
+    assert not rec.detections, rec.detections[:2]
+    stats = ctx.runtime.stats
+    assert all(stats.checks[op] == 1 for op in kernels.OPS)
+    assert all(float(r) <= 1.0 for r in stats.residual_max.values()), stats.residual_max
+    assert close(got, a, REL[dtype])
+
+
+@pytest.fixture(scope="module")
+def faulty_call() -> dict[str, Any]:
+    """GQA (2 query heads on 1 KV head), causal, T = S = 32: its clean gradients, and each product's RMS (a finite
+    fault of 5 % of it is far above every bound and far below the tripwire)."""
+    a = make(torch.float32, t=32, s=32)
+    from attnchecker.checks.context import LayerContext, Runtime
+
+    a["clean"] = backward(a, LayerContext(layer=0, runtime=Runtime()))
+    q, k, v, do = (x.float() for x in (a["q"], a["k"], a["v"], a["do"]))
+    scale = a["how"]["scale"]
+
+    def rms(x: torch.Tensor) -> float:
+        return float(x.square().mean().sqrt())
+
+    a["rms"] = {"scores_bwd": rms(q @ k.mT), "grad_probs": rms(do @ v.mT), "grad_v": rms(a["clean"][2]),
+                "grad_k": rms(a["clean"][1]) / scale, "grad_q": rms(a["clean"][0]) / scale}
+    return a
+
+
+PRODUCTS = [("scores_bwd", "keys"), ("scores_bwd", "queries"), ("grad_probs", "keys"), ("grad_probs", "queries"),
+            ("grad_v", "keys"), ("grad_k", "keys"), ("grad_q", "queries")]
+KINDS = {"inf": ("value", math.inf), "nan": ("value", math.nan), "near_inf": ("value", 1e20),
+         "bitflip": ("bitflip", 0.0), "finite": ("add", 0.05)}
+# Every product in both passes that makes it, each kind at least twice.
+CASES = [(op, side, kind) for i, (op, side) in enumerate(PRODUCTS) for kind in (list(KINDS) * 3)[2 * i:2 * i + 2]]
+
+
+def fault_at(op: str, side: str, kind: str, rms: float, persistent: bool = False) -> KernelFault:
+    """Query head 1 (matrix n = 1) for S, dP and dQ; KV head 0 for dK and dV; inside the causal triangle."""
+    how, value = KINDS[kind]
+    row, col = {"scores_bwd": (13, 9), "grad_probs": (13, 9), "grad_v": (9, 5), "grad_k": (9, 5),
+                "grad_q": (13, 5)}[op]
+    return KernelFault(op=op, n=0 if op in ("grad_v", "grad_k") else 1, row=row, col=col, kind=how,
+                       value=value * rms if how == "add" else value, side=side, persistent=persistent)
+
+
+EXPECTED_KIND = {"inf": {"inf", "neg_inf"}, "nan": {"nan"}, "near_inf": {"near_inf"},
+                 "bitflip": {"inf", "neg_inf", "near_inf"}, "finite": {"silent"}}
+
+
+@pytest.mark.parametrize(("op", "side", "kind"), CASES)
+def test_a_fault_in_each_product_is_flagged_and_its_block_recomputed(
+        make_ctx: Any, faulty_call: dict[str, Any], op: str, side: str, kind: str) -> None:
+    a = faulty_call
+    ctx, rec = make_ctx()
+    got = backward(a, ctx, faults=[fault_at(op, side, kind, a["rms"][op])])
+    assert not rec.detections  # deferred: nothing is emitted before the step boundary
+    drain(ctx.runtime.deferred)
+    mine = [d for d in rec.detections if d.op == op]
+    assert mine and all(d.action == "recomputed" and d.tier == "abft" for d in rec.detections), rec.detections
+    det = mine[0]
+    assert det.kind in EXPECTED_KIND[kind], det
+    # Located: the batch and head of the faulted matrix, and a vector that holds the element (the query pass checks
+    # S and dP tiles by columns, and their rows through Σ_j AP_ij and Σ_j dS_ij, reported where no tile flagged).
+    where = {("scores_bwd", "keys"): {(13, None)}, ("grad_probs", "keys"): {(13, None)},
+             ("scores_bwd", "queries"): {(None, 9), (13, None)}, ("grad_probs", "queries"): {(None, 9), (13, None)},
+             ("grad_v", "keys"): {(9, None)}, ("grad_k", "keys"): {(9, None)}, ("grad_q", "queries"): {(13, None)}}
+    assert (det.batch, det.head) == (0, 0 if op in ("grad_v", "grad_k") else 1), det
+    assert (det.row, det.col) in where[(op, side)], det
+    # The recompute is the fault-free computation: the same gradients, bit for bit.
+    assert all(torch.equal(x, y) for x, y in zip(got, a["clean"], strict=True))
+
+
+def test_a_fault_that_repeats_in_the_recompute_is_uncorrectable(make_ctx: Any, faulty_call: dict[str, Any]) -> None:
+    ctx, rec = make_ctx()
+    got = backward(faulty_call, ctx, faults=[fault_at("grad_k", "keys", "inf", 1.0, persistent=True)])
+    drain(ctx.runtime.deferred)
+    assert [(d.op, d.action) for d in rec.detections] == [("grad_k", "uncorrectable")]
+    assert torch.isinf(got[1]).any()
+
+
+def test_a_wrong_log_sum_exp_shows_in_the_row_sums_of_ap(make_ctx: Any, faulty_call: dict[str, Any]) -> None:
+    """A forward's lse 0.5 off in one row scales that row of the recomputed AP by e^-0.5: every product's checksum is
+    consistent with it (each reads the same AP), and so is Σ_j dS_ij = 0 (a uniform scale cancels). Σ_j AP_ij = 1
+    is not. Flagged, and uncorrectable here (the recompute reads the same lse: the forward must be run again)."""
+    a = dict(faulty_call)
+    a["lse"] = a["lse"].clone()
+    a["lse"][0, 1, 20] += 0.5
+    ctx, rec = make_ctx()
+    backward(a, ctx)
+    drain(ctx.runtime.deferred)
+    assert [(d.op, d.action, d.head, d.row) for d in rec.detections] == [("scores_bwd", "uncorrectable", 1, 20)]
+
+
+def test_detect_mode_reports_and_launches_no_repair(make_ctx: Any, faulty_call: dict[str, Any]) -> None:
+    ctx, rec = make_ctx(mode="detect")
+    with launches() as count:
+        got = backward(faulty_call, ctx, faults=[fault_at("grad_q", "queries", "nan", 1.0)])
+    drain(ctx.runtime.deferred)
+    assert [(d.op, d.action) for d in rec.detections] == [("grad_q", "detected")]
+    assert torch.isnan(got[0]).any()
+    assert count.triton == 3  # δ, the query pass, the key pass
+
+
+def test_tier_one_sees_extreme_gradients_and_recomputes_them(make_ctx: Any, faulty_call: dict[str, Any]) -> None:
+    """check="tripwire" (whole-step checks not due): INF, NaN or |x| > 1e10 in dQ, dK, dV only. A finite error is
+    the full check's to find, not tier 1's: it passes, as on every other path."""
+    a = faulty_call
+    ctx, rec = make_ctx()
+    got = backward(a, ctx, check="tripwire", faults=[fault_at("grad_v", "keys", "inf", 1.0)])
+    drain(ctx.runtime.deferred)
+    assert [(d.op, d.action, d.tier) for d in rec.detections] == [("grad_v", "recomputed", "tripwire")]
+    assert all(torch.equal(x, y) for x, y in zip(got, a["clean"], strict=True))
+    assert ctx.runtime.stats.trip_checks["grad_q"] == 1 and not ctx.runtime.stats.checks.get("grad_q")
+    ctx, rec = make_ctx()
+    got = backward(a, ctx, check="tripwire", faults=[fault_at("grad_v", "keys", "finite", a["rms"]["grad_v"])])
+    drain(ctx.runtime.deferred)
+    assert not rec.detections and not torch.equal(got[2], a["clean"][2])
+
+
+@pytest.mark.parametrize("where", ["operands", "input"])
+def test_an_fp16_overflow_under_a_loss_scale_is_not_a_fault(make_ctx: Any, where: str) -> None:
+    """GradScaler's first steps overflow fp16 gradients on purpose (and skip the step). operands: dO finite (its
+    largest element 60,000) but dS and AP∘Z rounded to fp16 for their products reach INF, and those products
+    follow; input: dO itself holds INF (an upstream gradient overflowed, which that op's own check sees). Nothing is
+    reported (gemm.check._overflowed and attention.backward.encoded on the other paths)."""
+    if where == "operands":
+        a = make(torch.float16, t=32, s=32, d=16, seed=4, v_scale=30.0, do_max=60000.0)
+        assert torch.isfinite(a["do"]).all()
+    else:
+        a = make(torch.float16, t=32, s=32, d=16, seed=4)
+        a["do"] = (a["do"].float() * 2.0**15).half()
+        assert not torch.isfinite(a["do"]).all()
+    ctx, rec = make_ctx()
+    got = backward(a, ctx)
+    drain(ctx.runtime.deferred)
+    assert not all(bool(torch.isfinite(g).all()) for g in got)
+    assert not rec.detections, rec.detections[:2]
+
+
+# ------------------------------------------------------------------------------------------------- the fast path
+
+
+class _Count(TorchDispatchMode):
+    """aten ops made outside the kernels (each a kernel launch on a GPU), and Triton launches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aten, self.triton, self.inside = 0, 0, False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if not self.inside and func.is_view is False and func.name() not in _METADATA:
+            self.aten += 1
+        return func(*args, **(kwargs or {}))
+
+
+_METADATA = {"aten::empty.memory_format", "aten::empty_strided", "aten::empty_like", "aten::detach", "aten::lift_fresh"}
+"""Allocations and detach: no kernel."""
+
+
+@contextmanager
+def launches() -> Iterator[_Count]:
+    """Count while the block runs; the interpreter's own tensor handling inside a launch is not counted."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    count = _Count()
+    run = InterpretedFunction.run
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("warmup"):
+            return run(self, *args, **kwargs)
+        count.triton += 1
+        count.inside = True
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            count.inside = False
+
+    InterpretedFunction.run = counted
+    try:
+        with count:
+            yield count
+    finally:
+        InterpretedFunction.run = run
+
+
+@pytest.mark.skipif(not kernels.interpreting(), reason="counts launches through the interpreter")
+def test_a_checked_backward_makes_the_same_few_launches_at_any_length(make_ctx: Any) -> None:
+    """5 Triton launches (δ, query pass, key pass, and their repair, whose programs return at once when clean) and a
+    fixed number of small aten ops for the deferred records and the margin histogram, at T = 32 and T = 64 (1 and 2
+    blocks of queries and of keys, 2 and 8 tiles): nothing runs per tile or per block on the host."""
+    counts = []
+    for t in (32, 64):
+        a = make(torch.float32, t=t, s=t, d=16, h=2, hk=1)
+        ctx, _ = make_ctx()
+        with launches() as count:
+            backward(a, ctx)
+        counts.append((count.triton, count.aten))
+    assert counts[0] == counts[1], counts
+    assert counts[0][0] == 5 and counts[0][1] <= 40, counts
+
+
+class _Syncs(TorchFunctionMode):
+    """Calls that make the host wait for the device (a value read back), outside the kernels' launches."""
+
+    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "nonzero")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in self.NAMES and not _inside[0]:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+_inside = [False]
+
+
+def test_the_checked_backward_never_waits_for_the_device(make_ctx: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No host-device sync from the call to its return (flags, summaries and the repair's outcome stay on the device);
+    the records are read at the step boundary, in one sync (checks/deferred.py). A fault changes nothing here: the
+    repair is launched either way."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def quiet(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _inside[0] = True
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            _inside[0] = False
+
+    if kernels.interpreting():
+        monkeypatch.setattr(InterpretedFunction, "run", quiet)
+    a = make(torch.bfloat16, t=24, s=24, d=16, mask="padding", p=0.1)
+    for faults in ([], [KernelFault(op="grad_q", n=0, row=3, col=2, side="queries")]):
+        ctx, _ = make_ctx()
+        spy = _Syncs()
+        with spy:
+            backward(a, ctx, faults=faults or None)
+        assert spy.seen == [], spy.seen
