@@ -22,11 +22,8 @@ from test_attention_layer import TOL, layer_params, run_layer, seeded
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnchecker.abft.tiled import TilePlan, finish, fold_scores, square_sums
-from attnchecker.attention.backends.tiled_torch import (
-    PATH_ENV,
-    TILE_ENV,
-    _RecomputedBackward,
-)
+from attnchecker.attention.backends.tiled_torch import PATH_ENV, TILE_ENV
+from attnchecker.attention.backward import fused as fused_backward
 from attnchecker.attention.pipeline import protected_sdpa
 from attnchecker.inject import Fault
 
@@ -292,22 +289,32 @@ def test_layer_with_grouped_query_heads_and_a_sliding_window_matches_sdpa(make_c
     assert rec.detections == []
 
 
-def test_recomputed_backward_gives_the_fused_sdpa_gradient() -> None:
-    """The off-CPU backward (a GPU has no _scaled_dot_product_flash_attention_for_cpu_backward), exercised here."""
+def _off_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, mask: torch.Tensor | None,
+             monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, ...]:
+    """The gradient of a verified output as the backward off the CPU makes it outside protect(scope="all") (SDPA's,
+    recomputed; a GPU has no _scaled_dot_product_flash_attention_for_cpu_backward): the CPU call sent down that
+    branch."""
+    monkeypatch.setattr(fused_backward, "cpu_kernel", False)
+    lse = torch.zeros(out.shape[:-1])  # not read on this branch outside scope="all"
+    got = fused_backward._VerifiedAttention.apply(q, k, v, fused_backward._Forward(
+        out_BHTD=out, lse_BHT=lse, mask_add=None, scale=0.5, is_causal=True, attn_mask=mask))
+    return torch.autograd.grad(got.sum(), (q, k, v))
+
+
+def test_the_off_cpu_backward_gives_the_fused_sdpa_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v = (seeded((1, 2, 9, 4), 90 + i, torch.float32).requires_grad_() for i in range(3))
     with torch.no_grad():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    got = torch.autograd.grad(_RecomputedBackward.apply(q, k, v, out, (None, True, 0.5)).sum(), (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+    got = _off_cpu(q, k, v, out, None, monkeypatch)
     want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5).sum(), (q, k, v))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
-def test_off_cpu_backward_folds_a_causal_flag_into_an_explicit_mask(kind: str) -> None:
-    """SDPA takes is_causal or attn_mask, not both; the off-CPU backward gets the two folded into one mask."""
-    from attnchecker.attention.backends.tiled_torch import _causal_into_mask
-
+def test_off_cpu_backward_folds_a_causal_flag_into_an_explicit_mask(kind: str, monkeypatch: pytest.MonkeyPatch
+                                                                     ) -> None:
+    """SDPA takes is_causal or attn_mask, not both; the off-CPU backward folds the two into one mask."""
     q, k, v = (seeded((1, 2, 9, 4), 95 + i, torch.float32).requires_grad_() for i in range(3))
     g = torch.Generator().manual_seed(4)
     mask = (torch.rand(9, 9, generator=g) > 0.3).fill_diagonal_(True)
@@ -315,8 +322,7 @@ def test_off_cpu_backward_folds_a_causal_flag_into_an_explicit_mask(kind: str) -
         mask = torch.randn(9, 9, generator=g)
     with torch.no_grad():
         out = causal_and_masked(q, k, v, mask)
-    folded = _causal_into_mask(mask, 9, 9)
-    got = torch.autograd.grad(_RecomputedBackward.apply(q, k, v, out, (folded, False, 0.5)).sum(), (q, k, v))
+    got = _off_cpu(q, k, v, out, mask, monkeypatch)
     want = torch.autograd.grad(causal_and_masked(q, k, v, mask).sum(), (q, k, v))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)

@@ -22,8 +22,9 @@ Backward: the verified output and row log-sum-exp feed the fused CPU kernel
 whole-step checks are due, that kernel on checksum-encoded operands (attention.backward.encoded: O(T·D) memory), whose
 recovery runs the checked products of attention.backward.checked a block of query rows at a time (O(block·S) memory, as
 this forward), and the fused kernel with the tripwire on its dQ/dK/dV on the others. On other devices the gradient comes
-from recomputing the (unprotected) fused SDPA in backward, which is the gradient of the same function at the same
-verified q, k, v.
+from recomputing the fused SDPA in backward, which is the gradient of the same function at the same verified q, k, v;
+under protect(scope="all") it is checked there too: by the Triton kernels (attention.backward.triton_backward, no host
+sync), or the checked products where those do not run (attention.backward.fused._off_cpu_backward).
 """
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ...abft import GROUP_MIN, Tolerance, acc_dtype, col_norms, repair
 from ...abft.operand_moments import context_moments, query_weighted_sums, references_of, scores_moments
@@ -273,45 +273,13 @@ def tiled_sdpa(
                             mask_add=mask_add, kernel=kernel)
     if not (torch.is_grad_enabled() and (q_BHTD.requires_grad or k_BHSD.requires_grad or v_BHSD.requires_grad)):
         return out
-    if q_BHTD.device.type == "cpu":
-        # Under protect(scope="all") the backward is checked too (attention.backward.encoded); its recovery runs the
-        # checked products a block of this forward's query rows at a time, so that it keeps O(block·S) as this forward
-        # does.
-        return _VerifiedAttention.apply(q_BHTD, k_rep, v_rep, _Forward(
-            out_BHTD=out, lse_BHT=lse, mask_add=mask_add, scale=scale,
-            is_causal=is_causal, layer=ctx, block_q=tiles.block_q))
-    if is_causal and attn_mask is not None:
-        attn_mask, is_causal = _causal_into_mask(attn_mask, q_BHTD.shape[-2], k_BHSD.shape[-2]), False
-    return _RecomputedBackward.apply(q_BHTD, k_rep, v_rep, out, (attn_mask, is_causal, scale))
-
-
-def _causal_into_mask(attn_mask: torch.Tensor, t: int, s: int) -> torch.Tensor:
-    """SDPA takes is_causal or attn_mask, not both: one mask with the future (top-left aligned) masked too. T×S, but
-    only in backward off CPU, and only for this rare combination."""
-    future_TS = torch.ones(t, s, dtype=torch.bool, device=attn_mask.device).triu(1)
-    if attn_mask.dtype == torch.bool:
-        return attn_mask & ~future_TS
-    return attn_mask.masked_fill(future_TS, -math.inf)
-
-
-class _RecomputedBackward(torch.autograd.Function):
-    """Off CPU: the gradient of fused SDPA at the verified q, k, v, by recomputing it in backward (no T×S kept)."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                how: tuple[torch.Tensor | None, bool, float]) -> torch.Tensor:
-        ctx.save_for_backward(q, k, v)
-        ctx.how = how
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        q, k, v = (x.detach().requires_grad_() for x in ctx.saved_tensors)
-        attn_mask, is_causal, scale = ctx.how
-        with torch.enable_grad():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
-            dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
-        return dq, dk, dv, None, None
+    # Under protect(scope="all") the backward is checked too: on the CPU by the fused kernel on encoded operands
+    # (attention.backward.encoded), whose recovery runs the checked products a block of this forward's query rows at a
+    # time, so that it keeps O(block·S) as this forward does; off the CPU by the Triton kernels, or those products
+    # (attention.backward.fused._off_cpu_backward).
+    return _VerifiedAttention.apply(q_BHTD, k_rep, v_rep, _Forward(
+        out_BHTD=out, lse_BHT=lse, mask_add=mask_add, scale=scale, is_causal=is_causal, attn_mask=attn_mask,
+        layer=ctx, block_q=tiles.block_q))
 
 
 def _forward(

@@ -1,19 +1,31 @@
 """Autograd for an attention output computed and verified outside autograd: the fused CPU kernel's backward at the
 verified q, k, v, output and row log-sum-exp (under protect(scope="all"), on a checked step, the same kernel on
 checksum-encoded operands: attention.backward.encoded), and the mask and head layout that kernel takes. Shared by the
-unfused and the tiled attention."""
+unfused and the tiled attention.
+
+Off the CPU (``_off_cpu_backward``) that kernel does not exist: the gradient is SDPA's, recomputed in backward, and
+under protect(scope="all") the backward is checked by the Triton kernels (attention.backward.triton_backward: no host
+sync) where they run, else by the checked PyTorch products (attention.backward.checked). ``cpu_kernel = False`` sends
+CPU calls down that branch: the suite runs it that way (the Triton kernels under TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ...checks.context import LayerContext
 from ...checks.records import _count_trips, _emit_unplaced_trip
 from ...tripwire import extreme
+
+log = logging.getLogger("attnchecker")
+
+cpu_kernel = True
+"""False: CPU calls take the branch other devices take (``_off_cpu_backward``), as a CUDA call would; for tests."""
 
 
 @dataclass(slots=True)
@@ -23,8 +35,12 @@ class _Forward:
     out_BHTD: torch.Tensor
     lse_BHT: torch.Tensor
     mask_add: torch.Tensor | None
+    """The mask in the CPU kernel's form (``_additive_mask``); None off the CPU, where attn_mask is read instead."""
     scale: float
     is_causal: bool
+    attn_mask: torch.Tensor | None = None
+    """The call's mask as given (bool or additive, broadcastable to (B, H, T, S)): what the backward off the CPU
+    takes."""
     layer: LayerContext | None = None
     """Set: under protect(scope="all") backward may run its full check (attention.backward.encoded,
     attention.backward.checked)."""
@@ -48,14 +64,18 @@ class _VerifiedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fwd: _Forward) -> torch.Tensor:
-        ctx.save_for_backward(q, k, v, fwd.out_BHTD, fwd.lse_BHT, fwd.mask_add)
+        ctx.save_for_backward(q, k, v, fwd.out_BHTD, fwd.lse_BHT, fwd.mask_add, fwd.attn_mask)
         ctx.scale, ctx.is_causal, ctx.layer, ctx.block_q = fwd.scale, fwd.is_causal, fwd.layer, fwd.block_q
         return fwd.out_BHTD
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        q, k, v, out, lse, mask_add = ctx.saved_tensors
+        q, k, v, out, lse, mask_add, attn_mask = ctx.saved_tensors
         layer: LayerContext | None = ctx.layer
+        if q.device.type != "cpu" or not cpu_kernel:
+            dq, dk, dv = _off_cpu_backward(layer, grad_out, q, k, v, out, lse, attn_mask, mask_add, scale=ctx.scale,
+                                           is_causal=ctx.is_causal, block_q=ctx.block_q)
+            return dq, dk, dv, None
         if layer is not None:
             from ...gemm.schedule import whole_step_due
             from .checked import checked_backward
@@ -78,6 +98,80 @@ class _VerifiedAttention(torch.autograd.Function):
                 dq, dk, dv = _tripwire_backward(layer, (dq, dk, dv), grad_out, q, k, v, out, lse, mask_add,
                                                 scale=ctx.scale, is_causal=ctx.is_causal, block_q=ctx.block_q)
         return dq, dk, dv, None
+
+
+def _off_cpu_backward(
+    layer: LayerContext | None,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    mask_add: torch.Tensor | None,
+    *,
+    scale: float,
+    is_causal: bool,
+    block_q: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward where the fused CPU kernel does not run. Under protect(scope="all"), on a step whose whole-step
+    checks are due or get tier 1: the Triton kernels with that check (no sync; ATTNCHECKER_ATTENTION_BACKWARD), else
+    the checked products (due) or SDPA's gradient with the tripwire on dQ, dK, dV (tier 1). Otherwise SDPA's
+    gradient, recomputed at the verified q, k, v (no T×S kept from the forward)."""
+    from . import triton_backward
+
+    mode = "off" if layer is None else triton_backward.check_mode(layer.runtime)
+    if mode != "off":
+        assert layer is not None
+        reasons = triton_backward.not_supported_reasons(q, k, v, attn_mask)
+        if not reasons:
+            return triton_backward.backward(q, k, v, out, lse, grad_out, scale=scale, is_causal=is_causal,
+                                            attn_mask=attn_mask, check=mode, ctx=layer)
+        if triton_backward.requested() == "triton" and reasons[0] not in _warned:
+            _warned.add(reasons[0])
+            log.warning("attnchecker: %s=triton cannot take this attention backward (%s); it runs the checked "
+                        "PyTorch products", triton_backward.BACKWARD_ENV, "; ".join(reasons))
+        if mask_add is None:
+            mask_add = _additive_mask(attn_mask, q.dtype)
+        if mode == "abft":
+            from .checked import checked_backward
+
+            dq, dk, dv, _ = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=scale,
+                                             is_causal=is_causal, block_q=block_q)
+            return dq, dk, dv
+    grads = _sdpa_backward(grad_out, q, k, v, attn_mask, scale=scale, is_causal=is_causal)
+    if mode == "tripwire":
+        assert layer is not None
+        grads = _tripwire_backward(layer, grads, grad_out, q, k, v, out, lse, mask_add, scale=scale,
+                                   is_causal=is_causal, block_q=block_q)
+    return grads
+
+
+_warned: set[str] = set()
+
+
+def _sdpa_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   attn_mask: torch.Tensor | None, *, scale: float, is_causal: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradient of fused SDPA at the verified q, k, v (unchecked), by recomputing it: the same function the
+    forward verified, at the same inputs."""
+    if is_causal and attn_mask is not None:
+        attn_mask, is_causal = _causal_into_mask(attn_mask, q.shape[-2], k.shape[-2]), False
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    with torch.enable_grad():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+    return dq, dk, dv
+
+
+def _causal_into_mask(attn_mask: torch.Tensor, t: int, s: int) -> torch.Tensor:
+    """SDPA takes is_causal or attn_mask, not both: one mask with the future (top-left aligned) masked too. T×S, but
+    only in backward off CPU, and only for this rare combination."""
+    future_TS = torch.ones(t, s, dtype=torch.bool, device=attn_mask.device).triu(1)
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & ~future_TS
+    return attn_mask.masked_fill(future_TS, -math.inf)
 
 
 GRAD_OPS: tuple[str, ...] = ("grad_q", "grad_k", "grad_v")
