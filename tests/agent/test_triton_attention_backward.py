@@ -312,17 +312,17 @@ def launches() -> Iterator[_Count]:
 @pytest.mark.skipif(not kernels.interpreting(), reason="counts launches through the interpreter")
 def test_a_checked_backward_makes_the_same_few_launches_at_any_length(make_ctx: Any) -> None:
     """5 Triton launches (δ, query pass, key pass, and their repair, whose programs return at once when clean) and a
-    fixed number of small aten ops for the deferred records and the margin histogram, at T = 32 and T = 64 (1 and 2
+    fixed number of small aten ops for the deferred records and the margin histogram (27 here), at T = 32 and T = 64 (1 and 2
     blocks of queries and of keys, 2 and 8 tiles): nothing runs per tile or per block on the host."""
     counts = []
-    for t in (32, 64):
+    for t in (32, 32, 64):  # the first call also fills per-device caches (the status word's bits, histogram edges)
         a = make(torch.float32, t=t, s=t, d=16, h=2, hk=1)
         ctx, _ = make_ctx()
         with launches() as count:
             backward(a, ctx)
         counts.append((count.triton, count.aten))
-    assert counts[0] == counts[1], counts
-    assert counts[0][0] == 5 and counts[0][1] <= 40, counts
+    assert counts[1] == counts[2], counts
+    assert counts[1][0] == 5 and counts[1][1] <= 30, counts
 
 
 class _Syncs(TorchFunctionMode):

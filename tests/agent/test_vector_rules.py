@@ -57,12 +57,13 @@ def test_the_kernel_scalars_carry_the_rule() -> None:
 @given(t=st.integers(1, 48), s=st.integers(1, 48), d=st.sampled_from([8, 32, 64]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), spread=st.sampled_from([0.3, 1.0, 3.0]),
        p=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 2**16))
-def test_the_row_sums_of_ds_stay_within_their_bound_on_clean_data(t: int, s: int, d: int, dtype: torch.dtype,
-                                                                  spread: float, p: float, seed: int) -> None:
-    """Σ_j dS_ij of a backward recomputed in fp32 from the inputs' dtype, against a forward made in float64 (its
-    output and lse rounded as a forward hands them on), dropout included: within the bound, with room; and in fp32
-    at unit spread the bound is below 1e-3 of the size of the row's terms (2‖dO_i‖ max‖V_j‖), so a δ that far off
-    is seen."""
+def test_the_row_sums_of_ds_and_ap_stay_within_their_bounds_on_clean_data(
+        t: int, s: int, d: int, dtype: torch.dtype, spread: float, p: float, seed: int) -> None:
+    """Σ_j dS_ij and Σ_j AP_ij - 1 of a backward recomputed in fp32 from the inputs' dtype, against a fused forward
+    made in float64 (its output and lse rounded as a forward hands them on), dropout included: within their bounds,
+    with room. At unit spread the bounds are small enough to see what they are for: in fp32 below 1e-3 of the size
+    of Σ_j dS_ij's terms (2‖dO_i‖ max‖V_j‖), so a δ that far off is seen; in every dtype below 1e-3 for Σ_j AP_ij,
+    so an lse 1e-3 off is."""
     g = torch.Generator().manual_seed(seed)
     q, k, v, do = (((torch.randn(n, d, generator=g) * spread).to(dtype)) for n in (t, s, s, t))
     scale = 1 / math.sqrt(d)
@@ -75,11 +76,15 @@ def test_the_row_sums_of_ds_stay_within_their_bound_on_clean_data(t: int, s: int
     dp = (do.float() @ v.float().T) * keep.float()
     rows = (probs * (dp - delta[:, None])).sum(-1)
     rule = softmax_grad_rule(t=t, s=s, d=d, dtype=dtype, tol=Tolerance())
-    bound = softmax_grad_bound(rule, scale=scale, q_norm_V=q.float().norm(dim=-1),
-                               k_max_V=k.float().norm(dim=-1).max().expand(t), mask_live_V=torch.zeros(t), lse_V=lse,
-                               do_norm_V=do.float().norm(dim=-1), v_max_V=v.float().norm(dim=-1).max().expand(t),
-                               dropout_p=p)
+    bound, bound_p = softmax_grad_bound(rule, scale=scale, q_norm_V=q.float().norm(dim=-1),
+                                        k_max_V=k.float().norm(dim=-1).max().expand(t), mask_live_V=torch.zeros(t),
+                                        lse_V=lse, do_norm_V=do.float().norm(dim=-1),
+                                        v_max_V=v.float().norm(dim=-1).max().expand(t), dropout_p=p)
     assert bool((rows.abs().double() <= 0.5 * bound).all()), float((rows.abs().double() / bound).max())
-    if dtype == torch.float32 and spread <= 1.0:
-        terms = 2 * do.float().norm(dim=-1) * v.float().norm(dim=-1).max() / (1 - p)
-        assert bool((bound < 1e-3 * terms.double()).all()), float((bound / terms).max())
+    sums = (probs.sum(-1) - 1).abs().double()
+    assert bool((sums <= 0.5 * bound_p).all()), float((sums / bound_p).max())
+    if spread <= 1.0:
+        assert bool((bound_p < 1e-3).all()), float(bound_p.max())
+        if dtype == torch.float32:
+            terms = 2 * do.float().norm(dim=-1) * v.float().norm(dim=-1).max() / (1 - p)
+            assert bool((bound < 1e-3 * terms.double()).all()), float((bound / terms).max())

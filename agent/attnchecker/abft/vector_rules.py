@@ -11,8 +11,9 @@ included, and the truncation mean added linearly), the floors for squares below 
 read as NEAR_INF. ``product_bound`` evaluates the same formula with torch, for tests (which hold it to
 direction_bounds) and the bench (bounds at realistic sizes).
 
-``SoftmaxGradRule``: the bound on Σ_j dS_ij, which is 0 for any consistent AP, dP and δ (attention/backward/encoded.py
-derives it; the same derivation here, with dropout's 1/(1-p) and the kernel's own operand rounding).
+``SoftmaxGradRule``: the bounds on Σ_j dS_ij, which is 0 for any consistent AP, dP and δ (attention/backward/encoded.py
+derives it; the same derivation here, with dropout's 1/(1-p) and the kernel's own operand rounding), and on
+Σ_j AP_ij - 1.
 
 Legend: V vectors, C columns of a vector's B, 2 the weights (e, w).
 """
@@ -135,13 +136,15 @@ def _clamp(bound: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, slots=True)
 class SoftmaxGradRule:
-    """The bound on |Σ_j dS_ij| of dS = AP ⊙ (dP ⊙ Z - δ) (Z: dropout's keep mask scaled by 1/(1-p); ones without
-    dropout), for a row i whose scores the backward recomputes. With s_i = scale·‖q_i‖·max_j‖k_j‖ + max_j |mask_ij|
-    (the keys a mask leaves above -200), ε_i = eps_coef·s_i + lse_coef·(1 + |lse_i|) (a non-finite lse: 0),
-    ρ_i = exp(ε_i) ≥ Σ_j AP_ij of the recomputed AP, and G_i = g_coef·‖dO_i‖·max_j‖V_j‖·(1 + ρ_i)/(1-p), which bounds
-    |dP_ij Z_ij - δ_i|:
-      bound_i = slack·(G_i·((ρ_i - 1) + ρ_i·rel) + tiny·(1 + G_i))
-    extreme: ``slack`` is the paper's threshold and the rest 0."""
+    """The bounds on a recomputed attention row's two identities: |Σ_j dS_ij| of dS = AP ⊙ (dP ⊙ Z - δ) (Z:
+    dropout's keep mask scaled by 1/(1-p); ones without dropout), which is 0 for any consistent AP, dP and δ, and
+    |Σ_j AP_ij - 1|, which a recompute that agrees with the forward's lse keeps near 0. With
+    s_i = scale·‖q_i‖·max_j‖k_j‖ + max_j |mask_ij| (the keys a mask leaves above -200),
+    ε_i = eps_coef·s_i + lse_coef·(1 + |lse_i|) (a non-finite lse: 0), ρ_i = exp(ε_i) ≥ Σ_j AP_ij of the recomputed AP,
+    and G_i = g_coef·‖dO_i‖·max_j‖V_j‖·(1 + ρ_i)/(1-p), which bounds |dP_ij Z_ij - δ_i|:
+      Σ_j dS_ij:   slack·(G_i·((ρ_i - 1) + ρ_i·rel) + tiny·(1 + G_i))
+      Σ_j AP_ij:   slack·((ρ_i - 1) + ρ_i·rel_p)
+    extreme: ``slack`` is the paper's threshold for both, the rest 0."""
 
     eps_coef: float
     lse_coef: float
@@ -150,24 +153,29 @@ class SoftmaxGradRule:
     slack: float
     tiny: float
     extreme: bool
+    rel_p: float
 
     def scalars(self) -> tuple[float, ...]:
-        """The kernel's order: (eps_coef, lse_coef, g_coef, rel, slack, tiny, extreme)."""
-        return (self.eps_coef, self.lse_coef, self.g_coef, self.rel, self.slack, self.tiny, float(self.extreme))
+        """The kernel's order: (eps_coef, lse_coef, g_coef, rel, slack, tiny, extreme, rel_p)."""
+        return (self.eps_coef, self.lse_coef, self.g_coef, self.rel, self.slack, self.tiny, float(self.extreme),
+                self.rel_p)
 
 
 def softmax_grad_rule(*, t: int, s: int, d: int, dtype: torch.dtype, tol: Tolerance, u_fwd: float = 0.0,
-                      u_kernel: float = 0.0) -> SoftmaxGradRule:
-    """dtype: the inputs' (the forward rounded its output, and, for bf16, perhaps its scores, to it); u_fwd: the
-    forward's fp32 operand rounding (TF32); u_kernel: this backward's own (its scores and dP under TF32). The terms
-    are encoded.py's (``_encode`` and ``_ratios``): the scores' difference between the forward and this recompute
-    (its rounding and order, the lse's own roundings), |dP - δ| ≤ ‖dO‖ (‖V_j‖ + ‖O_i‖), and the accumulation of the
-    row sum; plus Z ≤ 1/(1-p), and the kernel's TF32 rounding of S and dP."""
+                      u_kernel: float = 0.0, scores_dtype: torch.dtype | None = None) -> SoftmaxGradRule:
+    """dtype: the inputs' (the forward rounded its output to it); scores_dtype: the dtype the forward rounded its
+    scores to before the softmax (the PyTorch tile loop's half-precision products), None where it kept them in fp32
+    accumulators (a fused kernel: FlashAttention, the Triton forward); u_fwd: the forward's fp32 operand rounding
+    (TF32); u_kernel: this backward's own (its scores and dP under TF32). The terms are encoded.py's (``_encode`` and
+    ``_ratios``): the scores' difference between the forward and this recompute (its rounding and order, the lse's
+    own roundings), |dP - δ| ≤ ‖dO‖ (‖V_j‖ + ‖O_i‖), and the accumulation of the row sum; plus Z ≤ 1/(1-p), and the
+    kernel's TF32 rounding of S and dP. Σ_j AP_ij reads no output of the forward but its lse: its relative term
+    is the accumulation and the exponentials' rounding only."""
     if tol.mode == "extreme":
-        return SoftmaxGradRule(0.0, 0.0, 0.0, 0.0, tol.extreme_threshold * tol.factor, 0.0, True)
+        return SoftmaxGradRule(0.0, 0.0, 0.0, 0.0, tol.extreme_threshold * tol.factor, 0.0, True, 0.0)
     u_in = torch.finfo(dtype).eps / 2
     u_acc = torch.finfo(_F32).eps / 2
-    u_s = 3 * u_in if dtype == torch.bfloat16 else 3 * u_acc + 2 * u_fwd
+    u_s = 3 * torch.finfo(scores_dtype).eps / 2 if scores_dtype is not None else 3 * u_acc + 2 * u_fwd
     n = s + t + d + 8
     accumulation = 2 * gamma(n, _F32)
     if tol.calibrated:
@@ -176,16 +184,17 @@ def softmax_grad_rule(*, t: int, s: int, d: int, dtype: torch.dtype, tol: Tolera
         eps_coef=u_s + 2 * u_kernel + 2 * gamma(d, _F32), lse_coef=8 * u_acc,
         g_coef=1 + 2 * u_in + gamma(s + 8, _F32),
         rel=accumulation + 3 * u_in + 2 * u_acc + 2 * u_fwd + 2 * u_kernel,
-        slack=2.0 * tol.factor, tiny=torch.finfo(dtype).tiny * n, extreme=False)
+        slack=2.0 * tol.factor, tiny=torch.finfo(dtype).tiny * n, extreme=False, rel_p=accumulation + 4 * u_acc)
 
 
 def softmax_grad_bound(rule: SoftmaxGradRule, *, scale: float, q_norm_V: torch.Tensor, k_max_V: torch.Tensor,
                        mask_live_V: torch.Tensor, lse_V: torch.Tensor, do_norm_V: torch.Tensor, v_max_V: torch.Tensor,
-                       dropout_p: float = 0.0) -> torch.Tensor:
-    """The rule per row with torch, float64 (the kernel's formula): k_max, v_max, mask_live over the keys the row
-    reads."""
+                       dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bound on |Σ_j dS_ij|, bound on |Σ_j AP_ij - 1|) per row with torch, float64 (the kernel's formula): k_max,
+    v_max, mask_live over the keys the row reads."""
     if rule.extreme:
-        return torch.full_like(q_norm_V, rule.slack, dtype=torch.float64)
+        full = torch.full_like(q_norm_V, rule.slack, dtype=torch.float64)
+        return full, full
     f64 = torch.float64
     lse = lse_V.to(f64)
     lse_abs = torch.where(torch.isfinite(lse), lse.abs(), 0.0)
@@ -193,4 +202,5 @@ def softmax_grad_bound(rule: SoftmaxGradRule, *, scale: float, q_norm_V: torch.T
         1 + lse_abs)
     rho = eps.exp()
     g = rule.g_coef * do_norm_V.to(f64) * v_max_V.to(f64) * (1 + rho) / (1 - dropout_p)
-    return rule.slack * (g * ((rho - 1) + rho * rule.rel) + rule.tiny * (1 + g))
+    return (rule.slack * (g * ((rho - 1) + rho * rule.rel) + rule.tiny * (1 + g)),
+            rule.slack * ((rho - 1) + rho * rule.rel_p))

@@ -49,7 +49,7 @@ from .triton_common import device_function, interpreting, triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["CHECKS", "FIELDS", "OPS", "KernelFault", "Launch", "Rules", "available", "default_block",
+__all__ = ["CHECKS", "FIELDS", "OPS", "KernelFault", "Launch", "Rules", "available", "bench_checks", "default_block",
            "interpreting", "not_supported_reasons", "run"]
 
 OPS: tuple[str, ...] = ("scores_bwd", "grad_probs", "grad_v", "grad_k", "grad_q")
@@ -250,7 +250,7 @@ def run(
     fault_rows = [f.row_values() for f in faults or ()]
     # Emulated faults only: a test's table, copied once (a tiny synchronous copy; never on a training call).
     table = torch.tensor(fault_rows, dtype=torch.float32, device=device) if fault_rows else dq
-    r = rules if rules is not None else Rules((0.0,) * 12, (0.0,) * 12, (0.0,) * 12, (0.0,) * 7)
+    r = rules if rules is not None else Rules((0.0,) * 12, (0.0,) * 12, (0.0,) * 12, (0.0,) * 8)
     common: dict[str, Any] = {
         "BLOCK_M": blk, "BLOCK_N": blk, "BLOCK_D": block_d, "CAUSAL": is_causal, "WINDOW": window is not None,
         "MASK_KIND": mask_kind, "DROPOUT": dropout_p > 0.0, "CHECK": mode, "FAULTS_ON": bool(fault_rows),
@@ -623,7 +623,7 @@ if triton is not None:
             ratio = tl.abs(ds_sum) / tl.maximum(bound, 1e-30)
             ratio = tl.where(ratio == ratio, ratio, float("inf"))
             worst_p = _keep_worst(worst_p, ratio, rows, ds_sum, bound, row_in, hh, 0, SUMMARY, slot + 1, write, True)
-            bound = tl.where(R_SM[6] > 0, R_SM[4], R_SM[4] * ((rho - 1.0) + rho * R_SM[3]))
+            bound = tl.where(R_SM[6] > 0, R_SM[4], R_SM[4] * ((rho - 1.0) + rho * R_SM[7]))
             ratio = tl.abs(p_sum - 1.0) / bound
             ratio = tl.where(ratio == ratio, ratio, float("inf"))
             # A row with every key masked (lse +INF) has no AP to sum.
@@ -792,3 +792,45 @@ if triton is not None:
         tl.store(DV + at, dv.to(DV.dtype.element_ty), mask=kv_io)
         if CHECK > 0:
             _store_status(STATUS, pid, flags, bad_in, REPAIR)
+
+
+def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = True, reps: int = 20,
+                 dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The cost of the checks inside the kernels (bench/gpu_suite.py): one backward with check "off", "tripwire"
+    and "abft" (with its repair launch, which returns at once on clean data), interleaved over ``reps`` rounds,
+    milliseconds per call (device-synchronised: a benchmark, not the fast path) and each variant over "off"."""
+    import statistics
+    import time
+
+    from ..abft.tolerance import Tolerance
+    from ..abft.vector_rules import product_rule, softmax_grad_rule
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, do = (torch.randn(b, h, t, d, generator=g, device=device).to(dtype) for _ in range(4))
+    scale = 1 / math.sqrt(d)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    # The row log-sum-exp a forward hands on, made a block of rows at a time (T×S at once is GBs at T = 8192).
+    lse = torch.empty(b, h, t, device=device, dtype=torch.float32)
+    for r0 in range(0, t, 512):
+        z = (q[..., r0:r0 + 512, :].float() @ k.float().mT) * scale
+        if causal:
+            z = z.masked_fill(torch.ones(z.shape[-2:], dtype=torch.bool, device=device).triu(r0 + 1), -math.inf)
+        lse[..., r0:r0 + 512] = torch.logsumexp(z, -1)
+    tol, blk = Tolerance(), default_block()
+    rules = Rules(product_rule(blk, d, tol).scalars(), product_rule(d, t, tol).scalars(),
+                  product_rule(d, t, tol).scalars(), softmax_grad_rule(t=t, s=t, d=d, dtype=dtype, tol=tol).scalars())
+    # (SDPA's forward keeps its scores in fp32: scores_dtype None.)
+    sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
+    times: dict[str, list[float]] = {c: [] for c in CHECKS}
+    for r in range(reps + 1):
+        for c in CHECKS[r % 3:] + CHECKS[:r % 3]:
+            sync()
+            t0 = time.perf_counter()
+            run(q, k, v, out, lse, do, scale=scale, is_causal=causal, window=None, attn_mask=None, dropout_p=0.0,
+                seed=0, check=c, rules=rules if c == "abft" else None)
+            sync()
+            if r:  # the first round compiles
+                times[c].append((time.perf_counter() - t0) * 1e3)
+    off = statistics.median(times["off"])
+    return {f"{c}_ms": statistics.median(times[c]) for c in CHECKS} | {
+        f"{c}_over_off": statistics.median(times[c]) / off for c in CHECKS if c != "off"}

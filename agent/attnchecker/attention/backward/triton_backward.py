@@ -115,13 +115,16 @@ def backward(
     check: str,
     faults: list[KernelFault] | None = None,
     ctx: LayerContext | None,
+    scores_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (B, H, T, D), dk, dv (B, HK, S, D), dk and dv summed over each KV head's query heads) of
     softmax(scale·QKᵀ + mask)·V with dropout (kernels/triton_dropout.py's mask for ``seed``), at the forward's
     verified out and lse (fp32, +INF on rows with every key masked). check: "abft", "tripwire" or "off"
     (``check_mode`` picks it from the step's policy); the policy's mode "off" turns it off, "detect" launches no
     repair. faults: emulated faults (tests; None: those of ``emulated_faults``). ctx: where the records go (None:
-    check "off" only). Window, mask and causal: kernels.run. No host-device sync."""
+    check "off" only). scores_dtype: the dtype the forward rounded its scores to (the PyTorch tile loop's
+    half-precision products), None where it kept them in fp32 (a fused kernel): the row-sum identities' bounds
+    (abft.vector_rules.softmax_grad_rule). Window, mask and causal: kernels.run. No host-device sync."""
     if check not in kernels.CHECKS:
         raise ValueError(f"check must be one of {kernels.CHECKS}, got {check!r}")
     if ctx is None or ctx.config.mode == "off":
@@ -136,7 +139,7 @@ def backward(
         # The forward's fp32 products rounded their operands too, under the same flags (its scores and output).
         u_fwd = fp32_matmul_operand_roundoff(q_BHTD.device) if q_BHTD.dtype == torch.float32 else None
         rules = _rules(kernels.default_block(), t, k_BHSD.shape[-2], d, h // k_BHSD.shape[1], q_BHTD.dtype,
-                       _tolerance(ctx), tf32, u_fwd or 0.0)
+                       _tolerance(ctx), tf32, u_fwd or 0.0, scores_dtype)
     repair = ctx is not None and ctx.config.mode == "correct"
     dq, dk, dv, launch = kernels.run(
         q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, dout_BHTD, scale=scale, is_causal=is_causal, window=window,
@@ -161,7 +164,7 @@ TRIP_OPS: tuple[str, ...] = ("grad_v", "grad_k", "grad_q")
 
 @functools.lru_cache(maxsize=64)
 def _rules(block: int, t: int, s: int, d: int, group: int, dtype: torch.dtype, tol: Tolerance, tf32: bool,
-           u_fwd: float) -> kernels.Rules:
+           u_fwd: float, scores_dtype: torch.dtype | None) -> kernels.Rules:
     """The bounds' scalars of one call shape (abft.vector_rules): the tiles' S and dP (vectors ``block`` long over D
     products), dV and dK (D long over the group's G·T rows), dQ (D long over S keys), Σ_j dS_ij."""
     r = TF32_OPERAND_ROUNDOFF if tf32 else None
@@ -169,7 +172,8 @@ def _rules(block: int, t: int, s: int, d: int, group: int, dtype: torch.dtype, t
         tile=product_rule(block, d, tol, operand_roundoff=r).scalars(),
         keys=product_rule(d, t * group, tol, operand_roundoff=r).scalars(),
         queries=product_rule(d, s, tol, operand_roundoff=r).scalars(),
-        softmax=softmax_grad_rule(t=t, s=s, d=d, dtype=dtype, tol=tol, u_fwd=u_fwd, u_kernel=r or 0.0).scalars())
+        softmax=softmax_grad_rule(t=t, s=s, d=d, dtype=dtype, tol=tol, u_fwd=u_fwd, u_kernel=r or 0.0,
+                                  scores_dtype=scores_dtype).scalars())
 
 
 @functools.lru_cache(maxsize=8)
