@@ -15,6 +15,8 @@ Sections, in order (each records its own wall time; one that would pass the budg
    forward and backward and the attention backward too). Each row says which attention backend ran.
 3. kernel: the Triton checked-attention forward with its checks against the same kernel with checks off (the cost of
    the checks inside the kernel), where the Triton backend is installed.
+   backward_kernel: the same for the Triton backward (kernels/triton_attention_bwd.py): check "abft" (its repair
+   launch included) and "tripwire" against "off".
 4. coverage: the share of a step's GEMM FLOPs each scope checks (torch.utils.flop_counter over one unprotected
    step: the attention core's products against the projections', the MLP's and the LM head's).
 
@@ -216,13 +218,31 @@ def kernel_section(args: argparse.Namespace, device: str) -> dict[str, Any]:
         return {"skipped": "kernels/triton_attention.py has no bench_checks(...) to time with and without checks"}
     if not triton_attention.available():
         return {"skipped": "Triton cannot run here (no triton, or no CUDA device and no TRITON_INTERPRET=1)"}
-    shapes = ([(1, 2, 64, 16)] if args.dry_run else
-              [(1, 12, 2048, 64), (1, 12, 8192, 64), (1, 32, 2048, 128), (1, 32, 8192, 128)])
     out = []
-    for b, h, t, d in shapes:
+    for b, h, t, d in _kernel_shapes(args):
         got = bench(b=b, h=h, t=t, d=d, device=device, causal=True, reps=1 if args.dry_run else 20)
         out.append({"shape": [b, h, t, d], **got})
         print(f"kernel B={b} H={h} T={t} D={d}: {got}")
+    return {"rows": out}
+
+
+def _kernel_shapes(args: argparse.Namespace) -> list[tuple[int, int, int, int]]:
+    return ([(1, 2, 64, 16)] if args.dry_run else
+            [(1, 12, 2048, 64), (1, 12, 8192, 64), (1, 32, 2048, 128), (1, 32, 8192, 128)])
+
+
+def backward_kernel_section(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """The Triton checked-attention backward (kernels/triton_attention_bwd.py) with check "abft" (and its repair
+    launch) and "tripwire" against the same kernels with checks off, bf16, causal, per shape."""
+    from attnchecker.kernels import triton_attention_bwd
+
+    if not triton_attention_bwd.available():
+        return {"skipped": "Triton cannot run here (no triton, or no CUDA device and no TRITON_INTERPRET=1)"}
+    out = []
+    for b, h, t, d in _kernel_shapes(args):
+        got = triton_attention_bwd.bench_checks(b=b, h=h, t=t, d=d, device=device, reps=1 if args.dry_run else 10)
+        out.append({"shape": [b, h, t, d], **got})
+        print(f"backward kernel B={b} H={h} T={t} D={d}: {got}")
     return {"rows": out}
 
 
@@ -301,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         ("tests", lambda: {"skipped": "--skip-tests"} if args.skip_tests else tests_section(args.budget_s / 4)),
         ("steps", lambda: steps_section(args, device, deadline)),
         ("kernel", lambda: kernel_section(args, device)),
+        ("backward_kernel", lambda: backward_kernel_section(args, device)),
         ("coverage", lambda: coverage_section(args, device)),
     ]
     for name, run in sections:
