@@ -133,6 +133,18 @@ def test_clean_gradients_equal_autograds_through_the_math_and_nothing_flags(
     assert close(got, a, REL[dtype])
 
 
+def test_a_seed_on_the_device_draws_the_same_dropout_mask(make_ctx: Any) -> None:
+    """The forward keeps its dropout seed on the device (no copy to the host): the kernels read it there, and draw the
+    mask an int seed draws."""
+    a = make(torch.float32, t=24, s=24, d=16, mask="none", p=0.2)
+    ctx, _ = make_ctx()
+    want = backward(a, ctx)
+    a["how"] = {**a["how"], "seed": torch.tensor([a["how"]["seed"]], dtype=torch.int64)}
+    got = backward(a, ctx)
+    assert all(torch.equal(x, y) for x, y in zip(got, want, strict=True))
+    assert close(got, a, REL[torch.float32])
+
+
 @pytest.fixture(scope="module")
 def faulty_call() -> dict[str, Any]:
     """GQA (2 query heads on 1 KV head), causal, T = S = 32: its clean gradients, and each product's RMS (a finite

@@ -60,14 +60,14 @@ when ``column`` is 1), d1 = checksum - reference (abft: the error as the checksu
 CHECKS: tuple[str, ...] = ("off", "tripwire", "abft")
 FAULT_KINDS: tuple[str, ...] = ("value", "add", "bitflip")
 _SIDES = ("keys", "queries")
-BLOCK = 64
-"""Rows and keys per tile on a GPU (FlashAttention-2's backward takes 64-128 at D ≤ 128)."""
-BLOCK_INTERPRETED = 32
-"""Under the interpreter, which runs one program at a time in numpy: its cost is per op, so fewer, larger tiles."""
+BLOCK = 32
+"""Rows and keys per tile, on a GPU and under the interpreter. NUM_WARPS = 8 warps per program on a GPU. Chosen
+from the compiler, not from timing (no GPU has run these kernels): ptxas for sm_90 (bench/triton_kernels.py,
+docs/perf/triton_backward_kernels.json; bf16, causal) has the checked kernels spilling 36-344 bytes per thread at
+32×32 tiles and 8 warps, D = 64 and 128, against 1.3-4.7 KB at 64×64 (8 warps) and up to 17.7 KB at 64×64 (4
+warps); the unchecked ones 0-32 bytes at 32 and 0-72 at 64. bench/gpu_suite.py's backward_kernel section is what
+should settle it."""
 NUM_WARPS = 8
-"""Warps per program on a GPU. Not measured (no GPU run yet): ptxas for sm_90 (bench/triton_kernels.py) reports the
-checked kernels at 64×64 tiles, D = 64, bf16 spilling ~4.9 KB (key pass) at 4 warps and ~3.3 KB at 8, the plain ones
-none; what to tune first on a GPU."""
 MAX_HEAD_DIM = 256
 
 
@@ -77,8 +77,8 @@ def available() -> bool:
 
 
 def default_block() -> int:
-    """The tile size ``run`` takes by default here."""
-    return BLOCK_INTERPRETED if interpreting() else BLOCK
+    """The tile size ``run`` takes by default (the rules' tile vectors are this long)."""
+    return BLOCK
 
 
 def not_supported_reasons(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
@@ -206,7 +206,7 @@ def run(
     window: int | None,
     attn_mask: torch.Tensor | None,
     dropout_p: float,
-    seed: int,
+    seed: int | torch.Tensor,
     check: str,
     rules: Rules | None,
     faults: list[KernelFault] | None = None,
@@ -217,9 +217,10 @@ def run(
     """(dq (B, H, T, D), dk, dv (B, HK, S, D) summed over each KV head's query heads, and what the checks found, None
     for check "off"). window: keys more than window - 1 before a query are masked (GPT-Neo's local attention: key j
     is seen by query i when 0 <= i - j < window with is_causal); None for none. attn_mask: bool (True = attend) or
-    additive, broadcastable to (B, H, T, S); causal is top-left aligned, as SDPA's. rules: for check "abft" (and
+    additive, broadcastable to (B, H, T, S); causal is top-left aligned, as SDPA's. seed: dropout's, an int or a (1,)
+    int64 tensor on the device (the forward's, read in the kernels: no copy to the host). rules: for check "abft" (and
     "tripwire", which ignores them). repair: launch the recompute of flagged programs. tf32: fp32 products with TF32
-    operands (the rules must say so). block: tile size (default BLOCK, or BLOCK_INTERPRETED under the interpreter).
+    operands (the rules must say so). block: tile size (default BLOCK).
     Launches 3 kernels, 5 with repair; no host-device sync."""
     if triton is None:
         raise RuntimeError("the Triton attention backward needs triton (pip install triton)")
@@ -256,17 +257,21 @@ def run(
         "MASK_KIND": mask_kind, "DROPOUT": dropout_p > 0.0, "CHECK": mode, "FAULTS_ON": bool(fault_rows),
         "INTERPRET": interp, "PRECISION": "tf32" if tf32 and q_BHTD.dtype == torch.float32 else "ieee"}
     inputs = (q_BHTD, k_BHSD, v_BHSD, dout_BHTD, lse_BHT, delta_BHT, mask if mask is not None else dq)
+    on_device = isinstance(seed, torch.Tensor)
+    common["SEED_ON_DEVICE"] = on_device
     sizes = (*_strides(q_BHTD), *_strides(k_BHSD), *_strides(v_BHSD), *_strides(dout_BHTD), *_strides(lse_BHT),
-             *mask_strides, h, hk, t, s, d, scale, window or 0, dropout_p, seed, len(fault_rows))
+             *mask_strides, h, hk, t, s, d, scale, window or 0, dropout_p, 0 if on_device else seed, len(fault_rows))
     repaired = None
     for attempt in (0, 1) if mode and repair else (0,):
         # The repair: the same launches, whose programs read their first run's status and return when it is 0.
         if attempt:
             repaired = torch.empty_like(status)
         written = repaired if attempt else status
-        _query_pass[(n_qb, b * h)](*inputs, dq, written, summary, table, *sizes, p_keys, r.tile, r.queries,
+        _query_pass[(n_qb, b * h)](*inputs, dq, written, summary, table, seed if on_device else dq, *sizes, p_keys,
+                                   r.tile, r.queries,
                                    r.softmax, FIRST=status, REPAIR=bool(attempt), num_warps=NUM_WARPS, **common)
-        _key_pass[(n_kb, b * hk)](*inputs, dk, dv, written, summary, table, *sizes, 0, r.tile, r.keys,
+        _key_pass[(n_kb, b * hk)](*inputs, dk, dv, written, summary, table, seed if on_device else dq, *sizes, 0,
+                                  r.tile, r.keys,
                                   FIRST=status, REPAIR=bool(attempt), num_warps=NUM_WARPS, **common)
     if not mode:
         return dq, dk, dv, None
@@ -486,14 +491,14 @@ if triton is not None:
         return p, zs, live
 
     @triton.jit
-    def _query_pass(Q, K, V, DO, LSE, DELTA, MASK, DQ, STATUS, SUMMARY, FAULTS,
+    def _query_pass(Q, K, V, DO, LSE, DELTA, MASK, DQ, STATUS, SUMMARY, FAULTS, SEED,
                     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                     sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t, sm_b, sm_h, sm_t, sm_s,
                     H, HK, T, S, D, scale, window, p_drop, seed, n_faults, P0, R_TILE, R_Q, R_SM, FIRST,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                     WINDOW: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, CHECK: tl.constexpr,
                     FAULTS_ON: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-                    REPAIR: tl.constexpr):
+                    REPAIR: tl.constexpr, SEED_ON_DEVICE: tl.constexpr):
         """dQ of one query block of one head (module doc), with its checks."""
         n = tl.program_id(1)
         bb, hh = n // H, n % H
@@ -503,6 +508,8 @@ if triton is not None:
             if tl.load(FIRST + pid) == 0:
                 tl.store(STATUS + pid, 0)
                 return
+        if SEED_ON_DEVICE:
+            seed = tl.load(SEED)
         start_m = tl.program_id(0) * BLOCK_M
         rows = start_m + tl.arange(0, BLOCK_M)
         feats = tl.arange(0, BLOCK_D)
@@ -640,14 +647,14 @@ if triton is not None:
             _store_status(STATUS, pid, flags, bad_in, REPAIR)
 
     @triton.jit
-    def _key_pass(Q, K, V, DO, LSE, DELTA, MASK, DK, DV, STATUS, SUMMARY, FAULTS,
+    def _key_pass(Q, K, V, DO, LSE, DELTA, MASK, DK, DV, STATUS, SUMMARY, FAULTS, SEED,
                   sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                   sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t, sm_b, sm_h, sm_t, sm_s,
                   H, HK, T, S, D, scale, window, p_drop, seed, n_faults, P0, R_TILE, R_KV, FIRST,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                   WINDOW: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, CHECK: tl.constexpr,
                   FAULTS_ON: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-                  REPAIR: tl.constexpr):
+                  REPAIR: tl.constexpr, SEED_ON_DEVICE: tl.constexpr):
         """dK and dV of one key block of one KV head, over every query head of its group (module doc), with its
         checks."""
         nk = tl.program_id(1)
@@ -658,6 +665,8 @@ if triton is not None:
             if tl.load(FIRST + pid) == 0:
                 tl.store(STATUS + pid, 0)
                 return
+        if SEED_ON_DEVICE:
+            seed = tl.load(SEED)
         start_n = tl.program_id(0) * BLOCK_N
         keys = start_n + tl.arange(0, BLOCK_N)
         feats = tl.arange(0, BLOCK_D)

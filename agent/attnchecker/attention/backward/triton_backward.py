@@ -111,14 +111,15 @@ def backward(
     window: int | None = None,
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
-    seed: int = 0,
+    seed: int | torch.Tensor = 0,
     check: str,
     faults: list[KernelFault] | None = None,
     ctx: LayerContext | None,
     scores_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (B, H, T, D), dk, dv (B, HK, S, D), dk and dv summed over each KV head's query heads) of
-    softmax(scale·QKᵀ + mask)·V with dropout (kernels/triton_dropout.py's mask for ``seed``), at the forward's
+    softmax(scale·QKᵀ + mask)·V with dropout (kernels/triton_dropout.py's mask for ``seed``, an int or the forward's
+    (1,) int64 device tensor), at the forward's
     verified out and lse (fp32, +INF on rows with every key masked). check: "abft", "tripwire" or "off"
     (``check_mode`` picks it from the step's policy); the policy's mode "off" turns it off, "detect" launches no
     repair. faults: emulated faults (tests; None: those of ``emulated_faults``). ctx: where the records go (None:
