@@ -1,0 +1,106 @@
+"""The Triton attention backward's kernels compiled for a GPU without one: Triton's compiler down to a cubin for sm_90
+(H100/H200), and its bundled ptxas for each kernel's registers per thread, spills and shared memory. What a first GPU
+run should look at before it times anything: a kernel that spills to local memory is slow whatever its checks cost.
+
+Variants: the query pass and the key pass, bf16, causal, head dim 64 and 128, check off / tripwire / abft, at the
+tile size and warps kernels/triton_attention_bwd.py launches with (BLOCK, NUM_WARPS), and at 64×64 tiles with 8 and
+4 warps for comparison. Needs triton, not a GPU; TRITON_INTERPRET must be unset.
+
+    python bench/triton_kernels.py [--out docs/perf/triton_backward_kernels.json]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
+
+_common.setup_path()
+
+os.environ.pop("TRITON_INTERPRET", None)
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from attnchecker.kernels import triton_attention_bwd as kernels
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _signature(fn: Any, dtype: str) -> dict[str, Any]:
+    pointers = {"Q": dtype, "K": dtype, "V": dtype, "DO": dtype, "DQ": dtype, "DK": dtype, "DV": dtype,
+                "LSE": "fp32", "DELTA": "fp32", "SUMMARY": "fp32", "FAULTS": "fp32", "MASK": "fp32", "STATUS": "i32",
+                "FIRST": "i32", "SEED": "i64"}
+    sig: dict[str, Any] = {}
+    for name in fn.arg_names:
+        if name in pointers:
+            sig[name] = "*" + pointers[name]
+        elif name in ("scale", "p_drop"):
+            sig[name] = "fp32"
+        elif name in ("R_TILE", "R_Q", "R_KV"):
+            sig[name] = ("fp32",) * 12
+        elif name == "R_SM":
+            sig[name] = ("fp32",) * 8
+        elif name == "seed":
+            sig[name] = "i64"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int) -> dict[str, Any]:
+    const = {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": d, "CAUSAL": True, "WINDOW": False, "MASK_KIND": 0,
+             "DROPOUT": False, "CHECK": check, "FAULTS_ON": False, "INTERPRET": False, "PRECISION": "ieee",
+             "REPAIR": False, "SEED_ON_DEVICE": False}
+    sig = {k: v for k, v in _signature(fn, "bf16").items() if k not in const}
+    sig.update(dict.fromkeys(const, "constexpr"))
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=TARGET,
+                              options={"num_warps": warps})
+    ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas*"))
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    report = subprocess.run([ptxas[0], "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                            text=True, check=True).stderr
+    os.unlink(f.name)
+    regs = re.findall(r"Used (\d+) registers", report)
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    return {"registers": int(regs[-1]), "spill_store_bytes": int(spills[-1]) if spills else 0,
+            "shared_bytes": int(compiled.metadata.shared)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if kernels.interpreting():
+        raise SystemExit("TRITON_INTERPRET was set when the kernels were built: unset it")
+    rows = []
+    configs = [(kernels.BLOCK, kernels.NUM_WARPS), (64, 8), (64, 4)]
+    for fn in (kernels._query_pass, kernels._key_pass):
+        for d in (64, 128):
+            for block, warps in configs:
+                for check, name in enumerate(kernels.CHECKS):
+                    got = compile_one(fn, d=d, check=check, block=block, warps=warps)
+                    rows.append({"kernel": fn.__name__.strip("_"), "head_dim": d, "block": block, "warps": warps,
+                                 "check": name, **got})
+                    print(rows[-1], flush=True)
+    print(_common.table([[r["kernel"], r["head_dim"], r["block"], r["warps"], r["check"], r["registers"],
+                          r["spill_store_bytes"], r["shared_bytes"]] for r in rows],
+                        ["kernel", "D", "block", "warps", "check", "registers", "spill B", "shared B"]))
+    path = _common.write_result("triton_backward_kernels", {"target": "sm_90", "dtype": "bf16", "causal": True,
+                                                            "triton": triton.__version__, "rows": rows}, args.out)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
