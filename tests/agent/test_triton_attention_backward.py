@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.overrides import TorchFunctionMode
+from sync_counter import SyncCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from attnchecker.attention.backward import triton_backward
@@ -324,59 +324,27 @@ def launches() -> Iterator[_Count]:
 @pytest.mark.skipif(not kernels.interpreting(), reason="counts launches through the interpreter")
 def test_a_checked_backward_makes_the_same_few_launches_at_any_length(make_ctx: Any) -> None:
     """5 Triton launches (δ, query pass, key pass, and their repair, whose programs return at once when clean) and a
-    fixed number of small aten ops for the deferred records and the margin histogram (27 here), at T = 32 and T = 64 (1 and 2
-    blocks of queries and of keys, 2 and 8 tiles): nothing runs per tile or per block on the host."""
+    fixed number of small aten ops for the deferred records (7 here; the margin histogram is updated at the step
+    boundary), at T = 32 and T = 64 (1 and 2 blocks of queries and of keys, 2 and 8 tiles): nothing runs per tile
+    or per block on the host."""
     counts = []
-    for t in (32, 32, 64):  # the first call also fills per-device caches (the status word's bits, histogram edges)
+    for t in (32, 32, 64):  # the first call also fills a per-device cache (the status word's bits)
         a = make(torch.float32, t=t, s=t, d=16, h=2, hk=1)
         ctx, _ = make_ctx()
         with launches() as count:
             backward(a, ctx)
         counts.append((count.triton, count.aten))
     assert counts[1] == counts[2], counts
-    assert counts[1][0] == 5 and counts[1][1] <= 30, counts
+    assert counts[1][0] == 5 and counts[1][1] <= 10, counts
 
 
-class _Syncs(TorchFunctionMode):
-    """Calls that make the host wait for the device (a value read back), outside the kernels' launches."""
-
-    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "nonzero")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        name = getattr(func, "__name__", "")
-        if name in self.NAMES and not _inside[0]:
-            self.seen.append(name)
-        return func(*args, **(kwargs or {}))
-
-
-_inside = [False]
-
-
-def test_the_checked_backward_never_waits_for_the_device(make_ctx: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_checked_backward_never_waits_for_the_device(make_ctx: Any) -> None:
     """No host-device sync from the call to its return (flags, summaries and the repair's outcome stay on the device);
     the records are read at the step boundary, in one sync (checks/deferred.py). A fault changes nothing here: the
     repair is launched either way."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    run = InterpretedFunction.run
-
-    def quiet(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _inside[0] = True
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            _inside[0] = False
-
-    if kernels.interpreting():
-        monkeypatch.setattr(InterpretedFunction, "run", quiet)
     a = make(torch.bfloat16, t=24, s=24, d=16, mask="padding", p=0.1)
     for faults in ([], [KernelFault(op="grad_q", n=0, row=3, col=2, side="queries")]):
         ctx, _ = make_ctx()
-        spy = _Syncs()
-        with spy:
+        with SyncCounter() as syncs:
             backward(a, ctx, faults=faults or None)
-        assert spy.seen == [], spy.seen
+        assert syncs.calls == [], syncs.calls

@@ -26,7 +26,7 @@ from ...checks.caches import engine_caches
 from ...checks.context import LayerContext, Runtime
 from ...checks.deferred import defer
 from ...checks.product import _tolerance
-from ...checks.records import _count, _count_trips, _record_ratio
+from ...checks.records import _count, _count_trips
 from ...gemm.schedule import whole_step_due, whole_step_trips
 from ...kernels import triton_attention_bwd as kernels
 from ...matmul_precision import current_fp32_precision, fp32_matmul_operand_roundoff
@@ -187,18 +187,21 @@ engine_caches.register(_op_bits)
 
 
 def _defer(ctx: LayerContext, launch: kernels.Launch, check: str) -> None:
-    """One deferred record per op (flagged: some program's bit, on the device), and the clean ratios' histogram."""
+    """One deferred record per op: flagged (some program's bit, on the device), and for check "abft" the worst ratio
+    of the vectors that passed (a flagged one is reported, not a margin), which the step boundary adds to the
+    histogram."""
     flags_PO = (launch.status_P[:, None] >> _op_bits(launch.status_P.device)) & 1
     flagged_O = flags_PO.amax(0)
+    worst_O = None
+    if check == "abft":
+        ratio_PO = launch.summary_PO6[..., 0]
+        worst_O = torch.where(ratio_PO <= 1.0, ratio_PO, 0.0).amax(0)
     tier = "abft" if check == "abft" else "tripwire"
     for o, op in enumerate(kernels.OPS):
         if check == "tripwire" and op not in TRIP_OPS:
             continue
-        defer(ctx, op, flagged_O[o], functools.partial(_reports, launch, o, check), tier=tier)
-    if check == "abft" and ctx.runtime.stats is not None:
-        ratio_PO = launch.summary_PO6[..., 0]
-        # The worst ratio of the vectors that passed, per op (a flagged one is reported, not a margin).
-        _record_ratio(ctx, torch.where(ratio_PO <= 1.0, ratio_PO, 0.0).amax(0), list(kernels.OPS))
+        defer(ctx, op, flagged_O[o], functools.partial(_reports, launch, o, check), tier=tier,
+              ratio=None if worst_O is None else worst_O[o])
 
 
 def _reports(launch: kernels.Launch, o: int, check: str) -> list[MatrixReport]:
