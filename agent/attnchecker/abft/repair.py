@@ -15,7 +15,7 @@ import torch
 from .checksum import DirectionCheck, acc_dtype, checksum_weights, checksums_of, spread, vector_sum, verify_direction
 from .tolerance import Tolerance
 
-__all__ = ["MatrixReport", "locate_and_fix", "repair"]
+__all__ = ["MatrixReport", "locate_and_fix", "pattern_of", "repair"]
 
 # |d2/d1 - round(d2/d1)| above this: the vector holds more than one error (its weighted mean position is not an
 # index), so it is left to the other direction instead of "fixing" a wrong element.
@@ -105,12 +105,20 @@ def _fix_pass(
     vecs_MVn[m_P[keep], across_P[keep], along_P[keep]] = new_P[keep]
 
 
+def pattern_of(n_rows: int, n_cols: int) -> str:
+    """A fault's pattern from how many rows and columns it touches: 0d one row and one column (or fewer); 1d one row
+    (or column) across several of the other; 2d a block."""
+    if n_rows >= 2 and n_cols >= 2:
+        return "2d"
+    return "0d" if n_rows <= 1 and n_cols <= 1 else "1d"
+
+
 def _classify(rows: list[int], cols: list[int]) -> tuple[str, int | None, int | None]:
-    """0d: one row and one column; 1d: one row (or column) across several of the other; 2d: a block."""
+    """(pattern_of, its row, its column): a block's top-left element; a line's row (column) alone."""
     nr, nc = len(rows), len(cols)
-    if nr >= 2 and nc >= 2:
-        return "2d", min(rows), min(cols)
-    pattern = "0d" if nr <= 1 and nc <= 1 else "1d"
+    pattern = pattern_of(nr, nc)
+    if pattern == "2d":
+        return pattern, min(rows), min(cols)
     return pattern, rows[0] if nr == 1 else None, cols[0] if nc == 1 else None
 
 

@@ -40,7 +40,7 @@ import torch
 
 from ...abft import GROUP_MIN, Tolerance, acc_dtype, col_norms, repair
 from ...abft.operand_moments import context_moments, query_weighted_sums, references_of, scores_moments
-from ...abft.repair import MatrixReport
+from ...abft.repair import MatrixReport, pattern_of
 from ...abft.tiled import (
     TILE_BUDGET,
     TilePlan,
@@ -801,12 +801,7 @@ def _from_summary(summary_25: torch.Tensor, index: tuple[int, int], clean_RC: to
     and near-INF), else the residual's error sum as seen through the checksum."""
     (nr, fr, d1r, br, _), (nc, fc, d1c, bc, _) = summary_25.tolist()  # sync: slow path only
     nr, nc, fr, fc = int(nr), int(nc), int(fr), int(fc)
-    if nr >= 2 and nc >= 2:
-        pattern = "2d"
-    elif nr <= 1 and nc <= 1:
-        pattern = "0d"
-    else:
-        pattern = "1d"
+    pattern = pattern_of(nr, nc)
     row = fr if nr == 1 else None
     col = fc if nc == 1 else None
     d1, bound = (d1r, br) if nr >= 1 else (d1c, bc)
