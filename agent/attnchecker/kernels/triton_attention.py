@@ -1,0 +1,787 @@
+"""The checked attention forward as one Triton kernel (FlashAttention-2 style: online softmax, each tile in registers)
+that carries the tile contract of abft/tiled.py, and the repair kernel launched after it. For CUDA; on CPU tensors
+under Triton's interpreter (TRITON_INTERPRET=1, tests).
+
+Per program: one block of BLOCK_M query rows of one (batch, head), over its key tiles of BLOCK_N keys:
+
+1. AS_ij = Q_i K_jᵀ (tl.dot, fp32 accumulation and output; TF32 for fp32 inputs where the matmul precision says so).
+   Its rows are checked against Q_i·(K_jᵀ[e, w]) made from the tiles in registers, with ΣAS² and the key norms for
+   abft/tile_terms.py's bound (the engine's calibrated one, factored per vector); a tile that flags is checked by
+   columns too, against K_j·(Q_iᵀ[e, w]), which locates a bad column or block (one direction on a clean check, as the
+   native CPU pass and the whole-step GEMMs do; ``cols=True`` checks columns on every tile).
+2. Online softmax of scale·AS + mask (causal, sliding window, key padding / additive read in place with broadcast
+   strides), dropout by the counter-based keep mask of :func:`keep_offsets` (the backward regenerates it).
+3. CL_ij = P̃_ij V_j with P̃ rounded to V's dtype first: its rows against P̃_c·(V_j[e, w]) and, on a flag, its columns
+   against (wᵀP̃_c)·V_j. The references use the rounded P̃_c the GEMM multiplied (with P̃ unrounded a half-precision
+   context false-alarms at once), and ‖P̃_i‖₂ <= sqrt(Σ P̃_i)/(1 - p) needs no pass over P̃.
+4. Per block and op a record (``FIELDS``): flagged?, the flagged rows and columns, the first flagged element and its
+   value, the worst flagged residual and its bound; per call a status (4,): any flag per op, the worst clean ratio per
+   op. Nothing goes to the host.
+
+The repair kernel is the same kernel (``REPAIR``): a program whose block is clean returns at once; a flagged block is
+recomputed from Q, K, V with both directions checked on every tile, a located 0D/1D error of a fault that repeats is
+corrected in the tile before it is folded (rebuilt from its checksum, then refreshed by an IEEE dot of its operands),
+and the block's outcome is written on the device: recomputed (clean on recompute: transient), corrected, or
+uncorrectable. Its out and lse rows are overwritten. No host-device sync anywhere: the host reads the records once
+per step, at the step boundary (checks/deferred.py), and only when the status says something flagged.
+
+Tier 1 (``mode="tier1"``) is the same kernel without checksums: per block the output rows summed (INF, NaN, near-INF)
+and the row log-sum-exp against scale·‖q_i‖·max_j‖k_j‖ + log S + 1 (tripwire.py's test); a trip is recovered by the
+repair kernel with full checks, on the device.
+
+Faults inside the kernel are emulated (tests, attnchecker.inject): a table of single elements (op, n, row, col, kind,
+persistent) written into the tile just computed; transient ones on the first computation only.
+
+Legend: B batch, H query heads, Hk key/value heads, T queries, S keys, D head dim; n = batch·H + head.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..abft.tile_terms import TileTerms, tile_terms
+from ..abft.tolerance import NEAR_INF, Tolerance
+from . import triton_checks as tc
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # optional: available() is False and the backend says why
+    triton = None
+
+__all__ = ["FIELDS", "OPS", "OUTCOMES", "Checks", "Fault", "Result", "available", "emulated_faults", "forward",
+           "interpreting", "keep_mask", "not_available_reason", "take_faults"]
+
+OPS = ("scores", "context")
+FIELDS = ("flag", "n_rows", "row", "n_cols", "col", "value", "residual", "bound", "outcome")
+"""A block's record per op (Result.records, last dim; 16 wide, the rest unused). flag: 0 clean, 1 flagged by its
+checksums, 2 a tier-1 trip. row, col: whole-matrix indices of the first flagged element (-1: unknown; col is a key of
+the scores, a feature of the context). residual: |d1| of the worst flagged vector (NaN: not finite). outcome: what the
+repair kernel did (OUTCOMES)."""
+OUTCOMES = ("none", "recomputed", "corrected", "uncorrectable", "dismissed")
+"""none: not repaired (detect mode, or clean); dismissed: a tier-1 trip the recompute shows was what the operands
+give (an ALiBi-like positive bias under the log-sum-exp bound, values past 1e10 in diverged training)."""
+RECORD = 16
+_KINDS = {"set": 0, "add": 1, "bitflip": 2}
+
+
+def interpreting() -> bool:
+    """Whether the kernels run under Triton's interpreter (TRITON_INTERPRET=1 before triton was imported)."""
+    return triton is not None and type(_attention).__name__ == "InterpretedFunction"
+
+
+def not_available_reason(device: torch.device) -> str | None:
+    """Why the kernels cannot run on ``device`` (None: they can)."""
+    if triton is None:
+        return "triton is not installed (it comes with PyTorch's CUDA wheels; or pip install triton)"
+    if device.type == "cuda":
+        return None if torch.cuda.is_available() else "no CUDA device"
+    if device.type == "cpu":
+        return None if interpreting() else ("CPU tensors: the kernel runs on CUDA, or on the CPU under Triton's "
+                                            "interpreter (TRITON_INTERPRET=1 set before triton is imported)")
+    return f"tensors on {device.type}: the kernel runs on CUDA"
+
+
+def available(device: torch.device | str = "cuda") -> bool:
+    return not_available_reason(torch.device(device)) is None
+
+
+# ------------------------------------------------------------------------------------------------------ faults
+
+Fault = tuple[str, int, int, int, str, float, bool]
+"""(op, n, row, col, kind, value, persistent): one element of the scores (col a key) or of the first partial context
+product of its query block, CL_i,first (col a feature), of matrix n, overwritten in the tile right after the GEMM that
+computed it. kind: "set" (value), "add" (+value), "bitflip" (an exponent bit, as attnchecker.inject.bitflip)."""
+_pending: list[Fault] = []
+
+
+@contextlib.contextmanager
+def emulated_faults(faults: list[Fault]) -> Iterator[None]:
+    """Tests: the next kernel call inside the block writes these faults as a fault of its own arithmetic would
+    (persistent ones again in the repair's recompute). The PyTorch paths never see them."""
+    _pending[:] = list(faults)
+    try:
+        yield
+    finally:
+        _pending.clear()
+
+
+def take_faults() -> list[Fault]:
+    """The pending emulated faults, now consumed."""
+    got = list(_pending)
+    _pending.clear()
+    return got
+
+
+# ------------------------------------------------------------------------------------------------------ host side
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Checks:
+    """What a call verifies. mode: "full" (the tile contract), "tier1" (the tripwire), or None (no checks: the
+    kernel with its emulated faults only)."""
+
+    mode: str | None
+    scores: bool = True
+    context: bool = True
+    tol: Tolerance = field(default_factory=Tolerance)
+    operand_roundoff: float | None = None
+    """fp32 inputs whose GEMMs round their operands (TF32, matmul_precision.fp32_matmul_operand_roundoff)."""
+    repair: bool = True
+    """Launch the repair kernel (correct mode); False: flagged blocks are only reported (detect mode)."""
+    cols: bool = False
+    """Check columns on every tile (tests hold them to the Python checks), not only on a flagged one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    out_BHTD: torch.Tensor
+    lse_BHT: torch.Tensor
+    """fp32; +INF on a row with every key masked (its out is 0)."""
+    status: torch.Tensor
+    """(4,) fp32: [scores flagged, context flagged, worst clean ratio of the scores, of the context]."""
+    records: torch.Tensor | None
+    """(B·H, blocks, 2 ops, RECORD) fp32 (FIELDS), None without checks."""
+    block_m: int
+    faults_seen: torch.Tensor | None
+    """(F, 2 attempts, 3): per emulated fault (applied, value before, value after) in the first computation and the
+    repair's recompute."""
+    debug: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    m: int
+    n: int
+    d: int
+    warps: int
+    stages: int
+
+
+def block_sizes(d: int) -> Blocks:
+    """Tile sizes: 16 × 16 under the interpreter (small tests cross many tiles, and it runs per op, not per element);
+    on a GPU 64 × 64 (128 × 64 queries × keys for D <= 64), the FlashAttention-2 tutorial's shapes for these head
+    dims. TODO(triton-fwd): tune on a GPU with the checks in (they add registers); none was lent to this branch."""
+    bd = max(16, triton.next_power_of_2(d)) if triton is not None else d
+    if interpreting():
+        return Blocks(16, 16, bd, 4, 1)
+    return Blocks(128 if d <= 64 else 64, 64, bd, 4 if d <= 64 else 8, 2)
+
+
+def dot_mode(dtype: torch.dtype, operand_roundoff: float | None) -> int:
+    """How the tile GEMMs take their operands (the kernel's DOT): 0 as they are (IEEE fp32, bf16, fp16: fp32
+    accumulation), 1 fp32 as TF32 (tensor cores), 2 cast to fp32 (bf16 under the interpreter, whose tl.dot mishandles
+    bf16 operands: bf16 values and their products are exact in fp32), 3 fp32 truncated to TF32's 10 mantissa bits in
+    the kernel (the interpreter does not emulate TF32; truncation is what a tensor core may do, the bound's unit)."""
+    if dtype == torch.float32 and operand_roundoff is not None:
+        return 3 if interpreting() else 1
+    if dtype == torch.bfloat16 and interpreting():
+        return 2
+    return 0
+
+
+def forward(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    *,
+    scale: float,
+    checks: Checks,
+    is_causal: bool = False,
+    window: int | None = None,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    seed: torch.Tensor | None = None,
+    faults: list[Fault] | None = None,
+    blocks: Blocks | None = None,
+    debug: bool = False,
+) -> Result:
+    """One checked attention forward: the kernel, then (checks.repair, and checks on) the repair kernel. q (B, H, T, D),
+    k/v (B, Hk, S, D) with Hk dividing H (GQA: no copy), any strides; attn_mask bool (True = attend) or additive,
+    broadcastable to (B, H, T, S), read in place; is_causal: key j <= query i (top-left, as SDPA); window: also
+    i - j < window; dropout_p with seed ((1,) int64 on the device): keep_offsets. No host-device sync (faults, a
+    test feature, copy their table to the device)."""
+    b, h, t, d = q_BHTD.shape
+    hk, s = k_BHSD.shape[1], k_BHSD.shape[2]
+    blk = blocks or block_sizes(d)
+    n_blocks = triton.cdiv(t, blk.m)
+    dev = q_BHTD.device
+    out = torch.empty((b, h, t, d), dtype=q_BHTD.dtype, device=dev)
+    lse = torch.empty((b, h, t), dtype=torch.float32, device=dev)
+    checking = checks.mode is not None and (checks.scores or checks.context)
+    # The one device op besides the kernels: the call's status, which the programs raise with atomics.
+    status = torch.zeros(4, dtype=torch.float32, device=dev) if checking else out
+    records = torch.empty((b * h, n_blocks, 2, RECORD), dtype=torch.float32, device=dev) if checking else None
+    mask_kind, mask, mask_strides = _mask_layout(attn_mask, (b, h, t, s))
+    terms = _terms(checks, blk, d)
+    table = values = seen = None
+    if faults:
+        # sync: a host-to-device copy of the fault table, in tests and injection campaigns only
+        table = torch.tensor([[OPS.index(op), n, r, c, _KINDS[kind], int(p)] for op, n, r, c, kind, _, p in faults],
+                             dtype=torch.int64, device=dev)
+        values = torch.tensor([v for *_, v, _ in faults], dtype=torch.float32, device=dev)
+        seen = torch.zeros((len(faults), 2, 3), dtype=torch.float32, device=dev)
+    n_tiles = triton.cdiv(s, blk.n)
+    dbg = torch.full((b * h, n_blocks, n_tiles, 4, max(blk.m, blk.n, blk.d), 16), math.nan, device=dev) if debug \
+        else None
+    operand_roundoff = checks.operand_roundoff if q_BHTD.dtype == torch.float32 else None
+    mode = {None: 0, "tier1": 1, "full": 2}[checks.mode if checking else None]
+    launch = functools.partial(
+        _attention[(n_blocks, b * h)],
+        q_BHTD, k_BHSD, v_BHSD, out, lse, mask if mask is not None else q_BHTD,
+        seed if seed is not None else q_BHTD, status, records if records is not None else out,
+        table if table is not None else q_BHTD, values if values is not None else q_BHTD,
+        seen if seen is not None else q_BHTD, dbg if dbg is not None else out,
+        *q_BHTD.stride(), *k_BHSD.stride(), *v_BHSD.stride(), *out.stride(), *mask_strides,
+        h, h // hk, t, s, d, n_blocks, n_tiles,
+        scale, dropout_p, window or 0, 0 if table is None else table.shape[0],
+        *terms, (NEAR_INF, checks.tol.fix_threshold),
+        BLOCK_M=blk.m, BLOCK_N=blk.n, BLOCK_D=blk.d,
+        IS_CAUSAL=is_causal, WINDOWED=window is not None, MASK_KIND=mask_kind, DROPOUT=dropout_p > 0.0,
+        CHECK_SCORES=checking and checks.scores, CHECK_CONTEXT=checking and checks.context,
+        CALIBRATED=checks.tol.mode == "roundoff" and checks.tol.calibrated,
+        TF32=operand_roundoff is not None, DOT=dot_mode(q_BHTD.dtype, operand_roundoff),
+        COLS=checks.cols or debug, FAULTS=table is not None, DEBUG=dbg is not None,
+        num_warps=blk.warps, num_stages=blk.stages,
+    )
+    launch(MODE=mode, REPAIR=False)
+    if checking and checks.repair:
+        launch(MODE=2, REPAIR=True)
+    return Result(out, lse, status, records, blk.m, seen, dbg)
+
+
+def _terms(checks: Checks, blk: Blocks, d: int) -> tuple[tuple[float, ...], ...]:
+    """The bound's scalars per op and direction (abft/tile_terms.py): scores rows (n = BLOCK_N keys, k = D), scores
+    columns (BLOCK_M queries, D), context rows (D features, BLOCK_N keys), context columns (BLOCK_M, BLOCK_N)."""
+    return _terms_of(checks.tol, checks.operand_roundoff, blk.m, blk.n, d)
+
+
+@functools.lru_cache(maxsize=64)
+def _terms_of(tol: Tolerance, u_in: float | None, bm: int, bn: int, d: int) -> tuple[tuple[float, ...], ...]:
+    shapes = ((bn, d), (bm, d), (d, bn), (bm, bn))
+    rules: list[TileTerms] = [tile_terms(n, k, tol, operand_roundoff=u_in) for n, k in shapes]
+    return tuple(r.as_tuple() for r in rules)
+
+
+def _mask_layout(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int]
+                 ) -> tuple[int, torch.Tensor | None, tuple[int, int, int, int]]:
+    """(kind: 0 none, 1 bool, 2 additive; the mask; its (b, h, t, s) strides, 0 where it broadcasts): read in place,
+    no copy (a key-padding mask (B, 1, 1, S) costs S values a batch)."""
+    if attn_mask is None:
+        return 0, None, (0, 0, 0, 0)
+    mask = attn_mask
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    # broadcast_to is a view: a dimension it broadcasts gets stride 0.
+    mask = torch.broadcast_to(mask, shape)
+    return (1 if mask.dtype == torch.bool else 2), mask, tuple(mask.stride())  # type: ignore[return-value]
+
+
+def keep_mask(seed: torch.Tensor, n: int, t: int, s: int, dropout_p: float, rows: tuple[int, int] | None = None
+              ) -> torch.Tensor:
+    """The dropout keep mask (n, r1 - r0, S) bool of matrices 0..n-1 (n = batch·H + head), query rows [r0, r1) (all
+    T by default), as the kernel drew it (keep_offsets): for a reference in tests and for a backward that replays
+    the forward's dropout block by block."""
+    r0, r1 = rows if rows is not None else (0, t)
+    out = torch.empty((n, r1 - r0, s), dtype=torch.bool, device=seed.device)
+    if r1 > r0 and s > 0:
+        grid = (triton.cdiv(r1 - r0, 16), triton.cdiv(s, 64), n)
+        _keep[grid](seed, out, r0, r1, t, s, dropout_p, BLOCK_R=16, BLOCK_S=64)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------ device side
+
+if triton is not None:
+    _jit: Any = tc.device
+    _F32_MAX: Any = tl.constexpr(3.4028234663852886e38)
+
+    @_jit
+    def keep_offsets(n, rows, cols, T, S):
+        """The counter of attention dropout's keep mask, shared with the Triton backward
+        (kernels/triton_attention_bwd.py): element (i, j) of matrix n (= batch·H + head) is kept where
+        tl.rand(seed, (n·T + i)·S + j) >= p, and a kept element is scaled by 1/(1 - p) (SDPA's convention). rows (R,)
+        and cols (C,) are whole-matrix indices; int64 (n·T·S passes 2^31 at long context)."""
+        return (n.to(tl.int64) * T + rows[:, None].to(tl.int64)) * S + cols[None, :].to(tl.int64)
+
+    @triton.jit
+    def _keep(Seed, Out, r0, r1, T, S, p, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+        rows = r0 + tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+        n = tl.program_id(2)
+        keep = tl.rand(tl.load(Seed), keep_offsets(n, rows, cols, T, S)) >= p
+        at = (n.to(tl.int64) * (r1 - r0) + (rows - r0)[:, None]) * S + cols[None, :]
+        tl.store(Out + at, keep, mask=(rows < r1)[:, None] & (cols < S)[None, :])
+
+    @_jit
+    def _operand(x, DOT: tl.constexpr):
+        """A tile as a tl.dot operand (dot_mode)."""
+        if DOT == 2:
+            return x.to(tl.float32)
+        if DOT == 3:
+            bits = x.to(tl.int32, bitcast=True) & -8192  # keep 10 mantissa bits (0xFFFFE000), as TF32 truncates
+            return tl.where(tl.abs(x) <= _F32_MAX, bits.to(tl.float32, bitcast=True), x)
+        return x
+
+    @_jit
+    def _dot(a, b, DOT: tl.constexpr):
+        if DOT == 1:
+            return tl.dot(a, b, input_precision="tf32")
+        return tl.dot(a, b, input_precision="ieee")
+
+    @_jit
+    def _inject(x, Faults, Values, Seen, n_faults, pid_n, rows, cols, OP: tl.constexpr, ATTEMPT: tl.constexpr):
+        """Write the table's faults of op OP, matrix pid_n, that fall in this tile (rows (R,), cols (C,): whole-matrix
+        indices) into x; transient ones on the first computation only. Records (applied, before, after)."""
+        for f in range(n_faults):
+            at = Faults + f * 6
+            hit = (rows[:, None] == tl.load(at + 2)) & (cols[None, :] == tl.load(at + 3))
+            hit = hit & (tl.load(at) == OP) & (tl.load(at + 1) == pid_n)
+            if ATTEMPT == 1:
+                hit = hit & (tl.load(at + 5) != 0)
+            if tc.rsum(hit.to(tl.int32), None) > 0:
+                old = tc.rsum(tl.where(hit, x, 0.0), None)
+                kind = tl.load(at + 4)
+                value = tl.load(Values + f)
+                bit = tl.where(tl.abs(old) < 2.0, 30, 29)
+                flipped = (old.to(tl.int32, bitcast=True) ^ (tl.full([], 1, tl.int32) << bit)).to(tl.float32,
+                                                                                                   bitcast=True)
+                new = tl.where(kind == 0, value, tl.where(kind == 1, old + value, flipped))
+                x = tl.where(hit, new, x)
+                rec = Seen + (f * 2 + ATTEMPT) * 3
+                tl.store(rec, 1.0)
+                tl.store(rec + 1, old)
+                tl.store(rec + 2, new)
+        return x
+
+    @_jit
+    def _scores_rows(s, a_op, a_norm, b_op, b_norm, w, terms, TF32: tl.constexpr, CALIBRATED: tl.constexpr):
+        """The rows of a scores tile s = A·Bᵀ (R, C) (A = Q_i, B = K_j; for its columns, sᵀ with A = K_j, B = Q_i):
+        references A·(Bᵀ[e, w]) from the operands in fp32, bounded with ‖A_r‖ and the norms of B's rows.
+        (bad, d1, b1, ratio, ref1, ref2, mom1, mom2) (R,)."""
+        bar_e = tc.rsum(b_op, 0)
+        bar_w = tc.rsum(b_op * w[:, None], 0)
+        b_sum, b_sq1, b_sq2 = tc.other_side(b_norm, tl.full([b_norm.shape[0]], 1, tl.int1), terms[0])
+        ref1, ref2 = tc.refs(a_op, bar_e, bar_w)
+        mom1 = tl.full([s.shape[0]], 0, tl.float64)
+        mom2 = tl.full([s.shape[0]], 0, tl.float64)
+        if TF32:
+            mom1, mom2 = _scores_moments(a_op * a_op, b_op * b_op, bar_e, bar_w, w, terms[11])
+        bad, d1, b1, ratio = tc.check(s, ref1, ref2, a_norm, b_sum, b_sq1, b_sq2, tc.ref_norm(bar_e, terms[0]),
+                                      tc.ref_norm(bar_w, terms[0]), mom1, mom2, terms, CALIBRATED)
+        return bad, d1, b1, ratio, ref1, ref2, mom1, mom2
+
+    @_jit
+    def _scores_moments(a_sq, b_sq, bar_e, bar_w, w, tiny):
+        """abft.operand_moments.scores_moments of one tile direction, one group: per vector (M_1 + R_1, M_2 + R_2)
+        fp64, the TF32 rounding of A (a_sq (R, D): A squared) and B (b_sq (C, D)), independent along the head dim."""
+        beta_e = tc.rsum(b_sq, 0)
+        beta_w = tc.rsum(b_sq * (w * w)[:, None], 0)
+        a_tot = tc.rsum(a_sq, 1)
+        m1 = tc.rsum(a_sq * beta_e[None, :], 1) + tiny * (tc.rsum(beta_e, 0) + a_tot * tc.rsum(w * 0.0 + 1.0, 0))
+        m2 = tc.rsum(a_sq * beta_w[None, :], 1) + tiny * (tc.rsum(beta_w, 0) + a_tot * tc.rsum(w * w, 0))
+        # Floors: a flushed square loses <= tiny times its term's weight (Σ w² per M column, 1 per R column).
+        r1 = tc.rsum(a_sq * (bar_e * bar_e)[None, :], 1) + tiny * (tc.rsum(bar_e * bar_e, 0) + a_tot)
+        r2 = tc.rsum(a_sq * (bar_w * bar_w)[None, :], 1) + tiny * (tc.rsum(bar_w * bar_w, 0) + a_tot)
+        return (1.01 * (m1 + r1)).to(tl.float64), (1.01 * (m2 + r2)).to(tl.float64)
+
+    @_jit
+    def _context_rows(cl, pcf, vf, v_col, a_c, w_d, d_ok, D, terms, TF32: tl.constexpr, CALIBRATED: tl.constexpr):
+        """The rows of a context tile CL = P̃_c·V (R, D): references P̃_c·(V[e, w]), bounded with a_c (>= ‖P̃_c,r‖)
+        and V's column norms over the tile's keys (the D features that exist)."""
+        vw_e = tc.rsum(vf, 1)
+        vw_w = tc.rsum(vf * w_d[None, :], 1)
+        b_sum, b_sq1, b_sq2 = tc.other_side(v_col, d_ok, terms[0])
+        ref1, ref2 = tc.refs(pcf, vw_e, vw_w)
+        mom1 = tl.full([cl.shape[0]], 0, tl.float64)
+        mom2 = tl.full([cl.shape[0]], 0, tl.float64)
+        if TF32:
+            # abft.operand_moments.context_moments, rows: P_tk is shared along row t (one group).
+            l1 = tc.rsum(pcf, 1)
+            vsq = tl.where(d_ok[None, :], vf * vf, 0.0)
+            df = D * 1.0
+            row_m1 = tc.rsum(pcf * tc.rsum(vsq, 1)[None, :], 1)
+            row_m2 = tc.rsum(pcf * tc.rsum(vsq * (w_d * w_d)[None, :], 1)[None, :], 1)
+            row_r1 = tc.rsum(pcf * (vw_e * vw_e)[None, :], 1)
+            row_r2 = tc.rsum(pcf * (vw_w * vw_w)[None, :], 1)
+            tiny = terms[11]
+            mom1 = (1.01 * l1 * (row_m1 + row_r1 + tiny * l1 * (df + 1.0))).to(tl.float64)
+            mom2 = (1.01 * l1 * (row_m2 + row_r2 + tiny * l1 * (df * (df + 1.0) * (2.0 * df + 1.0) / 6.0 + 1.0))
+                    ).to(tl.float64)
+        bad, d1, b1, ratio = tc.check(cl, ref1, ref2, a_c, b_sum, b_sq1, b_sq2, tc.ref_norm(vw_e, terms[0]),
+                                      tc.ref_norm(vw_w, terms[0]), mom1, mom2, terms, CALIBRATED)
+        return bad, d1, b1, ratio, ref1, ref2, mom1, mom2
+
+    @_jit
+    def _context_cols(cl, pcf, vf, v_col, a_c, w_m, d_ok, terms, TF32: tl.constexpr, CALIBRATED: tl.constexpr):
+        """The columns of a context tile (features): references (wᵀP̃_c)·V, bounded with ‖V_:,d‖ and a_c."""
+        pw_e = tc.rsum(pcf, 0)
+        pw_w = tc.rsum(pcf * w_m[:, None], 0)
+        b_sum, b_sq1, b_sq2 = tc.other_side(a_c, tl.full([a_c.shape[0]], 1, tl.int1), terms[0])
+        vt = tl.trans(vf)
+        ref1, ref2 = tc.refs(vt, pw_e, pw_w)
+        mom1 = tl.full([cl.shape[1]], 0, tl.float64)
+        mom2 = tl.full([cl.shape[1]], 0, tl.float64)
+        if TF32:
+            # abft.operand_moments.context_moments, columns: V_kj is shared along column j.
+            tiny = terms[11]
+            l1 = tc.rsum(pcf, 1)
+            vsq_t = tl.where(d_ok[:, None], vt * vt, 0.0)
+            m_e = tc.rsum(pcf * l1[:, None], 0)
+            m_w = tc.rsum(pcf * (l1 * w_m * w_m)[:, None], 0)
+            mass_e = tc.rsum(pw_e, 0)
+            mass_w = tc.rsum(pw_w, 0)
+            col_m1 = tc.rsum(vsq_t * m_e[None, :], 1) + tiny * tc.rsum(m_e, 0)
+            col_m2 = tc.rsum(vsq_t * m_w[None, :], 1) + tiny * tc.rsum(m_w, 0)
+            col_r1 = mass_e * (tc.rsum(vsq_t * pw_e[None, :], 1) + tiny * mass_e)
+            col_r2 = mass_w * (tc.rsum(vsq_t * pw_w[None, :], 1) + tiny * mass_w)
+            mom1 = (1.01 * (col_m1 + col_r1)).to(tl.float64)
+            mom2 = (1.01 * (col_m2 + col_r2)).to(tl.float64)
+        bad, d1, b1, ratio = tc.check(tl.trans(cl), ref1, ref2, v_col, b_sum, b_sq1, b_sq2, tc.ref_norm(pw_e, terms[0]),
+                                      tc.ref_norm(pw_w, terms[0]), mom1, mom2, terms, CALIBRATED)
+        return bad, d1, b1, ratio, ref1, ref2, mom1, mom2
+
+    @_jit
+    def _no_vectors(n: tl.constexpr):
+        """A direction's check results (bad, d1, b1, ratio, ref1, ref2, mom1, mom2) for n vectors that were not
+        checked: nothing flagged."""
+        zero = tl.full([n], 0, tl.float32)
+        zero64 = tl.full([n], 0, tl.float64)
+        return tl.full([n], 0, tl.int1), zero, zero, zero, zero, zero, zero64, zero64
+
+    @_jit
+    def _settle(x, exact, bad, ref1, ref2, cbad, cref1, cref2, fixing):
+        """A flagged tile of the repair's recompute, the fault having repeated: each located error corrected by its
+        row, then the columns still flagged by theirs (a bad row is fixed column by column), every changed element
+        then refreshed from ``exact`` (the tile's IEEE fp32 product: CUDA-core FMAs, not the tensor cores), as
+        abft.repair refreshes a correction with its exact dot product."""
+        x, hit = tc.fix(x, ref1, ref2, bad, fixing[0], fixing[1])
+        xt, hit_t = tc.fix(tl.trans(x), cref1, cref2, cbad & (tc.rsum(hit.to(tl.int32), 0) == 0), fixing[0],
+                           fixing[1])
+        return tl.where(hit | tl.trans(hit_t), exact, tl.trans(xt))
+
+    @_jit
+    def _tally(worst, rec, rows_seen, x, rows, cols, r0, c0, near_inf):
+        """One checked tile x folded into its block's state: the worst clean ratio of its rows (NaN-sticky), and when
+        a row or column flagged, the block's record (_note). rows, cols: (bad, d1, b1, ratio, ref1, ref2) of each
+        direction. Returns (worst, rec, rows_seen, flagged)."""
+        worst = tc.max_nan(worst, tc.rmax(tl.where(rows[0], 0.0, rows[3]), 0))
+        flagged = tc.rsum(rows[0].to(tl.int32), 0) + tc.rsum(cols[0].to(tl.int32), 0) > 0
+        if flagged:
+            rec, rows_seen = _note(rec, rows_seen, x, rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], cols[0],
+                                   cols[1], cols[2], cols[3], cols[4], cols[5], r0, c0, near_inf)
+        return worst, rec, rows_seen, flagged
+
+    @_jit
+    def _note(rec, rows_seen, x, bad, d1, b1, ratio, ref1, ref2, cbad, cd1, cb1, cratio, cref1, cref2, r0, c0,
+              near_inf):
+        """Fold one flagged tile x (R, C) into its block's record (FIELDS): the first flagged tile sets the place,
+        value, residual and bound; every one adds its flagged columns; rows_seen (R,) gathers the flagged rows
+        (a row crossing several tiles is one row)."""
+        fi = tl.arange(0, 16)
+        r = tc.first(bad)
+        c = tc.first(cbad)
+        # A flagged row without a flagged column: the element its checksums locate (d2/d1, or the extreme value).
+        loc_c, ok_c, _, _, _ = tc.locate(x, ref1, ref2, near_inf)
+        c = tl.where((c < 0) & (r >= 0) & (tc.pick(ok_c.to(tl.int32), r) != 0), tc.pick(loc_c, r), c)
+        loc_r, ok_r, _, _, _ = tc.locate(tl.trans(x), cref1, cref2, near_inf)
+        r = tl.where((r < 0) & (c >= 0) & (tc.pick(ok_r.to(tl.int32), c) != 0), tc.pick(loc_r, c), r)
+        row_vals = tc.rsum(tl.where(tl.arange(0, x.shape[0])[:, None] == r, x, 0.0), 0)
+        value = tl.where(c >= 0, tc.pick2(x, r, c), tc.pick(tc.extreme_of(row_vals[None, :]), 0))
+        worst_r, res_r, bnd_r = tc.worst_flagged(bad, d1, b1, ratio)
+        worst_c, res_c, bnd_c = tc.worst_flagged(cbad, cd1, cb1, cratio)
+        new = tl.where(fi == 0, 1.0, 0.0)
+        new += tl.where(fi == 2, tl.where(r >= 0, r0 + r, -1).to(tl.float32), 0.0)
+        new += tl.where(fi == 4, tl.where(c >= 0, c0 + c, -1).to(tl.float32), 0.0)
+        new += tl.where(fi == 7, tl.where(worst_c > worst_r, bnd_c, bnd_r), 0.0)
+        # Set apart: a NaN (value, residual) would poison the sums above.
+        new = tl.where(fi == 5, value, new)
+        new = tl.where(fi == 6, tl.where(worst_c > worst_r, res_c, res_r), new)
+        # (where, not a scalar & a vector: the interpreter mistypes that when the scalar comes from a reduction)
+        rec = tl.where(tc.pick(rec, 0) == 0.0, tl.where(fi != 3, new, rec), rec)
+        rec += tl.where(fi == 3, tc.rsum(cbad.to(tl.float32), 0), 0.0)
+        return rec, rows_seen | bad.to(tl.int32)
+
+    @_jit
+    def _debug(Debug, tile, part, sum_x, sum_wx, sq, ref1, ref2, a, b1, ratio, bad, mom1, mom2, VMAX: tl.constexpr):
+        """Tests: one direction's per-vector [Σx, Σw·x, Σx², ref1, ref2, a, bound on |d1|, ratio, bad, mom1, mom2] of
+        a tile (part: 0 scores rows, 1 scores columns, 2 context rows, 3 context columns)."""
+        at = Debug + ((tile * 4 + part) * VMAX + tl.arange(0, sum_x.shape[0])) * 16
+        tl.store(at + 0, sum_x)
+        tl.store(at + 1, sum_wx)
+        tl.store(at + 2, sq)
+        tl.store(at + 3, ref1)
+        tl.store(at + 4, ref2)
+        tl.store(at + 5, a)
+        tl.store(at + 6, b1)
+        tl.store(at + 7, ratio)
+        tl.store(at + 8, bad.to(tl.float32))
+        tl.store(at + 9, mom1.to(tl.float32))
+        tl.store(at + 10, mom2.to(tl.float32))
+
+    @_jit
+    def _debug_tile(Debug, tile, part, x, bad, ratio, ref1, ref2, a, b1, mom1, mom2, VMAX: tl.constexpr):
+        w = tc.weights(x.shape[1])
+        _debug(Debug, tile, part, tc.rsum(x, 1), tc.rsum(x * w[None, :], 1), tc.rsum(x * x, 1), ref1, ref2, a, b1,
+               ratio, bad, mom1, mom2, VMAX)
+
+    @_jit
+    def _lse_bound(q_norm, k_max, scale, n_keys):
+        """tripwire.lse_over_bound's bound without the mask's largest value (added only after a trip, by the repair)."""
+        return tl.abs(scale) * q_norm * k_max * 1.01 + tl.log(tl.maximum(n_keys, 1).to(tl.float32)) + 1.0
+
+    @_jit
+    def _tripwire(o, lse, m_i, dead, row_ok, q_norm, k_max, scale, n_keys, r0):
+        """Tier 1 at the end of a block (tripwire.py): (scores record, context record). The output rows summed:
+        INF, NaN or near-INF trips "context"; the log-sum-exp over scale·‖q_i‖·max‖k_j‖ + log S + 1 (a huge score
+        the output never shows) trips "scores". A trip's value: the output row's most extreme element; for the
+        log-sum-exp, the row's largest scaled score divided by the scale (NaN if the lse is NaN)."""
+        fi = tl.arange(0, 16)
+        out_bad = ((tl.abs(tc.rsum(o, 1)) <= 1e10) == 0) & row_ok
+        lse_bad = (dead == 0) & ((lse <= _lse_bound(q_norm, k_max, scale, n_keys)) == 0) & row_ok
+        r_out = tc.first(out_bad)
+        r_lse = tc.first(lse_bad)
+        lse_value = tl.where(lse != lse, float("nan"), m_i / tl.abs(scale))
+        # No place beyond the row and no residual: a trip is a value test (col -1, residual NaN, bound NEAR_INF).
+        base = tl.where(fi == 0, 2.0, 0.0) + tl.where(fi == 4, -1.0, 0.0) + tl.where(fi == 7, 1e10, 0.0)
+        base = tl.where(fi == 6, float("nan"), base)
+        rec_c = tl.where(fi == 2, (r0 + r_out).to(tl.float32), base)
+        rec_c = tl.where(fi == 5, tc.pick(tc.extreme_of(o), r_out), rec_c)
+        rec_s = tl.where(fi == 2, (r0 + r_lse).to(tl.float32), base)
+        rec_s = tl.where(fi == 5, tc.pick(lse_value, r_lse), rec_s)
+        return tl.where(r_lse >= 0, rec_s, 0.0), tl.where(r_out >= 0, rec_c, 0.0)
+
+    @_jit
+    def _outcome(fast, rec, rows_seen, failed, real):
+        """The repair's record of one op of its block (FIELDS): what the recompute found and did, or, clean on
+        recompute, a transient fault ("recomputed") or a tier-1 trip the recompute reproduces ("dismissed": what the
+        operands give; real is False then)."""
+        fi = tl.arange(0, 16)
+        found = tc.pick(rec, 0) != 0.0
+        flag = tc.pick(fast, 0)
+        outcome = tl.where(found, tl.where(failed != 0, 3.0, 2.0),
+                           tl.where(flag == 1.0, 1.0, tl.where(flag == 2.0, tl.where(real, 1.0, 4.0), 0.0)))
+        # Found on recompute: the record describes the fault that repeated (the flag kept; 1 if the fast pass did
+        # not see it). Else the fast pass's record.
+        rec = tl.where(fi == 1, tc.rsum(rows_seen, 0).to(tl.float32), rec)
+        rec = tl.where(fi == 0, tl.where(flag != 0.0, flag, 1.0), rec)
+        return tl.where(fi == 8, outcome, tl.where(found, rec, fast))
+
+    @triton.jit
+    def _attention(
+        Q, K, V, Out, Lse, Mask, Seed, Status, Records, Faults, FaultValues, FaultSeen, Debug,
+        sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sot, sod, smb, smh, smt, sms,
+        H, GROUP, T, S, D, N_BLOCKS, N_TILES,
+        scale, dropout_p, window, n_faults,
+        s_row, s_col, c_row, c_col, fixing,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        IS_CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+        MODE: tl.constexpr, CHECK_SCORES: tl.constexpr, CHECK_CONTEXT: tl.constexpr, CALIBRATED: tl.constexpr,
+        TF32: tl.constexpr, DOT: tl.constexpr, COLS: tl.constexpr, REPAIR: tl.constexpr, FAULTS: tl.constexpr,
+        DEBUG: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rec_at = Records + (pid_n * N_BLOCKS + pid_m).to(tl.int64) * (2 * 16)
+        fi = tl.arange(0, 16)
+        if REPAIR:
+            fast_s = tl.load(rec_at + fi)
+            fast_c = tl.load(rec_at + 16 + fi)
+            # A clean block returns at once: on a clean call the repair costs a launch and a load per program.
+            if (tc.pick(fast_s, 0) == 0.0) & (tc.pick(fast_c, 0) == 0.0):
+                return
+        FULL: tl.constexpr = MODE == 2
+        # Columns on every tile (tests, and the repair, which locates with them); else only on a tile that flags.
+        ALL_COLS: tl.constexpr = COLS or REPAIR
+        VMAX: tl.constexpr = max(BLOCK_M, BLOCK_N, BLOCK_D)
+        b = pid_n // H
+        h = pid_n % H
+        hk = h // GROUP
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        row_ok = offs_m < T
+        d_ok = offs_d < D
+        q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        qf = q.to(tl.float32)
+        q_op = _operand(q, DOT)
+        q_norm = tl.sqrt(tc.rsum(qf * qf, 1))
+        k_at = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_at = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+        m_at = Mask + b.to(tl.int64) * smb + h.to(tl.int64) * smh
+        w_m = tc.weights(BLOCK_M)
+        w_n = tc.weights(BLOCK_N)
+        w_d = tc.weights(BLOCK_D)
+        inv_keep = 1.0
+        seed = 0
+        if DROPOUT:
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            seed = tl.load(Seed)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.full([BLOCK_M], 0, tl.float32)
+        acc = tl.full([BLOCK_M, BLOCK_D], 0, tl.float32)
+        rec_s = tl.full([16], 0, tl.float32)
+        rec_c = tl.full([16], 0, tl.float32)
+        rows_s = tl.full([BLOCK_M], 0, tl.int32)
+        rows_c = tl.full([BLOCK_M], 0, tl.int32)
+        worst_s = tl.full([], 0, tl.float32)
+        worst_c = tl.full([], 0, tl.float32)
+        failed_s = tl.full([], 0, tl.int32)
+        failed_c = tl.full([], 0, tl.int32)
+        k_max = tl.full([], 0, tl.float32)
+        mask_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+
+        lo = 0
+        hi = S
+        if IS_CAUSAL:
+            hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M)
+        if WINDOWED:
+            lo = tl.maximum(0, pid_m * BLOCK_M - window + 1) // BLOCK_N * BLOCK_N
+        for start_n in range(lo, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            key_ok = offs_n < S
+            tile = (pid_n * N_BLOCKS + pid_m) * N_TILES + (start_n - lo) // BLOCK_N
+            k = tl.load(k_at + offs_n[:, None] * sks + offs_d[None, :] * skd, mask=key_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            v = tl.load(v_at + offs_n[:, None] * svs + offs_d[None, :] * svd, mask=key_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+            kf = k.to(tl.float32)
+            s = _dot(q_op, tl.trans(_operand(k, DOT)), DOT)
+            if FAULTS:
+                s = _inject(s, Faults, FaultValues, FaultSeen, n_faults, pid_n, offs_m, offs_n, 0, REPAIR)
+            if MODE != 0:
+                k_norm = tl.sqrt(tc.rsum(kf * kf, 1))
+                k_max = tl.maximum(k_max, tc.rmax(tl.where(key_ok, k_norm, 0.0), 0))
+            if FULL and CHECK_SCORES:
+                # Rows: q_i·(K_jᵀ[e, w]) against Σ_j AS_ij, Σ_j j·AS_ij; columns (a flag, or every tile with COLS)
+                # the same on AS_ijᵀ = K_j Q_iᵀ.
+                bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _scores_rows(s, qf, q_norm, kf, k_norm, w_n, s_row,
+                                                                          TF32, CALIBRATED)
+                n_bad = tc.rsum(bad.to(tl.int32), 0)
+                cbad, cd1, cb1, cratio, cref1, cref2, cmom1, cmom2 = _no_vectors(BLOCK_N)
+                if (n_bad > 0) | ALL_COLS:
+                    cbad, cd1, cb1, cratio, cref1, cref2, cmom1, cmom2 = _scores_rows(
+                        tl.trans(s), kf, k_norm, qf, q_norm, w_m, s_col, TF32, CALIBRATED)
+                if DEBUG:
+                    _debug_tile(Debug, tile, 0, s, bad, ratio, ref1, ref2, q_norm, b1, mom1, mom2, VMAX)
+                    _debug_tile(Debug, tile, 1, tl.trans(s), cbad, cratio, cref1, cref2, k_norm, cb1, cmom1, cmom2,
+                                VMAX)
+                worst_s, rec_s, rows_s, flagged = _tally(worst_s, rec_s, rows_s, s, (bad, d1, b1, ratio, ref1, ref2),
+                                                         (cbad, cd1, cb1, cratio, cref1, cref2), pid_m * BLOCK_M,
+                                                         start_n, fixing[0])
+                if REPAIR and flagged:
+                    s = _settle(s, tl.dot(qf, tl.trans(kf), input_precision="ieee"), bad, ref1, ref2, cbad,
+                                cref1, cref2, fixing)
+                    again = _scores_rows(s, qf, q_norm, kf, k_norm, w_n, s_row, TF32, CALIBRATED)[0]
+                    again_t = _scores_rows(tl.trans(s), kf, k_norm, qf, q_norm, w_m, s_col, TF32, CALIBRATED)[0]
+                    failed_s = tl.maximum(failed_s, tc.rmax(again.to(tl.int32), 0))
+                    failed_s = tl.maximum(failed_s, tc.rmax(again_t.to(tl.int32), 0))
+
+            # The online softmax (abft.tiled.fold_scores): masked keys -INF, P̃ = exp(z - m_new) in [0, 1].
+            z = s * scale
+            valid = key_ok[None, :] & row_ok[:, None]
+            if IS_CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            if WINDOWED:
+                valid = valid & (offs_m[:, None] - offs_n[None, :] < window)
+            if MASK_KIND == 1:
+                allowed = tl.load(m_at + offs_m[:, None].to(tl.int64) * smt + offs_n[None, :] * sms, mask=valid,
+                                  other=0)
+                valid = valid & (allowed != 0)
+            if MASK_KIND == 2:
+                bias = tl.load(m_at + offs_m[:, None].to(tl.int64) * smt + offs_n[None, :] * sms, mask=valid,
+                               other=0.0).to(tl.float32)
+                z = z + bias
+                if REPAIR:
+                    mask_max = tl.maximum(mask_max, tc.rmax(tl.where(valid & (bias == bias), bias, float("-inf")), 1))
+            z = tl.where(valid, z, float("-inf"))
+            m_new = tl.maximum(m_i, tc.rmax(z, 1))
+            # A row with every key so far masked has m = -INF: shift by 0 there (P̃ = 0, alpha = 0).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(z - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            p_sum = tc.rsum(p, 1)
+            l_i = l_i * alpha + p_sum
+            m_i = m_new
+            if DROPOUT:
+                keep = tl.rand(seed, keep_offsets(pid_n, offs_m, offs_n, T, S)) >= dropout_p
+                p = tl.where(keep, p * inv_keep, 0.0)
+            # P̃ rounded to V's dtype, as the GEMM takes it: the context's references use the same values.
+            p_c = p.to(v.dtype)
+            cl = _dot(_operand(p_c, DOT), _operand(v, DOT), DOT)
+            if FAULTS:
+                # A context fault lands in the first partial product its block folds in (as the PyTorch tile loop).
+                cl = _inject(cl, Faults, FaultValues, FaultSeen, n_faults, pid_n,
+                             tl.where(start_n == lo, offs_m, -1 - 0 * offs_m), offs_d, 1, REPAIR)
+            if FULL and CHECK_CONTEXT:
+                pcf = p_c.to(tl.float32)
+                vf = v.to(tl.float32)
+                v_col = tl.sqrt(tc.rsum(vf * vf, 0))
+                # ‖P̃_c,i‖₂ <= sqrt(Σ_j P̃_ij)/(1 - p): 0 <= P̃ <= 1 before dropout's scaling (1.01: its rounding).
+                a_c = tl.sqrt(p_sum) * 1.01 * inv_keep
+                bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _context_rows(cl, pcf, vf, v_col, a_c, w_d, d_ok, D,
+                                                                           c_row, TF32, CALIBRATED)
+                n_bad = tc.rsum(bad.to(tl.int32), 0)
+                cbad, cd1, cb1, cratio, cref1, cref2, cmom1, cmom2 = _no_vectors(BLOCK_D)
+                if (n_bad > 0) | ALL_COLS:
+                    cbad, cd1, cb1, cratio, cref1, cref2, cmom1, cmom2 = _context_cols(cl, pcf, vf, v_col, a_c, w_m,
+                                                                                       d_ok, c_col, TF32, CALIBRATED)
+                if DEBUG:
+                    _debug_tile(Debug, tile, 2, cl, bad, ratio, ref1, ref2, a_c, b1, mom1, mom2, VMAX)
+                    _debug_tile(Debug, tile, 3, tl.trans(cl), cbad, cratio, cref1, cref2, v_col, cb1, cmom1, cmom2,
+                                VMAX)
+                worst_c, rec_c, rows_c, flagged = _tally(worst_c, rec_c, rows_c, cl, (bad, d1, b1, ratio, ref1, ref2),
+                                                         (cbad, cd1, cb1, cratio, cref1, cref2), pid_m * BLOCK_M, 0,
+                                                         fixing[0])
+                if REPAIR and flagged:
+                    cl = _settle(cl, tl.dot(pcf, vf, input_precision="ieee"), bad, ref1, ref2, cbad, cref1,
+                                 cref2, fixing)
+                    again = _context_rows(cl, pcf, vf, v_col, a_c, w_d, d_ok, D, c_row, TF32, CALIBRATED)[0]
+                    again_t = _context_cols(cl, pcf, vf, v_col, a_c, w_m, d_ok, c_col, TF32, CALIBRATED)[0]
+                    failed_c = tl.maximum(failed_c, tc.rmax(again.to(tl.int32), 0))
+                    failed_c = tl.maximum(failed_c, tc.rmax(again_t.to(tl.int32), 0))
+            acc = acc * alpha[:, None] + cl
+
+        # abft.tiled.finish: a row with every key masked gets out 0 (SDPA's safe softmax) and lse +INF.
+        dead = l_i == 0.0
+        l_safe = tl.where(dead, 1.0, l_i)
+        o = tl.where(dead[:, None], 0.0, acc / l_safe[:, None])
+        lse = tl.where(dead, float("inf"), m_i + tl.log(l_safe))
+        lse_at = Lse + pid_n.to(tl.int64) * T + offs_m
+        if MODE == 1:
+            rec_s, rec_c = _tripwire(o, lse, m_i, dead, row_ok, q_norm, k_max, scale, hi - lo, pid_m * BLOCK_M)
+        if REPAIR:
+            # A tier-1 trip is real when the recompute no longer trips; the lse test now with the mask's largest
+            # value in its bound (an ALiBi-like positive bias lifts a clean lse).
+            lse_fast = tl.load(lse_at, mask=row_ok, other=0.0)
+            bound = _lse_bound(q_norm, k_max, scale, hi - lo) + tl.maximum(mask_max, 0.0)
+            over_fast = ((lse_fast <= bound) == 0) & (lse_fast != float("inf")) & row_ok
+            over_now = ((lse <= bound) == 0) & (lse != float("inf")) & row_ok
+            real_s = tc.rsum((over_fast & (over_now == 0)).to(tl.int32), 0) > 0
+            real_c = tc.rsum((((tl.abs(tc.rsum(o, 1)) <= 1e10) == 0) & row_ok).to(tl.int32), 0) == 0
+            rec_s = _outcome(fast_s, rec_s, rows_s, failed_s, real_s)
+            rec_c = _outcome(fast_c, rec_c, rows_c, failed_c, real_c)
+        else:
+            rec_s += tl.where(fi == 1, tc.rsum(rows_s, 0).to(tl.float32), 0.0)
+            rec_c += tl.where(fi == 1, tc.rsum(rows_c, 0).to(tl.float32), 0.0)
+        tl.store(Out + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
+                 o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_at, lse, mask=row_ok)
+        if MODE != 0:
+            tl.store(rec_at + fi, rec_s)
+            tl.store(rec_at + 16 + fi, rec_c)
+            if tc.pick(rec_s, 0) != 0.0:
+                tl.atomic_max(Status, 1.0)
+            if tc.pick(rec_c, 0) != 0.0:
+                tl.atomic_max(Status + 1, 1.0)
+            if FULL and not REPAIR:
+                # A non-finite ratio is a check whose inputs already carried a fault reported elsewhere: left out.
+                tl.atomic_max(Status + 2, tl.where(worst_s <= _F32_MAX, worst_s, 0.0))
+                tl.atomic_max(Status + 3, tl.where(worst_c <= _F32_MAX, worst_c, 0.0))

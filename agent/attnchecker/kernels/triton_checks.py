@@ -1,0 +1,212 @@
+"""Device functions of the tile contract (abft/tiled.py) for the Triton attention kernel (triton_attention.py): one
+direction's checksums of a tile against references made from the operand tiles in registers, the bound of
+abft/tile_terms.py evaluated per vector, the verdict, where a flagged vector's fault lies, and its repair.
+
+``@triton.jit`` functions, inlined where the kernel calls them. Each works on the vectors along axis 1 of a tile x (the
+rows; the kernel passes ``tl.trans(x)`` for the columns). Legend: R vectors, C elements per vector, D head dim.
+Importable without triton (the functions then do not exist; ``triton_attention.available()`` says so).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: the Triton backend then declines every call, saying why
+    triton = None
+
+__all__ = ["device"]
+
+
+def device(fn: Any) -> Any:
+    """``@triton.jit`` for a device function. Under the interpreter the plain function: the interpreter runs device
+    functions as Python either way, but each call of an interpreted one patches triton.language again (~0.4 ms, and a
+    tile loop makes thousands), which made a test-sized call take seconds."""
+    jitted = triton.jit(fn)
+    return fn if type(jitted).__name__ == "InterpretedFunction" else jitted
+
+
+if triton is not None:
+    _jit: Any = device
+    # The combine functions of tl.sum/max/min: tl.reduce with them is what those compile to, and what the
+    # interpreter runs on numpy directly (tl.sum itself is a @jit function of Triton's library, patched per call).
+    _SUM = tl.standard._sum_combine
+    _MAX = tl.standard._elementwise_max
+    _MIN = tl.standard._elementwise_min
+
+    @_jit
+    def rsum(x, axis):
+        """tl.sum of an fp32, fp64 or int32 x."""
+        return tl.reduce(x, axis, _SUM)
+
+    @_jit
+    def rmax(x, axis):
+        """tl.max of an fp32 or int32 x (a NaN is skipped, as on the GPU)."""
+        return tl.reduce(x, axis, _MAX)
+
+    @_jit
+    def rmin(x, axis):
+        return tl.reduce(x, axis, _MIN)
+
+    @_jit
+    def weights(n: tl.constexpr):
+        """(n,) fp32: the checksum weights 1..n (the plain sum's are ones)."""
+        return (tl.arange(0, n) + 1).to(tl.float32)
+
+    @_jit
+    def other_side(b, valid, floor):
+        """What every vector's bound takes from the other operand's per-element norms b (C,) (valid: elements that
+        exist): (Σ_j b'_j fp32, Σ_j b'_j² fp64, Σ_j j² b'_j² fp64), b' = b + floor (tolerance.direction_bounds)."""
+        bf = tl.where(valid, b + floor, 0.0)
+        j = (tl.arange(0, b.shape[0]) + 1).to(tl.float64)
+        b64 = bf.to(tl.float64)
+        return rsum(bf, 0), rsum(b64 * b64, 0), rsum(b64 * b64 * j * j, 0)
+
+    @_jit
+    def ref_norm(x, floor):
+        """‖x‖ + floor in fp64: the norm of a reference's weight vector (B w), floored as direction_bounds floors it."""
+        return (tl.sqrt(rsum(x * x, 0)) + floor).to(tl.float64)
+
+    @_jit
+    def bound(a, b_sum, b_sq1, b_sq2, r1, r2, sq, ref1, ref2, mom1, mom2, terms, CALIBRATED: tl.constexpr):
+        """(R,) bounds on |d1| and |d2| of R vectors with operand norms a (R,), ΣC² sq (R,), references ref1, ref2 (R,)
+        and operand-rounding moments mom1, mom2 (R,) fp64 (zeros without them): abft/tile_terms.py's rule, term by
+        term (``TileTerms.pair`` is the same in torch). terms: ``TileTerms.as_tuple()``. The variance is fp64, as in
+        tolerance.py: u²·a²·b² underflows fp32 for values below ~1e-15."""
+        floor = terms[0]
+        n = terms[7]
+        a_f = a + floor
+        rig1 = a_f * b_sum * terms[1] + terms[2]
+        rig2 = rig1 * n
+        if CALIBRATED:
+            # The scalars join fp64 tensors only (a Python float under the interpreter, an fp32 scalar compiled).
+            a64 = a_f.to(tl.float64)
+            a2 = a64 * a64
+            sqp = sq.to(tl.float64) + n * terms[11]
+            var1 = a2 * (b_sq1 * terms[3] + r1 * r1 * terms[4]) + sqp * terms[5] + mom1 * terms[10]
+            var2 = a2 * (b_sq2 * terms[3] + r2 * r2 * terms[4]) + sqp * terms[5] * n * n + mom2 * terms[10]
+            # A non-finite reference adds nothing to the truncation term (it is never flagged anyway).
+            ref1_abs = tl.where(tl.abs(ref1) <= 3.4028234663852886e38, tl.abs(ref1), 0.0).to(tl.float64)
+            ref2_abs = tl.where(tl.abs(ref2) <= 3.4028234663852886e38, tl.abs(ref2), 0.0).to(tl.float64)
+            cal1 = tl.sqrt(var1) * terms[8] + ref1_abs * terms[9] + terms[2]
+            cal2 = tl.sqrt(var2) * terms[8] + ref2_abs * terms[9] + terms[6]
+            rig1 = tl.minimum(rig1, cal1.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+            rig2 = tl.minimum(rig2, cal2.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+        # tolerance._clamp: an undefined bound (NaN, +INF) reads NEAR_INF, so an extreme residual still flags.
+        b1 = tl.where((rig1 != rig1) | (rig1 == float("inf")), 1e10, rig1)
+        b2 = tl.where((rig2 != rig2) | (rig2 == float("inf")), 1e10, rig2)
+        return b1, b2
+
+    @_jit
+    def verdict(sum1, sum2, ref1, ref2, b1, b2):
+        """checksum.verify_direction per vector: (bad (R,), d1 (R,), ratio (R,)). A vector is bad when its reference
+        is finite and |d1| or |d2| exceeds its bound (or is NaN: `<=` is False for it); a non-finite reference is an
+        upstream fault, not this product's. ratio: max(|d1|/b1, |d2|/b2), records._ratio."""
+        d1 = ref1 - sum1
+        d2 = ref2 - sum2
+        ok = (tl.abs(d1) <= b1) & (tl.abs(d2) <= b2)
+        bad = (tl.abs(ref1) <= 3.4028234663852886e38) & (ok == 0)
+        x1 = tl.abs(d1) / tl.maximum(b1, 1e-30)
+        x2 = tl.abs(d2) / tl.maximum(b2, 1e-30)
+        return bad, d1, tl.maximum(x1, x2, propagate_nan=tl.PropagateNan.ALL)
+
+    @_jit
+    def check(x, ref1, ref2, a, b_sum, b_sq1, b_sq2, r1, r2, mom1, mom2, terms, CALIBRATED: tl.constexpr):
+        """The vectors along axis 1 of a tile x (R, C) fp32 against their references: (bad, d1, b1, ratio) (R,)."""
+        w = weights(x.shape[1])
+        sum1 = rsum(x, 1)
+        sum2 = rsum(x * w[None, :], 1)
+        sq = rsum(x * x, 1)
+        b1, b2 = bound(a, b_sum, b_sq1, b_sq2, r1, r2, sq, ref1, ref2, mom1, mom2, terms, CALIBRATED)
+        bad, d1, ratio = verdict(sum1, sum2, ref1, ref2, b1, b2)
+        return bad, d1, b1, ratio
+
+    @_jit
+    def refs(a_op, bw_e, bw_w):
+        """(R,) references (A·(B e), A·(B w)) of a tile A·B, from A (R, K) and B's weighted sums (K,) in fp32."""
+        return rsum(a_op * bw_e[None, :], 1), rsum(a_op * bw_w[None, :], 1)
+
+    @_jit
+    def locate(x, ref1, ref2, near_inf):
+        """abft.repair.locate_and_fix's location per vector of x (R, C): (col (R,) int32, locatable (R,), extreme
+        count (R,), the vector's sum of its finite elements (R,), d1 (R,)). An extreme element (INF, NaN, |x| >
+        near_inf) is found by value (one per vector at most); else d2/d1 - 1 when that is nearly an integer in range."""
+        n: tl.constexpr = x.shape[1]
+        cols = tl.arange(0, n)
+        ext = (x != x) | (tl.abs(x) > near_inf)
+        n_ext = rsum(ext.to(tl.int32), 1)
+        finite = tl.where(ext, 0.0, x)
+        w = weights(n)
+        g1 = rsum(finite, 1)
+        d1 = ref1 - g1
+        pos = (ref2 - rsum(finite * w[None, :], 1)) / d1
+        rnd = tl.floor(pos + 0.5)
+        at = rnd - 1.0
+        located = (tl.abs(pos - rnd) <= 0.3) & (at >= 0.0) & (at < n)  # False for NaN and INF positions
+        at_ext = rmin(tl.where(ext, cols[None, :], n), 1)
+        col = tl.where(n_ext == 1, at_ext, tl.where(located, at, 0.0).to(tl.int32))
+        ok = (tl.abs(ref1) <= 3.4028234663852886e38) & (tl.abs(ref2) <= 3.4028234663852886e38)
+        locatable = ok & ((n_ext == 1) | ((n_ext == 0) & located))
+        return col, locatable, n_ext, g1, d1
+
+    @_jit
+    def fix(x, ref1, ref2, bad, near_inf, fix_threshold):
+        """Correct each bad, locatable vector of x (R, C) at its one faulty element (abft.repair.locate_and_fix): an
+        extreme element, or a difference above fix_threshold, is rebuilt as the checksum minus the healthy elements;
+        a smaller difference is added back. Returns (x fixed, (R, C) mask of the elements changed)."""
+        col, locatable, n_ext, g1, d1 = locate(x, ref1, ref2, near_inf)
+        at = tl.arange(0, x.shape[1])[None, :] == col[:, None]
+        old = rsum(tl.where(at, x, 0.0), 1)
+        healthy = g1 - tl.where(n_ext == 1, 0.0, old)
+        rebuilt = ref1 - healthy
+        new = tl.where((n_ext == 1) | (tl.abs(d1) > fix_threshold), rebuilt, old + d1)
+        hit = at & (bad & locatable)[:, None]
+        return tl.where(hit, new[:, None], x), hit
+
+    @_jit
+    def extreme_of(x):
+        """(R,) the most extreme element of each vector of x (R, C): NaN first, then the largest magnitude (signed),
+        as abft.repair._worst_value picks the value a report shows."""
+        n: tl.constexpr = x.shape[1]
+        cols = tl.arange(0, n)
+        has_nan = rsum((x != x).to(tl.int32), 1) > 0
+        mag = tl.where(x != x, -1.0, tl.abs(x))
+        big = rmax(mag, 1)
+        at = rmin(tl.where(mag == big[:, None], cols[None, :], n), 1)
+        value = rsum(tl.where(cols[None, :] == at[:, None], x, 0.0), 1)
+        return tl.where(has_nan, float("nan"), value)
+
+    @_jit
+    def pick(x, i):
+        """x[i] of a 1-D x as a scalar (i a scalar index; 0 when out of range)."""
+        return rsum(tl.where(tl.arange(0, x.shape[0]) == i, x, 0), 0)
+
+    @_jit
+    def pick2(x, r, c):
+        """x[r, c] of a 2-D x as a scalar (NaN and INF kept: every other element contributes an exact 0)."""
+        at = (tl.arange(0, x.shape[0])[:, None] == r) & (tl.arange(0, x.shape[1])[None, :] == c)
+        return rsum(tl.where(at, x, 0.0), None)
+
+    @_jit
+    def first(mask):
+        """The first index where a 1-D mask is set, -1 if none."""
+        n: tl.constexpr = mask.shape[0]
+        at = rmin(tl.where(mask, tl.arange(0, n), n), 0)
+        return tl.where(at == n, -1, at)
+
+    @_jit
+    def worst_flagged(bad, d1, b1, ratio):
+        """(ratio, |d1| (NaN when not finite), bound) of the worst flagged vector (a non-finite residual counts as
+        infinitely bad), ratio -1 if none: what a report shows as residual and bound (abft.repair._residual)."""
+        finite = (tl.abs(d1) <= 3.4028234663852886e38) & (ratio == ratio)
+        r = tl.where(bad, tl.where(finite, ratio, float("inf")), -1.0)
+        best = rmax(r, 0)
+        at = first(r == best)
+        d = tl.abs(pick(d1, at))
+        return best, tl.where(d <= 3.4028234663852886e38, d, float("nan")), pick(b1, at)
+
+    @_jit
+    def max_nan(a, b):
+        """max(a, b), NaN if either is NaN (torch.amax, which the clean-ratio histogram takes)."""
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
