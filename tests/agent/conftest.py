@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
+from attnchecker.checks.deferred import drain
 from attnchecker.events import Detection
 
 # Example counts are set per test (the CPU budget differs a lot between a pure checksum test and a whole layer).
@@ -23,13 +24,22 @@ settings.register_profile("dev", deadline=None, suppress_health_check=[HealthChe
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 class Recorder:
-    """The runtime's on_detection sink: keeps every record."""
+    """The runtime's on_detection sink: keeps every record. A test without a guard has no step boundary: reading the
+    detections is one (the device-side records of the calls so far, checks/deferred.py, are emitted first, as
+    Guard.step() would)."""
 
     def __init__(self) -> None:
-        self.detections: list[Detection] = []
+        self._detections: list[Detection] = []
+        self.runtime: Runtime | None = None
 
     def __call__(self, det: Detection) -> None:
-        self.detections.append(det)
+        self._detections.append(det)
+
+    @property
+    def detections(self) -> list[Detection]:
+        if self.runtime is not None and self.runtime.deferred:
+            drain(self.runtime.deferred)
+        return self._detections
 
     def by_op(self, op: str) -> list[Detection]:
         return [d for d in self.detections if d.op == op]
@@ -49,6 +59,7 @@ def make_ctx() -> Callable[..., tuple[LayerContext, Recorder]]:
         recorder = Recorder()
         runtime = Runtime(step=step, config=CheckConfig(**config), injector=injector, on_detection=recorder,
                           stats=OpStats())
+        recorder.runtime = runtime
         return LayerContext(layer=layer, runtime=runtime), recorder
 
     return build

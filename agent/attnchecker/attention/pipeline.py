@@ -13,6 +13,7 @@ Syncs: the backend's (one per call on the CPU backends, to decide whether the sl
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -27,6 +28,7 @@ from ..gemm.schedule import whole_step_trips
 from .backends import AttentionBackend, AttentionCall, choose, requested
 from .backends.native_cpu import NativeBackend
 from .backends.tiled_torch import TiledBackend
+from .backends.triton import TritonBackend
 from .backends.unfused import UnfusedBackend
 from .backends.unfused import context_checks as context_checks  # re-exported: tests and bench verify through them
 from .backends.unfused import scores_checks as scores_checks
@@ -41,7 +43,8 @@ __all__ = [
 ]
 
 
-BACKEND_ORDER: tuple[AttentionBackend, ...] = (NativeBackend(), TiledBackend(), UnfusedBackend())
+TRITON = TritonBackend()
+BACKEND_ORDER: tuple[AttentionBackend, ...] = (TRITON, NativeBackend(), TiledBackend(), UnfusedBackend())
 """The backends auto tries, fastest first (backends.BACKENDS); the unfused one takes every call."""
 
 unfused_tier1 = True
@@ -88,7 +91,17 @@ def protected_sdpa(
         raise ValueError(f"q has {h} heads and k/v {hk}: pass enable_gqa=True with a divisor head count")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     cfg = ctx.config
-    if (not (cfg.checks("scores") or cfg.checks("context")) and ctx.runtime.injector is None and not return_probs
+    injector = ctx.runtime.injector
+
+    def call_with(force: frozenset[str]) -> AttentionCall:
+        return AttentionCall(
+            q_BHTD=q_BHTD, k_BHSD=k_BHSD, v_BHSD=v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal,
+            scale=scale, dropout_p=dropout_p, return_probs=return_probs, paper=not cfg.source_repair and use_passed,
+            force=force, injected=injector is not None and any(injector.fires(op=op, layer=ctx.layer, step=ctx.step)
+                                                               for op in ("scores", "context")),
+            requested=requested(), caught=[0])
+
+    if (not (cfg.checks("scores") or cfg.checks("context")) and injector is None and not return_probs
             and not (is_causal and attn_mask is not None) and not _unfused_tier1(q_BHTD, dropout_p, attn_mask, ctx)):
         # Nothing to verify or inject in this call (an adaptive step that skips both ops, or mode off): the fused
         # kernel, exactly what the unprotected model runs. Passed checksums of this layer are dropped unused.
@@ -97,6 +110,11 @@ def protected_sdpa(
         if not (cfg.trips("scores") or cfg.trips("context")):
             return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=attn_mask, dropout_p=dropout_p,
                                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        # Tier 1 reads no passed checksums: paper-faithful mode does not keep it off the kernel.
+        tier1 = dataclasses.replace(call_with(frozenset()), paper=False)
+        if not TRITON.not_supported_reasons(tier1):
+            # Tier 1 in the Triton kernel: a trip is recovered by its repair kernel, on the device, with no sync.
+            return TRITON.tier1(tier1)
         fused, trip = _tripwire_sdpa(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal,
                                      scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)
         if trip is None or cfg.mode != "correct":
@@ -108,13 +126,7 @@ def protected_sdpa(
         force = frozenset(("scores", "context"))
     else:
         trip, force = None, frozenset()
-    injector = ctx.runtime.injector
-    call = AttentionCall(
-        q_BHTD=q_BHTD, k_BHSD=k_BHSD, v_BHSD=v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-        dropout_p=dropout_p, return_probs=return_probs, paper=not cfg.source_repair and use_passed, force=force,
-        injected=injector is not None and any(injector.fires(op=op, layer=ctx.layer, step=ctx.step)
-                                              for op in ("scores", "context")),
-        requested=requested(), caught=[0])
+    call = call_with(force)
     choice = choose(call, BACKEND_ORDER)
     ctx.runtime.calls.ran(ctx.layer, choice.backend.name, choice.declined)
     got = choice.backend.run(call)

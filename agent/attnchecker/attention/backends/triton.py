@@ -1,0 +1,277 @@
+"""The Triton backend: the checked attention forward as one fused kernel per call and a repair kernel after it
+(kernels/triton_attention.py), for CUDA. The tile contract is verified in the kernel with every tile in registers,
+flags and the records of flagged blocks stay on the device, and a flagged block is recomputed, with located errors
+corrected, by the repair kernel, on the device: the call makes no host-device sync. The host learns what happened at
+the step boundary (checks/deferred.py), in one sync for the whole step, and only reads a call's records when its
+status says something flagged.
+
+On CPU tensors it runs under Triton's interpreter (TRITON_INTERPRET=1), only where ATTNCHECKER_ATTENTION=triton asks
+for it (the interpreter runs a tile in tens of milliseconds): the tests run the engine's suites on it that way.
+
+Faults: ``attnchecker.inject``'s plan is written into the kernel's tiles (its fault table), as are
+kernels.triton_attention.emulated_faults; a dispatch-mode injector below autograd never sees the kernel's products,
+so a call under a TorchDispatchMode is declined (ATTNCHECKER_ATTENTION=tiled runs them as torch ops).
+
+Backward: the verified output and log-sum-exp feed the fused CPU kernel's backward (attention/backward/fused.py: under
+protect(scope="all") its checked encoded form), as the tiled backend's; with attention dropout, and on CUDA until the
+Triton backward lands, attention/backward/replay.py (dropout's keep mask regenerated from the kernel's seed).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from ...abft.repair import MatrixReport, pattern_of
+from ...abft.tolerance import NEAR_INF
+from ...checks.context import LayerContext
+from ...checks.deferred import defer
+from ...checks.product import _tolerance
+from ...checks.records import _count, _count_trips, _record_ratio
+from ...inject import DEFAULT_NEAR_INF, Injected, WindowHit
+from ...kernels import triton_attention as kernel
+from ...matmul_precision import current_fp32_precision, fp32_matmul_operand_roundoff
+from ..backward.fused import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
+from ..backward.replay import Replay, replay_attention
+from . import AttentionCall, BackendOutput
+from .tiled_torch import _causal_into_mask, _RecomputedBackward
+
+__all__ = ["MAX_HEAD_DIM", "TritonBackend", "reports_of"]
+
+MAX_HEAD_DIM = 256
+"""The largest head dim the kernel tiles (a whole head row is one tile row; beyond 256 its registers spill)."""
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ACTIONS = ("detected", "recomputed", "corrected", "uncorrectable")
+
+
+class TritonBackend:
+    name = "triton"
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        q, k, v, mask = call.q_BHTD, call.k_BHSD, call.v_BHSD, call.attn_mask
+        why = kernel.not_available_reason(q.device)
+        if why is not None:
+            return [why]
+        reasons = []
+        if q.device.type == "cpu" and call.requested != self.name:
+            reasons.append("CPU tensors under Triton's interpreter: taken only when ATTNCHECKER_ATTENTION=triton asks "
+                           "(the interpreter is for tests)")
+        if _get_current_dispatch_mode() is not None:
+            reasons.append("a TorchDispatchMode is active, and it expects to see the products as aten ops (the "
+                           "kernel's are not)")
+        if any(type(x) is not torch.Tensor for x in (q, k, v)):
+            reasons.append("a tensor subclass (fake, meta or distributed) has no memory of its own to read")
+        if any(x.dtype != q.dtype for x in (k, v)) or q.dtype not in _DTYPES:
+            reasons.append(f"dtypes {q.dtype}/{k.dtype}/{v.dtype}: the kernel takes float32, bfloat16 or float16, "
+                           "the same for q, k and v")
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            reasons.append("operands that are not (B, H, T, D)")
+        elif v.shape[-1] != q.shape[-1] or k.shape[-1] != q.shape[-1]:
+            reasons.append("v's head dim differs from q's and k's")
+        elif q.shape[-1] > MAX_HEAD_DIM:
+            reasons.append(f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}, more than the kernel tiles")
+        elif 0 in q.shape or 0 in k.shape:
+            reasons.append("an empty operand")
+        if call.return_probs:
+            reasons.append("the caller asked for AP itself (return_probs), which the kernel never holds whole")
+        if call.paper:
+            reasons.append("paper-faithful checksum passing: its references sum over all T tokens, not one tile's")
+        if call.mask_grad:
+            reasons.append("a mask that requires grad (a learned bias): only a graph through the mask gives its "
+                           "gradient")
+        if mask is not None and (mask.device != q.device or not (mask.dtype == torch.bool or mask.is_floating_point())
+                                 or mask.dim() > 4):
+            reasons.append("a mask that is not a bool or floating tensor of at most 4 dims on q's device")
+        if q.dtype == torch.float32 and current_fp32_precision(q.device.type) == "bf16":
+            reasons.append("fp32 matmuls in oneDNN's bf16 mode: the kernel's GEMMs are IEEE fp32 or TF32")
+        if not math.isfinite(call.scale):
+            reasons.append(f"scale {call.scale!r} is not finite")
+        return reasons
+
+    def run(self, call: AttentionCall) -> BackendOutput:
+        """Every op the step verifies, traps (tier 1) or forces, verified in full in the kernel (as the tiled path
+        does: per tile the checks cost about what the tripwire would)."""
+        cfg = call.ctx.config
+        tiers = {op: "abft" if cfg.checks(op) and op not in call.force else "tripwire"
+                 for op in kernel.OPS if cfg.checks(op) or op in call.force or cfg.trips(op)}
+        return _run(call, "full" if tiers else None, tiers)
+
+    def tier1(self, call: AttentionCall) -> torch.Tensor:
+        """Tier 1 (attention/pipeline.py, when neither op is due): the kernel's tripwire variant, a trip recovered by
+        the repair kernel with full checks, on the device."""
+        return _run(call, "tier1", dict.fromkeys(kernel.OPS, "tripwire")).out_BHTD
+
+
+def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> BackendOutput:
+    ctx = call.ctx
+    for name in ("q", "k", "v"):
+        # The tiles take their references from the operands: a projection's passed checksums go unused.
+        ctx.passed.take(name)
+    t0 = time.perf_counter()
+    q, k, v = call.q_BHTD, call.k_BHSD, call.v_BHSD
+    u_in = fp32_matmul_operand_roundoff(q.device) if q.dtype == torch.float32 else None
+    checks = kernel.Checks(mode=mode, scores="scores" in tiers, context="context" in tiers, tol=_tolerance(ctx),
+                           operand_roundoff=u_in, repair=ctx.config.mode == "correct")
+    seed = None
+    if call.dropout_p > 0.0:
+        # From the device's generator: torch.manual_seed reproduces it, and no value crosses to the host.
+        seed = torch.randint(0, 2**31 - 1, (1,), device=q.device, dtype=torch.int64)
+    hits, faults = _faults(ctx, q, v.shape[-1], k.shape[-2])
+    with torch.no_grad(), _quiet():
+        got = kernel.forward(q.detach(), k.detach(), v.detach(), scale=call.scale, checks=checks,
+                             is_causal=call.is_causal, attn_mask=call.attn_mask, dropout_p=call.dropout_p, seed=seed,
+                             faults=faults)
+    if hits:
+        _record_injected(hits, got)
+    ops = list(tiers)
+    if got.records is not None:
+        for op in ops:
+            i = kernel.OPS.index(op)
+            defer(ctx, op, got.status[i], reports_of(got.records, i, q.shape[1]), tier=tiers[op])
+        if mode == "full":
+            first = 2 + kernel.OPS.index(ops[0])  # ops keep OPS's order: a slice, not an index tensor (a copy)
+            _record_ratio(ctx, got.status[first : first + len(ops)], ops)
+    out = got.out_BHTD
+    if call.needs_grad:
+        out = _with_grad(call, got, seed)
+    # The host's share of the call (its launches): the checks themselves run on the device, inside the kernel.
+    seconds = (time.perf_counter() - t0) / max(1, len(ops))
+    for op in ops:
+        if mode == "tier1":
+            continue
+        if tiers[op] == "abft":
+            _count(ctx, op, seconds)
+        else:
+            _count_trips(ctx, [op], seconds)
+    if mode == "tier1":
+        _count_trips(ctx, ops, seconds * len(ops))
+    return BackendOutput(out, got.lse_BHT)
+
+
+def _with_grad(call: AttentionCall, got: kernel.Result, seed: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's output with autograd attached (module docstring: which backward)."""
+    q, k, v = call.q_BHTD, call.k_BHSD, call.v_BHSD
+    h = q.shape[1]
+    if call.dropout_p == 0.0 and q.device.type == "cpu":
+        k_rep, v_rep = _expand_heads(k, h), _expand_heads(v, h)
+        out: torch.Tensor = _VerifiedAttention.apply(q, k_rep, v_rep, _Forward(
+            out_BHTD=got.out_BHTD, lse_BHT=got.lse_BHT, mask_add=_additive_mask(call.attn_mask, q.dtype),
+            scale=call.scale, is_causal=call.is_causal, layer=call.ctx, block_q=got.block_m))
+        return out
+    if call.dropout_p == 0.0:
+        # TODO(triton-fwd): the Triton backward (kernels/triton_attention_bwd.py, issue 31 item 3) goes here, checked
+        # under protect(scope="all"); until it lands, the gradient of fused SDPA at the verified q, k, v.
+        k_rep, v_rep = _expand_heads(k, h), _expand_heads(v, h)
+        attn_mask, is_causal = call.attn_mask, call.is_causal
+        if is_causal and attn_mask is not None:
+            attn_mask, is_causal = _causal_into_mask(attn_mask, q.shape[-2], k.shape[-2]), False
+        grad: torch.Tensor = _RecomputedBackward.apply(q, k_rep, v_rep, got.out_BHTD, (attn_mask, is_causal,
+                                                                                      call.scale))
+        return grad
+    return replay_attention(q, k, v, Replay(out_BHTD=got.out_BHTD, lse_BHT=got.lse_BHT, attn_mask=call.attn_mask,
+                                            is_causal=call.is_causal, scale=call.scale, dropout_p=call.dropout_p,
+                                            seed=seed))
+
+
+def reports_of(records: torch.Tensor, op: int, heads: int) -> Callable[[], list[MatrixReport]]:
+    """The reports of one op of a call, made from the kernels' records (kernels/triton_attention.FIELDS) once the
+    step's drain found the call's status flagged: one per flagged (matrix, query block)."""
+
+    def build() -> list[MatrixReport]:
+        got = records[:, :, op, : len(kernel.FIELDS)]
+        flagged = (got[..., 0] != 0).nonzero().tolist()  # sync: slow path only, at the step boundary
+        picked = got[[n for n, _ in flagged], [i for _, i in flagged]].tolist() if flagged else []  # sync: as above
+        reports = []
+        for (n, _), fields in zip(flagged, picked, strict=True):
+            rep = _report(divmod(n, heads), dict(zip(kernel.FIELDS, fields, strict=True)))
+            if rep is not None:
+                reports.append(rep)
+        return reports
+
+    return build
+
+
+def _report(index: tuple[int, int], rec: dict[str, float]) -> MatrixReport | None:
+    """One block's record as a report: the pattern from its flagged rows and columns, the place of its first flagged
+    element (a block's top-left, a line's row or column alone, as abft.repair reports them), the action its outcome
+    says; None for a dismissed tier-1 trip."""
+    outcome = kernel.OUTCOMES[int(rec["outcome"])]
+    if outcome == "dismissed":
+        return None
+    action = "detected" if outcome == "none" else outcome
+    n_rows, n_cols = int(rec["n_rows"]), int(rec["n_cols"])
+    row = int(rec["row"]) if rec["row"] >= 0 else None
+    col = int(rec["col"]) if rec["col"] >= 0 else None
+    pattern = pattern_of(n_rows, n_cols)
+    if pattern == "1d":
+        row, col = (row, None) if n_rows <= 1 else (None, col)
+    residual = rec["residual"] if math.isfinite(rec["residual"]) else None
+    bound = rec["bound"] if rec["flag"] != 2 else NEAR_INF
+    return MatrixReport(index=index, pattern=pattern, row=row, col=col, value=rec["value"], residual=residual,
+                        bound=bound, action=action)
+
+
+def _faults(ctx: LayerContext, q: torch.Tensor, d: int, s: int
+            ) -> tuple[list[tuple[str, WindowHit]], list[kernel.Fault]]:
+    """The call's faults as the kernel's table: attnchecker.inject's plan, located on the whole (B, H, T, S) scores
+    and (B, H, T, D) context (Injector.resolve), one entry per element; then any emulated ones (tests)."""
+    b, h, t, _ = q.shape
+    injector = ctx.runtime.injector
+    hits: list[tuple[str, WindowHit]] = []
+    table: list[kernel.Fault] = []
+    if injector is not None:
+        for op, shape in (("scores", (b, h, t, s)), ("context", (b, h, t, d))):
+            for hit in injector.resolve(op=op, layer=ctx.layer, step=ctx.step, shape=shape):
+                hits.append((op, hit))
+                kind, value = _kind_of(hit.fault.kind, hit.fault.value)
+                n = hit.lead[0] * h + hit.lead[1]
+                table += [(op, n, r, c, kind, value, hit.fault.persistent) for r in hit.rows for c in hit.cols]
+    return hits, table + kernel.take_faults()
+
+
+def _kind_of(kind: str, value: float | None) -> tuple[str, float]:
+    """attnchecker.inject's fault kinds in the kernel's terms (inject._corrupt)."""
+    if kind in ("inf", "neg_inf", "nan"):
+        return "set", {"inf": math.inf, "neg_inf": -math.inf, "nan": math.nan}[kind]
+    if kind == "near_inf":
+        return "set", DEFAULT_NEAR_INF if value is None else value
+    if kind == "add":
+        return "add", 1.0 if value is None else value
+    return "bitflip", 0.0
+
+
+def _record_injected(hits: list[tuple[str, WindowHit]], got: kernel.Result) -> None:
+    """The injector's ground truth, as WindowHit.apply records it: once per fault and computation, when the kernel
+    wrote the fault's first element (a causal tile the kernel skipped holds none)."""
+    assert got.faults_seen is not None
+    seen = got.faults_seen.tolist()  # sync: injection only, never on a call without a planned fault
+    for attempt in (0, 1):
+        first = 0
+        for _, hit in hits:
+            f = hit.fault
+            applied, before, after = seen[first][attempt]
+            if applied:
+                hit.sink.append(Injected(
+                    fault=f, op=f.op, layer=f.layer, step=f.step, kind=f.kind, pattern=f.pattern, batch=hit.lead[0],
+                    head=hit.lead[1], rows=tuple(hit.rows), cols=tuple(hit.cols), original=before, value=after,
+                    attempt=attempt))
+            first += len(hit.rows) * len(hit.cols)
+
+
+@contextlib.contextmanager
+def _quiet():  # type: ignore[no-untyped-def]
+    """Under the interpreter, numpy's warnings for IEEE arithmetic (INF - INF, x / 0) that a GPU does silently."""
+    if not kernel.interpreting():
+        yield
+        return
+    import warnings
+
+    import numpy as np
+
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # np.nanmax of an all-NaN row: a GPU's max just returns NaN
+        yield
