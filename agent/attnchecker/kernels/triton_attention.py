@@ -250,10 +250,27 @@ def forward(
         COLS=checks.cols or debug, FAULTS=table is not None, DEBUG=dbg is not None,
         num_warps=blk.warps, num_stages=blk.stages,
     )
-    launch(MODE=mode, REPAIR=False)
-    if checking and checks.repair:
-        launch(MODE=2, REPAIR=True)
+    with _ieee_quietly():
+        launch(MODE=mode, REPAIR=False)
+        if checking and checks.repair:
+            launch(MODE=2, REPAIR=True)
     return Result(out, lse, status, records, blk.m, seen, dbg)
+
+
+@contextlib.contextmanager
+def _ieee_quietly() -> Iterator[None]:
+    """Under the interpreter, numpy's warnings for IEEE arithmetic a GPU does silently (INF - INF, x / 0, the max of
+    an all-NaN row): the kernel's faults and masked rows make them on purpose."""
+    if not interpreting():
+        yield
+        return
+    import warnings
+
+    import numpy as np
+
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
 
 
 def _terms(checks: Checks, blk: Blocks, d: int) -> tuple[tuple[float, ...], ...]:
@@ -511,7 +528,7 @@ if triton is not None:
     @_jit
     def _debug(Debug, tile, part, sum_x, sum_wx, sq, ref1, ref2, a, b1, ratio, bad, mom1, mom2, VMAX: tl.constexpr):
         """Tests: one direction's per-vector [Σx, Σw·x, Σx², ref1, ref2, a, bound on |d1|, ratio, bad, mom1, mom2] of
-        a tile (part: 0 scores rows, 1 scores columns, 2 context rows, 3 context columns)."""
+        a tile (part: 0 scores rows, 1 scores columns, 2 context rows, 3 context columns; 11, 12: _debug_norms)."""
         at = Debug + ((tile * 4 + part) * VMAX + tl.arange(0, sum_x.shape[0])) * 16
         tl.store(at + 0, sum_x)
         tl.store(at + 1, sum_wx)
@@ -524,6 +541,12 @@ if triton is not None:
         tl.store(at + 8, bad.to(tl.float32))
         tl.store(at + 9, mom1.to(tl.float32))
         tl.store(at + 10, mom2.to(tl.float32))
+
+    @_jit
+    def _debug_norms(Debug, tile, part, n: tl.constexpr, r1, r2, VMAX: tl.constexpr):
+        at = Debug + ((tile * 4 + part) * VMAX + tl.arange(0, n)) * 16
+        tl.store(at + 11, tl.full([n], 0, tl.float32) + r1.to(tl.float32))
+        tl.store(at + 12, tl.full([n], 0, tl.float32) + r2.to(tl.float32))
 
     @_jit
     def _debug_tile(Debug, tile, part, x, bad, ratio, ref1, ref2, a, b1, mom1, mom2, VMAX: tl.constexpr):
@@ -737,6 +760,9 @@ if triton is not None:
                     _debug_tile(Debug, tile, 2, cl, bad, ratio, ref1, ref2, a_c, b1, mom1, mom2, VMAX)
                     _debug_tile(Debug, tile, 3, tl.trans(cl), cbad, cratio, cref1, cref2, v_col, cb1, cmom1, cmom2,
                                 VMAX)
+                    # The columns' reference weight-vector norms (‖wᵀP̃_c‖): an input of their rule made from P̃.
+                    _debug_norms(Debug, tile, 3, BLOCK_D, tc.ref_norm(tc.rsum(pcf, 0), 0.0),
+                                 tc.ref_norm(tc.rsum(pcf * w_m[:, None], 0), 0.0), VMAX)
                 worst_c, rec_c, rows_c, flagged = _tally(worst_c, rec_c, rows_c, cl, (bad, d1, b1, ratio, ref1, ref2),
                                                          (cbad, cd1, cb1, cratio, cref1, cref2), pid_m * BLOCK_M, 0,
                                                          fixing[0])

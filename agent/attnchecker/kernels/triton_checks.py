@@ -77,7 +77,8 @@ if triton is not None:
         floor = terms[0]
         n = terms[7]
         a_f = a + floor
-        rig1 = a_f * b_sum * terms[1] + terms[2]
+        # The paper's threshold (rig_coef 0) is E whatever the norms: a NaN norm must not make it NaN·0.
+        rig1 = tl.where(terms[1] == 0.0, 0.0, a_f * b_sum * terms[1]) + terms[2]
         rig2 = rig1 * n
         if CALIBRATED:
             # The scalars join fp64 tensors only (a Python float under the interpreter, an fp32 scalar compiled).

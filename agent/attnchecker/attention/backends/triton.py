@@ -18,7 +18,6 @@ Triton backward lands, attention/backward/replay.py (dropout's keep mask regener
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -121,7 +120,7 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
         # From the device's generator: torch.manual_seed reproduces it, and no value crosses to the host.
         seed = torch.randint(0, 2**31 - 1, (1,), device=q.device, dtype=torch.int64)
     hits, faults = _faults(ctx, q, v.shape[-1], k.shape[-2])
-    with torch.no_grad(), _quiet():
+    with torch.no_grad():
         got = kernel.forward(q.detach(), k.detach(), v.detach(), scale=call.scale, checks=checks,
                              is_causal=call.is_causal, attn_mask=call.attn_mask, dropout_p=call.dropout_p, seed=seed,
                              faults=faults)
@@ -260,18 +259,3 @@ def _record_injected(hits: list[tuple[str, WindowHit]], got: kernel.Result) -> N
                     head=hit.lead[1], rows=tuple(hit.rows), cols=tuple(hit.cols), original=before, value=after,
                     attempt=attempt))
             first += len(hit.rows) * len(hit.cols)
-
-
-@contextlib.contextmanager
-def _quiet():  # type: ignore[no-untyped-def]
-    """Under the interpreter, numpy's warnings for IEEE arithmetic (INF - INF, x / 0) that a GPU does silently."""
-    if not kernel.interpreting():
-        yield
-        return
-    import warnings
-
-    import numpy as np
-
-    with np.errstate(all="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # np.nanmax of an all-NaN row: a GPU's max just returns NaN
-        yield

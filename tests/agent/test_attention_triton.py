@@ -1,0 +1,287 @@
+"""The engine on the Triton backend (ATTNCHECKER_ATTENTION=triton; on CPU under Triton's interpreter), tiles of
+16 × 16 so the suites' small shapes cross several.
+
+- The engine suites (test_attention_layer.py, test_attention_fused_backward.py) re-run on it: equivalence with SDPA
+  over shapes, dtypes, masks and GQA; every extreme fault in the scores and the context corrected; a bad row, column
+  or block; a fault that repeats; loss and gradients equal to the fault-free step's; detect and extreme modes; the
+  wire fields. The interpreter runs a tile in milliseconds, so the parametrised suites run a selection of their cases
+  (every op-through-the-kernel case of each kind) and the property-based ones fewer examples of the same strategies.
+- Through protect(): GPT-Neo (a global and a sliding-window layer), Llama (GQA, RoPE) and GPT-2 with attention dropout
+  0.1, each with a fault attnchecker.inject writes into the kernel's tiles: reported at the step boundary, loss and
+  gradients the fault-free step's, 0 false positives on the clean twin.
+- A protected forward is a small, fixed number of launches whatever T (counted under the interpreter), and the
+  backend's run makes no host-device sync, on full-check and tier-1 steps.
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import functools
+import math
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import test_attention_fused_backward as fused_suite
+import test_attention_layer as layer_suite
+import torch
+import triton.runtime.interpreter as interpreter
+from hypothesis import given, settings
+from model_zoo import batch, build, loss_of
+from scoped_env import scoped_env
+from test_attention_layer import layer_params, run_layer, seeded
+from torch.overrides import TorchFunctionMode
+
+import attnchecker
+from attnchecker.attention.backends import BACKEND_ENV
+from attnchecker.attention.backends.tiled_torch import TILE_ENV
+from attnchecker.attention.backward.replay import Replay, replay_backward
+from attnchecker.attention.pipeline import protected_sdpa
+from attnchecker.inject import Fault, FaultPlan
+from attnchecker.kernels import triton_attention
+
+pytestmark = pytest.mark.skipif(not triton_attention.available("cuda" if torch.cuda.is_available() else "cpu"),
+                                reason="no triton, or neither a GPU nor TRITON_INTERPRET=1")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def force_triton() -> Iterator[None]:
+    """Module scope (hypothesis refuses function-scoped fixtures): set for this module's tests, restored after."""
+    with scoped_env({BACKEND_ENV: "triton", TILE_ENV: None}):
+        yield
+
+
+def fewer(test: Any, examples: int) -> Any:
+    """A suite's property-based test, its body and strategies, with fewer examples."""
+    handle = test.hypothesis
+
+    @functools.wraps(handle.inner_test)
+    def body(*args: Any, **kwargs: Any) -> None:
+        handle.inner_test(*args, **kwargs)
+
+    return settings(max_examples=examples)(given(**handle._given_kwargs)(body))
+
+
+# ------------------------------------------------------------------------------------------- the engine's suites
+
+test_protected_sdpa_matches_sdpa_without_faults = fewer(layer_suite.test_protected_sdpa_matches_sdpa_without_faults,
+                                                        8)
+test_any_single_extreme_error_leaves_the_layer_output_fault_free = fewer(
+    layer_suite.test_any_single_extreme_error_leaves_the_layer_output_fault_free, 3)
+
+# Whole, every case. Left out: tests that never reach the attention's kernel (projections, paper mode), the sync
+# count through a TorchDispatchMode (the backend declines under one: test_the_backend_makes_no_host_sync counts
+# here), and the bitwise-SDPA tier-1 step (tier 1 runs in the kernel on this backend).
+for _suite, _names in ((layer_suite, ("test_protected_layer_matches_the_unprotected_layer",
+                                      "test_autocast_layer_never_flags_clean_and_corrects_faults",
+                                      "test_detect_mode_reports_and_changes_nothing",
+                                      "test_extreme_mode_corrects_extreme_errors_and_ignores_small_ones",
+                                      "test_every_detection_carries_the_wire_fields",
+                                      "test_stats_count_checks_and_bucketize_residuals_on_device",
+                                      "test_dropout_recompute_reuses_the_mask")),
+                       (fused_suite, ("test_fused_backward_with_grouped_query_heads",))):
+    for _name in _names:
+        globals()[_name] = getattr(_suite, _name)
+
+THROUGH_KERNEL = ("scores", "context")
+
+
+@pytest.mark.parametrize("case", [(op, kind, torch.float32) for op in THROUGH_KERNEL
+                                  for kind in layer_suite.EXTREME_KINDS]
+                         + [(op, "nan", dt) for op in THROUGH_KERNEL for dt in (torch.bfloat16, torch.float16)],
+                         ids=str)
+def test_single_extreme_error_in_any_op_is_corrected(make_ctx, case) -> None:
+    op, kind, dtype = case
+    layer_suite.test_single_extreme_error_in_any_op_is_corrected(make_ctx, op, kind, dtype)
+
+
+@pytest.mark.parametrize("case", [("scores", "near_inf", torch.float32), ("context", "add", torch.float32),
+                                  ("scores", "add", torch.bfloat16), ("context", "near_inf", torch.bfloat16)], ids=str)
+def test_loss_and_every_gradient_equal_the_fault_free_step(make_ctx, case) -> None:
+    op, kind, dtype = case
+    layer_suite.test_loss_and_every_gradient_equal_the_fault_free_step(make_ctx, op, kind, dtype)
+
+
+@pytest.mark.parametrize("case", [(op, axis, "add") for op in THROUGH_KERNEL for axis in ("row", "col")], ids=str)
+def test_bad_row_or_column_of_scores_and_context_is_corrected(make_ctx, case) -> None:
+    layer_suite.test_bad_row_or_column_of_scores_and_context_is_corrected(make_ctx, *case)
+
+
+@pytest.mark.parametrize("op", THROUGH_KERNEL)
+def test_block_fault_is_recomputed_and_ends_correct(make_ctx, op: str) -> None:
+    layer_suite.test_block_fault_is_recomputed_and_ends_correct(make_ctx, op)
+
+
+@pytest.mark.parametrize("op", THROUGH_KERNEL)
+def test_persistent_fault_is_reported_uncorrectable(make_ctx, op: str) -> None:
+    layer_suite.test_persistent_fault_is_reported_uncorrectable(make_ctx, op)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "dead_rows", "additive", "causal_and_bool"])
+def test_fused_backward_matches_the_unfused_graph(make_ctx, kind: str) -> None:
+    """The suite's test, which also asserts the backward is the fused CPU kernel's at the kernel's output."""
+    fused_suite.test_fused_backward_matches_the_unfused_graph(make_ctx, torch.float32, kind)
+
+
+# --------------------------------------------------------------------------- attention dropout, through the layer
+
+
+def test_dropout_gradients_are_those_of_the_forward_s_own_keep_mask() -> None:
+    """replay_backward regenerates the kernel's keep mask from its seed: its gradients are autograd's through the
+    unfused math with that mask (GQA, a padding mask and causal together)."""
+    q = seeded((2, 4, 20, 8), 1, torch.float32).requires_grad_()
+    k, v = (seeded((2, 2, 20, 8), i, torch.float32).requires_grad_() for i in (2, 3))
+    mask = torch.arange(20)[None, None, None, :] < torch.tensor([20, 13])[:, None, None, None]
+    seed = torch.tensor([99], dtype=torch.int64)
+    got = triton_attention.forward(q.detach(), k.detach(), v.detach(), scale=0.3, is_causal=True, attn_mask=mask,
+                                   dropout_p=0.1, seed=seed, checks=triton_attention.Checks(mode=None))
+    keep = triton_attention.keep_mask(seed, 8, 20, 20, 0.1).view(2, 4, 20, 20)
+    k_rep, v_rep = (x.repeat_interleave(2, dim=1) for x in (k, v))
+    z = (0.3 * q @ k_rep.mT).masked_fill(torch.ones(20, 20, dtype=torch.bool).triu(1) | ~mask, -math.inf)
+    out = torch.softmax(z, -1) * keep / 0.9 @ v_rep
+    torch.testing.assert_close(got.out_BHTD, out.detach(), rtol=1e-5, atol=1e-6)
+    dout = seeded((2, 4, 20, 8), 4, torch.float32)
+    want = torch.autograd.grad(out, (q, k, v), dout)
+    how = Replay(out_BHTD=got.out_BHTD, lse_BHT=got.lse_BHT, attn_mask=mask, is_causal=True, scale=0.3,
+                 dropout_p=0.1, seed=seed)
+    for g, w in zip(replay_backward(q.detach(), k.detach(), v.detach(), got.out_BHTD, got.lse_BHT, dout, how), want,
+                    strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", THROUGH_KERNEL)
+def test_with_dropout_a_fault_is_corrected_and_loss_and_gradients_are_the_fault_free_step_s(make_ctx, op) -> None:
+    """Attention dropout 0.1 (GPT-2's and BERT's default), GQA, causal: the kernel draws its keep mask from the
+    device generator, so the same torch seed gives the same mask; a fault's step equals the clean step."""
+    x = seeded((2, 12, 16), 5, torch.float32)
+    p = layer_params(16, 6, torch.float32, kv=8)
+    torch.manual_seed(7)
+    _, loss0, grads0, rec0, _ = run_layer(make_ctx, x, p, 2, kv_heads=1, is_causal=True, dropout_p=0.1)
+    torch.manual_seed(7)
+    _, loss1, grads1, rec1, _ = run_layer(make_ctx, x, p, 2, faults=[Fault(op=op, layer=0, step=0, kind="inf",
+                                                                           seed=11)],
+                                          kv_heads=1, is_causal=True, dropout_p=0.1)
+    assert rec0.detections == []
+    assert [(d.op, d.action) for d in rec1.detections] == [(op, "recomputed")]
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=0.0)
+    for g1, g0 in zip(grads1, grads0, strict=True):
+        torch.testing.assert_close(g1, g0, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------------ protect(model)
+
+def test_protect_reports_a_fault_in_the_kernel_at_the_step_boundary_and_the_step_is_the_unprotected_one() -> None:
+    """GPT-Neo under protect(model, policy=full): its global layer and its sliding-window ("local") one on the kernel
+    (the coverage says so), and a near-INF score in the local layer reported at the step boundary (guard.step), while
+    the loss and every gradient are the unprotected model's."""
+    model = build("gpt_neo", num_heads=2)
+    plain = copy.deepcopy(model)
+    want_loss = loss_of("gpt_neo", plain, batch("gpt_neo", 0))
+    want_loss.backward()
+    fault = Fault(op="scores", layer=1, step=0, kind="near_inf", seed=4)
+    with attnchecker.protect(model, policy=attnchecker.Policy.full(), faults=FaultPlan([fault])) as guard:
+        loss = loss_of("gpt_neo", model, batch("gpt_neo", 0))
+        loss.backward()
+        assert guard.detections == []  # not before the step boundary: the kernel's records stay on the device
+        guard.step()
+        dets = list(guard.detections)
+        lines = guard.coverage.backend_lines()
+    assert lines and all("triton (" in line for line in lines), lines
+    assert [(d.op, d.layer, d.action, d.kind) for d in dets] == [("scores", 1, "recomputed", "near_inf")]
+    torch.testing.assert_close(loss.detach(), want_loss.detach(), rtol=1e-6, atol=0.0)
+    for (n, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
+# ------------------------------------------------------------------------------ launches and syncs per forward
+
+
+class TorchCalls(TorchFunctionMode):
+    """The torch calls attnchecker's own code makes, by name (not the interpreter's: it copies tensors to run
+    kernels on numpy, which a GPU launch does not do). A TorchFunctionMode: the backend's check for a dispatch mode,
+    which would send the call elsewhere, does not see it."""
+
+    SYNCS = ("item", "__bool__", "tolist", "cpu", "numpy", "__int__", "__float__", "__index__")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if sys._getframe(1).f_globals.get("__name__", "").startswith("attnchecker"):
+            self.names[getattr(func, "__name__", str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def syncs(self) -> dict[str, int]:
+        return {name: n for name, n in self.names.items() if name in self.SYNCS}
+
+
+@pytest.fixture
+def triton_launches(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """Kernel launches by kernel name, counted where the interpreter runs a grid (GridExecutor)."""
+    if not triton_attention.interpreting():
+        pytest.skip("counts the interpreter's launches")
+    counter: collections.Counter[str] = collections.Counter()
+    run = interpreter.GridExecutor.__call__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counter[self.fn.__name__] += 1
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    return counter
+
+
+DEVICE_WORK = ("zeros", "randint", "isfinite", "where", "bucketize", "index_add_", "double", "sum", "add_", "maximum",
+               "to", "float")
+"""The torch calls that may launch device work (the rest are views, shapes, allocations and host bookkeeping)."""
+
+
+def _one_forward(make_ctx: Callable[..., Any], t: int, tier1: bool, dropout_p: float = 0.0,
+                 launches: collections.Counter[str] | None = None) -> tuple[TorchCalls, Any]:
+    """One protected causal call (B·H = 2, D = 16) after a first one (which makes the histogram's tensors): the torch
+    calls our code made in it, and the recorder. launches: cleared before the counted call."""
+    config = {"checked_ops": frozenset({"q", "k", "v", "out"})} if tier1 else {}
+    ctx, rec = make_ctx(**config)
+    q, k, v = (seeded((1, 2, t, 16), i, torch.float32) for i in range(3))
+    with torch.no_grad():
+        protected_sdpa(q, k, v, ctx=ctx, is_causal=True, dropout_p=dropout_p)
+        if launches is not None:
+            launches.clear()
+        with TorchCalls() as calls:
+            protected_sdpa(q, k, v, ctx=ctx, is_causal=True, dropout_p=dropout_p)
+    return calls, rec
+
+
+@pytest.mark.parametrize("tier1", [False, True], ids=["full_check", "tier1"])
+def test_a_protected_forward_is_a_few_launches_whatever_t(make_ctx, triton_launches, tier1: bool) -> None:
+    """The kernel and its repair (2 Triton launches), a memset for the call's status, and on a full-check step the
+    16 small ops of the residual histogram (records._record_ratio, the same on every backend): the same at T = 32 and
+    T = 64 (2 × 2 and 4 × 4 tiles), against thousands for the PyTorch tile loop."""
+    counts = []
+    for t in (32, 64):
+        calls, _ = _one_forward(make_ctx, t, tier1, launches=triton_launches)
+        device_ops = sum(n for name, n in calls.names.items() if name in DEVICE_WORK)
+        counts.append((dict(triton_launches), device_ops))
+    assert counts[0] == counts[1], counts
+    assert counts[0][0] == {"_attention": 2}
+    assert counts[0][1] == (1 if tier1 else 17), counts
+
+
+@pytest.mark.parametrize(("tier1", "dropout_p"), [(False, 0.0), (True, 0.0), (False, 0.1)],
+                         ids=["full_check", "tier1", "dropout"])
+def test_the_backend_makes_no_host_sync(make_ctx, tier1: bool, dropout_p: float) -> None:
+    calls, rec = _one_forward(make_ctx, 32, tier1, dropout_p)
+    assert calls.names, "the counter saw the backend's calls"
+    assert calls.syncs == {}
+    assert rec.detections == []
+
+
+def test_the_sync_counter_sees_a_sync(make_ctx) -> None:
+    """The counter is not blind: reading the detections (the step boundary) syncs, once."""
+    _, rec = _one_forward(make_ctx, 32, False)
+    with TorchCalls() as boundary:
+        assert rec.detections == []
+    assert boundary.syncs == {"tolist": 1}
