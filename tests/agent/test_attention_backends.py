@@ -148,3 +148,38 @@ def test_the_coverage_map_names_the_backend_of_every_layer_and_why_the_others_di
         assert any("tiled (" in line for line in guard.coverage.backend_lines())
     finally:
         guard.close()
+
+
+@pytest.mark.parametrize(("option", "says"), [
+    ({"return_probs": True}, "return_probs"),
+    ({"paper": True}, "paper-faithful"),
+    ({"dtype": torch.float64}, "float32, bfloat16 or float16"),
+    ({"attn_mask": torch.zeros(1, 1, 64, 64, requires_grad=True)}, "requires grad"),
+])
+def test_the_triton_backend_says_why_it_declines_a_call(make_ctx, option: dict[str, Any], says: str) -> None:
+    from attnchecker.kernels import triton_attention
+
+    if not triton_attention.available("cpu"):
+        pytest.skip("no triton, or not under Triton's interpreter")
+    name, declined = chosen(call_of(make_ctx, requested="triton", **option))
+    assert name != "triton" and any(says in r for r in declined["triton"]), declined
+
+
+def test_the_triton_backend_takes_cpu_calls_only_when_named_and_never_under_a_dispatch_mode(make_ctx) -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from attnchecker.kernels import triton_attention
+
+    if not triton_attention.available("cpu"):
+        pytest.skip("no triton, or not under Triton's interpreter")
+    assert chosen(call_of(make_ctx, requested="triton"))[0] == "triton"
+    name, declined = chosen(call_of(make_ctx))
+    assert name != "triton" and "ATTNCHECKER_ATTENTION=triton" in declined["triton"][0]
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passthrough():
+        name, declined = chosen(call_of(make_ctx, requested="triton"))
+    assert name != "triton" and any("TorchDispatchMode" in r for r in declined["triton"])

@@ -41,8 +41,10 @@ from attnchecker.attention.pipeline import protected_sdpa
 from attnchecker.inject import Fault, FaultPlan
 from attnchecker.kernels import triton_attention
 
-pytestmark = pytest.mark.skipif(not triton_attention.available("cuda" if torch.cuda.is_available() else "cpu"),
-                                reason="no triton, or neither a GPU nor TRITON_INTERPRET=1")
+# The suites make CPU tensors: they reach the kernel under the interpreter only (on a GPU machine, test_triton_gpu.py
+# runs the backend on CUDA tensors).
+pytestmark = pytest.mark.skipif(not triton_attention.available("cpu"), reason="no triton, or not under Triton's "
+                                "interpreter (TRITON_INTERPRET=1, set by conftest.py where there is no GPU)")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -122,6 +124,24 @@ def test_persistent_fault_is_reported_uncorrectable(make_ctx, op: str) -> None:
 def test_fused_backward_matches_the_unfused_graph(make_ctx, kind: str) -> None:
     """The suite's test, which also asserts the backward is the fused CPU kernel's at the kernel's output."""
     fused_suite.test_fused_backward_matches_the_unfused_graph(make_ctx, torch.float32, kind)
+
+
+@pytest.mark.parametrize(("op", "value", "tripped"), [("scores", 1e20, "scores"), ("context", math.nan, "context")])
+def test_tier1_on_the_backend_recovers_a_trip_on_the_device_and_reports_it_at_the_step_boundary(make_ctx, op, value,
+                                                                                               tripped) -> None:
+    """A step where neither op is due: the pipeline runs the kernel's tier-1 variant; a fault inside the kernel trips
+    it, the repair recomputes the block with full checks, and the report (tier "tripwire") comes at the step
+    boundary, the output SDPA's."""
+    q, k, v = (seeded((1, 2, 32, 16), i, torch.float32) for i in range(3))
+    ctx, rec = make_ctx(checked_ops=frozenset({"q", "k", "v", "out"}))
+    fault = (op, 1, 20, 7 if op == "scores" else 2, "set", value, False)
+    with triton_attention.emulated_faults([fault]):
+        out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                               rtol=1e-5, atol=1e-6)
+    assert ctx.runtime.stats.trip_checks["scores"] == 1 and ctx.runtime.stats.checks["scores"] == 0
+    assert [(d.op, d.action, d.tier, d.head, d.row) for d in rec.detections] == [(tripped, "recomputed", "tripwire",
+                                                                                  1, 20)]
 
 
 # --------------------------------------------------------------------------- attention dropout, through the layer

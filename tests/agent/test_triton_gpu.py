@@ -1,0 +1,64 @@
+"""The Triton backend on a GPU (marker gpu: skipped without CUDA; bench/gpu_suite.py runs them first). Written without
+a GPU to run them on: what a first device run must show."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from scoped_env import scoped_env
+from test_attention_layer import TOL, layer_params, run_layer, seeded
+
+from attnchecker.attention.backends import BACKEND_ENV
+from attnchecker.attention.pipeline import protected_sdpa
+from attnchecker.inject import Fault
+from attnchecker.kernels import triton_attention
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("tier1", [False, True], ids=["full_check", "tier1"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_triton_forward_never_syncs_and_reports_at_the_step_boundary(make_ctx, dtype, tier1: bool) -> None:
+    """CUDA's own detector (set_sync_debug_mode("error")) raises on any host-device sync inside the protected call,
+    a fault in the kernel included; the report comes when the detections are read (the step boundary)."""
+    dev = torch.device("cuda")
+    q, k, v = (seeded((2, 8, 1024, 64), i, dtype).to(dev) for i in range(3))
+    config = {"checked_ops": frozenset({"q", "k", "v", "out"})} if tier1 else {}
+    ctx, rec = make_ctx(**config)
+    fault = ("scores", 9, 700, 123, "set", math.inf, False)
+    with scoped_env({BACKEND_ENV: None}):
+        protected_sdpa(q, k, v, ctx=ctx, is_causal=True)  # compiles the kernels, makes the histogram's tensors
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with triton_attention.emulated_faults([fault]):
+                out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert ctx.runtime.calls.ran_by.get((0, "triton"), 0) >= (0 if tier1 else 2)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True), **TOL[dtype])
+    assert [(d.op, d.batch, d.head, d.row) for d in rec.detections] == [("scores", 1, 1, 700)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gpu_triton_layer_corrects_faults_and_keeps_the_fault_free_gradients(make_ctx, dtype) -> None:
+    """attnchecker.inject's faults written into the kernel's tiles on CUDA: corrected, loss and gradients the clean
+    step's (the backward: SDPA's at the verified q, k, v until the Triton backward lands)."""
+    dev = torch.device("cuda")
+    x = seeded((2, 256, 128), 100, dtype).to(dev)
+    p = {n: None if t is None else t.detach().to(dev).requires_grad_() for n, t in
+         layer_params(128, 101, dtype).items()}
+    with scoped_env({BACKEND_ENV: "triton"}):
+        _, loss0, grads0, rec0, ctx0 = run_layer(make_ctx, x, p, 4, is_causal=True)
+        faults = [Fault(op="scores", layer=0, step=0, kind="inf", seed=1),
+                  Fault(op="context", layer=0, step=0, kind="nan", seed=2)]
+        out, loss1, grads1, rec, _ = run_layer(make_ctx, x, p, 4, faults=faults, is_causal=True)
+    assert ctx0.runtime.calls.ran_by == {(0, "triton"): 1}
+    assert rec0.detections == []
+    assert sorted((d.op, d.action) for d in rec.detections) == [("context", "recomputed"), ("scores", "recomputed")]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(loss1, loss0, **TOL[dtype])
+    for g1, g0 in zip(grads1, grads0, strict=True):
+        torch.testing.assert_close(g1, g0, **TOL[dtype])
