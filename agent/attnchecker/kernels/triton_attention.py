@@ -166,12 +166,19 @@ class Blocks:
 
 def block_sizes(d: int) -> Blocks:
     """Tile sizes: 16 × 16 under the interpreter (small tests cross many tiles, and it runs per op, not per element);
-    on a GPU 64 × 64 (128 × 64 queries × keys for D <= 64), the FlashAttention-2 tutorial's shapes for these head
-    dims. TODO(triton-fwd): tune on a GPU with the checks in (they add registers); none was lent to this branch."""
-    bd = max(16, triton.next_power_of_2(d)) if triton is not None else d
+    on a GPU ``gpu_blocks``."""
     if interpreting():
-        return Blocks(16, 16, bd, 4, 1)
-    return Blocks(128 if d <= 64 else 64, 64, bd, 4 if d <= 64 else 8, 2)
+        return Blocks(16, 16, max(16, triton.next_power_of_2(d)), 4, 1)
+    return gpu_blocks(d)
+
+
+def gpu_blocks(d: int) -> Blocks:
+    """On a GPU: 64 queries × 64 keys (32 past D = 128) on 8 warps, one shape for every variant, so that the checks'
+    cost is timed against the same kernel with them off. Compiled for sm_90 (bench/triton_resources.py, D = 64,
+    bf16): the plain kernel 145 registers and tier 1 216, no spills; the full checks reach 255 and spill ~2 KB (the
+    bound's per-row fp64 terms), 128 × 64 on 4 warps spilled the plain and tier-1 variants too.
+    TODO(triton-fwd): tune on a GPU; none was lent to this branch (issue 31)."""
+    return Blocks(64, 64 if d <= 128 else 32, max(16, triton.next_power_of_2(d)), 8, 2)
 
 
 def dot_mode(dtype: torch.dtype, operand_roundoff: float | None) -> int:

@@ -1,0 +1,112 @@
+"""What the Triton checked-attention kernel compiles to, without a GPU: each variant (plain, tier 1, full checks, the
+repair) compiled offline for a target (default sm_90, an H100/H200) and its registers, local-memory spill stack and
+shared memory read from the cubin (cuobjdump, bundled with triton). A static report, not a timing: the first GPU run
+measures the time (bench/gpu_suite.py); this says which variants spill before it.
+
+    .venv/bin/python bench/triton_resources.py [--arch 90] [--out docs/perf/triton_resources.json]
+
+Compiling a full-check variant takes about a minute on one CPU core (the repair variant two).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "agent"))
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from attnchecker.kernels import triton_attention as ta
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    # name: (dtype, MODE, REPAIR, extra constexprs)
+    "plain (checks off)": {"dtype": "bf16", "MODE": 0},
+    "tier 1": {"dtype": "bf16", "MODE": 1},
+    "full checks": {"dtype": "bf16", "MODE": 2},
+    "full checks, fp16, dropout, additive mask": {"dtype": "fp16", "MODE": 2, "DROPOUT": True, "MASK_KIND": 2},
+    "full checks, fp32 TF32": {"dtype": "fp32", "MODE": 2, "TF32": True, "DOT": 1},
+    "repair": {"dtype": "bf16", "MODE": 2, "REPAIR": True},
+}
+
+
+def source(dtype: str, blocks: ta.Blocks, **constexprs: Any) -> ASTSource:
+    names = ta._attention.arg_names
+    consts = {"BLOCK_M": blocks.m, "BLOCK_N": blocks.n, "BLOCK_D": blocks.d, "IS_CAUSAL": True, "WINDOWED": False,
+              "MASK_KIND": 0, "DROPOUT": False, "MODE": 2, "CHECK_SCORES": True, "CHECK_CONTEXT": True,
+              "CALIBRATED": True, "TF32": False, "DOT": 0, "COLS": False, "REPAIR": False, "FAULTS": False,
+              "DEBUG": False, **constexprs}
+    pointer = "*" + dtype
+    signature: dict[str, Any] = {}
+    for name in names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in ("Q", "K", "V", "Out"):
+            signature[name] = pointer
+        elif name == "Mask":
+            signature[name] = "*i1" if consts["MASK_KIND"] == 1 else "*fp32"
+        elif name in ("Seed", "Faults"):
+            signature[name] = "*i64"
+        elif name in ("Lse", "Status", "Records", "FaultValues", "FaultSeen", "Debug"):
+            signature[name] = "*fp32"
+        elif name in ("scale", "dropout_p"):
+            signature[name] = "fp32"
+        elif name in ("s_row", "s_col", "c_row", "c_col"):
+            signature[name] = ("fp32",) * 12
+        elif name == "fixing":
+            signature[name] = ("fp32", "fp32")
+        else:
+            signature[name] = "i32"
+    return ASTSource(fn=ta._attention, signature=signature,
+                     constexprs={(names.index(k),): v for k, v in consts.items()})
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = Path("/tmp") / f"attnchecker_{time.time_ns()}.cubin"
+    path.write_bytes(cubin)
+    try:
+        text = subprocess.run([str(tool), "--dump-resource-usage", str(path)], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        path.unlink()
+    return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90: H100/H200)")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
+    args = parser.parse_args()
+    d = args.head_dim
+    rows = []
+    for name, spec in VARIANTS.items():
+        spec = dict(spec)
+        dtype = spec.pop("dtype")
+        blocks = ta.gpu_blocks(d)
+        t0 = time.perf_counter()
+        compiled = triton.compile(source(dtype, blocks, **spec), target=GPUTarget("cuda", args.arch, 32),
+                                  options={"num_warps": blocks.warps, "num_stages": blocks.stages})
+        row = {"variant": name, "dtype": dtype, "head_dim": d, "block_m": blocks.m, "block_n": blocks.n,
+               "warps": blocks.warps, "stages": blocks.stages, **resources(compiled.asm["cubin"]),
+               "compile_s": round(time.perf_counter() - t0, 1)}
+        rows.append(row)
+        print(f"{name:45s} {dtype:5s} {blocks.m}x{blocks.n} warps {blocks.warps}: {row['reg']} registers, "
+              f"{row['stack']} B stack (spills), {row['shared']} B shared", flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"arch": f"sm_{args.arch}", "triton": triton.__version__, "rows": rows},
+                                       indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
