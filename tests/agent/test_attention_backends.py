@@ -183,3 +183,19 @@ def test_the_triton_backend_takes_cpu_calls_only_when_named_and_never_under_a_di
     with Passthrough():
         name, declined = chosen(call_of(make_ctx, requested="triton"))
     assert name != "triton" and any("TorchDispatchMode" in r for r in declined["triton"])
+
+
+def test_without_triton_installed_the_agent_imports_and_the_triton_backend_says_why_it_declines() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.modules['triton'] = None\n"  # import triton now raises ImportError, as where it is missing
+        "import torch\n"
+        "from attnchecker.attention.pipeline import TRITON\n"
+        "from attnchecker.kernels import triton_attention\n"
+        "print(triton_attention.available('cuda'), triton_attention.not_available_reason(torch.device('cuda')))\n"
+    )
+    got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.startswith("False triton is not installed"), got.stdout
