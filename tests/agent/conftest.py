@@ -15,7 +15,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
-from attnchecker.checks.deferred import drain
 from attnchecker.events import Detection
 
 # Example counts are set per test (the CPU budget differs a lot between a pure checksum test and a whole layer).
@@ -24,22 +23,13 @@ settings.register_profile("dev", deadline=None, suppress_health_check=[HealthChe
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 class Recorder:
-    """The runtime's on_detection sink: keeps every record. A test without a guard has no step boundary: reading the
-    detections is one (the device-side records of the calls so far, checks/deferred.py, are emitted first, as
-    Guard.step() would)."""
+    """The runtime's on_detection sink: keeps every record."""
 
     def __init__(self) -> None:
-        self._detections: list[Detection] = []
-        self.runtime: Runtime | None = None
+        self.detections: list[Detection] = []
 
     def __call__(self, det: Detection) -> None:
-        self._detections.append(det)
-
-    @property
-    def detections(self) -> list[Detection]:
-        if self.runtime is not None and self.runtime.deferred:
-            drain(self.runtime.deferred)
-        return self._detections
+        self.detections.append(det)
 
     def by_op(self, op: str) -> list[Detection]:
         return [d for d in self.detections if d.op == op]
@@ -59,7 +49,6 @@ def make_ctx() -> Callable[..., tuple[LayerContext, Recorder]]:
         recorder = Recorder()
         runtime = Runtime(step=step, config=CheckConfig(**config), injector=injector, on_detection=recorder,
                           stats=OpStats())
-        recorder.runtime = runtime
         return LayerContext(layer=layer, runtime=runtime), recorder
 
     return build

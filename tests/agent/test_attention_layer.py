@@ -20,6 +20,7 @@ from attnchecker.attention.pipeline import (
     protected_self_attention,
 )
 from attnchecker.checks.context import OPS
+from attnchecker.checks.deferred import drain
 from attnchecker.inject import Fault
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,6 +75,8 @@ def run_layer(make_ctx, x, p, heads, faults=(), kv_heads=None, **kw: Any):
     loss = out.float().pow(2).sum()
     params = [t for t in p.values() if t is not None]
     grads = torch.autograd.grad(loss, params)
+    # The step boundary: records a backend left on the device (checks/deferred.py) are emitted, stats completed.
+    drain(ctx.runtime.deferred)
     return out.detach(), loss.detach(), grads, rec, ctx
 
 

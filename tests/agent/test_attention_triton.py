@@ -30,16 +30,20 @@ import triton.runtime.interpreter as interpreter
 from hypothesis import given, settings
 from model_zoo import batch, build, loss_of
 from scoped_env import scoped_env
+from sync_counter import SyncCounter
 from test_attention_layer import layer_params, run_layer, seeded
 from torch.overrides import TorchFunctionMode
 
 import attnchecker
 from attnchecker.attention.backends import BACKEND_ENV
 from attnchecker.attention.backends.tiled_torch import TILE_ENV
+from attnchecker.attention.backward import triton_backward
 from attnchecker.attention.backward.replay import Replay, replay_backward
 from attnchecker.attention.pipeline import protected_sdpa
+from attnchecker.checks.deferred import drain
 from attnchecker.inject import Fault, FaultPlan
-from attnchecker.kernels import triton_attention
+from attnchecker.kernels import triton_attention, triton_dropout
+from attnchecker.kernels.triton_attention_bwd import KernelFault
 
 # The suites make CPU tensors: they reach the kernel under the interpreter only (on a GPU machine, test_triton_gpu.py
 # runs the backend on CUDA tensors).
@@ -52,6 +56,34 @@ def force_triton() -> Iterator[None]:
     """Module scope (hypothesis refuses function-scoped fixtures): set for this module's tests, restored after."""
     with scoped_env({BACKEND_ENV: "triton", TILE_ENV: None}):
         yield
+
+
+class AtTheStepBoundary:
+    """A recorder whose detections are read at a step boundary: the records the backend left on the device
+    (checks/deferred.py) are emitted first, as Guard.step() does. The suites re-run here read the detections right
+    after a call, with no guard to end the step."""
+
+    def __init__(self, recorder: Any, runtime: Any) -> None:
+        self.recorder, self.runtime = recorder, runtime
+
+    @property
+    def detections(self) -> list[Any]:
+        drain(self.runtime.deferred)
+        return list(self.recorder.detections)
+
+    def by_op(self, op: str) -> list[Any]:
+        return [d for d in self.detections if d.op == op]
+
+
+@pytest.fixture(scope="session")
+def make_ctx(make_ctx: Callable[..., Any]) -> Callable[..., Any]:
+    """conftest's make_ctx, its recorder read at a step boundary (AtTheStepBoundary)."""
+
+    def build(*args: Any, **kwargs: Any) -> tuple[Any, AtTheStepBoundary]:
+        ctx, rec = make_ctx(*args, **kwargs)
+        return ctx, AtTheStepBoundary(rec, ctx.runtime)
+
+    return build
 
 
 def fewer(test: Any, examples: int) -> Any:
@@ -148,15 +180,16 @@ def test_tier1_on_the_backend_recovers_a_trip_on_the_device_and_reports_it_at_th
 
 
 def test_dropout_gradients_are_those_of_the_forward_s_own_keep_mask() -> None:
-    """replay_backward regenerates the kernel's keep mask from its seed: its gradients are autograd's through the
-    unfused math with that mask (GQA, a padding mask and causal together)."""
+    """Both backwards of a dropout call regenerate the kernel's keep mask from its seed (the Triton backward, and
+    replay_backward, its PyTorch fallback): their gradients are autograd's through the unfused math with that mask
+    (GQA, a padding mask and causal together)."""
     q = seeded((2, 4, 20, 8), 1, torch.float32).requires_grad_()
     k, v = (seeded((2, 2, 20, 8), i, torch.float32).requires_grad_() for i in (2, 3))
     mask = torch.arange(20)[None, None, None, :] < torch.tensor([20, 13])[:, None, None, None]
     seed = torch.tensor([99], dtype=torch.int64)
     got = triton_attention.forward(q.detach(), k.detach(), v.detach(), scale=0.3, is_causal=True, attn_mask=mask,
                                    dropout_p=0.1, seed=seed, checks=triton_attention.Checks(mode=None))
-    keep = triton_attention.keep_mask(seed, 8, 20, 20, 0.1).view(2, 4, 20, 20)
+    keep = triton_dropout.keep_mask(99, (2, 4, 20, 20), 0.1, "cpu")
     k_rep, v_rep = (x.repeat_interleave(2, dim=1) for x in (k, v))
     z = (0.3 * q @ k_rep.mT).masked_fill(torch.ones(20, 20, dtype=torch.bool).triu(1) | ~mask, -math.inf)
     out = torch.softmax(z, -1) * keep / 0.9 @ v_rep
@@ -167,6 +200,11 @@ def test_dropout_gradients_are_those_of_the_forward_s_own_keep_mask() -> None:
                  dropout_p=0.1, seed=seed)
     for g, w in zip(replay_backward(q.detach(), k.detach(), v.detach(), got.out_BHTD, got.lse_BHT, dout, how), want,
                     strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    triton_grads = triton_backward.backward(q.detach(), k.detach(), v.detach(), got.out_BHTD, got.lse_BHT, dout,
+                                            scale=0.3, is_causal=True, attn_mask=mask, dropout_p=0.1, seed=seed,
+                                            check="off", ctx=None)
+    for g, w in zip(triton_grads, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
@@ -214,15 +252,41 @@ def test_protect_reports_a_fault_in_the_kernel_at_the_step_boundary_and_the_step
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def _dropout_step(model: torch.nn.Module, backward_faults: list[KernelFault]) -> tuple[dict[str, torch.Tensor],
+                                                                                     list[Any], list[str]]:
+    """One GPT-2 step with attention dropout under protect(scope="all", policy=full), the optimizer's: (gradients,
+    detections, backend lines). faults: emulated inside the Triton backward's kernels."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with attnchecker.protect(model, optimizer=opt, policy=attnchecker.Policy.full(), scope="all") as guard:
+        torch.manual_seed(5)  # the same keep masks in both runs
+        loss = loss_of("gpt2", model, batch("gpt2", 0))
+        with triton_backward.emulated_faults(backward_faults):
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()  # the step boundary: the optimizer's pre-step hook drains the deferred records
+        return grads, list(guard.detections), guard.coverage.backend_lines()
+
+
+def test_under_scope_all_a_dropout_call_s_backward_is_the_checked_triton_backward() -> None:
+    """protect(scope="all"): the Triton forward's backward (attention dropout 0.1) is the Triton backward with its own
+    checks, the forward's keep mask regenerated from its seed: a fault inside it (an INF in dV) is reported at the
+    step boundary and the gradients are the clean twin's."""
+    model = build("gpt2", n_layer=1, n_head=2, attn_pdrop=0.1)
+    clean, clean_dets, lines = _dropout_step(copy.deepcopy(model), [])
+    assert clean_dets == [] and lines and "triton (" in lines[0], lines
+    grads, dets, _ = _dropout_step(model, [KernelFault(op="grad_v", n=1, row=5, col=3, kind="value", value=math.inf)])
+    assert [(d.op, d.action, d.tier) for d in dets] == [("grad_v", "recomputed", "abft")]
+    for n, g in grads.items():
+        torch.testing.assert_close(g, clean[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
 # ------------------------------------------------------------------------------ launches and syncs per forward
 
 
 class TorchCalls(TorchFunctionMode):
-    """The torch calls attnchecker's own code makes, by name (not the interpreter's: it copies tensors to run
-    kernels on numpy, which a GPU launch does not do). A TorchFunctionMode: the backend's check for a dispatch mode,
-    which would send the call elsewhere, does not see it."""
-
-    SYNCS = ("item", "__bool__", "tolist", "cpu", "numpy", "__int__", "__float__", "__index__")
+    """The torch calls attnchecker's own code makes, by name (not the interpreter's: it copies tensors to run kernels
+    on numpy, which a GPU launch does not do). A TorchFunctionMode: the backend's check for a dispatch mode, which
+    would send the call elsewhere, does not see it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -232,10 +296,6 @@ class TorchCalls(TorchFunctionMode):
         if sys._getframe(1).f_globals.get("__name__", "").startswith("attnchecker"):
             self.names[getattr(func, "__name__", str(func))] += 1
         return func(*args, **(kwargs or {}))
-
-    @property
-    def syncs(self) -> dict[str, int]:
-        return {name: n for name, n in self.names.items() if name in self.SYNCS}
 
 
 @pytest.fixture
@@ -277,31 +337,33 @@ def _one_forward(make_ctx: Callable[..., Any], t: int, tier1: bool, dropout_p: f
 
 @pytest.mark.parametrize("tier1", [False, True], ids=["full_check", "tier1"])
 def test_a_protected_forward_is_a_few_launches_whatever_t(make_ctx, triton_launches, tier1: bool) -> None:
-    """The kernel and its repair (2 Triton launches), a memset for the call's status, and on a full-check step the
-    16 small ops of the residual histogram (records._record_ratio, the same on every backend): the same at T = 32 and
-    T = 64 (2 × 2 and 4 × 4 tiles), against thousands for the PyTorch tile loop."""
+    """The kernel and its repair (2 Triton launches) and a memset for the call's status: the same at T = 32 and
+    T = 64 (2 × 2 and 4 × 4 tiles), against thousands for the PyTorch tile loop. The residual histogram's update waits
+    for the step boundary with the rest of the call's record (checks/deferred.py)."""
     counts = []
     for t in (32, 64):
         calls, _ = _one_forward(make_ctx, t, tier1, launches=triton_launches)
-        device_ops = sum(n for name, n in calls.names.items() if name in DEVICE_WORK)
+        device_ops = {name: n for name, n in calls.names.items() if name in DEVICE_WORK}
         counts.append((dict(triton_launches), device_ops))
     assert counts[0] == counts[1], counts
-    assert counts[0][0] == {"_attention": 2}
-    assert counts[0][1] == (1 if tier1 else 17), counts
+    assert counts[0] == ({"_attention": 2}, {"zeros": 1}), counts
 
 
 @pytest.mark.parametrize(("tier1", "dropout_p"), [(False, 0.0), (True, 0.0), (False, 0.1)],
                          ids=["full_check", "tier1", "dropout"])
 def test_the_backend_makes_no_host_sync(make_ctx, tier1: bool, dropout_p: float) -> None:
-    calls, rec = _one_forward(make_ctx, 32, tier1, dropout_p)
-    assert calls.names, "the counter saw the backend's calls"
-    assert calls.syncs == {}
+    config = {"checked_ops": frozenset({"q", "k", "v", "out"})} if tier1 else {}
+    ctx, rec = make_ctx(**config)
+    q, k, v = (seeded((1, 2, 32, 16), i, torch.float32) for i in range(3))
+    with torch.no_grad(), SyncCounter() as syncs:
+        protected_sdpa(q, k, v, ctx=ctx, is_causal=True, dropout_p=dropout_p)
+    assert syncs.calls == []
     assert rec.detections == []
 
 
 def test_the_sync_counter_sees_a_sync(make_ctx) -> None:
     """The counter is not blind: reading the detections (the step boundary) syncs, once."""
     _, rec = _one_forward(make_ctx, 32, False)
-    with TorchCalls() as boundary:
+    with SyncCounter() as boundary:
         assert rec.detections == []
-    assert boundary.syncs == {"tolist": 1}
+    assert boundary.calls == ["tolist"]

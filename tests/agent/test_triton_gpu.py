@@ -45,7 +45,7 @@ def test_gpu_triton_forward_never_syncs_and_reports_at_the_step_boundary(make_ct
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gpu_triton_layer_corrects_faults_and_keeps_the_fault_free_gradients(make_ctx, dtype) -> None:
     """attnchecker.inject's faults written into the kernel's tiles on CUDA: corrected, loss and gradients the clean
-    step's (the backward: SDPA's at the verified q, k, v until the Triton backward lands)."""
+    step's (the backward under the default scope: SDPA's recomputed at the verified q, k, v)."""
     dev = torch.device("cuda")
     x = seeded((2, 256, 128), 100, dtype).to(dev)
     p = {n: None if t is None else t.detach().to(dev).requires_grad_() for n, t in

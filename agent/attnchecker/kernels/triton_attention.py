@@ -10,7 +10,7 @@ Per program: one block of BLOCK_M query rows of one (batch, head), over its key 
    columns too, against K_j·(Q_iᵀ[e, w]), which locates a bad column or block (one direction on a clean check, as the
    native CPU pass and the whole-step GEMMs do; ``cols=True`` checks columns on every tile).
 2. Online softmax of scale·AS + mask (causal, sliding window, key padding / additive read in place with broadcast
-   strides), dropout by the counter-based keep mask of :func:`keep_offsets` (the backward regenerates it).
+   strides), dropout by the counter-based keep mask of kernels/triton_dropout.py, which the backward regenerates.
 3. CL_ij = P̃_ij V_j with P̃ rounded to V's dtype first: its rows against P̃_c·(V_j[e, w]) and, on a flag, its columns
    against (wᵀP̃_c)·V_j. The references use the rounded P̃_c the GEMM multiplied (with P̃ unrounded a half-precision
    context false-alarms at once), and ‖P̃_i‖₂ <= sqrt(Σ P̃_i)/(1 - p) needs no pass over P̃.
@@ -48,15 +48,14 @@ import torch
 from ..abft.tile_terms import TileTerms, tile_terms
 from ..abft.tolerance import NEAR_INF, Tolerance
 from . import triton_checks as tc
+from . import triton_dropout
+from .triton_common import device_function, interpreting, triton
 
-try:
-    import triton
+if triton is not None:
     import triton.language as tl
-except ImportError:  # optional: available() is False and the backend says why
-    triton = None
 
 __all__ = ["FIELDS", "OPS", "OUTCOMES", "Checks", "Fault", "Result", "available", "emulated_faults", "forward",
-           "interpreting", "keep_mask", "not_available_reason", "take_faults"]
+           "interpreting", "not_available_reason", "take_faults"]
 
 OPS = ("scores", "context")
 FIELDS = ("flag", "n_rows", "row", "n_cols", "col", "value", "residual", "bound", "outcome")
@@ -69,11 +68,6 @@ OUTCOMES = ("none", "recomputed", "corrected", "uncorrectable", "dismissed")
 give (an ALiBi-like positive bias under the log-sum-exp bound, values past 1e10 in diverged training)."""
 RECORD = 16
 _KINDS = {"set": 0, "add": 1, "bitflip": 2}
-
-
-def interpreting() -> bool:
-    """Whether the kernels run under Triton's interpreter (TRITON_INTERPRET=1 before triton was imported)."""
-    return triton is not None and type(_attention).__name__ == "InterpretedFunction"
 
 
 def not_available_reason(device: torch.device) -> str | None:
@@ -212,8 +206,8 @@ def forward(
     """One checked attention forward: the kernel, then (checks.repair, and checks on) the repair kernel. q (B, H, T, D),
     k/v (B, Hk, S, D) with Hk dividing H (GQA: no copy), any strides; attn_mask bool (True = attend) or additive,
     broadcastable to (B, H, T, S), read in place; is_causal: key j <= query i (top-left, as SDPA); window: also
-    i - j < window; dropout_p with seed ((1,) int64 on the device): keep_offsets. No host-device sync (faults, a
-    test feature, copy their table to the device)."""
+    i - j < window; dropout_p with seed ((1,) int64 on the device): kernels/triton_dropout.keep. No host-device sync
+    (faults, a test feature, copy their table to the device)."""
     b, h, t, d = q_BHTD.shape
     hk, s = k_BHSD.shape[1], k_BHSD.shape[2]
     blk = blocks or block_sizes(d)
@@ -307,41 +301,11 @@ def _mask_layout(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int
     return (1 if mask.dtype == torch.bool else 2), mask, tuple(mask.stride())  # type: ignore[return-value]
 
 
-def keep_mask(seed: torch.Tensor, n: int, t: int, s: int, dropout_p: float, rows: tuple[int, int] | None = None
-              ) -> torch.Tensor:
-    """The dropout keep mask (n, r1 - r0, S) bool of matrices 0..n-1 (n = batch·H + head), query rows [r0, r1) (all
-    T by default), as the kernel drew it (keep_offsets): for a reference in tests and for a backward that replays
-    the forward's dropout block by block."""
-    r0, r1 = rows if rows is not None else (0, t)
-    out = torch.empty((n, r1 - r0, s), dtype=torch.bool, device=seed.device)
-    if r1 > r0 and s > 0:
-        grid = (triton.cdiv(r1 - r0, 16), triton.cdiv(s, 64), n)
-        _keep[grid](seed, out, r0, r1, t, s, dropout_p, BLOCK_R=16, BLOCK_S=64)
-    return out
-
-
 # ------------------------------------------------------------------------------------------------------ device side
 
 if triton is not None:
-    _jit: Any = tc.device
+    _jit: Any = device_function
     _F32_MAX: Any = tl.constexpr(3.4028234663852886e38)
-
-    @_jit
-    def keep_offsets(n, rows, cols, T, S):
-        """The counter of attention dropout's keep mask, shared with the Triton backward
-        (kernels/triton_attention_bwd.py): element (i, j) of matrix n (= batch·H + head) is kept where
-        tl.rand(seed, (n·T + i)·S + j) >= p, and a kept element is scaled by 1/(1 - p) (SDPA's convention). rows (R,)
-        and cols (C,) are whole-matrix indices; int64 (n·T·S passes 2^31 at long context)."""
-        return (n.to(tl.int64) * T + rows[:, None].to(tl.int64)) * S + cols[None, :].to(tl.int64)
-
-    @triton.jit
-    def _keep(Seed, Out, r0, r1, T, S, p, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
-        rows = r0 + tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-        n = tl.program_id(2)
-        keep = tl.rand(tl.load(Seed), keep_offsets(n, rows, cols, T, S)) >= p
-        at = (n.to(tl.int64) * (r1 - r0) + (rows - r0)[:, None]) * S + cols[None, :]
-        tl.store(Out + at, keep, mask=(rows < r1)[:, None] & (cols < S)[None, :])
 
     @_jit
     def _operand(x, DOT: tl.constexpr):
@@ -741,7 +705,7 @@ if triton is not None:
             l_i = l_i * alpha + p_sum
             m_i = m_new
             if DROPOUT:
-                keep = tl.rand(seed, keep_offsets(pid_n, offs_m, offs_n, T, S)) >= dropout_p
+                keep = triton_dropout.keep(seed, pid_n, T, S, offs_m[:, None], offs_n[None, :], dropout_p)
                 p = tl.where(keep, p * inv_keep, 0.0)
             # P̃ rounded to V's dtype, as the GEMM takes it: the context's references use the same values.
             p_c = p.to(v.dtype)

@@ -10,25 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # triton is optional: the Triton backend then declines every call, saying why
-    triton = None
-
-__all__ = ["device"]
-
-
-def device(fn: Any) -> Any:
-    """``@triton.jit`` for a device function. Under the interpreter the plain function: the interpreter runs device
-    functions as Python either way, but each call of an interpreted one patches triton.language again (~0.4 ms, and a
-    tile loop makes thousands), which made a test-sized call take seconds."""
-    jitted = triton.jit(fn)
-    return fn if type(jitted).__name__ == "InterpretedFunction" else jitted
-
+from .triton_common import device_function, triton
 
 if triton is not None:
-    _jit: Any = device
+    import triton.language as tl
+
+__all__: list[str] = []
+
+if triton is not None:
+    _jit: Any = device_function
     # The combine functions of tl.sum/max/min: tl.reduce with them is what those compile to, and what the
     # interpreter runs on numpy directly (tl.sum itself is a @jit function of Triton's library, patched per call).
     _SUM = tl.standard._sum_combine

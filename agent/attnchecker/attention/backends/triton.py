@@ -12,9 +12,10 @@ Faults: ``attnchecker.inject``'s plan is written into the kernel's tiles (its fa
 kernels.triton_attention.emulated_faults; a dispatch-mode injector below autograd never sees the kernel's products,
 so a call under a TorchDispatchMode is declined (ATTNCHECKER_ATTENTION=tiled runs them as torch ops).
 
-Backward: the verified output and log-sum-exp feed the fused CPU kernel's backward (attention/backward/fused.py: under
-protect(scope="all") its checked encoded form), as the tiled backend's; with attention dropout, and on CUDA until the
-Triton backward lands, attention/backward/replay.py (dropout's keep mask regenerated from the kernel's seed).
+Backward: the verified output and log-sum-exp feed, on the CPU without dropout, the fused CPU kernel's backward
+(attention/backward/fused.py: under protect(scope="all") its checked encoded form), as the tiled backend's; on CUDA and
+with attention dropout, the Triton backward (attention/backward/triton_backward.py), which regenerates the forward's
+keep mask from its seed and checks its own products under protect(scope="all") (``_KernelBackward``).
 """
 from __future__ import annotations
 
@@ -30,14 +31,21 @@ from ...abft.tolerance import NEAR_INF
 from ...checks.context import LayerContext
 from ...checks.deferred import defer
 from ...checks.product import _tolerance
-from ...checks.records import _count, _count_trips, _record_ratio
+from ...checks.records import _count, _count_trips
 from ...inject import DEFAULT_NEAR_INF, Injected, WindowHit
 from ...kernels import triton_attention as kernel
 from ...matmul_precision import current_fp32_precision, fp32_matmul_operand_roundoff
-from ..backward.fused import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
-from ..backward.replay import Replay, replay_attention
+from ..backward import triton_backward
+from ..backward.fused import (
+    _additive_mask,
+    _expand_heads,
+    _Forward,
+    _off_cpu_backward,
+    _sdpa_backward,
+    _VerifiedAttention,
+)
+from ..backward.replay import Replay, replay_backward
 from . import AttentionCall, BackendOutput
-from .tiled_torch import _causal_into_mask, _RecomputedBackward
 
 __all__ = ["MAX_HEAD_DIM", "TritonBackend", "reports_of"]
 
@@ -130,10 +138,9 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
     if got.records is not None:
         for op in ops:
             i = kernel.OPS.index(op)
-            defer(ctx, op, got.status[i], reports_of(got.records, i, q.shape[1]), tier=tiers[op])
-        if mode == "full":
-            first = 2 + kernel.OPS.index(ops[0])  # ops keep OPS's order: a slice, not an index tensor (a copy)
-            _record_ratio(ctx, got.status[first : first + len(ops)], ops)
+            # The worst clean ratio rides to the step boundary too, where the step's histogram is one update.
+            defer(ctx, op, got.status[i], reports_of(got.records, i, q.shape[1]), tier=tiers[op],
+                  ratio=got.status[2 + i] if mode == "full" else None)
     out = got.out_BHTD
     if call.needs_grad:
         out = _with_grad(call, got, seed)
@@ -152,28 +159,65 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
 
 
 def _with_grad(call: AttentionCall, got: kernel.Result, seed: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's output with autograd attached (module docstring: which backward)."""
+    """The kernel's output with autograd attached. On the CPU without dropout, the fused CPU kernel's backward at
+    the verified output and lse (under protect(scope="all") its checked encoded form), as the tiled backend's.
+    Elsewhere ``_KernelBackward``."""
     q, k, v = call.q_BHTD, call.k_BHSD, call.v_BHSD
-    h = q.shape[1]
     if call.dropout_p == 0.0 and q.device.type == "cpu":
-        k_rep, v_rep = _expand_heads(k, h), _expand_heads(v, h)
-        out: torch.Tensor = _VerifiedAttention.apply(q, k_rep, v_rep, _Forward(
+        h = q.shape[1]
+        out: torch.Tensor = _VerifiedAttention.apply(q, _expand_heads(k, h), _expand_heads(v, h), _Forward(
             out_BHTD=got.out_BHTD, lse_BHT=got.lse_BHT, mask_add=_additive_mask(call.attn_mask, q.dtype),
-            scale=call.scale, is_causal=call.is_causal, layer=call.ctx, block_q=got.block_m))
+            scale=call.scale, is_causal=call.is_causal, attn_mask=call.attn_mask, layer=call.ctx,
+            block_q=got.block_m))
         return out
-    if call.dropout_p == 0.0:
-        # TODO(triton-fwd): the Triton backward (kernels/triton_attention_bwd.py, issue 31 item 3) goes here, checked
-        # under protect(scope="all"); until it lands, the gradient of fused SDPA at the verified q, k, v.
+    how = Replay(out_BHTD=got.out_BHTD, lse_BHT=got.lse_BHT, attn_mask=call.attn_mask, is_causal=call.is_causal,
+                 scale=call.scale, dropout_p=call.dropout_p, seed=seed)
+    grad: torch.Tensor = _KernelBackward.apply(q, k, v, how, call.ctx)
+    return grad
+
+
+class _KernelBackward(torch.autograd.Function):
+    """The backward of a Triton forward off the fused CPU kernel's reach (CUDA, or attention dropout): the Triton
+    backward (attention/backward/triton_backward.py) with the step's check (protect(scope="all")) and the forward's
+    dropout seed, its scores in fp32 as this kernel kept them; unchecked without dropout, SDPA's recomputed gradient
+    (flash). Where the Triton backward declines (ATTNCHECKER_ATTENTION_BACKWARD=torch): the checked PyTorch products,
+    or with dropout the PyTorch replay of the kernel's keep mask (attention/backward/replay.py, unchecked)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, how, layer):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(q, k, v, how.out_BHTD, how.lse_BHT)
+        ctx.how, ctx.layer = how, layer
+        return how.out_BHTD
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[no-untyped-def]
+        q, k, v, out, lse = ctx.saved_tensors
+        how: Replay = ctx.how
+        layer: LayerContext = ctx.layer
+        mode = triton_backward.check_mode(layer.runtime)
+        if not triton_backward.not_supported_reasons(q, k, v, how.attn_mask):
+            if mode != "off" or how.dropout_p > 0.0:
+                dq, dk, dv = triton_backward.backward(
+                    q, k, v, out, lse, dout, scale=how.scale, is_causal=how.is_causal, attn_mask=how.attn_mask,
+                    dropout_p=how.dropout_p, seed=0 if how.seed is None else how.seed, check=mode, ctx=layer)
+                return dq, dk, dv, None, None
+        elif how.dropout_p > 0.0:
+            return (*replay_backward(q, k, v, out, lse, dout, how), None, None)
+        h = q.shape[1]
         k_rep, v_rep = _expand_heads(k, h), _expand_heads(v, h)
-        attn_mask, is_causal = call.attn_mask, call.is_causal
-        if is_causal and attn_mask is not None:
-            attn_mask, is_causal = _causal_into_mask(attn_mask, q.shape[-2], k.shape[-2]), False
-        grad: torch.Tensor = _RecomputedBackward.apply(q, k_rep, v_rep, got.out_BHTD, (attn_mask, is_causal,
-                                                                                      call.scale))
-        return grad
-    return replay_attention(q, k, v, Replay(out_BHTD=got.out_BHTD, lse_BHT=got.lse_BHT, attn_mask=call.attn_mask,
-                                            is_causal=call.is_causal, scale=call.scale, dropout_p=call.dropout_p,
-                                            seed=seed))
+        if mode == "off":
+            grads = _sdpa_backward(dout, q, k_rep, v_rep, how.attn_mask, scale=how.scale, is_causal=how.is_causal)
+        else:
+            grads = _off_cpu_backward(layer, dout, q, k_rep, v_rep, out, lse, how.attn_mask, None, scale=how.scale,
+                                      is_causal=how.is_causal, block_q=None)
+        dq, dk, dv = grads
+        return dq, _sum_groups(dk, k.shape[1]), _sum_groups(dv, v.shape[1]), None, None
+
+
+def _sum_groups(grad_BHSD: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """dK (dV) of the expanded heads summed back onto the kv_heads (GQA)."""
+    b, h, s, d = grad_BHSD.shape
+    return grad_BHSD if h == kv_heads else grad_BHSD.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
 def reports_of(records: torch.Tensor, op: int, heads: int) -> Callable[[], list[MatrixReport]]:

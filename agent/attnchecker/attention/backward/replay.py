@@ -1,10 +1,10 @@
-"""The gradient of an attention forward that ran outside autograd (the Triton kernel), recomputed a block of query
-rows at a time from q, k, v, the verified output and row log-sum-exp, with the forward's dropout keep mask regenerated
-from its seed (kernels/triton_attention.keep_mask): FlashAttention-2's backward in PyTorch ops, O(block·S) memory.
+"""The gradient of an attention forward with dropout that ran outside autograd (the Triton kernel), recomputed a block
+of query rows at a time from q, k, v, the verified output and row log-sum-exp, with the forward's keep mask regenerated
+from its seed (kernels/triton_dropout.keep_mask): FlashAttention-2's backward in PyTorch ops.
 
-What the Triton backend uses for the calls no fused backward can take: attention dropout (SDPA's and the CPU kernel's
-backward draw their own mask), and CUDA calls until the Triton backward (kernels/triton_attention_bwd.py) is wired.
-Unchecked: under protect(scope="all") those calls' backward products are not verified (docs/abft.md says so).
+The Triton backend's fallback where the Triton backward declines a dropout call (ATTNCHECKER_ATTENTION_BACKWARD=torch:
+SDPA's and the CPU kernel's backward draw masks of their own). Unchecked, and the mask is made whole (B·H·T·S bytes)
+from a seed read back once: a fallback, not a fast path.
 
 Legend: B batch, H query heads, Hk key/value heads, T queries, S keys, D head dim, R a block of query rows.
 """
@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from ...abft.tiled import TILE_BUDGET
-from ...kernels import triton_attention
+from ...kernels import triton_dropout
 from .fused import _expand_heads
 
-__all__ = ["Replay", "replay_attention"]
+__all__ = ["Replay", "replay_backward"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,27 +33,7 @@ class Replay:
     scale: float
     dropout_p: float
     seed: torch.Tensor | None
-    """(1,) int64 on the device: the keep mask's seed (kernels/triton_attention.keep_offsets)."""
-
-
-class _Replayed(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, how: Replay) -> torch.Tensor:
-        ctx.save_for_backward(q, k, v, how.out_BHTD, how.lse_BHT)
-        ctx.how = how
-        return how.out_BHTD
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = replay_backward(q, k, v, out, lse, grad_out, ctx.how)
-        return dq, dk, dv, None
-
-
-def replay_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, how: Replay) -> torch.Tensor:
-    """how.out_BHTD with autograd attached: its backward is ``replay_backward``."""
-    out: torch.Tensor = _Replayed.apply(q_BHTD, k_BHSD, v_BHSD, how)
-    return out
+    """(1,) int64 on the device: the keep mask's seed (kernels/triton_dropout.keep)."""
 
 
 def replay_backward(
@@ -67,8 +46,8 @@ def replay_backward(
     how: Replay,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of out = dropout(softmax(scale·QKᵀ + mask))·V, in fp32, a block of query rows at a time: P from
-    the saved lse (exact: exp(z - lse)), the keep mask regenerated per block, Δ = rowsum(dO ∘ O) (FlashAttention-2).
-    No host-device sync."""
+    the saved lse (exact: exp(z - lse)), the forward's keep mask (made once, whole), Δ = rowsum(dO ∘ O)
+    (FlashAttention-2). One host-device sync with dropout (the seed)."""
     b, h, t, d = q_BHTD.shape
     hk, s = k_BHSD.shape[1], k_BHSD.shape[2]
     f32 = torch.float32
@@ -81,6 +60,11 @@ def replay_backward(
     mask = None if how.attn_mask is None else torch.broadcast_to(how.attn_mask, (b, h, t, s))
     rows = max(1, min(t, TILE_BUDGET // max(1, b * h * s)))
     inv_keep = 1.0 / (1.0 - how.dropout_p) if how.dropout_p > 0.0 else 1.0
+    keep_all = None
+    if how.dropout_p > 0.0:
+        assert how.seed is not None
+        # sync: the seed, once, in this fallback only (the Triton backward reads it on the device)
+        keep_all = triton_dropout.keep_mask(int(how.seed.item()), (b, h, t, s), how.dropout_p, q_BHTD.device)
     for r0 in range(0, t, rows):
         r1 = min(t, r0 + rows)
         z = q32[:, :, r0:r1] @ k_rep.mT * how.scale
@@ -92,12 +76,7 @@ def replay_backward(
             z = z.masked_fill(~part, -math.inf) if part.dtype == torch.bool else z + part.to(f32)
         # exp(z - lse); a row with every key masked has lse = +INF: P = 0 there.
         p = torch.exp(z - lse_BHT[:, :, r0:r1, None].to(f32))
-        if how.dropout_p > 0.0:
-            assert how.seed is not None
-            keep = triton_attention.keep_mask(how.seed, b * h, t, s, how.dropout_p, (r0, r1)).view(b, h, r1 - r0, s)
-            scaled = keep.to(f32) * inv_keep
-        else:
-            scaled = None
+        scaled = None if keep_all is None else keep_all[:, :, r0:r1].to(f32) * inv_keep
         pd = p if scaled is None else p * scaled
         dv_rep += pd.mT @ do32[:, :, r0:r1]
         dp = do32[:, :, r0:r1] @ v_rep.mT
