@@ -199,3 +199,17 @@ def test_without_triton_installed_the_agent_imports_and_the_triton_backend_says_
     got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.startswith("False triton is not installed"), got.stdout
+
+
+def test_the_triton_backend_leaves_flex_and_varlen_calls_to_the_tile_loop(make_ctx) -> None:
+    """A score_mod / BlockMask / varlen window, or a returned log-sum-exp with its own gradient: the kernel applies
+    none of them (auto would otherwise take such a CUDA call first)."""
+    from attnchecker.attention.tile_mods import TileMods
+    from attnchecker.kernels import triton_attention
+
+    if not triton_attention.available("cpu"):
+        pytest.skip("no triton, or not under Triton's interpreter")
+    mods = TileMods(batch=2, heads=4, t=64, s=64, score_mod=lambda score, b, h, q, kv: score)
+    for option in ({"mods": mods}, {"return_lse": True}):
+        name, declined = chosen(call_of(make_ctx, requested="triton", **option))
+        assert name == "tiled" and any("triton" in r for r in declined["triton"]), declined

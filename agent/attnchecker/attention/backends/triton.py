@@ -46,6 +46,7 @@ from ..backward.fused import (
 )
 from ..backward.replay import Replay, replay_backward
 from . import AttentionCall, BackendOutput
+from .tiled_torch import mods_reasons
 
 __all__ = ["MAX_HEAD_DIM", "TritonBackend", "reports_of"]
 
@@ -85,6 +86,7 @@ class TritonBackend:
             reasons.append("an empty operand")
         if call.return_probs:
             reasons.append("the caller asked for AP itself (return_probs), which the kernel never holds whole")
+        reasons += mods_reasons(call, self.name)
         if call.paper:
             reasons.append("paper-faithful checksum passing: its references sum over all T tokens, not one tile's")
         if call.mask_grad:
