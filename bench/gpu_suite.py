@@ -208,21 +208,21 @@ def _print_steps(row: dict[str, Any]) -> None:
 
 
 def kernel_section(args: argparse.Namespace, device: str) -> dict[str, Any]:
-    """The Triton forward with checks against the same kernel with checks off, per shape."""
-    try:
-        from attnchecker.kernels import triton_attention
-    except ImportError as e:
-        return {"skipped": f"the Triton attention kernel is not in this checkout ({e})"}
-    bench = getattr(triton_attention, "bench_checks", None)
-    if bench is None:
-        return {"skipped": "kernels/triton_attention.py has no bench_checks(...) to time with and without checks"}
-    if not triton_attention.available():
-        return {"skipped": "Triton cannot run here (no triton, or no CUDA device and no TRITON_INTERPRET=1)"}
+    """The Triton forward (kernels/triton_attention.py) with tier 1 and with its full checks (and its repair launch)
+    against the same kernel with checks off, bf16, causal, per shape."""
+    import torch
+
+    from attnchecker.kernels import triton_attention
+
+    why = triton_attention.not_available_reason(torch.device(device))
+    if why is not None:
+        return {"skipped": why}
     out = []
     for b, h, t, d in _kernel_shapes(args):
-        got = bench(b=b, h=h, t=t, d=d, device=device, causal=True, reps=1 if args.dry_run else 20)
+        got = triton_attention.bench_checks(b=b, h=h, t=t, d=d, device=device, causal=True,
+                                            reps=1 if args.dry_run else 20)
         out.append({"shape": [b, h, t, d], **got})
-        print(f"kernel B={b} H={h} T={t} D={d}: {got}")
+        print(f"forward kernel B={b} H={h} T={t} D={d}: {got}")
     return {"rows": out}
 
 

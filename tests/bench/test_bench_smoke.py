@@ -194,3 +194,28 @@ def test_triton_gemm_check_bench_compares_the_two_rules(tmp_path):
         for caught in r["caught"].values():
             assert caught["clean_rows_flagged_cpu"] == caught["clean_rows_flagged_triton"] == 0
             assert 0 <= caught["triton"] <= 1
+
+
+def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None:
+    """bench/gpu_suite.py --dry-run: every section end to end on a CPU (Triton's interpreter, tiny sizes), so the
+    device script's first run on a GPU does not die on a typo. The gpu-marked tests section is left out here (it runs
+    pytest, and they skip without a GPU)."""
+    out = tmp_path / "gpu_suite.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "gpu_suite.py"), "--dry-run", "--skip-tests", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=540, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["dry_run"] and doc["device"] == "cpu"
+    for section in ("steps", "kernel", "backward_kernel", "coverage"):
+        assert "error" not in doc[section] and "skipped" not in doc[section], (section, doc[section])
+    steps = {(r["model"], r["seq"]): r for r in doc["steps"]}
+    assert set(steps) == {("gpt2_small", 32), ("llama_7b", 32)}
+    for row in steps.values():
+        assert set(row["variants"]) == {"baseline", "full", "default", "all_full", "all_default"}
+        assert all(positive(v["step_s"]["median"]) for v in row["variants"].values())
+        assert row["variants"]["full"]["backends"], "a protected row names the backend that ran"
+    for section in ("kernel", "backward_kernel"):
+        for row in doc[section]["rows"]:
+            assert all(positive(x) for x in row.values() if isinstance(x, float)), row
+    for row in doc["coverage"]["rows"]:
+        assert 0 < row["attention_core_share"] < 1

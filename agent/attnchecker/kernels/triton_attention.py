@@ -782,3 +782,31 @@ if triton is not None:
                 # A non-finite ratio is a check whose inputs already carried a fault reported elsewhere: left out.
                 tl.atomic_max(Status + 2, tl.where(worst_s <= _F32_MAX, worst_s, 0.0))
                 tl.atomic_max(Status + 3, tl.where(worst_c <= _F32_MAX, worst_c, 0.0))
+
+
+def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = True, reps: int = 20,
+                 dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The cost of the checks inside the kernel (bench/gpu_suite.py): one forward with checks off, with tier 1 and
+    with the full checks (its repair launch included, which returns at once on clean data), interleaved over ``reps``
+    rounds, milliseconds per call (device-synchronised: a benchmark, not the fast path) and each over checks off."""
+    import statistics
+    import time
+
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, generator=g, device=device).to(dtype) for _ in range(3))
+    scale = 1 / math.sqrt(d)
+    variants = {"off": Checks(mode=None), "tier1": Checks(mode="tier1"), "full": Checks(mode="full")}
+    sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(reps + 1):
+        for name in names[r % 3:] + names[:r % 3]:
+            sync()
+            t0 = time.perf_counter()
+            forward(q, k, v, scale=scale, checks=variants[name], is_causal=causal)
+            sync()
+            if r:  # the first round compiles
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    off = statistics.median(times["off"])
+    return {f"{name}_ms": statistics.median(xs) for name, xs in times.items()} | {
+        f"{name}_over_off": statistics.median(times[name]) / off for name in names if name != "off"}
