@@ -153,6 +153,8 @@ class LayerContext:
     runtime: Runtime
     passed: PassedChecksums = field(default_factory=PassedChecksums)
     """Checksum passing within one forward of this layer (projections put, the attention takes)."""
+    op_key: int = 0
+    """Its key in ``compiled.registry``, which the custom ops of a compiled graph find it by (0: not registered)."""
 
     @property
     def step(self) -> int:

@@ -14,13 +14,15 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from .. import compiled
 from ..checks.context import CheckConfig, LayerContext, OpStats, Runtime
+from ..compiled import registry
 from ..coverage import Coverage, Miss, OpCoverage, unchecked_claims
 from ..errors import UnprotectedAttentionError
 from .projection_hook import ContextRef, Outputs, Splits, check_projection
 
-__all__ = ["Binder", "ContextRef", "Site", "engine_call", "forward_source_mentions", "projection_gap", "rotates_qk",
-           "source_readable"]
+__all__ = ["Binder", "ContextRef", "Site", "checked_attention", "engine_call", "forward_source_mentions",
+           "projection_gap", "rotates_qk", "source_readable"]
 
 log = logging.getLogger("attnchecker")
 
@@ -65,6 +67,8 @@ class Binder:
 
     def new_context(self) -> LayerContext:
         ctx = LayerContext(layer=self._next_layer, runtime=self.runtime)
+        ctx.op_key = registry.add(ctx)
+        self.on_close(functools.partial(registry.remove, ctx.op_key))
         self._next_layer += 1
         return ctx
 
@@ -216,6 +220,38 @@ def projection_gap(module: nn.Module | None, role: str = "projection") -> str:
     return f"{type(module).__name__} is not an nn.Linear / HF Conv1D (or a PEFT LoRA around one)"
 
 
+def checked_attention(
+    binder: Binder,
+    ctx: LayerContext,
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    *,
+    rotates: bool | None,
+    attn_mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``protected_sdpa`` for an integration: eagerly through ``engine_call``, with ``use_passed`` from
+    ``Binder.passed_matches``; while Dynamo traces, as the ``attnchecker::attention`` op, with ``use_passed`` decided
+    from the module alone (``rotates``: no storage to compare in a traced graph). rotates=None: Q/K change between
+    projection and attention in a way no passed checksum follows (torchtitan's RoPE), use_passed False either way.
+    q (B, H, T, D), k/v (B, Hk, S, D) -> (B, H, T, Dv)."""
+    if torch.compiler.is_compiling():
+        return compiled.attention(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal,
+                                  scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa,
+                                  use_passed=rotates is False)
+    from ..attention.pipeline import protected_sdpa
+
+    use_passed = rotates is not None and binder.passed_matches(ctx, rotates=rotates, q=q_BHTD, k=k_BHSD, v=v_BHSD)
+    out = engine_call(protected_sdpa, q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal,
+                      scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa, use_passed=use_passed)
+    assert isinstance(out, torch.Tensor)  # no return_probs: a tensor, not (out, probs)
+    return out
+
+
 @torch.compiler.disable
 def engine_call(fn: Callable[..., T], *tensors: torch.Tensor | None, **kwargs: Any) -> T:
     """Call an engine function the way autocast would have run the op it replaces, with autocast off inside.
@@ -237,7 +273,6 @@ def engine_call(fn: Callable[..., T], *tensors: torch.Tensor | None, **kwargs: A
         return fn(*map(cast, tensors), **{k: cast(v) for k, v in kwargs.items()})
 
 
-@torch.compiler.disable
 def _projection_hook(
     outputs: dict[tuple[int, str], tuple[int, int]],
     ctx_ref: ContextRef,
@@ -255,8 +290,19 @@ def _projection_hook(
     weight: torch.Tensor = module.weight  # type: ignore[assignment]  # nn.Linear / HF Conv1D parameters
     bias: torch.Tensor | None = module.bias  # type: ignore[assignment]
     ctx = ctx_ref if isinstance(ctx_ref, LayerContext) else ctx_ref()
-    return check_projection(outputs, ctx, x, output, weight, bias, op=op, splits=splits, names=names,
-                            weight_layout=weight_layout)
+    if torch.compiler.is_compiling():
+        # Traced: the check is one op in the graph, and its repaired copy is the module's output from here on.
+        return compiled.projection_check(ctx, x, output, weight, bias, op=op, splits=splits,
+                                         weight_layout=weight_layout)
+    return _check_projection_eagerly(outputs, ctx, x, output, weight, bias, op=op, splits=splits, names=names,
+                                     weight_layout=weight_layout)
+
+
+@torch.compiler.disable
+def _check_projection_eagerly(outputs: dict[tuple[int, str], tuple[int, int]], ctx: LayerContext, x: torch.Tensor,
+                              output: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **kwargs: Any
+                              ) -> torch.Tensor:
+    return check_projection(outputs, ctx, x, output, weight, bias, **kwargs)
 
 
 # Read once per class: inspect.getsource re-reads the file.

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import compiled
 from ..gemm.linear import GEMM_OPS, LinearSite, checked_linear, linear_layout, overrides_forward
 from ..gemm.schedule import _WHOLE_STEP, gemm_due, gemm_trips
 from ._common import Binder, _projection_hook
@@ -64,9 +65,19 @@ def _wrap_forward(binder: Binder, module: nn.Module, site: LinearSite) -> None:
     binder.on_close(undo)
 
 
-@torch.compiler.disable
 def _forward(site: LinearSite, module: nn.Module, original: Callable[..., torch.Tensor], *args: Any, **kwargs: Any
              ) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # Traced: one attnchecker::linear op, whose body picks the step's tier when it runs (no recompile per step).
+        x = args[0] if args else next(iter(kwargs.values()))
+        return compiled.linear(x, module.weight, module.bias, ctx=site.ctx,  # type: ignore[arg-type]
+                               layout=site.layout, check_forward=site.check_forward)
+    return _forward_eagerly(site, module, original, *args, **kwargs)
+
+
+@torch.compiler.disable
+def _forward_eagerly(site: LinearSite, module: nn.Module, original: Callable[..., torch.Tensor], *args: Any,
+                     **kwargs: Any) -> torch.Tensor:
     runtime = site.ctx.runtime
     if gemm_due(runtime):
         tier = "abft"

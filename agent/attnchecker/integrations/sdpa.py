@@ -33,7 +33,7 @@ from ..checks.context import LayerContext
 from ._common import (
     Binder,
     ContextRef,
-    engine_call,
+    checked_attention,
     forward_source_mentions,
     projection_gap,
     rotates_qk,
@@ -132,25 +132,11 @@ class _SDPAMode(TorchFunctionMode):
 
 
 def _call_protected(owner: _Owner, ctx: LayerContext, a: dict[str, Any]) -> torch.Tensor:
-    from ..attention.pipeline import protected_sdpa
-
     # Q/K rotated (RoPE) or otherwise rebuilt after the projections: the scores need checksums of these tensors.
-    use_passed = owner.binder.passed_matches(ctx, rotates=owner.rotates, q=a["query"], k=a["key"], v=a["value"])
-    out = engine_call(
-        protected_sdpa,
-        a["query"],
-        a["key"],
-        a["value"],
-        ctx=ctx,
-        attn_mask=a.get("attn_mask"),
-        is_causal=bool(a.get("is_causal", False)),
-        scale=a.get("scale"),
-        dropout_p=float(a.get("dropout_p", 0.0)),
-        enable_gqa=bool(a.get("enable_gqa", False)),
-        use_passed=use_passed,
-    )
-    assert isinstance(out, torch.Tensor)  # no return_probs: a tensor, not (out, probs)
-    return out
+    return checked_attention(owner.binder, ctx, a["query"], a["key"], a["value"], rotates=owner.rotates,
+                             attn_mask=a.get("attn_mask"), is_causal=bool(a.get("is_causal", False)),
+                             scale=a.get("scale"), dropout_p=float(a.get("dropout_p", 0.0)),
+                             enable_gqa=bool(a.get("enable_gqa", False)))
 
 
 class _Router:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..checks.context import LayerContext
-from ._common import Binder, engine_call, projection_gap
+from ._common import Binder, checked_attention, engine_call, projection_gap
 
 __all__ = ["attach"]
 
@@ -158,14 +158,11 @@ class CheckedInnerAttention(nn.Module):
 
     def _sdpa(self, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, masks: Any,
               scale: float | None, enable_gqa: bool, is_causal: bool) -> torch.Tensor:
-        from ..attention.pipeline import protected_sdpa
-
         if masks is not None:
             raise ValueError("ScaledDotProductAttention does not support attention_masks; it only supports "
                              "causal/non-causal attention via is_causal (torchtitan's own message)")
         q, k, v = (x.transpose(1, 2) for x in (q_BLNH, k_BLNH, v_BLNH))
         # RoPE ran between the projections and here: the scores take no checksums passed from the projections.
-        out = engine_call(protected_sdpa, q, k, v, ctx=self.ctx, is_causal=is_causal, scale=scale,
-                          enable_gqa=enable_gqa, use_passed=False)
-        assert isinstance(out, torch.Tensor)
+        out = checked_attention(self.binder, self.ctx, q, k, v, rotates=None, is_causal=is_causal, scale=scale,
+                                enable_gqa=enable_gqa)
         return out.transpose(1, 2)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..checks.context import LayerContext
-from ._common import Binder, engine_call, forward_source_mentions, projection_gap, rotates_qk
+from ._common import Binder, checked_attention, forward_source_mentions, projection_gap, rotates_qk
 from .peft import base_linear
 
 __all__ = ["ATTN_IMPLEMENTATION", "attach", "attnchecker_attention", "transformers_roots"]
@@ -86,8 +86,6 @@ def attnchecker_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
             position_bias=position_bias, **kwargs
         )
-    from ..attention.pipeline import protected_sdpa
-
     ctx, binder, rotates = entry
     n_rep = getattr(module, "num_key_value_groups", 1)
     q_len = query.shape[2]
@@ -103,21 +101,8 @@ def attnchecker_attention(
         attention_mask = _position_bias_mask(position_bias, attention_mask, causal, query.shape[2], key)
         causal = False
     # RoPE (Llama) or a KV cache rebuild Q/K after their projections: then the scores need checksums of these.
-    use_passed = binder.passed_matches(ctx, rotates=rotates, q=query, k=key, v=value)
-    out_BHTD = engine_call(
-        protected_sdpa,
-        query,
-        key,
-        value,
-        ctx=ctx,
-        attn_mask=attention_mask,
-        is_causal=causal,
-        scale=scaling,
-        dropout_p=dropout,
-        enable_gqa=n_rep > 1,
-        use_passed=use_passed,
-    )
-    assert isinstance(out_BHTD, torch.Tensor)  # no return_probs
+    out_BHTD = checked_attention(binder, ctx, query, key, value, rotates=rotates, attn_mask=attention_mask,
+                                 is_causal=causal, scale=scaling, dropout_p=dropout, enable_gqa=n_rep > 1)
     return out_BHTD.transpose(1, 2).contiguous(), None
 
 
@@ -273,8 +258,6 @@ def _neo_attn(
 
     query/key/value (B, H, T, D) -> (B, H, T, D), None.
     """
-    from ..attention.pipeline import protected_sdpa
-
     q = query.to(torch.float32)
     k = key.to(torch.float32)
     q_len, k_len = q.size(-2), k.size(-2)
@@ -287,11 +270,7 @@ def _neo_attn(
         mask = mask + attention_mask
     dropout = module.attn_dropout.p if module.training else 0.0
     v = value.to(torch.float32)
-    use_passed = binder.passed_matches(ctx, rotates=False, q=q, k=k, v=v)
-    out = engine_call(
-        protected_sdpa, q, k, v, ctx=ctx, attn_mask=mask, scale=1.0, dropout_p=dropout, use_passed=use_passed
-    )
-    assert isinstance(out, torch.Tensor)  # no return_probs
+    out = checked_attention(binder, ctx, q, k, v, rotates=False, attn_mask=mask, scale=1.0, dropout_p=dropout)
     return out.to(value.dtype), None
 
 

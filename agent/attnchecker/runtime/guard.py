@@ -11,6 +11,7 @@ exactly. Layers and owners: docs/architecture.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .. import compiled
 from ..checks.caches import engine_caches
 from ..checks.context import OPS, CheckConfig, OpStats, Runtime
 from ..checks.deferred import drain
@@ -111,6 +113,8 @@ class Guard:
         self._response = FaultResponse(self._runtime, self._scheduler, rank=rank, max_detections=max_detections)
         self._binder = Binder(self._runtime)
         self._binder.strict = strict
+        # Graphs the compiled checked ops kept for a backward that never came go with the guard (compiled.opaque).
+        self._binder.on_close(functools.partial(compiled.release, id(self._runtime)))
         self._totals = Totals()
         self._steps = 0
         self._closed = False
@@ -261,6 +265,8 @@ class Guard:
             return
         # The step's device-side outcomes (checks/deferred.py) belong to the step that ends here.
         drain(self._runtime.deferred)
+        # Its backward has run: a graph a compiled checked op still keeps had no backward, and never will.
+        compiled.release(id(self._runtime))
         stats = self._runtime.stats
         assert stats is not None
         # A fresh interval first: anything the engine records from now on belongs to the next step.

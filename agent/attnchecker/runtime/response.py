@@ -82,14 +82,24 @@ class FaultResponse:
             dets,
         )
 
-    # Both root hooks stay out of torch.compile's graphs (as the engine's entry points do, integrations._common): the
-    # depth count and the deferred raise are host-side bookkeeping of the real forward, not graph operations.
-    @torch.compiler.disable
+    # The root hooks are host-side bookkeeping of the real forward: eagerly they run, kept out of torch.compile's
+    # graphs; while Dynamo traces they add nothing to the graph (an op here would make a graph of its own before a
+    # model's first graph break: docs/abft.md, "Under torch.compile"). The checked ops count the forward instead
+    # (compiled.registry.context), and the depth stays 0: on_uncorrectable="raise" raises from the op that met it.
     def root_pre_hook(self, module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self._enter_forward()
+
+    def root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self._exit_forward()
+
+    @torch.compiler.disable
+    def _enter_forward(self) -> None:
         self._forward_depth += 1
 
     @torch.compiler.disable
-    def root_post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _exit_forward(self) -> None:
         self._forward_depth -= 1
         if self._forward_depth == 0 and self._runtime.stats is not None:
             self._runtime.stats.forwards += 1
