@@ -1,7 +1,8 @@
 """The checked ops as ``torch.library`` custom ops, for models under ``torch.compile``: the protected attention, the
-projection check and the whole-step Linear/Conv1D GEMM, each with a fake implementation and a registered backward. Dynamo keeps each as one opaque call in the graph instead of breaking it; at run time
-the op's body is the eager engine (docs/abft.md, "Under torch.compile"). The integrations call these only while Dynamo
-traces (``torch.compiler.is_compiling()``); an eager call never comes here."""
+projection check and the whole-step Linear/Conv1D GEMM, each with a fake implementation and a registered backward.
+Dynamo keeps each as one opaque call in the graph instead of breaking it; at run time the op's body is the eager engine
+(docs/abft.md, "Under torch.compile"). The integrations call these only while Dynamo traces
+(``torch.compiler.is_compiling()``); an eager call never comes here."""
 from __future__ import annotations
 
 from .attention_op import attention

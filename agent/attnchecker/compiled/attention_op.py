@@ -40,7 +40,7 @@ def _(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, attn_mas
       ctx_key: int, is_causal: bool, scale: float | None, dropout_p: float, enable_gqa: bool, use_passed: bool,
       grads: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     out_BHTD = q_BHTD.new_empty((*q_BHTD.shape[:-1], v_BHSD.shape[-1]))
-    return out_BHTD, opaque.handle_like(q_BHTD)
+    return out_BHTD, opaque.fake_handle()
 
 
 @torch.library.custom_op("attnchecker::attention_backward", mutates_args=())
@@ -80,13 +80,16 @@ def attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, 
               dropout_p: float = 0.0, enable_gqa: bool = False, use_passed: bool = True) -> torch.Tensor:
     """``protected_sdpa`` (no ``return_probs``) as ``attnchecker::attention``; autocast applied as ``engine_call``
     applies it (operands cast to its dtype here, in the graph). q (B, H, T, D), k/v (B, Hk, S, D) -> (B, H, T, Dv)."""
-    tensors = (q_BHTD, k_BHSD, v_BHSD, attn_mask)
+    tensors: tuple[torch.Tensor | None, ...] = (q_BHTD, k_BHSD, v_BHSD, attn_mask)
     device_type = q_BHTD.device.type
     if torch.is_autocast_enabled(device_type):
+        # Float masks too, as autocast casts SDPA's (engine_call).
         dtype = torch.get_autocast_dtype(device_type)
         tensors = tuple(t.to(dtype) if t is not None and t.is_floating_point() else t for t in tensors)
     grad_on = torch.is_grad_enabled()
     grads = [grad_on and t is not None and t.requires_grad for t in tensors]
-    out_BHTD, _ = _attention(*tensors, ctx.op_key, is_causal, scale, float(dropout_p), enable_gqa, use_passed,
+    q, k, v, mask = tensors
+    assert q is not None and k is not None and v is not None
+    out_BHTD, _ = _attention(q, k, v, mask, ctx.op_key, is_causal, scale, float(dropout_p), enable_gqa, use_passed,
                              grads)
     return out_BHTD

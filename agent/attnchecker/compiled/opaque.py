@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NO_HANDLE", "autograd_inside", "backward", "fake_grads", "handle_like", "record", "release"]
+__all__ = ["NO_HANDLE", "autograd_inside", "backward", "fake_grads", "fake_handle", "kept_count", "record", "release"]
 
 NO_HANDLE = 0
 """The handle of a call that kept no graph (nothing needed a gradient)."""
@@ -89,7 +89,7 @@ def backward(handle: torch.Tensor, grads: Sequence[torch.Tensor | None]) -> list
     return [g.contiguous() for g in got]
 
 
-def handle_like(t: torch.Tensor) -> torch.Tensor:
+def fake_handle() -> torch.Tensor:
     """The fake handle: a () int64 CPU tensor."""
     return torch.empty((), dtype=torch.int64, device="cpu")
 

@@ -92,6 +92,8 @@ class CheckedInnerAttention(nn.Module):
 
     inner: Any
     """The torchtitan module replaced (FlexAttention, VarlenAttention or ScaledDotProductAttention)."""
+    ctx: LayerContext
+    binder: Binder
 
     def __init__(self, inner: nn.Module, kind: str, ctx: LayerContext, binder: Binder) -> None:
         super().__init__()
