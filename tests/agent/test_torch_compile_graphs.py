@@ -65,3 +65,27 @@ def test_a_protected_torchtitan_block_compiles_to_one_graph(scope: str | None) -
     assert (graphs, breaks) == (1, 0), reasons
     want = set() if scope is None else {"attention", "projection_check"} | ({"linear"} if scope == "all" else set())
     assert ops == want
+
+
+def test_a_protected_torchtitan_block_compiles_with_fullgraph() -> None:
+    """torchtitan's apply_compile compiles each block with fullgraph=True: a protected block trains that way."""
+    import test_integrations_torchtitan as tt
+
+    model = tt.build(layers=1, sdpa=True)
+    block = next(iter(model.layers.values()))
+    x = model.tok_embeddings(tt.TOKENS[:, :-1]).detach().requires_grad_()
+    want = block(x, None, tt.POSITIONS)
+    want.sum().backward()
+    want_grad, x.grad = x.grad, None
+    torch._dynamo.reset()
+    try:
+        with attnchecker.protect(model) as guard:
+            got = torch.compile(block, backend="aot_eager", fullgraph=True)(x, None, tt.POSITIONS)
+            got.sum().backward()
+            checks, detections = guard.report().checks, list(guard.detections)
+    finally:
+        torch._dynamo.reset()
+    assert checks["scores"] == checks["context"] == 1  # checked inside the one graph, not skipped
+    assert detections == []
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(x.grad, want_grad)
