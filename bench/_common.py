@@ -45,7 +45,8 @@ def machine() -> dict[str, Any]:
     try:
         import torch
 
-        info.update(torch=torch.__version__, torch_threads=torch.get_num_threads(), cuda=torch.cuda.is_available())
+        info.update(torch=torch.__version__, torch_threads=torch.get_num_threads(), cuda=torch.cuda.is_available(),
+                    copy_gb_s=copy_bandwidth_gb_s())
     except ImportError:
         pass
     try:
@@ -54,6 +55,24 @@ def machine() -> dict[str, Any]:
     except OSError:
         info["git_commit"] = None
     return info
+
+
+def copy_bandwidth_gb_s(mib: int = 128, repeats: int = 5) -> float:
+    """GB/s of a ``mib`` MiB fp32 tensor copy (bytes read + written, best of ``repeats``, torch's threads as set).
+
+    The phase of this shared machine, recorded beside each result: the checks are passes over memory, the GEMMs they
+    check are not, so a run taken while the host's memory bandwidth is contended prices protection higher for the
+    same code (docs/performance.md, "Two harnesses"). A load average does not show it; this does."""
+    import torch
+
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return round(2 * src.numel() * 4 / best / 1e9, 2)
 
 
 def summary(xs: Sequence[float]) -> dict[str, float]:
