@@ -102,8 +102,9 @@ def _blocks(block_mask: Any, t: int, s: int) -> _Blocks:
         states = torch.where(full, FULL, states)
     rows = -(-t // q_block)
     states = states[..., :rows, :].to(torch.uint8).contiguous()
-    # sync: once per BlockMask (a step's mask is shared by every layer); the tiles a call visits are decided on it.
-    blocks = _Blocks(states=states, host=states.cpu(), size=(q_block, k_block), mask_mod=block_mask.mask_mod)
+    # Once per BlockMask (a step's mask is shared by every layer): the tiles a call visits are decided on the host.
+    host = states.cpu()  # sync: once per BlockMask, above
+    blocks = _Blocks(states=states, host=host, size=(q_block, k_block), mask_mod=block_mask.mask_mod)
     _HOST[block_mask] = blocks
     return blocks
 

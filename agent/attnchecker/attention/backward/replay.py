@@ -63,8 +63,8 @@ def replay_backward(
     keep_all = None
     if how.dropout_p > 0.0:
         assert how.seed is not None
-        # sync: the seed, once, in this fallback only (the Triton backward reads it on the device)
-        keep_all = triton_dropout.keep_mask(int(how.seed.item()), (b, h, t, s), how.dropout_p, q_BHTD.device)
+        seed = int(how.seed.item())  # sync: the seed, once, in this fallback only (the Triton backward reads it there)
+        keep_all = triton_dropout.keep_mask(seed, (b, h, t, s), how.dropout_p, q_BHTD.device)
     for r0 in range(0, t, rows):
         r1 = min(t, r0 + rows)
         z = q32[:, :, r0:r1] @ k_rep.mT * how.scale
