@@ -2,7 +2,9 @@
 checked products, and how large a single finite error in its outputs must be to be flagged.
 
 Time: one layer's backward at the overhead benchmark's GPT-2 size (B 4, H 8, T 256, D 64, causal, q/k/v split from
-one projection output), the three variants interleaved over rounds (bench/_common.py), one torch thread.
+one projection output), the variants interleaved over rounds (bench/_common.py), one torch thread: the plain kernel,
+the encoded backward (operands padded to a multiple of 8 head dims) and the same unpadded (D + 5), the checked
+products.
 
 Sensitivity:
 For each shape and dtype: one causal attention (q/k/v split from one projection output, as in a model), its fused
@@ -100,8 +102,21 @@ def measure(shapes: dict[str, tuple[int, int, int, int]]) -> list[dict[str, Any]
     return rows
 
 
+def _unpadded(encoded: Any, call: Any) -> Any:
+    """call with the encoded operands D + 5 wide, not padded to a multiple of encoded.WIDTH_MULTIPLE: what the
+    padding saves, side by side."""
+    multiple = encoded.WIDTH_MULTIPLE
+    encoded.WIDTH_MULTIPLE = 1
+    try:
+        return call()
+    finally:
+        encoded.WIDTH_MULTIPLE = multiple
+
+
 def timing(rounds: int, tiny: bool) -> dict[str, Any]:
-    """ms per layer backward: plain kernel, encoded (with its checks), checked products; median of the rounds."""
+    """ms per layer backward: plain kernel, encoded (with its checks; and unpadded, D + 5 wide), checked products;
+    median of the rounds."""
+    from attnchecker.attention.backward import encoded
     from attnchecker.attention.backward.checked import checked_backward
 
     b, h, t, d = SHAPES["small"] if tiny else (4, 8, 256, 64)
@@ -112,6 +127,8 @@ def timing(rounds: int, tiny: bool) -> dict[str, Any]:
     calls = {
         "fused": lambda: FUSED_BACKWARD(*args, 0.0, True, attn_mask=None, scale=case["scale"]),
         "encoded": lambda: encoded_backward(ctx, *args, None, scale=case["scale"], is_causal=True),
+        "encoded_unpadded": lambda: _unpadded(encoded, lambda: encoded_backward(ctx, *args, None, scale=case["scale"],
+                                                                                is_causal=True)),
         "products": lambda: checked_backward(ctx, *args, None, scale=case["scale"], is_causal=True),
     }
     per_round = 5

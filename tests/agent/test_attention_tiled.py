@@ -135,15 +135,16 @@ def _whole_step_backward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 
 def test_the_encoded_backward_keeps_the_kernels_memory_and_gives_the_sdpa_gradient(make_ctx, monkeypatch) -> None:
     """The full check of the backward as it runs on the CPU: the fused kernel on checksum-encoded operands
-    (attention.backward.encoded), one check of each of its ops per layer, no T×S tensor (its buffers are (B, H, T, D + 5)),
+    (attention.backward.encoded), one check of each of its ops per layer, no T×S tensor (its buffers are (B, H, T, D + 5)
+    padded to a multiple of 8),
     SDPA's gradient."""
-    from attnchecker.attention.backward.encoded import ENCODED_COLS, ENCODED_OPS
+    from attnchecker.attention.backward.encoded import ENCODED_OPS, encoded_width
 
     b, h, t, d = 1, 2, 128, 8
     q, k, v = (seeded((b, h, t, d), 20 + i, torch.float32).requires_grad_() for i in range(3))
     monkeypatch.setenv(TILE_ENV, "16,16")
     ctx, rec = make_ctx()
-    assert _whole_step_backward(ctx, q, k, v) <= b * h * t * (d + ENCODED_COLS) < b * h * t * t
+    assert _whole_step_backward(ctx, q, k, v) <= b * h * t * encoded_width(d) < b * h * t * t
     stats = ctx.runtime.stats
     assert rec.detections == []
     assert all(stats.checks[op] == 1 for op in ENCODED_OPS) and stats.checks.get("scores_bwd", 0) == 0

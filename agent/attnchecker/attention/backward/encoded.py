@@ -7,7 +7,8 @@ carries the checksums, the way ABFT encodes a GEMM's operands (Huang & Abraham):
 come out as checksum columns of its outputs.
 
 With e = ones and w = (1..D)/D over the head dim, c_X = X·[e, w] per row, and zero columns where a product must not
-change (the kernel takes one head size for Q, K and V, so all five are D + 5 wide):
+change (the kernel takes one head size for Q, K and V, so all five are D + 5 wide, then zero-padded to a multiple of 8
+head dims, WIDTH_MULTIPLE):
 
   Q' = [Q, c_Q, 0, 0, 0]        K' = [K, 0, 0, c_K, 1]       Q'K'ᵀ = QKᵀ: S, AP, lse unchanged
   V' = [V, 0, 0, 0, 0, 0]       O' = [O, 0, 0, 0, 0, 0]      dP = dO Vᵀ and δ = rowsum(dO ⊙ O) unchanged
@@ -25,7 +26,7 @@ consistent AP, dP and δ: a fault in the kernel's own products (the scores it re
 the output checksums, reading the same wrong dS on both sides, agree with it. A flag recomputes the backward through
 the checked products (attention.backward.checked), which locate and correct; what they do not find is reported as
 recomputed. The bounds are rigorous (any summation order; docs/abft.md, "The encoded attention backward"); the checks
-cost O(T·D) and one sync, the kernel D + 5 head dims instead of D.
+cost O(T·D) and one sync, the kernel D + 5 head dims (padded to a multiple of 8) instead of D.
 
 Legend: B batch, H heads (K/V expanded to H), T query tokens, S key tokens, D head dim.
 """
@@ -50,7 +51,7 @@ from ...kernels.fused_pass import fused_pass
 from ...matmul_precision import fp32_matmul_operand_roundoff
 from ...tripwire import extreme_value
 
-__all__ = ["ENCODED_OPS", "encoded_backward", "supports"]
+__all__ = ["ENCODED_OPS", "encoded_backward", "encoded_width", "supports"]
 
 ENCODED_OPS: tuple[str, ...] = ("grad_q", "grad_k", "grad_v", "grad_probs")
 """The checks of one encoded backward: the three outputs' row checksums, and dS's row sums (op ``grad_probs``: the
@@ -61,7 +62,13 @@ enabled = True
 (bench/overhead.py's ``all_full_products``)."""
 
 ENCODED_COLS = 5
-"""Head dims the encoded operands carry beyond D (module docstring)."""
+"""Head dims the encoded operands carry beyond D (module docstring), before ``_padding``."""
+
+WIDTH_MULTIPLE = 8
+"""The encoded width is padded with zero columns to a multiple of this: PyTorch's CPU flash-attention backward runs
+its head dim in vector lanes, and at 69 = 64 + 5 it paid a scalar tail per row that cost more than 3 zero columns
+(bench/encoded_backward.py prices both side by side: docs/abft.md, "The encoded attention backward"). Zero columns
+change no product (module docstring)."""
 
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -280,13 +287,15 @@ def _encode(inputs: _Inputs, *, scale: float, acc: torch.dtype) -> tuple[tuple[t
     # 1e-26 under a bound column of 1e-29.
     tiny = torch.finfo(dt).smallest_normal
     flushed_v, flushed_k = tiny * g1_BHT.sum(-1), tiny * g2_BHT.sum(-1)
-    zeros = q_BHTD.new_zeros(*q_BHTD.shape[:-1], 1)
+    # The last column of each is the zero padding (none at a width already a multiple, when it is 0 wide).
+    pad = _padding(d)
+    zeros = q_BHTD.new_zeros(*q_BHTD.shape[:-1], 1 + pad)
     ones_s = k_BHSD.new_ones(*k_BHSD.shape[:-1], 1)
-    zeros_s = k_BHSD.new_zeros(*k_BHSD.shape[:-1], ENCODED_COLS)
-    q_e = _encoded(q_BHTD, c_q.to(dt), zeros, zeros, zeros)
-    k_e = _encoded(k_BHSD, zeros_s[..., :2], c_k.to(dt), ones_s)
+    zeros_s = k_BHSD.new_zeros(*k_BHSD.shape[:-1], ENCODED_COLS + pad)
+    q_e = _encoded(q_BHTD, c_q.to(dt), zeros[..., :1], zeros[..., :1], zeros)
+    k_e = _encoded(k_BHSD, zeros_s[..., :2], c_k.to(dt), ones_s, zeros_s[..., :pad])
     v_e = _encoded(v_BHSD, zeros_s)
-    o_e = _encoded(out_BHTD, zeros.expand(*zeros.shape[:-1], ENCODED_COLS))
+    o_e = _encoded(out_BHTD, zeros[..., :1].expand(*zeros.shape[:-1], ENCODED_COLS + pad))
     do_e = _encoded(do_BHTD, c_do.to(dt), g_do[..., None].to(dt), g_dk[..., None].to(dt), zeros)
     side = _Side(g_BHT=g_BHT, rho_BHT=rho_BHT, k_max_BH=k_max_BH, g_do_top=g_do_top, g_dk_top=g_dk_top,
                  flushed_v_BH=flushed_v, flushed_k_BH=flushed_k,
@@ -343,8 +352,19 @@ def _in_range(x_BHT: torch.Tensor, room: torch.Tensor) -> tuple[torch.Tensor, to
     return x_BHT / top, top
 
 
+def encoded_width(d: int) -> int:
+    """Head dims of the encoded operands for a head dim d: d + ENCODED_COLS, padded to a multiple of
+    WIDTH_MULTIPLE."""
+    return d + ENCODED_COLS + _padding(d)
+
+
+def _padding(d: int) -> int:
+    """Zero columns after the ENCODED_COLS ones, to a width that is a multiple of WIDTH_MULTIPLE."""
+    return -(d + ENCODED_COLS) % WIDTH_MULTIPLE
+
+
 def _encoded(x_BHTD: torch.Tensor, *cols: torch.Tensor) -> torch.Tensor:
-    """x with the ENCODED_COLS columns after its own, stored as (B, T, H, D + ENCODED_COLS): the layout SDPA hands the
+    """x with the encoded columns after its own, stored as (B, T, H, D + ENCODED_COLS + pad): the layout SDPA hands the
     kernel (heads split from a projection), which it otherwise copies its gradient input into. One write of the
     buffer: torch.cat ran faster than copying x and the columns into an empty one."""
     if x_BHTD.dim() != 4:
