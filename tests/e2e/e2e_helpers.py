@@ -7,9 +7,12 @@ reads the collector only through its HTTP API and ``/metrics``, as an operator w
 from __future__ import annotations
 
 import signal
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,23 +78,71 @@ def tiny_model(seed: int = 0) -> TinyLM:
     return TinyLM().train()
 
 
+@dataclass
+class Trained:
+    """What ``train`` saw: each step's wall time, and the socket operations made while the steps ran."""
+
+    seconds: list[float] = field(default_factory=list)
+    network_in_steps: list[str] = field(default_factory=list)
+    """Socket operations (connect, send, receive) the training thread made inside a step: the agent's own, since the
+    test's calls run between steps. Empty when only the sender thread talks to the collector, so no step can wait
+    on it."""
+    network_elsewhere: int = 0
+    """Socket operations other threads (the agent's sender) made meanwhile: shows the watch saw the traffic."""
+
+
+_SOCKET_CALLS = ("connect", "connect_ex", "send", "sendall", "recv", "recv_into")
+
+
+@contextmanager
+def _watch_sockets(trained: Trained, armed: threading.Event) -> Iterator[None]:
+    """Record every socket operation in this process (httpx's sync transport calls these methods of socket.socket):
+    this thread's while ``armed`` is set, into ``trained.network_in_steps``, and count the other threads'."""
+    me = threading.get_ident()
+    own = {name: socket.socket.__dict__[name] for name in _SOCKET_CALLS if name in socket.socket.__dict__}
+    for name in _SOCKET_CALLS:
+        original = getattr(socket.socket, name)
+
+        def watched(self: socket.socket, *args: Any, _original: Any = original, _name: str = name,
+                    **kwargs: Any) -> Any:
+            if threading.get_ident() != me:
+                trained.network_elsewhere += 1
+            elif armed.is_set():
+                trained.network_in_steps.append(_name)
+            return _original(self, *args, **kwargs)
+
+        setattr(socket.socket, name, watched)
+    try:
+        yield
+    finally:
+        for name in _SOCKET_CALLS:
+            if name in own:
+                setattr(socket.socket, name, own[name])
+            else:
+                delattr(socket.socket, name)
+
+
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, *,
-          before_step: Callable[[int], None] | None = None) -> list[float]:
+          before_step: Callable[[int], None] | None = None) -> Trained:
     """``steps`` optimizer steps on seeded batches; the guard's step() runs in the optimizer's post hook. Returns
-    the wall time of each step (forward, backward, optimizer step and the guard's step boundary)."""
-    seconds = []
-    for step in range(steps):
-        if before_step is not None:
-            before_step(step)
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
-        t0 = time.perf_counter()
-        logits = model(ids)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        seconds.append(time.perf_counter() - t0)
-    return seconds
+    the wall time of each step (forward, backward, optimizer step and the guard's step boundary), and the socket
+    operations made on this thread inside the steps and on the others (``Trained``)."""
+    trained, armed = Trained(), threading.Event()
+    with _watch_sockets(trained, armed):
+        for step in range(steps):
+            if before_step is not None:
+                before_step(step)
+            ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+            armed.set()
+            t0 = time.perf_counter()
+            logits = model(ids)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            trained.seconds.append(time.perf_counter() - t0)
+            armed.clear()
+    return trained
 
 
 # --- the collector -----------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 database, and the agent delivers everything by itself, promptly, exactly once, without `attnchecker sync`:
 
 - killed and restarted mid-run with the default 30 s maximum backoff: the agent is back through its /readyz probe,
-  the run's `finish` arrives, nothing is left in the spool, no step waited;
+  the run's `finish` arrives, nothing is left in the spool, no step talked to the collector (only the sender did);
 - a run that ends while the collector is down leaves its tail and `finish` in the spool; the next run on the same
   spool directory uploads them, and the first run shows finished;
 - PostgreSQL refuses the collector's connections (the database made unreachable, a real outage condition): the
@@ -11,7 +11,6 @@ database, and the agent delivers everything by itself, promptly, exactly once, w
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from pathlib import Path
 
@@ -68,7 +67,7 @@ def test_killed_and_restarted_collector_gets_everything_without_sync(backend: st
                 restarted["at"] = time.time()
 
         caplog.set_level(logging.INFO, logger="attnchecker.transport")
-        seconds = train(model, opt, steps, before_step=outage)
+        trained = train(model, opt, steps, before_step=outage)
         guard.close(flush_timeout_s=15.0)
 
         t = guard.transport
@@ -76,8 +75,8 @@ def test_killed_and_restarted_collector_gets_everything_without_sync(backend: st
         assert t.dropped == 0
         streaming.assert_collector_agrees(c, guard, steps)  # 0 lost, 0 duplicated, finished, totals agree
         assert spool_files(spool) == [], "something was left for a manual sync"
-        median = statistics.median(seconds)
-        assert max(seconds) <= max(10 * median, median + 2.5), "a step waited for the collector"
+        assert trained.network_elsewhere > 0
+        assert trained.network_in_steps == [], "a step talked to the collector itself, so it could wait on it"
         back = [r.created for r in caplog.records if "reachable again" in r.getMessage()]
         assert back and back[-1] >= restarted["at"] - 1.0  # it came back after the restart, on its own
 
@@ -152,7 +151,7 @@ def test_database_unreachable_then_back(tmp_path: Path) -> None:
                 database(up=True)
 
         try:
-            seconds = train(model, opt, steps, before_step=outage)
+            trained = train(model, opt, steps, before_step=outage)
         finally:
             database(up=True)
             admin.dispose()
@@ -163,5 +162,5 @@ def test_database_unreachable_then_back(tmp_path: Path) -> None:
         assert t.spooled > 0 and t.dropped == 0
         streaming.assert_collector_agrees(c, guard, steps)
         assert spool_files(tmp_path / "spool") == []
-        median = statistics.median(seconds)
-        assert max(seconds) <= max(10 * median, median + 2.5), "a step waited for the collector"
+        assert trained.network_elsewhere > 0
+        assert trained.network_in_steps == [], "a step talked to the collector itself, so it could wait on it"

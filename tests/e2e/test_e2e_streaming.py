@@ -2,15 +2,14 @@
 
 - N steps with K injected faults: the collector holds exactly K events (unique ids), the stats agree with them, and
   /metrics agrees with both (SQLite and PostgreSQL).
-- The collector hangs (SIGSTOP), is killed mid-run, and restarted: no step is delayed, and every event arrives
-  exactly once.
+- The collector hangs (SIGSTOP), is killed mid-run, and restarted: no step talks to it (only the sender thread does,
+  so none waits on it), and every event arrives exactly once.
 - The collector is unreachable for the whole run: the spool holds every event, and `attnchecker sync` (the real CLI)
   uploads them exactly once; a second sync uploads nothing.
 """
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 import sys
 from collections import Counter
@@ -147,8 +146,7 @@ def test_collector_killed_and_restarted_mid_run(collector: Collector, tmp_path: 
     fault_steps = [2, 5, 11, 13, 16, 19, 21, 24, 33]  # before, during and after the outage
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    # A request in flight to the hung collector waits its read timeout: 5 s, so that a step that waited for it
-    # would stand far out of this shared machine's noise (steps of 1-2 s happen here under load).
+    # A request in flight to the hung collector waits its read timeout (5 s): on the sender thread, never in a step.
     guard = protect_streaming(model, opt, collector.url, collector.agent, "e2e-outage", tmp_path / "spool",
                               policy=Policy.full(), faults=plan(fault_steps),
                               transport_options={**FAST, "read_timeout_s": 5.0})
@@ -162,13 +160,11 @@ def test_collector_killed_and_restarted_mid_run(collector: Collector, tmp_path: 
         elif step == restart_at:
             collector.restart()  # the same port and database, as a supervisor would bring it back
 
-    seconds = train(model, opt, steps, before_step=outage)
+    run = train(model, opt, steps, before_step=outage)
     guard.close(flush_timeout_s=15.0)
 
-    median = statistics.median(seconds)
-    slowest = max(seconds)
-    # A step that waited on the hung collector would take the read timeout (5 s) more than the median.
-    assert slowest <= max(10 * median, median + 2.5), f"slowest step {slowest:.3f}s, median {median:.3f}s"
+    # No step waited on the hung collector: every request to it went from the sender thread, none from a step.
+    assert run.network_elsewhere > 0 and run.network_in_steps == [], run.network_in_steps
     t = guard.transport
     assert t.spooled > 0, "the outage was not noticed (nothing spooled)"
     assert t.dropped == 0
