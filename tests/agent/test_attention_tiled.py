@@ -135,9 +135,8 @@ def _whole_step_backward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
 
 def test_the_encoded_backward_keeps_the_kernels_memory_and_gives_the_sdpa_gradient(make_ctx, monkeypatch) -> None:
     """The full check of the backward as it runs on the CPU: the fused kernel on checksum-encoded operands
-    (attention.backward.encoded), one check of each of its ops per layer, no T×S tensor (its buffers are (B, H, T, D + 5)
-    padded to a multiple of 8),
-    SDPA's gradient."""
+    (attention.backward.encoded), one check of each of its ops per layer, no T×S tensor (its buffers are
+    (B, H, T, D + 5) padded to a multiple of 8), SDPA's gradient."""
     from attnchecker.attention.backward.encoded import ENCODED_OPS, encoded_width
 
     b, h, t, d = 1, 2, 128, 8

@@ -1,5 +1,6 @@
 """End-to-end helpers: a real collector (``attnchecker-server serve`` under uvicorn, in a subprocess on a loopback
-port) on SQLite or PostgreSQL, a tiny attention model, and a training loop that times every step.
+port) on SQLite or PostgreSQL, a tiny attention model, and a training loop that records which threads talk to the
+network.
 
 The agent side is the product as a user runs it: ``attnchecker.protect(model, collector=..., token=...)``. The test
 reads the collector only through its HTTP API and ``/metrics``, as an operator would.
@@ -80,9 +81,8 @@ def tiny_model(seed: int = 0) -> TinyLM:
 
 @dataclass
 class Trained:
-    """What ``train`` saw: each step's wall time, and the socket operations made while the steps ran."""
+    """The socket operations made while ``train``'s steps ran."""
 
-    seconds: list[float] = field(default_factory=list)
     network_in_steps: list[str] = field(default_factory=list)
     """Socket operations (connect, send, receive) the training thread made inside a step: the agent's own, since the
     test's calls run between steps. Empty when only the sender thread talks to the collector, so no step can wait
@@ -125,8 +125,8 @@ def _watch_sockets(trained: Trained, armed: threading.Event) -> Iterator[None]:
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, *,
           before_step: Callable[[int], None] | None = None) -> Trained:
     """``steps`` optimizer steps on seeded batches; the guard's step() runs in the optimizer's post hook. Returns
-    the wall time of each step (forward, backward, optimizer step and the guard's step boundary), and the socket
-    operations made on this thread inside the steps and on the others (``Trained``)."""
+    the socket operations made on this thread inside the steps (forward, backward, optimizer step and the guard's
+    step boundary) and on the others (``Trained``)."""
     trained, armed = Trained(), threading.Event()
     with _watch_sockets(trained, armed):
         for step in range(steps):
@@ -134,13 +134,11 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, *,
                 before_step(step)
             ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
             armed.set()
-            t0 = time.perf_counter()
             logits = model(ids)
             loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            trained.seconds.append(time.perf_counter() - t0)
             armed.clear()
     return trained
 
