@@ -46,7 +46,7 @@ def machine() -> dict[str, Any]:
         import torch
 
         info.update(torch=torch.__version__, torch_threads=torch.get_num_threads(), cuda=torch.cuda.is_available(),
-                    copy_gb_s=copy_bandwidth_gb_s())
+                    copy_gb_s=copy_bandwidth_gb_s(), gemm_gflop_s=gemm_gflop_s())
     except ImportError:
         pass
     try:
@@ -73,6 +73,24 @@ def copy_bandwidth_gb_s(mib: int = 128, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return round(2 * src.numel() * 4 / best / 1e9, 2)
+
+
+def gemm_gflop_s(m: int = 1024, k: int = 512, n: int = 2048, repeats: int = 5) -> float:
+    """GFLOP/s of an fp32 GEMM (m, k) x (k, n) (best of ``repeats``, torch's threads as set): the bench model's MLP
+    GEMM at its size (1024 tokens, hidden 512, 2048).
+
+    The other half of the machine's phase, beside ``copy_bandwidth_gb_s``: a step's time is mostly GEMMs, its checks
+    mostly passes over memory, so the overhead moves with the ratio of the two rates, for the same code."""
+    import torch
+
+    a, b = torch.ones(m, k), torch.ones(k, n)
+    a @ b  # the first call allocates and warms the BLAS
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return round(2 * m * k * n / best / 1e9, 1)
 
 
 def summary(xs: Sequence[float]) -> dict[str, float]:
