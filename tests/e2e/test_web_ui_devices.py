@@ -95,3 +95,30 @@ def test_an_operator_marks_the_device_suspect_from_its_page(fleet: tuple[Collect
         "suspect", "e2e-operator", "significant on the Devices page")
     page.get_by_role("link", name="← all devices").click()
     expect(page.locator(f"#devices-body tr[data-uuid='{BAD}'] [data-status='suspect']")).to_have_count(1)
+
+
+def test_a_status_changed_elsewhere_while_the_operator_chooses_is_not_overwritten(
+        fleet: tuple[Collector, str], page: Any) -> None:
+    """The page polls every 2 s. A poll that lands while the operator is choosing must neither reset the choice nor
+    carry the newer version into the PATCH: the save answers 412 and the form then shows the status in force."""
+    c, _ = fleet
+    other = _uuid(3)
+    _sign_in(page, c.url, c.operator)
+    page.get_by_role("link", name=other, exact=True).click()
+    expect(page.locator("#device-form")).to_have_attribute("data-access", "edit")
+    expect(page.locator("#device-status")).to_have_value("ok")
+    page.locator("#device-status").select_option("suspect")
+    page.locator("#device-reason").fill("looked at its events")
+    seen = c.api("GET", f"/devices/{other}")
+    r = c.api("PATCH", f"/devices/{other}", headers={"If-Match": seen.headers["etag"]},
+              json={"status": "quarantined", "reason": "second operator"})
+    assert r.status_code == 200, r.text
+    # The next poll shows the change in the header; the operator's choice stays as it was.
+    expect(page.locator("#device-meta [data-status='quarantined']")).to_have_count(1, timeout=10_000)
+    expect(page.locator("#device-status")).to_have_value("suspect")
+    page.locator("#device-save").click()
+    expect(page.locator("#device-status-result")).to_contain_text("412")
+    expect(page.locator("#device-status-result")).to_contain_text("not saved")
+    expect(page.locator("#device-status")).to_have_value("quarantined")
+    device = c.api("GET", f"/devices/{other}").json()
+    assert (device["status"], device["status_reason"]) == ("quarantined", "second operator")

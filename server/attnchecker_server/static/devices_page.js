@@ -168,8 +168,13 @@ function renderStatusHistory(box, history) {
 }
 
 function statusForm(path, view, box) {
+  // The version the form shows and may overwrite (If-Match). While the operator is choosing (dirty) neither the
+  // select nor the etag follows the poll: a change made elsewhere meanwhile then answers 412 instead of being
+  // overwritten by, or silently substituted for, the operator's choice.
   let etag = null;
-  let shown = null;
+  let dirty = false;
+  let loaded = false; // the first poll has filled the form: nobody chooses against a status they have not seen
+  let allowed = null; // may this token set a status (null: not known yet)
   const select = h("select", { id: "device-status", name: "status" }, STATUSES.map((s) => h("option", { value: s }, s)));
   const reason = h("input", { id: "device-reason", name: "reason", type: "text", maxlength: 500,
     placeholder: "why (kept in the history)" });
@@ -185,11 +190,19 @@ function statusForm(path, view, box) {
       "protection unless changed) from their next step; a quarantined device also warns (or refuses, strict) at ",
       "protect()."),
     note, form, status);
+  select.addEventListener("input", () => { dirty = true; });
 
-  function setEditable(value) {
-    form.dataset.access = value ? "edit" : "read-only";
-    note.hidden = value;
-    for (const el of [select, reason, save]) el.disabled = !value;
+  function refreshAccess() {
+    const editable = allowed === true && loaded;
+    form.dataset.access = allowed === false ? "read-only" : editable ? "edit" : "checking";
+    note.hidden = allowed !== false;
+    for (const el of [select, reason, save]) el.disabled = !editable;
+  }
+
+  function follow(device, newEtag) {
+    select.value = device.status ?? "ok";
+    etag = newEtag || etag;
+    dirty = false;
   }
 
   form.addEventListener("submit", async (event) => {
@@ -202,24 +215,34 @@ function statusForm(path, view, box) {
     const r = await request("PATCH", path, { body: { status: select.value, reason: reason.value.trim() },
       headers: etag ? { "If-Match": etag } : {} });
     if (r.status === 200) {
-      etag = r.etag;
+      follow(r.json, r.etag);
       status.className = "";
       status.textContent = `Set to ${r.json.status} (v${r.json.status_version}).`;
       reason.value = "";
+    } else if (r.status === 412) {
+      // Changed elsewhere since the form was filled: say so and show the status now in force.
+      status.className = "error";
+      status.textContent = `412: ${detailOf(r.json, r.status)}. Your change was not saved; the form now shows ` +
+        "the current status.";
+      const now = await get(path).catch(() => null);
+      if (now && view === state.view) follow(now.json || {}, now.etag);
     } else {
       status.className = "error";
       status.textContent = `${r.status}: ${detailOf(r.json, r.status)}`;
     }
   });
 
-  setEditable(false);
-  mayMark(path).then((value) => { if (view === state.view) setEditable(value); }).catch(() => {});
+  refreshAccess();
+  mayMark(path).then((value) => {
+    if (view !== state.view) return;
+    allowed = value;
+    refreshAccess();
+  }).catch(() => { allowed = false; refreshAccess(); });
   return {
     update(device, newEtag) {
-      etag = newEtag || etag;
-      // Follow the server unless the user is choosing a new status.
-      if (shown !== device.status && document.activeElement !== select) select.value = device.status ?? "ok";
-      shown = device.status;
+      if (!dirty) follow(device, newEtag);
+      loaded = true;
+      refreshAccess();
     },
   };
 }
