@@ -12,8 +12,13 @@ bias that separate models carry. Variants:
   protected    attnchecker.protect(model, optimizer=opt, scope=..., policy=...) (--reattach: attached before each
                step and closed after it, untimed, as bench/overhead.py does, to tell the two designs apart)
 
+plain_again measures the bias of one copy against another, not that of the protected copy. --bare-control measures
+that one too: after the timed rounds the protected job's guard is closed and the same number of interleaved rounds
+runs again, all three jobs unprotected (the protected copy as protected_bare). The protected copy's ratio divided
+by its own bare ratio is the overhead with its copy bias taken out (bare_control.corrected_ratio).
+
     python bench/attached_overhead.py [--scope all] [--policy full|default] [--optimizer sgd|adamw]
-        [--vocab 8192] [--rounds 30] [--tiny] [--out PATH]
+        [--vocab 8192] [--rounds 30] [--bare-control] [--tiny] [--out PATH]
 """
 from __future__ import annotations
 
@@ -83,7 +88,7 @@ class Job:
 
 
 def run(arch: str, size: dict[str, int], *, scope: str, policy: str, optimizer: str, rounds: int, warmup: int,
-        seed: int, reattach: bool = False) -> dict[str, Any]:
+        seed: int, reattach: bool = False, bare_control: bool = False) -> dict[str, Any]:
     torch.set_num_threads(1)
     base = build_model(arch, size)
     jobs = {"plain": Job(base, optimizer, protect=None),
@@ -103,9 +108,10 @@ def run(arch: str, size: dict[str, int], *, scope: str, policy: str, optimizer: 
     guard = jobs["protected"].guard
     detections = len(guard.detections) if guard is not None else None
     check_s = jobs["protected"].check_s
+    cpu = {n: j.cpu_s for n, j in jobs.items()}
     for job in jobs.values():
         job.close()
-    cpu = {n: j.cpu_s for n, j in jobs.items()}
+    bare = _bare_control(jobs, ids, rounds=rounds, seed=seed, protected=(cpu, wall)) if bare_control else None
     result: dict[str, Any] = {"model": arch, "size": size, "scope": scope, "policy": policy, "optimizer": optimizer,
                               "rounds": rounds, "warmup_steps": warmup, "reattach": reattach, "detections": detections,
                               "check_s_per_step": _common.summary(check_s), "variants": {}}
@@ -115,7 +121,31 @@ def run(arch: str, size: dict[str, int], *, scope: str, policy: str, optimizer: 
             entry = result["variants"].setdefault(n, {})
             entry[clock] = {"step_s": _common.summary(xs[n]), "ratio_vs_plain": rat[n],
                             "ratio_of_means": statistics.fmean(xs[n]) / statistics.fmean(xs["plain"])}
+    if bare is not None:
+        result["bare_control"] = bare
     return result
+
+
+def _bare_control(jobs: dict[str, Job], ids: torch.Tensor, *, rounds: int, seed: int,
+                  protected: tuple[dict[str, list[float]], dict[str, list[float]]]) -> dict[str, Any]:
+    """The protected copy's own bias: the same interleaved rounds again with its guard closed (see the docstring)."""
+    bare_jobs = {"plain": jobs["plain"], "plain_again": jobs["plain_again"], "protected_bare": jobs["protected"]}
+    assert bare_jobs["protected_bare"].guard is None or bare_jobs["protected_bare"].guard.closed
+    bare_jobs["protected_bare"].guard = None
+    for job in bare_jobs.values():
+        job.cpu_s = []
+        job.step(ids, record=False)  # the first step after the guard's close, untimed
+    wall = _common.interleaved({n: (lambda j=j: j.step(ids)) for n, j in bare_jobs.items()}, rounds=rounds,
+                               warmup=0, seed=seed + 1000)
+    out: dict[str, Any] = {"rounds": rounds, "variants": {}, "corrected_ratio": {}}
+    for clock, xs, before in (("cpu", {n: j.cpu_s for n, j in bare_jobs.items()}, protected[0]),
+                              ("wall", wall, protected[1])):
+        rat = _common.ratios(xs, "plain")
+        for n in bare_jobs:
+            out["variants"].setdefault(n, {})[clock] = {"step_s": _common.summary(xs[n]), "ratio_vs_plain": rat[n]}
+        measured = _common.ratios(before, "plain")["protected"]["median"]
+        out["corrected_ratio"][clock] = measured / rat["protected_bare"]["median"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reattach", action="store_true",
                     help="attach before each protected step and close after it, untimed (bench/overhead.py's way)")
+    ap.add_argument("--bare-control", action="store_true",
+                    help="then close the protected job's guard and run the rounds again: its own copy bias")
     ap.add_argument("--tiny", action="store_true", help="the smoke test's size: seconds, not minutes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -137,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.vocab is not None:
         size["vocab"] = args.vocab
     res = run(args.model, size, scope=args.scope, policy=args.policy, optimizer=args.optimizer,
-              rounds=args.rounds, warmup=2 if args.tiny else args.warmup, seed=args.seed, reattach=args.reattach)
+              rounds=args.rounds, warmup=2 if args.tiny else args.warmup, seed=args.seed, reattach=args.reattach,
+              bare_control=args.bare_control)
     rows = []
     for n, e in res["variants"].items():
         c, w = e["cpu"]["ratio_vs_plain"], e["wall"]["ratio_vs_plain"]
@@ -148,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
           "per-round ratios to plain [IQR]")
     print(_common.table(rows, ["variant", "CPU ms/step", "overhead (CPU)", "IQR (CPU)", "overhead (wall)"]))
     print(f"check time (host, in the guard's checks): {res['check_s_per_step']['median'] * 1e3:.1f} ms/step")
+    if "bare_control" in res:
+        b = res["bare_control"]
+        bare = b["variants"]["protected_bare"]["cpu"]["ratio_vs_plain"]
+        print(f"bare control ({b['rounds']} rounds, guard closed): the protected copy unprotected "
+              f"{_common.pct(bare['median'])} [{_common.pct(bare['p25'])}, {_common.pct(bare['p75'])}]; "
+              f"overhead with its copy bias taken out {_common.pct(b['corrected_ratio']['cpu'])} (CPU)")
     path = _common.write_result("attached_overhead", res, args.out)
     print(f"wrote {path}")
     return 0

@@ -219,3 +219,20 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
             assert all(positive(x) for x in row.values() if isinstance(x, float)), row
     for row in doc["coverage"]["rows"]:
         assert 0 < row["attention_core_share"] < 1
+
+
+def test_attached_bench_measures_the_protected_copy_against_its_own_bare_control(tmp_path: Path) -> None:
+    doc = run_bench("attached_overhead", tmp_path, "--rounds", "2", "--policy", "default", "--bare-control")
+    assert (doc["scope"], doc["policy"], doc["detections"]) == ("all", "default", 0)
+    assert set(doc["variants"]) == {"plain", "plain_again", "protected"}
+    for v in doc["variants"].values():
+        check_summary(v["cpu"]["step_s"])
+        assert positive(v["cpu"]["ratio_vs_plain"]["median"])
+    assert positive(doc["check_s_per_step"]["median"])  # the tripwire ran on the protected job's timed steps
+    bare = doc["bare_control"]
+    assert set(bare["variants"]) == {"plain", "plain_again", "protected_bare"}
+    assert all(bare["variants"][n][clock]["step_s"]["n"] == 2 for n in bare["variants"] for clock in ("cpu", "wall"))
+    # corrected = measured / bare, both medians of per-round ratios to plain
+    measured = doc["variants"]["protected"]["cpu"]["ratio_vs_plain"]["median"]
+    own = bare["variants"]["protected_bare"]["cpu"]["ratio_vs_plain"]["median"]
+    assert bare["corrected_ratio"]["cpu"] == pytest.approx(measured / own)
