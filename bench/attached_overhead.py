@@ -111,7 +111,7 @@ def run(arch: str, size: dict[str, int], *, scope: str, policy: str, optimizer: 
     cpu = {n: j.cpu_s for n, j in jobs.items()}
     for job in jobs.values():
         job.close()
-    bare = _bare_control(jobs, ids, rounds=rounds, seed=seed, protected=(cpu, wall)) if bare_control else None
+    bare = _bare_control(jobs, ids, rounds=rounds, seed=seed) if bare_control else None
     result: dict[str, Any] = {"model": arch, "size": size, "scope": scope, "policy": policy, "optimizer": optimizer,
                               "rounds": rounds, "warmup_steps": warmup, "reattach": reattach, "detections": detections,
                               "check_s_per_step": _common.summary(check_s), "variants": {}}
@@ -121,14 +121,17 @@ def run(arch: str, size: dict[str, int], *, scope: str, policy: str, optimizer: 
             entry = result["variants"].setdefault(n, {})
             entry[clock] = {"step_s": _common.summary(xs[n]), "ratio_vs_plain": rat[n],
                             "ratio_of_means": statistics.fmean(xs[n]) / statistics.fmean(xs["plain"])}
+        if bare is not None:
+            own = bare["variants"]["protected_bare"][clock]["ratio_vs_plain"]["median"]
+            bare["corrected_ratio"][clock] = rat["protected"]["median"] / own
     if bare is not None:
         result["bare_control"] = bare
     return result
 
 
-def _bare_control(jobs: dict[str, Job], ids: torch.Tensor, *, rounds: int, seed: int,
-                  protected: tuple[dict[str, list[float]], dict[str, list[float]]]) -> dict[str, Any]:
-    """The protected copy's own bias: the same interleaved rounds again with its guard closed (see the docstring)."""
+def _bare_control(jobs: dict[str, Job], ids: torch.Tensor, *, rounds: int, seed: int) -> dict[str, Any]:
+    """The protected copy's own bias: the same interleaved rounds again with its guard closed (see the docstring).
+    run() fills in corrected_ratio, the protected ratio over this one, per clock."""
     bare_jobs = {"plain": jobs["plain"], "plain_again": jobs["plain_again"], "protected_bare": jobs["protected"]}
     assert bare_jobs["protected_bare"].guard is None or bare_jobs["protected_bare"].guard.closed
     bare_jobs["protected_bare"].guard = None
@@ -138,13 +141,10 @@ def _bare_control(jobs: dict[str, Job], ids: torch.Tensor, *, rounds: int, seed:
     wall = _common.interleaved({n: (lambda j=j: j.step(ids)) for n, j in bare_jobs.items()}, rounds=rounds,
                                warmup=0, seed=seed + 1000)
     out: dict[str, Any] = {"rounds": rounds, "variants": {}, "corrected_ratio": {}}
-    for clock, xs, before in (("cpu", {n: j.cpu_s for n, j in bare_jobs.items()}, protected[0]),
-                              ("wall", wall, protected[1])):
+    for clock, xs in (("cpu", {n: j.cpu_s for n, j in bare_jobs.items()}), ("wall", wall)):
         rat = _common.ratios(xs, "plain")
         for n in bare_jobs:
             out["variants"].setdefault(n, {})[clock] = {"step_s": _common.summary(xs[n]), "ratio_vs_plain": rat[n]}
-        measured = _common.ratios(before, "plain")["protected"]["median"]
-        out["corrected_ratio"][clock] = measured / rat["protected_bare"]["median"]
     return out
 
 
