@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from attnchecker.attention.pipeline import protected_linear, protected_sdpa
 from attnchecker.inject import Fault
-from attnchecker.tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound
+from attnchecker.tripwire import NEAR_INF, extreme, extreme_each, extreme_value, lse_over_bound, tripped
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_attention_layer import SyncCounter
@@ -30,6 +30,11 @@ def test_clean_outputs_never_trip(shape: list[int], dtype: torch.dtype, scale: f
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(shape, generator=g) * scale).to(dtype)
     assert not bool(extreme(x))
+    # The host's reading (eager CPU calls) decides the same.
+    assert extreme_each([x, x.transpose(0, -1)]) == [False, False]
+    assert not tripped([], x)
+    assert not tripped([torch.tensor(False)], x, x)
+    assert tripped([torch.tensor(False), torch.tensor(True)], x)  # a flag alone trips
 
 
 @settings(max_examples=60, deadline=None)
@@ -45,6 +50,8 @@ def test_one_extreme_value_always_trips(shape: list[int], dtype: torch.dtype, ba
     flat[pos] = bad  # fp16 turns 1e20 into INF: still extreme
     assert bool(extreme(clean, x))
     assert bool(extreme(x.transpose(0, -1)))  # strided views too
+    assert extreme_each([clean, x, x.transpose(0, -1)]) == [False, True, True]
+    assert tripped([], clean, x) and tripped([torch.tensor(False)], x.transpose(0, -1))
     value, index = extreme_value(x)
     assert x[index].float().isnan() if math.isnan(value) else abs(value) >= min(abs(bad), NEAR_INF)
 

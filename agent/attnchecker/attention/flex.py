@@ -23,7 +23,7 @@ import torch
 
 from ..checks.context import LayerContext
 from ..checks.records import _count_trips
-from ..tripwire import extreme, lse_over_bound
+from ..tripwire import lse_over_bound, tripped
 from .backends import AttentionCall, choose, requested
 from .backward.fused import _expand_heads
 from .tile_mods import ScoreMod, TileMods, flex_lse
@@ -170,13 +170,13 @@ def _tripwire(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, out: torch.Tensor, lse
     """Tier 1 on the caller's kernel: what tripped (the output's extreme value, or a row log-sum-exp over its bound),
     or None."""
     t0 = time.perf_counter()
-    flags = [extreme(out)]
+    flags: list[torch.Tensor] = []
     # A row with every key masked has lse -INF in flex's convention: not a fault.
     lse_t = torch.where(torch.isneginf(lse), 0.0, lse) if lse_bound else None
     if lse_t is not None:
         flags.append(lse_over_bound(q_BHTD, _expand_heads(k_BHSD, q_BHTD.shape[1]), lse_t, scale=scale))
     trip: _Trip | None = None
-    if bool(torch.stack(flags).any()):  # sync: the one per attention call on a tier-1 step
+    if tripped(flags, out):  # sync: the one per attention call on a tier-1 step
         trip = _which_trip(out, lse_t, lambda: True)
     _count_trips(ctx, ["scores", "context"], time.perf_counter() - t0)
     return trip

@@ -14,7 +14,7 @@ from ..checks.context import LayerContext
 from ..checks.records import _count_trips, _deliver
 from ..events import Detection, kind_of, value_to_wire
 from ..gemm.schedule import whole_step_trips
-from ..tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound
+from ..tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound, tripped
 from .backward.fused import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
 
 
@@ -69,15 +69,15 @@ def _tripwire_sdpa(
         t0 = time.perf_counter()  # tier-1 time is the tests, not the attention the unprotected model runs too
         # The mask's largest value joins the bound only after a trip (masks are <= 0 but for ALiBi-style biases):
         # reading it on every call would cost as much as the rest of the tripwire.
-        flags = [extreme(out), lse_over_bound(q_BHTD, k_rep, lse_BHT, scale=scale)]
+        flags = [lse_over_bound(q_BHTD, k_rep, lse_BHT, scale=scale)]
     else:
         k_rep = k_BHSD
         out = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=attn_mask, dropout_p=dropout_p,
                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         t0 = time.perf_counter()
-        flags = [extreme(out)]
+        flags = []
     trip: _Trip | None = None
-    if bool(torch.stack(flags).any()):  # sync: the one per attention call on a tier-1 step
+    if tripped(flags, out):  # sync: the one per attention call on a tier-1 step
 
         def lse_trips() -> bool:
             assert lse_BHT is not None  # called only with a log-sum-exp

@@ -31,7 +31,7 @@ from ..checks.records import (
 from ..kernels.fused_pass import fused_pass
 from ..kernels.row_verify import verify_rows
 from ..matmul_precision import fp32_matmul_operand_roundoff
-from ..tripwire import extreme
+from ..tripwire import extreme_each
 from . import device
 
 __all__ = ["Gemm", "LinearSums", "backward_sums", "check_gemms", "linear_sums", "trip_gemms"]
@@ -158,7 +158,7 @@ def _consistent_in_float64(gemm: Gemm, full: dict[str, DirectionCheck], tol: Tol
 
 
 def trip_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
-    """Tier 1 on GEMMs whose full check is not due: one sum per output (tripwire.extreme), one sync for all; an
+    """Tier 1 on GEMMs whose full check is not due: one sum per output (tripwire.extreme_each); an
     output that trips gets its full check now (``check_gemms`` with tier "tripwire"), which locates and corrects or
     recomputes the fault in place. When the full check finds the output consistent with its operands, this GEMM made
     no error: a finite output is left alone (real values past 1e10, e.g. diverged training: not a fault), a
@@ -170,7 +170,7 @@ def trip_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
         device.trip_gemms(ctx, gemms)
         return
     t0 = time.perf_counter()
-    tripped = torch.stack([extreme(c) for _, c, *_ in gemms]).tolist()  # sync: the one per call on a tier-1 step
+    tripped = extreme_each([c for _, c, *_ in gemms])  # sync: the one per call on a tier-1 step (none on CPU)
     _count_trips(ctx, [gemm[0] for gemm in gemms], time.perf_counter() - t0)
     for gemm, trip in zip(gemms, tripped, strict=True):
         if (trip and not check_gemms(ctx, [gemm], tier="tripwire") and not bool(gemm[1].isfinite().all())  # sync

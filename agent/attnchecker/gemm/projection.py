@@ -33,7 +33,7 @@ from ..checks.records import _any_bad, _count, _count_trips, _emit, _inject, _ob
 from ..kernels.fused_pass import fused_pass
 from ..kernels.row_verify import verify_rows
 from ..matmul_precision import fp32_matmul_operand_roundoff
-from ..tripwire import extreme
+from ..tripwire import extreme, tripped
 
 __all__ = ["PassedProjection", "check_linear", "protected_linear"]
 
@@ -393,15 +393,14 @@ def check_linear(
         both = functools.partial(full_checks, y_s, w_s, b_s)
         pending.append((name, y_s, checks, both, recompute, exact, time.perf_counter() - t0, "abft"))
     flags = [_any_bad(item[2]) for item in pending]
-    trip_s = 0.0
-    if wired:
-        t0 = time.perf_counter()
-        # All slices wired (the usual tier-1 step): one sum over y, not one per strided column slice.
-        flags.append(extreme(y) if len(wired) == len(splits) else extreme(*(item[1] for item in wired)))
-        trip_s = time.perf_counter() - t0
-    if not flags:
+    if not flags and not wired:
         return y
-    slow = bool(torch.stack(flags).any())  # sync: the one per protected projection call; decides the slow path
+    t0 = time.perf_counter()
+    # All slices wired (the usual tier-1 step): one sum over y, not one per strided column slice.
+    outputs = () if not wired else (y,) if len(wired) == len(splits) else tuple(item[1] for item in wired)
+    # sync: the one per protected projection call (none on CPU); decides the slow path
+    slow = tripped(flags, *outputs)
+    trip_s = time.perf_counter() - t0 if wired else 0.0
     if slow and wired:
         t0 = time.perf_counter()
         for name, y_s, w_s, b_s in wired:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from ...checks.context import LayerContext
 from ...checks.records import _count_trips, _emit_unplaced_trip
-from ...tripwire import extreme
+from ...tripwire import extreme, extreme_each
 
 log = logging.getLogger("attnchecker")
 
@@ -205,7 +205,7 @@ def _tripwire_backward(
     from .checked import checked_backward
 
     t0 = time.perf_counter()
-    tripped = torch.stack([extreme(g) for g in grads]).tolist()  # sync: the one per layer's backward on tier 1
+    tripped = extreme_each(grads)  # sync: the one per layer's backward on tier 1 (none on CPU)
     _count_trips(layer, GRAD_OPS, time.perf_counter() - t0)
     if not any(tripped):
         return grads
