@@ -26,14 +26,7 @@ def step_stats(checks: int = 1, faults: dict | None = None, worst: list[float] |
     for (op, kind), action in (faults or {}).items():
         s.add_fault(op, kind, action)
     for w in worst or []:  # what the engine does per clean check, on the device
-        edges = torch.tensor(RESIDUAL_RATIO_BUCKETS)
-        if s.residual_counts is None:
-            s.residual_counts = torch.zeros(len(RESIDUAL_RATIO_BUCKETS) + 1, dtype=torch.int64)
-            s.residual_sum = torch.zeros((), dtype=torch.float64)
-            s.residual_count = torch.zeros((), dtype=torch.int64)
-        s.residual_counts[torch.bucketize(torch.tensor(w), edges)] += 1
-        s.residual_sum += w
-        s.residual_count += 1
+        s.ratios.add(torch.tensor(w))
     return s
 
 

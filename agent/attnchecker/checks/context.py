@@ -15,6 +15,7 @@ import torch
 
 from ..policy import MODES, OPS, TIERS, TOLERANCES
 from .passed import PassedChecksums
+from .ratio_histogram import RESIDUAL_RATIO_BUCKETS, RatioHistogram
 
 if TYPE_CHECKING:
     from ..abft.repair import MatrixReport
@@ -26,8 +27,6 @@ __all__ = [
     "CallLog", "CheckConfig", "Deferred", "LayerContext", "OpStats", "Runtime",
 ]
 
-# Upper bounds of the residual/bound histogram the agent keeps on the device (wire: stats.residual_ratio.le).
-RESIDUAL_RATIO_BUCKETS: tuple[float, ...] = (0.001, 0.01, 0.1, 0.5, 1.0, 10.0, 1000.0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,13 +77,27 @@ class OpStats:
     """(layer, op) checked or tripwired this interval: what the coverage map's claims are held to (coverage.py)."""
     forwards: int = 0
     """Forward passes of the protected model that finished this interval."""
-    # Device tensors, created lazily on the first check's device: bucket counts (len(buckets)+1,), sum, count.
-    residual_counts: torch.Tensor | None = None
-    residual_sum: torch.Tensor | None = None
-    residual_count: torch.Tensor | None = None
-    residual_max: dict[str, torch.Tensor] = field(default_factory=dict)
-    """op -> the worst clean residual/bound ratio of its checks this interval (a device scalar, no sync): how close
-    clean data came to a flag, per op (the clean campaign reports it; the histogram above mixes the ops)."""
+    ratios: RatioHistogram = field(default_factory=RatioHistogram)
+    """The clean checks' residual/bound ratios (records._record_ratio), on the device; read below."""
+
+    @property
+    def residual_counts(self) -> torch.Tensor | None:
+        """(len(RESIDUAL_RATIO_BUCKETS) + 1,) int64 bucket counts of the clean ratios; None before the first."""
+        return self.ratios.counts
+
+    @property
+    def residual_sum(self) -> torch.Tensor | None:
+        return self.ratios.total
+
+    @property
+    def residual_count(self) -> torch.Tensor | None:
+        return self.ratios.count
+
+    @property
+    def residual_max(self) -> dict[str, torch.Tensor]:
+        """op -> the worst clean residual/bound ratio of its checks this interval (a device scalar, no sync): how
+        close clean data came to a flag, per op (the clean campaign reports it; the histogram mixes the ops)."""
+        return self.ratios.maxima
 
     def add_fault(self, op: str, kind: str, action: str, tier: str = "abft") -> None:
         self.catches[(tier, op)] = self.catches.get((tier, op), 0) + 1

@@ -2,7 +2,6 @@
 their time, and the histogram of residual/bound ratios (kept on the device, no sync)."""
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -10,8 +9,7 @@ import torch
 from ..abft import DirectionCheck, MatrixReport
 from ..events import Detection, kind_of, value_to_wire
 from ..tripwire import NEAR_INF, extreme_value
-from .caches import engine_caches
-from .context import RESIDUAL_RATIO_BUCKETS, LayerContext
+from .context import LayerContext
 from .product import Checks
 
 
@@ -20,14 +18,6 @@ def _inject(ctx: LayerContext, op: str, out: torch.Tensor, attempt: int = 0) -> 
     if injector is not None:
         with torch.no_grad():
             injector.apply(out, op=op, layer=ctx.layer, step=ctx.step, attempt=attempt)
-
-
-@functools.lru_cache(maxsize=16)
-def _bucket_edges(device: torch.device) -> torch.Tensor:
-    return torch.tensor(RESIDUAL_RATIO_BUCKETS, device=device, dtype=torch.float32)
-
-
-engine_caches.register(_bucket_edges)
 
 
 def _any_bad(checks: Checks) -> torch.Tensor:
@@ -52,34 +42,11 @@ def _worst_ratio(checks: Checks) -> torch.Tensor:
 
 def _record_ratio(ctx: LayerContext, worst: torch.Tensor, op: str | Sequence[str] | None = None) -> None:
     """Add checks' worst residual/bound ratios (a device scalar, one check, or (V,), one per check) to the histogram
-    (also the tiled path's): several at once cost the few ops of one. op: the op of every ratio, or one per ratio;
-    each op's running maximum is kept too."""
+    (also the tiled path's), where they are kept until it is read (checks/ratio_histogram.py). op: the op of every
+    ratio, or one per ratio; each op's running maximum is kept too."""
     stats = ctx.runtime.stats
-    if stats is None:
-        return
-    device = worst.device
-    if stats.residual_counts is None or stats.residual_counts.device != device:
-        stats.residual_counts = torch.zeros(len(RESIDUAL_RATIO_BUCKETS) + 1, device=device, dtype=torch.int64)
-        stats.residual_sum = torch.zeros((), device=device, dtype=torch.float64)
-        stats.residual_count = torch.zeros((), device=device, dtype=torch.int64)
-    # A non-finite ratio is a check that could not be evaluated (its inputs already carried a fault that another op
-    # reports, e.g. context computed from scores before their repair): it is left out, so one such check does not
-    # turn the interval's sum into NaN (JSON cannot carry it, and the whole histogram would be lost).
-    valid = torch.isfinite(worst)
-    bucket = torch.bucketize(torch.where(valid, worst, 0.0), _bucket_edges(device))
-    assert stats.residual_sum is not None and stats.residual_count is not None
-    stats.residual_counts.index_add_(0, bucket.view(-1), valid.view(-1).to(torch.int64))
-    ratio_V = torch.where(valid, worst, 0.0).view(-1)
-    stats.residual_sum += ratio_V.double().sum()
-    stats.residual_count += valid.to(torch.int64).sum()
-    if op is None:
-        return
-    names = [op] * ratio_V.numel() if isinstance(op, str) else list(op)
-    for name in dict.fromkeys(names):
-        picked = [i for i, n in enumerate(names) if n == name]
-        ratio = ratio_V[picked[0]] if len(picked) == 1 else ratio_V[picked].amax()
-        seen = stats.residual_max.get(name)
-        stats.residual_max[name] = ratio.float() if seen is None else torch.maximum(seen, ratio.float())
+    if stats is not None:
+        stats.ratios.add(worst, op)
 
 
 def _ratio(chk: DirectionCheck) -> torch.Tensor:
