@@ -24,7 +24,7 @@ from attnchecker.abft.checksum import DirectionCheck, group_sums_rows
 from attnchecker.abft.gemm import verify_gemm
 from attnchecker.abft.tolerance import row_rule
 from attnchecker.checks.product import _row_rule
-from attnchecker.checks.records import _worst_ratio
+from attnchecker.checks.records import _ratio, _worst_ratio
 from attnchecker.kernels import row_verify
 from attnchecker.kernels.fused_pass import fused_pass
 
@@ -108,6 +108,12 @@ def assert_same(eager: DirectionCheck, native: DirectionCheck) -> None:
     assert eager.bound2 is not None
     torch.testing.assert_close(native.bound2, eager.bound2, rtol=2e-6, atol=0)
     torch.testing.assert_close(_worst_ratio({"row": native}), _worst_ratio({"row": eager}), rtol=1e-5, atol=1e-9,
+                               equal_nan=True)
+    # What the clean path reads of the native check (its worst ratio and flag, made in the kernel's loop) is what
+    # the tensor ops make of its own fields, to the bit.
+    assert native.worst is not None and native.flagged is not None
+    assert bool(native.flagged) == bool(native.bad.any())
+    torch.testing.assert_close(native.worst, torch.where(native.bad, 0.0, _ratio(native)).amax(), rtol=0, atol=0,
                                equal_nan=True)
 
 

@@ -284,6 +284,11 @@ class DirectionCheck:
     """(..., V) the tolerance on |d2| (None: d2 is not checked)."""
     groups: int = 1
     """Checksum groups per vector of this direction (module docstring: the vector layout)."""
+    worst: torch.Tensor | None = None
+    """() fp32, where the check's maker computed it: the largest residual/bound ratio of its unflagged vectors (the
+    larger of d1's and d2's; NaN if one is NaN), as the margin histogram reads it. None: computed from the fields."""
+    flagged: torch.Tensor | None = None
+    """() bool, where the check's maker computed it: ``bad.any()``."""
 
 
 def verify_direction(

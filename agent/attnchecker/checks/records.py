@@ -21,7 +21,9 @@ def _inject(ctx: LayerContext, op: str, out: torch.Tensor, attempt: int = 0) -> 
 
 
 def _any_bad(checks: Checks) -> torch.Tensor:
-    flags = [chk.bad.any() for chk in checks.values()]
+    flags = [chk.bad.any() if chk.flagged is None else chk.flagged for chk in checks.values()]
+    if len(flags) == 1:
+        return flags[0]
     return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
 
 
@@ -36,7 +38,8 @@ def _observe(ctx: LayerContext, checks: Checks, op: str | None = None) -> None:
 
 def _worst_ratio(checks: Checks) -> torch.Tensor:
     """() fp32: the worst residual/bound ratio among the unflagged vectors of one check (all its directions)."""
-    worst = [torch.where(chk.bad, 0.0, _ratio(chk)).amax().float() for chk in checks.values()]
+    worst = [torch.where(chk.bad, 0.0, _ratio(chk)).amax().float() if chk.worst is None else chk.worst
+             for chk in checks.values()]
     return worst[0] if len(worst) == 1 else torch.stack(worst).amax()
 
 

@@ -9,7 +9,9 @@
  * operand: b = ||B_j|| over its n columns, bias |b_j|, b_ref = ||B w|| and, for the random-walk model, bmax =
  * ||B_j||_inf and b_refmax = ||B w||_inf (each optional but b); the scalars in `s` (S_*, tolerance.RowRule).
  *
- * Out, per vector: diff = ref - got, bound and bound2 the tolerances on |d1| and |d2|, bad = the vector is flagged.
+ * Out, per vector: diff = ref - got, bound and bound2 the tolerances on |d1| and |d2|, bad = the vector is flagged;
+ * and over all of them, worst = the largest residual/bound ratio of the vectors not flagged (records._ratio, NaN if
+ * one is), any_bad = whether one is flagged: what the clean path reads of a check, without a tensor op of its own.
  * Every formula below is one of tolerance.py's (Bound.pair, _calibrated_var, direction_bounds), in the same order:
  * the tests hold the two to the same verdicts (tests/agent/test_row_verify.py). The rigorous part is fp32, as there;
  * the variances are double, as there. Plain C99; NaN and INF propagate (no finite-math flag is ever set).
@@ -142,7 +144,8 @@ static void variance(const double *s, const double *c, double a2, double am2, co
 void attnchecker_verify_rows(int64_t nb, int64_t rows, int64_t groups, const float *ref, const float *got,
                              const float *sq, const float *a, const float *amax, const float *mom, const float *b,
                              const float *bias, const float *b_ref, const float *bmax, const float *b_refmax,
-                             const double *s, double *terms, float *diff, float *bound, float *bound2, uint8_t *bad) {
+                             const double *s, double *terms, float *diff, float *bound, float *bound2, uint8_t *bad,
+                             float *worst, uint8_t *any_bad) {
     const int64_t n = (int64_t)s[S_N];
     for (int64_t h = 0; h < groups; h++)
         group_terms(s, n, b + h * n, bias ? bias + h * n : 0, b_ref ? b_ref + 2 * h : 0, bmax ? bmax + h * n : 0,
@@ -150,6 +153,8 @@ void attnchecker_verify_rows(int64_t nb, int64_t rows, int64_t groups, const flo
     const float floor_a = (float)s[S_FLOOR], rig_coef = (float)s[S_RIG_COEF], under = (float)s[S_UNDER];
     const float near_inf = (float)s[S_NEAR_INF];
     const double off2 = s[S_UNDER] * ((double)(n + 1) / 2.0);
+    float top = 0.0f;
+    int top_nan = 0, flagged = 0;
     for (int64_t bi = 0; bi < nb; bi++)
         for (int64_t i = 0; i < rows; i++) {
             const int64_t r = bi * rows + i;
@@ -189,6 +194,19 @@ void attnchecker_verify_rows(int64_t nb, int64_t rows, int64_t groups, const flo
                 /* `<=` is False for NaN: a NaN residual flags. A non-finite reference never does (an upstream fault). */
                 const int ok = fabsf(d1) <= b1 && fabsf(d2) <= b2;
                 bad[v] = (uint8_t)(isfinite(ref[2 * v]) && !ok);
+                if (bad[v]) {
+                    flagged = 1;
+                } else {
+                    /* records._ratio: |d| / bound.clamp_min(1e-30) in fp32, the larger of d1's and d2's */
+                    const float r1 = fabsf(d1) / (b1 > 1e-30f ? b1 : 1e-30f);
+                    const float r2 = fabsf(d2) / (b2 > 1e-30f ? b2 : 1e-30f);
+                    if (r1 != r1 || r2 != r2)
+                        top_nan = 1;
+                    else if (r1 > top || r2 > top)
+                        top = r1 > r2 ? r1 : r2;
+                }
             }
         }
+    *worst = top_nan ? NAN : top;
+    *any_bad = (uint8_t)flagged;
 }

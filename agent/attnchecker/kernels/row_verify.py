@@ -54,7 +54,8 @@ def verify_rows(
     """The row direction's check of C = A·B: ref_NV2 the reference checksums, got_NV2 C's, sq_NV C's sum of squares
     per vector (None: a rule without the calibrated part does not read it), a_norm_NR ‖A_i‖₂ (not floored); for a
     rule with the random-walk model, a_max_NR ‖A_i‖∞ and, where made, moments_NV4 (tolerance.direction_bounds).
-    Returns ``verify_direction``'s check without its rule, or None where the kernel cannot take these tensors (the
+    Returns ``verify_direction``'s check without its rule, with its worst clean ratio and flag made in the same
+    loop (``DirectionCheck.worst``, ``.flagged``), or None where the kernel cannot take these tensors (the
     caller verifies eagerly)."""
     kernel = _kernel()
     if kernel is None or not enabled:
@@ -85,10 +86,13 @@ def verify_rows(
     bound, bound2 = torch.empty(ref.shape[:-1]), torch.empty(ref.shape[:-1])
     bad = torch.empty(ref.shape[:-1], dtype=torch.bool)
     terms = torch.empty(g, _TERMS, dtype=torch.float64)
+    worst, flagged = torch.empty(()), torch.empty((), dtype=torch.bool)
     p = build.ptr
     kernel(a.numel() // rows if rows else 0, rows, g, p(ref), p(got), p(sq), p(a), p(amax), p(mom), *map(p, other),
-           (ctypes.c_double * len(rule.scalars))(*rule.scalars), p(terms), p(diff), p(bound), p(bound2), p(bad))
-    return DirectionCheck(ref=ref_NV2, diff=diff, bound=bound, bad=bad, rule=None, bound2=bound2, groups=g)
+           (ctypes.c_double * len(rule.scalars))(*rule.scalars), p(terms), p(diff), p(bound), p(bound2), p(bad),
+           p(worst), p(flagged))
+    return DirectionCheck(ref=ref_NV2, diff=diff, bound=bound, bad=bad, rule=None, bound2=bound2, groups=g,
+                          worst=worst, flagged=flagged)
 
 
 @functools.lru_cache(maxsize=1)
@@ -99,5 +103,5 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.restype = None
-    fn.argtypes = [i64, i64, i64, *[ptr] * 17]
+    fn.argtypes = [i64, i64, i64, *[ptr] * 19]
     return fn
