@@ -132,6 +132,55 @@ def test_nan_and_inf_reach_every_output_of_their_row_and_column(bad: float, thre
         assert got.row_sq[3] == math.inf and got.col_sq[36] == math.inf
 
 
+@settings(max_examples=60, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 4), t=st.integers(1, 40), d=st.integers(1, 20), extra=st.integers(0, 9),
+       source=st.sampled_from(["BHTD", "BTHD", "slice"]), dest=st.sampled_from(["BTHW", "BHTW"]),
+       threads=st.sampled_from([1, 3]), seed=st.integers(0, 10_000))
+def test_the_copy_is_each_row_then_zeros_in_the_buffers_layout(
+    b: int, h: int, t: int, d: int, extra: int, source: str, dest: str, threads: int, seed: int,
+) -> None:
+    """copy_to (the encoded operands of the attention backward) holds X's rows followed by zeros, in whichever layout
+    the buffer has ((B, T, H, W) read as (B, H, T, W): two batch strides), from X in any of the layouts attention
+    hands it (heads split from a projection, a column slice of a fused one); the sums it makes in the same read are
+    the ones it makes without the copy. Every element of the buffer is written: it starts as NaN."""
+    x_BHTD = {"BHTD": lambda: randn((b, h, t, d), seed), "BTHD": lambda: randn((b, t, h, d), seed).transpose(1, 2),
+              "slice": lambda: randn((b, t, 3 * h * d), seed)[..., h * d: 2 * h * d].unflatten(-1, (h, d))
+              .transpose(1, 2)}[source]()
+    w = d + extra
+    buf = torch.full((b, t, h, w), math.nan).transpose(1, 2) if dest == "BTHW" else torch.full((b, h, t, w), math.nan)
+    weights = randn((d, 2), seed + 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with mock.patch.object(fp, "_BLOCK_MIN", 1):
+            # Read as encoded._rows_times reads it: heads split from a projection as its (B, T, H, D) rows.
+            inside = x_BHTD.stride(1) < x_BHTD.stride(2)
+            read, into = (x_BHTD.transpose(1, 2), buf.transpose(1, 2)) if inside else (x_BHTD, buf)
+            plain = fp.fused_pass(read, right=weights, row_sq=True, row_max=True)
+            got = fp.fused_pass(read, right=weights, row_sq=True, row_max=True, copy_to=into)
+    finally:
+        torch.set_num_threads(before)
+    assert plain is not None and got is not None
+    assert torch.equal(buf[..., :d], x_BHTD)
+    assert torch.equal(buf[..., d:], torch.zeros(b, h, t, extra))
+    for field in ("right", "row_sq", "row_max"):
+        assert torch.equal(getattr(got, field), getattr(plain, field))
+
+
+@pytest.mark.parametrize("case", ["narrow", "other_rows", "bf16", "batch_strides"])
+def test_a_copy_it_cannot_write_declines_the_call_and_writes_nothing(case: str) -> None:
+    """A buffer narrower than X, of another shape or dtype, or whose batch dims are not one or two strides: the
+    call declines (the caller copies eagerly) and the buffer is untouched."""
+    x = randn((2, 2, 3, 4, 8), 0)
+    buf = {"narrow": lambda: torch.zeros(2, 2, 3, 4, 7), "other_rows": lambda: torch.zeros(2, 2, 3, 5, 8),
+           "bf16": lambda: torch.zeros(2, 2, 3, 4, 8, dtype=torch.bfloat16),
+           # batch dims (2, 2, 3) whose first two do not merge: three strides
+           "batch_strides": lambda: torch.zeros(2, 3, 2, 4, 8).permute(0, 2, 1, 3, 4)}[case]()
+    before = buf.clone()
+    assert fp.fused_pass(x, row_sq=True, copy_to=buf) is None
+    assert torch.equal(buf, before)
+
+
 @pytest.mark.parametrize("case", ["bf16", "fp16", "fp64", "strided_rows", "wide_left", "groups", "needs_grad",
                                   "disabled"])
 def test_it_declines_what_it_does_not_take(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -232,11 +281,14 @@ def test_a_protected_step_checks_its_whole_step_gemms_through_the_kernel(arch: s
 
     taken: list[bool] = []
     taken_encoded: list[bool] = []
+    copies = 0
 
     def counting(into: list[bool]) -> object:
         def counted(x: torch.Tensor, **kwargs: object) -> object:
+            nonlocal copies
             got = fp.fused_pass(x, **kwargs)  # type: ignore[arg-type]
             into.append(got is not None)
+            copies += got is not None and kwargs.get("copy_to") is not None
             return got
         return counted
 
@@ -255,8 +307,9 @@ def test_a_protected_step_checks_its_whole_step_gemms_through_the_kernel(arch: s
     assert gemm_checks > 0
     assert len(taken) >= gemm_checks  # C of every whole-step GEMM check at least (operand sums are shared)
     assert all(taken)
-    # Per layer: q, k and dO (checksums and norms), v (norms), and the residuals of dQ', dK' and dV'.
-    assert layers == 2 and len(taken_encoded) == 7 * layers
+    # Per layer: q, k and dO (checksums and norms), v (norms) and O, each also written into its encoded buffer; and
+    # the residuals of dQ', dK' and dV'.
+    assert layers == 2 and len(taken_encoded) == 8 * layers and copies == 5 * layers
     assert all(taken_encoded)
 
 

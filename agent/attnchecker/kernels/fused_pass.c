@@ -9,6 +9,10 @@
  *   rsq  (rows x groups)        sum of squares of each row segment
  *   csq  (cols)                 sum of squares of each column
  *   rmax (rows), cmax (cols)    max |X| of each row, each column (NaN if the row or column holds one)
+ *   cp   (nb x rows x wc)        each row of X copied into a wider row (wc >= cols), the rest of it zeroed: the
+ *                               checksum-encoded operands of attention/backward/encoded.py, written while the row is
+ *                               in cache. Matrix b of the batch goes to cp + (b / cin) cso + (b % cin) csi, rows ldc
+ *                               apart: a (B, T, H, wc) buffer read as (B, H, T, wc) is two batch strides, not one.
  * Factors have a batch stride of their own (0: shared by the batch); outputs are dense, batch after batch. A NULL
  * output is not computed (its factor is then ignored).
  *
@@ -173,7 +177,8 @@ void attnchecker_fused_pass(int64_t nb, int64_t rows, int64_t cols, const float 
                             int64_t groups, const float *r, int64_t nr, int64_t sr, const float *r2, int64_t nr2,
                             int64_t sr2, const float *l, int64_t nl, int64_t sl, const float *l2, int64_t nl2,
                             int64_t sl2, float *xr, float *xr2, float *lx, float *lx2, float *rsq, float *csq,
-                            float *rmax, float *cmax) {
+                            float *rmax, float *cmax, float *cp, int64_t cin, int64_t cso, int64_t csi, int64_t ldc,
+                            int64_t wc) {
     const int64_t seg = cols / groups;
     if (!xr) nr = 0;
     if (!xr2) nr2 = 0;
@@ -187,6 +192,7 @@ void attnchecker_fused_pass(int64_t nb, int64_t rows, int64_t cols, const float 
         float *lxb = nl ? lx + b * nl * cols : 0, *lx2b = nl2 ? lx2 + b * nl2 * cols : 0;
         float *rsqb = rsq ? rsq + b * rows * groups : 0, *csqb = csq ? csq + b * cols : 0;
         float *rmaxb = rmax ? rmax + b * rows : 0;
+        float *cpb = cp ? cp + (b / cin) * cso + (b % cin) * csi : 0;
         /* The column maxima run as their bits (abs_bits) in the output, whose storage only ever holds them: the
          * bits of the largest |x| are those of the float max, and 0 those of 0.0f. */
         uint32_t *cmaxb = cmax ? (uint32_t *)(void *)(cmax + b * cols) : 0;
@@ -205,6 +211,11 @@ void attnchecker_fused_pass(int64_t nb, int64_t rows, int64_t cols, const float 
                     if (nr2) segment_sums(part, seg, 2, r2b, nr2, xr2b + v * nr2, 0);
                 }
                 if (rmaxb) rmaxb[i] = abs_max(row, cols);
+                if (cpb) {
+                    float *dst = cpb + i * ldc;
+                    memcpy(dst, row, (size_t)cols * sizeof(float));
+                    memset(dst + cols, 0, (size_t)(wc - cols) * sizeof(float));
+                }
             }
             if (nl || nl2 || csqb || cmaxb) {
                 /* This block's coefficients, c[j][r] = L[j][i0 + r] (nl, nl2 <= 64: fused_pass.py's _WIDEST_LEFT). */

@@ -56,6 +56,7 @@ def fused_pass(
     row_max: bool = False,
     col_max: bool = False,
     groups: int = 1,
+    copy_to: torch.Tensor | None = None,
 ) -> FusedSums | None:
     """In one read of X (..., R, C), whose rows are split into ``groups`` runs of S = C/g consecutive elements:
     each run times right (..., S, nr) and, squared, times right_sq (..., S, nr2); Xᵀ·left (left (..., R, nl)) and
@@ -63,7 +64,11 @@ def fused_pass(
     factors' batch dims are X's or absent (shared). Outputs in the grouped vector layout (abft/checksum.py: run h of
     row i is vector i·g + h): ``FusedSums``. None when the kernel cannot take these tensors (the caller computes the
     same eagerly): not all fp32 on the CPU, rows that are not contiguous, batch dims that do not flatten, C not a
-    multiple of ``groups``, a left factor wider than 64, or no kernel."""
+    multiple of ``groups``, a left factor wider than 64, or no kernel.
+
+    copy_to (..., R, W), W ≥ C, fp32 with contiguous rows: also written in the same read, each row X's row followed
+    by W − C zeros (the encoded operands of the attention backward). Its batch dims, flattened, must be one stride
+    or two (a (B, T, H, W) buffer read as (B, H, T, W)); where they are not, the call declines and writes nothing."""
     if not enabled or x.dim() < 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.numel() == 0:
         return None
     if x.stride(-1) != 1 or (x.requires_grad and torch.is_grad_enabled()):
@@ -88,12 +93,17 @@ def fused_pass(
                 or factor.shape[:-2] not in (lead, torch.Size(), (1,) * len(lead))):
             return None
         factors.append(factor.detach().mT.reshape(-1, factor.shape[-1], length).contiguous())
+    dest = None
+    if copy_to is not None:
+        dest = _copy_view(copy_to, lead, rows, cols)
+        if dest is None:
+            return None
     kernel = _kernel()
     if kernel is None:
         return None
     spans = _row_spans(rows, x3.numel())
     if len(spans) == 1:
-        outs = _call(kernel, x3, groups, factors, (row_sq, col_sq, row_max, col_max))
+        outs = _call(kernel, x3, groups, factors, (row_sq, col_sq, row_max, col_max), dest)
     else:
         # Row blocks on torch's intra-op threads (ctypes lets go of the GIL): rows are independent, the column sums
         # of the blocks add up, their maxima combine by max.
@@ -101,7 +111,8 @@ def fused_pass(
             r0, r1 = span
             # The left factors run along the rows: each block takes its own rows of them.
             part = [t if i < 2 or t is None else t[..., r0:r1].contiguous() for i, t in enumerate(factors)]
-            return _call(kernel, x3[:, r0:r1], groups, part, (row_sq, col_sq, row_max, col_max))
+            return _call(kernel, x3[:, r0:r1], groups, part, (row_sq, col_sq, row_max, col_max),
+                         None if dest is None else dest[..., r0:r1, :])
 
         blocks = list(_pool(len(spans)).map(block, spans))
         outs = []
@@ -158,10 +169,24 @@ def _batch_stride(factor: torch.Tensor | None) -> int:
     return 0 if factor is None or factor.shape[0] == 1 else factor.stride(0)
 
 
+def _copy_view(copy_to: torch.Tensor, lead: torch.Size, rows: int, cols: int) -> torch.Tensor | None:
+    """copy_to as (L0, L1, R, W), its batch dims (X's) split as the kernel walks them (matrix b at (b / L1, b % L1)),
+    or None where it is not a buffer the kernel can write (dtype, device, shape, strides)."""
+    if (copy_to.dtype != torch.float32 or copy_to.device.type != "cpu" or copy_to.shape[:-1] != (*lead, rows)
+            or copy_to.shape[-1] < cols or copy_to.stride(-1) != 1 or copy_to.requires_grad):
+        return None
+    inner = lead[-1] if lead else 1
+    try:
+        return copy_to.view(-1, inner, rows, copy_to.shape[-1])
+    except RuntimeError:
+        return None
+
+
 def _call(kernel: ctypes._CFuncPtr, x3: torch.Tensor, groups: int,  # type: ignore[name-defined]
-          factors: list[torch.Tensor | None], wants: tuple[bool, bool, bool, bool]) -> list[torch.Tensor | None]:
+          factors: list[torch.Tensor | None], wants: tuple[bool, bool, bool, bool],
+          dest: torch.Tensor | None = None) -> list[torch.Tensor | None]:
     """One call of the kernel on X (nb, R, C) (rows contiguous), factors as `fused_pass` lays them out:
-    [xr, xr2, lx, lx2, rsq, csq, rmax, cmax]."""
+    [xr, xr2, lx, lx2, rsq, csq, rmax, cmax]; dest (L0, L1, R, W) the copy's buffer (``_copy_view``)."""
     nb, rows, cols = x3.shape
     r_t, r2_t, l_t, l2_t = factors
     (nr, sr), (nr2, sr2), (nl, sl), (nl2, sl2) = ((_width(t), _batch_stride(t)) for t in factors)
@@ -176,9 +201,11 @@ def _call(kernel: ctypes._CFuncPtr, x3: torch.Tensor, groups: int,  # type: igno
     rmax = new((nb, rows)) if row_max else None
     cmax = new((nb, cols)) if col_max else None
     p = build.ptr
+    copy = (1, 0, 0, 0, 0) if dest is None else (dest.shape[1], dest.stride(0), dest.stride(1), dest.stride(2),
+                                                   dest.shape[3])
     kernel(nb, rows, cols, p(x3), x3.stride(1), x3.stride(0), groups, p(r_t), nr, sr, p(r2_t), nr2, sr2,
            p(l_t), nl, sl, p(l2_t), nl2, sl2, p(xr), p(xr2), p(lx), p(lx2), p(rsq), p(csq),
-           p(rmax), p(cmax))
+           p(rmax), p(cmax), p(dest), *copy)
     return [xr, xr2, lx, lx2, rsq, csq, rmax, cmax]
 
 
@@ -192,5 +219,5 @@ def _kernel() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.restype = None
     fn.argtypes = [i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64,
-                   ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+                   ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
     return fn

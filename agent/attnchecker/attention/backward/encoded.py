@@ -242,17 +242,20 @@ def _encode(inputs: _Inputs, *, scale: float, acc: torch.dtype) -> tuple[tuple[t
     order (and, for bf16, unrounded) from the forward's, ε_i = the largest difference that can make over the keys
     not masked away.
 
-    Each operand is read once for its checksums and norms (fused_pass on fp32) and once more by the copy into its
-    encoded buffer (O: only that copy)."""
+    Each operand is read once: on fp32, the pass that makes its checksums and norms (fused_pass) also writes it into
+    its encoded buffer, followed by zeros, and only the few encoded columns are written after it. Where the kernel
+    declines (other dtypes, no compiler), the sums are made eagerly and the buffers by one concatenation each."""
     do_BHTD, q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, mask_add = inputs
     d = q_BHTD.shape[-1]
     dt = q_BHTD.dtype
     u_in = torch.finfo(dt).eps / 2
     u_acc = torch.finfo(acc).eps / 2
     sums = _sum_weights(d, q_BHTD.device, acc)
-    (c_q, q_norm_BHT), (c_k, k_norm_BHS), (c_do, do_norm_BHT) = (_rows_times(x, sums, norms=True)
-                                                                 for x in (q_BHTD, k_BHSD, do_BHTD))
-    _, v_norm_BHS = _rows_times(v_BHSD, None, norms=True)
+    width = encoded_width(d)
+    (c_q, q_norm_BHT, q_e), (c_k, k_norm_BHS, k_e), (c_do, do_norm_BHT, do_e) = (
+        _read_into(x, sums, width, norms=True) for x in (q_BHTD, k_BHSD, do_BHTD))
+    _, v_norm_BHS, v_e = _read_into(v_BHSD, None, width, norms=True)
+    _, _, o_e = _read_into(out_BHTD, None, width)
     assert c_q is not None and c_k is not None and c_do is not None
     assert q_norm_BHT is not None and k_norm_BHS is not None and do_norm_BHT is not None and v_norm_BHS is not None
     k_max_BH, v_max_BH = k_norm_BHS.amax(-1), v_norm_BHS.amax(-1)
@@ -287,16 +290,13 @@ def _encode(inputs: _Inputs, *, scale: float, acc: torch.dtype) -> tuple[tuple[t
     # 1e-26 under a bound column of 1e-29.
     tiny = torch.finfo(dt).smallest_normal
     flushed_v, flushed_k = tiny * g1_BHT.sum(-1), tiny * g2_BHT.sum(-1)
-    # The last column of each is the zero padding (none at a width already a multiple, when it is 0 wide).
-    pad = _padding(d)
-    zeros = q_BHTD.new_zeros(*q_BHTD.shape[:-1], 1 + pad)
-    ones_s = k_BHSD.new_ones(*k_BHSD.shape[:-1], 1)
-    zeros_s = k_BHSD.new_zeros(*k_BHSD.shape[:-1], ENCODED_COLS + pad)
-    q_e = _encoded(q_BHTD, c_q.to(dt), zeros[..., :1], zeros[..., :1], zeros)
-    k_e = _encoded(k_BHSD, zeros_s[..., :2], c_k.to(dt), ones_s, zeros_s[..., :pad])
-    v_e = _encoded(v_BHSD, zeros_s)
-    o_e = _encoded(out_BHTD, zeros[..., :1].expand(*zeros.shape[:-1], ENCODED_COLS + pad))
-    do_e = _encoded(do_BHTD, c_do.to(dt), g_do[..., None].to(dt), g_dk[..., None].to(dt), zeros)
+    # The encoded columns (module docstring) after each operand's D; every other column up to the width is 0.
+    q_e = _encoded(q_BHTD, width, {d: c_q.to(dt)}, into=q_e)
+    k_e = _encoded(k_BHSD, width, {d + 2: c_k.to(dt), d + 4: 1.0}, into=k_e)
+    v_e = _encoded(v_BHSD, width, {}, into=v_e)
+    o_e = _encoded(out_BHTD, width, {}, into=o_e)
+    do_e = _encoded(do_BHTD, width, {d: c_do.to(dt), d + 2: g_do[..., None].to(dt), d + 3: g_dk[..., None].to(dt)},
+                    into=do_e)
     side = _Side(g_BHT=g_BHT, rho_BHT=rho_BHT, k_max_BH=k_max_BH, g_do_top=g_do_top, g_dk_top=g_dk_top,
                  flushed_v_BH=flushed_v, flushed_k_BH=flushed_k,
                  u_fwd=u_fwd)
@@ -305,16 +305,30 @@ def _encode(inputs: _Inputs, *, scale: float, acc: torch.dtype) -> tuple[tuple[t
 
 def _rows_times(x_BHTD: torch.Tensor, w_DN: torch.Tensor | None, *, norms: bool = False
                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``_read_into`` without a buffer: x @ w and the norms."""
+    prod, norm, _ = _read_into(x_BHTD, w_DN, None, norms=norms)
+    return prod, norm
+
+
+def _read_into(x_BHTD: torch.Tensor, w_DN: torch.Tensor | None, width: int | None, *, norms: bool = False
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(x @ w (B, H, T, N) in the accumulation dtype, with norms also an upper bound on ‖x_i‖₂ (B, H, T)): for fp32
     on CPU in one read of x in its own layout (fused_pass: heads split from a projection are read as (B, T, H, D)
     rows, where a product of the (B, H, T, D) view copied them first); eagerly otherwise.
 
     The norm is sqrt(Σ x²) where that sum can be trusted, else √D·max|x|: squares of values below ~1e-18 underflow
     in fp32 (the gradient rows of padded tokens reach 1e-24, and a norm of 0 made a bound of 0 under a correct dQ),
-    and above ~1e18 overflow."""
+    and above ~1e18 overflow.
+
+    width: also x in a new buffer of that many head dims (``_buffer``), its columns after D zeroed, written by the same
+    read (fused_pass's copy_to); returned third, or None where the kernel declined (``_encoded`` then copies)."""
     inside = x_BHTD.dim() == 4 and x_BHTD.stride(1) < x_BHTD.stride(2)
     x = x_BHTD.transpose(1, 2) if inside else x_BHTD
-    sums = fused_pass(x, right=w_DN, row_sq=norms, row_max=norms)
+    buf = None if width is None else _buffer(x_BHTD, width)
+    into = None if buf is None else buf.transpose(1, 2) if inside else buf
+    sums = fused_pass(x, right=w_DN, row_sq=norms, row_max=norms, copy_to=into)
+    if sums is None:
+        buf = None
     if sums is not None:
         prod = None if sums.right is None else sums.right.view(*x.shape[:-1], -1)
         sq = None if sums.row_sq is None else sums.row_sq.view(x.shape[:-1])
@@ -330,8 +344,8 @@ def _rows_times(x_BHTD: torch.Tensor, w_DN: torch.Tensor | None, *, norms: bool 
         trusted = (top > _SQUARES_SAFE[0]) & (top < _SQUARES_SAFE[1])
         norm = torch.where(trusted, sq.sqrt(), math.sqrt(x.shape[-1]) * top)
     if inside:
-        return (None if prod is None else prod.transpose(1, 2)), (None if norm is None else norm.transpose(1, 2))
-    return prod, norm
+        return (None if prod is None else prod.transpose(1, 2)), (None if norm is None else norm.transpose(1, 2)), buf
+    return prod, norm, buf
 
 
 _SQUARES_SAFE = (1e-18, 1e18)
@@ -363,13 +377,41 @@ def _padding(d: int) -> int:
     return -(d + ENCODED_COLS) % WIDTH_MULTIPLE
 
 
-def _encoded(x_BHTD: torch.Tensor, *cols: torch.Tensor) -> torch.Tensor:
-    """x with the encoded columns after its own, stored as (B, T, H, D + ENCODED_COLS + pad): the layout SDPA hands the
-    kernel (heads split from a projection), which it otherwise copies its gradient input into. One write of the
-    buffer: torch.cat ran faster than copying x and the columns into an empty one."""
+def _buffer(x_BHTD: torch.Tensor, width: int) -> torch.Tensor:
+    """An uninitialised (B, H, T, width) buffer of x's dtype, stored as (B, T, H, width): the layout SDPA hands the
+    kernel (heads split from a projection), which it otherwise copies its gradient input into."""
     if x_BHTD.dim() != 4:
-        return torch.cat([x_BHTD, *cols], dim=-1)
-    return torch.cat([x_BHTD.transpose(1, 2), *(c.transpose(1, 2) for c in cols)], dim=-1).transpose(1, 2)
+        return x_BHTD.new_empty(*x_BHTD.shape[:-1], width)
+    b, h, t, _ = x_BHTD.shape
+    return x_BHTD.new_empty(b, t, h, width).transpose(1, 2)
+
+
+def _encoded(x_BHTD: torch.Tensor, width: int, cols: dict[int, torch.Tensor | float], *,
+             into: torch.Tensor | None) -> torch.Tensor:
+    """x (..., D) widened to ``width`` head dims: at each offset of ``cols`` its columns (a tensor (..., n), or a
+    value for one column), 0 elsewhere. into: a buffer that holds x and zeros already (``_read_into``), where only
+    the columns are written; None: one concatenation in ``_buffer``'s layout (torch.cat ran faster than copying x
+    and the columns into an empty buffer)."""
+    if into is not None:
+        for at, col in cols.items():
+            if isinstance(col, torch.Tensor):
+                into[..., at:at + col.shape[-1]] = col
+            else:
+                into[..., at] = col
+        return into
+    d, lead = x_BHTD.shape[-1], x_BHTD.shape[:-1]
+    pieces, pos = [x_BHTD], d
+    for at, col in sorted(cols.items()):
+        if at > pos:
+            pieces.append(x_BHTD.new_zeros(*lead, at - pos))
+        piece = col.to(x_BHTD.dtype) if isinstance(col, torch.Tensor) else x_BHTD.new_full((*lead, 1), col)
+        pieces.append(piece)
+        pos = at + piece.shape[-1]
+    if width > pos:
+        pieces.append(x_BHTD.new_zeros(*lead, width - pos))
+    if x_BHTD.dim() != 4:
+        return torch.cat(pieces, dim=-1)
+    return torch.cat([p.transpose(1, 2) for p in pieces], dim=-1).transpose(1, 2)
 
 
 def _ratios(
