@@ -314,6 +314,31 @@ def test_a_protected_step_checks_its_whole_step_gemms_through_the_kernel(arch: s
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_encoded_buffers_written_by_the_kernel_give_the_gradients_of_the_eager_buffers(arch: str) -> None:
+    """The encoded attention backward's operands, written by the pass that reads them (copy_to) or concatenated
+    eagerly where the kernel declines, are the same buffers: a protected step's gradients are bitwise equal."""
+    from model_zoo import batch, build, loss_of
+
+    import attnchecker
+
+    torch.manual_seed(0)
+    base = build(arch)
+    grads = []
+    for kernel in (True, False):
+        model = build(arch)
+        model.load_state_dict(base.state_dict())
+        guard = attnchecker.protect(model, policy=attnchecker.Policy.full(), scope="all")
+        with contextlib.nullcontext() if kernel else kernel_off():
+            loss_of(arch, model, batch(arch, 0)).backward()
+        stats = guard.step_stats
+        assert stats is not None and stats.checks["grad_q"] > 0
+        guard.close()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_a_checked_step_reads_each_weight_once_for_its_three_gemm_checks(arch: str,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The forward check of a Linear/Conv1D reads x and W once, and keeps what the backward's dX and dW checks need
