@@ -173,6 +173,64 @@ BLOCK void col_update_k(const float *restrict x, int64_t ld, const int R, const 
     }
 }
 
+/* Rows per block of the single sweep below: the block's row sums (SW (K + 1)), its left coefficients (SW NL) and
+ * the column outputs (NL + 1) stay in vector registers: 31 at K = 4, NL = 2, within AVX-512's 32; under AVX2's 16
+ * the compiler keeps the coefficients in memory operands. */
+#define SW 4
+
+/* The common shapes of a check's operand pass (no groups, no squared factors, no maxima, no copy: the whole-step
+ * GEMMs' x, W and dY) in one sweep over SW rows: each element of x is loaded once for its row sums (K weighted,
+ * SQ its squares) and its column updates (NL left factors with coefficients c[j][r], CSQ the squares), where the
+ * general path reads the block again from L1 for the columns (half its time in a 1024 x 2048 pass with two left
+ * factors). t: SW x K row sums (row stride K), sq: SW row squares; y: NL x n and s: n column outputs, added to. */
+BLOCK void sweep_rows_cols(const float *restrict x, int64_t ld, int64_t n, const float *restrict w, const int K,
+                           const int SQ, const float *restrict c, const int NL, const int CSQ, float *restrict t,
+                           float *restrict sq, float *restrict y, float *restrict s) {
+    float acc[SW][4], q[SW], cr[2][SW];
+    for (int r = 0; r < SW; r++) {
+        q[r] = 0.0f;
+        for (int j = 0; j < K; j++) acc[r][j] = 0.0f;
+        for (int j = 0; j < NL; j++) cr[j][r] = c[j * SW + r];
+    }
+    for (int64_t k = 0; k < n; k++) {
+        float ya[2], sa = CSQ ? s[k] : 0.0f;
+        for (int j = 0; j < NL; j++) ya[j] = y[j * n + k];
+        for (int r = 0; r < SW; r++) {
+            const float e = x[r * ld + k], e2 = e * e;
+            for (int j = 0; j < K; j++) acc[r][j] += e * w[j * n + k];
+            if (SQ) q[r] += e2;
+            for (int j = 0; j < NL; j++) ya[j] += cr[j][r] * e;
+            if (CSQ) sa += e2;
+        }
+        for (int j = 0; j < NL; j++) y[j * n + k] = ya[j];
+        if (CSQ) s[k] = sa;
+    }
+    for (int r = 0; r < SW; r++) {
+        for (int j = 0; j < K; j++) t[r * K + j] = acc[r][j];
+        if (SQ) sq[r] = q[r];
+    }
+}
+
+#define SWEEP_CASE(K, NL, SQ, CSQ)                                                                                    \
+    if (k == K && nl == NL && sq_ == SQ && csq_ == CSQ) {                                                             \
+        sweep_rows_cols(x, ld, n, w, K, SQ, c, NL, CSQ, t, sq, y, s);                                                 \
+        return 1;                                                                                                     \
+    }
+
+/* sweep_rows_cols for the shapes it is instantiated for (K in 0, 2, 4; NL in 0, 2); 0 for the others, which take
+ * the general path. */
+OUTLINE int sweep_of(const float *restrict x, int64_t ld, int64_t n, const float *restrict w, int k, int sq_,
+                     const float *restrict c, int nl, int csq_, float *restrict t, float *restrict sq,
+                     float *restrict y, float *restrict s) {
+    SWEEP_CASE(0, 2, 0, 0) SWEEP_CASE(0, 2, 1, 0) SWEEP_CASE(0, 2, 0, 1) SWEEP_CASE(0, 2, 1, 1)
+    SWEEP_CASE(0, 0, 1, 0) SWEEP_CASE(0, 0, 0, 1) SWEEP_CASE(0, 0, 1, 1)
+    SWEEP_CASE(2, 2, 0, 0) SWEEP_CASE(2, 2, 1, 0) SWEEP_CASE(2, 2, 0, 1) SWEEP_CASE(2, 2, 1, 1)
+    SWEEP_CASE(2, 0, 0, 0) SWEEP_CASE(2, 0, 1, 0) SWEEP_CASE(2, 0, 0, 1) SWEEP_CASE(2, 0, 1, 1)
+    SWEEP_CASE(4, 2, 0, 0) SWEEP_CASE(4, 2, 1, 0) SWEEP_CASE(4, 2, 0, 1) SWEEP_CASE(4, 2, 1, 1)
+    SWEEP_CASE(4, 0, 0, 0) SWEEP_CASE(4, 0, 1, 0) SWEEP_CASE(4, 0, 0, 1) SWEEP_CASE(4, 0, 1, 1)
+    return 0;
+}
+
 void attnchecker_fused_pass(int64_t nb, int64_t rows, int64_t cols, const float *x, int64_t ld, int64_t sx,
                             int64_t groups, const float *r, int64_t nr, int64_t sr, const float *r2, int64_t nr2,
                             int64_t sr2, const float *l, int64_t nl, int64_t sl, const float *l2, int64_t nl2,
@@ -184,6 +242,9 @@ void attnchecker_fused_pass(int64_t nb, int64_t rows, int64_t cols, const float 
     if (!xr2) nr2 = 0;
     if (!lx) nl = 0;
     if (!lx2) nl2 = 0;
+    /* The shapes sweep_of takes: one sweep per SW rows (the rest of the rows, fewer than SW, by the general path). */
+    const int sweep = groups == 1 && !nr2 && !nl2 && !rmax && !cmax && !cp && (nr == 0 || nr == 2 || nr == 4)
+                      && (nl == 0 || nl == 2) && (nr || nl || rsq || csq);
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * sx;
         const float *rb = nr ? r + b * sr : 0, *r2b = nr2 ? r2 + b * sr2 : 0;
@@ -200,7 +261,20 @@ void attnchecker_fused_pass(int64_t nb, int64_t rows, int64_t cols, const float 
         if (lx2b) memset(lx2b, 0, (size_t)(nl2 * cols) * sizeof(float));
         if (csqb) memset(csqb, 0, (size_t)cols * sizeof(float));
         if (cmaxb) memset(cmaxb, 0, (size_t)cols * sizeof(uint32_t));
-        for (int64_t i0 = 0; i0 < rows;) {
+        int64_t i0 = 0;
+        if (sweep)
+            for (; rows - i0 >= SW; i0 += SW) {
+                float c[2 * SW];
+                for (int64_t j = 0; j < nl; j++)
+                    for (int q = 0; q < SW; q++) c[j * SW + q] = lb[j * rows + i0 + q];
+                float t[SW * 4], sq[SW];
+                sweep_of(xb + i0 * ld, ld, cols, rb, (int)nr, rsqb != 0, c, (int)nl, csqb != 0, t, sq, lxb, csqb);
+                for (int q = 0; q < SW; q++) {
+                    for (int64_t j = 0; j < nr; j++) xrb[(i0 + q) * nr + j] = t[q * nr + j];
+                    if (rsqb) rsqb[i0 + q] = sq[q];
+                }
+            }
+        for (; i0 < rows;) {
             const int rb_rows = rows - i0 >= RB ? RB : 1;
             for (int64_t i = i0; i < i0 + rb_rows; i++) {
                 const float *row = xb + i * ld;
