@@ -58,6 +58,28 @@ def test_the_pass_matches_the_float64_products_and_sums(
     """Every output against float64, at fp32 round-off for sums of this length; rows split into groups (grouped
     checksums); a factor shared by the batch (a weight's checksum vector) or one per matrix (attention's per-head
     references); on one thread, or on three blocks of rows (torch's intra-op threads), whatever the size."""
+    assert_matches_float64(rows, seg, groups, batch, nr, nr2, nl, nl2, flags, shared, kind, threads, seed)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 23), cols=st.integers(1, 90), batch=st.sampled_from([(), (3,)]),
+       nr=st.sampled_from([0, 2, 4]), nl=st.sampled_from([0, 2]), sq=st.tuples(st.booleans(), st.booleans()),
+       shared=st.booleans(), kind=st.sampled_from(["contiguous", "slice"]), threads=st.sampled_from([1, 3]),
+       seed=st.integers(0, 10_000))
+def test_the_one_sweep_shapes_match_the_float64_products_and_sums(
+    rows: int, cols: int, batch: tuple[int, ...], nr: int, nl: int, sq: tuple[bool, bool], shared: bool, kind: str,
+    threads: int, seed: int,
+) -> None:
+    """The shapes the kernel takes in one sweep of 4 rows (the whole-step checks' x, W and dY: no groups, squared
+    factors, maxima or copy), with row counts that leave 0 to 3 rows to the general path, and columns around the
+    vector widths."""
+    assert_matches_float64(rows, cols, 1, batch, nr, 0, nl, 0, (*sq, False, False), shared, kind, threads, seed)
+
+
+def assert_matches_float64(
+    rows: int, seg: int, groups: int, batch: tuple[int, ...], nr: int, nr2: int, nl: int, nl2: int,
+    flags: tuple[bool, bool, bool, bool], shared: bool, kind: str, threads: int, seed: int,
+) -> None:
     row_sq, col_sq, row_max, col_max = flags
     cols = seg * groups
     x = layout(randn((*batch, rows, cols), seed), kind)
