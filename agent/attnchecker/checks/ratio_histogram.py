@@ -117,11 +117,13 @@ def _bucket_edges(device: torch.device) -> torch.Tensor:
 def _op_index(names: tuple[str | None, ...], device: torch.device) -> tuple[tuple[str, ...], torch.Tensor]:
     """(the distinct ops in first-seen order, (V,) int64: each ratio's slot among them, len(ops) for no op). A step
     adds the same ops in the same order as the one before: cached, the index is built and copied to the device once,
-    not at every fold."""
+    not at every fold. On CUDA from pinned memory, without blocking: a copy from pageable memory would wait for the
+    device's queue."""
     ops = tuple(dict.fromkeys(n for n in names if n is not None))
     slot = {op: i for i, op in enumerate(ops)}
-    return ops, torch.tensor([slot.get(n, len(ops)) if n is not None else len(ops) for n in names],
-                             dtype=torch.int64).to(device)
+    index = torch.tensor([slot.get(n, len(ops)) if n is not None else len(ops) for n in names], dtype=torch.int64,
+                         pin_memory=device.type == "cuda")
+    return ops, index.to(device, non_blocking=True)
 
 
 engine_caches.register(_bucket_edges)
