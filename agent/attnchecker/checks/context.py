@@ -28,7 +28,6 @@ __all__ = [
 ]
 
 
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CheckConfig:
     """The per-step snapshot of the policy the engine acts on. Immutable: the guard swaps whole objects."""

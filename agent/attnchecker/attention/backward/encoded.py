@@ -327,13 +327,12 @@ def _read_into(x_BHTD: torch.Tensor, w_DN: torch.Tensor | None, width: int | Non
     buf = None if width is None else _buffer(x_BHTD, width)
     into = None if buf is None else buf.transpose(1, 2) if inside else buf
     sums = fused_pass(x, right=w_DN, row_sq=norms, row_max=norms, copy_to=into)
-    if sums is None:
-        buf = None
     if sums is not None:
         prod = None if sums.right is None else sums.right.view(*x.shape[:-1], -1)
         sq = None if sums.row_sq is None else sums.row_sq.view(x.shape[:-1])
         top = None if sums.row_max is None else sums.row_max.view(x.shape[:-1])
     else:
+        buf = None  # the kernel declined: nothing written
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         x = x.to(acc)
         prod = None if w_DN is None else x @ w_DN.to(acc)
