@@ -12,6 +12,9 @@ bias that separate models carry. Variants:
   protected    attnchecker.protect(model, optimizer=opt, scope=..., policy=...) (--reattach: attached before each
                step and closed after it, untimed, as bench/overhead.py does, to tell the two designs apart)
 
+--no-plain-again leaves the second unprotected copy out: two models stepped in turn instead of three, to tell
+whether the number of models in rotation (memory, caches) moves the protected ratio (issue 32's harness gap).
+
 plain_again measures the bias of one copy against another, not that of the protected copy. --bare-control measures
 that one too: after the timed rounds the protected job's guard is closed and the same number of interleaved rounds
 runs again, all three jobs unprotected (the protected copy as protected_bare). The protected copy's ratio divided
@@ -88,13 +91,14 @@ class Job:
 
 
 def run(arch: str, size: dict[str, int], *, scope: str, policy: str, optimizer: str, rounds: int, warmup: int,
-        seed: int, reattach: bool = False, bare_control: bool = False) -> dict[str, Any]:
+        seed: int, reattach: bool = False, bare_control: bool = False, plain_again: bool = True) -> dict[str, Any]:
     torch.set_num_threads(1)
     base = build_model(arch, size)
-    jobs = {"plain": Job(base, optimizer, protect=None),
-            "plain_again": Job(copy.deepcopy(base), optimizer, protect=None),
-            "protected": Job(copy.deepcopy(base), optimizer, protect={"scope": scope, "policy": POLICIES[policy]()},
-                             reattach=reattach)}
+    jobs = {"plain": Job(base, optimizer, protect=None)}
+    if plain_again:
+        jobs["plain_again"] = Job(copy.deepcopy(base), optimizer, protect=None)
+    jobs["protected"] = Job(copy.deepcopy(base), optimizer, protect={"scope": scope, "policy": POLICIES[policy]()},
+                            reattach=reattach)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=g)
     # The protected job past the schedule's ramp (period 1 -> 8 takes 56 quiet steps, docs/adaptive.md) on the real
@@ -113,7 +117,8 @@ def run(arch: str, size: dict[str, int], *, scope: str, policy: str, optimizer: 
         job.close()
     bare = _bare_control(jobs, ids, rounds=rounds, seed=seed) if bare_control else None
     result: dict[str, Any] = {"model": arch, "size": size, "scope": scope, "policy": policy, "optimizer": optimizer,
-                              "rounds": rounds, "warmup_steps": warmup, "reattach": reattach, "detections": detections,
+                              "rounds": rounds, "warmup_steps": warmup, "reattach": reattach,
+                              "plain_again": plain_again, "detections": detections,
                               "check_s_per_step": _common.summary(check_s), "variants": {}}
     for clock, xs in (("cpu", cpu), ("wall", wall)):
         rat = _common.ratios(xs, "plain")
@@ -132,7 +137,7 @@ def run(arch: str, size: dict[str, int], *, scope: str, policy: str, optimizer: 
 def _bare_control(jobs: dict[str, Job], ids: torch.Tensor, *, rounds: int, seed: int) -> dict[str, Any]:
     """The protected copy's own bias: the same interleaved rounds again with its guard closed (see the docstring).
     run() fills in corrected_ratio, the protected ratio over this one, per clock."""
-    bare_jobs = {"plain": jobs["plain"], "plain_again": jobs["plain_again"], "protected_bare": jobs["protected"]}
+    bare_jobs = {n: j for n, j in jobs.items() if n != "protected"} | {"protected_bare": jobs["protected"]}
     assert bare_jobs["protected_bare"].guard is None or bare_jobs["protected_bare"].guard.closed
     bare_jobs["protected_bare"].guard = None
     for job in bare_jobs.values():
@@ -162,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="attach before each protected step and close after it, untimed (bench/overhead.py's way)")
     ap.add_argument("--bare-control", action="store_true",
                     help="then close the protected job's guard and run the rounds again: its own copy bias")
+    ap.add_argument("--no-plain-again", action="store_true",
+                    help="leave out the second unprotected copy: two models in rotation instead of three")
     ap.add_argument("--tiny", action="store_true", help="the smoke test's size: seconds, not minutes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -170,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         size["vocab"] = args.vocab
     res = run(args.model, size, scope=args.scope, policy=args.policy, optimizer=args.optimizer,
               rounds=args.rounds, warmup=2 if args.tiny else args.warmup, seed=args.seed, reattach=args.reattach,
-              bare_control=args.bare_control)
+              bare_control=args.bare_control, plain_again=not args.no_plain_again)
     rows = []
     for n, e in res["variants"].items():
         c, w = e["cpu"]["ratio_vs_plain"], e["wall"]["ratio_vs_plain"]

@@ -221,6 +221,16 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
         assert 0 < row["attention_core_share"] < 1
 
 
+def test_attached_bench_without_the_second_copy_runs_two_models_in_rotation(tmp_path: Path) -> None:
+    """--no-plain-again (issue 32's harness gap): plain and protected only, in the timed rounds and the bare control."""
+    doc = run_bench("attached_overhead", tmp_path, "--rounds", "2", "--policy", "default", "--bare-control",
+                    "--no-plain-again")
+    assert doc["plain_again"] is False
+    assert set(doc["variants"]) == {"plain", "protected"}
+    assert set(doc["bare_control"]["variants"]) == {"plain", "protected_bare"}
+    assert positive(doc["variants"]["protected"]["cpu"]["ratio_vs_plain"]["median"])
+
+
 def test_attached_bench_measures_the_protected_copy_against_its_own_bare_control(tmp_path: Path) -> None:
     doc = run_bench("attached_overhead", tmp_path, "--rounds", "2", "--policy", "default", "--bare-control")
     assert (doc["scope"], doc["policy"], doc["detections"]) == ("all", "default", 0)
