@@ -214,12 +214,12 @@ BLOCK void sweep_rows_cols(const float *restrict x, int64_t ld, int64_t n, const
 #define SWEEP_CASE(K, NL, SQ, CSQ)                                                                                    \
     if (k == K && nl == NL && sq_ == SQ && csq_ == CSQ) {                                                             \
         sweep_rows_cols(x, ld, n, w, K, SQ, c, NL, CSQ, t, sq, y, s);                                                 \
-        return 1;                                                                                                     \
+        return;                                                                                                       \
     }
 
-/* sweep_rows_cols for the shapes it is instantiated for (K in 0, 2, 4; NL in 0, 2); 0 for the others, which take
- * the general path. */
-OUTLINE int sweep_of(const float *restrict x, int64_t ld, int64_t n, const float *restrict w, int k, int sq_,
+/* sweep_rows_cols for the shape at run time: every one the caller's `sweep` admits (K in 0, 2, 4; NL in 0, 2; at
+ * least one output) has its case here, and tests/agent/test_fused_pass.py draws them all. */
+OUTLINE void sweep_of(const float *restrict x, int64_t ld, int64_t n, const float *restrict w, int k, int sq_,
                      const float *restrict c, int nl, int csq_, float *restrict t, float *restrict sq,
                      float *restrict y, float *restrict s) {
     SWEEP_CASE(0, 2, 0, 0) SWEEP_CASE(0, 2, 1, 0) SWEEP_CASE(0, 2, 0, 1) SWEEP_CASE(0, 2, 1, 1)
@@ -228,7 +228,6 @@ OUTLINE int sweep_of(const float *restrict x, int64_t ld, int64_t n, const float
     SWEEP_CASE(2, 0, 0, 0) SWEEP_CASE(2, 0, 1, 0) SWEEP_CASE(2, 0, 0, 1) SWEEP_CASE(2, 0, 1, 1)
     SWEEP_CASE(4, 2, 0, 0) SWEEP_CASE(4, 2, 1, 0) SWEEP_CASE(4, 2, 0, 1) SWEEP_CASE(4, 2, 1, 1)
     SWEEP_CASE(4, 0, 0, 0) SWEEP_CASE(4, 0, 1, 0) SWEEP_CASE(4, 0, 0, 1) SWEEP_CASE(4, 0, 1, 1)
-    return 0;
 }
 
 void attnchecker_fused_pass(int64_t nb, int64_t rows, int64_t cols, const float *x, int64_t ld, int64_t sx,
@@ -242,7 +241,8 @@ void attnchecker_fused_pass(int64_t nb, int64_t rows, int64_t cols, const float 
     if (!xr2) nr2 = 0;
     if (!lx) nl = 0;
     if (!lx2) nl2 = 0;
-    /* The shapes sweep_of takes: one sweep per SW rows (the rest of the rows, fewer than SW, by the general path). */
+    /* The shapes sweep_of has a case for, exactly: one sweep per SW rows (the rest, fewer than SW, by the general
+     * path). */
     const int sweep = groups == 1 && !nr2 && !nl2 && !rmax && !cmax && !cp && (nr == 0 || nr == 2 || nr == 4)
                       && (nl == 0 || nl == 2) && (nr || nl || rsq || csq);
     for (int64_t b = 0; b < nb; b++) {
