@@ -1,5 +1,8 @@
 """The device script: what to run, in one command of at most 8 minutes, the first time a GPU is at hand.
 
+It saves what has finished after every section and step row (beside --out, as *.partial.json, removed once the
+whole result is written), and a row that breaks records its traceback and lets the next row run.
+
     python bench/gpu_suite.py [--out docs/perf/gpu_suite.json] [--budget-s 460]
     python bench/gpu_suite.py --dry-run        # on a CPU: Triton's interpreter, tiny sizes, every section end to end
 
@@ -29,10 +32,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import os
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -124,7 +129,10 @@ class _Job:
             self.guard.close()
 
 
-def steps_section(args: argparse.Namespace, device: str, deadline: float) -> list[dict[str, Any]]:
+def steps_section(args: argparse.Namespace, device: str, deadline: float, rows: list[dict[str, Any]],
+                  save: Callable[[], None]) -> list[dict[str, Any]]:
+    """Fills ``rows`` (one per model and length, the shorter length of every model first) and calls ``save`` after
+    each, so a run cut short keeps the rows it finished."""
     import torch
 
     from attnchecker import Policy
@@ -132,12 +140,12 @@ def steps_section(args: argparse.Namespace, device: str, deadline: float) -> lis
     dtype = torch.bfloat16
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     seqs = [32] if args.dry_run else [int(s) for s in args.seqs.split(",")]
-    rows: list[dict[str, Any]] = []
     timer = _Sync(device)
-    for kind, shape in shapes.items():
-        for seq in seqs:
+    for seq in seqs:
+        for kind, shape in shapes.items():
             if time.monotonic() > deadline:
                 rows.append({"model": kind, "seq": seq, "skipped": "over the time budget"})
+                save()
                 continue
             t0 = time.monotonic()
             base = _model(kind, shape, seq, 256 if args.dry_run else VOCAB)
@@ -151,11 +159,20 @@ def steps_section(args: argparse.Namespace, device: str, deadline: float) -> lis
                 # Warm-up: kernels compiled and autotuned, allocator settled, and the default policy past its ramp
                 # (period 1 -> max_period takes 56 quiet steps, docs/adaptive.md).
                 ramp = 2 if args.dry_run else 64
+                last: dict[str, list[float]] = {v: [] for v in VARIANTS}
                 for v, job in jobs.items():
                     for _ in range(ramp if v.endswith("default") else 2):
-                        job.step(ids)
-                # Whole periods of the default schedule, so checked and tier-1-only steps come in their proportion.
-                rounds = 1 if args.dry_run else Policy().max_period * args.periods
+                        _timed(timer, job, ids, last[v])
+                # Whole periods of the default schedule, so checked and tier-1-only steps come in their proportion;
+                # fewer where the rounds would run past the budget (a round: one step of every variant).
+                period = Policy().max_period
+                rounds = 1 if args.dry_run else period * args.periods
+                round_s = sum(max(xs[-2:]) for xs in last.values())
+                fit = int((deadline - time.monotonic()) / max(round_s, 1e-9))
+                if fit < rounds:
+                    rounds = max(3, fit // period * period if fit >= period else fit)
+                    row["rounds_cut"] = f"{rounds} rounds fit the budget (a round ~{round_s:.2f} s)"
+                row["rounds"] = rounds
                 samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
                 _common.interleaved({v: functools.partial(_timed, timer, jobs[v], ids, samples[v]) for v in VARIANTS},
                                     rounds=rounds, warmup=0, seed=seq)
@@ -175,6 +192,10 @@ def steps_section(args: argparse.Namespace, device: str, deadline: float) -> lis
                         entry["peak_ratio"] = entry["peak_bytes"] / peak
             except torch.cuda.OutOfMemoryError as e:  # type: ignore[attr-defined]
                 row["error"] = f"out of memory: {e}"
+            except Exception as e:  # one broken row must not cost the others (the first run on a device is the test)
+                row["error"] = f"{type(e).__name__}: {e}"
+                row["traceback"] = traceback.format_exc()[-3000:]
+                print(row["traceback"], file=sys.stderr)
             finally:
                 for job in jobs.values():
                     job.close()
@@ -183,6 +204,7 @@ def steps_section(args: argparse.Namespace, device: str, deadline: float) -> lis
                     torch.cuda.empty_cache()
             row["seconds"] = time.monotonic() - t0
             rows.append(row)
+            save()
             _print_steps(row)
     return rows
 
@@ -207,7 +229,7 @@ def _print_steps(row: dict[str, Any]) -> None:
     print(_common.table(lines, ["variant", "ms/step", "overhead", "IQR", "peak mem ratio", "backend"]))
 
 
-def kernel_section(args: argparse.Namespace, device: str) -> dict[str, Any]:
+def kernel_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:
     """The Triton forward (kernels/triton_attention.py) with tier 1 and with its full checks (and its repair launch)
     against the same kernel with checks off, bf16, causal, per shape."""
     import torch
@@ -217,8 +239,11 @@ def kernel_section(args: argparse.Namespace, device: str) -> dict[str, Any]:
     why = triton_attention.not_available_reason(torch.device(device))
     if why is not None:
         return {"skipped": why}
-    out = []
+    out: list[dict[str, Any]] = []
     for b, h, t, d in _kernel_shapes(args):
+        if time.monotonic() > deadline:
+            out.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
+            continue
         got = triton_attention.bench_checks(b=b, h=h, t=t, d=d, device=device, causal=True,
                                             reps=1 if args.dry_run else 20)
         out.append({"shape": [b, h, t, d], **got})
@@ -231,15 +256,18 @@ def _kernel_shapes(args: argparse.Namespace) -> list[tuple[int, int, int, int]]:
             [(1, 12, 2048, 64), (1, 12, 8192, 64), (1, 32, 2048, 128), (1, 32, 8192, 128)])
 
 
-def backward_kernel_section(args: argparse.Namespace, device: str) -> dict[str, Any]:
+def backward_kernel_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:
     """The Triton checked-attention backward (kernels/triton_attention_bwd.py) with check "abft" (and its repair
     launch) and "tripwire" against the same kernels with checks off, bf16, causal, per shape."""
     from attnchecker.kernels import triton_attention_bwd
 
     if not triton_attention_bwd.available():
         return {"skipped": "Triton cannot run here (no triton, or no CUDA device and no TRITON_INTERPRET=1)"}
-    out = []
+    out: list[dict[str, Any]] = []
     for b, h, t, d in _kernel_shapes(args):
+        if time.monotonic() > deadline:
+            out.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
+            continue
         got = triton_attention_bwd.bench_checks(b=b, h=h, t=t, d=d, device=device, reps=1 if args.dry_run else 10)
         out.append({"shape": [b, h, t, d], **got})
         print(f"backward kernel B={b} H={h} T={t} D={d}: {got}")
@@ -282,12 +310,21 @@ def coverage_section(args: argparse.Namespace, device: str) -> dict[str, Any]:
 
 
 def tests_section(budget_s: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests/agent"]
+    # Only the modules that hold gpu-marked tests: collecting all of tests/agent would import what a bare GPU image
+    # may lack (the collector's server stack, integrations), and one collection error stops the whole run.
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "agent").glob("test_*.py")
+                   if "pytest.mark.gpu" in p.read_text())
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "--durations=10", "-p", "no:cacheprovider", *files]
+    # The checkout is not installed there: agent/ and tests/ on the path, as _common.setup_path does for bench/.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "agent"), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
     t0 = time.monotonic()
     try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s, check=False)
-    except subprocess.TimeoutExpired:
-        return {"command": " ".join(cmd), "timed_out_after_s": budget_s}
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s, check=False, env=env)
+    except subprocess.TimeoutExpired as e:  # the tests that finished are in what it printed so far
+        so_far = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        print(f"gpu-marked tests: stopped after {budget_s:.0f} s", file=sys.stderr)
+        return {"command": " ".join(cmd), "timed_out_after_s": budget_s, "output_tail": so_far[-4000:]}
     tail = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
     print("gpu-marked tests:", tail[0] if tail else done.stderr[-300:])
     return {"command": " ".join(cmd), "returncode": done.returncode, "summary": tail, "seconds": time.monotonic() - t0,
@@ -317,13 +354,23 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"dry_run": args.dry_run, "device": device,
                               "device_name": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",
                               "torch": torch.__version__}
+    out = Path(args.out) if args.out else ROOT / "docs" / "perf" / f"gpu_suite{'_dry_run' if args.dry_run else ''}.json"
+    partial = out.with_name(out.stem + ".partial.json")
+
+    def save() -> None:
+        # What has finished so far, beside the final file: a run killed at its limit still leaves its numbers.
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    step_rows: list[dict[str, Any]] = []
     sections: list[tuple[str, Callable[[], Any]]] = [
         ("tests", lambda: {"skipped": "--skip-tests"} if args.skip_tests else tests_section(args.budget_s / 4)),
-        ("steps", lambda: steps_section(args, device, deadline)),
-        ("kernel", lambda: kernel_section(args, device)),
-        ("backward_kernel", lambda: backward_kernel_section(args, device)),
+        ("steps", lambda: steps_section(args, device, deadline, step_rows, save)),
+        ("kernel", lambda: kernel_section(args, device, deadline)),
+        ("backward_kernel", lambda: backward_kernel_section(args, device, deadline)),
         ("coverage", lambda: coverage_section(args, device)),
     ]
+    result["steps"] = step_rows
     for name, run in sections:
         if time.monotonic() > deadline:
             result[name] = {"skipped": "over the time budget"}
@@ -332,12 +379,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result[name] = run()
         except Exception as e:  # a section that breaks must not lose the others' numbers
-            result[name] = {"error": f"{type(e).__name__}: {e}"}
-            print(f"gpu_suite: section {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            result[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            print(f"gpu_suite: section {name} failed:\n{result[name]['traceback']}", file=sys.stderr)
         result.setdefault("seconds", {})[name] = time.monotonic() - t0
+        save()
     result["total_seconds"] = time.monotonic() - start
-    out = Path(args.out) if args.out else ROOT / "docs" / "perf" / f"gpu_suite{'_dry_run' if args.dry_run else ''}.json"
     path = _common.write_result("gpu_suite", result, out)
+    partial.unlink(missing_ok=True)
     print(f"wrote {path} ({result['total_seconds']:.0f} s)")
     return 0
 
