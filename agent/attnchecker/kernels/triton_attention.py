@@ -49,7 +49,7 @@ from ..abft.tile_terms import TileTerms, tile_terms
 from ..abft.tolerance import NEAR_INF, Tolerance
 from . import triton_checks as tc
 from . import triton_dropout
-from .triton_common import device_function, interpreting, triton
+from .triton_common import device_function, host_table, interpreting, triton
 
 if triton is not None:
     import triton.language as tl
@@ -171,7 +171,8 @@ def gpu_blocks(d: int) -> Blocks:
     cost is timed against the same kernel with them off. Compiled for sm_90 (bench/triton_resources.py, D = 64,
     bf16): the plain kernel 145 registers and tier 1 216, no spills; the full checks reach 255 and spill ~2 KB (the
     bound's per-row fp64 terms), 128 × 64 on 4 warps spilled the plain and tier-1 variants too.
-    TODO(triton-fwd): tune on a GPU; none was lent to this branch (issue 31)."""
+    TODO(triton-fwd): tune on a GPU. Untuned, on the first H200 run the kernel with its checks off reached 33 to
+    132 TFLOP/s in bf16 (docs/performance.md §8)."""
     return Blocks(64, 64 if d <= 128 else 32, max(16, triton.next_power_of_2(d)), 8, 2)
 
 
@@ -223,10 +224,10 @@ def forward(
     terms = _terms(checks, blk, d)
     table = values = seen = None
     if faults:
-        # sync: a host-to-device copy of the fault table, in tests and injection campaigns only
-        table = torch.tensor([[OPS.index(op), n, r, c, _KINDS[kind], int(p)] for op, n, r, c, kind, _, p in faults],
-                             dtype=torch.int64, device=dev)
-        values = torch.tensor([v for *_, v, _ in faults], dtype=torch.float32, device=dev)
+        # The fault plan's tables (tests, injection campaigns), copied without a sync (host_table).
+        table = host_table([[OPS.index(op), n, r, c, _KINDS[kind], int(p)] for op, n, r, c, kind, _, p in faults],
+                           torch.int64, dev)
+        values = host_table([v for *_, v, _ in faults], torch.float32, dev)
         seen = torch.zeros((len(faults), 2, 3), dtype=torch.float32, device=dev)
     n_tiles = triton.cdiv(s, blk.n)
     dbg = torch.full((b * h, n_blocks, n_tiles, 4, max(blk.m, blk.n, blk.d), 16), math.nan, device=dev) if debug \

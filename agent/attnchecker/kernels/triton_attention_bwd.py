@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from . import triton_dropout
-from .triton_common import device_function, interpreting, triton
+from .triton_common import device_function, host_table, interpreting, triton
 
 if triton is not None:
     import triton.language as tl
@@ -249,8 +249,8 @@ def run(
                           device=device) if mode else dq
     mask, mask_strides, mask_kind = _mask_4d(attn_mask, (b, h, t, s))
     fault_rows = [f.row_values() for f in faults or ()]
-    # Emulated faults only: a test's table, copied once (a tiny synchronous copy; never on a training call).
-    table = torch.tensor(fault_rows, dtype=torch.float32, device=device) if fault_rows else dq
+    # Emulated faults only: a test's table, copied without a sync (host_table).
+    table = host_table(fault_rows, torch.float32, device) if fault_rows else dq
     r = rules if rules is not None else Rules((0.0,) * 12, (0.0,) * 12, (0.0,) * 12, (0.0,) * 8)
     common: dict[str, Any] = {
         "BLOCK_M": blk, "BLOCK_N": blk, "BLOCK_D": block_d, "CAUSAL": is_causal, "WINDOW": window is not None,

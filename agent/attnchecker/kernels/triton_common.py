@@ -1,5 +1,5 @@
 """What the Triton kernels share: triton imported where it is installed (the library runs without it), whether the
-interpreter runs them, and ``device_function``.
+interpreter runs them, ``device_function``, and ``host_table`` (the emulated-fault tables' copy to the device).
 
 Under ``TRITON_INTERPRET=1`` (read when the kernel modules are imported, as triton.jit reads it then) kernels run
 on CPU tensors, one program at a time, in numpy: how the suite runs them without a GPU. The interpreter patches
@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 try:
     import triton
     from triton import knobs
@@ -24,7 +26,7 @@ except ImportError:  # no triton: available() says so, and nothing here is calle
 # interpreted, whatever the environment says later.
 _INTERPRET = knobs is not None and bool(knobs.runtime.interpret)
 
-__all__ = ["device_function", "interpreting", "triton"]
+__all__ = ["device_function", "host_table", "interpreting", "triton"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,3 +42,13 @@ def device_function(fn: F) -> F:
         return fn
     jitted: F = triton.jit(fn)
     return jitted
+
+
+def host_table(rows: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host-made table (an emulated-fault plan: tests, attnchecker.inject) on ``device`` without a host-device
+    sync. On CUDA it goes through pinned memory, copied without blocking: from pageable memory the copy waits for the
+    device's queue, and a fault plan must not make the call it tests block (tests/agent/test_triton_gpu.py runs that
+    call under CUDA's sync detector). The pinned buffer comes from the caching host allocator, which keeps it until
+    the copy has run."""
+    cuda = device.type == "cuda"
+    return torch.tensor(rows, dtype=dtype, pin_memory=cuda).to(device, non_blocking=cuda)

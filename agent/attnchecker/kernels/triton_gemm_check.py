@@ -359,7 +359,7 @@ def fault_kind(kind: str, value: float | None) -> tuple[int, float]:
 def repair_rows(check: Check, faults: tuple[EmulatedFault, ...] = ()) -> None:
     """Recompute, re-verify and write back the rows ``check`` marked; every program returns at once when there are
     none (a clean call: one launch that reads one int). faults: planned faults its recomputation meets (tests, the
-    demo); their table is copied to the device (a copy from host memory: injection only). No sync otherwise."""
+    demo); their table is copied to the device without a sync (host_table). No sync anywhere."""
     args = check.args
     if args is None:
         raise ValueError("repair_rows: this check's repair already ran")
@@ -368,8 +368,10 @@ def repair_rows(check: Check, faults: tuple[EmulatedFault, ...] = ()) -> None:
     a_t, b_t = args["a"][0], args["b"][0]
     rule: GemmRowRule = args["rule"]
     blk: _Blocks = args["blk"]
-    table = (torch.tensor([[f.batch, f.row0, f.row1, f.col0, f.col1, f.kind, f.value, 0.0] for f in faults],
-                          dtype=torch.float32, device=c.device) if faults else check.state)
+    from .triton_common import host_table  # with the kernels: this module imports no triton until they are used
+
+    table = (host_table([[f.batch, f.row0, f.row1, f.col0, f.col1, f.kind, f.value, 0.0] for f in faults],
+                        torch.float32, c.device) if faults else check.state)
     # The interpreter's tl.dot takes fp32 and fp16, not bf16: products there in fp32, as the GPU accumulates them.
     dot_fp32 = c.device.type != "cuda" or a_t.dtype != b_t.dtype
     ieee = dot_fp32 or a_t.dtype == torch.float32
