@@ -1,6 +1,6 @@
 """The Triton GEMM checks compiled, on a CUDA device (marker ``gpu``; skipped without one): the short checks of one
 prepared GPU run. Without a GPU, test_triton_gemm_check.py and test_whole_step_triton.py run the same kernels under
-Triton's interpreter. Written without a GPU: never run yet."""
+Triton's interpreter. Run on one H200 so far (docs/performance.md §8)."""
 from __future__ import annotations
 
 import json
@@ -54,7 +54,14 @@ def test_gpu_the_check_corrects_each_kind_and_recomputes_a_row_without_a_sync(dt
     drain(ctx.runtime.deferred)
     (det,) = rec.detections
     assert (det.op, det.action, det.pattern) == ("linear_dw", "recomputed", "2d")
-    torch.testing.assert_close(c, want)
+    if dtype == torch.float32:
+        # The repaired elements are dot products in another order than cuBLAS's: each of the two lies within K·u·|a||b|
+        # of the exact value (u = 2^-24). assert_close's fp32 default (1.3e-6 relative, 1e-5 absolute) is tighter
+        # than that at K = 768, where an element's |a||b| is ~600.
+        bound = 2 * a.shape[1] * 2.0**-24 * (a.abs() @ b.abs())
+        assert bool(((c - want).abs() <= bound).all()), float(((c - want).abs() / bound).max())
+    else:
+        torch.testing.assert_close(c, want)
 
 
 def test_gpu_a_gpt2_step_corrects_a_fault_in_each_kind_of_linear_gemm(monkeypatch) -> None:

@@ -1,5 +1,5 @@
-"""The Triton backend on a GPU (marker gpu: skipped without CUDA; bench/gpu_suite.py runs them first). Written without
-a GPU to run them on: what a first device run must show."""
+"""The Triton backend on a GPU (marker gpu: skipped without CUDA; bench/gpu_suite.py runs them first). Run on one H200
+so far (docs/performance.md §8)."""
 from __future__ import annotations
 
 import math
