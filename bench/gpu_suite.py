@@ -167,7 +167,9 @@ def steps_section(args: argparse.Namespace, device: str, deadline: float, rows: 
                 # fewer where the rounds would run past the budget (a round: one step of every variant).
                 period = Policy().max_period
                 rounds = 1 if args.dry_run else period * args.periods
-                round_s = sum(max(xs[-2:]) for xs in last.values())
+                # From each variant's last warm-up step: the first ones compile and autotune (a minute at T = 2048 on
+                # the first H200 run, which cut those rows to 3 rounds when their worst was taken).
+                round_s = sum(xs[-1] for xs in last.values())
                 fit = int((deadline - time.monotonic()) / max(round_s, 1e-9))
                 if fit < rounds:
                     rounds = max(3, fit // period * period if fit >= period else fit)
@@ -314,7 +316,9 @@ def tests_section(budget_s: float) -> dict[str, Any]:
     # may lack (the collector's server stack, integrations), and one collection error stops the whole run.
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "agent").glob("test_*.py")
                    if "pytest.mark.gpu" in p.read_text())
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "--durations=10", "-p", "no:cacheprovider", *files]
+    # A per-test limit, so that one slow test cannot keep the run from its end, where pytest prints the failures.
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "--tb=short", "--durations=10", "-p", "no:cacheprovider",
+           f"--timeout={max(10, int(budget_s / 4))}", *files]
     # The checkout is not installed there: agent/ and tests/ on the path, as _common.setup_path does for bench/.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT / "agent"), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -324,11 +328,11 @@ def tests_section(budget_s: float) -> dict[str, Any]:
     except subprocess.TimeoutExpired as e:  # the tests that finished are in what it printed so far
         so_far = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
         print(f"gpu-marked tests: stopped after {budget_s:.0f} s", file=sys.stderr)
-        return {"command": " ".join(cmd), "timed_out_after_s": budget_s, "output_tail": so_far[-4000:]}
+        return {"command": " ".join(cmd), "timed_out_after_s": budget_s, "output_tail": so_far[-12000:]}
     tail = done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else []
     print("gpu-marked tests:", tail[0] if tail else done.stderr[-300:])
     return {"command": " ".join(cmd), "returncode": done.returncode, "summary": tail, "seconds": time.monotonic() - t0,
-            "output_tail": done.stdout[-4000:]}
+            "output_tail": done.stdout[-12000:]}
 
 
 def main(argv: list[str] | None = None) -> int:
