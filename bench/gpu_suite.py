@@ -17,9 +17,10 @@ Sections, in order (each records its own wall time; one that would pass the budg
    schedule's ramp over whole periods), `all_full` and `all_default` (the same under scope="all": every Linear GEMM
    forward and backward and the attention backward too). Each row says which attention backend ran.
 3. kernel: the Triton checked-attention forward with its checks against the same kernel with checks off (the cost of
-   the checks inside the kernel), where the Triton backend is installed.
+   the checks inside the kernel), where the Triton backend is installed; the scores' and the context's checks each
+   alone and both without the repair launch (where the full checks' cost lies), and SDPA's forward.
    backward_kernel: the same for the Triton backward (kernels/triton_attention_bwd.py): check "abft" (its repair
-   launch included) and "tripwire" against "off".
+   launch included) and "tripwire" against "off", and SDPA's backward.
 4. coverage: the share of a step's GEMM FLOPs each scope checks (torch.utils.flop_counter over one unprotected
    step: the attention core's products against the projections', the MLP's and the LM head's).
 

@@ -789,22 +789,34 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
                  dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """The cost of the checks inside the kernel (bench/gpu_suite.py): one forward with checks off, with tier 1 and
     with the full checks (its repair launch included, which returns at once on clean data), interleaved over ``reps``
-    rounds, milliseconds per call (device-synchronised: a benchmark, not the fast path) and each over checks off."""
+    rounds, milliseconds per call (device-synchronised: a benchmark, not the fast path) and each over checks off.
+
+    Beside them, to tell where the full checks' cost lies (the first H200 run measured them at 7 to 20× the kernel,
+    docs/performance.md §8): the scores' checks alone, the context's alone, both without the repair launch, and
+    SDPA's own forward on the same inputs (the unprotected step's attention)."""
     import statistics
     import time
 
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, generator=g, device=device).to(dtype) for _ in range(3))
     scale = 1 / math.sqrt(d)
-    variants = {"off": Checks(mode=None), "tier1": Checks(mode="tier1"), "full": Checks(mode="full")}
+    variants: dict[str, Checks | None] = {
+        "off": Checks(mode=None), "tier1": Checks(mode="tier1"), "full": Checks(mode="full"),
+        "full_scores": Checks(mode="full", context=False), "full_context": Checks(mode="full", scores=False),
+        "full_no_repair": Checks(mode="full", repair=False), "sdpa": None}
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for r in range(reps + 1):
-        for name in names[r % 3:] + names[:r % 3]:
+        turn = r % len(names)
+        for name in names[turn:] + names[:turn]:
+            checks = variants[name]
             sync()
             t0 = time.perf_counter()
-            forward(q, k, v, scale=scale, checks=variants[name], is_causal=causal)
+            if checks is None:
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            else:
+                forward(q, k, v, scale=scale, checks=checks, is_causal=causal)
             sync()
             if r:  # the first round compiles
                 times[name].append((time.perf_counter() - t0) * 1e3)

@@ -807,7 +807,8 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
                  dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """The cost of the checks inside the kernels (bench/gpu_suite.py): one backward with check "off", "tripwire"
     and "abft" (with its repair launch, which returns at once on clean data), interleaved over ``reps`` rounds,
-    milliseconds per call (device-synchronised: a benchmark, not the fast path) and each variant over "off"."""
+    milliseconds per call (device-synchronised: a benchmark, not the fast path) and each variant over "off"; and
+    "sdpa", SDPA's own backward on the same inputs (its forward run before the timer), the unprotected step's."""
     import statistics
     import time
 
@@ -830,16 +831,24 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
                   product_rule(d, t, tol).scalars(), softmax_grad_rule(t=t, s=t, d=d, dtype=dtype, tol=tol).scalars())
     # (SDPA's forward keeps its scores in fp32: scores_dtype None.)
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
-    times: dict[str, list[float]] = {c: [] for c in CHECKS}
+    names = (*CHECKS, "sdpa")
+    times: dict[str, list[float]] = {c: [] for c in names}
     for r in range(reps + 1):
-        for c in CHECKS[r % 3:] + CHECKS[:r % 3]:
+        turn = r % len(names)
+        for c in names[turn:] + names[:turn]:
+            if c == "sdpa":
+                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                graph = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale)
             sync()
             t0 = time.perf_counter()
-            run(q, k, v, out, lse, do, scale=scale, is_causal=causal, window=None, attn_mask=None, dropout_p=0.0,
-                seed=0, check=c, rules=rules if c == "abft" else None)
+            if c == "sdpa":
+                torch.autograd.grad(graph, leaves, do)
+            else:
+                run(q, k, v, out, lse, do, scale=scale, is_causal=causal, window=None, attn_mask=None, dropout_p=0.0,
+                    seed=0, check=c, rules=rules if c == "abft" else None)
             sync()
             if r:  # the first round compiles
                 times[c].append((time.perf_counter() - t0) * 1e3)
     off = statistics.median(times["off"])
-    return {f"{c}_ms": statistics.median(times[c]) for c in CHECKS} | {
-        f"{c}_over_off": statistics.median(times[c]) / off for c in CHECKS if c != "off"}
+    return {f"{c}_ms": statistics.median(times[c]) for c in names} | {
+        f"{c}_over_off": statistics.median(times[c]) / off for c in names if c != "off"}
