@@ -1,9 +1,11 @@
 """What the Triton checked-attention kernel compiles to, without a GPU: each variant (plain, tier 1, full checks, the
 repair) compiled offline for a target (default sm_90, an H100/H200) and its registers, local-memory spill stack and
-shared memory read from the cubin (cuobjdump, bundled with triton). A static report, not a timing: the first GPU run
-measures the time (bench/gpu_suite.py); this says which variants spill before it.
+shared memory read from the cubin (cuobjdump, bundled with triton). A static report, not a timing: a GPU run
+measures the time (bench/gpu_suite.py); this says which variants spill, and what one iteration of the key-tile loop
+executes: its machine instructions by class (``--mix``: tensor-core products, fp32, fp64, special functions,
+shuffles, barriers, spill loads and stores), which a change to the checks can be weighed by before a GPU is at hand.
 
-    .venv/bin/python bench/triton_resources.py [--arch 90] [--out docs/perf/triton_resources.json]
+    .venv/bin/python bench/triton_resources.py [--arch 90] [--mix] [--out docs/perf/triton_resources.json]
 
 Compiling a full-check variant takes about a minute on one CPU core (the repair variant two), the first time: Triton
 caches what it compiled.
@@ -36,7 +38,24 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "full checks, fp16, dropout, additive mask": {"dtype": "fp16", "MODE": 2, "DROPOUT": True, "MASK_KIND": 2},
     "full checks, fp32 TF32": {"dtype": "fp32", "MODE": 2, "TF32": True, "DOT": 1},
     "repair": {"dtype": "bf16", "MODE": 2, "REPAIR": True},
+    "full checks, scores only": {"dtype": "bf16", "MODE": 2, "CHECK_CONTEXT": False},
+    "full checks, context only": {"dtype": "bf16", "MODE": 2, "CHECK_SCORES": False},
 }
+
+# SASS opcode (its first dotted part) -> class, for the loop's mix; anything else is integer, move or control.
+CLASSES: dict[str, str] = {
+    **dict.fromkeys(("HGMMA", "HMMA", "IMMA", "WGMMA"), "tensor core"),
+    **dict.fromkeys(("FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "FSET", "FCHK"), "fp32"),
+    **dict.fromkeys(("DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "F2F"), "fp64 (and F2F conversions)"),
+    "MUFU": "special function (exp, log, sqrt, rcp)",
+    **dict.fromkeys(("SHFL", "REDUX"), "shuffle (reduction across lanes)"),
+    **dict.fromkeys(("BAR", "DEPBAR"), "barrier (reduction across warps)"),
+    **dict.fromkeys(("LDS", "STS", "LDSM", "STSM"), "shared memory"),
+    **dict.fromkeys(("LDL", "STL"), "local memory (spills)"),
+    **dict.fromkeys(("LDG", "STG", "LDGSTS", "UTMALDG", "RED", "ATOM", "ATOMG"), "global memory"),
+    "CALL": "call (a slow-path subroutine)",
+}
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[A-Z0-9_.]*([^;]*);")
 
 
 def source(dtype: str, blocks: ta.Blocks, **constexprs: Any) -> ASTSource:
@@ -71,21 +90,42 @@ def source(dtype: str, blocks: ta.Blocks, **constexprs: Any) -> ASTSource:
 
 
 def resources(cubin: bytes) -> dict[str, int]:
+    text = _cuobjdump(cubin, "--dump-resource-usage")
+    return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def loop_mix(cubin: bytes) -> dict[str, Any]:
+    """The instructions of the kernel's longest loop (the key-tile loop: one iteration per BLOCK_N keys) by class,
+    and the kernel's total. Static counts, from the disassembly: what one iteration issues per warp, not a time."""
+    text = _cuobjdump(cubin, "-sass")
+    code = [(int(a, 16), op, rest) for a, op, rest in _INSTRUCTION.findall(text)]
+    back = [(int(t.group(1), 16), addr) for addr, op, rest in code if op == "BRA"
+            if (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) < addr]
+    lo, hi = max(back, key=lambda r: r[1] - r[0]) if back else (0, -1)
+    mix: dict[str, int] = {}
+    for addr, op, _ in code:
+        if lo <= addr <= hi:
+            name = CLASSES.get(op, "integer, move, control")
+            mix[name] = mix.get(name, 0) + 1
+    return {"instructions": len(code), "loop_instructions": sum(mix.values()),
+            "loop_mix": dict(sorted(mix.items(), key=lambda kv: -kv[1]))}
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     path = Path("/tmp") / f"attnchecker_{time.time_ns()}.cubin"
     path.write_bytes(cubin)
     try:
-        text = subprocess.run([str(tool), "--dump-resource-usage", str(path)], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run([str(tool), flag, str(path)], capture_output=True, text=True, check=True).stdout
     finally:
         path.unlink()
-    return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90: H100/H200)")
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--mix", action="store_true", help="also the key-tile loop's instructions by class")
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     args = parser.parse_args()
     d = args.head_dim
@@ -99,14 +139,30 @@ def main() -> None:
                                   options={"num_warps": blocks.warps, "num_stages": blocks.stages})
         row = {"variant": name, "dtype": dtype, "head_dim": d, "block_m": blocks.m, "block_n": blocks.n,
                "warps": blocks.warps, "stages": blocks.stages, **resources(compiled.asm["cubin"])}
+        if args.mix:
+            row.update(loop_mix(compiled.asm["cubin"]))
         rows.append(row)
         print(f"{name:45s} {dtype:5s} {blocks.m}x{blocks.n} warps {blocks.warps}: {row['reg']} registers, "
               f"{row['stack']} B stack (spills), {row['shared']} B shared ({time.perf_counter() - t0:.0f} s)",
               flush=True)
+    if args.mix:
+        print_mix(rows)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"arch": f"sm_{args.arch}", "triton": triton.__version__, "rows": rows},
                                        indent=2) + "\n")
+
+
+def print_mix(rows: list[dict[str, Any]]) -> None:
+    """One line per variant: the loop's instructions, its ratio to the plain kernel's, and the classes."""
+    plain = rows[0]["loop_instructions"]
+    classes = sorted({c for r in rows for c in r["loop_mix"]},
+                     key=lambda c: -max(r["loop_mix"].get(c, 0) for r in rows))
+    print("\nkey-tile loop, instructions per iteration (per warp):")
+    print(f"{'variant':45s} {'total':>6s} {'× plain':>7s}  " + "  ".join(f"{c[:14]:>14s}" for c in classes))
+    for r in rows:
+        print(f"{r['variant']:45s} {r['loop_instructions']:6d} {r['loop_instructions'] / plain:7.1f}  "
+              + "  ".join(f"{r['loop_mix'].get(c, 0):14d}" for c in classes))
 
 
 if __name__ == "__main__":

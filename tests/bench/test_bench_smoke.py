@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -246,3 +247,35 @@ def test_attached_bench_measures_the_protected_copy_against_its_own_bare_control
     measured = doc["variants"]["protected"]["cpu"]["ratio_vs_plain"]["median"]
     own = bare["variants"]["protected_bare"]["cpu"]["ratio_vs_plain"]["median"]
     assert bare["corrected_ratio"]["cpu"] == pytest.approx(measured / own)
+
+
+def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() -> None:
+    """bench/triton_resources.py's --mix (docs/performance.md §8): the loop it counts is the key-tile loop, the one
+    holding the tile products on the tensor cores, and a variant that checks more issues more there. Compiled
+    offline (Triton's compiler, its bundled ptxas and cuobjdump), no GPU; in a fresh process, outside the
+    interpreter the agent tests switch on."""
+    code = (
+        "import json, sys; sys.path.insert(0, 'bench'); import triton, triton_resources as tr\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "blk = tr.ta.gpu_blocks(64)\n"
+        "def mix(**kw):\n"
+        "    c = triton.compile(tr.source('bf16', blk, **kw), target=GPUTarget('cuda', 90, 32),\n"
+        "                       options={'num_warps': blk.warps, 'num_stages': blk.stages})\n"
+        "    return tr.loop_mix(c.asm['cubin'])\n"
+        "print(json.dumps({'plain': mix(MODE=0), 'tier1': mix(MODE=1)}))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=540,
+                          check=False, env=env)
+    if proc.returncode != 0 and "No module named 'triton'" in proc.stderr:
+        pytest.skip("triton is not installed")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain, tier1 = got["plain"], got["tier1"]
+    # QKᵀ and P̃V on the tensor cores, inside the loop; nothing spilled without checks.
+    assert plain["loop_mix"]["tensor core"] > 0
+    assert "local memory (spills)" not in plain["loop_mix"]
+    assert 0 < plain["loop_instructions"] < plain["instructions"]
+    # Tier 1's key norms add reductions across lanes to every tile.
+    assert tier1["loop_instructions"] > plain["loop_instructions"]
+    assert tier1["loop_mix"]["shuffle (reduction across lanes)"] > plain["loop_mix"]["shuffle (reduction across lanes)"]
