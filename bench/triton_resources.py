@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import linecache
 import re
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +60,9 @@ CLASSES: dict[str, str] = {
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[A-Z0-9_.]*([^;]*);")
 
 
-def source(dtype: str, blocks: ta.Blocks, **constexprs: Any) -> ASTSource:
-    names = ta._attention.arg_names
+def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any) -> ASTSource:
+    kernel = kernel if kernel is not None else ta._attention
+    names = kernel.arg_names
     consts = {"BLOCK_M": blocks.m, "BLOCK_N": blocks.n, "BLOCK_D": blocks.d, "IS_CAUSAL": True, "WINDOWED": False,
               "MASK_KIND": 0, "DROPOUT": False, "MODE": 2, "CHECK_SCORES": True, "CHECK_CONTEXT": True,
               "CALIBRATED": True, "TF32": False, "DOT": 0, "COLS": False, "REPAIR": False, "FAULTS": False,
@@ -85,13 +88,43 @@ def source(dtype: str, blocks: ta.Blocks, **constexprs: Any) -> ASTSource:
             signature[name] = ("fp32", "fp32")
         else:
             signature[name] = "i32"
-    return ASTSource(fn=ta._attention, signature=signature,
+    return ASTSource(fn=kernel, signature=signature,
                      constexprs={(names.index(k),): v for k, v in consts.items()})
 
 
 def resources(cubin: bytes) -> dict[str, int]:
     text = _cuobjdump(cubin, "--dump-resource-usage")
     return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+# The kernel's branches that only a flagged tile takes (the columns' check, the record of the flag), made never-taken:
+# what a clean tile runs, compiled. The source edited in memory and loaded under another name (clean_path_kernel).
+CLEAN_PATH_EDITS = (
+    ("                if (n_bad > 0) | ALL_COLS:\n", "                if ALL_COLS:\n", 2),
+    ("        if flagged:\n            rec, rows_seen = _note(",
+     "        if NEVER:\n            rec, rows_seen = _note(", 1),
+    ("    def _tally(worst, rec, rows_seen, x, rows, cols, r0, c0, near_inf):",
+     "    def _tally(worst, rec, rows_seen, x, rows, cols, r0, c0, near_inf, NEVER: tl.constexpr = False):", 1),
+)
+
+
+def clean_path_kernel() -> Any:
+    """triton_attention's kernel with CLEAN_PATH_EDITS applied: the loop a tile that does not flag executes. For the
+    instruction count only (a flagged tile would go unrecorded)."""
+    src = Path(ta.__file__).read_text()
+    for old, new, count in CLEAN_PATH_EDITS:
+        if src.count(old) != count:
+            raise RuntimeError(f"triton_resources: the kernel's source changed, update CLEAN_PATH_EDITS "
+                               f"({old.strip()!r})")
+        src = src.replace(old, new)
+    name = "attnchecker.kernels._triton_attention_clean_path"
+    filename = f"<{name}>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # triton.jit reads its source
+    module = types.ModuleType(name)
+    module.__package__ = "attnchecker.kernels"
+    sys.modules[name] = module
+    exec(compile(src, filename, "exec"), module.__dict__)
+    return module._attention
 
 
 def loop_mix(cubin: bytes) -> dict[str, Any]:
@@ -141,6 +174,11 @@ def main() -> None:
                "warps": blocks.warps, "stages": blocks.stages, **resources(compiled.asm["cubin"])}
         if args.mix:
             row.update(loop_mix(compiled.asm["cubin"]))
+            if spec.get("MODE") == 2 and not spec.get("REPAIR"):
+                lean = triton.compile(source(dtype, blocks, clean_path_kernel(), **spec),
+                                      target=GPUTarget("cuda", args.arch, 32),
+                                      options={"num_warps": blocks.warps, "num_stages": blocks.stages})
+                row["clean_path"] = {**resources(lean.asm["cubin"]), **loop_mix(lean.asm["cubin"])}
         rows.append(row)
         print(f"{name:45s} {dtype:5s} {blocks.m}x{blocks.n} warps {blocks.warps}: {row['reg']} registers, "
               f"{row['stack']} B stack (spills), {row['shared']} B shared ({time.perf_counter() - t0:.0f} s)",
@@ -158,11 +196,15 @@ def print_mix(rows: list[dict[str, Any]]) -> None:
     plain = rows[0]["loop_instructions"]
     classes = sorted({c for r in rows for c in r["loop_mix"]},
                      key=lambda c: -max(r["loop_mix"].get(c, 0) for r in rows))
-    print("\nkey-tile loop, instructions per iteration (per warp):")
-    print(f"{'variant':45s} {'total':>6s} {'× plain':>7s}  " + "  ".join(f"{c[:14]:>14s}" for c in classes))
+    print("\nkey-tile loop, instructions per iteration (per warp); 'clean path': without the branches only a "
+          "flagged tile takes")
+    print(f"{'variant':58s} {'total':>6s} {'× plain':>7s} {'stack':>6s}  "
+          + "  ".join(f"{c[:14]:>14s}" for c in classes))
     for r in rows:
-        print(f"{r['variant']:45s} {r['loop_instructions']:6d} {r['loop_instructions'] / plain:7.1f}  "
-              + "  ".join(f"{r['loop_mix'].get(c, 0):14d}" for c in classes))
+        for label, m in ((r["variant"], r), (r["variant"] + ", clean path", r.get("clean_path"))):
+            if m is not None:
+                print(f"{label:58s} {m['loop_instructions']:6d} {m['loop_instructions'] / plain:7.1f} "
+                      f"{m['stack']:6d}  " + "  ".join(f"{m['loop_mix'].get(c, 0):14d}" for c in classes))
 
 
 if __name__ == "__main__":

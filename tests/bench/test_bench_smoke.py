@@ -262,7 +262,12 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
         "    c = triton.compile(tr.source('bf16', blk, **kw), target=GPUTarget('cuda', 90, 32),\n"
         "                       options={'num_warps': blk.warps, 'num_stages': blk.stages})\n"
         "    return tr.loop_mix(c.asm['cubin'])\n"
-        "print(json.dumps({'plain': mix(MODE=0), 'tier1': mix(MODE=1)}))\n"
+        "def lean(**kw):\n"
+        "    c = triton.compile(tr.source('bf16', blk, tr.clean_path_kernel(), **kw),\n"
+        "                       target=GPUTarget('cuda', 90, 32),\n"
+        "                       options={'num_warps': blk.warps, 'num_stages': blk.stages})\n"
+        "    return tr.loop_mix(c.asm['cubin'])\n"
+        "print(json.dumps({'plain': mix(MODE=0), 'tier1': mix(MODE=1), 'full': mix(MODE=2), 'clean': lean(MODE=2)}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=540,
@@ -279,3 +284,8 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
     # Tier 1's key norms add reductions across lanes to every tile.
     assert tier1["loop_instructions"] > plain["loop_instructions"]
     assert tier1["loop_mix"]["shuffle (reduction across lanes)"] > plain["loop_mix"]["shuffle (reduction across lanes)"]
+    # The clean path (the flag-only branches made never-taken; the edit raises if the kernel's source moved on):
+    # the same tile products, fewer instructions than the whole full-check loop, more than no checks.
+    full, clean = got["full"], got["clean"]
+    assert clean["loop_mix"]["tensor core"] == full["loop_mix"]["tensor core"] == plain["loop_mix"]["tensor core"]
+    assert plain["loop_instructions"] < clean["loop_instructions"] < full["loop_instructions"]
