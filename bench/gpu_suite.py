@@ -5,6 +5,7 @@ whole result is written), and a row that breaks records its traceback and lets t
 
     python bench/gpu_suite.py [--out docs/perf/gpu_suite.json] [--budget-s 460]
     python bench/gpu_suite.py --dry-run        # on a CPU: Triton's interpreter, tiny sizes, every section end to end
+    python bench/gpu_suite.py --sections profile,kernel   # some sections only (a second call on a warm machine)
 
 Sections, in order (each records its own wall time; one that would pass the budget is skipped and says so):
 1. tests: the `gpu`-marked tests (pytest -m gpu), their outcome and counts.
@@ -23,6 +24,10 @@ Sections, in order (each records its own wall time; one that would pass the budg
    launch included) and "tripwire" against "off", and SDPA's backward.
 4. coverage: the share of a step's GEMM FLOPs each scope checks (torch.utils.flop_counter over one unprotected
    step: the attention core's products against the projections', the MLP's and the LM head's).
+5. profile: Nsight Compute on the checked forward kernel (off, tier 1, full checks, each with its repair launch) at
+   B, H, T, D = 1, 32, 8192, 128: occupancy, issue stalls, instructions executed, spill traffic, where ncu can read
+   the GPU's counters (not in every virtual machine: the section then records ncu's error). The raw CSV lands beside
+   the JSON.
 
 Targets (docs/performance.md states them with the measured figures): full protection <= 1.10x the unprotected step at
 T >= 2048 in bf16, the default policy <= 2 %, peak memory <= 1.05x, checks inside the kernel <= 5 % of the kernel;
@@ -336,6 +341,81 @@ def tests_section(budget_s: float) -> dict[str, Any]:
             "output_tail": done.stdout[-12000:]}
 
 
+PROFILE_SHAPE = (1, 32, 8192, 128)
+PROFILE_VARIANTS = ("off", "tier1", "full")
+# Kept from ncu's raw page: what says where a kernel's time goes (occupancy, issue stalls, instructions, local-memory
+# traffic of spills, registers, duration). Everything else ncu printed stays in the CSV beside the JSON.
+PROFILE_KEEP = ("duration", "inst_executed", "warps_active", "occupancy", "stall", "local", "registers",
+                "issue_active", "pipe_", "cycles_elapsed")
+PROFILE_SECTIONS = ("LaunchStats", "Occupancy", "SpeedOfLight", "WarpStateStats", "SchedulerStats",
+                    "InstructionStats", "MemoryWorkloadAnalysis")
+
+
+def profile_target() -> None:
+    """What `ncu` profiles (profile_section): each forward variant once to compile it, then once more, the launches
+    profiled. Launch order (the repair kernel follows a checked call): off; tier1 + repair; full + repair."""
+    import torch
+
+    from attnchecker.kernels import triton_attention as ta
+
+    b, h, t, d = PROFILE_SHAPE
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+    checks = {"off": ta.Checks(mode=None), "tier1": ta.Checks(mode="tier1"), "full": ta.Checks(mode="full")}
+    for _ in range(2):
+        for name in PROFILE_VARIANTS:
+            ta.forward(q, k, v, scale=d ** -0.5, checks=checks[name], is_causal=True)
+        torch.cuda.synchronize()
+
+
+def profile_section(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Nsight Compute on the checked forward kernel at one shape (bf16, causal): why the full checks cost 14-20x the
+    kernel on the first H200 run when a clean tile issues 4-5x its instructions (docs/performance.md §8). Where ncu
+    cannot read counters (not installed, or a virtual machine that hides them), the section says so and the suite
+    goes on."""
+    import shutil
+
+    ncu = shutil.which("ncu")
+    if ncu is None or args.dry_run:
+        return {"skipped": "ncu not on the PATH" if ncu is None else "--dry-run"}
+    launches = 1 + 2 + 2  # off; tier1 and its repair launch; full and its repair launch
+    cmd = [ncu, "--kernel-name", "regex:attention", "--launch-skip", str(launches), "--launch-count", str(launches),
+           "--clock-control", "none", *(x for sec in PROFILE_SECTIONS for x in ("--section", sec)),
+           "--csv", "--page", "raw", sys.executable, str(Path(__file__).resolve()), "--profile-target"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "agent"), os.environ.get("PYTHONPATH", "")])}
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env)
+    except subprocess.TimeoutExpired:
+        return {"command": " ".join(cmd), "timed_out_after_s": 240}
+    csv_path = out.with_name(out.stem + "_ncu.csv")
+    csv_path.write_text(done.stdout)
+    rows = _ncu_rows(done.stdout)
+    kernels = []
+    for i, row in enumerate(rows):
+        kept = {k: v for k, v in row.items() if any(key in k.lower() for key in PROFILE_KEEP)}
+        kernels.append({"launch": i, "kernel": row.get("Kernel Name", ""), "metrics": kept})
+    print(f"ncu: {len(rows)} kernels profiled, raw CSV {csv_path.name}" if rows else
+          f"ncu gave no rows: {done.stderr[-500:]}")
+    return {"command": " ".join(cmd), "returncode": done.returncode, "seconds": time.monotonic() - t0,
+            "shape": list(PROFILE_SHAPE), "launch_order": ["off", "tier1", "tier1 repair", "full", "full repair"],
+            "csv": csv_path.name, "kernels": kernels, "stderr_tail": done.stderr[-2000:]}
+
+
+def _ncu_rows(text: str) -> list[dict[str, str]]:
+    """ncu --csv --page raw: a header line of metric names, a line of units, then one line per kernel launch (lines
+    before the header are the program's own output and ncu's notes)."""
+    import csv
+
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        return []
+    table = list(csv.reader(lines[start:]))
+    header, body = table[0], table[2:]
+    return [dict(zip(header, r, strict=False)) for r in body if len(r) == len(header)]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="on a CPU: Triton's interpreter, tiny sizes, 1 round")
@@ -343,8 +423,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--periods", type=int, default=2, help="whole default-policy periods of timed rounds")
     ap.add_argument("--budget-s", type=float, default=460.0, help="wall-time budget of the whole suite")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--sections", default=None,
+                    help="comma-separated subset of tests,steps,kernel,backward_kernel,coverage,profile (default all)")
     ap.add_argument("--out", default=None, help="JSON path (default docs/perf/gpu_suite[_dry_run].json)")
+    ap.add_argument("--profile-target", action="store_true", help=argparse.SUPPRESS)  # what ncu runs (profile)
     args = ap.parse_args(argv)
+    if args.profile_target:
+        _common.setup_path()
+        profile_target()
+        return 0
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     _common.setup_path()
@@ -374,7 +461,16 @@ def main(argv: list[str] | None = None) -> int:
         ("kernel", lambda: kernel_section(args, device, deadline)),
         ("backward_kernel", lambda: backward_kernel_section(args, device, deadline)),
         ("coverage", lambda: coverage_section(args, device)),
+        ("profile", lambda: profile_section(args, out)),
     ]
+    if args.sections is not None:
+        wanted = set(args.sections.split(","))
+        unknown = wanted - {name for name, _ in sections}
+        if unknown:
+            print(f"gpu_suite: no section {', '.join(sorted(unknown))}; there are "
+                  f"{', '.join(name for name, _ in sections)}", file=sys.stderr)
+            return 2
+        sections = [(name, run) for name, run in sections if name in wanted]
     result["steps"] = step_rows
     for name, run in sections:
         if time.monotonic() > deadline:

@@ -220,6 +220,34 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
             assert all(positive(x) for x in row.values() if isinstance(x, float)), row
     for row in doc["coverage"]["rows"]:
         assert 0 < row["attention_core_share"] < 1
+    # Nsight Compute runs on a GPU machine only; here the section says why it did not.
+    assert doc["profile"] == {"skipped": "--dry-run"} or "ncu not on the PATH" in doc["profile"]["skipped"]
+    # The forward kernel's split of its checks' cost, and SDPA beside it.
+    assert {"full_scores_ms", "full_context_ms", "full_no_repair_ms", "sdpa_ms"} <= set(doc["kernel"]["rows"][0])
+    assert "sdpa_ms" in doc["backward_kernel"]["rows"][0]
+
+
+def test_gpu_suite_reads_nsight_computes_raw_csv() -> None:
+    """The profile section's parse of `ncu --csv --page raw`: the program's own lines and ncu's notes before the
+    header, a units line after it, one line per profiled launch. In a fresh process: importing bench/ scripts puts
+    bench/ first on sys.path, where bench/coverage.py would shadow the coverage package."""
+    text = "\n".join([
+        "==PROF== Connected to process 1234",
+        "some output of the profiled program",
+        '"ID","Process ID","Kernel Name","gpu__time_duration.sum","smsp__inst_executed.sum"',
+        '"","","","usecond","inst"',
+        '"0","1234","_attention","4176.2","9170000"',
+        '"1","1234","_attention","7.1","1200"',
+        "==PROF== Disconnected from process 1234",
+    ])
+    code = ("import json, sys; sys.path.insert(0, 'bench'); import gpu_suite\n"
+            "print(json.dumps([gpu_suite._ncu_rows(sys.stdin.read()), gpu_suite._ncu_rows('==ERROR== no counters')]))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, input=text, capture_output=True, text=True,
+                          timeout=120, check=True)
+    rows, none = json.loads(proc.stdout)
+    assert [r["Kernel Name"] for r in rows] == ["_attention", "_attention"]
+    assert rows[0]["gpu__time_duration.sum"] == "4176.2" and rows[1]["smsp__inst_executed.sum"] == "1200"
+    assert none == []
 
 
 def test_attached_bench_without_the_second_copy_runs_two_models_in_rotation(tmp_path: Path) -> None:
