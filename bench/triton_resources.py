@@ -35,7 +35,7 @@ from attnchecker.kernels import triton_attention as ta
 VARIANTS: dict[str, dict[str, Any]] = {
     # name: (dtype, MODE, REPAIR, extra constexprs)
     "plain (checks off)": {"dtype": "bf16", "MODE": 0},
-    "tier 1": {"dtype": "bf16", "MODE": 1},
+    "tier 1": {"dtype": "bf16", "MODE": 1, "K_MAX_GIVEN": True},
     "full checks": {"dtype": "bf16", "MODE": 2},
     "full checks, fp16, dropout, additive mask": {"dtype": "fp16", "MODE": 2, "DROPOUT": True, "MASK_KIND": 2},
     "full checks, fp32 TF32": {"dtype": "fp32", "MODE": 2, "TF32": True, "DOT": 1},
@@ -66,7 +66,7 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any)
     consts = {"BLOCK_M": blocks.m, "BLOCK_N": blocks.n, "BLOCK_D": blocks.d, "IS_CAUSAL": True, "WINDOWED": False,
               "MASK_KIND": 0, "DROPOUT": False, "MODE": 2, "CHECK_SCORES": True, "CHECK_CONTEXT": True,
               "CALIBRATED": True, "TF32": False, "DOT": 0, "COLS": False, "REPAIR": False, "FAULTS": False,
-              "DEBUG": False, **constexprs}
+              "DEBUG": False, "K_MAX_GIVEN": False, **constexprs}
     pointer = "*" + dtype
     signature: dict[str, Any] = {}
     for name in names:
@@ -78,7 +78,7 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any)
             signature[name] = "*i1" if consts["MASK_KIND"] == 1 else "*fp32"
         elif name in ("Seed", "Faults"):
             signature[name] = "*i64"
-        elif name in ("Lse", "Status", "Records", "FaultValues", "FaultSeen", "Debug"):
+        elif name in ("Lse", "Status", "Records", "FaultValues", "FaultSeen", "Debug", "KMax"):
             signature[name] = "*fp32"
         elif name in ("scale", "dropout_p"):
             signature[name] = "fp32"

@@ -375,6 +375,29 @@ def test_tier1_trips_on_an_extreme_fault_and_the_repair_recovers_it(op: str, val
     assert run(q, k, v, is_causal=True, checks=ta.Checks(mode="tier1")).status[:2].tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize(("is_causal", "gqa"), [(True, False), (False, False), (False, True)],
+                         ids=["causal", "full", "full_gqa"])
+def test_tier1_bounds_a_block_by_the_keys_it_sees(is_causal: bool, gqa: bool) -> None:
+    """Tier 1's log-sum-exp bound takes the largest norm of the keys a block visits (forward() hands the kernel their
+    running max per key head). A key of 1000 times the others' norm at the end, which a causal block 0 never sees: a
+    score of 400 there (an lse near 100, over block 0's bound of about 8) trips; attending to every key, the bound
+    takes that key and the same score passes. With grouped heads (4 query heads on 2 key heads), query head 3 reads
+    key head 1, where the large key is."""
+    q, k, v = _qkv(5, h=1)
+    n = 0
+    if gqa:
+        q = seeded((1, 4, 32, 16), 50)
+        k, v = seeded((1, 2, 32, 16), 51), seeded((1, 2, 32, 16), 52)
+        n = 3
+    k[0, -1, 31] *= 1000.0
+    got = run(q, k, v, is_causal=is_causal, checks=ta.Checks(mode="tier1", repair=False),
+              faults=[("scores", n, 3, 1, "set", 400.0, False)])
+    if is_causal:
+        assert _flagged(got, "scores") == [[n, 0]] and _field(got, "scores", n, 0, "flag") == 2.0
+    else:
+        assert _flagged(got, "scores") == []
+
+
 def test_a_positive_bias_over_the_tier1_bound_is_dismissed_by_the_recompute() -> None:
     """An ALiBi-like bias of +60 lifts every log-sum-exp over scale·‖q‖·max‖k‖ + log S + 1: tier 1 trips, and the
     repair, whose bound takes the mask's largest value, finds the recompute the same: no fault to report."""

@@ -295,7 +295,8 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
         "                       target=GPUTarget('cuda', 90, 32),\n"
         "                       options={'num_warps': blk.warps, 'num_stages': blk.stages})\n"
         "    return tr.loop_mix(c.asm['cubin'])\n"
-        "print(json.dumps({'plain': mix(MODE=0), 'tier1': mix(MODE=1), 'full': mix(MODE=2), 'clean': lean(MODE=2)}))\n"
+        "print(json.dumps({'plain': mix(MODE=0), 'tier1': mix(MODE=1, K_MAX_GIVEN=True), 'full': mix(MODE=2),\n"
+        "                  'clean': lean(MODE=2)}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=540,
@@ -309,11 +310,13 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
     assert plain["loop_mix"]["tensor core"] > 0
     assert "local memory (spills)" not in plain["loop_mix"]
     assert 0 < plain["loop_instructions"] < plain["instructions"]
-    # Tier 1's key norms add reductions across lanes to every tile.
-    assert tier1["loop_instructions"] > plain["loop_instructions"]
-    assert tier1["loop_mix"]["shuffle (reduction across lanes)"] > plain["loop_mix"]["shuffle (reduction across lanes)"]
+    # Tier 1 takes its key norms' running max from forward(), once per call: its loop is the plain one's within a
+    # tenth (with every key's norm in it, it was half as long again).
+    assert plain["loop_instructions"] <= tier1["loop_instructions"] <= 1.1 * plain["loop_instructions"]
     # The clean path (the flag-only branches made never-taken; the edit raises if the kernel's source moved on):
     # the same tile products, fewer instructions than the whole full-check loop, more than no checks.
     full, clean = got["full"], got["clean"]
     assert clean["loop_mix"]["tensor core"] == full["loop_mix"]["tensor core"] == plain["loop_mix"]["tensor core"]
     assert plain["loop_instructions"] < clean["loop_instructions"] < full["loop_instructions"]
+    # The checks reduce along both tile axes: reductions across lanes the plain loop does not have.
+    assert clean["loop_mix"]["shuffle (reduction across lanes)"] > plain["loop_mix"]["shuffle (reduction across lanes)"]

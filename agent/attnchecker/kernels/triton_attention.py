@@ -26,8 +26,9 @@ uncorrectable. Its out and lse rows are overwritten. No host-device sync anywher
 per step, at the step boundary (checks/deferred.py), and only when the status says something flagged.
 
 Tier 1 (``mode="tier1"``) is the same kernel without checksums: per block the output rows summed (INF, NaN, near-INF)
-and the row log-sum-exp against scale·‖q_i‖·max_j‖k_j‖ + log S + 1 (tripwire.py's test); a trip is recovered by the
-repair kernel with full checks, on the device.
+and the row log-sum-exp against scale·‖q_i‖·max_j‖k_j‖ + log S + 1 (tripwire.py's test; max_j over the keys the block
+visits, from a running max of the key norms that forward() makes once per call); a trip is recovered by the repair
+kernel with full checks, on the device.
 
 Faults inside the kernel are emulated (tests, attnchecker.inject): a table of single elements (op, n, row, col, kind,
 persistent) written into the tile just computed; transient ones on the first computation only.
@@ -234,13 +235,23 @@ def forward(
         else None
     operand_roundoff = checks.operand_roundoff if q_BHTD.dtype == torch.float32 else None
     mode = {None: 0, "tier1": 1, "full": 2}[checks.mode if checking else None]
+    k_max_BHkS = None
+    if mode == 1 and window is None:
+        # Tier 1's log-sum-exp bound takes the largest norm of the keys a block visits: a prefix of them, causal or
+        # not (a window's start moves: that case keeps the norms in the loop). Two reductions over K once per call,
+        # instead of every query block's key loop computing every key's norm again, which was most of what tier 1
+        # added to that loop (bench/triton_resources.py --mix). A NaN norm counts as 0, as the loop's max skips it.
+        norms_BHkS = torch.linalg.vector_norm(k_BHSD, dim=-1, dtype=torch.float32).nan_to_num_(nan=0.0)
+        k_max_BHkS = torch.cummax(norms_BHkS, dim=-1).values
     launch = functools.partial(
         _attention[(n_blocks, b * h)],
         q_BHTD, k_BHSD, v_BHSD, out, lse, mask if mask is not None else q_BHTD,
         seed if seed is not None else q_BHTD, status, records if records is not None else out,
         table if table is not None else q_BHTD, values if values is not None else q_BHTD,
         seen if seen is not None else q_BHTD, dbg if dbg is not None else out,
+        k_max_BHkS if k_max_BHkS is not None else lse,
         *q_BHTD.stride(), *k_BHSD.stride(), *v_BHSD.stride(), *out.stride(), *mask_strides,
+        *(k_max_BHkS.stride()[:2] if k_max_BHkS is not None else (0, 0)),
         h, h // hk, t, s, d, n_blocks, n_tiles,
         scale, dropout_p, window or 0, 0 if table is None else table.shape[0],
         *terms, (NEAR_INF, checks.tol.fix_threshold),
@@ -250,6 +261,7 @@ def forward(
         CALIBRATED=checks.tol.mode == "roundoff" and checks.tol.calibrated,
         TF32=operand_roundoff is not None, DOT=dot_mode(q_BHTD.dtype, operand_roundoff),
         COLS=checks.cols or debug, FAULTS=table is not None, DEBUG=dbg is not None,
+        K_MAX_GIVEN=k_max_BHkS is not None,
         num_warps=blk.warps, num_stages=blk.stages,
     )
     with _ieee_quietly():
@@ -570,8 +582,9 @@ if triton is not None:
 
     @triton.jit
     def _attention(
-        Q, K, V, Out, Lse, Mask, Seed, Status, Records, Faults, FaultValues, FaultSeen, Debug,
+        Q, K, V, Out, Lse, Mask, Seed, Status, Records, Faults, FaultValues, FaultSeen, Debug, KMax,
         sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sot, sod, smb, smh, smt, sms,
+        skmb, skmh,
         H, GROUP, T, S, D, N_BLOCKS, N_TILES,
         scale, dropout_p, window, n_faults,
         s_row, s_col, c_row, c_col, fixing,
@@ -579,7 +592,7 @@ if triton is not None:
         IS_CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
         MODE: tl.constexpr, CHECK_SCORES: tl.constexpr, CHECK_CONTEXT: tl.constexpr, CALIBRATED: tl.constexpr,
         TF32: tl.constexpr, DOT: tl.constexpr, COLS: tl.constexpr, REPAIR: tl.constexpr, FAULTS: tl.constexpr,
-        DEBUG: tl.constexpr,
+        DEBUG: tl.constexpr, K_MAX_GIVEN: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -594,6 +607,9 @@ if triton is not None:
         FULL: tl.constexpr = MODE == 2
         # Columns on every tile (tests, and the repair, which locates with them); else only on a tile that flags.
         ALL_COLS: tl.constexpr = COLS or REPAIR
+        # Every key's norm in the loop: the full checks' bound needs them; tier 1 only their running max, which
+        # forward() hands over per key prefix (KMax, (B, Hk, S)) where it can.
+        KEY_NORMS: tl.constexpr = MODE == 2 or (MODE == 1 and K_MAX_GIVEN == 0)
         VMAX: tl.constexpr = max(BLOCK_M, BLOCK_N, BLOCK_D)
         b = pid_n // H
         h = pid_n % H
@@ -651,9 +667,10 @@ if triton is not None:
             s = _dot(q_op, tl.trans(_operand(k, DOT)), DOT)
             if FAULTS:
                 s = _inject(s, Faults, FaultValues, FaultSeen, n_faults, pid_n, offs_m, offs_n, 0, REPAIR)
-            if MODE != 0:
+            if KEY_NORMS:
                 k_norm = tl.sqrt(tc.rsum(kf * kf, 1))
-                k_max = tl.maximum(k_max, tc.rmax(tl.where(key_ok, k_norm, 0.0), 0))
+                if K_MAX_GIVEN == 0:
+                    k_max = tl.maximum(k_max, tc.rmax(tl.where(key_ok, k_norm, 0.0), 0))
             if FULL and CHECK_SCORES:
                 # Rows: q_i·(K_jᵀ[e, w]) against Σ_j AS_ij, Σ_j j·AS_ij; columns (a flag, or every tile with COLS)
                 # the same on AS_ijᵀ = K_j Q_iᵀ.
@@ -747,6 +764,11 @@ if triton is not None:
                     failed_c = tl.maximum(failed_c, tc.rmax(again_t.to(tl.int32), 0))
             acc = acc * alpha[:, None] + cl
 
+        if K_MAX_GIVEN:
+            # The largest norm of the keys the loop visited, [lo, n_seen): its tiles, cut at S.
+            n_seen = tl.minimum(S, lo + tl.cdiv(hi - lo, BLOCK_N) * BLOCK_N)
+            k_max = tl.load(KMax + b.to(tl.int64) * skmb + hk.to(tl.int64) * skmh + tl.maximum(n_seen - 1, 0),
+                            mask=n_seen > lo, other=0.0)
         # abft.tiled.finish: a row with every key masked gets out 0 (SDPA's safe softmax) and lse +INF.
         dead = l_i == 0.0
         l_safe = tl.where(dead, 1.0, l_i)
