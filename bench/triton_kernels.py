@@ -7,6 +7,10 @@ tile size and warps kernels/triton_attention_bwd.py launches with (BLOCK, NUM_WA
 4 warps for comparison. Needs triton, not a GPU; TRITON_INTERPRET must be unset.
 
     python bench/triton_kernels.py [--out docs/perf/triton_backward_kernels.json]
+    python bench/triton_kernels.py --mix [--out docs/perf/triton_backward_kernels_mix.json]
+
+--mix: only the launched tile size and warps, and each pass's loop (over the other side's tiles) counted by
+instruction class, as bench/triton_resources.py --mix counts the forward's.
 """
 from __future__ import annotations
 
@@ -58,7 +62,7 @@ def _signature(fn: Any, dtype: str) -> dict[str, Any]:
     return sig
 
 
-def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int) -> dict[str, Any]:
+def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int, mix: bool = False) -> dict[str, Any]:
     const = {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": d, "CAUSAL": True, "WINDOW": False, "MASK_KIND": 0,
              "DROPOUT": False, "CHECK": check, "FAULTS_ON": False, "INTERPRET": False, "PRECISION": "ieee",
              "REPAIR": False, "SEED_ON_DEVICE": False}
@@ -74,29 +78,37 @@ def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int) -> dict[
     os.unlink(f.name)
     regs = re.findall(r"Used (\d+) registers", report)
     spills = re.findall(r"(\d+) bytes spill stores", report)
-    return {"registers": int(regs[-1]), "spill_store_bytes": int(spills[-1]) if spills else 0,
-            "shared_bytes": int(compiled.metadata.shared)}
+    got = {"registers": int(regs[-1]), "spill_store_bytes": int(spills[-1]) if spills else 0,
+           "shared_bytes": int(compiled.metadata.shared)}
+    if mix:
+        from triton_resources import loop_mix
+
+        got.update(loop_mix(compiled.asm["cubin"]))
+    return got
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mix", action="store_true", help="the launched configuration only, with its loop's mix")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if kernels.interpreting():
         raise SystemExit("TRITON_INTERPRET was set when the kernels were built: unset it")
     rows = []
-    configs = [(kernels.BLOCK, kernels.NUM_WARPS), (64, 8), (64, 4)]
+    configs = [(kernels.BLOCK, kernels.NUM_WARPS)] + ([] if args.mix else [(64, 8), (64, 4)])
     for fn in (kernels._query_pass, kernels._key_pass):
         for d in (64, 128):
             for block, warps in configs:
                 for check, name in enumerate(kernels.CHECKS):
-                    got = compile_one(fn, d=d, check=check, block=block, warps=warps)
+                    got = compile_one(fn, d=d, check=check, block=block, warps=warps, mix=args.mix)
                     rows.append({"kernel": fn.__name__.strip("_"), "head_dim": d, "block": block, "warps": warps,
                                  "check": name, **got})
                     print(rows[-1], flush=True)
+    extra = ["loop_instructions"] if args.mix else []
     print(_common.table([[r["kernel"], r["head_dim"], r["block"], r["warps"], r["check"], r["registers"],
-                          r["spill_store_bytes"], r["shared_bytes"]] for r in rows],
-                        ["kernel", "D", "block", "warps", "check", "registers", "spill B", "shared B"]))
+                          r["spill_store_bytes"], r["shared_bytes"], *(r[k] for k in extra)] for r in rows],
+                        ["kernel", "D", "block", "warps", "check", "registers", "spill B", "shared B",
+                         *(["loop instructions"] if args.mix else [])]))
     path = _common.write_result("triton_backward_kernels", {"target": "sm_90", "dtype": "bf16", "causal": True,
                                                             "triton": triton.__version__, "rows": rows}, args.out)
     print(f"wrote {path}")

@@ -275,6 +275,23 @@ def test_an_fp16_overflow_under_a_loss_scale_is_not_a_fault(make_ctx: Any, where
     assert not rec.detections, rec.detections[:2]
 
 
+@pytest.mark.parametrize("check", ["abft", "tripwire"])
+@pytest.mark.parametrize("operand", ["k", "v"])
+def test_a_non_finite_key_or_value_is_its_producers_fault_not_the_backwards(make_ctx: Any, operand: str,
+                                                                           check: str) -> None:
+    """A K or V holding a NaN (its projection's check reports it) makes dQ non-finite: the query pass's programs
+    flag, read the keys and values they used again (only a program that flagged does), see the NaN, and report
+    nothing, as for dO in the test above."""
+    a = make(torch.float32, t=32, s=32, d=16, seed=6)
+    a[operand] = a[operand].clone()
+    a[operand][0, 0, 5, 3] = float("nan")
+    ctx, rec = make_ctx()
+    got = backward(a, ctx, check=check)
+    drain(ctx.runtime.deferred)
+    assert not bool(torch.isfinite(got[0]).all())
+    assert not rec.detections, rec.detections[:2]
+
+
 # ------------------------------------------------------------------------------------------------- the fast path
 
 

@@ -571,8 +571,6 @@ if triton is not None:
                         other=0.0)
             v = tl.load(V + bb * sv_b + hk * sv_h + keys[:, None] * sv_s + feats[None, :] * sv_d, mask=kv_io,
                         other=0.0)
-            if CHECK > 0:
-                bad_in = tl.maximum(bad_in, tl.maximum(_nonfinite(k), _nonfinite(v)))
             s = _dot(q, tl.trans(k), PRECISION, INTERPRET)
             if FAULTS_ON:
                 s = _emulate(s, FAULTS, n_faults, 0, 1, n, rows, keys, REPAIR, None)
@@ -644,6 +642,18 @@ if triton is not None:
             flags = (worst_q > 1.0).to(tl.int32) << 4
         tl.store(DQ + n * T * D + rows[:, None] * D + feats[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=io)
         if CHECK > 0:
+            if flags != 0:
+                # Whether the keys and values it read were finite matters only to a program that flagged: it reads
+                # them again. A clean program does not reduce each K and V tile to a scalar in its loop (two
+                # reductions across the block's warps per tile, in every query block's loop).
+                for start_k in range(lo, hi, BLOCK_N):
+                    keys_k = start_k + tl.arange(0, BLOCK_N)
+                    io_k = (keys_k < S)[:, None] & feat_in[None, :]
+                    k_again = tl.load(K + bb * sk_b + hk * sk_h + keys_k[:, None] * sk_s + feats[None, :] * sk_d,
+                                      mask=io_k, other=0.0)
+                    v_again = tl.load(V + bb * sv_b + hk * sv_h + keys_k[:, None] * sv_s + feats[None, :] * sv_d,
+                                      mask=io_k, other=0.0)
+                    bad_in = tl.maximum(bad_in, tl.maximum(_nonfinite(k_again), _nonfinite(v_again)))
             _store_status(STATUS, pid, flags, bad_in, REPAIR)
 
     @triton.jit
@@ -729,8 +739,6 @@ if triton is not None:
                              other=0.0)
                 lse = tl.load(LSE + bb * sl_b + hh * sl_h + rows * sl_t, mask=row_in, other=0.0).to(tl.float32)
                 delta = tl.load(DELTA + n * T + rows, mask=row_in, other=0.0)
-                if CHECK > 0:
-                    bad_in = tl.maximum(bad_in, _rows_nonfinite(q, do, delta, lse))
                 s = _dot(q, tl.trans(k), PRECISION, INTERPRET)
                 if FAULTS_ON:
                     s = _emulate(s, FAULTS, n_faults, 0, 0, n, rows, keys, REPAIR, None)
@@ -800,6 +808,23 @@ if triton is not None:
         tl.store(DK + at, (dk * scale).to(DK.dtype.element_ty), mask=kv_io)
         tl.store(DV + at, dv.to(DV.dtype.element_ty), mask=kv_io)
         if CHECK > 0:
+            if flags != 0:
+                # As in the query pass: only a program that flagged reads its query blocks' inputs again to ask
+                # whether they were finite.
+                for g_again in range(0, group):
+                    h_again = hk * group + g_again
+                    for start_q in range(lo, hi, BLOCK_M):
+                        rows_q = start_q + tl.arange(0, BLOCK_M)
+                        in_q = rows_q < T
+                        io_q = in_q[:, None] & feat_in[None, :]
+                        q_again = tl.load(Q + bb * sq_b + h_again * sq_h + rows_q[:, None] * sq_t
+                                          + feats[None, :] * sq_d, mask=io_q, other=0.0)
+                        do_again = tl.load(DO + bb * sdo_b + h_again * sdo_h + rows_q[:, None] * sdo_t
+                                           + feats[None, :] * sdo_d, mask=io_q, other=0.0)
+                        lse_again = tl.load(LSE + bb * sl_b + h_again * sl_h + rows_q * sl_t, mask=in_q,
+                                            other=0.0).to(tl.float32)
+                        delta_again = tl.load(DELTA + (bb * H + h_again) * T + rows_q, mask=in_q, other=0.0)
+                        bad_in = tl.maximum(bad_in, _rows_nonfinite(q_again, do_again, delta_again, lse_again))
             _store_status(STATUS, pid, flags, bad_in, REPAIR)
 
 
