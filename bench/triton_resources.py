@@ -36,12 +36,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # name: (dtype, MODE, REPAIR, extra constexprs)
     "plain (checks off)": {"dtype": "bf16", "MODE": 0},
     "tier 1": {"dtype": "bf16", "MODE": 1, "K_MAX_GIVEN": True},
-    "full checks": {"dtype": "bf16", "MODE": 2},
-    "full checks, fp16, dropout, additive mask": {"dtype": "fp16", "MODE": 2, "DROPOUT": True, "MASK_KIND": 2},
+    "full checks": {"dtype": "bf16", "MODE": 2, "KEY_TILES": True, "VALUE_TILES": True},
+    "full checks, fp16, dropout, additive mask": {"dtype": "fp16", "MODE": 2, "DROPOUT": True, "MASK_KIND": 2,
+                                                  "KEY_TILES": True, "VALUE_TILES": True},
     "full checks, fp32 TF32": {"dtype": "fp32", "MODE": 2, "TF32": True, "DOT": 1},
-    "repair": {"dtype": "bf16", "MODE": 2, "REPAIR": True},
-    "full checks, scores only": {"dtype": "bf16", "MODE": 2, "CHECK_CONTEXT": False},
-    "full checks, context only": {"dtype": "bf16", "MODE": 2, "CHECK_SCORES": False},
+    "repair": {"dtype": "bf16", "MODE": 2, "REPAIR": True, "KEY_TILES": True, "VALUE_TILES": True},
+    "full checks, scores only": {"dtype": "bf16", "MODE": 2, "CHECK_CONTEXT": False, "KEY_TILES": True},
+    "full checks, context only": {"dtype": "bf16", "MODE": 2, "CHECK_SCORES": False, "VALUE_TILES": True},
 }
 
 # SASS opcode (its first dotted part) -> class, for the loop's mix; anything else is integer, move or control.
@@ -66,7 +67,7 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any)
     consts = {"BLOCK_M": blocks.m, "BLOCK_N": blocks.n, "BLOCK_D": blocks.d, "IS_CAUSAL": True, "WINDOWED": False,
               "MASK_KIND": 0, "DROPOUT": False, "MODE": 2, "CHECK_SCORES": True, "CHECK_CONTEXT": True,
               "CALIBRATED": True, "TF32": False, "DOT": 0, "COLS": False, "REPAIR": False, "FAULTS": False,
-              "DEBUG": False, "K_MAX_GIVEN": False, **constexprs}
+              "DEBUG": False, "K_MAX_GIVEN": False, "KEY_TILES": False, "VALUE_TILES": False, **constexprs}
     pointer = "*" + dtype
     signature: dict[str, Any] = {}
     for name in names:
@@ -78,8 +79,11 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any)
             signature[name] = "*i1" if consts["MASK_KIND"] == 1 else "*fp32"
         elif name in ("Seed", "Faults"):
             signature[name] = "*i64"
-        elif name in ("Lse", "Status", "Records", "FaultValues", "FaultSeen", "Debug", "KMax"):
+        elif name in ("Lse", "Status", "Records", "FaultValues", "FaultSeen", "Debug", "KMax", "KeyTiles",
+                      "ValueTiles"):
             signature[name] = "*fp32"
+        elif name in ("KeyTiles64", "ValueTiles64"):
+            signature[name] = "*fp64"
         elif name in ("scale", "dropout_p"):
             signature[name] = "fp32"
         elif name in ("s_row", "s_col", "c_row", "c_col"):

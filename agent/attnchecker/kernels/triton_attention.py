@@ -5,7 +5,8 @@ under Triton's interpreter (TRITON_INTERPRET=1, tests).
 Per program: one block of BLOCK_M query rows of one (batch, head), over its key tiles of BLOCK_N keys:
 
 1. AS_ij = Q_i K_jᵀ (tl.dot, fp32 accumulation and output; TF32 for fp32 inputs where the matmul precision says so).
-   Its rows are checked against Q_i·(K_jᵀ[e, w]) made from the tiles in registers, with ΣAS² and the key norms for
+   Its rows are checked against Q_i·(K_jᵀ[e, w]) (K_jᵀ[e, w] and the key tile's other terms made once per call by
+   _kv_tiles on IEEE calls, in the loop under TF32), with ΣAS² and the key norms for
    abft/tile_terms.py's bound (the engine's calibrated one, factored per vector); a tile that flags is checked by
    columns too, against K_j·(Q_iᵀ[e, w]), which locates a bad column or block (one direction on a clean check, as the
    native CPU pass and the whole-step GEMMs do; ``cols=True`` checks columns on every tile).
@@ -243,6 +244,25 @@ def forward(
         # added to that loop (bench/triton_resources.py --mix). A NaN norm counts as 0, as the loop's max skips it.
         norms_BHkS = torch.linalg.vector_norm(k_BHSD, dim=-1, dtype=torch.float32).nan_to_num_(nan=0.0)
         k_max_BHkS = torch.cummax(norms_BHkS, dim=-1).values
+    # What the row checks take from a key tile alone (scores) and from a value tile alone (context), made once per
+    # call by one launch (_kv_tiles) rather than again by every query block that visits the tile. The TF32 path's
+    # operand moments still need the tiles themselves: it keeps making them in the loop.
+    n_key_tiles = triton.cdiv(s, blk.n)
+    key_tiles = key_tiles64 = value_tiles = value_tiles64 = None
+    if mode == 2 and operand_roundoff is None and (checks.scores or checks.context):
+        if checks.scores:
+            key_tiles = torch.empty((b * hk, n_key_tiles, 2 * blk.d + blk.n + 1), dtype=torch.float32, device=dev)
+            key_tiles64 = torch.empty((b * hk, n_key_tiles, 4), dtype=torch.float64, device=dev)
+        if checks.context:
+            value_tiles = torch.empty((b * hk, n_key_tiles, 2 * blk.n + blk.d + 1), dtype=torch.float32, device=dev)
+            value_tiles64 = torch.empty((b * hk, n_key_tiles, 4), dtype=torch.float64, device=dev)
+        with _ieee_quietly():
+            _kv_tiles[(n_key_tiles, b * hk)](
+                k_BHSD, v_BHSD, *(x if x is not None else lse for x in (key_tiles, key_tiles64, value_tiles,
+                                                                        value_tiles64)),
+                *k_BHSD.stride(), *v_BHSD.stride(), hk, s, d, n_key_tiles, terms[0][0], terms[2][0],
+                KEYS=key_tiles is not None, VALUES=value_tiles is not None, BLOCK_N=blk.n, BLOCK_D=blk.d,
+                num_warps=blk.warps)
     launch = functools.partial(
         _attention[(n_blocks, b * h)],
         q_BHTD, k_BHSD, v_BHSD, out, lse, mask if mask is not None else q_BHTD,
@@ -250,9 +270,10 @@ def forward(
         table if table is not None else q_BHTD, values if values is not None else q_BHTD,
         seen if seen is not None else q_BHTD, dbg if dbg is not None else out,
         k_max_BHkS if k_max_BHkS is not None else lse,
+        *(x if x is not None else lse for x in (key_tiles, key_tiles64, value_tiles, value_tiles64)),
         *q_BHTD.stride(), *k_BHSD.stride(), *v_BHSD.stride(), *out.stride(), *mask_strides,
         *(k_max_BHkS.stride()[:2] if k_max_BHkS is not None else (0, 0)),
-        h, h // hk, t, s, d, n_blocks, n_tiles,
+        h, h // hk, t, s, d, n_blocks, n_tiles, n_key_tiles,
         scale, dropout_p, window or 0, 0 if table is None else table.shape[0],
         *terms, (NEAR_INF, checks.tol.fix_threshold),
         BLOCK_M=blk.m, BLOCK_N=blk.n, BLOCK_D=blk.d,
@@ -261,7 +282,7 @@ def forward(
         CALIBRATED=checks.tol.mode == "roundoff" and checks.tol.calibrated,
         TF32=operand_roundoff is not None, DOT=dot_mode(q_BHTD.dtype, operand_roundoff),
         COLS=checks.cols or debug, FAULTS=table is not None, DEBUG=dbg is not None,
-        K_MAX_GIVEN=k_max_BHkS is not None,
+        K_MAX_GIVEN=k_max_BHkS is not None, KEY_TILES=key_tiles is not None, VALUE_TILES=value_tiles is not None,
         num_warps=blk.warps, num_stages=blk.stages,
     )
     with _ieee_quietly():
@@ -377,6 +398,91 @@ if triton is not None:
         bad, d1, b1, ratio = tc.check(s, ref1, ref2, a_norm, b_sum, b_sq1, b_sq2, tc.ref_norm(bar_e, terms[0]),
                                       tc.ref_norm(bar_w, terms[0]), mom1, mom2, terms, CALIBRATED)
         return bad, d1, b1, ratio, ref1, ref2, mom1, mom2
+
+    @_jit
+    def _scores_rows_of_tile(s, a_op, a_norm, At, At64, terms, CALIBRATED: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
+        """_scores_rows (IEEE products: no operand moments) with what it takes from the key tile alone read from
+        _key_tiles' row of it (At fp32, At64 fp64) instead of made from the tile."""
+        offs_d = tl.arange(0, BLOCK_D)
+        bar_e = tl.load(At + offs_d)
+        bar_w = tl.load(At + BLOCK_D + offs_d)
+        b_sum = tl.load(At + 2 * BLOCK_D + BLOCK_N)
+        ref1, ref2 = tc.refs(a_op, bar_e, bar_w)
+        mom = tl.full([s.shape[0]], 0, tl.float64)
+        bad, d1, b1, ratio = tc.check(s, ref1, ref2, a_norm, b_sum, tl.load(At64), tl.load(At64 + 1),
+                                      tl.load(At64 + 2), tl.load(At64 + 3), mom, mom, terms, CALIBRATED)
+        return bad, d1, b1, ratio, ref1, ref2, mom, mom
+
+    @_jit
+    def _context_rows_of_tile(cl, pcf, a_c, At, At64, terms, CALIBRATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
+        """_context_rows (IEEE products: no operand moments) with what it takes from the value tile alone read from
+        _kv_tiles' row of it (At fp32, At64 fp64)."""
+        offs_n = tl.arange(0, BLOCK_N)
+        vw_e = tl.load(At + offs_n)
+        vw_w = tl.load(At + BLOCK_N + offs_n)
+        b_sum = tl.load(At + 2 * BLOCK_N + BLOCK_D)
+        ref1, ref2 = tc.refs(pcf, vw_e, vw_w)
+        mom = tl.full([cl.shape[0]], 0, tl.float64)
+        bad, d1, b1, ratio = tc.check(cl, ref1, ref2, a_c, b_sum, tl.load(At64), tl.load(At64 + 1),
+                                      tl.load(At64 + 2), tl.load(At64 + 3), mom, mom, terms, CALIBRATED)
+        return bad, d1, b1, ratio, ref1, ref2, mom, mom
+
+    @triton.jit
+    def _kv_tiles(K, V, KOut, KOut64, VOut, VOut64, skb, skh, sks, skd, svb, svh, svs, svd, HK, S, D, N_KEY_TILES,
+                  floor_s, floor_c, KEYS: tl.constexpr, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+        """Per tile of BLOCK_N keys of one (batch, key head), what the row checks take from it alone.
+        KEYS (_scores_rows): KOut (2·BLOCK_D + BLOCK_N + 1,) fp32: Σ_j k_j and Σ_j j·k_j over its keys
+        (j = 1..BLOCK_N), each key's norm, Σ_j (‖k_j‖ + floor); KOut64 (4,) fp64: Σ_j (‖k_j‖ + floor)²,
+        Σ_j j²(‖k_j‖ + floor)², and the two sums' norms + floor (tc.other_side, tc.ref_norm).
+        VALUES (_context_rows): VOut (2·BLOCK_N + BLOCK_D + 1,) fp32: each key's Σ_d v_jd and Σ_d d·v_jd, each
+        feature's norm over the tile's keys, and that norm's other_side sum over the D features; VOut64 the same
+        four fp64 terms. Keys past S and features past D are zeros, as the attention kernel loads them."""
+        tile = tl.program_id(0)
+        n = tl.program_id(1)
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        inside = (offs_n < S)[:, None] & d_ok[None, :]
+        row = (n * N_KEY_TILES + tile).to(tl.int64)
+        if KEYS:
+            k = tl.load(K + (n // HK).to(tl.int64) * skb + (n % HK).to(tl.int64) * skh + offs_n[:, None] * sks
+                        + offs_d[None, :] * skd, mask=inside, other=0.0)
+            kf = k.to(tl.float32)
+            w = tc.weights(BLOCK_N)
+            bar_e = tc.rsum(kf, 0)
+            bar_w = tc.rsum(kf * w[:, None], 0)
+            k_norm = tl.sqrt(tc.rsum(kf * kf, 1))
+            b_sum, b_sq1, b_sq2 = tc.other_side(k_norm, tl.full([BLOCK_N], 1, tl.int1), floor_s)
+            at = KOut + row * (2 * BLOCK_D + BLOCK_N + 1)
+            tl.store(at + offs_d, bar_e)
+            tl.store(at + BLOCK_D + offs_d, bar_w)
+            tl.store(at + 2 * BLOCK_D + tl.arange(0, BLOCK_N), k_norm)
+            tl.store(at + 2 * BLOCK_D + BLOCK_N, b_sum)
+            tl.store(KOut64 + row * 4, b_sq1)
+            tl.store(KOut64 + row * 4 + 1, b_sq2)
+            tl.store(KOut64 + row * 4 + 2, tc.ref_norm(bar_e, floor_s))
+            tl.store(KOut64 + row * 4 + 3, tc.ref_norm(bar_w, floor_s))
+        if VALUES:
+            v = tl.load(V + (n // HK).to(tl.int64) * svb + (n % HK).to(tl.int64) * svh + offs_n[:, None] * svs
+                        + offs_d[None, :] * svd, mask=inside, other=0.0)
+            vf = v.to(tl.float32)
+            w_d = tc.weights(BLOCK_D)
+            vw_e = tc.rsum(vf, 1)
+            vw_w = tc.rsum(vf * w_d[None, :], 1)
+            v_col = tl.sqrt(tc.rsum(vf * vf, 0))
+            b_sum, b_sq1, b_sq2 = tc.other_side(v_col, d_ok, floor_c)
+            at = VOut + row * (2 * BLOCK_N + BLOCK_D + 1)
+            tl.store(at + tl.arange(0, BLOCK_N), vw_e)
+            tl.store(at + BLOCK_N + tl.arange(0, BLOCK_N), vw_w)
+            tl.store(at + 2 * BLOCK_N + offs_d, v_col)
+            tl.store(at + 2 * BLOCK_N + BLOCK_D, b_sum)
+            tl.store(VOut64 + row * 4, b_sq1)
+            tl.store(VOut64 + row * 4 + 1, b_sq2)
+            tl.store(VOut64 + row * 4 + 2, tc.ref_norm(vw_e, floor_c))
+            tl.store(VOut64 + row * 4 + 3, tc.ref_norm(vw_w, floor_c))
 
     @_jit
     def _scores_moments(a_sq, b_sq, bar_e, bar_w, w, tiny):
@@ -582,17 +688,18 @@ if triton is not None:
 
     @triton.jit
     def _attention(
-        Q, K, V, Out, Lse, Mask, Seed, Status, Records, Faults, FaultValues, FaultSeen, Debug, KMax,
+        Q, K, V, Out, Lse, Mask, Seed, Status, Records, Faults, FaultValues, FaultSeen, Debug, KMax, KeyTiles,
+        KeyTiles64, ValueTiles, ValueTiles64,
         sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sot, sod, smb, smh, smt, sms,
         skmb, skmh,
-        H, GROUP, T, S, D, N_BLOCKS, N_TILES,
+        H, GROUP, T, S, D, N_BLOCKS, N_TILES, N_KEY_TILES,
         scale, dropout_p, window, n_faults,
         s_row, s_col, c_row, c_col, fixing,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         IS_CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
         MODE: tl.constexpr, CHECK_SCORES: tl.constexpr, CHECK_CONTEXT: tl.constexpr, CALIBRATED: tl.constexpr,
         TF32: tl.constexpr, DOT: tl.constexpr, COLS: tl.constexpr, REPAIR: tl.constexpr, FAULTS: tl.constexpr,
-        DEBUG: tl.constexpr, K_MAX_GIVEN: tl.constexpr,
+        DEBUG: tl.constexpr, K_MAX_GIVEN: tl.constexpr, KEY_TILES: tl.constexpr, VALUE_TILES: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -667,15 +774,27 @@ if triton is not None:
             s = _dot(q_op, tl.trans(_operand(k, DOT)), DOT)
             if FAULTS:
                 s = _inject(s, Faults, FaultValues, FaultSeen, n_faults, pid_n, offs_m, offs_n, 0, REPAIR)
+            if KEY_TILES or VALUE_TILES:
+                # This key tile's row of _kv_tiles' outputs (the same device functions made them, on the same tile).
+                kt_at = (b * (H // GROUP) + hk).to(tl.int64) * N_KEY_TILES + start_n // BLOCK_N
             if KEY_NORMS:
-                k_norm = tl.sqrt(tc.rsum(kf * kf, 1))
+                if KEY_TILES:
+                    k_norm = tl.load(KeyTiles + kt_at * (2 * BLOCK_D + BLOCK_N + 1) + 2 * BLOCK_D
+                                     + tl.arange(0, BLOCK_N))
+                else:
+                    k_norm = tl.sqrt(tc.rsum(kf * kf, 1))
                 if K_MAX_GIVEN == 0:
                     k_max = tl.maximum(k_max, tc.rmax(tl.where(key_ok, k_norm, 0.0), 0))
             if FULL and CHECK_SCORES:
                 # Rows: q_i·(K_jᵀ[e, w]) against Σ_j AS_ij, Σ_j j·AS_ij; columns (a flag, or every tile with COLS)
                 # the same on AS_ijᵀ = K_j Q_iᵀ.
-                bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _scores_rows(s, qf, q_norm, kf, k_norm, w_n, s_row,
-                                                                          TF32, CALIBRATED)
+                if KEY_TILES:
+                    bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _scores_rows_of_tile(
+                        s, qf, q_norm, KeyTiles + kt_at * (2 * BLOCK_D + BLOCK_N + 1), KeyTiles64 + kt_at * 4,
+                        s_row, CALIBRATED, BLOCK_D, BLOCK_N)
+                else:
+                    bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _scores_rows(s, qf, q_norm, kf, k_norm, w_n, s_row,
+                                                                              TF32, CALIBRATED)
                 n_bad = tc.rsum(bad.to(tl.int32), 0)
                 cbad, cd1, cb1, cratio, cref1, cref2, cmom1, cmom2 = _no_vectors(BLOCK_N)
                 if (n_bad > 0) | ALL_COLS:
@@ -735,11 +854,17 @@ if triton is not None:
             if FULL and CHECK_CONTEXT:
                 pcf = p_c.to(tl.float32)
                 vf = v.to(tl.float32)
-                v_col = tl.sqrt(tc.rsum(vf * vf, 0))
                 # ‖P̃_c,i‖₂ <= sqrt(Σ_j P̃_ij)/(1 - p): 0 <= P̃ <= 1 before dropout's scaling (1.01: its rounding).
                 a_c = tl.sqrt(p_sum) * 1.01 * inv_keep
-                bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _context_rows(cl, pcf, vf, v_col, a_c, w_d, d_ok, D,
-                                                                           c_row, TF32, CALIBRATED)
+                if VALUE_TILES:
+                    vt_at = ValueTiles + kt_at * (2 * BLOCK_N + BLOCK_D + 1)
+                    v_col = tl.load(vt_at + 2 * BLOCK_N + tl.arange(0, BLOCK_D))
+                    bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _context_rows_of_tile(
+                        cl, pcf, a_c, vt_at, ValueTiles64 + kt_at * 4, c_row, CALIBRATED, BLOCK_N, BLOCK_D)
+                else:
+                    v_col = tl.sqrt(tc.rsum(vf * vf, 0))
+                    bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _context_rows(cl, pcf, vf, v_col, a_c, w_d, d_ok,
+                                                                               D, c_row, TF32, CALIBRATED)
                 n_bad = tc.rsum(bad.to(tl.int32), 0)
                 cbad, cd1, cb1, cratio, cref1, cref2, cmom1, cmom2 = _no_vectors(BLOCK_D)
                 if (n_bad > 0) | ALL_COLS:
