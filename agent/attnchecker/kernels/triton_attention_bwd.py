@@ -862,8 +862,9 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
         turn = r % len(names)
         for c in names[turn:] + names[:turn]:
             if c == "sdpa":
-                leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-                graph = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale)
+                lq, lk, lv = (x.detach().requires_grad_() for x in (q, k, v))
+                leaves = (lq, lk, lv)
+                graph = torch.nn.functional.scaled_dot_product_attention(lq, lk, lv, is_causal=causal, scale=scale)
             sync()
             t0 = time.perf_counter()
             if c == "sdpa":
