@@ -403,7 +403,7 @@ if triton is not None:
     def _scores_rows_of_tile(s, a_op, a_norm, At, At64, terms, CALIBRATED: tl.constexpr, BLOCK_D: tl.constexpr,
                              BLOCK_N: tl.constexpr):
         """_scores_rows (IEEE products: no operand moments) with what it takes from the key tile alone read from
-        _key_tiles' row of it (At fp32, At64 fp64) instead of made from the tile."""
+        _kv_tiles' row of it (At fp32, At64 fp64) instead of made from the tile."""
         offs_d = tl.arange(0, BLOCK_D)
         bar_e = tl.load(At + offs_d)
         bar_w = tl.load(At + BLOCK_D + offs_d)
