@@ -400,33 +400,17 @@ if triton is not None:
         return bad, d1, b1, ratio, ref1, ref2, mom1, mom2
 
     @_jit
-    def _scores_rows_of_tile(s, a_op, a_norm, At, At64, terms, CALIBRATED: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_N: tl.constexpr):
-        """_scores_rows (IEEE products: no operand moments) with what it takes from the key tile alone read from
-        _kv_tiles' row of it (At fp32, At64 fp64) instead of made from the tile."""
-        offs_d = tl.arange(0, BLOCK_D)
-        bar_e = tl.load(At + offs_d)
-        bar_w = tl.load(At + BLOCK_D + offs_d)
-        b_sum = tl.load(At + 2 * BLOCK_D + BLOCK_N)
-        ref1, ref2 = tc.refs(a_op, bar_e, bar_w)
-        mom = tl.full([s.shape[0]], 0, tl.float64)
-        bad, d1, b1, ratio = tc.check(s, ref1, ref2, a_norm, b_sum, tl.load(At64), tl.load(At64 + 1),
-                                      tl.load(At64 + 2), tl.load(At64 + 3), mom, mom, terms, CALIBRATED)
-        return bad, d1, b1, ratio, ref1, ref2, mom, mom
-
-    @_jit
-    def _context_rows_of_tile(cl, pcf, a_c, At, At64, terms, CALIBRATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_D: tl.constexpr):
-        """_context_rows (IEEE products: no operand moments) with what it takes from the value tile alone read from
-        _kv_tiles' row of it (At fp32, At64 fp64)."""
-        offs_n = tl.arange(0, BLOCK_N)
-        vw_e = tl.load(At + offs_n)
-        vw_w = tl.load(At + BLOCK_N + offs_n)
-        b_sum = tl.load(At + 2 * BLOCK_N + BLOCK_D)
-        ref1, ref2 = tc.refs(pcf, vw_e, vw_w)
-        mom = tl.full([cl.shape[0]], 0, tl.float64)
-        bad, d1, b1, ratio = tc.check(cl, ref1, ref2, a_c, b_sum, tl.load(At64), tl.load(At64 + 1),
-                                      tl.load(At64 + 2), tl.load(At64 + 3), mom, mom, terms, CALIBRATED)
+    def _rows_of_tile(x, a_op, a_norm, At, At64, terms, CALIBRATED: tl.constexpr, L: tl.constexpr, M: tl.constexpr):
+        """The rows of a tile x = A·B (R, C) against their references, with what they take from the tile of B alone
+        read from its _kv_tiles row (At fp32: B's two weighted sums (L,) each, its M norms, their other_side sum; At64
+        fp64: the other_side squares and the two sums' ref_norm): _scores_rows (L = BLOCK_D, M = BLOCK_N) and
+        _context_rows (L = BLOCK_N, M = BLOCK_D) of IEEE products, which have no operand moments."""
+        offs = tl.arange(0, L)
+        ref1, ref2 = tc.refs(a_op, tl.load(At + offs), tl.load(At + L + offs))
+        mom = tl.full([x.shape[0]], 0, tl.float64)
+        bad, d1, b1, ratio = tc.check(x, ref1, ref2, a_norm, tl.load(At + 2 * L + M), tl.load(At64),
+                                      tl.load(At64 + 1), tl.load(At64 + 2), tl.load(At64 + 3), mom, mom, terms,
+                                      CALIBRATED)
         return bad, d1, b1, ratio, ref1, ref2, mom, mom
 
     @triton.jit
@@ -789,7 +773,7 @@ if triton is not None:
                 # Rows: q_i·(K_jᵀ[e, w]) against Σ_j AS_ij, Σ_j j·AS_ij; columns (a flag, or every tile with COLS)
                 # the same on AS_ijᵀ = K_j Q_iᵀ.
                 if KEY_TILES:
-                    bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _scores_rows_of_tile(
+                    bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _rows_of_tile(
                         s, qf, q_norm, KeyTiles + kt_at * (2 * BLOCK_D + BLOCK_N + 1), KeyTiles64 + kt_at * 4,
                         s_row, CALIBRATED, BLOCK_D, BLOCK_N)
                 else:
@@ -859,7 +843,7 @@ if triton is not None:
                 if VALUE_TILES:
                     vt_at = ValueTiles + kt_at * (2 * BLOCK_N + BLOCK_D + 1)
                     v_col = tl.load(vt_at + 2 * BLOCK_N + tl.arange(0, BLOCK_D))
-                    bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _context_rows_of_tile(
+                    bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _rows_of_tile(
                         cl, pcf, a_c, vt_at, ValueTiles64 + kt_at * 4, c_row, CALIBRATED, BLOCK_N, BLOCK_D)
                 else:
                     v_col = tl.sqrt(tc.rsum(vf * vf, 0))
