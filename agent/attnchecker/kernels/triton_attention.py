@@ -413,6 +413,28 @@ if triton is not None:
                                       CALIBRATED)
         return bad, d1, b1, ratio, ref1, ref2, mom, mom
 
+    @_jit
+    def _tile_terms(x, valid, floor, Out, Out64, row):
+        """One tile's row of _kv_tiles' outputs from x (R, L) fp32, in the layout _rows_of_tile reads. Out
+        (2·L + R + 1,) fp32: Σ_i x_i and Σ_i i·x_i over x's rows (i = 1..R), each row's norm, their other_side sum
+        (valid (R,): the rows that exist); Out64 (4,) fp64: the other_side squares, and the two sums' norms + floor
+        (tc.ref_norm)."""
+        n_rows: tl.constexpr = x.shape[0]
+        n_cols: tl.constexpr = x.shape[1]
+        e = tc.rsum(x, 0)
+        w = tc.rsum(x * tc.weights(n_rows)[:, None], 0)
+        norms = tl.sqrt(tc.rsum(x * x, 1))
+        b_sum, b_sq1, b_sq2 = tc.other_side(norms, valid, floor)
+        at = Out + row * (2 * n_cols + n_rows + 1)
+        tl.store(at + tl.arange(0, n_cols), e)
+        tl.store(at + n_cols + tl.arange(0, n_cols), w)
+        tl.store(at + 2 * n_cols + tl.arange(0, n_rows), norms)
+        tl.store(at + 2 * n_cols + n_rows, b_sum)
+        tl.store(Out64 + row * 4, b_sq1)
+        tl.store(Out64 + row * 4 + 1, b_sq2)
+        tl.store(Out64 + row * 4 + 2, tc.ref_norm(e, floor))
+        tl.store(Out64 + row * 4 + 3, tc.ref_norm(w, floor))
+
     @triton.jit
     def _kv_tiles(K, V, KOut, KOut64, VOut, VOut64, skb, skh, sks, skd, svb, svh, svs, svd, HK, S, D, N_KEY_TILES,
                   floor_s, floor_c, KEYS: tl.constexpr, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -432,41 +454,15 @@ if triton is not None:
         inside = (offs_n < S)[:, None] & d_ok[None, :]
         row = (n * N_KEY_TILES + tile).to(tl.int64)
         if KEYS:
+            # The scores' rows reduce over keys: the key tile as it is (keys × features).
             k = tl.load(K + (n // HK).to(tl.int64) * skb + (n % HK).to(tl.int64) * skh + offs_n[:, None] * sks
                         + offs_d[None, :] * skd, mask=inside, other=0.0)
-            kf = k.to(tl.float32)
-            w = tc.weights(BLOCK_N)
-            bar_e = tc.rsum(kf, 0)
-            bar_w = tc.rsum(kf * w[:, None], 0)
-            k_norm = tl.sqrt(tc.rsum(kf * kf, 1))
-            b_sum, b_sq1, b_sq2 = tc.other_side(k_norm, tl.full([BLOCK_N], 1, tl.int1), floor_s)
-            at = KOut + row * (2 * BLOCK_D + BLOCK_N + 1)
-            tl.store(at + offs_d, bar_e)
-            tl.store(at + BLOCK_D + offs_d, bar_w)
-            tl.store(at + 2 * BLOCK_D + tl.arange(0, BLOCK_N), k_norm)
-            tl.store(at + 2 * BLOCK_D + BLOCK_N, b_sum)
-            tl.store(KOut64 + row * 4, b_sq1)
-            tl.store(KOut64 + row * 4 + 1, b_sq2)
-            tl.store(KOut64 + row * 4 + 2, tc.ref_norm(bar_e, floor_s))
-            tl.store(KOut64 + row * 4 + 3, tc.ref_norm(bar_w, floor_s))
+            _tile_terms(k.to(tl.float32), tl.full([BLOCK_N], 1, tl.int1), floor_s, KOut, KOut64, row)
         if VALUES:
+            # The context's rows reduce over features: the value tile transposed (features × keys).
             v = tl.load(V + (n // HK).to(tl.int64) * svb + (n % HK).to(tl.int64) * svh + offs_n[:, None] * svs
                         + offs_d[None, :] * svd, mask=inside, other=0.0)
-            vf = v.to(tl.float32)
-            w_d = tc.weights(BLOCK_D)
-            vw_e = tc.rsum(vf, 1)
-            vw_w = tc.rsum(vf * w_d[None, :], 1)
-            v_col = tl.sqrt(tc.rsum(vf * vf, 0))
-            b_sum, b_sq1, b_sq2 = tc.other_side(v_col, d_ok, floor_c)
-            at = VOut + row * (2 * BLOCK_N + BLOCK_D + 1)
-            tl.store(at + tl.arange(0, BLOCK_N), vw_e)
-            tl.store(at + BLOCK_N + tl.arange(0, BLOCK_N), vw_w)
-            tl.store(at + 2 * BLOCK_N + offs_d, v_col)
-            tl.store(at + 2 * BLOCK_N + BLOCK_D, b_sum)
-            tl.store(VOut64 + row * 4, b_sq1)
-            tl.store(VOut64 + row * 4 + 1, b_sq2)
-            tl.store(VOut64 + row * 4 + 2, tc.ref_norm(vw_e, floor_c))
-            tl.store(VOut64 + row * 4 + 3, tc.ref_norm(vw_w, floor_c))
+            _tile_terms(tl.trans(v.to(tl.float32)), d_ok, floor_c, VOut, VOut64, row)
 
     @_jit
     def _scores_moments(a_sq, b_sq, bar_e, bar_w, w, tiny):
