@@ -317,6 +317,13 @@ def coverage_section(args: argparse.Namespace, device: str) -> dict[str, Any]:
     return {"rows": rows}
 
 
+def _checkout_env() -> dict[str, str]:
+    """This environment with the checkout's agent/ and tests/ first on PYTHONPATH: a child process (pytest, the
+    profiled program) imports attnchecker from the checkout, which the device's Python has not installed."""
+    paths = [str(ROOT / "agent"), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
 def tests_section(budget_s: float) -> dict[str, Any]:
     # Only the modules that hold gpu-marked tests: collecting all of tests/agent would import what a bare GPU image
     # may lack (the collector's server stack, integrations), and one collection error stops the whole run.
@@ -325,9 +332,7 @@ def tests_section(budget_s: float) -> dict[str, Any]:
     # A per-test limit, so that one slow test cannot keep the run from its end, where pytest prints the failures.
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "--tb=short", "--durations=10", "-p", "no:cacheprovider",
            f"--timeout={max(10, int(budget_s / 4))}", *files]
-    # The checkout is not installed there: agent/ and tests/ on the path, as _common.setup_path does for bench/.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT / "agent"), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = _checkout_env()
     t0 = time.monotonic()
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s, check=False, env=env)
@@ -382,7 +387,7 @@ def profile_section(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     cmd = [ncu, "--kernel-name", "regex:attention", "--launch-skip", str(launches), "--launch-count", str(launches),
            "--clock-control", "none", *(x for sec in PROFILE_SECTIONS for x in ("--section", sec)),
            "--csv", "--page", "raw", sys.executable, str(Path(__file__).resolve()), "--profile-target"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "agent"), os.environ.get("PYTHONPATH", "")])}
+    env = _checkout_env()
     t0 = time.monotonic()
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False, env=env)

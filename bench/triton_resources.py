@@ -13,6 +13,7 @@ caches what it compiled.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import linecache
 import re
@@ -112,6 +113,7 @@ CLEAN_PATH_EDITS = (
 )
 
 
+@functools.lru_cache(maxsize=1)
 def clean_path_kernel() -> Any:
     """triton_attention's kernel with CLEAN_PATH_EDITS applied: the loop a tile that does not flag executes. For the
     instruction count only (a flagged tile would go unrecorded)."""
