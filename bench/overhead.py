@@ -1,11 +1,17 @@
 """Training-step overhead of ABFT protection, against an unprotected SDPA baseline and cheaper or costlier checkers.
 
 One training step = forward + backward + AdamW step on a transformers GPT-2 or Llama built from a config (random
-weights, random tokens: the cost does not depend on the values). Every variant gets its own copy of the same model
-and the same batch; rounds interleave the variants in a shuffled order (bench/_common.py says why).
+weights, random tokens: the cost does not depend on the values). Every variant runs on one shared model and the same
+batch, protection attached before its step and closed after it (Variant says why; the adaptive variants and
+baseline_copy keep copies of their own); rounds interleave the variants in a shuffled order (bench/_common.py says
+why).
 
 Variants:
   baseline   unprotected, attn_implementation="sdpa" (the fused kernel)
+  baseline_copy  unprotected on a copy of its own (own weights, own AdamW), never protected: baseline_copy /
+             baseline is this design's A/A control, and tells whether the protected variants' steps on the shared
+             model (attached and closed around each) leave the shared baseline slower or faster than a model no
+             guard ever touched (issue 32's harness gap)
   full       attnchecker.protect(model, optimizer=opt, policy=Policy.full()): every op, every step (every
              variant is protected with the optimizer, as the README has it: its gradient net counts)
   adaptive   Policy() (the default: tier 1 on every step, full checks on the adaptive schedule), warmed up on tiny
@@ -63,9 +69,9 @@ from attnchecker.attention.backends import unfused
 from attnchecker.attention.backward import encoded
 from attnchecker.kernels import fused_attention, fused_pass, row_verify
 
-VARIANTS = ("baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor", "all_full",
-            "all_adaptive", "all_tier1", "all_full_eager", "all_full_rules", "all_full_products", "full_unfused",
-            "all_full_unfused", "full_softmax_ops", "all_tier1_sdpa")
+VARIANTS = ("baseline", "baseline_copy", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor",
+            "all_full", "all_adaptive", "all_tier1", "all_full_eager", "all_full_rules", "all_full_products",
+            "full_unfused", "all_full_unfused", "full_softmax_ops", "all_tier1_sdpa")
 SIZES = {
     # The issue's sizes; vocab 8192 (not GPT-2's 50257) keeps the LM head from dwarfing the layers the checks are
     # in, which makes the measured overhead larger, not smaller.
@@ -233,7 +239,7 @@ class Variant:
                  tiny_batch: torch.Tensor) -> None:
         self.name = name
         self.batch = batch
-        self.own = name in ADAPTIVE
+        self.own = name in ADAPTIVE or name == "baseline_copy"
         if self.own:
             self.model = copy.deepcopy(shared[0])
             self.opt: torch.optim.Optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
@@ -246,7 +252,7 @@ class Variant:
         self.tier1_checks: list[int] = []
         self.tier1_s: list[float] = []
         self.cpu_s: list[float] = []
-        if self.own:
+        if name in ADAPTIVE:
             self._attach()
             # Period 1 -> 8 takes 8 quiet checks at each of 1, 2 and 4 (docs/adaptive.md): 56 steps, on tiny input
             # so the warm-up costs seconds. The scheduler only sees steps and outcomes, not sizes.

@@ -46,10 +46,10 @@ def test_overhead_bench_writes_every_variant(tmp_path):
     doc = run_bench("overhead", tmp_path, "--rounds", "2")
     assert [m["model"] for m in doc["models"]] == ["gpt2", "llama"]
     for m in doc["models"]:
-        assert set(m["variants"]) == {"baseline", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr",
-                                      "floor", "all_full", "all_adaptive", "all_tier1", "all_full_eager",
-                                      "all_full_rules", "all_full_products", "full_unfused", "all_full_unfused",
-                                      "full_softmax_ops", "all_tier1_sdpa"}
+        assert set(m["variants"]) == {"baseline", "baseline_copy", "full", "adaptive", "tier1", "paper", "skip",
+                                      "finite", "dmr", "floor", "all_full", "all_adaptive", "all_tier1",
+                                      "all_full_eager", "all_full_rules", "all_full_products", "full_unfused",
+                                      "all_full_unfused", "full_softmax_ops", "all_tier1_sdpa"}
         for v in m["variants"].values():
             check_summary(v["step_s"])
             assert positive(v["step_s"]["median"])
@@ -258,6 +258,31 @@ def test_attached_bench_without_the_second_copy_runs_two_models_in_rotation(tmp_
     assert set(doc["variants"]) == {"plain", "protected"}
     assert set(doc["bare_control"]["variants"]) == {"plain", "protected_bare"}
     assert positive(doc["variants"]["protected"]["cpu"]["ratio_vs_plain"]["median"])
+
+
+def test_harness_gap_bench_steps_both_designs_in_one_rotation_and_pools_their_rounds(tmp_path: Path) -> None:
+    """bench/harness_gap.py (issue 32's harness gap): the six jobs in one run, each protected job with its checks'
+    share and what it adds outside them; --pool pairs the rounds of two runs, so a comparison has both runs' rounds
+    and one median per run."""
+    runs = []
+    for seed in (1, 2):
+        doc = run_bench("harness_gap", tmp_path / str(seed), "--rounds", "2", "--seed", str(seed))
+        assert set(doc["variants"]) == {"orig_plain", "orig_per_step", "orig2_once", "copy_plain", "copy_per_step",
+                                        "copy_once"}
+        for name, v in doc["variants"].items():
+            check_summary(v["step_s"])
+            assert len(v["samples_s"]) == 2 and all(positive(x) for x in v["samples_s"])
+            assert ("check_share" in v) == name.endswith(("_once", "_per_step"))
+        assert all(positive(v["check_share"]) for n, v in doc["variants"].items() if "check_share" in v)
+        runs.append(tmp_path / str(seed) / "harness_gap.json")
+    out = tmp_path / "pool.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "harness_gap.py"), "--pool", *map(str, runs), "--out",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pooled = json.loads(out.read_text())
+    for c in pooled["comparisons"]:
+        assert c["ratio"]["n"] == 4 and len(c["run_medians"]) == 2
+        assert c["ratio"]["min"] <= min(c["run_medians"]) <= max(c["run_medians"]) <= c["ratio"]["max"]
 
 
 def test_attached_bench_measures_the_protected_copy_against_its_own_bare_control(tmp_path: Path) -> None:

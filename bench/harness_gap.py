@@ -1,0 +1,156 @@
+"""Where bench/overhead.py and bench/attached_overhead.py part (issue 32): both designs' protected steps in one
+interleaved run, beside the two ways they differ, so each difference gets its own ratio against one baseline.
+
+bench/overhead.py protects the model its baseline runs on, attaching before each step and closing after it;
+bench/attached_overhead.py protects a deep copy once and leaves it on. Jobs here, all stepped in one shuffled
+rotation per round, each with its own SGD optimizer (stateless, so two optimizers over one model's parameters
+update it as one would):
+
+  orig_plain     the model as transformers built it, unprotected: the baseline of every ratio
+  orig_per_step  the same model object, protected before each step and closed after it (bench/overhead.py's design)
+  orig2_once     a second model built the same way (same seed, same weights), protected once
+  copy_plain     a deep copy of the first model, unprotected: the copies' A/A control
+  copy_per_step  another deep copy, protected before each step and closed after it
+  copy_once      another deep copy, protected once (bench/attached_overhead.py's design)
+
+Beside each protected job's ratio, its checks' share (the guard's timers over the baseline's step) and what it adds
+outside them: median step - median checks - median baseline step, in ms.
+
+    python bench/harness_gap.py [--policy full|default] [--rounds 12] [--seed 0] [--tiny] [--out PATH]
+    python bench/harness_gap.py --pool RUN.json [RUN.json ...]
+
+--pool reads runs written by this script and pairs their rounds: for each comparison below, the per-round ratio of
+two jobs stepped in the same round, over every round of every run (median [IQR], and in how many runs the per-run
+median was above 1). A run's own rounds share its phase of the machine; pooling them gives the comparison the
+rounds that a single run's median lacks.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
+
+_common.setup_path()
+
+import torch
+from attached_overhead import POLICIES, Job
+from overhead import SIZES, build_model
+
+COMPARISONS = (
+    ("orig_per_step", "orig_plain", "bench/overhead.py's design: protected and baseline on one model"),
+    ("copy_once", "orig_plain", "bench/attached_overhead.py's design: a copy protected once"),
+    ("orig2_once", "orig_per_step", "attached once against per step, on models transformers built"),
+    ("copy_once", "copy_per_step", "attached once against per step, on deep copies"),
+    ("copy_per_step", "orig_per_step", "a copy against the model itself, both protected per step"),
+    ("copy_plain", "orig_plain", "a copy against the model itself, unprotected (A/A)"),
+)
+"""(job, over, what it tells) for --pool."""
+JOBS = ("orig_plain", "orig_per_step", "orig2_once", "copy_plain", "copy_per_step", "copy_once")
+
+
+def run(size: dict[str, int], *, policy: str, rounds: int, warmup: int, seed: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    orig = build_model("gpt2", size)
+    orig2 = build_model("gpt2", size)
+    protect = {"scope": "all", "policy": POLICIES[policy]()}
+    jobs = {
+        "orig_plain": Job(orig, "sgd", protect=None),
+        "orig_per_step": Job(orig, "sgd", protect=protect, reattach=True),
+        "orig2_once": Job(orig2, "sgd", protect=protect),
+        "copy_plain": Job(copy.deepcopy(orig), "sgd", protect=None),
+        "copy_per_step": Job(copy.deepcopy(orig), "sgd", protect=protect, reattach=True),
+        "copy_once": Job(copy.deepcopy(orig), "sgd", protect=protect),
+    }
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=g)
+    # Attached-once default-policy jobs past the schedule's ramp (56 quiet steps, docs/adaptive.md); every job a
+    # few steps, so the allocator and caches are in their steady state.
+    for i in range(warmup):
+        for name, job in jobs.items():
+            if name.endswith("_once") or i < 4:
+                job.step(ids, record=False)
+    _common.interleaved({n: (lambda j=j: j.step(ids)) for n, j in jobs.items()}, rounds=rounds, warmup=0, seed=seed)
+    for job in jobs.values():
+        job.close()
+    cpu = {n: j.cpu_s for n, j in jobs.items()}
+    rat = _common.ratios(cpu, "orig_plain")
+    base_ms = statistics.median(cpu["orig_plain"]) * 1e3
+    variants: dict[str, Any] = {}
+    for n, j in jobs.items():
+        step_ms = statistics.median(j.cpu_s) * 1e3
+        entry: dict[str, Any] = {"step_s": _common.summary(j.cpu_s), "ratio_vs_orig_plain": rat[n],
+                                 "samples_s": j.cpu_s}
+        if j.check_s:
+            check_ms = statistics.median(j.check_s) * 1e3
+            entry["check_s_per_step"] = _common.summary(j.check_s)
+            entry["check_samples_s"] = j.check_s
+            entry["check_share"] = check_ms / base_ms
+            entry["outside_checks_ms"] = step_ms - check_ms - base_ms
+        variants[n] = entry
+    return {"model": "gpt2", "size": size, "policy": policy, "optimizer": "sgd", "rounds": rounds,
+            "warmup_steps": warmup, "variants": variants}
+
+
+def pool(paths: list[str]) -> dict[str, Any]:
+    """The per-round ratios of COMPARISONS over every round of the runs at ``paths``."""
+    import json
+
+    runs = [json.loads(Path(p).read_text())["variants"] for p in paths]
+    out: dict[str, Any] = {"runs": paths, "comparisons": []}
+    for job, over, what in COMPARISONS:
+        per_run = [[a / b for a, b in zip(v[job]["samples_s"], v[over]["samples_s"], strict=True)] for v in runs]
+        every = [r for rs in per_run for r in rs]
+        out["comparisons"].append({"job": job, "over": over, "what": what, "ratio": _common.summary(every),
+                                   "run_medians": [statistics.median(rs) for rs in per_run]})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--policy", default="full", choices=sorted(POLICIES))
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="untimed steps of the attached-once jobs first (4 of the others); default 8 for full, 64 "
+                         "for the default policy")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="the smoke test's size: seconds, not minutes")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--pool", nargs="+", metavar="RUN", help="pool the paired rounds of runs this script wrote")
+    args = ap.parse_args(argv)
+    if args.pool:
+        pooled = pool(args.pool)
+        rows = [[f"{c['job']} / {c['over']}", _common.pct(c["ratio"]["median"]),
+                 f"[{_common.pct(c['ratio']['p25'])}, {_common.pct(c['ratio']['p75'])}]", c["ratio"]["n"],
+                 " ".join(_common.pct(m) for m in c["run_medians"]), c["what"]] for c in pooled["comparisons"]]
+        print(f"{len(args.pool)} runs pooled; per-round CPU-time ratios of two jobs stepped in the same round")
+        print(_common.table(rows, ["ratio", "median", "IQR", "rounds", "per-run medians", "what it tells"]))
+        if args.out:
+            print(f"wrote {_common.write_result('harness_gap_pool', pooled, args.out)}")
+        return 0
+    warmup = 2 if args.tiny else args.warmup if args.warmup is not None else 8 if args.policy == "full" else 64
+    res = run(dict(SIZES["tiny" if args.tiny else "full"]), policy=args.policy, rounds=args.rounds, warmup=warmup,
+              seed=args.seed)
+    rows = []
+    for n, e in res["variants"].items():
+        r = e["ratio_vs_orig_plain"]
+        rows.append([n, e["step_s"]["median"] * 1e3, _common.pct(r["median"]),
+                     f"[{_common.pct(r['p25'])}, {_common.pct(r['p75'])}]",
+                     f"{e['check_share'] * 100:.1f} %" if "check_share" in e else "",
+                     f"{e['outside_checks_ms']:+.0f}" if "outside_checks_ms" in e else ""])
+    print(f"gpt2 {res['size']}, scope=all, policy={res['policy']}, SGD, {res['rounds']} interleaved rounds; "
+          "overhead = median of per-round CPU-time ratios to orig_plain [IQR]")
+    print(_common.table(rows, ["job", "CPU ms/step", "vs orig_plain", "IQR", "checks' share",
+                               "outside checks, ms"]))
+    path = _common.write_result("harness_gap", res, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
