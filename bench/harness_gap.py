@@ -18,11 +18,17 @@ outside them: median step - median checks - median baseline step, in ms.
 
     python bench/harness_gap.py [--policy full|default] [--rounds 12] [--seed 0] [--tiny] [--out PATH]
     python bench/harness_gap.py --pool RUN.json [RUN.json ...]
+    python bench/harness_gap.py --code-path [--policy full|default] [--tiny] [--out PATH]
 
 --pool reads runs written by this script and pairs their rounds: for each comparison below, the per-round ratio of
 two jobs stepped in the same round, over every round of every run (median [IQR], and in how many runs the per-run
 median was above 1). A run's own rounds share its phase of the machine; pooling them gives the comparison the
 rounds that a single run's median lacks.
+
+--code-path times nothing: it profiles one step of a guard attached once (past its warm-up) and one of a guard
+attached just before its step (bench/overhead.py's way, the attach itself outside the profile) and counts the Python
+and torch functions whose call counts differ; then it counts the tensors a live guard keeps between steps: those
+alive before its close and gone after it.
 """
 from __future__ import annotations
 
@@ -97,6 +103,60 @@ def run(size: dict[str, int], *, policy: str, rounds: int, warmup: int, seed: in
             "warmup_steps": warmup, "variants": variants}
 
 
+def code_path(size: dict[str, int], *, policy: str, warmup: int) -> dict[str, Any]:
+    """What differs, call for call, between a step under a guard left on and one under a fresh guard; and what a
+    live guard holds between steps (see the docstring)."""
+    import cProfile
+    import pstats
+
+    torch.set_num_threads(1)
+    orig = build_model("gpt2", size)
+    protect = {"scope": "all", "policy": POLICIES[policy]()}
+    once = Job(copy.deepcopy(orig), "sgd", protect=protect)
+    fresh = Job(copy.deepcopy(orig), "sgd", protect=None)
+    ids = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=torch.Generator().manual_seed(0))
+    for i in range(warmup):
+        once.step(ids, record=False)
+        if i < 3:
+            fresh.step(ids, record=False)
+    fresh.protect, fresh.guard = protect, None
+    fresh.guard = fresh._attach()
+    calls: dict[str, dict[tuple[str, int, str], int]] = {}
+    for name, job in (("once", once), ("fresh", fresh)):
+        prof = cProfile.Profile()
+        prof.enable()
+        job.step(ids, record=False)
+        prof.disable()
+        calls[name] = {k: v[1] for k, v in pstats.Stats(prof).stats.items()}  # type: ignore[attr-defined]
+    fresh.close()
+    differ = sorted((f"{k[0].rsplit('/', 1)[-1]}:{k[1]} {k[2]}", calls["once"].get(k, 0) - calls["fresh"].get(k, 0))
+                    for k in set(calls["once"]) | set(calls["fresh"]) if calls["once"].get(k) != calls["fresh"].get(k))
+    # What the live guard holds: the tensors alive now that are gone once it is closed.
+    before = _tensor_storages()
+    once.close()
+    after = _tensor_storages()
+    held = {ptr: n for ptr, n in before.items() if ptr not in after}
+    return {"policy": policy, "size": size, "warmup_steps": warmup, "functions": len(calls["once"]),
+            "functions_fresh": len(calls["fresh"]), "call_counts_differ": differ,
+            "tensors_held_between_steps": len(held), "bytes_held_between_steps": sum(held.values())}
+
+
+def _tensor_storages() -> dict[int, int]:
+    """data_ptr -> bytes of every tensor storage the garbage collector can see."""
+    import gc
+    import warnings
+
+    gc.collect()
+    out: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated reduce_op warns
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                st = obj.untyped_storage()
+                out[st.data_ptr()] = st.nbytes()
+    return out
+
+
 def pool(paths: list[str]) -> dict[str, Any]:
     """The per-round ratios of COMPARISONS over every round of the runs at ``paths``."""
     import json
@@ -122,7 +182,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="the smoke test's size: seconds, not minutes")
     ap.add_argument("--out", default=None)
     ap.add_argument("--pool", nargs="+", metavar="RUN", help="pool the paired rounds of runs this script wrote")
+    ap.add_argument("--code-path", action="store_true",
+                    help="no timing: the functions whose call counts differ between a step under a guard left on "
+                         "and one under a fresh guard, and the tensors a live guard holds between steps")
     args = ap.parse_args(argv)
+    size = dict(SIZES["tiny" if args.tiny else "full"])
+    if args.code_path:
+        got = code_path(size, policy=args.policy, warmup=2 if args.tiny else 8)
+        print(f"one step (gpt2, scope=all, policy={args.policy}), a guard attached once against one attached just "
+              "before it")
+        print(_common.table([
+            ["functions called (once / fresh)", f"{got['functions']} / {got['functions_fresh']}"],
+            ["functions with different call counts", len(got["call_counts_differ"])],
+            ["tensors a live guard keeps between steps", got["tensors_held_between_steps"]],
+            ["their bytes", got["bytes_held_between_steps"]],
+        ], ["what", "count"]))
+        for fn, d in got["call_counts_differ"][:20]:
+            print(f"  {d:+d}  {fn}")
+        print(f"wrote {_common.write_result('harness_gap_code_path', got, args.out)}")
+        return 0
     if args.pool:
         pooled = pool(args.pool)
         rows = [[f"{c['job']} / {c['over']}", _common.pct(c["ratio"]["median"]),
@@ -134,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {_common.write_result('harness_gap_pool', pooled, args.out)}")
         return 0
     warmup = 2 if args.tiny else args.warmup if args.warmup is not None else 8 if args.policy == "full" else 64
-    res = run(dict(SIZES["tiny" if args.tiny else "full"]), policy=args.policy, rounds=args.rounds, warmup=warmup,
+    res = run(size, policy=args.policy, rounds=args.rounds, warmup=warmup,
               seed=args.seed)
     rows = []
     for n, e in res["variants"].items():
