@@ -1,5 +1,6 @@
-"""The engine's cached tensors (causal masks, checksum weights, histogram edges) belong to the guard: closing it, or
-unprotect(), empties them, so a run's masks (~2 GiB at 8k context on the GPU) do not outlive it."""
+"""The engine's cached tensors (causal masks, checksum weights, histogram edges) belong to the live guards: closing
+the last one, or unprotect() of the last protected model, empties them, so a run's masks (~2 GiB at 8k context on
+the GPU) do not outlive it; closing one of several leaves them to the others."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 import attnchecker
 from attnchecker import Policy
+from attnchecker.abft import checksum_weights
 from attnchecker.checks.caches import _future_mask, engine_caches, fill_future_
 
 if str(Path(__file__).resolve().parent) not in sys.path:
@@ -51,6 +53,30 @@ def test_guard_close_releases_the_caches_and_a_new_guard_refills_them() -> None:
         _checked_forward(model)
         assert engine_caches.entries() > 0
         assert guard.report().checks["scores"] > 0
+    assert engine_caches.entries() == 0
+
+
+def test_closing_one_of_two_guards_leaves_the_caches_to_the_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two models protected in one process (a teacher and a student, an EMA copy, a benchmark's jobs): closing one
+    guard must not empty what the other still uses, or that one rebuilds its masks and checksum weights on its next
+    checked step. Closing the last one empties them."""
+    monkeypatch.setenv("ATTNCHECKER_ATTENTION", "unfused")  # the path that caches its future mask
+    engine_caches.clear()
+    first, second = build(ARCH), build(ARCH)
+    guard_1 = attnchecker.protect(first, policy=Policy(period=1, adaptive=False))
+    guard_2 = attnchecker.protect(second, policy=Policy(period=1, adaptive=False))
+    _checked_forward(first)
+    _checked_forward(second)
+    held = engine_caches.entries()
+    assert held > 0 and _future_mask.cache_info().currsize > 0
+    guard_1.close()
+    assert engine_caches.entries() == held, "closing one guard emptied the caches another live guard uses"
+    misses = (checksum_weights.cache_info().misses, _future_mask.cache_info().misses)
+    _checked_forward(second)
+    assert guard_2.report().checks["scores"] > 0
+    assert (checksum_weights.cache_info().misses, _future_mask.cache_info().misses) == misses, \
+        "the live guard rebuilt cached tensors after the other guard closed"
+    guard_2.close()
     assert engine_caches.entries() == 0
 
 

@@ -1,6 +1,7 @@
-"""The engine's process-wide caches of tensors, owned by whoever attached the engine: ``Guard.close()`` (and so
-``unprotect()``) calls ``checks.caches.clear()``, so a causal mask cached at 8k context (~2 GiB of bool on the GPU per
-(T, S, device)) does not outlive the run that made it."""
+"""The engine's process-wide caches of tensors, owned by the live guards together: the last one's ``Guard.close()``
+(and so ``unprotect()``) calls ``engine_caches.clear()``, so a causal mask cached at 8k context (~2 GiB of bool on the
+GPU per (T, S, device)) does not outlive the runs that made it, and closing one of several guards leaves the others
+their cached tensors."""
 from __future__ import annotations
 
 import functools

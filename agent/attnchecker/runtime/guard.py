@@ -341,7 +341,11 @@ class Guard:
         try:
             self._binder.undo_all()
         finally:
-            engine_caches.clear()  # cached engine tensors (a causal mask: ~2 GiB at 8k context) go with the guard
+            # Cached engine tensors (a causal mask: ~2 GiB at 8k context) are process-wide: they go with the last
+            # live guard, not with each one, or closing one model's guard would make every other live guard
+            # (a second protected model, a teacher, an EMA copy) rebuild its masks and checksum weights.
+            if not _GUARDS:
+                engine_caches.clear()
             if self._link is not None:
                 self._link.close(flush_timeout_s, last_step=last_step)
 
