@@ -27,15 +27,21 @@ rounds that a single run's median lacks.
 
 --code-path times nothing: it profiles one step of a guard attached once (past its warm-up) and one of a guard
 attached just before its step (bench/overhead.py's way, the attach itself outside the profile) and counts the Python
-and torch functions whose call counts differ; then it counts the tensors a live guard keeps between steps: those
-alive before its close and gone after it.
+and torch functions whose call counts differ; then it counts the tensors a live guard keeps between steps (those
+alive before its close and gone after it), beside the entries of the engine's caches, which the last live guard's
+close releases.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
+import gc
+import json
+import pstats
 import statistics
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +53,8 @@ _common.setup_path()
 import torch
 from attached_overhead import POLICIES, Job
 from overhead import SIZES, build_model
+
+from attnchecker.checks.caches import engine_caches
 
 COMPARISONS = (
     ("orig_per_step", "orig_plain", "bench/overhead.py's design: protected and baseline on one model"),
@@ -106,21 +114,18 @@ def run(size: dict[str, int], *, policy: str, rounds: int, warmup: int, seed: in
 def code_path(size: dict[str, int], *, policy: str, warmup: int) -> dict[str, Any]:
     """What differs, call for call, between a step under a guard left on and one under a fresh guard; and what a
     live guard holds between steps (see the docstring)."""
-    import cProfile
-    import pstats
-
     torch.set_num_threads(1)
     orig = build_model("gpt2", size)
     protect = {"scope": "all", "policy": POLICIES[policy]()}
     once = Job(copy.deepcopy(orig), "sgd", protect=protect)
-    fresh = Job(copy.deepcopy(orig), "sgd", protect=None)
+    fresh = Job(copy.deepcopy(orig), "sgd", protect=protect, reattach=True)
     ids = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=torch.Generator().manual_seed(0))
     for i in range(warmup):
         once.step(ids, record=False)
         if i < 3:
             fresh.step(ids, record=False)
-    fresh.protect, fresh.guard = protect, None
-    fresh.guard = fresh._attach()
+    # The profiled step's guard attached here, outside the profile (bench/overhead.py attaches untimed too).
+    fresh.reattach, fresh.guard = False, fresh._attach()
     calls: dict[str, dict[tuple[str, int, str], int]] = {}
     for name, job in (("once", once), ("fresh", fresh)):
         prof = cProfile.Profile()
@@ -131,21 +136,21 @@ def code_path(size: dict[str, int], *, policy: str, warmup: int) -> dict[str, An
     fresh.close()
     differ = sorted((f"{k[0].rsplit('/', 1)[-1]}:{k[1]} {k[2]}", calls["once"].get(k, 0) - calls["fresh"].get(k, 0))
                     for k in set(calls["once"]) | set(calls["fresh"]) if calls["once"].get(k) != calls["fresh"].get(k))
-    # What the live guard holds: the tensors alive now that are gone once it is closed.
+    # What the live guard holds: the tensors alive now that are gone once it is closed (the last live guard's close
+    # also empties the engine's process-wide caches, counted beside them).
+    cache_entries = engine_caches.entries()
     before = _tensor_storages()
     once.close()
     after = _tensor_storages()
     held = {ptr: n for ptr, n in before.items() if ptr not in after}
     return {"policy": policy, "size": size, "warmup_steps": warmup, "functions": len(calls["once"]),
             "functions_fresh": len(calls["fresh"]), "call_counts_differ": differ,
-            "tensors_held_between_steps": len(held), "bytes_held_between_steps": sum(held.values())}
+            "tensors_held_between_steps": len(held), "bytes_held_between_steps": sum(held.values()),
+            "engine_cache_entries": cache_entries}
 
 
 def _tensor_storages() -> dict[int, int]:
     """data_ptr -> bytes of every tensor storage the garbage collector can see."""
-    import gc
-    import warnings
-
     gc.collect()
     out: dict[int, int] = {}
     with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated reduce_op warns
@@ -159,8 +164,6 @@ def _tensor_storages() -> dict[int, int]:
 
 def pool(paths: list[str]) -> dict[str, Any]:
     """The per-round ratios of COMPARISONS over every round of the runs at ``paths``."""
-    import json
-
     runs = [json.loads(Path(p).read_text())["variants"] for p in paths]
     out: dict[str, Any] = {"runs": paths, "comparisons": []}
     for job, over, what in COMPARISONS:
@@ -196,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             ["functions with different call counts", len(got["call_counts_differ"])],
             ["tensors a live guard keeps between steps", got["tensors_held_between_steps"]],
             ["their bytes", got["bytes_held_between_steps"]],
+            ["entries in the engine's caches (released with the last guard)", got["engine_cache_entries"]],
         ], ["what", "count"]))
         for fn, d in got["call_counts_differ"][:20]:
             print(f"  {d:+d}  {fn}")
