@@ -16,9 +16,12 @@ update it as one would):
 Beside each protected job's ratio, its checks' share (the guard's timers over the baseline's step) and what it adds
 outside them: median step - median checks - median baseline step, in ms.
 
-    python bench/harness_gap.py [--policy full|default] [--rounds 12] [--seed 0] [--tiny] [--out PATH]
+    python bench/harness_gap.py [--rounds 12] [--seed 0] [--tiny] [--out PATH]
     python bench/harness_gap.py --pool RUN.json [RUN.json ...]
-    python bench/harness_gap.py --code-path [--policy full|default] [--tiny] [--out PATH]
+    python bench/harness_gap.py --code-path [--tiny] [--out PATH]
+
+Every protected job runs Policy.full(): a guard attached before each step checks everything on that step whatever
+its policy, so full protection is the one both designs can time alike.
 
 --pool reads runs written by this script and pairs their rounds: for each comparison below, the per-round ratio of
 two jobs stepped in the same round, over every round of every run (median [IQR], and in how many runs the per-run
@@ -65,14 +68,13 @@ COMPARISONS = (
     ("copy_plain", "orig_plain", "a copy against the model itself, unprotected (A/A)"),
 )
 """(job, over, what it tells) for --pool."""
-JOBS = ("orig_plain", "orig_per_step", "orig2_once", "copy_plain", "copy_per_step", "copy_once")
 
 
-def run(size: dict[str, int], *, policy: str, rounds: int, warmup: int, seed: int) -> dict[str, Any]:
+def run(size: dict[str, int], *, rounds: int, warmup: int, seed: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     orig = build_model("gpt2", size)
     orig2 = build_model("gpt2", size)
-    protect = {"scope": "all", "policy": POLICIES[policy]()}
+    protect = {"scope": "all", "policy": POLICIES["full"]()}
     jobs = {
         "orig_plain": Job(orig, "sgd", protect=None),
         "orig_per_step": Job(orig, "sgd", protect=protect, reattach=True),
@@ -83,8 +85,8 @@ def run(size: dict[str, int], *, policy: str, rounds: int, warmup: int, seed: in
     }
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=g)
-    # Attached-once default-policy jobs past the schedule's ramp (56 quiet steps, docs/adaptive.md); every job a
-    # few steps, so the allocator and caches are in their steady state.
+    # The attached-once jobs a few more steps than the others; every job a few, so the allocator and caches are in
+    # their steady state.
     for i in range(warmup):
         for name, job in jobs.items():
             if name.endswith("_once") or i < 4:
@@ -107,16 +109,16 @@ def run(size: dict[str, int], *, policy: str, rounds: int, warmup: int, seed: in
             entry["check_share"] = check_ms / base_ms
             entry["outside_checks_ms"] = step_ms - check_ms - base_ms
         variants[n] = entry
-    return {"model": "gpt2", "size": size, "policy": policy, "optimizer": "sgd", "rounds": rounds,
+    return {"model": "gpt2", "size": size, "policy": "full", "optimizer": "sgd", "rounds": rounds,
             "warmup_steps": warmup, "variants": variants}
 
 
-def code_path(size: dict[str, int], *, policy: str, warmup: int) -> dict[str, Any]:
+def code_path(size: dict[str, int], *, warmup: int) -> dict[str, Any]:
     """What differs, call for call, between a step under a guard left on and one under a fresh guard; and what a
     live guard holds between steps (see the docstring)."""
     torch.set_num_threads(1)
     orig = build_model("gpt2", size)
-    protect = {"scope": "all", "policy": POLICIES[policy]()}
+    protect = {"scope": "all", "policy": POLICIES["full"]()}
     once = Job(copy.deepcopy(orig), "sgd", protect=protect)
     fresh = Job(copy.deepcopy(orig), "sgd", protect=protect, reattach=True)
     ids = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), generator=torch.Generator().manual_seed(0))
@@ -143,7 +145,7 @@ def code_path(size: dict[str, int], *, policy: str, warmup: int) -> dict[str, An
     once.close()
     after = _tensor_storages()
     held = {ptr: n for ptr, n in before.items() if ptr not in after}
-    return {"policy": policy, "size": size, "warmup_steps": warmup, "functions": len(calls["once"]),
+    return {"policy": "full", "size": size, "warmup_steps": warmup, "functions": len(calls["once"]),
             "functions_fresh": len(calls["fresh"]), "call_counts_differ": differ,
             "tensors_held_between_steps": len(held), "bytes_held_between_steps": sum(held.values()),
             "engine_cache_entries": cache_entries}
@@ -176,11 +178,9 @@ def pool(paths: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--policy", default="full", choices=sorted(POLICIES))
     ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="untimed steps of the attached-once jobs first (4 of the others); default 8 for full, 64 "
-                         "for the default policy")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed steps of the attached-once jobs first (4 of the "
+                                                          "others)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="the smoke test's size: seconds, not minutes")
     ap.add_argument("--out", default=None)
@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     size = dict(SIZES["tiny" if args.tiny else "full"])
     if args.code_path:
-        got = code_path(size, policy=args.policy, warmup=2 if args.tiny else 8)
-        print(f"one step (gpt2, scope=all, policy={args.policy}), a guard attached once against one attached just "
+        got = code_path(size, warmup=2 if args.tiny else 8)
+        print("one step (gpt2, scope=all, Policy.full()), a guard attached once against one attached just "
               "before it")
         print(_common.table([
             ["functions called (once / fresh)", f"{got['functions']} / {got['functions_fresh']}"],
@@ -215,9 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             print(f"wrote {_common.write_result('harness_gap_pool', pooled, args.out)}")
         return 0
-    warmup = 2 if args.tiny else args.warmup if args.warmup is not None else 8 if args.policy == "full" else 64
-    res = run(size, policy=args.policy, rounds=args.rounds, warmup=warmup,
-              seed=args.seed)
+    res = run(size, rounds=args.rounds, warmup=2 if args.tiny else args.warmup, seed=args.seed)
     rows = []
     for n, e in res["variants"].items():
         r = e["ratio_vs_orig_plain"]
@@ -225,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"[{_common.pct(r['p25'])}, {_common.pct(r['p75'])}]",
                      f"{e['check_share'] * 100:.1f} %" if "check_share" in e else "",
                      f"{e['outside_checks_ms']:+.0f}" if "outside_checks_ms" in e else ""])
-    print(f"gpt2 {res['size']}, scope=all, policy={res['policy']}, SGD, {res['rounds']} interleaved rounds; "
+    print(f"gpt2 {res['size']}, scope=all, Policy.full(), SGD, {res['rounds']} interleaved rounds; "
           "overhead = median of per-round CPU-time ratios to orig_plain [IQR]")
     print(_common.table(rows, ["job", "CPU ms/step", "vs orig_plain", "IQR", "checks' share",
                                "outside checks, ms"]))
