@@ -4,6 +4,7 @@ the GPU) do not outlive it; closing one of several leaves them to the others."""
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 from pathlib import Path
@@ -23,6 +24,19 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 from model_zoo import batch, build, loss_of
 
 ARCH = "nanogpt"  # causal self-attention: the checked path builds its future mask
+
+
+@pytest.fixture(autouse=True)
+def _no_other_live_guard() -> None:
+    """The caches go with the last live guard, so these tests need theirs to be the only ones. Earlier tests in the
+    same process can leave a guard open (protected without close(), its model still referenced): it is closed here,
+    after a collection has dropped those whose models are gone."""
+    from attnchecker.runtime.guard import _GUARDS
+
+    gc.collect()
+    for guard in list(_GUARDS.values()):
+        guard.close()
+    assert not _GUARDS
 
 
 def _checked_forward(model: torch.nn.Module) -> None:
