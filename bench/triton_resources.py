@@ -80,7 +80,7 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any)
             signature[name] = "*i1" if consts["MASK_KIND"] == 1 else "*fp32"
         elif name in ("Seed", "Faults"):
             signature[name] = "*i64"
-        elif name in ("Lse", "Status", "Records", "FaultValues", "FaultSeen", "Debug", "KMax", "KeyTiles",
+        elif name in ("Lse", "Status", "Records", "Saved", "FaultValues", "FaultSeen", "Debug", "KMax", "KeyTiles",
                       "ValueTiles"):
             signature[name] = "*fp32"
         elif name in ("KeyTiles64", "ValueTiles64"):
@@ -102,14 +102,14 @@ def resources(cubin: bytes) -> dict[str, int]:
     return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
-# The kernel's branches that only a flagged tile takes (the columns' check, the record of the flag), made never-taken:
+# The fast pass's branch that only a flagged tile takes (the record of the flag, its kept row), made never-taken:
 # what a clean tile runs, compiled. The source edited in memory and loaded under another name (clean_path_kernel).
 CLEAN_PATH_EDITS = (
-    ("                if (n_bad > 0) | ALL_COLS:\n", "                if ALL_COLS:\n", 2),
-    ("        if flagged:\n            rec, rows_seen = _note(",
-     "        if NEVER:\n            rec, rows_seen = _note(", 1),
-    ("    def _tally(worst, rec, rows_seen, x, rows, cols, r0, c0, near_inf):",
-     "    def _tally(worst, rec, rows_seen, x, rows, cols, r0, c0, near_inf, NEVER: tl.constexpr = False):", 1),
+    ("        if tc.rsum(bad.to(tl.int32), 0) > 0:\n            rec, rows_seen = _note_rows(",
+     "        if NEVER:\n            rec, rows_seen = _note_rows(", 1),
+    ("    def _tally_rows(worst, rec, rows_seen, x, bad, d1, b1, ratio, ref1, ref2, r0, c0, At):",
+     "    def _tally_rows(worst, rec, rows_seen, x, bad, d1, b1, ratio, ref1, ref2, r0, c0, At,\n"
+     "                    NEVER: tl.constexpr = False):", 1),
 )
 
 

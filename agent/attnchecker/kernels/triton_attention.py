@@ -7,24 +7,29 @@ Per program: one block of BLOCK_M query rows of one (batch, head), over its key 
 1. AS_ij = Q_i K_jᵀ (tl.dot, fp32 accumulation and output; TF32 for fp32 inputs where the matmul precision says so).
    Its rows are checked against Q_i·(K_jᵀ[e, w]) (K_jᵀ[e, w] and the key tile's other terms made once per call by
    _kv_tiles on IEEE calls, in the loop under TF32), with ΣAS² and the key norms for
-   abft/tile_terms.py's bound (the engine's calibrated one, factored per vector); a tile that flags is checked by
-   columns too, against K_j·(Q_iᵀ[e, w]), which locates a bad column or block (one direction on a clean check, as the
-   native CPU pass and the whole-step GEMMs do; ``cols=True`` checks columns on every tile).
+   abft/tile_terms.py's bound (the engine's calibrated one, factored per vector). The columns, against
+   K_j·(Q_iᵀ[e, w]), which locate a bad column or block, are the repair kernel's (below; ``cols=True`` checks them on
+   every tile of the first pass too): one direction on the first pass, as the native CPU pass and the whole-step
+   GEMMs do.
 2. Online softmax of scale·AS + mask (causal, sliding window, key padding / additive read in place with broadcast
    strides), dropout by the counter-based keep mask of kernels/triton_dropout.py, which the backward regenerates.
-3. CL_ij = P̃_ij V_j with P̃ rounded to V's dtype first: its rows against P̃_c·(V_j[e, w]) and, on a flag, its columns
-   against (wᵀP̃_c)·V_j. The references use the rounded P̃_c the GEMM multiplied (with P̃ unrounded a half-precision
-   context false-alarms at once), and ‖P̃_i‖₂ <= sqrt(Σ P̃_i)/(1 - p) needs no pass over P̃.
-4. Per block and op a record (``FIELDS``): flagged?, the flagged rows and columns, the first flagged element and its
-   value, the worst flagged residual and its bound; per call a status (4,): any flag per op, the worst clean ratio per
-   op. Nothing goes to the host.
+3. CL_ij = P̃_ij V_j with P̃ rounded to V's dtype first: its rows against P̃_c·(V_j[e, w]) (its columns, against
+   (wᵀP̃_c)·V_j, in the repair kernel). The references use the rounded P̃_c the GEMM multiplied (with P̃ unrounded
+   a half-precision context false-alarms at once), and ‖P̃_i‖₂ <= sqrt(Σ P̃_i)/(1 - p) needs no pass over P̃.
+4. Per block and op a record (``FIELDS``): flagged?, the flagged rows, the first flagged row, the worst flagged
+   residual and its bound, and the first flagged row itself with its references (``Result.saved``), from which the
+   host places the element (``located``) if this record is the one reported; per call a status (4,): any flag per
+   op, the worst clean ratio per op. Nothing goes to the host. Only the first pass runs on a clean call, so the code a
+   flag needs (locating, the columns' check) stays out of it: with it, the kernel compiled to 255 registers and a
+   1.7 KB spill stack on sm_90 (bench/triton_resources.py).
 
 The repair kernel is the same kernel (``REPAIR``): a program whose block is clean returns at once; a flagged block is
 recomputed from Q, K, V with both directions checked on every tile, a located 0D/1D error of a fault that repeats is
 corrected in the tile before it is folded (rebuilt from its checksum, then refreshed by an IEEE dot of its operands),
-and the block's outcome is written on the device: recomputed (clean on recompute: transient), corrected, or
-uncorrectable. Its out and lse rows are overwritten. No host-device sync anywhere: the host reads the records once
-per step, at the step boundary (checks/deferred.py), and only when the status says something flagged.
+and the block's outcome is written on the device: recomputed (clean on recompute: transient; the first pass's record
+stays), corrected, or uncorrectable (the recompute's record, with its columns). Its out and lse rows are
+overwritten. No host-device sync anywhere: the host reads the records once per step, at the step boundary
+(checks/deferred.py), and only when the status says something flagged.
 
 Tier 1 (``mode="tier1"``) is the same kernel without checksums: per block the output rows summed (INF, NaN, near-INF)
 and the row log-sum-exp against scale·‖q_i‖·max_j‖k_j‖ + log S + 1 (tripwire.py's test; max_j over the keys the block
@@ -47,6 +52,8 @@ from typing import Any
 
 import torch
 
+from ..abft.checksum import checksum_weights
+from ..abft.repair import locate_and_fix
 from ..abft.tile_terms import TileTerms, tile_terms
 from ..abft.tolerance import NEAR_INF, Tolerance
 from . import triton_checks as tc
@@ -56,15 +63,21 @@ from .triton_common import device_function, host_table, interpreting, triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["FIELDS", "OPS", "OUTCOMES", "Checks", "Fault", "Result", "available", "emulated_faults", "forward",
-           "interpreting", "not_available_reason", "take_faults"]
+__all__ = ["FIELDS", "OPS", "OUTCOMES", "SAVED_FIELDS", "Checks", "Fault", "Result", "available", "emulated_faults",
+           "forward", "interpreting", "located", "not_available_reason", "take_faults"]
 
 OPS = ("scores", "context")
-FIELDS = ("flag", "n_rows", "row", "n_cols", "col", "value", "residual", "bound", "outcome")
+FIELDS = ("flag", "n_rows", "row", "n_cols", "col", "value", "residual", "bound", "outcome", "saved")
 """A block's record per op (Result.records, last dim; 16 wide, the rest unused). flag: 0 clean, 1 flagged by its
 checksums, 2 a tier-1 trip. row, col: whole-matrix indices of the first flagged element (-1: unknown; col is a key of
 the scores, a feature of the context). residual: |d1| of the worst flagged vector (NaN: not finite). outcome: what the
-repair kernel did (OUTCOMES)."""
+repair kernel did (OUTCOMES). saved: 1 on a record of the fast pass, which checks rows only: its n_cols, col and value
+are the host's, from the row it kept (``located``); the repair kernel's records, and the fast pass's with
+``Checks.cols``, have them from the kernel."""
+SAVED_FIELDS = ("length", "col0", "ref1", "ref2", "bound")
+"""What the fast pass keeps of a flagged block's first flagged row, per op (Result.saved, last dim): the row's length
+L, the whole-matrix index of its first element, its two checksum references, the bound on its plain sum's rounding;
+then its L values."""
 OUTCOMES = ("none", "recomputed", "corrected", "uncorrectable", "dismissed")
 """none: not repaired (detect mode, or clean); dismissed: a tier-1 trip the recompute shows was what the operands
 give (an ALiBi-like positive bias under the log-sum-exp bound, values past 1e10 in diverged training)."""
@@ -148,7 +161,16 @@ class Result:
     faults_seen: torch.Tensor | None
     """(F, 2 attempts, 3): per emulated fault (applied, value before, value after) in the first computation and the
     repair's recompute."""
+    saved: torch.Tensor | None = None
+    """(B·H, blocks, 2 ops, len(SAVED_FIELDS) + the longest tile side) fp32: the fast pass's kept rows (FIELDS'
+    saved), read by ``located``; None without full checks or with ``Checks.cols``. Only a saved record's slot is
+    written."""
     debug: torch.Tensor | None = None
+
+    def located_records(self) -> torch.Tensor | None:
+        """``records`` with the fast pass's kept rows located (``located``). Syncs: the slow path's, at the step
+        boundary or in a test."""
+        return None if self.records is None else located(self.records, self.saved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +193,9 @@ def block_sizes(d: int) -> Blocks:
 def gpu_blocks(d: int) -> Blocks:
     """On a GPU: 64 queries × 64 keys (32 past D = 128) on 8 warps, one shape for every variant, so that the checks'
     cost is timed against the same kernel with them off. Compiled for sm_90 (bench/triton_resources.py, D = 64,
-    bf16): the plain kernel 145 registers and tier 1 216, no spills; the full checks reach 255 and spill ~2 KB (the
-    bound's per-row fp64 terms), 128 × 64 on 4 warps spilled the plain and tier-1 variants too.
+    bf16): the plain kernel 145 registers and tier 1 188, no spills; the full checks' first pass reaches 255 and
+    spills 208 B (1.3 KB at D = 128: the bound's per-row fp64 terms); 128 × 64 on 4 warps spilled the plain and
+    tier-1 variants too.
     TODO(triton-fwd): tune on a GPU. Untuned, on the first H200 run the kernel with its checks off reached 33 to
     132 TFLOP/s in bf16 (docs/performance.md §8)."""
     return Blocks(64, 64 if d <= 128 else 32, max(16, triton.next_power_of_2(d)), 8, 2)
@@ -222,6 +245,9 @@ def forward(
     # The one device op besides the kernels: the call's status, which the programs raise with atomics.
     status = torch.zeros(4, dtype=torch.float32, device=dev) if checking else out
     records = torch.empty((b * h, n_blocks, 2, RECORD), dtype=torch.float32, device=dev) if checking else None
+    # The fast pass keeps a flagged block's first flagged row where it checks rows only (_note_rows).
+    saved = torch.empty((b * h, n_blocks, 2, len(SAVED_FIELDS) + max(blk.m, blk.n, blk.d)), dtype=torch.float32,
+                        device=dev) if checking and checks.mode == "full" and not (checks.cols or debug) else None
     mask_kind, mask, mask_strides = _mask_layout(attn_mask, (b, h, t, s))
     terms = _terms(checks, blk, d)
     table = values = seen = None
@@ -267,6 +293,7 @@ def forward(
         _attention[(n_blocks, b * h)],
         q_BHTD, k_BHSD, v_BHSD, out, lse, mask if mask is not None else q_BHTD,
         seed if seed is not None else q_BHTD, status, records if records is not None else out,
+        saved if saved is not None else out,
         table if table is not None else q_BHTD, values if values is not None else q_BHTD,
         seen if seen is not None else q_BHTD, dbg if dbg is not None else out,
         k_max_BHkS if k_max_BHkS is not None else lse,
@@ -289,7 +316,7 @@ def forward(
         launch(MODE=mode, REPAIR=False)
         if checking and checks.repair:
             launch(MODE=2, REPAIR=True)
-    return Result(out, lse, status, records, blk.m, seen, dbg)
+    return Result(out, lse, status, records, blk.m, seen, saved, dbg)
 
 
 @contextlib.contextmanager
@@ -335,11 +362,70 @@ def _mask_layout(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int
     return (1 if mask.dtype == torch.bool else 2), mask, tuple(mask.stride())  # type: ignore[return-value]
 
 
+def located(records: torch.Tensor, saved: torch.Tensor | None) -> torch.Tensor:
+    """``records`` (B·H, blocks, 2, RECORD) with every saved record (FIELDS) completed from its kept row
+    (Result.saved), as the kernel's column check would have placed it:
+
+    - the one element abft.repair.locate_and_fix places in the row (an extreme element by value, else d2/d1, with
+      the other weighted sum's residual within its rounding once that element is taken out): col and value are that
+      element's, n_cols 1 (a point, or with several flagged rows a column);
+    - a row it cannot place holds two or more errors (or came with a non-finite reference): n_cols 2 (the row as a
+      line, or with several flagged rows a block); col is its first extreme element (a block's left edge), -1 if it
+      has none; value that element, else the row's most extreme one.
+
+    A new tensor where anything was saved; records itself otherwise. Syncs: the slow path's (a flagged call, read at
+    the step boundary)."""
+    if saved is None:
+        return records
+    kept = records[..., FIELDS.index("saved")] == 1.0
+    at = kept.nonzero(as_tuple=True)  # sync: slow path only
+    if at[0].numel() == 0:
+        return records
+    out = records.clone()
+    rows_PS = saved[at]
+    head = len(SAVED_FIELDS)
+    lengths = rows_PS[:, 0].long()
+    for length in lengths.unique().tolist():  # sync: slow path only
+        sel = (lengths == length).nonzero()[:, 0]
+        v_PL = rows_PS[sel, head:head + length]
+        ref_P2 = rows_PS[sel, 2:4]
+        loc_P, _, placed_P = locate_and_fix(v_PL, ref_P2, Tolerance())
+        extreme_PL = ~torch.isfinite(v_PL) | (v_PL.abs() > NEAR_INF)
+        # d2/d1 lands near an integer by chance for many rows with several errors (locate_and_fix allows 0.3 of
+        # slack): a finite error placed at column c must also leave d2 - (c + 1)·d1 within the two sums' rounding,
+        # at most (L + c + 1) times the plain sum's bound (the weights are 1..L).
+        finite_PL = torch.where(extreme_PL, 0.0, v_PL)
+        d_P2 = ref_P2 - finite_PL @ checksum_weights(length, v_PL.device, v_PL.dtype)
+        slack_P = (length + loc_P + 1) * rows_PS[sel, 4]
+        single_P = (d_P2[:, 1] - (loc_P + 1) * d_P2[:, 0]).abs() <= slack_P
+        placed_P &= extreme_PL.any(1) | single_P
+        has_extreme_P = extreme_PL.any(1)
+        first_extreme_P = extreme_PL.to(torch.int8).argmax(1)
+        at_P = torch.where(placed_P, loc_P, first_extreme_P)
+        found_P = placed_P | has_extreme_P
+        value_P = torch.where(found_P, v_PL.gather(1, at_P[:, None])[:, 0], _extreme_of(v_PL))
+        idx = tuple(a[sel] for a in at)
+        fields = out[idx]
+        fields[:, FIELDS.index("col")] = torch.where(found_P, rows_PS[sel, 1] + at_P, -1.0)
+        fields[:, FIELDS.index("value")] = value_P
+        fields[:, FIELDS.index("n_cols")] = torch.where(placed_P, 1.0, 2.0)
+        out[idx] = fields
+    return out
+
+
+def _extreme_of(v_PL: torch.Tensor) -> torch.Tensor:
+    """(P,) each row's most extreme element: NaN first, then the largest magnitude, signed (tc.extreme_of)."""
+    mag_PL = torch.where(v_PL.isnan(), -1.0, v_PL.abs())
+    value_P = v_PL.gather(1, mag_PL.argmax(1, keepdim=True))[:, 0]
+    return torch.where(v_PL.isnan().any(1), math.nan, value_P)
+
+
 # ------------------------------------------------------------------------------------------------------ device side
 
 if triton is not None:
     _jit: Any = device_function
     _F32_MAX: Any = tl.constexpr(3.4028234663852886e38)
+    SAVED_HEAD: Any = tl.constexpr(len(SAVED_FIELDS))
 
     @_jit
     def _operand(x, DOT: tl.constexpr):
@@ -535,14 +621,6 @@ if triton is not None:
         return bad, d1, b1, ratio, ref1, ref2, mom1, mom2
 
     @_jit
-    def _no_vectors(n: tl.constexpr):
-        """A direction's check results (bad, d1, b1, ratio, ref1, ref2, mom1, mom2) for n vectors that were not
-        checked: nothing flagged."""
-        zero = tl.full([n], 0, tl.float32)
-        zero64 = tl.full([n], 0, tl.float64)
-        return tl.full([n], 0, tl.int1), zero, zero, zero, zero, zero, zero64, zero64
-
-    @_jit
     def _settle(x, exact, bad, ref1, ref2, cbad, cref1, cref2, fixing):
         """A flagged tile of the repair's recompute, the fault having repeated: each located error corrected by its
         row, then the columns still flagged by theirs (a bad row is fixed column by column), every changed element
@@ -593,6 +671,48 @@ if triton is not None:
         # (where, not a scalar & a vector: the interpreter mistypes that when the scalar comes from a reduction)
         rec = tl.where(tc.pick(rec, 0) == 0.0, tl.where(fi != 3, new, rec), rec)
         rec += tl.where(fi == 3, tc.rsum(cbad.to(tl.float32), 0), 0.0)
+        return rec, rows_seen | bad.to(tl.int32)
+
+    @_jit
+    def _tally_rows(worst, rec, rows_seen, x, bad, d1, b1, ratio, ref1, ref2, r0, c0, At):
+        """_tally for the fast pass, which checks rows only: the worst clean ratio, and on a flagged row
+        _note_rows. Returns (worst, rec, rows_seen)."""
+        worst = tc.max_nan(worst, tc.rmax(tl.where(bad, 0.0, ratio), 0))
+        if tc.rsum(bad.to(tl.int32), 0) > 0:
+            rec, rows_seen = _note_rows(rec, rows_seen, x, bad, d1, b1, ratio, ref1, ref2, r0, c0, At)
+        return worst, rec, rows_seen
+
+    @_jit
+    def _note_rows(rec, rows_seen, x, bad, d1, b1, ratio, ref1, ref2, r0, c0, At):
+        """Fold a tile x (R, C) with flagged rows into its block's record in the fast pass. The first flagged tile
+        sets the row, residual and bound, and keeps its first flagged row at At (``SAVED_FIELDS``: the row's length,
+        its first column's whole-matrix index, its two references, its C values), from which the host locates the
+        element (``located``) when this record is the one reported. Locating here (_note's column check and
+        locate) is what took the full-check kernel to 255 registers and a spill stack (bench/triton_resources.py):
+        the repair kernel, launched for every flagged block, checks both directions anyway."""
+        n_rows: tl.constexpr = x.shape[0]
+        n_cols: tl.constexpr = x.shape[1]
+        fi = tl.arange(0, 16)
+        if tc.pick(rec, 0) == 0.0:
+            r = tc.first(bad)
+            rows = tl.arange(0, n_rows)
+            at_r = rows == r
+            # Masked stores of the one row: no reduction across the tile.
+            tl.store(At + SAVED_HEAD + tl.arange(0, n_cols)[None, :] + 0 * rows[:, None], x, mask=at_r[:, None])
+            tl.store(At + 2 + 0 * rows, ref1, mask=at_r)
+            tl.store(At + 3 + 0 * rows, ref2, mask=at_r)
+            tl.store(At + 4 + 0 * rows, b1, mask=at_r)
+            tl.store(At, tl.full([], n_cols, tl.float32))
+            tl.store(At + 1, tl.full([], 0, tl.float32) + c0)
+            _, res, bnd = tc.worst_flagged(bad, d1, b1, ratio)
+            new = tl.where(fi == 0, 1.0, 0.0)
+            new += tl.where(fi == 2, (r0 + r).to(tl.float32), 0.0)
+            new += tl.where(fi == 4, -1.0, 0.0)
+            new += tl.where(fi == 7, bnd, 0.0)
+            new += tl.where(fi == 9, 1.0, 0.0)
+            # Set apart: a NaN residual would poison the sums above; the value is the host's (``located``).
+            new = tl.where(fi == 5, float("nan"), new)
+            rec = tl.where(fi == 6, res, new)
         return rec, rows_seen | bad.to(tl.int32)
 
     @_jit
@@ -668,7 +788,7 @@ if triton is not None:
 
     @triton.jit
     def _attention(
-        Q, K, V, Out, Lse, Mask, Seed, Status, Records, Faults, FaultValues, FaultSeen, Debug, KMax, KeyTiles,
+        Q, K, V, Out, Lse, Mask, Seed, Status, Records, Saved, Faults, FaultValues, FaultSeen, Debug, KMax, KeyTiles,
         KeyTiles64, ValueTiles, ValueTiles64,
         sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sot, sod, smb, smh, smt, sms,
         skmb, skmh,
@@ -698,6 +818,9 @@ if triton is not None:
         # forward() hands over per key prefix (KMax, (B, Hk, S)) where it can.
         KEY_NORMS: tl.constexpr = MODE == 2 or (MODE == 1 and K_MAX_GIVEN == 0)
         VMAX: tl.constexpr = max(BLOCK_M, BLOCK_N, BLOCK_D)
+        SAVED: tl.constexpr = VMAX + SAVED_HEAD
+        # The fast pass's kept row per op (_note_rows): scores at saved_at, the context at saved_at + SAVED.
+        saved_at = Saved + (pid_n * N_BLOCKS + pid_m).to(tl.int64) * (2 * SAVED)
         b = pid_n // H
         h = pid_n % H
         hk = h // GROUP
@@ -775,18 +898,23 @@ if triton is not None:
                 else:
                     bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _scores_rows(s, qf, q_norm, kf, k_norm, w_n, s_row,
                                                                               TF32, CALIBRATED)
-                n_bad = tc.rsum(bad.to(tl.int32), 0)
-                cbad, cd1, cb1, cratio, cref1, cref2, cmom1, cmom2 = _no_vectors(BLOCK_N)
-                if (n_bad > 0) | ALL_COLS:
+                if ALL_COLS:
                     cbad, cd1, cb1, cratio, cref1, cref2, cmom1, cmom2 = _scores_rows(
                         tl.trans(s), kf, k_norm, qf, q_norm, w_m, s_col, TF32, CALIBRATED)
-                if DEBUG:
-                    _debug_tile(Debug, tile, 0, s, bad, ratio, ref1, ref2, q_norm, b1, mom1, mom2, VMAX)
-                    _debug_tile(Debug, tile, 1, tl.trans(s), cbad, cratio, cref1, cref2, k_norm, cb1, cmom1, cmom2,
-                                VMAX)
-                worst_s, rec_s, rows_s, flagged = _tally(worst_s, rec_s, rows_s, s, (bad, d1, b1, ratio, ref1, ref2),
-                                                         (cbad, cd1, cb1, cratio, cref1, cref2), pid_m * BLOCK_M,
-                                                         start_n, fixing[0])
+                    if DEBUG:
+                        _debug_tile(Debug, tile, 0, s, bad, ratio, ref1, ref2, q_norm, b1, mom1, mom2, VMAX)
+                        _debug_tile(Debug, tile, 1, tl.trans(s), cbad, cratio, cref1, cref2, k_norm, cb1, cmom1,
+                                    cmom2, VMAX)
+                    worst_s, rec_s, rows_s, flagged = _tally(worst_s, rec_s, rows_s, s,
+                                                             (bad, d1, b1, ratio, ref1, ref2),
+                                                             (cbad, cd1, cb1, cratio, cref1, cref2), pid_m * BLOCK_M,
+                                                             start_n, fixing[0])
+                else:
+                    # The fast pass: rows only. A flag keeps the first flagged row's values and references
+                    # (_note_rows); the repair kernel checks the block's columns.
+                    worst_s, rec_s, rows_s = _tally_rows(worst_s, rec_s, rows_s, s, bad, d1, b1, ratio, ref1, ref2,
+                                                         pid_m * BLOCK_M, start_n, saved_at)
+                    flagged = False
                 if REPAIR and flagged:
                     s = _settle(s, tl.dot(qf, tl.trans(kf), input_precision="ieee"), bad, ref1, ref2, cbad,
                                 cref1, cref2, fixing)
@@ -845,21 +973,24 @@ if triton is not None:
                     v_col = tl.sqrt(tc.rsum(vf * vf, 0))
                     bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _context_rows(cl, pcf, vf, v_col, a_c, w_d, d_ok,
                                                                                D, c_row, TF32, CALIBRATED)
-                n_bad = tc.rsum(bad.to(tl.int32), 0)
-                cbad, cd1, cb1, cratio, cref1, cref2, cmom1, cmom2 = _no_vectors(BLOCK_D)
-                if (n_bad > 0) | ALL_COLS:
+                if ALL_COLS:
                     cbad, cd1, cb1, cratio, cref1, cref2, cmom1, cmom2 = _context_cols(cl, pcf, vf, v_col, a_c, w_m,
                                                                                        d_ok, c_col, TF32, CALIBRATED)
-                if DEBUG:
-                    _debug_tile(Debug, tile, 2, cl, bad, ratio, ref1, ref2, a_c, b1, mom1, mom2, VMAX)
-                    _debug_tile(Debug, tile, 3, tl.trans(cl), cbad, cratio, cref1, cref2, v_col, cb1, cmom1, cmom2,
-                                VMAX)
-                    # The columns' reference weight-vector norms (‖wᵀP̃_c‖): an input of their rule made from P̃.
-                    _debug_norms(Debug, tile, 3, BLOCK_D, tc.ref_norm(tc.rsum(pcf, 0), 0.0),
-                                 tc.ref_norm(tc.rsum(pcf * w_m[:, None], 0), 0.0), VMAX)
-                worst_c, rec_c, rows_c, flagged = _tally(worst_c, rec_c, rows_c, cl, (bad, d1, b1, ratio, ref1, ref2),
-                                                         (cbad, cd1, cb1, cratio, cref1, cref2), pid_m * BLOCK_M, 0,
-                                                         fixing[0])
+                    if DEBUG:
+                        _debug_tile(Debug, tile, 2, cl, bad, ratio, ref1, ref2, a_c, b1, mom1, mom2, VMAX)
+                        _debug_tile(Debug, tile, 3, tl.trans(cl), cbad, cratio, cref1, cref2, v_col, cb1, cmom1,
+                                    cmom2, VMAX)
+                        # The columns' reference weight-vector norms (‖wᵀP̃_c‖): an input of their rule made from P̃.
+                        _debug_norms(Debug, tile, 3, BLOCK_D, tc.ref_norm(tc.rsum(pcf, 0), 0.0),
+                                     tc.ref_norm(tc.rsum(pcf * w_m[:, None], 0), 0.0), VMAX)
+                    worst_c, rec_c, rows_c, flagged = _tally(worst_c, rec_c, rows_c, cl,
+                                                             (bad, d1, b1, ratio, ref1, ref2),
+                                                             (cbad, cd1, cb1, cratio, cref1, cref2), pid_m * BLOCK_M,
+                                                             0, fixing[0])
+                else:
+                    worst_c, rec_c, rows_c = _tally_rows(worst_c, rec_c, rows_c, cl, bad, d1, b1, ratio, ref1, ref2,
+                                                         pid_m * BLOCK_M, 0, saved_at + SAVED)
+                    flagged = False
                 if REPAIR and flagged:
                     cl = _settle(cl, tl.dot(pcf, vf, input_precision="ieee"), bad, ref1, ref2, cbad, cref1,
                                  cref2, fixing)

@@ -141,7 +141,7 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
         for op in ops:
             i = kernel.OPS.index(op)
             # The worst clean ratio rides to the step boundary too, where the step's histogram is one update.
-            defer(ctx, op, got.status[i], reports_of(got.records, i, q.shape[1]), tier=tiers[op],
+            defer(ctx, op, got.status[i], reports_of(got.records, got.saved, i, q.shape[1]), tier=tiers[op],
                   ratio=got.status[2 + i] if mode == "full" else None)
     out = got.out_BHTD
     if call.needs_grad:
@@ -222,12 +222,14 @@ def _sum_groups(grad_BHSD: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad_BHSD if h == kv_heads else grad_BHSD.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
-def reports_of(records: torch.Tensor, op: int, heads: int) -> Callable[[], list[MatrixReport]]:
-    """The reports of one op of a call, made from the kernels' records (kernels/triton_attention.FIELDS) once the
-    step's drain found the call's status flagged: one per flagged (matrix, query block)."""
+def reports_of(records: torch.Tensor, saved: torch.Tensor | None, op: int, heads: int
+               ) -> Callable[[], list[MatrixReport]]:
+    """The reports of one op of a call, made from the kernels' records (kernels/triton_attention.FIELDS, the fast
+    pass's kept rows located on the host) once the step's drain found the call's status flagged: one per flagged
+    (matrix, query block)."""
 
     def build() -> list[MatrixReport]:
-        got = records[:, :, op, : len(kernel.FIELDS)]
+        got = kernel.located(records, saved)[:, :, op, : len(kernel.FIELDS)]
         flagged = (got[..., 0] != 0).nonzero().tolist()  # sync: slow path only, at the step boundary
         picked = got[[n for n, _ in flagged], [i for _, i in flagged]].tolist() if flagged else []  # sync: as above
         reports = []
