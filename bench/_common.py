@@ -41,6 +41,9 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        # glibc's allocator settings from the environment (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, ...): they
+        # decide how many page faults a step takes (docs/performance.md, "Page faults").
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k == "GLIBC_TUNABLES"},
     }
     try:
         import torch

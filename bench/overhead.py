@@ -45,6 +45,7 @@ Variants:
 from __future__ import annotations
 
 import argparse
+import resource
 import copy
 import functools
 import statistics
@@ -252,6 +253,8 @@ class Variant:
         self.tier1_checks: list[int] = []
         self.tier1_s: list[float] = []
         self.cpu_s: list[float] = []
+        self.faults: list[int] = []
+        self.sys_s: list[float] = []
         if name in ADAPTIVE:
             self._attach()
             # Period 1 -> 8 takes 8 quiet checks at each of 1, 2 and 4 (docs/adaptive.md): 56 steps, on tiny input
@@ -290,6 +293,7 @@ class Variant:
         fused_attention.enabled = self.name not in UNFUSED
         unfused.softmax_function = self.name not in SOFTMAX_OPS
         attention.unfused_tier1 = self.name not in SDPA_TIER1
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
         c0, t0 = time.process_time(), time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = self.model(input_ids=x, labels=x).loss
@@ -306,10 +310,16 @@ class Variant:
             self.tier1_checks.append(sum(stats.trip_checks.values()) if stats is not None else 0)
             self.tier1_s.append(stats.trip_seconds if stats is not None else 0.0)
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
         if not self.own:
             self._detach()
         if record:
             self.cpu_s.append(dc)
+            # Minor page faults and system time of the step: glibc's malloc hands big blocks back to the kernel and
+            # takes them again, at tens of thousands of faults a step, a cost of the process, protected or not
+            # (docs/performance.md, "Page faults").
+            self.faults.append(r1.ru_minflt - r0.ru_minflt)
+            self.sys_s.append(r1.ru_stime - r0.ru_stime)
             if stats is not None:
                 self.checked.append(any(stats.checks.values()))
                 # Whole-step ops appear only on the steps that check them: 0 s on the others, so every op's list
@@ -356,6 +366,9 @@ def run_model(arch: str, size: dict[str, int], rounds: int, variants: tuple[str,
             }
         # The headline clock, at the top level too.
         entry.update({k: entry["cpu"][k] for k in ("step_s", "ratio_vs_baseline", "ratio_of_means", "samples_s")})
+        entry["minor_faults_per_step"] = _common.summary(v.faults[warmup:])
+        entry["sys_s_per_step"] = _common.summary(v.sys_s[warmup:])
+        entry["minor_faults_samples"] = v.faults[warmup:]
         if v.name in POLICIES:
             checked = v.checked[warmup:]
             entry["checked_step_fraction"] = sum(checked) / max(len(checked), 1)
@@ -397,6 +410,7 @@ def print_model(res: dict[str, Any]) -> None:
             "" if chk is None else f"{sum(chk.values()) * 1e3:.1f}",
             "" if "tier1_s_per_step" not in e else f"{e['tier1_s_per_step'] * 1e3:.1f}",
             "" if "checked_step_fraction" not in e else f"{e['checked_step_fraction']:.2f}",
+            f"{e['minor_faults_per_step']['median']:.0f}", e["sys_s_per_step"]["median"] * 1e3,
         ])
     size = res["size"]
     print(f"\n{res['model']}: hidden {size['hidden']}, {size['heads']} heads, {size['layers']} layers, seq "
@@ -405,7 +419,7 @@ def print_model(res: dict[str, Any]) -> None:
           "overhead = median of per-round ratios to the baseline [IQR]")
     print(_common.table(rows, ["variant", "CPU ms/step", "overhead (CPU)", "IQR (CPU)", "wall ms/step",
                                "overhead (wall)", "IQR (wall)", "check ms/step", "tier-1 ms/step",
-                               "checked steps"]))
+                               "checked steps", "page faults/step", "sys ms/step"]))
     ops = {n: e["check_s_per_step"] for n, e in res["variants"].items() if e.get("check_s_per_step")}
     if ops:
         names = sorted({op for d in ops.values() for op in d})

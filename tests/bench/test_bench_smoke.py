@@ -55,6 +55,9 @@ def test_overhead_bench_writes_every_variant(tmp_path):
             assert positive(v["step_s"]["median"])
             assert len(v["samples_s"]) == 2
             assert positive(v["ratio_vs_baseline"]["median"])
+            # Each step's page faults and system time: counts of this process, one per timed step.
+            assert len(v["minor_faults_samples"]) == 2 and all(f >= 0 for f in v["minor_faults_samples"])
+            assert v["sys_s_per_step"]["min"] >= 0.0
         assert m["variants"]["baseline"]["ratio_vs_baseline"]["median"] == 1.0
         full = m["variants"]["full"]
         assert full["checked_step_fraction"] == 1.0
