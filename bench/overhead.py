@@ -45,9 +45,9 @@ Variants:
 from __future__ import annotations
 
 import argparse
-import resource
 import copy
 import functools
+import resource
 import statistics
 import sys
 import time

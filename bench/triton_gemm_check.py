@@ -114,8 +114,6 @@ def timing(m: int, k: int, n: int, dtype: Any, rounds: int, reps: int) -> dict[s
 
     from attnchecker.abft import Tolerance
     from attnchecker.gemm import device as gemm_device
-    from attnchecker.kernels import triton_gemm_check as tg
-    from attnchecker.tripwire import NEAR_INF
 
     c, a, b = _product(m, k, n, dtype, "cuda")
     tol = Tolerance()
@@ -132,13 +130,9 @@ def timing(m: int, k: int, n: int, dtype: Any, rounds: int, reps: int) -> dict[s
 
         return run
 
-    def trip() -> None:
-        state = torch.zeros(tg.STATE_SIZE, device="cuda", dtype=torch.int32)
-        tg.trip_pass(c, state, near_inf=NEAR_INF)
-
     fns = {"gemm": cuda_timed(lambda: torch.mm(a, b, out=c)),
            "check": cuda_timed(lambda: gemm_device.check_product(c, a, b, None, tol)),
-           "tier1": cuda_timed(trip)}
+           "tier1": cuda_timed(lambda: gemm_device.trip_product(c, a, b, None, tol))}
     samples = _common.interleaved(fns, rounds=rounds, warmup=2)
     ratio = _common.ratios(samples, "gemm")
     return {"shape": [m, k, n], "dtype": str(dtype).removeprefix("torch."),

@@ -14,8 +14,8 @@ Launches (counted under the interpreter by tests/agent/test_triton_gemm_check.py
 pass and the repair kernel, which returns at once on a clean call; each operand matrix is read once a step by an operand
 pass (a Linear's W and x in its forward, dY in its backward, for its three checks); each phase allocates one zeroed
 workspace (a memset) for the kernels' atomics. A Linear's three GEMMs: 11 launches in all. A tier-1 GEMM: the tier-1
-pass, then its full check's two operand passes, check pass and repair kernel, each gated on the device (they return at
-once where the tier-1 pass counted nothing), and one memset per call.
+pass, which marks the rows holding an extreme element, and the repair kernel, which recomputes those rows and returns
+at once where there are none (a tier-1 Linear: 6 launches and 2 memsets); one memset per call.
 
 What it does not do: the check of a product with more than two leading dims, or of a dtype other than fp32, bf16 and
 fp16, declines to the CPU path's torch ops (``takes``); the in-kernel recomputation is not recorded in
@@ -35,7 +35,7 @@ import time
 import torch
 
 from ..abft import Tolerance
-from ..abft.gemm_rule import gemm_row_rule
+from ..abft.gemm_rule import GemmRowRule, gemm_row_rule
 from ..abft.repair import MatrixReport
 from ..checks.context import LayerContext
 from ..checks.deferred import defer
@@ -45,7 +45,7 @@ from ..kernels import triton_gemm_check as tg
 from ..matmul_precision import fp32_matmul_operand_roundoff
 
 __all__ = ["GEMM_ENV", "MODES", "DeviceGemm", "LinearSides", "check_gemms", "check_product", "linear_backward",
-           "linear_forward", "native_allowed", "requested", "takes", "trip_gemms"]
+           "linear_forward", "native_allowed", "requested", "takes", "trip_gemms", "trip_product"]
 
 log = logging.getLogger("attnchecker")
 
@@ -129,8 +129,8 @@ def check_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Te
 
 def trip_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor,
                                                     torch.Tensor | None]]) -> None:
-    """gemm.check.trip_gemms on this path: the tier-1 pass over each output, and its full check gated on what that
-    found (every kernel of it returns at once on a clean output). No sync."""
+    """gemm.check.trip_gemms on this path: the tier-1 pass over each output, and the recompute of the rows it marked
+    (``_trip``). No sync."""
     if not gemms or ctx.config.mode == "off":
         return
     t0 = time.perf_counter()
@@ -139,22 +139,27 @@ def trip_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Ten
 
 
 def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
-    ws = tg.Workspace(todo[0].c.device, sum(_side_floats(g) + tg.STATE_SIZE for g in todo))
+    """Per GEMM the tier-1 pass, which marks the rows holding an extreme element, and the repair kernel in its TRIP
+    mode, which recomputes those rows (returning at once where there are none): two launches a GEMM, one memset a
+    call. A tripped row is recomputed rather than checked by its checksums: that needs no operand pass on the steps
+    where nothing trips, and recomputing gives the exact row whatever the fault."""
+    ws = tg.Workspace(todo[0].c.device, len(todo) * tg.STATE_SIZE)
+    tol = _tolerance(ctx)
     with _exact_math(todo[0].c):
         for g in todo:
-            state = tg.new_state(ws)
-            tg.trip_pass(g.c, state, near_inf=_tolerance(ctx).near_inf)
-            _check(ctx, g, _row_side(g, ws, gate=tg.gate_of(state)), ws, tier="tripwire", state=state)
+            chk = tg.trip_pass(g.c, g.a, g.b, g.bias, _rule(g, tol), ws, correct=ctx.config.mode == "correct")
+            tg.repair_rows(chk, faults=_planned(ctx, g))
+            _defer(ctx, g, chk, tier="tripwire")
 
 
 def _side_floats(g: DeviceGemm) -> int:
     return tg.operand_floats(g.b, col_sq=True)
 
 
-def _row_side(g: DeviceGemm, ws: tg.Workspace, *, gate: torch.Tensor | None = None) -> tg.RowSide:
+def _row_side(g: DeviceGemm, ws: tg.Workspace) -> tg.RowSide:
     """A GEMM's row references and norms from one read of B (B w, ‖B_j‖²) and one of A (A·(B w), ‖A_i‖²)."""
-    bo = tg.operand_pass(g.b, ws, right_w=True, col_sq=True, gate=gate)
-    ao = tg.operand_pass(g.a, ws, right=bo.xw, row_sq=True, gate=gate)
+    bo = tg.operand_pass(g.b, ws, right_w=True, col_sq=True)
+    ao = tg.operand_pass(g.a, ws, right=bo.xw, row_sq=True)
     assert ao.xv is not None and ao.rsq is not None and bo.csq is not None
     return tg.RowSide(ref=ao.xv, a_sq=ao.rsq, b_sq=bo.csq)
 
@@ -170,26 +175,45 @@ def check_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch
     return chk
 
 
+def trip_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, tol: Tolerance, *,
+                 correct: bool = True) -> tg.Check:
+    """One product's tier 1 on this path outside a guard (bench/): the tier-1 pass and the repair kernel's recompute
+    of the rows it marked (none on clean data: the repair returns at once). No sync."""
+    g = DeviceGemm("product", c, a, b, bias)
+    ws = tg.Workspace(c.device, tg.STATE_SIZE)
+    with _exact_math(c):
+        chk = tg.trip_pass(c, a, b, bias, _rule(g, tol), ws, correct=correct)
+        tg.repair_rows(chk)
+    return chk
+
+
 def _launch(g: DeviceGemm, side: tg.RowSide, ws: tg.Workspace, tol: Tolerance, *, correct: bool,
-            state: torch.Tensor | None = None, faults: tuple[tg.EmulatedFault, ...] = ()) -> tg.Check:
+            faults: tuple[tg.EmulatedFault, ...] = ()) -> tg.Check:
     """The check pass and the repair kernel of one GEMM under ``tol`` (verify_gemm's rule for it)."""
-    cast = g.c.dtype if (g.a.dtype != g.c.dtype or g.b.dtype != g.c.dtype) else None
-    rule = gemm_row_rule(g.c.shape[-1], g.a.shape[-1], tol, g.c.dtype, bias=g.bias is not None,
-                         operands_cast_to=cast, operand_roundoff=fp32_matmul_operand_roundoff(g.c.device))
-    chk = tg.check_pass(g.c, g.a, g.b, g.bias, side, rule, ws, correct=correct, state=state)
+    chk = tg.check_pass(g.c, g.a, g.b, g.bias, side, _rule(g, tol), ws, correct=correct)
     tg.repair_rows(chk, faults=faults)
     return chk
 
 
-def _check(ctx: LayerContext, g: DeviceGemm, side: tg.RowSide, ws: tg.Workspace, *, tier: str,
-           state: torch.Tensor | None = None) -> None:
+def _rule(g: DeviceGemm, tol: Tolerance) -> GemmRowRule:
+    """verify_gemm's row rule for this GEMM."""
+    cast = g.c.dtype if (g.a.dtype != g.c.dtype or g.b.dtype != g.c.dtype) else None
+    return gemm_row_rule(g.c.shape[-1], g.a.shape[-1], tol, g.c.dtype, bias=g.bias is not None,
+                         operands_cast_to=cast, operand_roundoff=fp32_matmul_operand_roundoff(g.c.device))
+
+
+def _check(ctx: LayerContext, g: DeviceGemm, side: tg.RowSide, ws: tg.Workspace, *, tier: str) -> None:
     """One GEMM's check pass and repair kernel, its outcome deferred to the step boundary."""
-    chk = _launch(g, side, ws, _tolerance(ctx), correct=ctx.config.mode == "correct", state=state,
-                  faults=_planned(ctx, g))
+    chk = _launch(g, side, ws, _tolerance(ctx), correct=ctx.config.mode == "correct", faults=_planned(ctx, g))
+    _defer(ctx, g, chk, tier=tier)
+
+
+def _defer(ctx: LayerContext, g: DeviceGemm, chk: tg.Check, *, tier: str) -> None:
+    """A check's outcome to the step boundary: its flag now, its reports built there if it flagged."""
     summary = (chk.state, chk.slot_i, chk.slot_f)
     worst = tg.STATE["worst"]
-    # A tier-1 step's full check runs only behind a trip, which the host does not know of: its ratio stays out of
-    # the histogram of full checks' margins, as on the CPU path, where only a trip's check records one.
+    # Only a full check's worst clean ratio goes into the histogram of full checks' margins: a tier-1 pass has no
+    # references, and a trip's recompute is not a check of the step's values.
     defer(ctx, g.op, chk.state[tg.STATE["flagged"]],
           functools.partial(_reports, summary, chk.lead, g.c.dim(), g.transposed, tier),
           tier=tier, heads=g.c.dim() > 2,

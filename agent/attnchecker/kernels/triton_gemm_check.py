@@ -29,7 +29,7 @@ import torch
 from ..abft.gemm_rule import GemmRowRule
 
 __all__ = ["LAUNCHES", "OUTCOMES", "SLOTS", "STATE", "STATE_SIZE", "Check", "EmulatedFault", "OperandOut", "RowSide",
-           "Workspace", "available", "check_pass", "fault_kind", "gate_of", "interpreted", "new_state",
+           "Workspace", "available", "check_pass", "fault_kind", "interpreted", "new_state",
            "operand_floats", "operand_pass", "repair_rows", "takes", "trip_pass"]
 
 SLOTS = 16
@@ -185,11 +185,10 @@ def _factor(f: torch.Tensor | None, lead: tuple[int, int], like: torch.Tensor
 
 
 def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None = None, right_w: bool = False,
-                 left: torch.Tensor | None = None, left_w: bool = False, row_sq: bool = False, col_sq: bool = False,
-                 gate: torch.Tensor | None = None) -> OperandOut:
+                 left: torch.Tensor | None = None, left_w: bool = False, row_sq: bool = False, col_sq: bool = False
+                 ) -> OperandOut:
     """One read of X (R, C) or (.., R, C), any strides: X·right for right (C, 2) or (nb, C, 2), X·w, Xᵀ·left for
-    left (R, 2) or (nb, R, 2), Xᵀ·w, and the squared row and column sums, in fp32. gate: a device int32 scalar; the
-    kernel returns at once where it is 0 (a tier-1 trip's full check). No sync."""
+    left (R, 2) or (nb, R, 2), Xᵀ·w, and the squared row and column sums, in fp32. No sync."""
     k = _kernels()
     nb0, nb1, s0, s1 = _lead(x)
     nb = nb0 * nb1
@@ -212,10 +211,8 @@ def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None =
         vt, sv0, sv1, svk, svj, lt, sl0, sl1, slr, slj,
         xv if xv is not None else dummy, xw if xw is not None else dummy, rsq if rsq is not None else dummy,
         lx if lx is not None else dummy, wx if wx is not None else dummy, csq if csq is not None else dummy,
-        gate if gate is not None else dummy,
         RIGHT_V=right is not None, RIGHT_W=right_w, LEFT_L=left is not None, LEFT_W=left_w, ROW_SQ=row_sq,
-        COL_SQ=col_sq,
-        GATED=gate is not None, BR=blk.rows, BC=blk.cols,
+        COL_SQ=col_sq, BR=blk.rows, BC=blk.cols,
     )
     LAUNCHES.count("operand_pass")
     return OperandOut(xv=xv, xw=xw, rsq=rsq, lx=lx, wx=wx, csq=csq)
@@ -286,19 +283,17 @@ def _side_args(side: RowSide, lead: tuple[int, int]) -> tuple[Any, ...]:
 
 
 def check_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, side: RowSide,
-               rule: GemmRowRule, ws: Workspace, *, correct: bool, state: torch.Tensor | None = None) -> Check:
+               rule: GemmRowRule, ws: Workspace, *, correct: bool) -> Check:
     """The row check of C = A·B (+ bias) (M, N) or (.., M, N), C any strides (a column check is the row check of the
     transposed view), A (.., M, K) and B (.., K, N) for recomputing located elements, against ``side`` under
     ``rule``: one read of C, located single errors corrected in place (``correct``) within the same launch, rows that
-    need recomputing marked for ``repair_rows``. state: a tier-1 pass's (``new_state``): then the check is that
-    trip's, and returns at once where it counted no extreme element. No sync."""
+    need recomputing marked for ``repair_rows``. No sync."""
     k = _kernels()
     nb0, nb1, sc0, sc1 = _lead(c)
     nb = nb0 * nb1
     m, n = c.shape[-2:]
     dev = c.device
-    gate = None if state is None else gate_of(state)
-    state = new_state(ws) if state is None else state
+    state = new_state(ws)
     code = torch.empty(nb * m, device=dev, dtype=torch.int32)
     slot = torch.empty(nb * m, device=dev, dtype=torch.int32)
     slot_i = torch.empty(SLOTS, 4, device=dev, dtype=torch.int32)
@@ -315,8 +310,7 @@ def check_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Te
     side_args = _side_args(side, (nb0, nb1))
     k.check_pass[(triton_cdiv(m, blk.rows), nb)](
         *c_args, *side_args, bias_t, *a_args, *b_args, state, code, slot, slot_i, slot_f, SLOTS,
-        gate if gate is not None else state, *_rule_args(rule),
-        GATED=gate is not None, BM=blk.rows, BN=blk.cols, BK=blk.k, **flags,
+        *_rule_args(rule), BM=blk.rows, BN=blk.cols, BK=blk.k, **flags,
     )
     LAUNCHES.count("check_pass")
     args = {"c": c_args, "side": side_args, "bias": bias_t, "a": a_args, "b": b_args, "rule": rule, "flags": flags,
@@ -329,20 +323,37 @@ def new_state(ws: Workspace) -> torch.Tensor:
     return ws.take(STATE_SIZE).view(torch.int32)
 
 
-def gate_of(state: torch.Tensor) -> torch.Tensor:
-    """The count of extreme elements a tier-1 pass left in ``state``: the gate of its full check's kernels."""
-    return state[STATE["extreme"] : STATE["extreme"] + 1]
-
-
-def trip_pass(c: torch.Tensor, state: torch.Tensor, *, near_inf: float) -> None:
-    """Tier 1: the count of C's INF, NaN and |x| > near_inf elements added to state[STATE["extreme"]]; one read of C."""
+def trip_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, rule: GemmRowRule,
+              ws: Workspace, *, correct: bool) -> Check:
+    """Tier 1 of C = A·B (+ bias): the count of C's INF, NaN and |x| > rule.near_inf elements into the returned
+    Check's state (STATE["extreme"]), each row holding one marked for ``repair_rows``, which recomputes it (TRIP
+    mode: no references, the recomputation judged by what the operands allow); one read of C, a second of the
+    flagged rows only. No sync."""
     k = _kernels()
     nb0, nb1, sc0, sc1 = _lead(c)
+    nb = nb0 * nb1
     m, n = c.shape[-2:]
-    blk = _blocks(c.device)
-    k.trip_pass[(triton_cdiv(m, blk.rows), nb0 * nb1)](c, m, n, nb1, sc0, sc1, c.stride(-2), c.stride(-1), state,
-                                                       near_inf, BM=blk.rows, BN=blk.cols)
+    dev = c.device
+    state = new_state(ws)
+    code = torch.empty(nb * m, device=dev, dtype=torch.int32)
+    slot = torch.empty(nb * m, device=dev, dtype=torch.int32)
+    slot_i = torch.empty(SLOTS, 4, device=dev, dtype=torch.int32)
+    slot_f = torch.empty(SLOTS, 4, device=dev, dtype=torch.float32)
+    blk = _blocks(dev)
+    c_args = (c, m, n, nb1, sc0, sc1, c.stride(-2), c.stride(-1))
+    k.trip_pass[(triton_cdiv(m, blk.rows), nb)](*c_args, state, code, slot, slot_i, slot_f, SLOTS, rule.near_inf,
+                                                BM=blk.rows, BN=blk.cols)
     LAUNCHES.count("trip_pass")
+    _, _, sa0, sa1 = _lead(a)
+    _, _, sb0, sb1 = _lead(b)
+    # No references: the repair's TRIP mode reads none of them (state stands in for their pointers).
+    side_args = (state, 0, 0, 0, 0, state, 0, 0, 0, state, 0, 0, 0)
+    flags = {"CORRECT": correct, "USE_ABS": False, "HAS_BIAS": bias is not None, "CALIBRATED": rule.calibrated,
+             "FLUSH": False, "TRIP": True}
+    args = {"c": c_args, "side": side_args, "bias": bias if bias is not None else state,
+            "a": (a, sa0, sa1, a.stride(-2), a.stride(-1)), "b": (b, sb0, sb1, b.stride(-2), b.stride(-1), a.shape[-1]),
+            "rule": rule, "flags": flags, "grid": (triton_cdiv(m, blk.rows), nb), "blk": blk}
+    return Check(state=state, code=code, slot=slot, slot_i=slot_i, slot_f=slot_f, lead=(nb0, nb1), args=args)
 
 
 _KINDS = {"inf": (0, math.inf), "neg_inf": (0, -math.inf), "nan": (0, math.nan), "add": (1, 1.0), "bitflip": (2, 0.0)}
@@ -377,7 +388,7 @@ def repair_rows(check: Check, faults: tuple[EmulatedFault, ...] = ()) -> None:
     ieee = dot_fp32 or a_t.dtype == torch.float32
     k.repair_rows[args["grid"]](
         *args["c"], *args["side"], args["bias"], *args["a"], *args["b"], check.state, check.code, check.slot,
-        check.slot_i, SLOTS, table, *_rule_args(rule), rule.elem_ab, rule.elem_abs,
+        check.slot_i, SLOTS, table, *_rule_args(rule), rule.elem_ab, rule.elem_abs, torch.finfo(c.dtype).max,
         DOT_FP32=dot_fp32, IEEE=ieee, IS_F32=c.dtype == torch.float32, NF=len(faults), BM=blk.rows, BN=blk.cols,
         BK=blk.k, **args["flags"],
     )

@@ -9,9 +9,10 @@ there, once triton is known to be importable). Four kernels, each one pass:
   and corrected in the same program (an extreme element by value, else d2/d1; the element recomputed exactly from
   A's row and B's column, then the row re-verified), or marked for recomputation. The per-row work past the first
   read runs only in programs that hold a flagged row.
-- ``trip_pass``: tier 1: the extreme-value test alone (INF, NaN, |x| > near_inf), one read of C.
-- ``repair_rows``: recomputes the rows the check pass marked (a tl.dot over K per tile), re-verifies them and writes
-  them back; every program returns at once on a clean call.
+- ``trip_pass``: tier 1: the extreme-value test alone (INF, NaN, |x| > near_inf), one read of C; each row holding an
+  extreme element marked for recomputation.
+- ``repair_rows``: recomputes the rows the check pass (or the tier-1 pass: TRIP) marked (a tl.dot over K per tile),
+  re-verifies them and writes them back; every program returns at once on a clean call.
 
 Outcomes live on the device (``state``, per-row ``code``, a few ``slot`` summaries for the reports); the host reads them
 at the step boundary (checks/deferred.py). Layouts: the leading dims of a batched product are (nb0, nb1) with their own
@@ -51,6 +52,7 @@ LOCATE_SLACK = tl.constexpr(0.3)
 # made most of these kernels' time there, so they call tl.reduce and tl.full directly. Compiled, it is the same code.
 _add = tl.standard._sum_combine
 _max = tl.standard._elementwise_max
+_min = tl.standard._elementwise_min
 
 
 @triton.jit
@@ -59,16 +61,12 @@ def operand_pass(
     v_ptr, sv0, sv1, svk, svj,
     l_ptr, sl0, sl1, slr, slj,
     xv_ptr, xw_ptr, rsq_ptr, lx_ptr, wx_ptr, csq_ptr,
-    gate_ptr,
     RIGHT_V: tl.constexpr, RIGHT_W: tl.constexpr, LEFT_L: tl.constexpr, LEFT_W: tl.constexpr,
-    ROW_SQ: tl.constexpr, COL_SQ: tl.constexpr, GATED: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    ROW_SQ: tl.constexpr, COL_SQ: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
 ):
     """One read of X (.., R, C), BR rows a program: xv = X·V (V (.., C, 2)), xw = X·[1, 1..C], rsq = ΣX² per row
     (dense (nb, R, 2) / (nb, R)); lx = Xᵀ·L (L (.., R, 2)), wx = Xᵀ·[1, 1..R], csq = ΣX² per column (dense (nb, C, 2)
-    / (nb, C), zeroed by the caller: the programs add their rows' parts). GATED: return at once where gate[0] is 0."""
-    if GATED:
-        if tl.load(gate_ptr) == 0:
-            return
+    / (nb, C), zeroed by the caller: the programs add their rows' parts)."""
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)
     # Matrix pid_b of the (nb0, nb1) leading dims, each with its own strides.
@@ -213,17 +211,13 @@ def check_pass(
     a_ptr, sA0, sA1, sAm, sAk,
     b_ptr, sB0, sB1, sBk, sBn, K,
     state_ptr, code_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS,
-    gate_ptr,
     floor_a, floor_b, rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common,
     sigmas, near_inf, sqrt_k,
     CORRECT: tl.constexpr, USE_ABS: tl.constexpr, HAS_BIAS: tl.constexpr, CALIBRATED: tl.constexpr,
-    FLUSH: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    FLUSH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """The row check of C = A·B (+ bias), BM rows of one matrix a program (module docstring). ref: A·(B w) without
     the bias; asq: ‖A_i‖²; bsq: ‖B_j‖². CORRECT: write corrections (else locate and report only: "detect")."""
-    if GATED:
-        if tl.load(gate_ptr) == 0:
-            return
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     # Matrix pid_b of the (nb0, nb1) leading dims, each with its own strides.
@@ -384,25 +378,56 @@ def check_pass(
 
 
 @triton.jit
-def trip_pass(c_ptr, M, N, nb1, sc0, sc1, scm, scn, state_ptr, near_inf, BM: tl.constexpr, BN: tl.constexpr):
-    """Tier 1: count C's extreme elements (INF, NaN, |x| > near_inf) into state[S_EXTREME]; one read of C."""
+def trip_pass(c_ptr, M, N, nb1, sc0, sc1, scm, scn, state_ptr, code_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS,
+              near_inf, BM: tl.constexpr, BN: tl.constexpr):
+    """Tier 1: count C's extreme elements (INF, NaN, |x| > near_inf) into state[S_EXTREME] in one read of C, and mark
+    each row holding one NEED_RECOMPUTE (the others CLEAN) for repair_rows' TRIP mode, which recomputes it. The
+    programs holding such a row read those rows again for their summaries (the first SLOTS flagged rows: batch, row,
+    the first extreme element's column, code; its value, NaN, near_inf)."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     # Matrix pid_b of the (nb0, nb1) leading dims, each with its own strides.
     bi0 = (pid_b // nb1).to(tl.int64)
     bi1 = (pid_b % nb1).to(tl.int64)
     rows = pid_m * BM + tl.arange(0, BM)
+    rows64 = rows.to(tl.int64)
     rmask = rows < M
     cb = c_ptr + (bi0 * sc0 + bi1 * sc1)
     ext = tl.full([BM], 0, tl.int32)
     for n0 in range(0, N, BN):
         cols = n0 + tl.arange(0, BN)
         m2 = rmask[:, None] & (cols < N)[None, :]
-        c = tl.load(cb + rows.to(tl.int64)[:, None] * scm + cols[None, :].to(tl.int64) * scn, mask=m2, other=0.0)
+        c = tl.load(cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn, mask=m2, other=0.0)
         ext += tl.reduce((~(tl.abs(c.to(tl.float32)) <= near_inf)).to(tl.int32), 1, _add)
+    rep = rmask & (ext > 0)
+    code = tl.where(rep, NEED_RECOMPUTE, CLEAN)
     n_ext = tl.reduce(ext, 0, _add)
     if n_ext > 0:
+        n_rep = tl.reduce(rep.to(tl.int32), 0, _add)
         tl.atomic_add(state_ptr + S_EXTREME, n_ext)
+        tl.atomic_add(state_ptr + S_RECOMPUTE, n_rep)
+        first = tl.atomic_add(state_ptr + S_FLAGGED, n_rep)
+        slot = first + tl.cumsum(rep.to(tl.int32), axis=0) - 1
+        keep_slot = rep & (slot < SLOTS)
+        col = tl.full([BM], 0, tl.int32) + N
+        for n0 in range(0, N, BN):
+            cols = n0 + tl.arange(0, BN)
+            m2 = rep[:, None] & (cols < N)[None, :]
+            c = tl.load(cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn, mask=m2, other=0.0)
+            hit = m2 & ~(tl.abs(c.to(tl.float32)) <= near_inf)
+            col = tl.minimum(col, tl.reduce(tl.where(hit, cols[None, :], N), 1, _min))
+        col = tl.where(rep, col, 0)
+        value = tl.load(cb + rows64 * scm + col.to(tl.int64) * scn, mask=rep, other=0.0).to(tl.float32)
+        slot64 = slot.to(tl.int64)
+        tl.store(slot_i_ptr + slot64 * 4, tl.full(slot.shape, 0, tl.int32) + pid_b, mask=keep_slot)
+        tl.store(slot_i_ptr + slot64 * 4 + 1, rows, mask=keep_slot)
+        tl.store(slot_i_ptr + slot64 * 4 + 2, col, mask=keep_slot)
+        tl.store(slot_i_ptr + slot64 * 4 + 3, code, mask=keep_slot)
+        tl.store(slot_f_ptr + slot64 * 4, value, mask=keep_slot)
+        tl.store(slot_f_ptr + slot64 * 4 + 1, tl.full([BM], float("nan"), tl.float32), mask=keep_slot)
+        tl.store(slot_f_ptr + slot64 * 4 + 2, tl.full([BM], 0.0, tl.float32) + near_inf, mask=keep_slot)
+        tl.store(slot_ptr + pid_b.to(tl.int64) * M + rows64, slot, mask=rep)
+    tl.store(code_ptr + pid_b.to(tl.int64) * M + rows64, code, mask=rmask)
 
 
 @triton.jit
@@ -432,6 +457,39 @@ def _emulate(fresh, rows, cols, pid_b, fault_ptr, IS_F32: tl.constexpr, NF: tl.c
 
 
 @triton.jit
+def _product_tile(ab_, bb_, rows64, need, cols, cmask, K, sAm, sAk, sBk, sBn, bias_ptr, a_sq, first,
+                  DOT_FP32: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, NORMS: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One (BM, BN) tile of A·B (+ bias) for the rows in ``need``, fp32: (tile, bias (BN,), a_sq, b_sq). NORMS:
+    also B's squared column norms over K (b_sq (BN,)), and A's squared row norms added to a_sq on the ``first``
+    column tile."""
+    acc = tl.full([BM, BN], 0, tl.float32)
+    b_sq = tl.full([BN], 0, tl.float32)
+    for k0 in range(0, K, BK):
+        ks = (k0 + tl.arange(0, BK)).to(tl.int64)
+        at = tl.load(ab_ + rows64[:, None] * sAm + ks[None, :] * sAk, mask=need[:, None] & (ks < K)[None, :],
+                     other=0.0)
+        bt = tl.load(bb_ + ks[:, None] * sBk + cols[None, :].to(tl.int64) * sBn,
+                     mask=(ks < K)[:, None] & cmask[None, :], other=0.0)
+        if DOT_FP32:
+            at = at.to(tl.float32)
+            bt = bt.to(tl.float32)
+        if NORMS:
+            if first:
+                a_sq += tl.reduce(at.to(tl.float32) * at.to(tl.float32), 1, _add)
+            b_sq += tl.reduce(bt.to(tl.float32) * bt.to(tl.float32), 0, _add)
+        if IEEE:
+            acc = tl.dot(at, bt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(at, bt, acc)
+    beta = tl.full([BN], 0, tl.float32)
+    if HAS_BIAS:
+        beta = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        acc += beta[None, :]
+    return acc, beta, a_sq, b_sq
+
+
+@triton.jit
 def repair_rows(
     c_ptr, M, N, nb1, sc0, sc1, scm, scn,
     ref_ptr, sr0, sr1, srm, srj,
@@ -443,15 +501,22 @@ def repair_rows(
     state_ptr, code_ptr, slot_ptr, slot_i_ptr, SLOTS,
     fault_ptr,
     floor_a, floor_b, rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common,
-    sigmas, near_inf, sqrt_k, elem_ab, elem_abs,
+    sigmas, near_inf, sqrt_k, elem_ab, elem_abs, c_max,
     CORRECT: tl.constexpr, USE_ABS: tl.constexpr, HAS_BIAS: tl.constexpr, CALIBRATED: tl.constexpr,
     FLUSH: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, IS_F32: tl.constexpr, NF: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TRIP: tl.constexpr = False,
 ):
     """Recompute the rows the check pass marked NEED_RECOMPUTE (BM rows of one matrix a program), re-verify them with
     the same rule, write them back, and give each its outcome: RECOMPUTED, UNCORRECTABLE (a fault that came back), or
     CONSISTENT (the recomputation equals the old row to round-off, and that row's checksums overflowed or it held INF
-    or NaN: the product as the dtype holds it, not a fault). Returns at once on a clean call."""
+    or NaN: the product as the dtype holds it, not a fault). Returns at once on a clean call.
+
+    TRIP: the rows a tier-1 pass marked (an extreme element each), with no references: the recomputed row is
+    RECOMPUTED (DETECTED in detect mode) when it holds no extreme element. Else each extreme element must be what
+    the operands allow: |C_ij| <= ‖A_i‖‖B_:,j‖ + |bias_j| (Cauchy-Schwarz, 1 % over for the norms' rounding), or
+    come from a non-finite operand row or column. Then the row is CONSISTENT (finite values past near_inf:
+    diverged training, not a fault) or UPSTREAM (non-finite: it came in with an input); an extreme element the
+    operands cannot give is a fault that came back: UNCORRECTABLE."""
     if tl.load(state_ptr + S_RECOMPUTE) == 0:
         return
     pid_m = tl.program_id(0)
@@ -469,7 +534,14 @@ def repair_rows(
     ab_ = a_ptr + (bi0 * sA0 + bi1 * sA1)
     bb_ = b_ptr + (bi0 * sB0 + bi1 * sB1)
     bsq_b = bsq_ptr + (bi0 * sb0 + bi1 * sb1)
-    a = tl.sqrt(tl.load(asq_ptr + (bi0 * sa0 + bi1 * sa1) + rows64 * sam, mask=need, other=0.0)) + floor_a
+    if TRIP:
+        a = tl.full([BM], 0, tl.float32)
+    else:
+        a = tl.sqrt(tl.load(asq_ptr + (bi0 * sa0 + bi1 * sa1) + rows64 * sam, mask=need, other=0.0)) + floor_a
+    a_sq = tl.full([BM], 0, tl.float32)
+    unexplained = tl.full([BM], 0, tl.int32)
+    extreme = tl.full([BM], 0, tl.int32)
+    non_finite = tl.full([BM], 0, tl.int32)  # non-finite elements that came in with an operand
     s1 = tl.full([BM], 0, tl.float32)
     s2 = tl.full([BM], 0, tl.float32)
     sq = tl.full([BM], 0, tl.float32)
@@ -481,60 +553,80 @@ def repair_rows(
         cols = n0 + tl.arange(0, BN)
         cmask = cols < N
         m2 = need[:, None] & cmask[None, :]
-        acc = tl.full([BM, BN], 0, tl.float32)
-        for k0 in range(0, K, BK):
-            ks = (k0 + tl.arange(0, BK)).to(tl.int64)
-            at = tl.load(ab_ + rows64[:, None] * sAm + ks[None, :] * sAk, mask=need[:, None] & (ks < K)[None, :],
-                         other=0.0)
-            bt = tl.load(bb_ + ks[:, None] * sBk + cols[None, :].to(tl.int64) * sBn,
-                         mask=(ks < K)[:, None] & cmask[None, :], other=0.0)
-            if DOT_FP32:
-                at = at.to(tl.float32)
-                bt = bt.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(at, bt, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(at, bt, acc)
-        beta = tl.full([BN], 0, tl.float32)
-        if HAS_BIAS:
-            beta = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-            acc += beta[None, :]
+        acc, beta, a_sq, b_sq = _product_tile(ab_, bb_, rows64, need, cols, cmask, K, sAm, sAk, sBk, sBn, bias_ptr,
+                                              a_sq, n0 == 0, DOT_FP32, IEEE, HAS_BIAS, TRIP, BM, BN, BK)
         fresh = _emulate(acc.to(c_ptr.dtype.element_ty), rows, cols, pid_b, fault_ptr, IS_F32, NF)
         fresh_f = fresh.to(tl.float32)
         ptrs = cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn
-        old = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
-        w = (cols + 1).to(tl.float32)
-        # Apart by more than two correct computations can be: the old row held a fault. The tolerance from the fresh
-        # values only (an INF in the old row must not widen its own test).
-        bj = tl.where(cmask, tl.sqrt(tl.load(bsq_b + cols * sbn, mask=cmask, other=0.0)) + floor_b, 0.0)
-        tol = elem_ab * (a[:, None] * bj[None, :]) + elem_abs * (2.0 * tl.abs(fresh_f) + tl.abs(beta)[None, :])
-        same = (fresh_f == old) | (tl.abs(fresh_f - old) <= tol)
-        differs += tl.reduce((m2 & ~same).to(tl.int32), 1, _add)
-        o1 += tl.reduce(old, 1, _add)
-        o2 += tl.reduce(old * w[None, :], 1, _add)
-        s1 += tl.reduce(fresh_f, 1, _add)
-        s2 += tl.reduce(fresh_f * w[None, :], 1, _add)
-        sq += tl.reduce(fresh_f * fresh_f, 1, _add)
-        if USE_ABS:
-            sab += tl.reduce(tl.abs(fresh_f), 1, _add)
+        if TRIP:
+            ext = m2 & ~(tl.abs(fresh_f) <= near_inf)
+            cap = 1.01 * tl.sqrt(a_sq)[:, None] * tl.sqrt(b_sq)[None, :] + tl.abs(beta)[None, :]
+            # Non-finite (or overflowing) norms: the element is the input's, not a fault.
+            from_input = ~(a_sq <= FLT_MAX)[:, None] | ~(b_sq <= FLT_MAX)[None, :]
+            # A half-precision product past its dtype's range rounds to INF: what the GEMM gives, not a fault.
+            rounded = (tl.abs(acc) > c_max) & (tl.abs(acc) <= cap)
+            allowed = (tl.abs(fresh_f) <= cap) | from_input | rounded
+            unexplained += tl.reduce((ext & ~allowed).to(tl.int32), 1, _add)
+            extreme += tl.reduce(ext.to(tl.int32), 1, _add)
+            non_finite += tl.reduce((ext & ~(tl.abs(fresh_f) <= FLT_MAX) & from_input).to(tl.int32), 1, _add)
+        else:
+            old = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
+            w = (cols + 1).to(tl.float32)
+            # Apart by more than two correct computations can be: the old row held a fault. The tolerance from the fresh
+            # values only (an INF in the old row must not widen its own test).
+            bj = tl.where(cmask, tl.sqrt(tl.load(bsq_b + cols * sbn, mask=cmask, other=0.0)) + floor_b, 0.0)
+            tol = elem_ab * (a[:, None] * bj[None, :]) + elem_abs * (2.0 * tl.abs(fresh_f) + tl.abs(beta)[None, :])
+            same = (fresh_f == old) | (tl.abs(fresh_f - old) <= tol)
+            differs += tl.reduce((m2 & ~same).to(tl.int32), 1, _add)
+            o1 += tl.reduce(old, 1, _add)
+            o2 += tl.reduce(old * w[None, :], 1, _add)
+            s1 += tl.reduce(fresh_f, 1, _add)
+            s2 += tl.reduce(fresh_f * w[None, :], 1, _add)
+            sq += tl.reduce(fresh_f * fresh_f, 1, _add)
+            if USE_ABS:
+                sab += tl.reduce(tl.abs(fresh_f), 1, _add)
+            if CORRECT:
+                tl.store(ptrs, fresh, mask=m2)
+    if TRIP:
         if CORRECT:
-            tl.store(ptrs, fresh, mask=m2)
-    terms = _other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS, BN)
-    bref1, bref2 = terms[8], terms[9]
-    rule = (rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common, sigmas,
-            near_inf, sqrt_k)
-    rb = ref_ptr + (bi0 * sr0 + bi1 * sr1)
-    ref1 = tl.load(rb + rows64 * srm, mask=need, other=0.0) + bref1
-    ref2 = tl.load(rb + rows64 * srm + srj, mask=need, other=0.0) + bref2
-    nf = N * 1.0
-    b1, b2 = _bound(a, sq, sab, ref1, ref2, terms, rule, nf, USE_ABS, CALIBRATED, FLUSH)
-    ok = (tl.abs(ref1 - s1) <= b1) & (tl.abs(ref2 - s2) <= b2)
-    overflowed = ~(tl.abs(o1) <= FLT_MAX) | ~(tl.abs(o2) <= FLT_MAX)
-    consistent = (differs == 0) & overflowed
-    code = tl.where(consistent, CONSISTENT, tl.where(ok, RECOMPUTED, UNCORRECTABLE))
+            code = tl.where(extreme > 0, CONSISTENT, RECOMPUTED)
+        else:
+            code = tl.where(extreme > 0, CONSISTENT, DETECTED)
+        code = tl.where(unexplained > 0, UNCORRECTABLE, tl.where(non_finite > 0, UPSTREAM, code))
+        if CORRECT:
+            # Written back only where the recomputation is clean: a row the operands explain stays as the GEMM left
+            # it, bit for bit. A second recomputation of those rows (a trip is rare; the first pass kept nothing).
+            put = need & (code == RECOMPUTED)
+            if tl.reduce(put.to(tl.int32), 0, _add) > 0:
+                for n0 in range(0, N, BN):
+                    cols = n0 + tl.arange(0, BN)
+                    cmask = cols < N
+                    acc, beta, a_sq, b_sq = _product_tile(ab_, bb_, rows64, put, cols, cmask, K, sAm, sAk, sBk, sBn,
+                                                          bias_ptr, a_sq, False, DOT_FP32, IEEE, HAS_BIAS, False,
+                                                          BM, BN, BK)
+                    fresh = _emulate(acc.to(c_ptr.dtype.element_ty), rows, cols, pid_b, fault_ptr, IS_F32, NF)
+                    tl.store(cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn, fresh,
+                             mask=put[:, None] & cmask[None, :])
+    else:
+        terms = _other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS, BN)
+        bref1, bref2 = terms[8], terms[9]
+        rule = (rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common, sigmas,
+                near_inf, sqrt_k)
+        rb = ref_ptr + (bi0 * sr0 + bi1 * sr1)
+        ref1 = tl.load(rb + rows64 * srm, mask=need, other=0.0) + bref1
+        ref2 = tl.load(rb + rows64 * srm + srj, mask=need, other=0.0) + bref2
+        nf = N * 1.0
+        b1, b2 = _bound(a, sq, sab, ref1, ref2, terms, rule, nf, USE_ABS, CALIBRATED, FLUSH)
+        ok = (tl.abs(ref1 - s1) <= b1) & (tl.abs(ref2 - s2) <= b2)
+        overflowed = ~(tl.abs(o1) <= FLT_MAX) | ~(tl.abs(o2) <= FLT_MAX)
+        consistent = (differs == 0) & overflowed
+        code = tl.where(consistent, CONSISTENT, tl.where(ok, RECOMPUTED, UNCORRECTABLE))
     tl.atomic_add(state_ptr + S_RECOMPUTED, tl.reduce((need & (code == RECOMPUTED)).to(tl.int32), 0, _add))
     tl.atomic_add(state_ptr + S_UNCORRECTABLE, tl.reduce((need & (code == UNCORRECTABLE)).to(tl.int32), 0, _add))
     tl.atomic_add(state_ptr + S_CONSISTENT, tl.reduce((need & (code == CONSISTENT)).to(tl.int32), 0, _add))
+    if TRIP:
+        tl.atomic_add(state_ptr + S_DETECTED, tl.reduce((need & (code == DETECTED)).to(tl.int32), 0, _add))
+        tl.atomic_add(state_ptr + S_UPSTREAM, tl.reduce((need & (code == UPSTREAM)).to(tl.int32), 0, _add))
     tl.store(code_ptr + pid_b.to(tl.int64) * M + rows64, code, mask=need)
     slot = tl.load(slot_ptr + pid_b.to(tl.int64) * M + rows64, mask=need, other=SLOTS)
     tl.store(slot_i_ptr + slot.to(tl.int64) * 4 + 3, code, mask=need & (slot < SLOTS))
