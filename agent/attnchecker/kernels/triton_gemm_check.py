@@ -293,11 +293,7 @@ def check_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Te
     nb = nb0 * nb1
     m, n = c.shape[-2:]
     dev = c.device
-    state = new_state(ws)
-    code = torch.empty(nb * m, device=dev, dtype=torch.int32)
-    slot = torch.empty(nb * m, device=dev, dtype=torch.int32)
-    slot_i = torch.empty(SLOTS, 4, device=dev, dtype=torch.int32)
-    slot_f = torch.empty(SLOTS, 4, device=dev, dtype=torch.float32)
+    state, code, slot, slot_i, slot_f = _outcomes(ws, nb * m, dev)
     _, _, sa0, sa1 = _lead(a)
     _, _, sb0, sb1 = _lead(b)
     a_args = (a, sa0, sa1, a.stride(-2), a.stride(-1))
@@ -318,6 +314,14 @@ def check_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Te
     return Check(state=state, code=code, slot=slot, slot_i=slot_i, slot_f=slot_f, lead=(nb0, nb1), args=args)
 
 
+def _outcomes(ws: Workspace, rows: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
+    """A check's outcome buffers (``Check``): its zeroed state from the workspace, and per row and per slot the
+    tensors the kernels write before anything reads them (no memset)."""
+    empty = functools.partial(torch.empty, device=dev)
+    return (new_state(ws), empty(rows, dtype=torch.int32), empty(rows, dtype=torch.int32),
+            empty(SLOTS, 4, dtype=torch.int32), empty(SLOTS, 4, dtype=torch.float32))
+
+
 def new_state(ws: Workspace) -> torch.Tensor:
     """A check's counts, (STATE_SIZE,) int32 zeros from the workspace."""
     return ws.take(STATE_SIZE).view(torch.int32)
@@ -334,11 +338,7 @@ def trip_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
     nb = nb0 * nb1
     m, n = c.shape[-2:]
     dev = c.device
-    state = new_state(ws)
-    code = torch.empty(nb * m, device=dev, dtype=torch.int32)
-    slot = torch.empty(nb * m, device=dev, dtype=torch.int32)
-    slot_i = torch.empty(SLOTS, 4, device=dev, dtype=torch.int32)
-    slot_f = torch.empty(SLOTS, 4, device=dev, dtype=torch.float32)
+    state, code, slot, slot_i, slot_f = _outcomes(ws, nb * m, dev)
     blk = _blocks(dev)
     c_args = (c, m, n, nb1, sc0, sc1, c.stride(-2), c.stride(-1))
     k.trip_pass[(triton_cdiv(m, blk.rows), nb)](*c_args, state, code, slot, slot_i, slot_f, SLOTS, rule.near_inf,

@@ -202,6 +202,26 @@ def _bound(a, sq, ab, ref1, ref2, terms, rule, nf, USE_ABS: tl.constexpr, CALIBR
 
 
 @triton.jit
+def _keep_summaries(state_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS, rep, n_rep, pid_b, M, rows, col, code, value,
+                    d1, b1):
+    """The reports' summaries of this program's flagged rows ``rep`` (n_rep of them): each takes the next slot of the
+    check (state[S_FLAGGED] counts them all); the first SLOTS keep (batch, row, col, code) and (value, d1, bound),
+    and every flagged row its slot index, where repair_rows writes its outcome."""
+    first = tl.atomic_add(state_ptr + S_FLAGGED, n_rep)
+    slot = first + tl.cumsum(rep.to(tl.int32), axis=0) - 1
+    keep = rep & (slot < SLOTS)
+    slot64 = slot.to(tl.int64)
+    tl.store(slot_i_ptr + slot64 * 4, tl.full(slot.shape, 0, tl.int32) + pid_b, mask=keep)
+    tl.store(slot_i_ptr + slot64 * 4 + 1, rows, mask=keep)
+    tl.store(slot_i_ptr + slot64 * 4 + 2, col, mask=keep)
+    tl.store(slot_i_ptr + slot64 * 4 + 3, code, mask=keep)
+    tl.store(slot_f_ptr + slot64 * 4, value, mask=keep)
+    tl.store(slot_f_ptr + slot64 * 4 + 1, d1, mask=keep)
+    tl.store(slot_f_ptr + slot64 * 4 + 2, b1, mask=keep)
+    tl.store(slot_ptr + pid_b.to(tl.int64) * M + rows.to(tl.int64), slot, mask=rep)
+
+
+@triton.jit
 def check_pass(
     c_ptr, M, N, nb1, sc0, sc1, scm, scn,
     ref_ptr, sr0, sr1, srm, srj,
@@ -359,21 +379,11 @@ def check_pass(
         tl.atomic_add(state_ptr + S_CONSISTENT, tl.reduce((code == CONSISTENT).to(tl.int32), 0, _add))
         tl.atomic_add(state_ptr + S_DETECTED, tl.reduce((code == DETECTED).to(tl.int32), 0, _add))
         tl.atomic_add(state_ptr + S_UPSTREAM, tl.reduce((code == UPSTREAM).to(tl.int32), 0, _add))
-        first = tl.atomic_add(state_ptr + S_FLAGGED, n_rep)
-        slot = first + tl.cumsum(rep.to(tl.int32), axis=0) - 1
-        keep_slot = rep & (slot < SLOTS)
         col = tl.where(fixable, loc, wpos)
         value = tl.load(cb + rows64 * scm + col.to(tl.int64) * scn, mask=rep & ~fixable, other=0.0).to(tl.float32)
         value = tl.where(fixable, old_f, value)
-        slot64 = slot.to(tl.int64)
-        tl.store(slot_i_ptr + slot64 * 4, tl.full(slot.shape, 0, tl.int32) + pid_b, mask=keep_slot)
-        tl.store(slot_i_ptr + slot64 * 4 + 1, rows, mask=keep_slot)
-        tl.store(slot_i_ptr + slot64 * 4 + 2, col, mask=keep_slot)
-        tl.store(slot_i_ptr + slot64 * 4 + 3, code, mask=keep_slot)
-        tl.store(slot_f_ptr + slot64 * 4, value, mask=keep_slot)
-        tl.store(slot_f_ptr + slot64 * 4 + 1, d1, mask=keep_slot)
-        tl.store(slot_f_ptr + slot64 * 4 + 2, b1, mask=keep_slot)
-        tl.store(slot_ptr + pid_b.to(tl.int64) * M + rows64, slot, mask=rep)
+        _keep_summaries(state_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS, rep, n_rep, pid_b, M, rows, col, code,
+                        value, d1, b1)
     tl.store(code_ptr + pid_b.to(tl.int64) * M + rows64, code, mask=rmask)
 
 
@@ -406,9 +416,6 @@ def trip_pass(c_ptr, M, N, nb1, sc0, sc1, scm, scn, state_ptr, code_ptr, slot_pt
         n_rep = tl.reduce(rep.to(tl.int32), 0, _add)
         tl.atomic_add(state_ptr + S_EXTREME, n_ext)
         tl.atomic_add(state_ptr + S_RECOMPUTE, n_rep)
-        first = tl.atomic_add(state_ptr + S_FLAGGED, n_rep)
-        slot = first + tl.cumsum(rep.to(tl.int32), axis=0) - 1
-        keep_slot = rep & (slot < SLOTS)
         col = tl.full([BM], 0, tl.int32) + N
         for n0 in range(0, N, BN):
             cols = n0 + tl.arange(0, BN)
@@ -418,15 +425,8 @@ def trip_pass(c_ptr, M, N, nb1, sc0, sc1, scm, scn, state_ptr, code_ptr, slot_pt
             col = tl.minimum(col, tl.reduce(tl.where(hit, cols[None, :], N), 1, _min))
         col = tl.where(rep, col, 0)
         value = tl.load(cb + rows64 * scm + col.to(tl.int64) * scn, mask=rep, other=0.0).to(tl.float32)
-        slot64 = slot.to(tl.int64)
-        tl.store(slot_i_ptr + slot64 * 4, tl.full(slot.shape, 0, tl.int32) + pid_b, mask=keep_slot)
-        tl.store(slot_i_ptr + slot64 * 4 + 1, rows, mask=keep_slot)
-        tl.store(slot_i_ptr + slot64 * 4 + 2, col, mask=keep_slot)
-        tl.store(slot_i_ptr + slot64 * 4 + 3, code, mask=keep_slot)
-        tl.store(slot_f_ptr + slot64 * 4, value, mask=keep_slot)
-        tl.store(slot_f_ptr + slot64 * 4 + 1, tl.full([BM], float("nan"), tl.float32), mask=keep_slot)
-        tl.store(slot_f_ptr + slot64 * 4 + 2, tl.full([BM], 0.0, tl.float32) + near_inf, mask=keep_slot)
-        tl.store(slot_ptr + pid_b.to(tl.int64) * M + rows64, slot, mask=rep)
+        _keep_summaries(state_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS, rep, n_rep, pid_b, M, rows, col, code,
+                        value, tl.full([BM], float("nan"), tl.float32), tl.full([BM], 0.0, tl.float32) + near_inf)
     tl.store(code_ptr + pid_b.to(tl.int64) * M + rows64, code, mask=rmask)
 
 
