@@ -391,6 +391,7 @@ def located(records: torch.Tensor, saved: torch.Tensor | None) -> torch.Tensor:
         ref_P2 = rows_PS[sel, 2:4]
         loc_P, _, placed_P = locate_and_fix(v_PL, ref_P2, Tolerance())
         extreme_PL = ~torch.isfinite(v_PL) | (v_PL.abs() > NEAR_INF)
+        has_extreme_P = extreme_PL.any(1)
         # d2/d1 lands near an integer by chance for many rows with several errors (locate_and_fix allows 0.3 of
         # slack): a finite error placed at column c must also leave d2 - (c + 1)·d1 within the two sums' rounding,
         # at most (L + c + 1) times the plain sum's bound (the weights are 1..L).
@@ -398,8 +399,7 @@ def located(records: torch.Tensor, saved: torch.Tensor | None) -> torch.Tensor:
         d_P2 = ref_P2 - finite_PL @ checksum_weights(length, v_PL.device, v_PL.dtype)
         slack_P = (length + loc_P + 1) * rows_PS[sel, 4]
         single_P = (d_P2[:, 1] - (loc_P + 1) * d_P2[:, 0]).abs() <= slack_P
-        placed_P &= extreme_PL.any(1) | single_P
-        has_extreme_P = extreme_PL.any(1)
+        placed_P &= has_extreme_P | single_P
         first_extreme_P = extreme_PL.to(torch.int8).argmax(1)
         at_P = torch.where(placed_P, loc_P, first_extreme_P)
         found_P = placed_P | has_extreme_P
@@ -686,9 +686,9 @@ if triton is not None:
     def _note_rows(rec, rows_seen, x, bad, d1, b1, ratio, ref1, ref2, r0, c0, At):
         """Fold a tile x (R, C) with flagged rows into its block's record in the fast pass. The first flagged tile
         sets the row, residual and bound, and keeps its first flagged row at At (``SAVED_FIELDS``: the row's length,
-        its first column's whole-matrix index, its two references, its C values), from which the host locates the
-        element (``located``) when this record is the one reported. Locating here (_note's column check and
-        locate) is what took the full-check kernel to 255 registers and a spill stack (bench/triton_resources.py):
+        its first column's whole-matrix index, its two references and its bound, its C values), from which the host
+        locates the element (``located``) when this record is the one reported. Locating here (_note's column check
+        and locate) is what took the full-check kernel to 255 registers and a spill stack (bench/triton_resources.py):
         the repair kernel, launched for every flagged block, checks both directions anyway."""
         n_rows: tl.constexpr = x.shape[0]
         n_cols: tl.constexpr = x.shape[1]
