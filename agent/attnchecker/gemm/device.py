@@ -147,8 +147,7 @@ def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
     tol = _tolerance(ctx)
     with _exact_math(todo[0].c):
         for g in todo:
-            chk = tg.trip_pass(g.c, g.a, g.b, g.bias, _rule(g, tol), ws, correct=ctx.config.mode == "correct")
-            tg.repair_rows(chk, faults=_planned(ctx, g))
+            chk = _trip_launch(g, ws, tol, correct=ctx.config.mode == "correct", faults=_planned(ctx, g))
             _defer(ctx, g, chk, tier="tripwire")
 
 
@@ -182,8 +181,14 @@ def trip_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.
     g = DeviceGemm("product", c, a, b, bias)
     ws = tg.Workspace(c.device, tg.STATE_SIZE)
     with _exact_math(c):
-        chk = tg.trip_pass(c, a, b, bias, _rule(g, tol), ws, correct=correct)
-        tg.repair_rows(chk)
+        return _trip_launch(g, ws, tol, correct=correct)
+
+
+def _trip_launch(g: DeviceGemm, ws: tg.Workspace, tol: Tolerance, *, correct: bool,
+                 faults: tuple[tg.EmulatedFault, ...] = ()) -> tg.Check:
+    """The tier-1 pass and the repair kernel's recompute of the rows it marked, of one GEMM under ``tol``."""
+    chk = tg.trip_pass(g.c, g.a, g.b, g.bias, _rule(g, tol), ws, correct=correct)
+    tg.repair_rows(chk, faults=faults)
     return chk
 
 

@@ -294,10 +294,7 @@ def check_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Te
     m, n = c.shape[-2:]
     dev = c.device
     state, code, slot, slot_i, slot_f = _outcomes(ws, nb * m, dev)
-    _, _, sa0, sa1 = _lead(a)
-    _, _, sb0, sb1 = _lead(b)
-    a_args = (a, sa0, sa1, a.stride(-2), a.stride(-1))
-    b_args = (b, sb0, sb1, b.stride(-2), b.stride(-1), a.shape[-1])
+    a_args, b_args = _operand_args(a, b)
     blk = _blocks(dev)
     flags = {"CORRECT": correct, "USE_ABS": rule.use_abs, "HAS_BIAS": bias is not None,
              "CALIBRATED": rule.calibrated, "FLUSH": rule.flush != 0.0}
@@ -312,6 +309,14 @@ def check_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Te
     args = {"c": c_args, "side": side_args, "bias": bias_t, "a": a_args, "b": b_args, "rule": rule, "flags": flags,
             "grid": (triton_cdiv(m, blk.rows), nb), "blk": blk}
     return Check(state=state, code=code, slot=slot, slot_i=slot_i, slot_f=slot_f, lead=(nb0, nb1), args=args)
+
+
+def _operand_args(a: torch.Tensor, b: torch.Tensor) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """The kernels' (pointer, batch strides, element strides) of A (.., M, K) and B (.., K, N), B's with K, for
+    recomputing elements and rows of C = A·B."""
+    _, _, sa0, sa1 = _lead(a)
+    _, _, sb0, sb1 = _lead(b)
+    return (a, sa0, sa1, a.stride(-2), a.stride(-1)), (b, sb0, sb1, b.stride(-2), b.stride(-1), a.shape[-1])
 
 
 def _outcomes(ws: Workspace, rows: int, dev: torch.device) -> tuple[torch.Tensor, ...]:
@@ -344,15 +349,13 @@ def trip_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
     k.trip_pass[(triton_cdiv(m, blk.rows), nb)](*c_args, state, code, slot, slot_i, slot_f, SLOTS, rule.near_inf,
                                                 BM=blk.rows, BN=blk.cols)
     LAUNCHES.count("trip_pass")
-    _, _, sa0, sa1 = _lead(a)
-    _, _, sb0, sb1 = _lead(b)
+    a_args, b_args = _operand_args(a, b)
     # No references: the repair's TRIP mode reads none of them (state stands in for their pointers).
     side_args = (state, 0, 0, 0, 0, state, 0, 0, 0, state, 0, 0, 0)
     flags = {"CORRECT": correct, "USE_ABS": False, "HAS_BIAS": bias is not None, "CALIBRATED": rule.calibrated,
              "FLUSH": False, "TRIP": True}
     args = {"c": c_args, "side": side_args, "bias": bias if bias is not None else state,
-            "a": (a, sa0, sa1, a.stride(-2), a.stride(-1)), "b": (b, sb0, sb1, b.stride(-2), b.stride(-1), a.shape[-1]),
-            "rule": rule, "flags": flags, "grid": (triton_cdiv(m, blk.rows), nb), "blk": blk}
+            "a": a_args, "b": b_args, "rule": rule, "flags": flags, "grid": (triton_cdiv(m, blk.rows), nb), "blk": blk}
     return Check(state=state, code=code, slot=slot, slot_i=slot_i, slot_f=slot_f, lead=(nb0, nb1), args=args)
 
 
