@@ -134,3 +134,37 @@ def test_the_triton_kernels_check_the_backward_and_repair_a_fault_inside_them() 
         ("grad_v", "recomputed", BATCH - 1, 1, SEQ // 2)], events
     assert loss == want_loss and worst_rel(grads, want) == 0.0
     guard.close()
+
+
+@needs_triton
+@pytest.mark.parametrize(("which", "kind"), [(0, "nan"), (1, "inf"), (2, "near_inf"), (1, "bitflip")])
+def test_tier_one_off_the_cpu_reads_sdpas_gradient_in_the_kernels_and_recomputes_a_tripped_block(
+        monkeypatch: pytest.MonkeyPatch, which: int, kind: str) -> None:
+    """The default off the CPU on a step whose whole-step checks are not due: SDPA's own backward (the vendor's
+    kernels an unprotected step runs), whose dQ, dK and dV the Triton kernels' tier-1 pass reads once, then their
+    repair recomputes only a block that tripped (fused.sdpa_tier1_on_device). A fault written below autograd into
+    the fused backward's output is reported at the step boundary as recomputed by tier 1, and the step's gradients
+    are the clean step's; the host's tier 1 (a sum and a read per gradient, then the checked products) never runs."""
+    given_calls = []
+    run = triton_attention_bwd.run
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        given_calls.append(kwargs.get("given") is not None)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention_bwd, "run", watched)
+    monkeypatch.setattr(fused, "_tripwire_backward", None)  # the host path: calling it would raise
+    model = build("gpt2", **SMALL)
+    guard = attnchecker.protect(model, policy=Policy(adaptive=False, op_periods={"out": 1000}), scope="all")
+    _step(model, guard)
+    assert not guard.check_config.checks("out")
+    given_calls.clear()
+    want_loss, want = _step(model, guard)
+    assert given_calls == [True] and guard.report().tier_checks["tripwire"] > 0 and not guard.detections
+    injector = FusedBackwardFault(call=0, which=which, kind=kind, element=5 + 7 * which)
+    loss, grads = _step(model, guard, injector)
+    assert injector.hit
+    op = ("grad_q", "grad_k", "grad_v")[which]
+    assert [(e.op, e.action, e.tier) for e in guard.detections] == [(op, "recomputed", "tripwire")], guard.detections
+    assert loss == want_loss and worst_rel(grads, want) <= 1e-5
+    guard.close()

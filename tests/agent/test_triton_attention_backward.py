@@ -255,8 +255,9 @@ def test_tier_one_sees_extreme_gradients_and_recomputes_them(make_ctx: Any, faul
     assert not rec.detections and not torch.equal(got[2], a["clean"][2])
 
 
+@pytest.mark.parametrize("check", ["abft", "tripwire"])
 @pytest.mark.parametrize("where", ["operands", "input"])
-def test_an_fp16_overflow_under_a_loss_scale_is_not_a_fault(make_ctx: Any, where: str) -> None:
+def test_an_fp16_overflow_under_a_loss_scale_is_not_a_fault(make_ctx: Any, where: str, check: str) -> None:
     """GradScaler's first steps overflow fp16 gradients on purpose (and skip the step). operands: dO finite (its
     largest element 60,000) but dS and AP∘Z rounded to fp16 for their products reach INF, and those products
     follow; input: dO itself holds INF (an upstream gradient overflowed, which that op's own check sees). Nothing is
@@ -269,7 +270,7 @@ def test_an_fp16_overflow_under_a_loss_scale_is_not_a_fault(make_ctx: Any, where
         a["do"] = (a["do"].float() * 2.0**15).half()
         assert not torch.isfinite(a["do"]).all()
     ctx, rec = make_ctx()
-    got = backward(a, ctx)
+    got = backward(a, ctx, check=check)
     drain(ctx.runtime.deferred)
     assert not all(bool(torch.isfinite(g).all()) for g in got)
     assert not rec.detections, rec.detections[:2]
@@ -290,6 +291,130 @@ def test_a_non_finite_key_or_value_is_its_producers_fault_not_the_backwards(make
     drain(ctx.runtime.deferred)
     assert not bool(torch.isfinite(got[0]).all())
     assert not rec.detections, rec.detections[:2]
+
+
+# ------------------------------------------------------------- tier 1 over given gradients (SDPA's, on a GPU step)
+
+
+def given_backward(a: dict[str, Any], ctx: Any, given: tuple[torch.Tensor, ...],
+                   faults: list[KernelFault] | None = None) -> tuple[torch.Tensor, ...]:
+    how = a["how"]
+    return triton_backward.backward(a["q"], a["k"], a["v"], a["out"], a["lse"], a["do"], scale=how["scale"],
+                                    is_causal=how["causal"], window=how["window"], attn_mask=how["mask"],
+                                    check="tripwire", faults=faults or [], ctx=ctx, given=given)
+
+
+@pytest.fixture(scope="module")
+def two_blocks() -> dict[str, Any]:
+    """T = S = 64 (two blocks of queries and of keys), GQA 2 on 1, causal; ``given``: autograd's gradients through
+    the math (what another backward, SDPA's, hands tier 1), and ``kernel``: the kernels' own, unchecked."""
+    a = make(torch.float32, t=64, s=64, d=16, seed=11)
+    a["given"] = tuple(g.to(torch.float32) for g in a["want"])
+    a["kernel"] = backward(a, None, check="off")
+    return a
+
+
+@pytest.mark.parametrize(("which", "at", "kind"), [(0, (0, 1, 40, 3), "inf"), (1, (0, 0, 9, 5), "nan"),
+                                                   (2, (0, 0, 50, 0), "near_inf"), (1, (0, 0, 33, 7), "bitflip")])
+def test_tier_one_over_given_gradients_recomputes_only_the_tripped_block(
+        make_ctx: Any, two_blocks: dict[str, Any], which: int, at: tuple[int, ...], kind: str) -> None:
+    """An extreme value in the given dQ, dK or dV (below autograd, in SDPA's output on a GPU) trips the block that
+    holds it: that block is recomputed by the kernels (dK and dV together: one key program owns both), reported at
+    the step boundary as recomputed by tier 1, and every other element is the given gradient, bit for bit."""
+    a = two_blocks
+    given = [g.clone() for g in a["given"]]
+    value = given[which][at]
+    given[which][at] = {"inf": math.inf, "nan": math.nan, "near_inf": 3e20,
+                        "bitflip": (value.view(torch.int32) ^ (1 << 30)).view(torch.float32)}[kind]
+    assert not abs(float(given[which][at])) <= 1e10
+    ctx, rec = make_ctx()
+    got = given_backward(a, ctx, tuple(given))
+    assert not rec.detections
+    drain(ctx.runtime.deferred)
+    op = ("grad_q", "grad_k", "grad_v")[which]
+    assert [(d.op, d.action, d.tier, d.batch, d.head) for d in rec.detections] == [
+        (op, "recomputed", "tripwire", 0, at[1])], rec.detections
+    assert rec.detections[0].row == at[2]
+    block = slice(at[2] // 32 * 32, at[2] // 32 * 32 + 32)
+    for i, (g, want_given, kernel) in enumerate(zip(got, a["given"], a["kernel"], strict=True)):
+        owned = (which == 0) == (i == 0)  # the query program owns dQ; the key program dK and dV
+        for h in range(g.shape[1]):
+            here = g[0, h]
+            mine = owned and (h == at[1] or which != 0)
+            assert torch.equal(here[block], kernel[0, h][block] if mine else want_given[0, h][block])
+            rest = torch.ones(g.shape[2], dtype=torch.bool)
+            rest[block] = False
+            assert torch.equal(here[rest], want_given[0, h][rest])
+
+
+def test_tier_one_over_clean_given_gradients_returns_them_in_four_launches_without_a_sync(
+        make_ctx: Any, two_blocks: dict[str, Any]) -> None:
+    """Clean: the given gradients come back untouched, nothing is reported, tier 1 is counted for the three outputs.
+    The launches: δ, the tier-1 pass over the gradients, and the two repair launches (whose programs return at
+    once); no host-device sync."""
+    a = two_blocks
+    ctx, rec = make_ctx()
+    with SyncCounter() as syncs, launches() as count:
+        got = given_backward(a, ctx, a["given"])
+    assert syncs.calls == [], syncs.calls
+    if kernels.interpreting():
+        assert count.triton == 4
+    drain(ctx.runtime.deferred)
+    assert not rec.detections
+    assert all(torch.equal(g, w) for g, w in zip(got, a["given"], strict=True))
+    assert all(ctx.runtime.stats.trip_checks[op] == 1 for op in triton_backward.TRIP_OPS)
+
+
+def test_a_fault_that_comes_back_in_the_recompute_of_a_given_block_is_reported(
+        make_ctx: Any, two_blocks: dict[str, Any]) -> None:
+    """A NaN in the given dK, and the kernels' recompute of that block gives INF again (a persistent emulated fault):
+    the block holds what this backward cannot repair, and a non-finite value is reported (detected)."""
+    a = two_blocks
+    given = [g.clone() for g in a["given"]]
+    given[1][0, 0, 40, 2] = math.nan
+    ctx, rec = make_ctx()
+    got = given_backward(a, ctx, tuple(given), faults=[KernelFault(op="grad_k", n=0, row=40, col=2, persistent=True)])
+    drain(ctx.runtime.deferred)
+    assert [(d.op, d.action, d.tier) for d in rec.detections] == [("grad_k", "detected", "tripwire")], rec.detections
+    assert not bool(torch.isfinite(got[1]).all())
+
+
+def test_given_gradients_of_a_non_finite_key_are_its_producers_to_report(make_ctx: Any) -> None:
+    """K holding a NaN makes the given dQ (and dV) non-finite: the tripped programs read their inputs, see the NaN,
+    and report nothing (its projection's check does), as the kernels' own tier 1."""
+    a = make(torch.float32, t=32, s=32, d=16, seed=6)
+    a["k"] = a["k"].clone()
+    a["k"][0, 0, 5, 3] = float("nan")
+    leaves = [x.float().requires_grad_() for x in (a["q"], a["k"], a["v"])]
+    out, _ = reference(*leaves, **a["how"])
+    given = torch.autograd.grad(out, leaves, a["do"].float())
+    assert not bool(torch.isfinite(given[0]).all())
+    ctx, rec = make_ctx()
+    given_backward(a, ctx, given)
+    drain(ctx.runtime.deferred)
+    assert not rec.detections, rec.detections[:2]
+
+
+def test_a_given_half_precision_gradient_past_its_range_is_not_a_fault(make_ctx: Any) -> None:
+    """GradScaler's overflow steps: given fp16 gradients hold INF where the true values pass 65504. The tier-1 pass
+    sees the INF (it reads the gradients as stored), the repair's recompute rounds past the range again from finite
+    sums: the dtype's INF, not a fault; nothing is reported. A genuine INF in a finite block still is."""
+    a = make(torch.float16, t=32, s=32, d=16, seed=4, v_scale=30.0, do_max=60000.0)
+    given = tuple(g.half() for g in a["want"])
+    assert not all(bool(torch.isfinite(g).all()) for g in given)
+    assert all(bool(torch.isfinite(g).all()) for g in a["want"])
+    ctx, rec = make_ctx()
+    given_backward(a, ctx, given)
+    drain(ctx.runtime.deferred)
+    assert not rec.detections, rec.detections[:2]
+    b = make(torch.float16, t=32, s=32, d=16, seed=4)
+    planted = [g.half() for g in b["want"]]
+    assert all(bool(torch.isfinite(g).all()) for g in planted)
+    planted[2][0, 0, 7, 1] = math.inf
+    ctx, rec = make_ctx()
+    given_backward(b, ctx, tuple(planted))
+    drain(ctx.runtime.deferred)
+    assert [(d.op, d.action) for d in rec.detections] == [("grad_v", "recomputed")], rec.detections
 
 
 # ------------------------------------------------------------------------------------------------- the fast path

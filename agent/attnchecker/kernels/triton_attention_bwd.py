@@ -13,6 +13,8 @@ Launches (each a constant, whatever T and S):
      recomputes its block (a transient fault does not repeat), checks it again and says on the device whether it
      came back clean. Each program owns its outputs (dQ rows, or dK and dV rows), so a recompute touches nothing else.
 Dropout: Z = keep/(1-p) regenerated from the forward's counter-based mask (kernels/triton_dropout.py).
+Tier 1 over given gradients (``run(given=...)``: SDPA's, on a tier-1 step without dropout): ``_delta``, then
+``_trip_given`` in place of launches 2 and 3 (one read of dQ, dK, dV), then 4 and 5 as above.
 
 Checks (``check="abft"``), every product, one direction each (a repair recomputes, so a flag need not locate):
   scores_bwd  S = Q Kᵀ per tile: by rows (over the tile's keys) in the key pass, by columns (over its queries) in
@@ -163,8 +165,9 @@ class Launch:
     summary_PO6: torch.Tensor
     """fp32 (P, len(OPS), len(FIELDS)): the worst vector per op of each program's first run."""
     repaired_P: torch.Tensor | None
-    """int32 per program after the repair launch: 0 not flagged, 1 clean after its recompute, 2 flagged again; None
-    when no repair ran (detect mode)."""
+    """int32 per program after the repair launch: 0 not flagged, 1 clean after its recompute, 2 flagged again, 3 (tier
+    1) what the dtype's range gives: a half-precision operand of the products (dS, AP∘Z) or, for given gradients, an
+    output rounded to INF from finite values, not a fault; None when no repair ran (detect mode)."""
 
     @property
     def key_programs(self) -> int:
@@ -213,6 +216,7 @@ def run(
     repair: bool = True,
     tf32: bool = False,
     block: int | None = None,
+    given: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Launch | None]:
     """(dq (B, H, T, D), dk, dv (B, HK, S, D) summed over each KV head's query heads, and what the checks found, None
     for check "off"). window: keys more than window - 1 before a query are masked (GPT-Neo's local attention: key j
@@ -220,7 +224,9 @@ def run(
     additive, broadcastable to (B, H, T, S); causal is top-left aligned, as SDPA's. seed: dropout's, an int or a (1,)
     int64 tensor on the device (the forward's, read in the kernels: no copy to the host). rules: for check "abft" (and
     "tripwire", which ignores them). repair: launch the recompute of flagged programs. tf32: fp32 products with TF32
-    operands (the rules must say so). block: tile size (default BLOCK).
+    operands (the rules must say so). block: tile size (default BLOCK). given: (dq, dk, dv) an unchecked backward
+    made (SDPA's), for check "tripwire": the first pass only reads them (``_trip_given``) and the repair recomputes
+    the flagged blocks into them; returned (made contiguous where they were not).
     Launches 3 kernels, 5 with repair; no host-device sync."""
     if triton is None:
         raise RuntimeError("the Triton attention backward needs triton (pip install triton)")
@@ -237,13 +243,22 @@ def run(
     n_kb, n_qb = triton.cdiv(s, blk), triton.cdiv(t, blk)
     p_keys, p_queries = b * hk * n_kb, b * h * n_qb
     mode = CHECKS.index(check)
+    if given is not None and check != "tripwire":
+        raise ValueError(f"given gradients take check 'tripwire' (tier 1), not {check!r}")
 
     delta_BHT = torch.empty((b, h, t), dtype=torch.float32, device=device)
     _delta[(triton.cdiv(t, blk), b * h)](out_BHTD, dout_BHTD, delta_BHT, *_strides(out_BHTD), *_strides(dout_BHTD),
                                          h, t, d, BLOCK_M=blk, BLOCK_D=block_d)
-    dq = torch.empty((b, h, t, d), dtype=q_BHTD.dtype, device=device)
-    dk = torch.empty((b, hk, s, d), dtype=k_BHSD.dtype, device=device)
-    dv = torch.empty((b, hk, s, d), dtype=v_BHSD.dtype, device=device)
+    if given is None:
+        dq = torch.empty((b, h, t, d), dtype=q_BHTD.dtype, device=device)
+        dk = torch.empty((b, hk, s, d), dtype=k_BHSD.dtype, device=device)
+        dv = torch.empty((b, hk, s, d), dtype=v_BHSD.dtype, device=device)
+    else:
+        # The passes write (B·H, T, D) and (B·HK, S, D) row-major, and their repair writes into these.
+        dq, dk, dv = (x.contiguous() for x in given)
+        if dq.shape != (b, h, t, d) or dk.shape != (b, hk, s, d) or dv.shape != (b, hk, s, d):
+            raise ValueError(f"given gradients of shapes {tuple(dq.shape)}, {tuple(dk.shape)}, {tuple(dv.shape)}: "
+                             f"want q's {(b, h, t, d)} and k's {(b, hk, s, d)}")
     status = torch.empty((p_keys + p_queries,), dtype=torch.int32, device=device) if mode else dq
     summary = torch.empty((p_keys + p_queries, len(OPS), len(FIELDS)), dtype=torch.float32,
                           device=device) if mode else dq
@@ -263,16 +278,24 @@ def run(
              *mask_strides, h, hk, t, s, d, scale, window or 0, dropout_p, 0 if on_device else seed, len(fault_rows))
     repaired = None
     for attempt in (0, 1) if mode and repair else (0,):
+        if given is not None and not attempt:
+            _trip_given[(p_keys + p_queries,)](
+                *inputs[:6], dq, dk, dv, status, summary, *_strides(q_BHTD), *_strides(k_BHSD), *_strides(v_BHSD),
+                *_strides(dout_BHTD), *_strides(lse_BHT), h, hk, t, s, d, window or 0, n_kb, n_qb, p_keys,
+                BLOCK_M=blk, BLOCK_N=blk, BLOCK_D=block_d, CAUSAL=is_causal, WINDOW=window is not None)
+            continue
         # The repair: the same launches, whose programs read their first run's status and return when it is 0.
         if attempt:
             repaired = torch.empty_like(status)
         written = repaired if attempt else status
         _query_pass[(n_qb, b * h)](*inputs, dq, written, summary, table, seed if on_device else dq, *sizes, p_keys,
                                    r.tile, r.queries,
-                                   r.softmax, FIRST=status, REPAIR=bool(attempt), num_warps=NUM_WARPS, **common)
+                                   r.softmax, FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None,
+                                   num_warps=NUM_WARPS, **common)
         _key_pass[(n_kb, b * hk)](*inputs, dk, dv, written, summary, table, seed if on_device else dq, *sizes, 0,
                                   r.tile, r.keys,
-                                  FIRST=status, REPAIR=bool(attempt), num_warps=NUM_WARPS, **common)
+                                  FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None, num_warps=NUM_WARPS,
+                                  **common)
     if not mode:
         return dq, dk, dv, None
     return dq, dk, dv, Launch(b, h, hk, n_kb, n_qb, status, summary, repaired)
@@ -352,6 +375,50 @@ if triton is not None:
             _nonfinite(delta), tl.max(((lse != lse) | (lse == float("-inf"))).to(tl.int32))))
 
     @device_function
+    def _keys_nonfinite(K, V, bb, hk, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, lo, hi, S, feats, feat_in,
+                        BLOCK_N: tl.constexpr):
+        """1 where a key or value row in [lo, hi) of KV head hk holds INF or NaN: what a query program that flagged
+        reads again (its dQ is then its inputs' doing)."""
+        bad = tl.full((), 0, tl.int32)
+        for start_k in range(lo, hi, BLOCK_N):
+            keys = start_k + tl.arange(0, BLOCK_N)
+            io = (keys < S)[:, None] & feat_in[None, :]
+            k = tl.load(K + bb * sk_b + hk * sk_h + keys[:, None] * sk_s + feats[None, :] * sk_d, mask=io, other=0.0)
+            v = tl.load(V + bb * sv_b + hk * sv_h + keys[:, None] * sv_s + feats[None, :] * sv_d, mask=io, other=0.0)
+            bad = tl.maximum(bad, tl.maximum(_nonfinite(k), _nonfinite(v)))
+        return bad
+
+    @device_function
+    def _queries_nonfinite(Q, DO, LSE, DELTA, bb, hk, group, H, T, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t,
+                           sdo_d, sl_b, sl_h, sl_t, lo, hi, feats, feat_in, BLOCK_M: tl.constexpr):
+        """1 where a query row in [lo, hi) of any query head of KV head hk's group has non-finite inputs (q, dO, δ,
+        the lse: ``_rows_nonfinite``): what a key program that flagged reads again."""
+        bad = tl.full((), 0, tl.int32)
+        for g in range(0, group):
+            hh = hk * group + g
+            for start_m in range(lo, hi, BLOCK_M):
+                _rows, _row_in, q, do, lse, delta = _query_block(
+                    Q, DO, LSE, DELTA, bb, hh, H, T, start_m, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d,
+                    sl_b, sl_h, sl_t, feats, feat_in, BLOCK_M)
+                bad = tl.maximum(bad, _rows_nonfinite(q, do, delta, lse))
+        return bad
+
+    @device_function
+    def _query_block(Q, DO, LSE, DELTA, bb, hh, H, T, start_m, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d,
+                     sl_b, sl_h, sl_t, feats, feat_in, BLOCK_M: tl.constexpr):
+        """The query block at start_m of head hh as a key program streams it: (rows, which exist, q and dO as
+        stored, lse and δ in fp32)."""
+        rows = start_m + tl.arange(0, BLOCK_M)
+        row_in = rows < T
+        io = row_in[:, None] & feat_in[None, :]
+        q = tl.load(Q + bb * sq_b + hh * sq_h + rows[:, None] * sq_t + feats[None, :] * sq_d, mask=io, other=0.0)
+        do = tl.load(DO + bb * sdo_b + hh * sdo_h + rows[:, None] * sdo_t + feats[None, :] * sdo_d, mask=io,
+                     other=0.0)
+        lse = tl.load(LSE + bb * sl_b + hh * sl_h + rows * sl_t, mask=row_in, other=0.0).to(tl.float32)
+        delta = tl.load(DELTA + (bb * H + hh) * T + rows, mask=row_in, other=0.0)
+        return rows, row_in, q, do, lse, delta
+
+    @device_function
     def _clear_summary(SUMMARY, slot):
         """A first run's summary starts at 0 for every op (a pass checks some of them only)."""
         for o in range(5):
@@ -359,12 +426,13 @@ if triton is not None:
                 tl.store(SUMMARY + (slot + o) * 6 + f, 0.0)
 
     @device_function
-    def _store_status(STATUS, pid, flags, bad_in, REPAIR: tl.constexpr):
-        """The program's status word: the flagged ops' bits (first run), or 1 clean / 2 flagged again (repair).
-        Nothing is flagged for non-finite inputs (bad_in): their producer's check reports them."""
+    def _store_status(STATUS, pid, flags, bad_in, REPAIR: tl.constexpr, spilled=0):
+        """The program's status word: the flagged ops' bits (first run), or 1 clean / 2 flagged again / 3 the dtype's
+        range (repair, tier 1: ``spilled``, Launch.repaired_P). Nothing is flagged for non-finite inputs (bad_in):
+        their producer's check reports them."""
         flags = tl.where(bad_in > 0, 0, flags)
         if REPAIR:
-            flags = tl.where(flags != 0, 2, 1)
+            flags = tl.where(spilled > 0, 3, tl.where(flags != 0, 2, 1))
         tl.store(STATUS + pid, flags)
 
     @device_function
@@ -498,8 +566,9 @@ if triton is not None:
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                     WINDOW: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, CHECK: tl.constexpr,
                     FAULTS_ON: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-                    REPAIR: tl.constexpr, SEED_ON_DEVICE: tl.constexpr):
-        """dQ of one query block of one head (module doc), with its checks."""
+                    REPAIR: tl.constexpr, SEED_ON_DEVICE: tl.constexpr, GIVEN: tl.constexpr = False):
+        """dQ of one query block of one head (module doc), with its checks. GIVEN: the repair of a tier-1 first pass
+        over given gradients (``_trip_given``)."""
         n = tl.program_id(1)
         bb, hh = n // H, n % H
         hk = hh // (H // HK)
@@ -637,24 +706,24 @@ if triton is not None:
                                   True)
             flags = (worst_s > 1.0).to(tl.int32) | ((worst_p > 1.0).to(tl.int32) << 1) | (
                 (worst_q > 1.0).to(tl.int32) << 4)
+        spilled = tl.full((), 0, tl.int32)
         if CHECK == 1:
             worst_q = _trip(dq * scale, rows, io, hh, worst_q, SUMMARY, slot + 4, write)
             flags = (worst_q > 1.0).to(tl.int32) << 4
+            if REPAIR:
+                spilled = overflow
+                if GIVEN:
+                    spilled = tl.maximum(spilled, _overflowed(tl.where(io, dq * scale, 0.0),
+                                                              (dq * scale).to(DQ.dtype.element_ty)))
         tl.store(DQ + n * T * D + rows[:, None] * D + feats[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=io)
         if CHECK > 0:
             if flags != 0:
                 # Whether the keys and values it read were finite matters only to a program that flagged: it reads
                 # them again. A clean program does not reduce each K and V tile to a scalar in its loop (two
                 # reductions across the block's warps per tile, in every query block's loop).
-                for start_k in range(lo, hi, BLOCK_N):
-                    keys_k = start_k + tl.arange(0, BLOCK_N)
-                    io_k = (keys_k < S)[:, None] & feat_in[None, :]
-                    k_again = tl.load(K + bb * sk_b + hk * sk_h + keys_k[:, None] * sk_s + feats[None, :] * sk_d,
-                                      mask=io_k, other=0.0)
-                    v_again = tl.load(V + bb * sv_b + hk * sv_h + keys_k[:, None] * sv_s + feats[None, :] * sv_d,
-                                      mask=io_k, other=0.0)
-                    bad_in = tl.maximum(bad_in, tl.maximum(_nonfinite(k_again), _nonfinite(v_again)))
-            _store_status(STATUS, pid, flags, bad_in, REPAIR)
+                bad_in = tl.maximum(bad_in, _keys_nonfinite(K, V, bb, hk, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s,
+                                                            sv_d, lo, hi, S, feats, feat_in, BLOCK_N))
+            _store_status(STATUS, pid, flags, bad_in, REPAIR, spilled)
 
     @triton.jit
     def _key_pass(Q, K, V, DO, LSE, DELTA, MASK, DK, DV, STATUS, SUMMARY, FAULTS, SEED,
@@ -664,9 +733,9 @@ if triton is not None:
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                   WINDOW: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, CHECK: tl.constexpr,
                   FAULTS_ON: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-                  REPAIR: tl.constexpr, SEED_ON_DEVICE: tl.constexpr):
+                  REPAIR: tl.constexpr, SEED_ON_DEVICE: tl.constexpr, GIVEN: tl.constexpr = False):
         """dK and dV of one key block of one KV head, over every query head of its group (module doc), with its
-        checks."""
+        checks. GIVEN: as the query pass's."""
         nk = tl.program_id(1)
         bb, hk = nk // HK, nk % HK
         group = H // HK
@@ -730,15 +799,9 @@ if triton is not None:
             hh = hk * group + g
             n = bb * H + hh
             for start_m in range(lo, hi, BLOCK_M):
-                rows = start_m + tl.arange(0, BLOCK_M)
-                row_in = rows < T
-                io = row_in[:, None] & feat_in[None, :]
-                q = tl.load(Q + bb * sq_b + hh * sq_h + rows[:, None] * sq_t + feats[None, :] * sq_d, mask=io,
-                            other=0.0)
-                do = tl.load(DO + bb * sdo_b + hh * sdo_h + rows[:, None] * sdo_t + feats[None, :] * sdo_d, mask=io,
-                             other=0.0)
-                lse = tl.load(LSE + bb * sl_b + hh * sl_h + rows * sl_t, mask=row_in, other=0.0).to(tl.float32)
-                delta = tl.load(DELTA + n * T + rows, mask=row_in, other=0.0)
+                rows, row_in, q, do, lse, delta = _query_block(
+                    Q, DO, LSE, DELTA, bb, hh, H, T, start_m, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d,
+                    sl_b, sl_h, sl_t, feats, feat_in, BLOCK_M)
                 s = _dot(q, tl.trans(k), PRECISION, INTERPRET)
                 if FAULTS_ON:
                     s = _emulate(s, FAULTS, n_faults, 0, 0, n, rows, keys, REPAIR, None)
@@ -800,10 +863,18 @@ if triton is not None:
             worst_k = _keep_worst(worst_k, ratio, keys, d1, b1, key_in, hk, 0, SUMMARY, slot + 3, write)
             flags = ((worst_s > 1.0).to(tl.int32) | ((worst_p > 1.0).to(tl.int32) << 1)
                      | ((worst_v > 1.0).to(tl.int32) << 2) | ((worst_k > 1.0).to(tl.int32) << 3))
+        spilled = tl.full((), 0, tl.int32)
         if CHECK == 1:
             worst_v = _trip(dv, keys, kv_io, hk, worst_v, SUMMARY, slot + 2, write)
             worst_k = _trip(dk * scale, keys, kv_io, hk, worst_k, SUMMARY, slot + 3, write)
             flags = ((worst_v > 1.0).to(tl.int32) << 2) | ((worst_k > 1.0).to(tl.int32) << 3)
+            if REPAIR:
+                spilled = overflow
+                if GIVEN:
+                    dks = tl.where(kv_io, dk * scale, 0.0)
+                    spilled = tl.maximum(spilled, tl.maximum(
+                        _overflowed(tl.where(kv_io, dv, 0.0), dv.to(DV.dtype.element_ty)),
+                        _overflowed(dks, dks.to(DK.dtype.element_ty))))
         at = nk * S * D + keys[:, None] * D + feats[None, :]
         tl.store(DK + at, (dk * scale).to(DK.dtype.element_ty), mask=kv_io)
         tl.store(DV + at, dv.to(DV.dtype.element_ty), mask=kv_io)
@@ -811,29 +882,99 @@ if triton is not None:
             if flags != 0:
                 # As in the query pass: only a program that flagged reads its query blocks' inputs again to ask
                 # whether they were finite.
-                for g_again in range(0, group):
-                    h_again = hk * group + g_again
-                    for start_q in range(lo, hi, BLOCK_M):
-                        rows_q = start_q + tl.arange(0, BLOCK_M)
-                        in_q = rows_q < T
-                        io_q = in_q[:, None] & feat_in[None, :]
-                        q_again = tl.load(Q + bb * sq_b + h_again * sq_h + rows_q[:, None] * sq_t
-                                          + feats[None, :] * sq_d, mask=io_q, other=0.0)
-                        do_again = tl.load(DO + bb * sdo_b + h_again * sdo_h + rows_q[:, None] * sdo_t
-                                           + feats[None, :] * sdo_d, mask=io_q, other=0.0)
-                        lse_again = tl.load(LSE + bb * sl_b + h_again * sl_h + rows_q * sl_t, mask=in_q,
-                                            other=0.0).to(tl.float32)
-                        delta_again = tl.load(DELTA + (bb * H + h_again) * T + rows_q, mask=in_q, other=0.0)
-                        bad_in = tl.maximum(bad_in, _rows_nonfinite(q_again, do_again, delta_again, lse_again))
-            _store_status(STATUS, pid, flags, bad_in, REPAIR)
+                bad_in = tl.maximum(bad_in, _queries_nonfinite(
+                    Q, DO, LSE, DELTA, bb, hk, group, H, T, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d, sl_b,
+                    sl_h, sl_t, lo, hi, feats, feat_in, BLOCK_M))
+            _store_status(STATUS, pid, flags, bad_in, REPAIR, spilled)
+
+
+    @triton.jit
+    def _trip_given(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, STATUS, SUMMARY,
+                    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                    sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t,
+                    H, HK, T, S, D, window, n_kb, n_qb, p_keys,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                    WINDOW: tl.constexpr):
+        """Tier 1 on gradients an unchecked backward made (SDPA's): program p looks at the block that program p of
+        the passes writes (a key program: dK and dV of its key block, over its KV head; a query program: dQ of its
+        query block), as their check "tripwire" looks at it (``_trip``: INF, NaN, |x| > NEAR_INF), and writes the
+        same status word and summary, so the passes' repair launches recompute exactly the flagged blocks. Each
+        gradient is read once; the inputs (for their finiteness) only by a program that flagged, as in the passes.
+        dq (B·H, T, D) and dk, dv (B·HK, S, D) contiguous, as the passes write them. The values are read as stored:
+        a half-precision gradient rounded past its range is INF here, where the passes see their fp32 sums; the
+        repair tells the two apart (``_store_status``'s 3)."""
+        pid = tl.program_id(0)
+        feats = tl.arange(0, BLOCK_D)
+        feat_in = feats < D
+        slot = pid * 5
+        _clear_summary(SUMMARY, slot)
+        flags = tl.full((), 0, tl.int32)
+        bad_in = tl.full((), 0, tl.int32)
+        if pid < p_keys:
+            nk = pid // n_kb
+            bb, hk = nk // HK, nk % HK
+            group = H // HK
+            start_n = (pid % n_kb) * BLOCK_N
+            keys = start_n + tl.arange(0, BLOCK_N)
+            kv_io = (keys < S)[:, None] & feat_in[None, :]
+            at = nk * S * D + keys[:, None] * D + feats[None, :]
+            dv = tl.load(DV + at, mask=kv_io, other=0.0).to(tl.float32)
+            dk = tl.load(DK + at, mask=kv_io, other=0.0).to(tl.float32)
+            worst_v = _trip(dv, keys, kv_io, hk, tl.full((), 0.0, tl.float32), SUMMARY, slot + 2, True)
+            worst_k = _trip(dk, keys, kv_io, hk, tl.full((), 0.0, tl.float32), SUMMARY, slot + 3, True)
+            flags = ((worst_v > 1.0).to(tl.int32) << 2) | ((worst_k > 1.0).to(tl.int32) << 3)
+            if flags != 0:
+                k = tl.load(K + bb * sk_b + hk * sk_h + keys[:, None] * sk_s + feats[None, :] * sk_d, mask=kv_io,
+                            other=0.0)
+                v = tl.load(V + bb * sv_b + hk * sv_h + keys[:, None] * sv_s + feats[None, :] * sv_d, mask=kv_io,
+                            other=0.0)
+                bad_in = tl.maximum(_nonfinite(k), _nonfinite(v))
+                lo, hi = 0, T
+                if CAUSAL:
+                    lo = start_n // BLOCK_M * BLOCK_M
+                if WINDOW:
+                    hi = tl.minimum(T, start_n + BLOCK_N - 1 + window)
+                bad_in = tl.maximum(bad_in, _queries_nonfinite(
+                    Q, DO, LSE, DELTA, bb, hk, group, H, T, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d, sl_b,
+                    sl_h, sl_t, lo, hi, feats, feat_in, BLOCK_M))
+        else:
+            n = (pid - p_keys) // n_qb
+            bb, hh = n // H, n % H
+            hk = hh // (H // HK)
+            start_m = ((pid - p_keys) % n_qb) * BLOCK_M
+            rows = start_m + tl.arange(0, BLOCK_M)
+            row_in = rows < T
+            io = row_in[:, None] & feat_in[None, :]
+            dq = tl.load(DQ + n * T * D + rows[:, None] * D + feats[None, :], mask=io, other=0.0).to(tl.float32)
+            worst_q = _trip(dq, rows, io, hh, tl.full((), 0.0, tl.float32), SUMMARY, slot + 4, True)
+            flags = (worst_q > 1.0).to(tl.int32) << 4
+            if flags != 0:
+                q = tl.load(Q + bb * sq_b + hh * sq_h + rows[:, None] * sq_t + feats[None, :] * sq_d, mask=io,
+                            other=0.0)
+                do = tl.load(DO + bb * sdo_b + hh * sdo_h + rows[:, None] * sdo_t + feats[None, :] * sdo_d, mask=io,
+                             other=0.0)
+                lse = tl.load(LSE + bb * sl_b + hh * sl_h + rows * sl_t, mask=row_in, other=0.0).to(tl.float32)
+                delta = tl.load(DELTA + n * T + rows, mask=row_in, other=0.0)
+                bad_in = _rows_nonfinite(q, do, delta, lse)
+                lo, hi = 0, S
+                if CAUSAL:
+                    hi = tl.minimum(S, start_m + BLOCK_M)
+                if WINDOW:
+                    lo = tl.maximum(0, start_m - window + 1) // BLOCK_N * BLOCK_N
+                bad_in = tl.maximum(bad_in, _keys_nonfinite(K, V, bb, hk, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s,
+                                                            sv_d, lo, hi, S, feats, feat_in, BLOCK_N))
+        _store_status(STATUS, pid, flags, bad_in, False)
 
 
 def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = True, reps: int = 20,
                  dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """The cost of the checks inside the kernels (bench/gpu_suite.py): one backward with check "off", "tripwire"
     and "abft" (with its repair launch, which returns at once on clean data), interleaved over ``reps`` rounds,
-    milliseconds per call (device-synchronised: a benchmark, not the fast path) and each variant over "off"; and
-    "sdpa", SDPA's own backward on the same inputs (its forward run before the timer), the unprotected step's."""
+    milliseconds per call (device-synchronised: a benchmark, not the fast path) and each variant over "off"; "sdpa",
+    SDPA's own backward on the same inputs (its forward run before the timer), the unprotected step's; and
+    "tripwire_given", what a tier-1 step without dropout runs (attention.backward.fused.sdpa_tier1_on_device): SDPA's
+    forward again and its backward, then the tier-1 pass over its gradients and the two repair launches, also over
+    "sdpa"."""
     import statistics
     import time
 
@@ -856,19 +997,26 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
                   product_rule(d, t, tol).scalars(), softmax_grad_rule(t=t, s=t, d=d, dtype=dtype, tol=tol).scalars())
     # (SDPA's forward keeps its scores in fp32: scores_dtype None.)
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
-    names = (*CHECKS, "sdpa")
+    names = (*CHECKS, "sdpa", "tripwire_given")
     times: dict[str, list[float]] = {c: [] for c in names}
     for r in range(reps + 1):
         turn = r % len(names)
         for c in names[turn:] + names[:turn]:
-            if c == "sdpa":
+            if c in ("sdpa", "tripwire_given"):
                 lq, lk, lv = (x.detach().requires_grad_() for x in (q, k, v))
                 leaves = (lq, lk, lv)
+            if c == "sdpa":
                 graph = torch.nn.functional.scaled_dot_product_attention(lq, lk, lv, is_causal=causal, scale=scale)
             sync()
             t0 = time.perf_counter()
             if c == "sdpa":
                 torch.autograd.grad(graph, leaves, do)
+            elif c == "tripwire_given":
+                with torch.enable_grad():
+                    again = torch.nn.functional.scaled_dot_product_attention(lq, lk, lv, is_causal=causal, scale=scale)
+                    grads = torch.autograd.grad(again, leaves, do)
+                run(q, k, v, out, lse, do, scale=scale, is_causal=causal, window=None, attn_mask=None, dropout_p=0.0,
+                    seed=0, check="tripwire", rules=None, given=(grads[0], grads[1], grads[2]))
             else:
                 run(q, k, v, out, lse, do, scale=scale, is_causal=causal, window=None, attn_mask=None, dropout_p=0.0,
                     seed=0, check=c, rules=rules if c == "abft" else None)
@@ -877,4 +1025,5 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
                 times[c].append((time.perf_counter() - t0) * 1e3)
     off = statistics.median(times["off"])
     return {f"{c}_ms": statistics.median(times[c]) for c in names} | {
-        f"{c}_over_off": statistics.median(times[c]) / off for c in names if c != "off"}
+        f"{c}_over_off": statistics.median(times[c]) / off for c in names if c != "off"} | {
+        "tripwire_given_over_sdpa": statistics.median(times["tripwire_given"]) / statistics.median(times["sdpa"])}

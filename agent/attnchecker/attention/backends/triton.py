@@ -43,6 +43,8 @@ from ..backward.fused import (
     _off_cpu_backward,
     _sdpa_backward,
     _VerifiedAttention,
+    sdpa_tier1_on_device,
+    sum_groups,
 )
 from ..backward.replay import Replay, replay_backward
 from . import AttentionCall, BackendOutput
@@ -181,9 +183,11 @@ def _with_grad(call: AttentionCall, got: kernel.Result, seed: torch.Tensor | Non
 class _KernelBackward(torch.autograd.Function):
     """The backward of a Triton forward off the fused CPU kernel's reach (CUDA, or attention dropout): the Triton
     backward (attention/backward/triton_backward.py) with the step's check (protect(scope="all")) and the forward's
-    dropout seed, its scores in fp32 as this kernel kept them; unchecked without dropout, SDPA's recomputed gradient
-    (flash). Where the Triton backward declines (ATTNCHECKER_ATTENTION_BACKWARD=torch): the checked PyTorch products,
-    or with dropout the PyTorch replay of the kernel's keep mask (attention/backward/replay.py, unchecked)."""
+    dropout seed, its scores in fp32 as this kernel kept them; tier 1 without dropout, SDPA's gradient read by the
+    kernels' tier-1 pass (fused.sdpa_tier1_on_device); unchecked without dropout, SDPA's recomputed gradient
+    (flash). Where the Triton backward declines (ATTNCHECKER_ATTENTION_BACKWARD=torch): the checked PyTorch
+    products, or with dropout the PyTorch replay of the kernel's keep mask (attention/backward/replay.py,
+    unchecked)."""
 
     @staticmethod
     def forward(ctx, q, k, v, how, layer):  # type: ignore[no-untyped-def]
@@ -198,6 +202,10 @@ class _KernelBackward(torch.autograd.Function):
         layer: LayerContext = ctx.layer
         mode = triton_backward.check_mode(layer.runtime)
         if not triton_backward.not_supported_reasons(q, k, v, how.attn_mask):
+            if mode == "tripwire" and how.dropout_p == 0.0:
+                dq, dk, dv = sdpa_tier1_on_device(layer, dout, q, k, v, out, lse, how.attn_mask, scale=how.scale,
+                                                  is_causal=how.is_causal)
+                return dq, dk, dv, None, None
             if mode != "off" or how.dropout_p > 0.0:
                 dq, dk, dv = triton_backward.backward(
                     q, k, v, out, lse, dout, scale=how.scale, is_causal=how.is_causal, attn_mask=how.attn_mask,
@@ -213,13 +221,7 @@ class _KernelBackward(torch.autograd.Function):
             grads = _off_cpu_backward(layer, dout, q, k_rep, v_rep, out, lse, how.attn_mask, None, scale=how.scale,
                                       is_causal=how.is_causal, block_q=None)
         dq, dk, dv = grads
-        return dq, _sum_groups(dk, k.shape[1]), _sum_groups(dv, v.shape[1]), None, None
-
-
-def _sum_groups(grad_BHSD: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """dK (dV) of the expanded heads summed back onto the kv_heads (GQA)."""
-    b, h, s, d = grad_BHSD.shape
-    return grad_BHSD if h == kv_heads else grad_BHSD.view(b, kv_heads, h // kv_heads, s, d).sum(2)
+        return dq, sum_groups(dk, k.shape[1]), sum_groups(dv, v.shape[1]), None, None
 
 
 def reports_of(records: torch.Tensor, saved: torch.Tensor | None, op: int, heads: int

@@ -116,8 +116,9 @@ def _off_cpu_backward(
     block_q: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward where the fused CPU kernel does not run. Under protect(scope="all"), on a step whose whole-step
-    checks are due or get tier 1: the Triton kernels with that check (no sync; ATTNCHECKER_ATTENTION_BACKWARD), else
-    the checked products (due) or SDPA's gradient with the tripwire on dQ, dK, dV (tier 1). Otherwise SDPA's
+    checks are due: the Triton kernels' full check (no sync; ATTNCHECKER_ATTENTION_BACKWARD), else the checked
+    products; on a tier-1 step: SDPA's gradient with the tripwire on dQ, dK, dV, in the Triton kernels' tier-1 pass
+    (``sdpa_tier1_on_device``: no sync) or on the host (``_tripwire_backward``). Otherwise SDPA's
     gradient, recomputed at the verified q, k, v (no T×S kept from the forward)."""
     from . import triton_backward
 
@@ -125,6 +126,9 @@ def _off_cpu_backward(
     if mode != "off":
         assert layer is not None
         reasons = triton_backward.not_supported_reasons(q, k, v, attn_mask)
+        if not reasons and mode == "tripwire":
+            return sdpa_tier1_on_device(layer, grad_out, q, k, v, out, lse, attn_mask, scale=scale,
+                                        is_causal=is_causal)
         if not reasons:
             # The PyTorch tile loop's forward rounds its half-precision scores to their dtype.
             half = q.dtype in (torch.float16, torch.bfloat16)
@@ -152,6 +156,35 @@ def _off_cpu_backward(
 
 
 _warned: set[str] = set()
+
+
+def sdpa_tier1_on_device(
+    layer: LayerContext,
+    grad_out: torch.Tensor,
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    out_BHTD: torch.Tensor,
+    lse_BHT: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    *,
+    scale: float,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tier 1 of the attention backward where the Triton kernels run (no dropout: SDPA's own mask is not the
+    forward's): SDPA's gradient, the vendor's kernels an unprotected step runs, then one Triton pass that reads dQ,
+    dK and dV for INF, NaN and |x| > NEAR_INF block by block, and the kernels' repair launches, which recompute only
+    a flagged block (attention.backward.triton_backward, ``given``). No sync: what trips is reported at the step
+    boundary. k, v (B, HK, S, D); dk, dv summed over each KV head's query heads. Tier 1 has no checksums to fold into
+    the products, so it need not run them in its own kernels, which are slower than the vendor's."""
+    from . import triton_backward
+
+    heads, kv_heads = q_BHTD.shape[1], k_BHSD.shape[1]
+    dq, dk, dv = _sdpa_backward(grad_out, q_BHTD, _expand_heads(k_BHSD, heads), _expand_heads(v_BHSD, heads),
+                                attn_mask, scale=scale, is_causal=is_causal)
+    return triton_backward.backward(q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, grad_out, scale=scale,
+                                    is_causal=is_causal, attn_mask=attn_mask, check="tripwire", ctx=layer,
+                                    given=(dq, sum_groups(dk, kv_heads), sum_groups(dv, kv_heads)))
 
 
 def _sdpa_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -234,6 +267,12 @@ def _additive_mask(attn_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.
     else:
         mask = attn_mask.to(dtype)
     return mask.view(*(1,) * (4 - mask.dim()), *mask.shape) if mask.dim() < 4 else mask
+
+
+def sum_groups(grad_BHSD: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """dK (dV) of the expanded heads summed back onto the kv_heads (GQA)."""
+    b, h, s, d = grad_BHSD.shape
+    return grad_BHSD if h == kv_heads else grad_BHSD.view(b, kv_heads, h // kv_heads, s, d).sum(2)
 
 
 def _expand_heads(x_BHSD: torch.Tensor, heads: int) -> torch.Tensor:
