@@ -21,7 +21,8 @@ Sections, in order (each records its own wall time; one that would pass the budg
    the checks inside the kernel), where the Triton backend is installed; the scores' and the context's checks each
    alone and both without the repair launch (where the full checks' cost lies), and SDPA's forward.
    backward_kernel: the same for the Triton backward (kernels/triton_attention_bwd.py): check "abft" (its repair
-   launch included) and "tripwire" against "off", and SDPA's backward.
+   launch included) and "tripwire" against "off", SDPA's backward, and what a tier-1 step without dropout runs
+   (SDPA's forward again and its backward, the tier-1 pass over its gradients, the repair launches) over SDPA's.
 4. coverage: the share of a step's GEMM FLOPs each scope checks (torch.utils.flop_counter over one unprotected
    step: the attention core's products against the projections', the MLP's and the LM head's).
 5. profile: Nsight Compute on the checked forward kernel (off, tier 1, full checks, each with its repair launch) at
@@ -266,7 +267,8 @@ def _kernel_shapes(args: argparse.Namespace) -> list[tuple[int, int, int, int]]:
 
 def backward_kernel_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:
     """The Triton checked-attention backward (kernels/triton_attention_bwd.py) with check "abft" (and its repair
-    launch) and "tripwire" against the same kernels with checks off, bf16, causal, per shape."""
+    launch) and "tripwire" against the same kernels with checks off, and tier 1 over SDPA's gradients against
+    SDPA's backward, bf16, causal, per shape."""
     from attnchecker.kernels import triton_attention_bwd
 
     if not triton_attention_bwd.available():

@@ -4,7 +4,8 @@ run should look at before it times anything: a kernel that spills to local memor
 
 Variants: the query pass and the key pass, bf16, causal, head dim 64 and 128, check off / tripwire / abft, at the
 tile size and warps kernels/triton_attention_bwd.py launches with (BLOCK, NUM_WARPS), and at 64×64 tiles with 8 and
-4 warps for comparison. Needs triton, not a GPU; TRITON_INTERPRET must be unset.
+4 warps for comparison; and tier 1 over SDPA's gradients: the pass that reads them and the two repair launches.
+Needs triton, not a GPU; TRITON_INTERPRET must be unset.
 
     python bench/triton_kernels.py [--out docs/perf/triton_backward_kernels.json]
     python bench/triton_kernels.py --mix [--out docs/perf/triton_backward_kernels_mix.json]
@@ -62,10 +63,12 @@ def _signature(fn: Any, dtype: str) -> dict[str, Any]:
     return sig
 
 
-def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int, mix: bool = False) -> dict[str, Any]:
+def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int, mix: bool = False,
+                repair: bool = False) -> dict[str, Any]:
     const = {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": d, "CAUSAL": True, "WINDOW": False, "MASK_KIND": 0,
              "DROPOUT": False, "CHECK": check, "FAULTS_ON": False, "INTERPRET": False, "PRECISION": "ieee",
-             "REPAIR": False, "SEED_ON_DEVICE": False}
+             "REPAIR": repair, "SEED_ON_DEVICE": False, "GIVEN": repair}
+    const = {k: v for k, v in const.items() if k in fn.arg_names}
     sig = {k: v for k, v in _signature(fn, "bf16").items() if k not in const}
     sig.update(dict.fromkeys(const, "constexpr"))
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=TARGET,
@@ -104,6 +107,16 @@ def main() -> None:
                     rows.append({"kernel": fn.__name__.strip("_"), "head_dim": d, "block": block, "warps": warps,
                                  "check": name, **got})
                     print(rows[-1], flush=True)
+    # Tier 1 over SDPA's gradients (run(given=...)): the pass that reads them, and the repair it gates.
+    for d in (64, 128):
+        for fn, check, repair in ((kernels._trip_given, 1, False), (kernels._query_pass, 1, True),
+                                  (kernels._key_pass, 1, True)):
+            got = compile_one(fn, d=d, check=check, block=kernels.BLOCK, warps=kernels.NUM_WARPS, mix=args.mix,
+                              repair=repair)
+            name = fn.__name__.strip("_") + (" (repair, given)" if repair else "")
+            rows.append({"kernel": name, "head_dim": d, "block": kernels.BLOCK, "warps": kernels.NUM_WARPS,
+                         "check": "tripwire", **got})
+            print(rows[-1], flush=True)
     extra = ["loop_instructions"] if args.mix else []
     print(_common.table([[r["kernel"], r["head_dim"], r["block"], r["warps"], r["check"], r["registers"],
                           r["spill_store_bytes"], r["shared_bytes"], *(r[k] for k in extra)] for r in rows],

@@ -227,7 +227,7 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
     assert doc["profile"] == {"skipped": "--dry-run"} or "ncu not on the PATH" in doc["profile"]["skipped"]
     # The forward kernel's split of its checks' cost, and SDPA beside it.
     assert {"full_scores_ms", "full_context_ms", "full_no_repair_ms", "sdpa_ms"} <= set(doc["kernel"]["rows"][0])
-    assert "sdpa_ms" in doc["backward_kernel"]["rows"][0]
+    assert {"sdpa_ms", "tripwire_given_ms", "tripwire_given_over_sdpa"} <= set(doc["backward_kernel"]["rows"][0])
 
 
 def test_gpu_suite_reads_nsight_computes_raw_csv() -> None:
