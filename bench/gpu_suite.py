@@ -23,6 +23,10 @@ Sections, in order (each records its own wall time; one that would pass the budg
    backward_kernel: the same for the Triton backward (kernels/triton_attention_bwd.py): check "abft" (its repair
    launch included) and "tripwire" against "off", SDPA's backward, and what a tier-1 step without dropout runs
    (SDPA's forward again and its backward, the tier-1 pass over its gradients, the repair launches) over SDPA's.
+   attribution: where a protected step's time goes, against the unprotected one (torch.profiler over a few steps
+   of each model at T = 2048): device time in all kernels and in attnchecker's Triton kernels, kernel launches, host
+   time in ops and in the driver's launch calls, the top kernels; the default policies on their tier-1 steps (what
+   7 steps in 8 run). Says whether the default's overhead is device work or the host launching it.
 4. coverage: the share of a step's GEMM FLOPs each scope checks (torch.utils.flop_counter over one unprotected
    step: the attention core's products against the projections', the MLP's and the LM head's).
 5. profile: Nsight Compute on the checked forward kernel (off, tier 1, full checks, each with its repair launch) at
@@ -284,6 +288,104 @@ def backward_kernel_section(args: argparse.Namespace, device: str, deadline: flo
     return {"rows": out}
 
 
+ATTRIBUTION_VARIANTS = ("baseline", "default", "all_default", "all_full")
+"""The variants the attribution section profiles; the default ones on tier-1 steps (Guard.tripwire_only_this_step)."""
+_LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+
+
+def attribution_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:
+    """Per model at one length: each variant warmed up, timed over 3 steps (wall, device drained), then 2 steps under
+    torch.profiler (CPU, and CUDA where there is one), summed by ``_attribution``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    seq = 32 if args.dry_run else 2048
+    vocab = 256 if args.dry_run else VOCAB
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    ours = _our_kernel_names()
+    timer = _Sync(device)
+    rows = []
+    for kind, shape in shapes.items():
+        if time.monotonic() > deadline:
+            rows.append({"model": kind, "seq": seq, "skipped": "over the time budget"})
+            continue
+        base = _model(kind, shape, seq, vocab)
+        ids = torch.randint(0, vocab, (1, seq), device=device, generator=torch.Generator(device=device).manual_seed(1))
+        row: dict[str, Any] = {"model": kind, "seq": seq, "variants": {}}
+        for v in ATTRIBUTION_VARIANTS:
+            job = _Job(v, base, device, torch.bfloat16)
+
+            def step(job: _Job = job, v: str = v) -> None:
+                if job.guard is not None and v.endswith("default"):
+                    job.guard.tripwire_only_this_step()
+                job.step(ids)
+
+            try:
+                for _ in range(3):
+                    step()
+                wall: list[float] = []
+                for _ in range(3):
+                    with timer.timed(wall):
+                        step()
+                with profile(activities=activities) as prof:
+                    for _ in range(2):
+                        step()
+                    timer.sync()
+                row["variants"][v] = {"wall_ms_per_step": 1e3 * sorted(wall)[1],
+                                      **_attribution(prof.key_averages(), 2, ours)}
+            finally:
+                job.close()
+        base_row = row["variants"]["baseline"]
+        for entry in row["variants"].values():
+            entry["over_baseline"] = {k: entry[k] - base_row[k] for k in (
+                "wall_ms_per_step", "device_ms_per_step", "kernels_per_step", "host_ms_per_step")}
+        rows.append(row)
+        lines = [[v, e["wall_ms_per_step"], e["device_ms_per_step"], e["ours_device_ms_per_step"],
+                  e["kernels_per_step"], e["ours_kernels_per_step"], e["host_ms_per_step"], e["launch_api_ms_per_step"]]
+                 for v, e in row["variants"].items()]
+        print(f"\nattribution, {kind} T={seq} (per step; the default variants on tier-1 steps)")
+        print(_common.table(lines, ["variant", "wall ms", "device ms", "attnchecker kernels ms", "kernels",
+                                    "attnchecker kernels", "host ops ms", "launch calls ms"]))
+    return {"rows": rows}
+
+
+def _our_kernel_names() -> set[str]:
+    """The names attnchecker's Triton kernels launch under (a @triton.jit function's own name)."""
+    from attnchecker.kernels import triton_attention, triton_attention_bwd, triton_gemm_kernels
+
+    names = set()
+    for module in (triton_attention, triton_attention_bwd, triton_gemm_kernels):
+        for name, obj in vars(module).items():
+            if type(obj).__name__ in ("JITFunction", "InterpretedFunction"):
+                names.add(name)
+    return names
+
+
+def _attribution(events: Any, steps: int, ours: set[str]) -> dict[str, Any]:
+    """One profile's events per step: kernels (device events) by device time, attnchecker's among them (by name),
+    host ops' own CPU time, and the driver's launch calls' (what launching costs the host)."""
+    from torch.autograd import DeviceType
+
+    def device_us(e: Any) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+    kernels = [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA]
+    host = [e for e in events if getattr(e, "device_type", None) != DeviceType.CUDA]
+    mine = [e for e in kernels if e.key in ours]
+    top = sorted(kernels, key=device_us, reverse=True)[:12]
+    return {
+        "device_ms_per_step": sum(map(device_us, kernels)) / steps / 1e3,
+        "kernels_per_step": sum(e.count for e in kernels) / steps,
+        "ours_device_ms_per_step": sum(map(device_us, mine)) / steps / 1e3,
+        "ours_kernels_per_step": sum(e.count for e in mine) / steps,
+        "host_ms_per_step": sum(e.self_cpu_time_total for e in host) / steps / 1e3,
+        "launch_api_ms_per_step": sum(e.self_cpu_time_total for e in host if e.key in _LAUNCH_CALLS) / steps / 1e3,
+        "top_kernels": [{"name": e.key[:100], "ms_per_step": device_us(e) / steps / 1e3, "calls_per_step":
+                         e.count / steps, "attnchecker": e.key in ours} for e in top],
+    }
+
+
 def coverage_section(args: argparse.Namespace, device: str) -> dict[str, Any]:
     """FLOPs of one unprotected training step by GEMM class: what scope="attention" and scope="all" check."""
     import torch
@@ -431,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=460.0, help="wall-time budget of the whole suite")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--sections", default=None,
-                    help="comma-separated subset of tests,steps,kernel,backward_kernel,coverage,profile (default all)")
+                    help="comma-separated subset of tests,steps,kernel,backward_kernel,attribution,coverage,profile "
+                    "(default all)")
     ap.add_argument("--out", default=None, help="JSON path (default docs/perf/gpu_suite[_dry_run].json)")
     ap.add_argument("--profile-target", action="store_true", help=argparse.SUPPRESS)  # what ncu runs (profile)
     args = ap.parse_args(argv)
@@ -467,6 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         ("steps", lambda: steps_section(args, device, deadline, step_rows, save)),
         ("kernel", lambda: kernel_section(args, device, deadline)),
         ("backward_kernel", lambda: backward_kernel_section(args, device, deadline)),
+        ("attribution", lambda: attribution_section(args, device, deadline)),
         ("coverage", lambda: coverage_section(args, device)),
         ("profile", lambda: profile_section(args, out)),
     ]

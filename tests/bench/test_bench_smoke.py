@@ -210,7 +210,7 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["dry_run"] and doc["device"] == "cpu"
-    for section in ("steps", "kernel", "backward_kernel", "coverage"):
+    for section in ("steps", "kernel", "backward_kernel", "attribution", "coverage"):
         assert "error" not in doc[section] and "skipped" not in doc[section], (section, doc[section])
     steps = {(r["model"], r["seq"]): r for r in doc["steps"]}
     assert set(steps) == {("gpt2_small", 32), ("llama_7b", 32)}
@@ -223,6 +223,13 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
             assert all(positive(x) for x in row.values() if isinstance(x, float)), row
     for row in doc["coverage"]["rows"]:
         assert 0 < row["attention_core_share"] < 1
+    # Where a step's time goes: every variant profiled, against the unprotected step.
+    for row in doc["attribution"]["rows"]:
+        assert set(row["variants"]) == {"baseline", "default", "all_default", "all_full"}
+        for entry in row["variants"].values():
+            assert positive(entry["wall_ms_per_step"]) and positive(entry["host_ms_per_step"])
+            assert set(entry["over_baseline"]) == {"wall_ms_per_step", "device_ms_per_step", "kernels_per_step",
+                                                   "host_ms_per_step"}
     # Nsight Compute runs on a GPU machine only; here the section says why it did not.
     assert doc["profile"] == {"skipped": "--dry-run"} or "ncu not on the PATH" in doc["profile"]["skipped"]
     # The forward kernel's split of its checks' cost, and SDPA beside it.
