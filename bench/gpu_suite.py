@@ -316,7 +316,7 @@ def attribution_section(args: argparse.Namespace, device: str, deadline: float) 
         for v in ATTRIBUTION_VARIANTS:
             job = _Job(v, base, device, torch.bfloat16)
 
-            def step(job: _Job = job, v: str = v) -> None:
+            def step(job: _Job = job, v: str = v, ids: Any = ids) -> None:
                 if job.guard is not None and v.endswith("default"):
                     job.guard.tripwire_only_this_step()
                 job.step(ids)
