@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +180,19 @@ class RunResult:
     losses: list[float]
     finite_weights: bool
     grads: list[dict[str, torch.Tensor]]
+
+
+def injected_step(arch: str, model: nn.Module, opt: torch.optim.Optimizer, injector: Any) -> dict[str, torch.Tensor]:
+    """One forward, backward and optimizer step of ``model`` on batch 0 under ``injector`` (a dispatch mode with a
+    ``phase`` attribute, set to "backward" before the backward): the gradients, as the optimizer took them."""
+    opt.zero_grad(set_to_none=True)
+    with injector:
+        loss = loss_of(arch, model, batch(arch, 0))
+        injector.phase = "backward"
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    opt.step()
+    return grads
 
 
 def train(

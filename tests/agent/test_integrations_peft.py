@@ -14,7 +14,7 @@ from gemm_faults import GemmFault, GemmFaults, gemm_shapes
 from gemm_injector import GemmInjector, is_model_gemm, worst_rel
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from model_zoo import BATCH, SEQ, batch, build, loss_of
+from model_zoo import BATCH, SEQ, batch, build, injected_step, loss_of
 
 import attnchecker
 
@@ -296,12 +296,7 @@ def _lora_all_scope_step(arch: str, mode: GemmInjector, *, scope: str | None = "
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     guard = attnchecker.protect(model, optimizer=opt, scope=scope) if scope else None
     try:
-        with mode:
-            loss = loss_of(arch, model, batch(arch, 0))
-            mode.phase = "backward"
-            loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
+        grads = injected_step(arch, model, opt, mode)
         return grads, all(bool(torch.isfinite(p).all()) for p in model.parameters()), list(
             guard.detections) if guard else []
     finally:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from gemm_injector import FusedBackwardFault, GemmCall, GemmInjector, is_model_gemm, worst_rel
 from model_zoo import ARCHS as ZOO
-from model_zoo import batch, build, loss_of, train
+from model_zoo import batch, build, injected_step, loss_of, train
 from torch import nn
 
 import attnchecker
@@ -32,12 +32,7 @@ def one_step(arch: str, scope: str | None, injector: GemmInjector, *, eager: boo
         model.set_attn_implementation("eager")
     guard = attnchecker.protect(model, policy=Policy.full(), scope=scope) if scope else None
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    with injector:
-        loss = loss_of(arch, model, batch(arch, 0))
-        injector.phase = "backward"
-        loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    opt.step()
+    grads = injected_step(arch, model, opt, injector)
     finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     detections = guard.detections if guard else []
     if guard:

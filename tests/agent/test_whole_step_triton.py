@@ -7,9 +7,9 @@ exponent flip; the step's gradients must equal the fault-free step's to 1e-5, it
 says corrected or recomputed. On the Triton path the reports come at the step boundary (checks/deferred.py).
 
 The interpreter runs a tiny model's step in one to two seconds, so the models have one layer (every kind of GEMM is
-still there: attention projections, MLP, LM head), and each step is hit in a sample of its GEMMs (the Linear layers'
-forward, dX and dW; all of them would take minutes): tests/agent/test_linear_abft.py and test_whole_step_tripwire.py
-hit every GEMM of the two-layer models on the CPU path. The attention's own products (q/k/v, scores, context and
+still there: attention projections, MLP, LM head). Most tests hit a sample of a step's GEMMs on both paths;
+``test_every_linear_gemm_of_a_step_is_corrected_on_the_triton_path`` hits every one on the Triton path (15 to 30
+s a model), as tests/agent/test_linear_abft.py and test_whole_step_tripwire.py do on the CPU path. The attention's own products (q/k/v, scores, context and
 the fused backward) are checked by the attention's backends, on either path, and are not the subject here."""
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 from gemm_injector import GemmCall, GemmInjector, is_model_gemm, worst_rel
-from model_zoo import batch, build, loss_of
+from model_zoo import batch, build, injected_step, loss_of
 
 import attnchecker
 from attnchecker import Policy
-from attnchecker.gemm import device
+from attnchecker.gemm import device, projection
 from attnchecker.gemm.linear import GEMM_OPS
 from attnchecker.kernels import triton_gemm_check as tg
 
@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(not (tg.available() and tg.interpreted()),
                                        "tests/agent/conftest.py turns on where there is no CUDA device; on a GPU, "
                                        "test_triton_gemm_gpu.py runs them compiled")
 KINDS = ("inf", "nan", "near_inf", "bitflip")
+PROJECTION_OPS = ("q", "k", "v", "out")
 ONE_LAYER = {"gpt2": {"n_layer": 1}, "llama": {"num_hidden_layers": 1}, "bert": {"num_hidden_layers": 1}}
 
 
@@ -56,17 +57,20 @@ def one_step(arch: str, injector: GemmInjector, *, scope: str | None = "all"
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     guard = attnchecker.protect(model, optimizer=opt, policy=Policy.full(), scope=scope) if scope else None
     try:
-        with injector:
-            loss = loss_of(arch, model, batch(arch, 0))
-            injector.phase = "backward"
-            loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
+        grads = injected_step(arch, model, opt, injector)
         finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
         return grads, finite, list(guard.detections) if guard else []
     finally:
         if guard:
             guard.close()
+
+
+def guarded_step(arch: str, model: torch.nn.Module, opt: torch.optim.Optimizer, guard: attnchecker.Guard,
+                 injector: GemmInjector) -> tuple[dict[str, torch.Tensor], list]:
+    """One more step of an attached guard's model under ``injector``: (gradients, this step's detections)."""
+    seen = len(guard.detections)
+    grads = injected_step(arch, model, opt, injector)
+    return grads, list(guard.detections[seen:])
 
 
 def linear_sample(calls: list[GemmCall]) -> list[GemmCall]:
@@ -117,15 +121,7 @@ def test_a_fault_on_a_quiet_step_is_caught_by_tier1_and_corrected(arch: str) -> 
                                                                                  adaptive=False))
 
     def step(injector: GemmInjector) -> tuple[dict[str, torch.Tensor], list]:
-        seen = len(guard.detections)
-        opt.zero_grad(set_to_none=True)
-        with injector:
-            loss = loss_of(arch, model, batch(arch, 0))
-            injector.phase = "backward"
-            loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        return grads, list(guard.detections[seen:])
+        return guarded_step(arch, model, opt, guard, injector)
 
     try:
         step(GemmInjector())
@@ -188,3 +184,73 @@ def test_clean_training_flags_nothing_and_matches_the_unprotected_run(dtype: tor
     # apart in bf16 on both paths, its ulp being 4e-3).
     assert max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True)) <= (1e-5 if dtype == torch.float32
                                                                                  else 1e-3)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
+def test_every_linear_gemm_of_a_step_is_corrected_on_the_triton_path(arch: str, monkeypatch: pytest.MonkeyPatch
+                                                                      ) -> None:
+    """Not a sample: every Linear/Conv1D GEMM of a one-layer step on the Triton path (each forward product, each dX
+    and dW, the LM head's and BERT's pooler and MLM head included), hit below autograd in turn, the four kinds
+    rotating, is corrected or recomputed with the fault-free gradients and finite weights. A q/k/v or output
+    projection's forward is the attention integration's check (gemm.projection, its op's name), as on every path."""
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+    recorder = GemmInjector()
+    clean, finite, detections = one_step(arch, recorder)
+    assert finite and not detections
+    calls = [c for c in recorder.calls if is_model_gemm(c) and not (c.phase == "forward" and c.op == "bmm")]
+    assert len({c.phase for c in calls}) == 2 and len(calls) >= 12, [(c.phase, c.shape) for c in calls]
+    failures = []
+    for n, call in enumerate(calls):
+        kind = KINDS[n % len(KINDS)]
+        injector = GemmInjector(target=call.index, kind=kind, element=3 + 17 * n)
+        grads, finite, detections = one_step(arch, injector)
+        assert injector.hit == call, "the faulty run made different GEMM calls before the target"
+        outcome = [(d.op, d.action) for d in detections]
+        if not (finite and worst_rel(grads, clean) <= 1e-5 and outcome
+                and all(op in (*GEMM_OPS, *PROJECTION_OPS) and action in ("corrected", "recomputed")
+                        for op, action in outcome)):
+            failures.append((call, kind, worst_rel(grads, clean), outcome))
+    assert not failures
+
+
+@pytest.mark.parametrize(("arch", "projections"), [("gpt2", 2), ("llama", 4)])
+def test_a_projection_fault_on_a_quiet_step_is_recomputed_on_the_device(arch: str, projections: int,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tier 1 of the attention's projections where the GEMM checks' Triton path runs: the tier-1 pass and the repair
+    kernel on the device (gemm.projection._trip_on_device), not the host's sum and its sync per call, every step.
+    An INF, NaN, 3e20 or exponent flip written below autograd into each projection's forward output (GPT-2's c_attn
+    and c_proj; Llama's q, k, v and o) on a quiet step is recomputed, reported at the step boundary with the
+    projection's op and tier "tripwire", and the gradients are the clean quiet step's. The host's tier 1 is never
+    asked."""
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+
+    def host_tier1(*_args: object) -> bool:
+        raise AssertionError("the projections' tier 1 ran on the host")
+
+    model = model_of(arch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    pinned = dict.fromkeys(("q", "k", "v", "scores", "context", "out"), 1000)
+    guard = attnchecker.protect(model, optimizer=opt, policy=Policy(op_periods=pinned, adaptive=False))
+
+    def step(injector: GemmInjector) -> tuple[dict[str, torch.Tensor], list]:
+        return guarded_step(arch, model, opt, guard, injector)
+
+    try:
+        step(GemmInjector())  # step 0 checks every op in full (the host's path for full checks)
+        monkeypatch.setattr(projection, "tripped", host_tier1)
+        assert not guard.check_config.checks("q") and guard.check_config.trips("q")
+        recorder = GemmInjector()
+        clean, detections = step(recorder)
+        assert not detections and guard.report().tier_checks["tripwire"] > 0
+        forward = [c for c in recorder.calls if c.phase == "forward" and c.op != "bmm" and is_model_gemm(c)]
+        failures = []
+        for n, call in enumerate(forward[:projections]):
+            kind = KINDS[n % len(KINDS)]
+            grads, detections = step(GemmInjector(target=call.index, kind=kind, element=4 + 9 * n))
+            outcome = [(d.op, d.tier, d.action) for d in detections]
+            if not (worst_rel(grads, clean) <= 1e-5 and outcome
+                    and all(op in PROJECTION_OPS and t == "tripwire" and a == "recomputed" for op, t, a in outcome)):
+                failures.append((call, kind, worst_rel(grads, clean), outcome))
+        assert not failures
+    finally:
+        guard.close()

@@ -34,6 +34,7 @@ from ..kernels.fused_pass import fused_pass
 from ..kernels.row_verify import verify_rows
 from ..matmul_precision import fp32_matmul_operand_roundoff
 from ..tripwire import extreme, tripped
+from . import device
 
 __all__ = ["PassedProjection", "check_linear", "protected_linear"]
 
@@ -326,8 +327,9 @@ def check_linear(
     """Inject planned faults into y = x Wᵀ + b (``out_in``, nn.Linear) or x W + b (``in_out``, HF Conv1D), then verify
     and repair it in place. x: (..., T, I), y: (..., T, O). ``splits`` names column slices of a fused projection
     (GPT-2 c_attn), each its own op. Returns y. Syncs with the device once (clean input), more only when a fault is
-    found. In paper-faithful mode (config.source_repair False) q/k/v are not verified here: their input-derived
-    checksums go to ``ctx.passed`` for protected_sdpa.
+    found; not at all on a tier-1 call where the GEMM checks' Triton path runs (``_trip_on_device``). In
+    paper-faithful mode (config.source_repair False) q/k/v are not verified here: their input-derived checksums go to
+    ``ctx.passed`` for protected_sdpa.
     """
     if weight_layout not in ("out_in", "in_out"):
         raise ValueError(f"weight_layout must be 'out_in' or 'in_out', got {weight_layout!r}")
@@ -392,6 +394,8 @@ def check_linear(
         exact = functools.partial(_exact_linear, x_NTI.detach(), w_s, b_s)
         both = functools.partial(full_checks, y_s, w_s, b_s)
         pending.append((name, y_s, checks, both, recompute, exact, time.perf_counter() - t0, "abft"))
+    if wired and _trip_on_device(ctx, x_NTI, wired):
+        wired = []
     flags = [_any_bad(item[2]) for item in pending]
     if not flags and not wired:
         return y
@@ -428,6 +432,27 @@ def check_linear(
         else:
             _count_trips(ctx, [], time.perf_counter() - t0)
     return y
+
+
+def _trip_on_device(ctx: LayerContext, x_NTI: torch.Tensor,
+                    wired: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> bool:
+    """Tier 1 of these slices on the GEMM checks' Triton path (gemm/device.py), where it runs (CUDA): the tier-1 pass
+    marks the rows holding an extreme element and the repair kernel recomputes them, on the device; what tripped is
+    reported at the step boundary. No sync, where the host's tier 1 waits for the device once per call, every step.
+    False (nothing done) where that path does not take them, or a slice is not a (tokens, features) view of the
+    output (the repair writes through it)."""
+    x_MI = x_NTI.detach().reshape(-1, x_NTI.shape[-1])
+    gemms = []
+    for name, y_s, w_s, b_s in wired:
+        try:
+            y_MS = y_s.view(-1, y_s.shape[-1])
+        except RuntimeError:
+            return False
+        gemms.append((name, y_MS, x_MI, w_s.T, b_s))
+    if not device.takes(*(t for g in gemms for t in g[1:] if t is not None)):
+        return False
+    device.trip_gemms(ctx, gemms)
+    return True
 
 
 def protected_linear(
