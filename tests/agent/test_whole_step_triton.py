@@ -19,9 +19,12 @@ import pytest
 import torch
 from gemm_injector import GemmCall, GemmInjector, is_model_gemm, worst_rel
 from model_zoo import batch, build, injected_step, loss_of
+from sync_counter import SyncCounter
 
 import attnchecker
 from attnchecker import Policy
+from attnchecker.attention.backends import BACKEND_ENV
+from attnchecker.attention.backward import fused
 from attnchecker.gemm import device, projection
 from attnchecker.gemm.linear import GEMM_OPS
 from attnchecker.kernels import triton_gemm_check as tg
@@ -252,5 +255,42 @@ def test_a_projection_fault_on_a_quiet_step_is_recomputed_on_the_device(arch: st
                     and all(op in PROJECTION_OPS and t == "tripwire" and a == "recomputed" for op, t, a in outcome)):
                 failures.append((call, kind, worst_rel(grads, clean), outcome))
         assert not failures
+    finally:
+        guard.close()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
+def test_a_quiet_step_on_the_device_path_adds_no_host_sync(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU route end to end (CPU tensors under the interpreter): the Triton attention forward, the GEMM checks'
+    Triton path, the attention backward off the CPU kernel. A protect(scope="all") step whose full checks are not
+    due, forward and backward, makes the host wait for the device no more often than the unprotected step does
+    (BERT's mask building waits once, in transformers, either way): tier 1 of every projection, Linear GEMM and
+    attention output stays on the device until the step boundary. A checked step still waits once per projection
+    call (its full check's rule runs on the host)."""
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    monkeypatch.setattr(fused, "cpu_kernel", False)
+
+    def syncs_of_a_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+        opt.zero_grad(set_to_none=True)
+        with SyncCounter() as syncs:
+            loss_of(arch, model, batch(arch, 0)).backward()
+        opt.step()
+        return syncs.calls
+
+    plain = model_of(arch)
+    unprotected = syncs_of_a_step(plain, torch.optim.SGD(plain.parameters(), lr=0.0))
+    model = model_of(arch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    pinned = dict.fromkeys(("q", "k", "v", "scores", "context", "out"), 1000)
+    guard = attnchecker.protect(model, optimizer=opt, scope="all", policy=Policy(op_periods=pinned, adaptive=False))
+    try:
+        checked = syncs_of_a_step(model, opt)
+        assert len(checked) > len(unprotected)
+        quiet = [syncs_of_a_step(model, opt) for _ in range(2)]
+        assert not guard.check_config.checks("q") and guard.check_config.trips("q")
+        assert quiet == [unprotected, unprotected], (quiet, unprotected)
+        assert guard.report().tier_checks["tripwire"] > 0 and not guard.detections
+        assert all("triton" in line for line in guard.coverage.backend_lines())
     finally:
         guard.close()
