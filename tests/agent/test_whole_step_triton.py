@@ -259,11 +259,13 @@ def test_a_projection_fault_on_a_quiet_step_is_recomputed_on_the_device(arch: st
         guard.close()
 
 
+@pytest.mark.parametrize("scope", ["all", "attention"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
-def test_a_quiet_step_on_the_device_path_adds_no_host_sync(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_quiet_step_on_the_device_path_adds_no_host_sync(arch: str, scope: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU route end to end (CPU tensors under the interpreter): the Triton attention forward, the GEMM checks'
-    Triton path, the attention backward off the CPU kernel. A protect(scope="all") step whose full checks are not
-    due, forward and backward, makes the host wait for the device no more often than the unprotected step does
+    Triton path, the attention backward off the CPU kernel. A step whose full checks are not due, in either scope,
+    forward and backward, makes the host wait for the device no more often than the unprotected step does
     (BERT's mask building waits once, in transformers, either way): tier 1 of every projection, Linear GEMM and
     attention output stays on the device until the step boundary. A checked step still waits once per projection
     call (its full check's rule runs on the host)."""
@@ -283,7 +285,7 @@ def test_a_quiet_step_on_the_device_path_adds_no_host_sync(arch: str, monkeypatc
     model = model_of(arch)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     pinned = dict.fromkeys(("q", "k", "v", "scores", "context", "out"), 1000)
-    guard = attnchecker.protect(model, optimizer=opt, scope="all", policy=Policy(op_periods=pinned, adaptive=False))
+    guard = attnchecker.protect(model, optimizer=opt, scope=scope, policy=Policy(op_periods=pinned, adaptive=False))
     try:
         checked = syncs_of_a_step(model, opt)
         assert len(checked) > len(unprotected)
