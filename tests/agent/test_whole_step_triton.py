@@ -115,7 +115,7 @@ def test_a_fault_in_a_linear_gemm_of_a_checked_step_is_corrected(arch: str) -> N
 @pytest.mark.usefixtures("impl")
 def test_a_fault_on_a_quiet_step_is_caught_by_tier1_and_corrected(arch: str) -> None:
     """The whole-step GEMMs pinned to a long period: step 0 checks them in full, the steps after it give each output
-    tier 1 only (on the Triton path the tier-1 pass, and the full check's kernels gated on what it found). A fault in
+    tier 1 only (on the Triton path the tier-1 pass, which recomputes a tripped row itself). A fault in
     a Linear GEMM there is caught, corrected in place, and reported by tier "tripwire"; the gradients are the clean
     quiet step's (lr 0: every step computes the same function)."""
     model = model_of(arch)
@@ -219,8 +219,8 @@ def test_every_linear_gemm_of_a_step_is_corrected_on_the_triton_path(arch: str, 
 @pytest.mark.parametrize(("arch", "projections"), [("gpt2", 2), ("llama", 4)])
 def test_a_projection_fault_on_a_quiet_step_is_recomputed_on_the_device(arch: str, projections: int,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tier 1 of the attention's projections where the GEMM checks' Triton path runs: the tier-1 pass and the repair
-    kernel on the device (gemm.projection._trip_on_device), not the host's sum and its sync per call, every step.
+    """Tier 1 of the attention's projections where the GEMM checks' Triton path runs: the tier-1 pass (which
+    recomputes a tripped row itself) on the device (gemm.projection._trip_on_device), not the host's sum and its sync per call, every step.
     An INF, NaN, 3e20 or exponent flip written below autograd into each projection's forward output (GPT-2's c_attn
     and c_proj; Llama's q, k, v and o) on a quiet step is recomputed, reported at the step boundary with the
     projection's op and tier "tripwire", and the gradients are the clean quiet step's. The host's tier 1 is never

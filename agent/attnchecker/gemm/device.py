@@ -14,8 +14,8 @@ Launches (counted under the interpreter by tests/agent/test_triton_gemm_check.py
 pass and the repair kernel, which returns at once on a clean call; each operand matrix is read once a step by an operand
 pass (a Linear's W and x in its forward, dY in its backward, for its three checks); each phase allocates one zeroed
 workspace (a memset) for the kernels' atomics. A Linear's three GEMMs: 11 launches in all. A tier-1 GEMM: the tier-1
-pass, which marks the rows holding an extreme element, and the repair kernel, which recomputes those rows and returns
-at once where there are none (a tier-1 Linear: 6 launches and 2 memsets); one memset per call.
+pass alone, which recomputes the rows holding an extreme element in the program that found them (a tier-1 Linear: 3
+launches and 2 memsets); one memset per call.
 
 What it does not do: the check of a product with more than two leading dims, or of a dtype other than fp32, bf16 and
 fp16, declines to the CPU path's torch ops (``takes``); the in-kernel recomputation is not recorded in
@@ -139,10 +139,10 @@ def trip_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Ten
 
 
 def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
-    """Per GEMM the tier-1 pass, which marks the rows holding an extreme element, and the repair kernel in its TRIP
-    mode, which recomputes those rows (returning at once where there are none): two launches a GEMM, one memset a
-    call. A tripped row is recomputed rather than checked by its checksums: that needs no operand pass on the steps
-    where nothing trips, and recomputing gives the exact row whatever the fault."""
+    """Per GEMM the tier-1 pass, which finds the rows holding an extreme element and recomputes them in the program
+    that found them: one launch a GEMM, one memset a call. A tripped row is recomputed rather than checked by its
+    checksums: that needs no operand pass on the steps where nothing trips, and recomputing gives the exact row
+    whatever the fault."""
     ws = tg.Workspace(todo[0].c.device, len(todo) * tg.STATE_SIZE)
     tol = _tolerance(ctx)
     with _exact_math(todo[0].c):
@@ -176,8 +176,8 @@ def check_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch
 
 def trip_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, tol: Tolerance, *,
                  correct: bool = True) -> tg.Check:
-    """One product's tier 1 on this path outside a guard (bench/): the tier-1 pass and the repair kernel's recompute
-    of the rows it marked (none on clean data: the repair returns at once). No sync."""
+    """One product's tier 1 on this path outside a guard (bench/): the tier-1 pass, which recomputes the rows holding
+    an extreme element (none on clean data). No sync."""
     g = DeviceGemm("product", c, a, b, bias)
     ws = tg.Workspace(c.device, tg.STATE_SIZE)
     with _exact_math(c):
@@ -186,10 +186,8 @@ def trip_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.
 
 def _trip_launch(g: DeviceGemm, ws: tg.Workspace, tol: Tolerance, *, correct: bool,
                  faults: tuple[tg.EmulatedFault, ...] = ()) -> tg.Check:
-    """The tier-1 pass and the repair kernel's recompute of the rows it marked, of one GEMM under ``tol``."""
-    chk = tg.trip_pass(g.c, g.a, g.b, g.bias, _rule(g, tol), ws, correct=correct)
-    tg.repair_rows(chk, faults=faults)
-    return chk
+    """The tier-1 pass of one GEMM under ``tol``, which recomputes the rows holding an extreme element itself."""
+    return tg.trip_pass(g.c, g.a, g.b, g.bias, _rule(g, tol), ws, correct=correct, faults=faults)
 
 
 def _launch(g: DeviceGemm, side: tg.RowSide, ws: tg.Workspace, tol: Tolerance, *, correct: bool,

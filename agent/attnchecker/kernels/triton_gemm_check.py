@@ -112,12 +112,18 @@ class _Blocks:
     rows: int
     cols: int
     k: int
+    recompute_cols: int
+    recompute_k: int
+    """The tier-1 pass's recompute tiles (its tl.dot's N and K): on a GPU smaller than the repair kernel's, since the
+    registers of the rarely taken recompute would otherwise set those of the scan every call runs (sm_90, offline,
+    32 × 128 scan tiles on 4 warps: 168 registers in bf16 and 242 in fp32 with 16 × 16, against 255 and 60 B / 1.3 KB
+    spilled with 128 × 32)."""
 
 
 def _blocks(device: torch.device) -> _Blocks:
     # On a GPU: tiles a program streams through registers (the check pass is memory-bound; 32 rows × 128 columns of
     # bf16 is 8 KB a step). Under the interpreter each op is a numpy call, whatever its size: big tiles, few ops.
-    return _Blocks(32, 128, 32) if device.type == "cuda" else _Blocks(64, 256, 64)
+    return _Blocks(32, 128, 32, 16, 16) if device.type == "cuda" else _Blocks(64, 256, 64, 256, 64)
 
 
 def _lead(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -333,11 +339,11 @@ def new_state(ws: Workspace) -> torch.Tensor:
 
 
 def trip_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, rule: GemmRowRule,
-              ws: Workspace, *, correct: bool) -> Check:
-    """Tier 1 of C = A·B (+ bias): the count of C's INF, NaN and |x| > rule.near_inf elements into the returned
-    Check's state (STATE["extreme"]), each row holding one marked for ``repair_rows``, which recomputes it (TRIP
-    mode: no references, the recomputation judged by what the operands allow); one read of C, a second of the
-    flagged rows only. No sync."""
+              ws: Workspace, *, correct: bool, faults: tuple[EmulatedFault, ...] = ()) -> Check:
+    """Tier 1 of C = A·B (+ bias) in one launch: the count of C's INF, NaN and |x| > rule.near_inf elements into the
+    returned Check's state (STATE["extreme"]), and in the programs whose rows hold one, those rows recomputed there
+    (no references: the recomputation judged by what the operands allow); one read of C, more only of the tripped
+    rows. faults: planned faults the recomputation meets (as ``repair_rows``'). No sync."""
     k = _kernels()
     nb0, nb1, sc0, sc1 = _lead(c)
     nb = nb0 * nb1
@@ -345,18 +351,32 @@ def trip_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
     dev = c.device
     state, code, slot, slot_i, slot_f = _outcomes(ws, nb * m, dev)
     blk = _blocks(dev)
-    c_args = (c, m, n, nb1, sc0, sc1, c.stride(-2), c.stride(-1))
-    k.trip_pass[(triton_cdiv(m, blk.rows), nb)](*c_args, state, code, slot, slot_i, slot_f, SLOTS, rule.near_inf,
-                                                BM=blk.rows, BN=blk.cols)
-    LAUNCHES.count("trip_pass")
     a_args, b_args = _operand_args(a, b)
-    # No references: the repair's TRIP mode reads none of them (state stands in for their pointers).
-    side_args = (state, 0, 0, 0, 0, state, 0, 0, 0, state, 0, 0, 0)
-    flags = {"CORRECT": correct, "USE_ABS": False, "HAS_BIAS": bias is not None, "CALIBRATED": rule.calibrated,
-             "FLUSH": False, "TRIP": True}
-    args = {"c": c_args, "side": side_args, "bias": bias if bias is not None else state,
-            "a": a_args, "b": b_args, "rule": rule, "flags": flags, "grid": (triton_cdiv(m, blk.rows), nb), "blk": blk}
-    return Check(state=state, code=code, slot=slot, slot_i=slot_i, slot_f=slot_f, lead=(nb0, nb1), args=args)
+    k.trip_pass[(triton_cdiv(m, blk.rows), nb)](
+        c, m, n, nb1, sc0, sc1, c.stride(-2), c.stride(-1), bias if bias is not None else state, *a_args, *b_args,
+        state, code, slot, slot_i, slot_f, SLOTS, _fault_table(faults, c.device, state), rule.near_inf,
+        torch.finfo(c.dtype).max, CORRECT=correct, HAS_BIAS=bias is not None, NF=len(faults), BM=blk.rows,
+        BN=blk.cols, BK=blk.recompute_k, RBN=blk.recompute_cols, **_dot_flags(c, a, b))
+    LAUNCHES.count("trip_pass")
+    return Check(state=state, code=code, slot=slot, slot_i=slot_i, slot_f=slot_f, lead=(nb0, nb1), args=None)
+
+
+def _fault_table(faults: tuple[EmulatedFault, ...], device: torch.device, empty: torch.Tensor) -> torch.Tensor:
+    """The planned faults' table as the kernels read it, copied without a sync (host_table); ``empty`` stands in for
+    none."""
+    if not faults:
+        return empty
+    from .triton_common import host_table  # with the kernels: this module imports no triton until they are used
+
+    return host_table([[f.batch, f.row0, f.row1, f.col0, f.col1, f.kind, f.value, 0.0] for f in faults],
+                      torch.float32, device)
+
+
+def _dot_flags(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> dict[str, bool]:
+    """How a recomputation's tl.dot runs: the interpreter's takes fp32 and fp16, not bf16, so products there are in
+    fp32, as the GPU accumulates them; IEEE fp32 for fp32 operands."""
+    dot_fp32 = c.device.type != "cuda" or a.dtype != b.dtype
+    return {"DOT_FP32": dot_fp32, "IEEE": dot_fp32 or a.dtype == torch.float32, "IS_F32": c.dtype == torch.float32}
 
 
 _KINDS = {"inf": (0, math.inf), "neg_inf": (0, -math.inf), "nan": (0, math.nan), "add": (1, 1.0), "bitflip": (2, 0.0)}
@@ -379,21 +399,13 @@ def repair_rows(check: Check, faults: tuple[EmulatedFault, ...] = ()) -> None:
         raise ValueError("repair_rows: this check's repair already ran")
     k = _kernels()
     c = args["c"][0]
-    a_t, b_t = args["a"][0], args["b"][0]
     rule: GemmRowRule = args["rule"]
     blk: _Blocks = args["blk"]
-    from .triton_common import host_table  # with the kernels: this module imports no triton until they are used
-
-    table = (host_table([[f.batch, f.row0, f.row1, f.col0, f.col1, f.kind, f.value, 0.0] for f in faults],
-                        torch.float32, c.device) if faults else check.state)
-    # The interpreter's tl.dot takes fp32 and fp16, not bf16: products there in fp32, as the GPU accumulates them.
-    dot_fp32 = c.device.type != "cuda" or a_t.dtype != b_t.dtype
-    ieee = dot_fp32 or a_t.dtype == torch.float32
     k.repair_rows[args["grid"]](
         *args["c"], *args["side"], args["bias"], *args["a"], *args["b"], check.state, check.code, check.slot,
-        check.slot_i, SLOTS, table, *_rule_args(rule), rule.elem_ab, rule.elem_abs, torch.finfo(c.dtype).max,
-        DOT_FP32=dot_fp32, IEEE=ieee, IS_F32=c.dtype == torch.float32, NF=len(faults), BM=blk.rows, BN=blk.cols,
-        BK=blk.k, **args["flags"],
+        check.slot_i, SLOTS, _fault_table(faults, c.device, check.state), *_rule_args(rule), rule.elem_ab,
+        rule.elem_abs, NF=len(faults), BM=blk.rows, BN=blk.cols, BK=blk.k,
+        **_dot_flags(c, args["a"][0], args["b"][0]), **args["flags"],
     )
     LAUNCHES.count("repair_rows")
     check.args = None

@@ -9,10 +9,11 @@ there, once triton is known to be importable). Four kernels, each one pass:
   and corrected in the same program (an extreme element by value, else d2/d1; the element recomputed exactly from
   A's row and B's column, then the row re-verified), or marked for recomputation. The per-row work past the first
   read runs only in programs that hold a flagged row.
-- ``trip_pass``: tier 1: the extreme-value test alone (INF, NaN, |x| > near_inf), one read of C; each row holding an
-  extreme element marked for recomputation.
-- ``repair_rows``: recomputes the rows the check pass (or the tier-1 pass: TRIP) marked (a tl.dot over K per tile),
-  re-verifies them and writes them back; every program returns at once on a clean call.
+- ``trip_pass``: tier 1: the extreme-value test alone (INF, NaN, |x| > near_inf), one read of C; a program whose rows
+  hold an extreme element recomputes them itself (a tl.dot over K per tile) and judges them by what the operands
+  allow, without references. One launch per tier-1 GEMM.
+- ``repair_rows``: recomputes the rows the check pass marked (a tl.dot over K per tile), re-verifies them and writes
+  them back; every program returns at once on a clean call.
 
 Outcomes live on the device (``state``, per-row ``code``, a few ``slot`` summaries for the reports); the host reads them
 at the step boundary (checks/deferred.py). Layouts: the leading dims of a batched product are (nb0, nb1) with their own
@@ -388,12 +389,17 @@ def check_pass(
 
 
 @triton.jit
-def trip_pass(c_ptr, M, N, nb1, sc0, sc1, scm, scn, state_ptr, code_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS,
-              near_inf, BM: tl.constexpr, BN: tl.constexpr):
-    """Tier 1: count C's extreme elements (INF, NaN, |x| > near_inf) into state[S_EXTREME] in one read of C, and mark
-    each row holding one NEED_RECOMPUTE (the others CLEAN) for repair_rows' TRIP mode, which recomputes it. The
-    programs holding such a row read those rows again for their summaries (the first SLOTS flagged rows: batch, row,
-    the first extreme element's column, code; its value, NaN, near_inf)."""
+def trip_pass(c_ptr, M, N, nb1, sc0, sc1, scm, scn, bias_ptr, a_ptr, sA0, sA1, sAm, sAk, b_ptr, sB0, sB1, sBk, sBn,
+              K, state_ptr, code_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS, fault_ptr, near_inf, c_max,
+              CORRECT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+              IS_F32: tl.constexpr, NF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              RBN: tl.constexpr):
+    """Tier 1 of C = A·B (+ bias) in one launch: count C's extreme elements (INF, NaN, |x| > near_inf) into
+    state[S_EXTREME] in one read of C, and in a program whose rows hold one, recompute those rows there
+    (``_recompute_tripped``) and keep their summaries (the first SLOTS flagged rows: batch, row, the first extreme
+    element's column, outcome; its value, NaN, near_inf). A clean program reads its rows once and writes their code.
+    RBN, BK: the recompute's tile width and depth (triton_gemm_check._Blocks: small on a GPU, so that the rarely taken
+    recompute does not set the registers of the scan every call runs)."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     # Matrix pid_b of the (nb0, nb1) leading dims, each with its own strides.
@@ -410,12 +416,13 @@ def trip_pass(c_ptr, M, N, nb1, sc0, sc1, scm, scn, state_ptr, code_ptr, slot_pt
         c = tl.load(cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn, mask=m2, other=0.0)
         ext += tl.reduce((~(tl.abs(c.to(tl.float32)) <= near_inf)).to(tl.int32), 1, _add)
     rep = rmask & (ext > 0)
-    code = tl.where(rep, NEED_RECOMPUTE, CLEAN)
+    code = tl.full([BM], 0, tl.int32) + CLEAN
     n_ext = tl.reduce(ext, 0, _add)
     if n_ext > 0:
         n_rep = tl.reduce(rep.to(tl.int32), 0, _add)
         tl.atomic_add(state_ptr + S_EXTREME, n_ext)
         tl.atomic_add(state_ptr + S_RECOMPUTE, n_rep)
+        # The first extreme element of each such row, as C held it (the recompute below may overwrite it).
         col = tl.full([BM], 0, tl.int32) + N
         for n0 in range(0, N, BN):
             cols = n0 + tl.arange(0, BN)
@@ -425,9 +432,74 @@ def trip_pass(c_ptr, M, N, nb1, sc0, sc1, scm, scn, state_ptr, code_ptr, slot_pt
             col = tl.minimum(col, tl.reduce(tl.where(hit, cols[None, :], N), 1, _min))
         col = tl.where(rep, col, 0)
         value = tl.load(cb + rows64 * scm + col.to(tl.int64) * scn, mask=rep, other=0.0).to(tl.float32)
+        code = _recompute_tripped(cb, a_ptr + (bi0 * sA0 + bi1 * sA1), b_ptr + (bi0 * sB0 + bi1 * sB1), rows,
+                                  rows64, rep, pid_b, N, K, scm, scn, sAm, sAk, sBk, sBn, bias_ptr, state_ptr,
+                                  fault_ptr, near_inf, c_max, CORRECT, HAS_BIAS, DOT_FP32, IEEE, IS_F32, NF, BM, RBN,
+                                  BK)
         _keep_summaries(state_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS, rep, n_rep, pid_b, M, rows, col, code,
                         value, tl.full([BM], float("nan"), tl.float32), tl.full([BM], 0.0, tl.float32) + near_inf)
     tl.store(code_ptr + pid_b.to(tl.int64) * M + rows64, code, mask=rmask)
+
+
+@triton.jit
+def _recompute_tripped(cb, ab_, bb_, rows, rows64, need, pid_b, N, K, scm, scn, sAm, sAk, sBk, sBn, bias_ptr,
+                       state_ptr, fault_ptr, near_inf, c_max, CORRECT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       DOT_FP32: tl.constexpr, IEEE: tl.constexpr, IS_F32: tl.constexpr, NF: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The rows ``need`` of a tier-1 trip (an extreme element each) recomputed, without references: a recomputed row
+    holding no extreme element is RECOMPUTED (DETECTED in detect mode), and written back. Else each extreme element
+    must be what the operands allow: |C_ij| <= ‖A_i‖‖B_:,j‖ + |bias_j| (Cauchy-Schwarz, 1 % over for the norms'
+    rounding), or come from a non-finite operand row or column. Then the row is CONSISTENT (finite values past
+    near_inf: diverged training, not a fault) or UPSTREAM (non-finite: it came in with an input), and left as the GEMM
+    wrote it; an extreme element the operands cannot give is a fault that came back: UNCORRECTABLE. The outcomes
+    are counted into the state. Returns each row's code (CLEAN where not needed)."""
+    a_sq = tl.full([BM], 0, tl.float32)
+    unexplained = tl.full([BM], 0, tl.int32)
+    extreme = tl.full([BM], 0, tl.int32)
+    non_finite = tl.full([BM], 0, tl.int32)  # non-finite elements that came in with an operand
+    for n0 in range(0, N, BN):
+        _cols, _cmask, m2, acc, beta, a_sq, b_sq, fresh = _fresh_tile(
+            ab_, bb_, cb, rows, rows64, need, n0, N, K, sAm, sAk, sBk, sBn, bias_ptr, a_sq, pid_b, fault_ptr,
+            DOT_FP32, IEEE, HAS_BIAS, True, IS_F32, NF, BM, BN, BK)
+        fresh_f = fresh.to(tl.float32)
+        ext = m2 & ~(tl.abs(fresh_f) <= near_inf)
+        cap = 1.01 * tl.sqrt(a_sq)[:, None] * tl.sqrt(b_sq)[None, :] + tl.abs(beta)[None, :]
+        # Non-finite (or overflowing) norms: the element is the input's, not a fault.
+        from_input = ~(a_sq <= FLT_MAX)[:, None] | ~(b_sq <= FLT_MAX)[None, :]
+        # A half-precision product past its dtype's range rounds to INF: what the GEMM gives, not a fault.
+        rounded = (tl.abs(acc) > c_max) & (tl.abs(acc) <= cap)
+        allowed = (tl.abs(fresh_f) <= cap) | from_input | rounded
+        unexplained += tl.reduce((ext & ~allowed).to(tl.int32), 1, _add)
+        extreme += tl.reduce(ext.to(tl.int32), 1, _add)
+        non_finite += tl.reduce((ext & ~(tl.abs(fresh_f) <= FLT_MAX) & from_input).to(tl.int32), 1, _add)
+    if CORRECT:
+        code = tl.where(extreme > 0, CONSISTENT, RECOMPUTED)
+    else:
+        code = tl.where(extreme > 0, CONSISTENT, DETECTED)
+    code = tl.where(unexplained > 0, UNCORRECTABLE, tl.where(non_finite > 0, UPSTREAM, code))
+    code = tl.where(need, code, CLEAN)
+    if CORRECT:
+        # Written back only where the recomputation is clean: a row the operands explain stays as the GEMM left it,
+        # bit for bit. A second recomputation of those rows (a trip is rare; the first kept nothing).
+        put = need & (code == RECOMPUTED)
+        if tl.reduce(put.to(tl.int32), 0, _add) > 0:
+            for n0 in range(0, N, BN):
+                cols, _cmask, m2, _acc, _beta, a_sq, _b_sq, fresh = _fresh_tile(
+                    ab_, bb_, cb, rows, rows64, put, n0, N, K, sAm, sAk, sBk, sBn, bias_ptr, a_sq, pid_b, fault_ptr,
+                    DOT_FP32, IEEE, HAS_BIAS, False, IS_F32, NF, BM, BN, BK)
+                tl.store(cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn, fresh, mask=m2)
+    _count_outcomes(state_ptr, need, code)
+    tl.atomic_add(state_ptr + S_DETECTED, tl.reduce((need & (code == DETECTED)).to(tl.int32), 0, _add))
+    tl.atomic_add(state_ptr + S_UPSTREAM, tl.reduce((need & (code == UPSTREAM)).to(tl.int32), 0, _add))
+    return code
+
+
+@triton.jit
+def _count_outcomes(state_ptr, need, code):
+    """The recomputed rows' outcomes added to the check's counts."""
+    tl.atomic_add(state_ptr + S_RECOMPUTED, tl.reduce((need & (code == RECOMPUTED)).to(tl.int32), 0, _add))
+    tl.atomic_add(state_ptr + S_UNCORRECTABLE, tl.reduce((need & (code == UNCORRECTABLE)).to(tl.int32), 0, _add))
+    tl.atomic_add(state_ptr + S_CONSISTENT, tl.reduce((need & (code == CONSISTENT)).to(tl.int32), 0, _add))
 
 
 @triton.jit
@@ -490,6 +562,21 @@ def _product_tile(ab_, bb_, rows64, need, cols, cmask, K, sAm, sAk, sBk, sBn, bi
 
 
 @triton.jit
+def _fresh_tile(ab_, bb_, cb, rows, rows64, need, n0, N, K, sAm, sAk, sBk, sBn, bias_ptr, a_sq, pid_b, fault_ptr,
+                DOT_FP32: tl.constexpr, IEEE: tl.constexpr, HAS_BIAS: tl.constexpr, NORMS: tl.constexpr,
+                IS_F32: tl.constexpr, NF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Columns n0 .. n0 + BN of the rows ``need`` recomputed (``_product_tile``), with the planned faults a
+    recomputation meets: (cols, which exist, the (BM, BN) mask, the fp32 product with the bias, the bias, a_sq, b_sq,
+    the tile in C's dtype)."""
+    cols = n0 + tl.arange(0, BN)
+    cmask = cols < N
+    acc, beta, a_sq, b_sq = _product_tile(ab_, bb_, rows64, need, cols, cmask, K, sAm, sAk, sBk, sBn, bias_ptr, a_sq,
+                                          n0 == 0, DOT_FP32, IEEE, HAS_BIAS, NORMS, BM, BN, BK)
+    fresh = _emulate(acc.to(cb.dtype.element_ty), rows, cols, pid_b, fault_ptr, IS_F32, NF)
+    return cols, cmask, need[:, None] & cmask[None, :], acc, beta, a_sq, b_sq, fresh
+
+
+@triton.jit
 def repair_rows(
     c_ptr, M, N, nb1, sc0, sc1, scm, scn,
     ref_ptr, sr0, sr1, srm, srj,
@@ -501,22 +588,16 @@ def repair_rows(
     state_ptr, code_ptr, slot_ptr, slot_i_ptr, SLOTS,
     fault_ptr,
     floor_a, floor_b, rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common,
-    sigmas, near_inf, sqrt_k, elem_ab, elem_abs, c_max,
+    sigmas, near_inf, sqrt_k, elem_ab, elem_abs,
     CORRECT: tl.constexpr, USE_ABS: tl.constexpr, HAS_BIAS: tl.constexpr, CALIBRATED: tl.constexpr,
     FLUSH: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, IS_F32: tl.constexpr, NF: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TRIP: tl.constexpr = False,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Recompute the rows the check pass marked NEED_RECOMPUTE (BM rows of one matrix a program), re-verify them with
     the same rule, write them back, and give each its outcome: RECOMPUTED, UNCORRECTABLE (a fault that came back), or
     CONSISTENT (the recomputation equals the old row to round-off, and that row's checksums overflowed or it held INF
-    or NaN: the product as the dtype holds it, not a fault). Returns at once on a clean call.
-
-    TRIP: the rows a tier-1 pass marked (an extreme element each), with no references: the recomputed row is
-    RECOMPUTED (DETECTED in detect mode) when it holds no extreme element. Else each extreme element must be what
-    the operands allow: |C_ij| <= ‖A_i‖‖B_:,j‖ + |bias_j| (Cauchy-Schwarz, 1 % over for the norms' rounding), or
-    come from a non-finite operand row or column. Then the row is CONSISTENT (finite values past near_inf:
-    diverged training, not a fault) or UPSTREAM (non-finite: it came in with an input); an extreme element the
-    operands cannot give is a fault that came back: UNCORRECTABLE."""
+    or NaN: the product as the dtype holds it, not a fault). Returns at once on a clean call. (A tier-1 trip's rows
+    are recomputed in the tier-1 pass itself: ``_recompute_tripped``.)"""
     if tl.load(state_ptr + S_RECOMPUTE) == 0:
         return
     pid_m = tl.program_id(0)
@@ -534,14 +615,8 @@ def repair_rows(
     ab_ = a_ptr + (bi0 * sA0 + bi1 * sA1)
     bb_ = b_ptr + (bi0 * sB0 + bi1 * sB1)
     bsq_b = bsq_ptr + (bi0 * sb0 + bi1 * sb1)
-    if TRIP:
-        a = tl.full([BM], 0, tl.float32)
-    else:
-        a = tl.sqrt(tl.load(asq_ptr + (bi0 * sa0 + bi1 * sa1) + rows64 * sam, mask=need, other=0.0)) + floor_a
+    a = tl.sqrt(tl.load(asq_ptr + (bi0 * sa0 + bi1 * sa1) + rows64 * sam, mask=need, other=0.0)) + floor_a
     a_sq = tl.full([BM], 0, tl.float32)
-    unexplained = tl.full([BM], 0, tl.int32)
-    extreme = tl.full([BM], 0, tl.int32)
-    non_finite = tl.full([BM], 0, tl.int32)  # non-finite elements that came in with an operand
     s1 = tl.full([BM], 0, tl.float32)
     s2 = tl.full([BM], 0, tl.float32)
     sq = tl.full([BM], 0, tl.float32)
@@ -550,83 +625,42 @@ def repair_rows(
     o2 = tl.full([BM], 0, tl.float32)
     differs = tl.full([BM], 0, tl.int32)
     for n0 in range(0, N, BN):
-        cols = n0 + tl.arange(0, BN)
-        cmask = cols < N
-        m2 = need[:, None] & cmask[None, :]
-        acc, beta, a_sq, b_sq = _product_tile(ab_, bb_, rows64, need, cols, cmask, K, sAm, sAk, sBk, sBn, bias_ptr,
-                                              a_sq, n0 == 0, DOT_FP32, IEEE, HAS_BIAS, TRIP, BM, BN, BK)
-        fresh = _emulate(acc.to(c_ptr.dtype.element_ty), rows, cols, pid_b, fault_ptr, IS_F32, NF)
+        cols, cmask, m2, _acc, beta, a_sq, _b_sq, fresh = _fresh_tile(
+            ab_, bb_, cb, rows, rows64, need, n0, N, K, sAm, sAk, sBk, sBn, bias_ptr, a_sq, pid_b, fault_ptr,
+            DOT_FP32, IEEE, HAS_BIAS, False, IS_F32, NF, BM, BN, BK)
         fresh_f = fresh.to(tl.float32)
         ptrs = cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn
-        if TRIP:
-            ext = m2 & ~(tl.abs(fresh_f) <= near_inf)
-            cap = 1.01 * tl.sqrt(a_sq)[:, None] * tl.sqrt(b_sq)[None, :] + tl.abs(beta)[None, :]
-            # Non-finite (or overflowing) norms: the element is the input's, not a fault.
-            from_input = ~(a_sq <= FLT_MAX)[:, None] | ~(b_sq <= FLT_MAX)[None, :]
-            # A half-precision product past its dtype's range rounds to INF: what the GEMM gives, not a fault.
-            rounded = (tl.abs(acc) > c_max) & (tl.abs(acc) <= cap)
-            allowed = (tl.abs(fresh_f) <= cap) | from_input | rounded
-            unexplained += tl.reduce((ext & ~allowed).to(tl.int32), 1, _add)
-            extreme += tl.reduce(ext.to(tl.int32), 1, _add)
-            non_finite += tl.reduce((ext & ~(tl.abs(fresh_f) <= FLT_MAX) & from_input).to(tl.int32), 1, _add)
-        else:
-            old = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
-            w = (cols + 1).to(tl.float32)
-            # Apart by more than two correct computations can be: the old row held a fault. The tolerance from the fresh
-            # values only (an INF in the old row must not widen its own test).
-            bj = tl.where(cmask, tl.sqrt(tl.load(bsq_b + cols * sbn, mask=cmask, other=0.0)) + floor_b, 0.0)
-            tol = elem_ab * (a[:, None] * bj[None, :]) + elem_abs * (2.0 * tl.abs(fresh_f) + tl.abs(beta)[None, :])
-            same = (fresh_f == old) | (tl.abs(fresh_f - old) <= tol)
-            differs += tl.reduce((m2 & ~same).to(tl.int32), 1, _add)
-            o1 += tl.reduce(old, 1, _add)
-            o2 += tl.reduce(old * w[None, :], 1, _add)
-            s1 += tl.reduce(fresh_f, 1, _add)
-            s2 += tl.reduce(fresh_f * w[None, :], 1, _add)
-            sq += tl.reduce(fresh_f * fresh_f, 1, _add)
-            if USE_ABS:
-                sab += tl.reduce(tl.abs(fresh_f), 1, _add)
-            if CORRECT:
-                tl.store(ptrs, fresh, mask=m2)
-    if TRIP:
+        old = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
+        w = (cols + 1).to(tl.float32)
+        # Apart by more than two correct computations can be: the old row held a fault. The tolerance from the fresh
+        # values only (an INF in the old row must not widen its own test).
+        bj = tl.where(cmask, tl.sqrt(tl.load(bsq_b + cols * sbn, mask=cmask, other=0.0)) + floor_b, 0.0)
+        tol = elem_ab * (a[:, None] * bj[None, :]) + elem_abs * (2.0 * tl.abs(fresh_f) + tl.abs(beta)[None, :])
+        same = (fresh_f == old) | (tl.abs(fresh_f - old) <= tol)
+        differs += tl.reduce((m2 & ~same).to(tl.int32), 1, _add)
+        o1 += tl.reduce(old, 1, _add)
+        o2 += tl.reduce(old * w[None, :], 1, _add)
+        s1 += tl.reduce(fresh_f, 1, _add)
+        s2 += tl.reduce(fresh_f * w[None, :], 1, _add)
+        sq += tl.reduce(fresh_f * fresh_f, 1, _add)
+        if USE_ABS:
+            sab += tl.reduce(tl.abs(fresh_f), 1, _add)
         if CORRECT:
-            code = tl.where(extreme > 0, CONSISTENT, RECOMPUTED)
-        else:
-            code = tl.where(extreme > 0, CONSISTENT, DETECTED)
-        code = tl.where(unexplained > 0, UNCORRECTABLE, tl.where(non_finite > 0, UPSTREAM, code))
-        if CORRECT:
-            # Written back only where the recomputation is clean: a row the operands explain stays as the GEMM left
-            # it, bit for bit. A second recomputation of those rows (a trip is rare; the first pass kept nothing).
-            put = need & (code == RECOMPUTED)
-            if tl.reduce(put.to(tl.int32), 0, _add) > 0:
-                for n0 in range(0, N, BN):
-                    cols = n0 + tl.arange(0, BN)
-                    cmask = cols < N
-                    acc, beta, a_sq, b_sq = _product_tile(ab_, bb_, rows64, put, cols, cmask, K, sAm, sAk, sBk, sBn,
-                                                          bias_ptr, a_sq, False, DOT_FP32, IEEE, HAS_BIAS, False,
-                                                          BM, BN, BK)
-                    fresh = _emulate(acc.to(c_ptr.dtype.element_ty), rows, cols, pid_b, fault_ptr, IS_F32, NF)
-                    tl.store(cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn, fresh,
-                             mask=put[:, None] & cmask[None, :])
-    else:
-        terms = _other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS, BN)
-        bref1, bref2 = terms[8], terms[9]
-        rule = (rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common, sigmas,
-                near_inf, sqrt_k)
-        rb = ref_ptr + (bi0 * sr0 + bi1 * sr1)
-        ref1 = tl.load(rb + rows64 * srm, mask=need, other=0.0) + bref1
-        ref2 = tl.load(rb + rows64 * srm + srj, mask=need, other=0.0) + bref2
-        nf = N * 1.0
-        b1, b2 = _bound(a, sq, sab, ref1, ref2, terms, rule, nf, USE_ABS, CALIBRATED, FLUSH)
-        ok = (tl.abs(ref1 - s1) <= b1) & (tl.abs(ref2 - s2) <= b2)
-        overflowed = ~(tl.abs(o1) <= FLT_MAX) | ~(tl.abs(o2) <= FLT_MAX)
-        consistent = (differs == 0) & overflowed
-        code = tl.where(consistent, CONSISTENT, tl.where(ok, RECOMPUTED, UNCORRECTABLE))
-    tl.atomic_add(state_ptr + S_RECOMPUTED, tl.reduce((need & (code == RECOMPUTED)).to(tl.int32), 0, _add))
-    tl.atomic_add(state_ptr + S_UNCORRECTABLE, tl.reduce((need & (code == UNCORRECTABLE)).to(tl.int32), 0, _add))
-    tl.atomic_add(state_ptr + S_CONSISTENT, tl.reduce((need & (code == CONSISTENT)).to(tl.int32), 0, _add))
-    if TRIP:
-        tl.atomic_add(state_ptr + S_DETECTED, tl.reduce((need & (code == DETECTED)).to(tl.int32), 0, _add))
-        tl.atomic_add(state_ptr + S_UPSTREAM, tl.reduce((need & (code == UPSTREAM)).to(tl.int32), 0, _add))
+            tl.store(ptrs, fresh, mask=m2)
+    terms = _other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS, BN)
+    bref1, bref2 = terms[8], terms[9]
+    rule = (rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common, sigmas,
+            near_inf, sqrt_k)
+    rb = ref_ptr + (bi0 * sr0 + bi1 * sr1)
+    ref1 = tl.load(rb + rows64 * srm, mask=need, other=0.0) + bref1
+    ref2 = tl.load(rb + rows64 * srm + srj, mask=need, other=0.0) + bref2
+    nf = N * 1.0
+    b1, b2 = _bound(a, sq, sab, ref1, ref2, terms, rule, nf, USE_ABS, CALIBRATED, FLUSH)
+    ok = (tl.abs(ref1 - s1) <= b1) & (tl.abs(ref2 - s2) <= b2)
+    overflowed = ~(tl.abs(o1) <= FLT_MAX) | ~(tl.abs(o2) <= FLT_MAX)
+    consistent = (differs == 0) & overflowed
+    code = tl.where(consistent, CONSISTENT, tl.where(ok, RECOMPUTED, UNCORRECTABLE))
+    _count_outcomes(state_ptr, need, code)
     tl.store(code_ptr + pid_b.to(tl.int64) * M + rows64, code, mask=need)
     slot = tl.load(slot_ptr + pid_b.to(tl.int64) * M + rows64, mask=need, other=SLOTS)
     tl.store(slot_i_ptr + slot.to(tl.int64) * 4 + 3, code, mask=need & (slot < SLOTS))
