@@ -441,6 +441,9 @@ def _trip_on_device(ctx: LayerContext, x_NTI: torch.Tensor,
     reported at the step boundary. No sync, where the host's tier 1 waits for the device once per call, every step.
     False (nothing done) where that path does not take them, or a slice is not a (tokens, features) view of the
     output (the repair writes through it)."""
+    # Asked first: on the CPU path (every CPU call by default) nothing else here runs.
+    if not device.takes(x_NTI, *(t for _, y_s, w_s, b_s in wired for t in (y_s, w_s, b_s) if t is not None)):
+        return False
     x_MI = x_NTI.detach().reshape(-1, x_NTI.shape[-1])
     gemms = []
     for name, y_s, w_s, b_s in wired:
@@ -449,8 +452,6 @@ def _trip_on_device(ctx: LayerContext, x_NTI: torch.Tensor,
         except RuntimeError:
             return False
         gemms.append((name, y_MS, x_MI, w_s.T, b_s))
-    if not device.takes(*(t for g in gemms for t in g[1:] if t is not None)):
-        return False
     device.trip_gemms(ctx, gemms)
     return True
 
