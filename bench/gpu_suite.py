@@ -26,7 +26,8 @@ Sections, in order (each records its own wall time; one that would pass the budg
    attribution: where a protected step's time goes, against the unprotected one (torch.profiler over a few steps
    of each model at T = 2048): device time in all kernels and in attnchecker's Triton kernels, kernel launches, host
    time in ops and in the driver's launch calls, the top kernels; the default policies on their tier-1 steps (what
-   7 steps in 8 run). Says whether the default's overhead is device work or the host launching it.
+   7 steps in 8 run). Says whether the default's overhead is device work or the host launching it; and the host
+   time one call of a GEMM's tier 1 costs (its memset and launch) against one aten op's.
 4. coverage: the share of a step's GEMM FLOPs each scope checks (torch.utils.flop_counter over one unprotected
    step: the attention core's products against the projections', the MLP's and the LM head's).
 5. profile: Nsight Compute on the checked forward kernel (off, tier 1, full checks, each with its repair launch) at
@@ -347,7 +348,40 @@ def attribution_section(args: argparse.Namespace, device: str, deadline: float) 
         print(f"\nattribution, {kind} T={seq} (per step; the default variants on tier-1 steps)")
         print(_common.table(lines, ["variant", "wall ms", "device ms", "attnchecker kernels ms", "kernels",
                                     "attnchecker kernels", "host ops ms", "launch calls ms"]))
-    return {"rows": rows}
+    host_us = _host_us_per_call(device, calls=10 if args.dry_run else 200)
+    print(f"host time per call, no sync: {host_us}")
+    return {"rows": rows, "host_us_per_call": host_us}
+
+
+def _host_us_per_call(device: str, calls: int) -> dict[str, float]:
+    """What one call costs the host before the device runs it (median of ``calls``, nothing waited for): a GEMM's tier
+    1 on the Triton path (its memset and one launch: gemm.device.trip_product) against one aten op, on a 256 x 256
+    product. Where the attribution says a step is host-bound, this says by how much each of our launches weighs."""
+    import statistics
+
+    import torch
+
+    from attnchecker.abft import Tolerance
+    from attnchecker.gemm import device as gemm_device
+
+    a, b = (torch.randn(256, 256, device=device, dtype=torch.bfloat16) for _ in range(2))
+    c = a @ b
+    tol = Tolerance()
+    calls_of: dict[str, Callable[[], object]] = {
+        "gemm_tier1": lambda: gemm_device.trip_product(c, a, b, None, tol),
+        "aten_add": lambda: torch.add(a, b),
+    }
+    got = {}
+    for name, call in calls_of.items():
+        call()  # compiled, cached
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        _Sync(device).sync()
+        got[name] = statistics.median(times) * 1e6
+    return got
 
 
 def _our_kernel_names() -> set[str]:

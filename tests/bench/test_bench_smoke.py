@@ -223,7 +223,9 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
             assert all(positive(x) for x in row.values() if isinstance(x, float)), row
     for row in doc["coverage"]["rows"]:
         assert 0 < row["attention_core_share"] < 1
-    # Where a step's time goes: every variant profiled, against the unprotected step.
+    # Where a step's time goes: every variant profiled, against the unprotected step; and what a call costs the host.
+    assert all(positive(v) for v in doc["attribution"]["host_us_per_call"].values())
+    assert set(doc["attribution"]["host_us_per_call"]) == {"gemm_tier1", "aten_add"}
     for row in doc["attribution"]["rows"]:
         assert set(row["variants"]) == {"baseline", "default", "all_default", "all_full"}
         for entry in row["variants"].values():
