@@ -87,12 +87,13 @@ def make(dtype: torch.dtype, *, b: int = 1, h: int = 2, hk: int = 1, t: int = 40
             "want": grads}
 
 
-def backward(a: dict[str, Any], ctx: Any, *, check: str = "abft", faults: list[KernelFault] | None = None
-             ) -> tuple[torch.Tensor, ...]:
+def backward(a: dict[str, Any], ctx: Any, *, check: str = "abft", faults: list[KernelFault] | None = None,
+             given: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
     how = a["how"]
     return triton_backward.backward(a["q"], a["k"], a["v"], a["out"], a["lse"], a["do"], scale=how["scale"],
                                     is_causal=how["causal"], window=how["window"], attn_mask=how["mask"],
-                                    dropout_p=how["p"], seed=how["seed"], check=check, faults=faults or [], ctx=ctx)
+                                    dropout_p=how["p"], seed=how["seed"], check=check, faults=faults or [], ctx=ctx,
+                                    given=given)
 
 
 def close(got: tuple[torch.Tensor, ...], a: dict[str, Any], rel: float) -> bool:
@@ -298,10 +299,7 @@ def test_a_non_finite_key_or_value_is_its_producers_fault_not_the_backwards(make
 
 def given_backward(a: dict[str, Any], ctx: Any, given: tuple[torch.Tensor, ...],
                    faults: list[KernelFault] | None = None) -> tuple[torch.Tensor, ...]:
-    how = a["how"]
-    return triton_backward.backward(a["q"], a["k"], a["v"], a["out"], a["lse"], a["do"], scale=how["scale"],
-                                    is_causal=how["causal"], window=how["window"], attn_mask=how["mask"],
-                                    check="tripwire", faults=faults or [], ctx=ctx, given=given)
+    return backward(a, ctx, check="tripwire", faults=faults, given=given)
 
 
 @pytest.fixture(scope="module")

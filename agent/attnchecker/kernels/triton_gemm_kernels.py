@@ -421,7 +421,6 @@ def trip_pass(c_ptr, M, N, nb1, sc0, sc1, scm, scn, bias_ptr, a_ptr, sA0, sA1, s
     if n_ext > 0:
         n_rep = tl.reduce(rep.to(tl.int32), 0, _add)
         tl.atomic_add(state_ptr + S_EXTREME, n_ext)
-        tl.atomic_add(state_ptr + S_RECOMPUTE, n_rep)
         # The first extreme element of each such row, as C held it (the recompute below may overwrite it).
         col = tl.full([BM], 0, tl.int32) + N
         for n0 in range(0, N, BN):
