@@ -245,9 +245,11 @@ def _print_steps(row: dict[str, Any]) -> None:
 
 def kernel_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:
     """The Triton forward (kernels/triton_attention.py) with tier 1 and with its full checks (and its repair launch)
-    against the same kernel with checks off, bf16, causal, per shape."""
+    against the same kernel with checks off, and tier 1 over the vendor's forward (the default's tier-1 steps
+    without a mask) against that forward and SDPA's, bf16, causal, per shape."""
     import torch
 
+    from attnchecker.attention import vendor_forward
     from attnchecker.kernels import triton_attention
 
     why = triton_attention.not_available_reason(torch.device(device))
@@ -259,7 +261,7 @@ def kernel_section(args: argparse.Namespace, device: str, deadline: float) -> di
             out.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
             continue
         got = triton_attention.bench_checks(b=b, h=h, t=t, d=d, device=device, causal=True,
-                                            reps=1 if args.dry_run else 20)
+                                            reps=1 if args.dry_run else 20, vendor=vendor_forward.forward)
         out.append({"shape": [b, h, t, d], **got})
         print(f"forward kernel B={b} H={h} T={t} D={d}: {got}")
     return {"rows": out}

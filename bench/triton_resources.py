@@ -94,7 +94,7 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any)
         else:
             signature[name] = "i32"
     return ASTSource(fn=kernel, signature=signature,
-                     constexprs={(names.index(k),): v for k, v in consts.items()})
+                     constexprs={(names.index(k),): v for k, v in consts.items() if k in names})
 
 
 def resources(cubin: bytes) -> dict[str, int]:
@@ -189,12 +189,22 @@ def main() -> None:
         print(f"{name:45s} {dtype:5s} {blocks.m}x{blocks.n} warps {blocks.warps}: {row['reg']} registers, "
               f"{row['stack']} B stack (spills), {row['shared']} B shared ({time.perf_counter() - t0:.0f} s)",
               flush=True)
+    # Tier 1 over the vendor's forward: one pass over its output and log-sum-exp, no key loop (so no mix).
+    given = []
+    for dtype in ("bf16", "fp16", "fp32"):
+        blocks = ta.gpu_blocks(d)
+        compiled = triton.compile(source(dtype, blocks, ta._trip_given), target=GPUTarget("cuda", args.arch, 32),
+                                  options={"num_warps": blocks.warps})
+        given.append({"kernel": "_trip_given", "dtype": dtype, "head_dim": d, "block_m": blocks.m,
+                      "warps": blocks.warps, **resources(compiled.asm["cubin"])})
+        print(f"{'tier 1 over the vendor forward (_trip_given)':45s} {dtype:5s} {blocks.m} rows warps "
+              f"{blocks.warps}: {given[-1]['reg']} registers, {given[-1]['stack']} B stack (spills)", flush=True)
     if args.mix:
         print_mix(rows)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"arch": f"sm_{args.arch}", "triton": triton.__version__, "rows": rows},
-                                       indent=2) + "\n")
+        args.out.write_text(json.dumps({"arch": f"sm_{args.arch}", "triton": triton.__version__, "rows": rows,
+                                        "given_pass": given}, indent=2) + "\n")
 
 
 def print_mix(rows: list[dict[str, Any]]) -> None:

@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 aten = torch.ops.aten
 GEMMS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 FUSED_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+FUSED_FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,10 @@ class GemmInjector(TorchDispatchMode):
 class FusedBackwardFault(TorchDispatchMode):
     """Corrupts element ``element`` of output ``which`` (0 dQ, 1 dK, 2 dV) of the ``call``-th fused CPU attention
     backward: the kernel's products never leave it, so this is the only place a fault inside it shows. head_dims:
-    only the first that many of the output's head dims (a kernel run on wider, encoded operands returns more)."""
+    only the first that many of the output's head dims (a kernel run on wider, encoded operands returns more).
+    ``op``: the fused op whose outputs are hit (a subclass hits another)."""
+
+    op: Any = FUSED_BACKWARD
 
     def __init__(self, *, call: int, which: int, kind: str, element: int, head_dims: int | None = None) -> None:
         super().__init__()
@@ -106,9 +110,9 @@ class FusedBackwardFault(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func is FUSED_BACKWARD:
+        if func is self.op:
             if self.seen == self.call:
-                grad = out[self.which]  # a strided view of the kernel's (B, T, H, D) buffer
+                grad = out[self.which]  # a strided view of the kernel's (B, T, H, D) buffer (lse: (B, T, H))
                 if self.head_dims is not None:
                     grad = grad[..., :self.head_dims]
                 idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(self.element % grad.numel()), grad.shape))

@@ -27,6 +27,7 @@ import test_attention_fused_backward as fused_suite
 import test_attention_layer as layer_suite
 import torch
 import triton.runtime.interpreter as interpreter
+from gemm_injector import FUSED_FORWARD, FusedBackwardFault
 from hypothesis import given, settings
 from model_zoo import batch, build, loss_of
 from scoped_env import scoped_env
@@ -35,6 +36,7 @@ from test_attention_layer import layer_params, run_layer, seeded
 from torch.overrides import TorchFunctionMode
 
 import attnchecker
+from attnchecker.attention import pipeline, vendor_forward
 from attnchecker.attention.backends import BACKEND_ENV
 from attnchecker.attention.backends.tiled_torch import TILE_ENV
 from attnchecker.attention.backward import triton_backward
@@ -176,6 +178,124 @@ def test_tier1_on_the_backend_recovers_a_trip_on_the_device_and_reports_it_at_th
                                                                                   1, 20)]
 
 
+# ------------------------------------------------------------------- tier 1 on the vendor's forward, below autograd
+
+class VendorForwardFault(FusedBackwardFault):
+    """Corrupts element ``element`` of output ``which`` (0 the output, 1 the log-sum-exp) of the ``call``-th CPU
+    flash attention forward: a fault inside the vendor's kernel shows only there. Knows nothing of attnchecker."""
+
+    op = FUSED_FORWARD
+
+
+@pytest.mark.parametrize(("which", "kind"), [(0, "nan"), (0, "inf"), (0, "near_inf"), (0, "bitflip"),
+                                             (1, "near_inf"), (1, "nan")])
+def test_tier1_reads_the_vendor_forward_and_recomputes_a_fault_below_autograd_in_it(
+        make_ctx, monkeypatch: pytest.MonkeyPatch, which: int, kind: str) -> None:
+    """A step where neither op is due: the vendor's fused attention (the CPU flash kernel here; FlashAttention or
+    memory-efficient attention on a GPU) computes the call, one Triton pass reads its output and log-sum-exp, and the
+    repair recomputes a tripped block. A fault written below autograd into that kernel's output (op "context") or
+    log-sum-exp (op "scores") is reported at the step boundary as recomputed by tier 1, the output is SDPA's, and the
+    host's tier 1 (a sync per call) never runs."""
+    monkeypatch.setattr(pipeline, "_tripwire_sdpa", None)  # the host path: calling it would raise
+    q, k, v = (seeded((1, 2, 32, 16), i, torch.float32) for i in range(3))
+    ctx, rec = make_ctx(checked_ops=frozenset({"q", "k", "v", "out"}))
+    fault = VendorForwardFault(call=0, which=which, kind=kind, element=1 * 32 * 16 + 20 * 16 + 3 if which == 0
+                               else 32 + 20)
+    with fault:
+        out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+    assert fault.hit and fault.seen == 1
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                               rtol=1e-5, atol=1e-6)
+    assert ctx.runtime.stats.trip_checks["scores"] == 1 and ctx.runtime.stats.checks["scores"] == 0
+    op = ("context", "scores")[which]
+    assert [(d.op, d.action, d.tier, d.head, d.row) for d in rec.detections] == [(op, "recomputed", "tripwire", 1,
+                                                                                  20)]
+
+
+def test_an_emulated_fault_on_a_tier1_step_runs_the_kernel_that_writes_it(make_ctx) -> None:
+    """The kernel's emulated faults (kernels/triton_attention.emulated_faults) go into its own products, which the
+    vendor's op does not have: a tier-1 call with one pending runs the kernel's tier 1 and its repair (two
+    "_attention" launches), not the pass over the vendor's forward, and the fault is reported and recomputed.
+    (attnchecker.inject's plan never reaches tier 1: a step with a fault planned checks the call in full.)"""
+    launched: collections.Counter[str] = collections.Counter()
+    run = interpreter.GridExecutor.__call__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        launched[self.fn.__name__] += 1
+        return run(self, *args, **kwargs)
+
+    q, k, v = (seeded((1, 2, 32, 16), i, torch.float32) for i in range(3))
+    ctx, rec = make_ctx(checked_ops=frozenset({"q", "k", "v", "out"}))
+    with pytest.MonkeyPatch.context() as mp, triton_attention.emulated_faults([("context", 1, 20, 2, "set", math.nan,
+                                                                                False)]):
+        mp.setattr(interpreter.GridExecutor, "__call__", counted)
+        out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+    assert launched == {"_attention": 2}, launched
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                               rtol=1e-5, atol=1e-6)
+    assert [(d.op, d.action, d.tier) for d in rec.detections] == [("context", "recomputed", "tripwire")]
+
+
+def test_a_vendor_op_that_fails_hands_tier1_to_the_kernel_for_good(make_ctx, monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A build whose fused attention op fails at run time (here the CPU flash kernel made to raise, as a missing
+    kernel would): the call still returns SDPA's output through the kernel's own tier 1, the failure is logged once,
+    and later calls never try the op again."""
+    tried = []
+
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        tried.append(1)
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(vendor_forward, "_broken", [])
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", missing)
+    q, k, v = (seeded((1, 2, 32, 16), i, torch.float32) for i in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ctx, rec = make_ctx(checked_ops=frozenset({"q", "k", "v", "out"}))
+    with caplog.at_level("WARNING", logger="attnchecker"):
+        outs = [protected_sdpa(q, k, v, ctx=ctx, is_causal=True) for _ in range(3)]
+    assert len(tried) == 1
+    assert len([r for r in caplog.records if "log-sum-exp" in r.message]) == 1
+    for out in outs:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    assert ctx.runtime.stats.trip_checks["scores"] == 3 and rec.detections == []
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_fault_in_the_vendor_forward_on_a_tier1_step_leaves_the_clean_step(arch: str) -> None:
+    """protect(model) with the default scope on a step whose attention checks are not due, GPT-2 and Llama (grouped
+    key/value heads): every attention call's tier 1 reads the vendor's forward (the CPU flash kernel, seen once per
+    layer), and NaN written below autograd into one of them is recomputed on the device, reported at the step
+    boundary, and the loss and gradients are the clean step's."""
+    config = {"n_layer": 1, "n_head": 2} if arch == "gpt2" else {"num_hidden_layers": 1, "num_attention_heads": 4,
+                                                                  "num_key_value_heads": 2}
+    model = build(arch, **config)
+    policy = attnchecker.Policy(adaptive=False, op_periods={"scores": 1000, "context": 1000})
+    with attnchecker.protect(model, policy=policy) as guard:
+        loss_of(arch, model, batch(arch, 0)).backward()  # the first step checks every op
+        guard.step()
+        assert not guard.check_config.checks("scores") and not guard.check_config.checks("context")
+
+        def step(mode: VendorForwardFault) -> tuple[float, dict[str, torch.Tensor]]:
+            model.zero_grad(set_to_none=True)
+            with mode:
+                loss = loss_of(arch, model, batch(arch, 0))
+            loss.backward()
+            guard.step()
+            return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        counted = VendorForwardFault(call=-1, which=0, kind="nan", element=0)
+        want_loss, want = step(counted)
+        assert counted.seen == 1 and not guard.detections
+        fault = VendorForwardFault(call=0, which=0, kind="nan", element=77)
+        loss, grads = step(fault)
+        assert fault.hit
+        assert [(d.op, d.action, d.tier) for d in guard.detections] == [("context", "recomputed", "tripwire")]
+    assert loss == want_loss
+    for n, g in grads.items():
+        torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
 # --------------------------------------------------------------------------- attention dropout, through the layer
 
 
@@ -315,7 +435,8 @@ def triton_launches(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]
 
 
 DEVICE_WORK = ("zeros", "randint", "isfinite", "where", "bucketize", "index_add_", "double", "sum", "add_", "maximum",
-               "to", "float", "linalg_vector_norm", "vector_norm", "nan_to_num_", "cummax", "norm", "amax")
+               "to", "float", "linalg_vector_norm", "vector_norm", "nan_to_num_", "cummax", "norm", "amax",
+               "contiguous", "reshape")
 """The torch calls that may launch device work (the rest are views, shapes, allocations and host bookkeeping)."""
 
 
@@ -339,17 +460,20 @@ def _one_forward(make_ctx: Callable[..., Any], t: int, tier1: bool, dropout_p: f
 def test_a_protected_forward_is_a_few_launches_whatever_t(make_ctx, triton_launches, tier1: bool) -> None:
     """The kernel and its repair (2 Triton launches) and a memset for the call's status: the same at T = 32 and
     T = 64 (2 × 2 and 4 × 4 tiles), against thousands for the PyTorch tile loop. The full checks add one launch that
-    makes what their row checks take from each key and value tile alone (_kv_tiles); tier 1 the running max of the
-    key norms (a norm, its NaNs zeroed, a cumulative max): once per call, not in every block's key loop. The residual
-    histogram's update waits for the step boundary with the rest of the call's record (checks/deferred.py)."""
+    makes what their row checks take from each key and value tile alone (_kv_tiles). Tier 1 runs the vendor's
+    attention (the op the unprotected model runs), then in place of the kernel one pass over its output and
+    log-sum-exp (_trip_given) and the repair, with the running max of the key norms (a norm, its NaNs zeroed, a
+    cumulative max: once per call) and, on the CPU, the log-sum-exp made contiguous (the CPU kernel's is (B, T, H) in
+    memory; FlashAttention's on CUDA is already contiguous). The residual histogram's update waits for the step
+    boundary with the rest of the call's record (checks/deferred.py)."""
     counts = []
     for t in (32, 64):
         calls, _ = _one_forward(make_ctx, t, tier1, launches=triton_launches)
         device_ops = {name: n for name, n in calls.names.items() if name in DEVICE_WORK}
         counts.append((dict(triton_launches), device_ops))
     assert counts[0] == counts[1], counts
-    key_norms = {"linalg_vector_norm": 1, "nan_to_num_": 1, "cummax": 1} if tier1 else {}
-    kernels = {"_attention": 2} if tier1 else {"_kv_tiles": 1, "_attention": 2}
+    key_norms = {"linalg_vector_norm": 1, "nan_to_num_": 1, "cummax": 1, "contiguous": 1} if tier1 else {}
+    kernels = {"_trip_given": 1, "_attention": 1} if tier1 else {"_kv_tiles": 1, "_attention": 2}
     assert counts[0] == (kernels, {"zeros": 1, **key_norms}), counts
 
 

@@ -33,9 +33,11 @@ from attnchecker.abft.checksum import col_norms, group_sums_rows, weighted_cols
 from attnchecker.abft.operand_moments import context_moments, scores_moments
 from attnchecker.abft.repair import MatrixReport
 from attnchecker.abft.tolerance import TF32_OPERAND_ROUNDOFF
+from attnchecker.attention import vendor_forward
 from attnchecker.attention.backends.triton import reports_of
 from attnchecker.checks.product import _verify
 from attnchecker.emulate import round_mantissa
+from attnchecker.inject import bitflip
 from attnchecker.kernels import triton_attention as ta
 from attnchecker.kernels import triton_dropout
 from attnchecker.matmul_precision import ieee_fp32_matmul
@@ -453,6 +455,102 @@ def test_a_positive_bias_over_the_tier1_bound_is_dismissed_by_the_recompute() ->
                for n, b in _flagged(got, "scores"))
     torch.testing.assert_close(got.out_BHTD.double(), reference(q, k, v, scale=0.25, attn_mask=bias)[0],
                                rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------- tier 1 over the vendor's forward (given=...)
+
+GIVEN_KINDS = ("nan", "inf", "neg_inf", "near_inf", "bitflip")
+
+
+def _vendor_qkv(dtype: torch.dtype, group: int, t: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """q (1, 2·group, t, 16), k and v (1, 2, t, 16): B·H <= 4, as the interpreter runs one program at a time."""
+    q = seeded((1, 2 * group, t, 16), seed, dtype)
+    return q, seeded((1, 2, t, 16), seed + 1, dtype), seeded((1, 2, t, 16), seed + 2, dtype)
+
+
+def _vendor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vendor's forward the tier-1 path reads (attention/vendor_forward.py): the CPU flash kernel here,
+    FlashAttention or memory-efficient attention on a GPU."""
+    assert not vendor_forward.not_supported_reasons(q, k, v, attn_mask=None, is_causal=causal, dropout_p=0.0)
+    got = vendor_forward.forward(q, k, v, is_causal=causal, scale=0.25)
+    assert got is not None
+    return got
+
+
+def _corrupted(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x`` (0-d) as attnchecker.inject's kinds leave it."""
+    if kind == "bitflip":
+        return bitflip(x.clone())
+    return torch.full_like(x, {"nan": math.nan, "inf": math.inf, "neg_inf": -math.inf, "near_inf": 1e20}[kind])
+
+
+@settings(max_examples=10)
+@given(dtype=st.sampled_from(DTYPES), causal=st.booleans(), group=st.sampled_from([1, 2]), t=st.integers(1, 40),
+       seed=st.integers(0, 2**20))
+def test_tier1_over_a_clean_given_forward_returns_it_as_it_is(dtype, causal, group, t, seed) -> None:
+    """Tier 1 over the vendor's forward, clean: the pass trips nothing, the repair recomputes nothing, and the call
+    returns the vendor's output and log-sum-exp, the same tensors, bit for bit."""
+    q, k, v = _vendor_qkv(dtype, group, t, seed)
+    out, lse = _vendor(q, k, v, causal)
+    want_out, want_lse = out.clone(), lse.clone()
+    got = run(q, k, v, scale=0.25, is_causal=causal, checks=ta.Checks(mode="tier1"), given=(out, lse))
+    assert got.status[:2].tolist() == [0.0, 0.0]
+    assert got.out_BHTD is out and got.lse_BHT is lse
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+@settings(max_examples=12)
+@given(dtype=st.sampled_from(DTYPES), causal=st.booleans(), group=st.sampled_from([1, 2]), t=st.integers(17, 40),
+       where=st.sampled_from(["out", "lse"]), kind=st.sampled_from(GIVEN_KINDS), at=st.floats(0, 1),
+       seed=st.integers(0, 2**20))
+def test_tier1_over_a_given_forward_recomputes_only_the_block_a_fault_is_in(dtype, causal, group, t, where, kind, at,
+                                                                            seed) -> None:
+    """A fault of each kind in the vendor's output (op "context") or in its log-sum-exp (op "scores"; under the
+    floor too: a negative one flipped, -INF) trips its block alone, the repair recomputes that block with full
+    checks ("recomputed"), and the result is the reference there; every other block is the vendor's, bit for bit.
+    fp16 has no bit flip here: its top exponent bit takes an output of |x| < 2 to at most 2^16, which tier 1 (a
+    value test at 1e10) is not for."""
+    q, k, v = _vendor_qkv(dtype, group, t, seed)
+    if dtype == torch.float16 and kind == "bitflip":
+        kind = "near_inf"
+    out, lse = _vendor(q, k, v, causal)
+    clean_out, clean_lse = out.clone(), lse.clone()
+    n = int(at * (q.shape[1] - 1) + 0.5)
+    row = int(at * (t - 1))
+    if where == "out":
+        out[0, n, row, 5] = _corrupted(out[0, n, row, 5], kind)
+    else:
+        if kind == "bitflip":
+            lse[0, n, row] = -lse[0, n, row].abs() - 2.0  # a negative value's flip, to -2^64 × it: under the floor
+        lse[0, n, row] = _corrupted(lse[0, n, row], kind)
+    got = run(q, k, v, scale=0.25, is_causal=causal, checks=ta.Checks(mode="tier1"), given=(out, lse))
+    op = "context" if where == "out" else "scores"
+    assert _flagged(got, op) == [[n, row // BM]] and _field(got, op, n, row // BM, "flag") == 2.0
+    assert _flagged(got, ta.OPS[1 - ta.OPS.index(op)]) in ([], [[n, row // BM]])
+    assert ta.OUTCOMES[int(_field(got, op, n, row // BM, "outcome"))] == "recomputed"
+    block = slice(row // BM * BM, (row // BM + 1) * BM)
+    untouched = torch.ones(t, dtype=torch.bool, device=DEVICE)
+    untouched[block] = False
+    others = (slice(None), slice(None), untouched)
+    assert torch.equal(got.out_BHTD[others], clean_out[others]) and torch.equal(got.lse_BHT[others], clean_lse[others])
+    want_out, want_lse = reference(q, k, v, scale=0.25, is_causal=causal)
+    scale_v = float(v.double().abs().max())
+    assert float((got.out_BHTD[0, n, block].double() - want_out[0, n, block]).abs().max()) <= OUT_TOL[dtype] * scale_v
+    torch.testing.assert_close(got.lse_BHT[0, n, block].double(), want_lse[0, n, block], rtol=1e-4, atol=1e-4)
+
+
+def test_tier1_over_a_given_forward_takes_only_what_it_can_check() -> None:
+    """forward(given=...) is tier 1 over a forward computed elsewhere: a full check, a mask or a log-sum-exp in
+    another layout is refused with what was wrong, before any launch."""
+    q, k, v = _qkv(3)
+    out, lse = _vendor(q, k, v, True)
+    with pytest.raises(ValueError, match=r"checks\.mode 'tier1'"):
+        run(q, k, v, checks=ta.Checks(mode="full"), given=(out, lse))
+    with pytest.raises(ValueError, match="no mask"):
+        run(q, k, v, checks=ta.Checks(mode="tier1"), attn_mask=torch.ones(32, 32, dtype=torch.bool, device=DEVICE),
+            given=(out, lse))
+    with pytest.raises(ValueError, match="contiguous float32 lse"):
+        run(q, k, v, checks=ta.Checks(mode="tier1"), given=(out, lse.mT.contiguous().mT))
 
 
 def test_tf32_products_stay_clean_under_their_bound_and_flag_under_the_ieee_one(monkeypatch) -> None:

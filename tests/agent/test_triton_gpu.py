@@ -62,3 +62,41 @@ def test_gpu_triton_layer_corrects_faults_and_keeps_the_fault_free_gradients(mak
     torch.testing.assert_close(loss1, loss0, **TOL[dtype])
     for g1, g0 in zip(grads1, grads0, strict=True):
         torch.testing.assert_close(g1, g0, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_gpu_tier1_over_the_vendor_forward_never_syncs_and_recomputes_a_fault(dtype, gqa: bool) -> None:
+    """Tier 1 over the vendor's forward on CUDA (FlashAttention for fp16/bf16, memory-efficient attention for fp32):
+    the op takes the call, a clean pass leaves its output as it is, and a NaN and a huge log-sum-exp written into its
+    results are recomputed by the repair, all under CUDA's sync detector; the result is SDPA's."""
+    from attnchecker.attention import vendor_forward
+
+    dev = torch.device("cuda")
+    q = seeded((2, 8, 1024, 64), 0, dtype).to(dev)
+    k, v = (seeded((2, 2 if gqa else 8, 1024, 64), i, dtype).to(dev) for i in (1, 2))
+    assert not vendor_forward.not_supported_reasons(q, k, v, attn_mask=None, is_causal=True, dropout_p=0.0)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    checks = triton_attention.Checks(mode="tier1")
+    given = vendor_forward.forward(q, k, v, is_causal=True, scale=0.125)
+    assert given is not None
+    triton_attention.forward(q, k, v, scale=0.125, checks=checks, is_causal=True, given=given)  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        clean = vendor_forward.forward(q, k, v, is_causal=True, scale=0.125)
+        assert clean is not None
+        kept = clean[0].clone()
+        got = triton_attention.forward(q, k, v, scale=0.125, checks=checks, is_causal=True, given=clean)
+        faulty = vendor_forward.forward(q, k, v, is_causal=True, scale=0.125)
+        assert faulty is not None
+        faulty[0][1, 5, 700, 3] = math.nan
+        faulty[1][0, 2, 100] = 1e20
+        fixed = triton_attention.forward(q, k, v, scale=0.125, checks=checks, is_causal=True, given=faulty)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got.status[:2].tolist() == [0.0, 0.0] and torch.equal(got.out_BHTD, kept)
+    torch.testing.assert_close(got.out_BHTD, want, **TOL[dtype])
+    assert fixed.status[:2].tolist() == [1.0, 1.0]
+    torch.testing.assert_close(fixed.out_BHTD, want, **TOL[dtype])
+    torch.testing.assert_close(fixed.lse_BHT, clean[1], rtol=1e-4, atol=1e-4)

@@ -234,8 +234,9 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
                                                    "host_ms_per_step"}
     # Nsight Compute runs on a GPU machine only; here the section says why it did not.
     assert doc["profile"] == {"skipped": "--dry-run"} or "ncu not on the PATH" in doc["profile"]["skipped"]
-    # The forward kernel's split of its checks' cost, and SDPA beside it.
-    assert {"full_scores_ms", "full_context_ms", "full_no_repair_ms", "sdpa_ms"} <= set(doc["kernel"]["rows"][0])
+    # The forward kernel's split of its checks' cost, SDPA beside it, and tier 1 over the vendor's forward.
+    assert {"full_scores_ms", "full_context_ms", "full_no_repair_ms", "sdpa_ms", "vendor_ms", "tier1_given_ms",
+            "tier1_given_over_vendor", "tier1_given_over_sdpa"} <= set(doc["kernel"]["rows"][0])
     assert {"sdpa_ms", "tripwire_given_ms", "tripwire_given_over_sdpa"} <= set(doc["backward_kernel"]["rows"][0])
 
 

@@ -112,7 +112,7 @@ def protected_sdpa(
                                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         # Tier 1 reads no passed checksums: paper-faithful mode does not keep it off the kernel.
         tier1 = dataclasses.replace(call_with(frozenset()), paper=False)
-        if not TRITON.not_supported_reasons(tier1):
+        if not TRITON.not_supported_reasons(tier1, tier1=True):
             # Tier 1 in the Triton kernel: a trip is recovered by its repair kernel, on the device, with no sync.
             return TRITON.tier1(tier1)
         fused, trip = _tripwire_sdpa(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal,

@@ -34,7 +34,10 @@ overwritten. No host-device sync anywhere: the host reads the records once per s
 Tier 1 (``mode="tier1"``) is the same kernel without checksums: per block the output rows summed (INF, NaN, near-INF)
 and the row log-sum-exp against scale·‖q_i‖·max_j‖k_j‖ + log S + 1 (tripwire.py's test; max_j over the keys the block
 visits, from a running max of the key norms that forward() makes once per call); a trip is recovered by the repair
-kernel with full checks, on the device.
+kernel with full checks, on the device. Where the vendor's fused attention takes the call (no mask, dropout or
+window: attention/vendor_forward.py), tier 1 does not run this kernel at all: ``forward(given=(out, lse))`` reads the
+vendor's output and log-sum-exp in one pass (``_trip_given``, the same tests, and the log-sum-exp's floor, since the
+stored one is another kernel's output), and the repair kernel recomputes a tripped block into them.
 
 Faults inside the kernel are emulated (tests, attnchecker.inject): a table of single elements (op, n, row, col, kind,
 persistent) written into the tile just computed; transient ones on the first computation only.
@@ -228,19 +231,36 @@ def forward(
     faults: list[Fault] | None = None,
     blocks: Blocks | None = None,
     debug: bool = False,
+    given: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Result:
     """One checked attention forward: the kernel, then (checks.repair, and checks on) the repair kernel. q (B, H, T, D),
     k/v (B, Hk, S, D) with Hk dividing H (GQA: no copy), any strides; attn_mask bool (True = attend) or additive,
     broadcastable to (B, H, T, S), read in place; is_causal: key j <= query i (top-left, as SDPA); window: also
     i - j < window; dropout_p with seed ((1,) int64 on the device): kernels/triton_dropout.keep. No host-device sync
-    (faults, a test feature, copy their table to the device)."""
+    (faults, a test feature, copy their table to the device).
+
+    given: (out (B, H, T, D) any strides, lse (B, H, T) fp32 contiguous), a forward another kernel computed at these
+    operands (the vendor's fused attention: attention/vendor_forward.py), for tier 1 only, without a mask, window,
+    dropout or faults. In place of the first pass, ``_trip_given`` reads them once and writes the records tier 1's
+    pass writes; the repair kernel then recomputes a tripped block into them, as after that pass."""
     b, h, t, d = q_BHTD.shape
     hk, s = k_BHSD.shape[1], k_BHSD.shape[2]
     blk = blocks or block_sizes(d)
     n_blocks = triton.cdiv(t, blk.m)
     dev = q_BHTD.device
-    out = torch.empty((b, h, t, d), dtype=q_BHTD.dtype, device=dev)
-    lse = torch.empty((b, h, t), dtype=torch.float32, device=dev)
+    if given is not None:
+        if checks.mode != "tier1" or attn_mask is not None or window is not None or dropout_p > 0.0 or faults \
+                or debug:
+            raise ValueError("forward(given=...) is tier 1 over another kernel's result: checks.mode 'tier1', with "
+                             "no mask, window, dropout, faults or debug")
+        out, lse = given
+        if out.shape != q_BHTD.shape or lse.shape != (b, h, t) or lse.dtype != torch.float32 \
+                or not lse.is_contiguous():
+            raise ValueError(f"given out {tuple(out.shape)} and lse {tuple(lse.shape)} {lse.dtype}: expected out "
+                             f"{tuple(q_BHTD.shape)} and a contiguous float32 lse {(b, h, t)}")
+    else:
+        out = torch.empty((b, h, t, d), dtype=q_BHTD.dtype, device=dev)
+        lse = torch.empty((b, h, t), dtype=torch.float32, device=dev)
     checking = checks.mode is not None and (checks.scores or checks.context)
     # The one device op besides the kernels: the call's status, which the programs raise with atomics.
     status = torch.zeros(4, dtype=torch.float32, device=dev) if checking else out
@@ -313,7 +333,14 @@ def forward(
         num_warps=blk.warps, num_stages=blk.stages,
     )
     with _ieee_quietly():
-        launch(MODE=mode, REPAIR=False)
+        if given is None:
+            launch(MODE=mode, REPAIR=False)
+        elif checking:
+            assert records is not None and k_max_BHkS is not None
+            _trip_given[(n_blocks, b * h)](
+                q_BHTD, out, lse, status, records, k_max_BHkS, *q_BHTD.stride(), *out.stride(),
+                *k_max_BHkS.stride()[:2], h, h // hk, t, s, d, n_blocks, scale,
+                BLOCK_M=blk.m, BLOCK_N=blk.n, BLOCK_D=blk.d, IS_CAUSAL=is_causal, num_warps=blk.warps)
         if checking and checks.repair:
             launch(MODE=2, REPAIR=True)
     return Result(out, lse, status, records, blk.m, seen, saved, dbg)
@@ -745,9 +772,43 @@ if triton is not None:
                ratio, bad, mom1, mom2, VMAX)
 
     @_jit
+    def _query_block(pid_m, pid_n, H, GROUP, T, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """A program's place: (batch, query head, its key head, its query rows, the head dim's columns, which rows
+        and columns exist), program (pid_m, pid_n) being query block pid_m of matrix n = batch·H + head."""
+        h = pid_n % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        return pid_n // H, h, h // GROUP, offs_m, offs_d, offs_m < T, offs_d < D
+
+    @_jit
+    def _rows(X, b, h, offs_m, offs_d, sb, sh, st, sd, row_ok, d_ok):
+        """A block's rows of a (B, H, T, D) tensor at any strides, 0 outside it."""
+        return tl.load(X + b.to(tl.int64) * sb + h.to(tl.int64) * sh + offs_m[:, None] * st + offs_d[None, :] * sd,
+                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    @_jit
+    def _publish(rec_at, rec_s, rec_c, Status):
+        """A block's two records (scores, context) stored, and the call's flag per op raised where one flagged."""
+        fi = tl.arange(0, 16)
+        tl.store(rec_at + fi, rec_s)
+        tl.store(rec_at + 16 + fi, rec_c)
+        if tc.pick(rec_s, 0) != 0.0:
+            tl.atomic_max(Status, 1.0)
+        if tc.pick(rec_c, 0) != 0.0:
+            tl.atomic_max(Status + 1, 1.0)
+
+    @_jit
     def _lse_bound(q_norm, k_max, scale, n_keys):
         """tripwire.lse_over_bound's bound without the mask's largest value (added only after a trip, by the repair)."""
         return tl.abs(scale) * q_norm * k_max * 1.01 + tl.log(tl.maximum(n_keys, 1).to(tl.float32)) + 1.0
+
+    @_jit
+    def _lse_floor(q_norm, k_max, scale):
+        """The log-sum-exp's lower bound without a mask: at least the row's largest scaled score, which is at least
+        -|scale|·‖q_i‖·max_j‖k_j‖ (1.01 and 1: rounding). Only a fault in a stored log-sum-exp goes under it (one
+        bad score cannot pull a row's log-sum-exp under the others'), so the kernels' own tier 1 never tests it;
+        ``_trip_given`` does, and the repair counts a row that was under it and is not now as a real trip."""
+        return -(tl.abs(scale) * q_norm * k_max * 1.01) - 1.0
 
     @_jit
     def _tripwire(o, lse, m_i, dead, row_ok, q_norm, k_max, scale, n_keys, r0):
@@ -821,15 +882,8 @@ if triton is not None:
         SAVED: tl.constexpr = VMAX + SAVED_HEAD
         # The fast pass's kept row per op (_note_rows): scores at saved_at, the context at saved_at + SAVED.
         saved_at = Saved + (pid_n * N_BLOCKS + pid_m).to(tl.int64) * (2 * SAVED)
-        b = pid_n // H
-        h = pid_n % H
-        hk = h // GROUP
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        row_ok = offs_m < T
-        d_ok = offs_d < D
-        q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        b, h, hk, offs_m, offs_d, row_ok, d_ok = _query_block(pid_m, pid_n, H, GROUP, T, D, BLOCK_M, BLOCK_D)
+        q = _rows(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, sqd, row_ok, d_ok)
         qf = q.to(tl.float32)
         q_op = _operand(q, DOT)
         q_norm = tl.sqrt(tc.rsum(qf * qf, 1))
@@ -1018,8 +1072,12 @@ if triton is not None:
             # value in its bound (an ALiBi-like positive bias lifts a clean lse).
             lse_fast = tl.load(lse_at, mask=row_ok, other=0.0)
             bound = _lse_bound(q_norm, k_max, scale, hi - lo) + tl.maximum(mask_max, 0.0)
-            over_fast = ((lse_fast <= bound) == 0) & (lse_fast != float("inf")) & row_ok
-            over_now = ((lse <= bound) == 0) & (lse != float("inf")) & row_ok
+            # +INF is a row with every key masked (out 0) where the recompute has it too; where it does not, the
+            # first value was a fault (an +INF a given log-sum-exp held).
+            floor = _lse_floor(q_norm, k_max, scale)
+            dead_now = lse == float("inf")
+            over_fast = (((lse_fast <= bound) == 0) | (lse_fast < floor)) & (dead_now == 0) & row_ok
+            over_now = (((lse <= bound) == 0) | (lse < floor)) & (dead_now == 0) & row_ok
             real_s = tc.rsum((over_fast & (over_now == 0)).to(tl.int32), 0) > 0
             real_c = tc.rsum((((tl.abs(tc.rsum(o, 1)) <= 1e10) == 0) & row_ok).to(tl.int32), 0) == 0
             rec_s = _outcome(fast_s, rec_s, rows_s, failed_s, real_s)
@@ -1031,37 +1089,74 @@ if triton is not None:
                  o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_at, lse, mask=row_ok)
         if MODE != 0:
-            tl.store(rec_at + fi, rec_s)
-            tl.store(rec_at + 16 + fi, rec_c)
-            if tc.pick(rec_s, 0) != 0.0:
-                tl.atomic_max(Status, 1.0)
-            if tc.pick(rec_c, 0) != 0.0:
-                tl.atomic_max(Status + 1, 1.0)
+            _publish(rec_at, rec_s, rec_c, Status)
             if FULL and not REPAIR:
                 # A non-finite ratio is a check whose inputs already carried a fault reported elsewhere: left out.
                 tl.atomic_max(Status + 2, tl.where(worst_s <= _F32_MAX, worst_s, 0.0))
                 tl.atomic_max(Status + 3, tl.where(worst_c <= _F32_MAX, worst_c, 0.0))
 
 
+    @triton.jit
+    def _trip_given(
+        Q, Out, Lse, Status, Records, KMax,
+        sqb, sqh, sqt, sqd, sob, soh, sot, sod, skmb, skmh,
+        H, GROUP, T, S, D, N_BLOCKS, scale,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    ):
+        """Tier 1 over a forward another kernel computed (forward(given=...)): per query block, its output rows and
+        log-sum-exp read once and tested as the first pass's tier 1 tests its own (``_tripwire``), the block's
+        records and the call's status written as that pass writes them, so that the repair launch recomputes
+        exactly the tripped blocks. The bound takes the same keys as the pass: a causal block's tiles up to its
+        last query, the largest norm among them from KMax ((B, Hk, S) running max, made once per call). No mask
+        here, so no row is dead, and the log-sum-exp is bounded from below too (``_lse_floor``): the stored one is
+        an output of the other kernel, where a fault can land. A trip's value for the log-sum-exp is lse / |scale|
+        (the pass keeps the row's largest scaled score, which only the products show; lse exceeds it by at most
+        log S)."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        b, h, hk, offs_m, offs_d, row_ok, d_ok = _query_block(pid_m, pid_n, H, GROUP, T, D, BLOCK_M, BLOCK_D)
+        q = _rows(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, sqd, row_ok, d_ok).to(tl.float32)
+        o = _rows(Out, b, h, offs_m, offs_d, sob, soh, sot, sod, row_ok, d_ok).to(tl.float32)
+        lse = tl.load(Lse + pid_n.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
+        q_norm = tl.sqrt(tc.rsum(q * q, 1))
+        hi = S
+        if IS_CAUSAL:
+            hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M)
+        n_seen = tl.minimum(S, tl.cdiv(hi, BLOCK_N) * BLOCK_N)
+        k_max = tl.load(KMax + b.to(tl.int64) * skmb + hk.to(tl.int64) * skmh + tl.maximum(n_seen - 1, 0),
+                        mask=n_seen > 0, other=0.0)
+        dead = row_ok & (row_ok == 0)
+        # Under the floor (a fault in the stored lse itself) tests as over the bound; the record keeps the value.
+        lse_test = tl.where(lse < _lse_floor(q_norm, k_max, scale), float("inf"), lse)
+        rec_s, rec_c = _tripwire(o, lse_test, lse, dead, row_ok, q_norm, k_max, scale, hi, pid_m * BLOCK_M)
+        _publish(Records + (pid_n * N_BLOCKS + pid_m).to(tl.int64) * (2 * 16), rec_s, rec_c, Status)
+
+
 def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = True, reps: int = 20,
-                 dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+                 dtype: torch.dtype = torch.bfloat16, vendor: Any = None) -> dict[str, Any]:
     """The cost of the checks inside the kernel (bench/gpu_suite.py): one forward with checks off, with tier 1 and
     with the full checks (its repair launch included, which returns at once on clean data), interleaved over ``reps``
     rounds, milliseconds per call (device-synchronised: a benchmark, not the fast path) and each over checks off.
 
     Beside them, to tell where the full checks' cost lies (the first H200 run measured them at 7 to 20× the kernel,
     docs/performance.md §8): the scores' checks alone, the context's alone, both without the repair launch, and
-    SDPA's own forward on the same inputs (the unprotected step's attention)."""
+    SDPA's own forward on the same inputs (the unprotected step's attention).
+
+    vendor: attention/vendor_forward.forward, to time tier 1 as a default step runs it where the vendor takes the
+    call: the vendor's forward alone ("vendor") and with the pass over it and the repair launch ("tier1_given"),
+    each also over SDPA's forward."""
     import statistics
     import time
 
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, generator=g, device=device).to(dtype) for _ in range(3))
     scale = 1 / math.sqrt(d)
-    variants: dict[str, Checks | None] = {
+    variants: dict[str, Checks | str] = {
         "off": Checks(mode=None), "tier1": Checks(mode="tier1"), "full": Checks(mode="full"),
         "full_scores": Checks(mode="full", context=False), "full_context": Checks(mode="full", scores=False),
-        "full_no_repair": Checks(mode="full", repair=False), "sdpa": None}
+        "full_no_repair": Checks(mode="full", repair=False), "sdpa": "sdpa"}
+    if vendor is not None:
+        variants |= {"vendor": "vendor", "tier1_given": "tier1_given"}
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
@@ -1071,13 +1166,24 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
             checks = variants[name]
             sync()
             t0 = time.perf_counter()
-            if checks is None:
+            if checks == "sdpa":
                 torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            elif checks == "vendor":
+                vendor(q, k, v, is_causal=causal, scale=scale)
+            elif checks == "tier1_given":
+                forward(q, k, v, scale=scale, checks=Checks(mode="tier1"), is_causal=causal,
+                        given=vendor(q, k, v, is_causal=causal, scale=scale))
             else:
+                assert isinstance(checks, Checks)
                 forward(q, k, v, scale=scale, checks=checks, is_causal=causal)
             sync()
             if r:  # the first round compiles
                 times[name].append((time.perf_counter() - t0) * 1e3)
-    off = statistics.median(times["off"])
-    return {f"{name}_ms": statistics.median(xs) for name, xs in times.items()} | {
-        f"{name}_over_off": statistics.median(times[name]) / off for name in names if name != "off"}
+    med = {name: statistics.median(xs) for name, xs in times.items()}
+    got = {f"{name}_ms": ms for name, ms in med.items()} | {
+        f"{name}_over_off": med[name] / med["off"] for name in names if name != "off"}
+    if vendor is not None:
+        got |= {"tier1_given_over_vendor": med["tier1_given"] / med["vendor"],
+                "tier1_given_over_sdpa": med["tier1_given"] / med["sdpa"],
+                "tier1_over_sdpa": med["tier1"] / med["sdpa"]}
+    return got

@@ -35,6 +35,7 @@ from ...checks.records import _count, _count_trips
 from ...inject import DEFAULT_NEAR_INF, Injected, WindowHit
 from ...kernels import triton_attention as kernel
 from ...matmul_precision import current_fp32_precision, fp32_matmul_operand_roundoff
+from .. import vendor_forward
 from ..backward import triton_backward
 from ..backward.fused import (
     _additive_mask,
@@ -61,7 +62,9 @@ _ACTIONS = ("detected", "recomputed", "corrected", "uncorrectable")
 class TritonBackend:
     name = "triton"
 
-    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+    def not_supported_reasons(self, call: AttentionCall, *, tier1: bool = False) -> list[str]:
+        """Why the backend cannot run ``call`` ([] if it can); tier1: for ``tier1``, whose products are the
+        vendor's aten op where it takes the call (a TorchDispatchMode sees them then)."""
         q, k, v, mask = call.q_BHTD, call.k_BHSD, call.v_BHSD, call.attn_mask
         why = kernel.not_available_reason(q.device)
         if why is not None:
@@ -70,7 +73,7 @@ class TritonBackend:
         if q.device.type == "cpu" and call.requested != self.name:
             reasons.append("CPU tensors under Triton's interpreter: taken only when ATTNCHECKER_ATTENTION=triton asks "
                            "(the interpreter is for tests)")
-        if _get_current_dispatch_mode() is not None:
+        if _get_current_dispatch_mode() is not None and not (tier1 and _vendor_takes(call)):
             reasons.append("a TorchDispatchMode is active, and it expects to see the products as aten ops (the "
                            "kernel's are not)")
         if any(type(x) is not torch.Tensor for x in (q, k, v)):
@@ -112,9 +115,19 @@ class TritonBackend:
         return _run(call, "full" if tiers else None, tiers)
 
     def tier1(self, call: AttentionCall) -> torch.Tensor:
-        """Tier 1 (attention/pipeline.py, when neither op is due): the kernel's tripwire variant, a trip recovered by
-        the repair kernel with full checks, on the device."""
+        """Tier 1 (attention/pipeline.py, when neither op is due), a trip recovered by the repair kernel with full
+        checks, on the device. The products: the vendor's fused attention (attention/vendor_forward.py) where it
+        takes the call and no fault is planned in the kernel's products, read by one Triton pass; else the kernel's
+        tripwire variant."""
         return _run(call, "tier1", dict.fromkeys(kernel.OPS, "tripwire")).out_BHTD
+
+
+def _vendor_takes(call: AttentionCall) -> bool:
+    """Tier 1 on the vendor's forward: no fault planned in the kernel's products (attnchecker.inject's plan, which
+    the kernel writes into its tiles) and an op of attention/vendor_forward.py takes the call."""
+    return not call.injected and not vendor_forward.not_supported_reasons(
+        call.q_BHTD, call.k_BHSD, call.v_BHSD, attn_mask=call.attn_mask, is_causal=call.is_causal,
+        dropout_p=call.dropout_p) and call.mods is None and not call.return_lse
 
 
 def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> BackendOutput:
@@ -133,9 +146,13 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
         seed = torch.randint(0, 2**31 - 1, (1,), device=q.device, dtype=torch.int64)
     hits, faults = _faults(ctx, q, v.shape[-1], k.shape[-2])
     with torch.no_grad():
+        given = None
+        if mode == "tier1" and not faults and _vendor_takes(call):
+            given = vendor_forward.forward(q.detach(), k.detach(), v.detach(), is_causal=call.is_causal,
+                                           scale=call.scale)
         got = kernel.forward(q.detach(), k.detach(), v.detach(), scale=call.scale, checks=checks,
                              is_causal=call.is_causal, attn_mask=call.attn_mask, dropout_p=call.dropout_p, seed=seed,
-                             faults=faults)
+                             faults=faults, given=given)
     if hits:
         _record_injected(hits, got)
     ops = list(tiers)
