@@ -249,7 +249,7 @@ def kernel_section(args: argparse.Namespace, device: str, deadline: float) -> di
     without a mask) against that forward and SDPA's, bf16, causal, per shape."""
     import torch
 
-    from attnchecker.attention import vendor_forward
+    from attnchecker.attention import vendor
     from attnchecker.kernels import triton_attention
 
     why = triton_attention.not_available_reason(torch.device(device))
@@ -261,7 +261,7 @@ def kernel_section(args: argparse.Namespace, device: str, deadline: float) -> di
             out.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
             continue
         got = triton_attention.bench_checks(b=b, h=h, t=t, d=d, device=device, causal=True,
-                                            reps=1 if args.dry_run else 20, vendor=vendor_forward.forward)
+                                            reps=1 if args.dry_run else 20, vendor=vendor.forward)
         out.append({"shape": [b, h, t, d], **got})
         print(f"forward kernel B={b} H={h} T={t} D={d}: {got}")
     return {"rows": out}

@@ -27,19 +27,21 @@ import test_attention_fused_backward as fused_suite
 import test_attention_layer as layer_suite
 import torch
 import triton.runtime.interpreter as interpreter
-from gemm_injector import FUSED_FORWARD, FusedBackwardFault
+from gemm_injector import FUSED_BACKWARD, FUSED_FORWARD, FusedBackwardFault
 from hypothesis import given, settings
 from model_zoo import batch, build, loss_of
 from scoped_env import scoped_env
 from sync_counter import SyncCounter
 from test_attention_layer import layer_params, run_layer, seeded
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnchecker
-from attnchecker.attention import pipeline, vendor_forward
+from attnchecker.attention import pipeline, vendor
 from attnchecker.attention.backends import BACKEND_ENV
+from attnchecker.attention.backends import triton as triton_backend
 from attnchecker.attention.backends.tiled_torch import TILE_ENV
-from attnchecker.attention.backward import triton_backward
+from attnchecker.attention.backward import fused, triton_backward
 from attnchecker.attention.backward.replay import Replay, replay_backward
 from attnchecker.attention.pipeline import protected_sdpa
 from attnchecker.checks.deferred import drain
@@ -243,11 +245,11 @@ def test_a_vendor_op_that_fails_hands_tier1_to_the_kernel_for_good(make_ctx, mon
     and later calls never try the op again."""
     tried = []
 
-    def missing(*args: Any, **kwargs: Any) -> Any:
+    def missing(*_args: Any, **_kwargs: Any) -> Any:
         tried.append(1)
         raise RuntimeError("no kernel image is available for execution on the device")
 
-    monkeypatch.setattr(vendor_forward, "_broken", [])
+    monkeypatch.setattr(vendor, "_broken", [])
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", missing)
     q, k, v = (seeded((1, 2, 32, 16), i, torch.float32) for i in range(3))
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -294,6 +296,62 @@ def test_a_fault_in_the_vendor_forward_on_a_tier1_step_leaves_the_clean_step(arc
     assert loss == want_loss
     for n, g in grads.items():
         torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+class FusedCalls(TorchDispatchMode):
+    """Counts the CPU flash kernel's forward and backward calls below autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func in (FUSED_FORWARD, FUSED_BACKWARD):
+            self.counts["forward" if func is FUSED_FORWARD else "backward"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+ZOO_ONE_LAYER = {"gpt2": {"n_layer": 1, "n_head": 2},
+                 "llama": {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}}
+
+
+@pytest.mark.parametrize("scope", ["attention", "all"])
+@pytest.mark.parametrize(("arch", "fault"), [("gpt2", None), ("llama", None), ("gpt2", (0, "nan")),
+                                             ("llama", (1, "near_inf"))], ids=str)
+def test_off_the_cpu_a_tier1_step_differentiates_the_vendor_forward_without_running_it_again(
+        monkeypatch: pytest.MonkeyPatch, scope: str, arch: str, fault: tuple[int, str] | None) -> None:
+    """Off the CPU (the branch CUDA takes, here on CPU tensors with fused.cpu_kernel off), a tier-1 step's attention
+    is the vendor's forward, and its backward is the vendor's backward op at that forward's output and log-sum-exp:
+    one forward and one backward per layer, as the unprotected step runs, and SDPA's recompute (a second forward)
+    never runs. Under scope="all" the backward's own tier 1 reads those gradients. The gradients are the
+    unprotected model's. With a fault written below autograd into the vendor's output or log-sum-exp, the repair
+    rewrites them in place before the backward reads them: the gradients are still the unprotected model's."""
+    monkeypatch.setattr(fused, "cpu_kernel", False)
+    model = build(arch, **ZOO_ONE_LAYER[arch])
+    plain = copy.deepcopy(model)
+    want_loss = loss_of(arch, plain, batch(arch, 0))
+    want_loss.backward()
+    pins = dict.fromkeys(("q", "k", "v", "scores", "context", "out"), 1000)
+    with attnchecker.protect(model, policy=attnchecker.Policy(adaptive=False, op_periods=pins), scope=scope) as guard:
+        loss_of(arch, model, batch(arch, 1)).backward()  # the first step checks every op
+        guard.step()
+        model.zero_grad(set_to_none=True)
+        monkeypatch.setattr(fused, "_sdpa_backward", None)  # the recompute: calling it would raise
+        monkeypatch.setattr(triton_backend, "_sdpa_backward", None)
+        counted = FusedCalls()
+        hit = VendorForwardFault(call=0 if fault else -1, which=fault[0] if fault else 0,
+                                 kind=fault[1] if fault else "nan", element=77)
+        with counted, hit:
+            loss = loss_of(arch, model, batch(arch, 0))
+            loss.backward()
+        guard.step()
+        dets = [(d.op, d.action, d.tier) for d in guard.detections]
+    assert counted.counts == {"forward": 1, "backward": 1}, counted.counts
+    assert hit.hit == (fault is not None)
+    assert dets == ([(("context", "scores")[fault[0]], "recomputed", "tripwire")] if fault else [])
+    torch.testing.assert_close(loss.detach(), want_loss.detach(), rtol=1e-6, atol=0.0)
+    for (n, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
 
 # --------------------------------------------------------------------------- attention dropout, through the layer

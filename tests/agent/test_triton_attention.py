@@ -33,7 +33,7 @@ from attnchecker.abft.checksum import col_norms, group_sums_rows, weighted_cols
 from attnchecker.abft.operand_moments import context_moments, scores_moments
 from attnchecker.abft.repair import MatrixReport
 from attnchecker.abft.tolerance import TF32_OPERAND_ROUNDOFF
-from attnchecker.attention import vendor_forward
+from attnchecker.attention import vendor
 from attnchecker.attention.backends.triton import reports_of
 from attnchecker.checks.product import _verify
 from attnchecker.emulate import round_mantissa
@@ -469,12 +469,12 @@ def _vendor_qkv(dtype: torch.dtype, group: int, t: int, seed: int) -> tuple[torc
 
 
 def _vendor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The vendor's forward the tier-1 path reads (attention/vendor_forward.py): the CPU flash kernel here,
+    """The vendor's forward the tier-1 path reads (attention/vendor.py): the CPU flash kernel here,
     FlashAttention or memory-efficient attention on a GPU."""
-    assert not vendor_forward.not_supported_reasons(q, k, v, attn_mask=None, is_causal=causal, dropout_p=0.0)
-    got = vendor_forward.forward(q, k, v, is_causal=causal, scale=0.25)
+    assert not vendor.not_supported_reasons(q, k, v, attn_mask=None, is_causal=causal, dropout_p=0.0)
+    got = vendor.forward(q, k, v, is_causal=causal, scale=0.25)
     assert got is not None
-    return got
+    return got.out_BHTD, got.lse_BHT
 
 
 def _corrupted(x: torch.Tensor, kind: str) -> torch.Tensor:

@@ -70,26 +70,29 @@ def test_gpu_tier1_over_the_vendor_forward_never_syncs_and_recomputes_a_fault(dt
     """Tier 1 over the vendor's forward on CUDA (FlashAttention for fp16/bf16, memory-efficient attention for fp32):
     the op takes the call, a clean pass leaves its output as it is, and a NaN and a huge log-sum-exp written into its
     results are recomputed by the repair, all under CUDA's sync detector; the result is SDPA's."""
-    from attnchecker.attention import vendor_forward
+    from attnchecker.attention import vendor
 
     dev = torch.device("cuda")
     q = seeded((2, 8, 1024, 64), 0, dtype).to(dev)
     k, v = (seeded((2, 2 if gqa else 8, 1024, 64), i, dtype).to(dev) for i in (1, 2))
-    assert not vendor_forward.not_supported_reasons(q, k, v, attn_mask=None, is_causal=True, dropout_p=0.0)
+    assert not vendor.not_supported_reasons(q, k, v, attn_mask=None, is_causal=True, dropout_p=0.0)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     checks = triton_attention.Checks(mode="tier1")
-    given = vendor_forward.forward(q, k, v, is_causal=True, scale=0.125)
-    assert given is not None
-    triton_attention.forward(q, k, v, scale=0.125, checks=checks, is_causal=True, given=given)  # compiles
+    first = vendor.forward(q, k, v, is_causal=True, scale=0.125)
+    assert first is not None
+    triton_attention.forward(q, k, v, scale=0.125, checks=checks, is_causal=True,
+                             given=(first.out_BHTD, first.lse_BHT))  # compiles
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        clean = vendor_forward.forward(q, k, v, is_causal=True, scale=0.125)
-        assert clean is not None
+        made = vendor.forward(q, k, v, is_causal=True, scale=0.125)
+        assert made is not None
+        clean = (made.out_BHTD, made.lse_BHT)
         kept = clean[0].clone()
         got = triton_attention.forward(q, k, v, scale=0.125, checks=checks, is_causal=True, given=clean)
-        faulty = vendor_forward.forward(q, k, v, is_causal=True, scale=0.125)
-        assert faulty is not None
+        made = vendor.forward(q, k, v, is_causal=True, scale=0.125)
+        assert made is not None
+        faulty = (made.out_BHTD, made.lse_BHT)
         faulty[0][1, 5, 700, 3] = math.nan
         faulty[1][0, 2, 100] = 1e20
         fixed = triton_attention.forward(q, k, v, scale=0.125, checks=checks, is_causal=True, given=faulty)

@@ -35,7 +35,7 @@ Tier 1 (``mode="tier1"``) is the same kernel without checksums: per block the ou
 and the row log-sum-exp against scale·‖q_i‖·max_j‖k_j‖ + log S + 1 (tripwire.py's test; max_j over the keys the block
 visits, from a running max of the key norms that forward() makes once per call); a trip is recovered by the repair
 kernel with full checks, on the device. Where the vendor's fused attention takes the call (no mask, dropout or
-window: attention/vendor_forward.py), tier 1 does not run this kernel at all: ``forward(given=(out, lse))`` reads the
+window: attention/vendor.py), tier 1 does not run this kernel at all: ``forward(given=(out, lse))`` reads the
 vendor's output and log-sum-exp in one pass (``_trip_given``, the same tests, and the log-sum-exp's floor, since the
 stored one is another kernel's output), and the repair kernel recomputes a tripped block into them.
 
@@ -240,7 +240,7 @@ def forward(
     (faults, a test feature, copy their table to the device).
 
     given: (out (B, H, T, D) any strides, lse (B, H, T) fp32 contiguous), a forward another kernel computed at these
-    operands (the vendor's fused attention: attention/vendor_forward.py), for tier 1 only, without a mask, window,
+    operands (the vendor's fused attention: attention/vendor.py), for tier 1 only, without a mask, window,
     dropout or faults. In place of the first pass, ``_trip_given`` reads them once and writes the records tier 1's
     pass writes; the repair kernel then recomputes a tripped block into them, as after that pass."""
     b, h, t, d = q_BHTD.shape
@@ -1142,7 +1142,7 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     docs/performance.md §8): the scores' checks alone, the context's alone, both without the repair launch, and
     SDPA's own forward on the same inputs (the unprotected step's attention).
 
-    vendor: attention/vendor_forward.forward, to time tier 1 as a default step runs it where the vendor takes the
+    vendor: attention/vendor.forward, to time tier 1 as a default step runs it where the vendor takes the
     call: the vendor's forward alone ("vendor") and with the pass over it and the repair launch ("tier1_given"),
     each also over SDPA's forward."""
     import statistics
@@ -1171,8 +1171,9 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
             elif checks == "vendor":
                 vendor(q, k, v, is_causal=causal, scale=scale)
             elif checks == "tier1_given":
+                made = vendor(q, k, v, is_causal=causal, scale=scale)
                 forward(q, k, v, scale=scale, checks=Checks(mode="tier1"), is_causal=causal,
-                        given=vendor(q, k, v, is_causal=causal, scale=scale))
+                        given=(made.out_BHTD, made.lse_BHT))
             else:
                 assert isinstance(checks, Checks)
                 forward(q, k, v, scale=scale, checks=checks, is_causal=causal)

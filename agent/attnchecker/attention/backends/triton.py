@@ -35,8 +35,8 @@ from ...checks.records import _count, _count_trips
 from ...inject import DEFAULT_NEAR_INF, Injected, WindowHit
 from ...kernels import triton_attention as kernel
 from ...matmul_precision import current_fp32_precision, fp32_matmul_operand_roundoff
-from .. import vendor_forward
-from ..backward import triton_backward
+from .. import vendor
+from ..backward import fused, triton_backward
 from ..backward.fused import (
     _additive_mask,
     _expand_heads,
@@ -116,7 +116,7 @@ class TritonBackend:
 
     def tier1(self, call: AttentionCall) -> torch.Tensor:
         """Tier 1 (attention/pipeline.py, when neither op is due), a trip recovered by the repair kernel with full
-        checks, on the device. The products: the vendor's fused attention (attention/vendor_forward.py) where it
+        checks, on the device. The products: the vendor's fused attention (attention/vendor.py) where it
         takes the call and no fault is planned in the kernel's products, read by one Triton pass; else the kernel's
         tripwire variant."""
         return _run(call, "tier1", dict.fromkeys(kernel.OPS, "tripwire")).out_BHTD
@@ -124,8 +124,8 @@ class TritonBackend:
 
 def _vendor_takes(call: AttentionCall) -> bool:
     """Tier 1 on the vendor's forward: no fault planned in the kernel's products (attnchecker.inject's plan, which
-    the kernel writes into its tiles) and an op of attention/vendor_forward.py takes the call."""
-    return not call.injected and not vendor_forward.not_supported_reasons(
+    the kernel writes into its tiles) and an op of attention/vendor.py takes the call."""
+    return not call.injected and not vendor.not_supported_reasons(
         call.q_BHTD, call.k_BHSD, call.v_BHSD, attn_mask=call.attn_mask, is_causal=call.is_causal,
         dropout_p=call.dropout_p) and call.mods is None and not call.return_lse
 
@@ -146,13 +146,12 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
         seed = torch.randint(0, 2**31 - 1, (1,), device=q.device, dtype=torch.int64)
     hits, faults = _faults(ctx, q, v.shape[-1], k.shape[-2])
     with torch.no_grad():
-        given = None
+        made = None
         if mode == "tier1" and not faults and _vendor_takes(call):
-            given = vendor_forward.forward(q.detach(), k.detach(), v.detach(), is_causal=call.is_causal,
-                                           scale=call.scale)
+            made = vendor.forward(q.detach(), k.detach(), v.detach(), is_causal=call.is_causal, scale=call.scale)
         got = kernel.forward(q.detach(), k.detach(), v.detach(), scale=call.scale, checks=checks,
                              is_causal=call.is_causal, attn_mask=call.attn_mask, dropout_p=call.dropout_p, seed=seed,
-                             faults=faults, given=given)
+                             faults=faults, given=None if made is None else (made.out_BHTD, made.lse_BHT))
     if hits:
         _record_injected(hits, got)
     ops = list(tiers)
@@ -164,7 +163,7 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
                   ratio=got.status[2 + i] if mode == "full" else None)
     out = got.out_BHTD
     if call.needs_grad:
-        out = _with_grad(call, got, seed)
+        out = _with_grad(call, got, seed, None if made is None else made.backward)
     # The host's share of the call (its launches): the checks themselves run on the device, inside the kernel.
     seconds = (time.perf_counter() - t0) / max(1, len(ops))
     for op in ops:
@@ -179,12 +178,17 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
     return BackendOutput(out, got.lse_BHT)
 
 
-def _with_grad(call: AttentionCall, got: kernel.Result, seed: torch.Tensor | None) -> torch.Tensor:
+def _with_grad(call: AttentionCall, got: kernel.Result, seed: torch.Tensor | None,
+               vendor_backward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                                         tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+               ) -> torch.Tensor:
     """The kernel's output with autograd attached. On the CPU without dropout, the fused CPU kernel's backward at
     the verified output and lse (under protect(scope="all") its checked encoded form), as the tiled backend's.
-    Elsewhere ``_KernelBackward``."""
+    Elsewhere (and on the CPU with fused.cpu_kernel off, as tests take the other devices' branch)
+    ``_KernelBackward``; vendor_backward: the vendor's own backward at the forward's results, where the vendor's
+    forward made them (attention/vendor.py)."""
     q, k, v = call.q_BHTD, call.k_BHSD, call.v_BHSD
-    if call.dropout_p == 0.0 and q.device.type == "cpu":
+    if call.dropout_p == 0.0 and q.device.type == "cpu" and fused.cpu_kernel:
         h = q.shape[1]
         out: torch.Tensor = _VerifiedAttention.apply(q, _expand_heads(k, h), _expand_heads(v, h), _Forward(
             out_BHTD=got.out_BHTD, lse_BHT=got.lse_BHT, mask_add=_additive_mask(call.attn_mask, q.dtype),
@@ -192,7 +196,7 @@ def _with_grad(call: AttentionCall, got: kernel.Result, seed: torch.Tensor | Non
             block_q=got.block_m))
         return out
     how = Replay(out_BHTD=got.out_BHTD, lse_BHT=got.lse_BHT, attn_mask=call.attn_mask, is_causal=call.is_causal,
-                 scale=call.scale, dropout_p=call.dropout_p, seed=seed)
+                 scale=call.scale, dropout_p=call.dropout_p, seed=seed, vendor_backward=vendor_backward)
     grad: torch.Tensor = _KernelBackward.apply(q, k, v, how, call.ctx)
     return grad
 
@@ -201,10 +205,11 @@ class _KernelBackward(torch.autograd.Function):
     """The backward of a Triton forward off the fused CPU kernel's reach (CUDA, or attention dropout): the Triton
     backward (attention/backward/triton_backward.py) with the step's check (protect(scope="all")) and the forward's
     dropout seed, its scores in fp32 as this kernel kept them; tier 1 without dropout, SDPA's gradient read by the
-    kernels' tier-1 pass (fused.sdpa_tier1_on_device); unchecked without dropout, SDPA's recomputed gradient
-    (flash). Where the Triton backward declines (ATTNCHECKER_ATTENTION_BACKWARD=torch): the checked PyTorch
-    products, or with dropout the PyTorch replay of the kernel's keep mask (attention/backward/replay.py,
-    unchecked)."""
+    kernels' tier-1 pass (fused.sdpa_tier1_on_device); unchecked without dropout, the vendor's backward at its own
+    forward's results where the vendor's forward made them (tier-1 steps: attention/vendor.py), else SDPA's
+    recomputed gradient (flash). Where the Triton backward declines (ATTNCHECKER_ATTENTION_BACKWARD=torch): the
+    checked PyTorch products, or with dropout the PyTorch replay of the kernel's keep mask
+    (attention/backward/replay.py, unchecked)."""
 
     @staticmethod
     def forward(ctx, q, k, v, how, layer):  # type: ignore[no-untyped-def]
@@ -221,7 +226,7 @@ class _KernelBackward(torch.autograd.Function):
         if not triton_backward.not_supported_reasons(q, k, v, how.attn_mask):
             if mode == "tripwire" and how.dropout_p == 0.0:
                 dq, dk, dv = sdpa_tier1_on_device(layer, dout, q, k, v, out, lse, how.attn_mask, scale=how.scale,
-                                                  is_causal=how.is_causal)
+                                                  is_causal=how.is_causal, vendor_backward=how.vendor_backward)
                 return dq, dk, dv, None, None
             if mode != "off" or how.dropout_p > 0.0:
                 dq, dk, dv = triton_backward.backward(
@@ -231,6 +236,10 @@ class _KernelBackward(torch.autograd.Function):
         elif how.dropout_p > 0.0:
             return (*replay_backward(q, k, v, out, lse, dout, how), None, None)
         h = q.shape[1]
+        if mode == "off" and how.vendor_backward is not None:
+            # The vendor's backward at its own forward's (repaired) results: no forward again.
+            grads = how.vendor_backward(dout, q, k, v)
+            return grads[0], sum_groups(grads[1], k.shape[1]), sum_groups(grads[2], v.shape[1]), None, None
         k_rep, v_rep = _expand_heads(k, h), _expand_heads(v, h)
         if mode == "off":
             grads = _sdpa_backward(dout, q, k_rep, v_rep, how.attn_mask, scale=how.scale, is_causal=how.is_causal)

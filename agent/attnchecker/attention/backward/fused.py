@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,18 +171,25 @@ def sdpa_tier1_on_device(
     *,
     scale: float,
     is_causal: bool,
+    vendor_backward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                              tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tier 1 of the attention backward where the Triton kernels run (no dropout: SDPA's own mask is not the
     forward's): SDPA's gradient, the vendor's kernels an unprotected step runs, then one Triton pass that reads dQ,
     dK and dV for INF, NaN and |x| > NEAR_INF block by block, and the kernels' repair launches, which recompute only
     a flagged block (attention.backward.triton_backward, ``given``). No sync: what trips is reported at the step
     boundary. k, v (B, HK, S, D); dk, dv summed over each KV head's query heads. Tier 1 has no checksums to fold into
-    the products, so it need not run them in its own kernels, which are slower than the vendor's."""
+    the products, so it need not run them in its own kernels, which are slower than the vendor's.
+    vendor_backward: where the vendor's forward made out and lse (attention/vendor.py), its backward at them, which
+    needs no forward again; else SDPA differentiates its recompute."""
     from . import triton_backward
 
     heads, kv_heads = q_BHTD.shape[1], k_BHSD.shape[1]
-    dq, dk, dv = _sdpa_backward(grad_out, q_BHTD, _expand_heads(k_BHSD, heads), _expand_heads(v_BHSD, heads),
-                                attn_mask, scale=scale, is_causal=is_causal)
+    if vendor_backward is not None:
+        dq, dk, dv = vendor_backward(grad_out, q_BHTD, k_BHSD, v_BHSD)
+    else:
+        dq, dk, dv = _sdpa_backward(grad_out, q_BHTD, _expand_heads(k_BHSD, heads), _expand_heads(v_BHSD, heads),
+                                    attn_mask, scale=scale, is_causal=is_causal)
     return triton_backward.backward(q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, grad_out, scale=scale,
                                     is_causal=is_causal, attn_mask=attn_mask, check="tripwire", ctx=layer,
                                     given=(dq, sum_groups(dk, kv_heads), sum_groups(dv, kv_heads)))

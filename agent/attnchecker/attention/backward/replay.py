@@ -11,6 +11,7 @@ Legend: B batch, H query heads, Hk key/value heads, T queries, S keys, D head di
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,11 @@ class Replay:
     dropout_p: float
     seed: torch.Tensor | None
     """(1,) int64 on the device: the keep mask's seed (kernels/triton_dropout.keep)."""
+    vendor_backward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                              tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    """Where the vendor's fused forward made out and lse (attention/vendor.py): its backward at them,
+    (grad_out, q, k, v) -> (dq, dk, dv) with k, v and their gradients on the query heads. None: SDPA differentiates
+    its recompute."""
 
 
 def replay_backward(
