@@ -123,6 +123,8 @@ class _Job:
         self.model = copy.deepcopy(base).to(device=device, dtype=dtype)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-6)
         self.guard = None
+        self.overheads: list[float] = []
+        """The guard's own check time / step time per step (its full checks' device time on CUDA)."""
         if variant != "baseline":
             policy = Policy.full() if variant.endswith("full") else Policy()
             self.guard = attnchecker.protect(self.model, optimizer=self.opt, policy=policy,
@@ -132,6 +134,8 @@ class _Job:
         self.opt.zero_grad(set_to_none=True)
         self.model(input_ids=ids, labels=ids).loss.backward()
         self.opt.step()
+        if self.guard is not None and self.guard.last_overhead_ratio is not None:
+            self.overheads.append(self.guard.last_overhead_ratio)
 
     def backends(self) -> list[str]:
         return [] if self.guard is None else self.guard.coverage.backend_lines()
@@ -195,6 +199,10 @@ def steps_section(args: argparse.Namespace, device: str, deadline: float, rows: 
                     row["variants"][v] = {"step_s": _common.summary(samples[v]), "ratio_vs_baseline": ratios[v],
                                           "backends": job.backends(),
                                           "detections": 0 if job.guard is None else len(job.guard.detections)}
+                    if job.overheads:
+                        # What the guard itself reports (and its overhead budget sees): its full checks' device
+                        # time over the step, beside the overhead the rounds measured.
+                        row["variants"][v]["guard_overhead_ratio"] = _common.summary(job.overheads[-rounds:])
                 if device == "cuda":
                     for v, job in jobs.items():
                         torch.cuda.reset_peak_memory_stats()

@@ -103,3 +103,19 @@ def test_gpu_tier1_over_the_vendor_forward_never_syncs_and_recomputes_a_fault(dt
     assert fixed.status[:2].tolist() == [1.0, 1.0]
     torch.testing.assert_close(fixed.out_BHTD, want, **TOL[dtype])
     torch.testing.assert_close(fixed.lse_BHT, clean[1], rtol=1e-4, atol=1e-4)
+
+
+def test_gpu_a_checked_call_s_time_is_its_device_time_at_the_step_boundary(make_ctx) -> None:
+    """A full-check call on CUDA leaves its start and end events on the runtime (the host's clock around its
+    launches would miss the kernels); the step boundary adds the time between them to its ops' check time."""
+    from attnchecker.checks.deferred import drain
+    from attnchecker.checks.device_time import settle
+
+    q, k, v = (seeded((1, 8, 2048, 64), i, torch.bfloat16).to("cuda") for i in range(3))
+    ctx, _ = make_ctx()
+    with scoped_env({BACKEND_ENV: None}):
+        protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+    assert len(ctx.runtime.device_spans) == 1 and ctx.runtime.stats.check_seconds["scores"] == 0.0
+    drain(ctx.runtime.deferred)
+    assert settle(ctx.runtime) > 0.0 and ctx.runtime.device_spans == []
+    assert ctx.runtime.stats.check_seconds["scores"] > 0.0 and ctx.runtime.stats.check_seconds["context"] > 0.0

@@ -218,6 +218,9 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
         assert set(row["variants"]) == {"baseline", "full", "default", "all_full", "all_default"}
         assert all(positive(v["step_s"]["median"]) for v in row["variants"].values())
         assert row["variants"]["full"]["backends"], "a protected row names the backend that ran"
+        # The guard's own overhead ratio beside the measured one (on a CPU its host time inside the checks).
+        assert row["variants"]["full"]["guard_overhead_ratio"]["median"] > 0
+        assert "guard_overhead_ratio" not in row["variants"]["baseline"]
     for section in ("kernel", "backward_kernel"):
         for row in doc[section]["rows"]:
             assert all(positive(x) for x in row.values() if isinstance(x, float)), row

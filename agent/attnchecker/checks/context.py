@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -136,6 +136,8 @@ class Runtime:
     calls: CallLog = field(default_factory=CallLog)
     deferred: list[Deferred] = field(default_factory=list)
     """Device-side outcomes of this step's checks, emitted at the step boundary (checks/deferred.py)."""
+    device_spans: list[Any] = field(default_factory=list)
+    """CUDA checks' start and end events (checks/device_time.DeviceSpan), timed at the step boundary."""
 
 
 @dataclass(frozen=True, slots=True)

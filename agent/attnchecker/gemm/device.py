@@ -30,7 +30,6 @@ import functools
 import logging
 import math
 import os
-import time
 
 import torch
 
@@ -39,6 +38,7 @@ from ..abft.gemm_rule import GemmRowRule, gemm_row_rule
 from ..abft.repair import MatrixReport
 from ..checks.context import LayerContext
 from ..checks.deferred import defer
+from ..checks.device_time import Clock
 from ..checks.product import _exact_math, _tolerance
 from ..checks.records import _count, _count_trips
 from ..kernels import triton_gemm_check as tg
@@ -118,13 +118,13 @@ def check_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Te
     the step boundary. No sync."""
     if not gemms or ctx.config.mode == "off":
         return
-    t0 = time.perf_counter()
     todo = [DeviceGemm(op, c, a, b, bias) for op, c, a, b, bias in gemms]
+    clock = Clock(todo[0].c.device, full=tier == "abft")
     ws = tg.Workspace(todo[0].c.device, sum(_side_floats(g) + tg.STATE_SIZE for g in todo))
     with _exact_math(todo[0].c):
         for g in todo:
             _check(ctx, g, _row_side(g, ws), ws, tier=tier)
-    _counted(ctx, [g.op for g in todo], tier, time.perf_counter() - t0)
+    _counted(ctx, [g.op for g in todo], tier, clock)
 
 
 def trip_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -133,9 +133,9 @@ def trip_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Ten
     (``_trip``). No sync."""
     if not gemms or ctx.config.mode == "off":
         return
-    t0 = time.perf_counter()
+    clock = Clock(gemms[0][1].device, full=False)
     _trip(ctx, [DeviceGemm(op, c, a, b, bias) for op, c, a, b, bias in gemms])
-    _count_trips(ctx, [g[0] for g in gemms], time.perf_counter() - t0)
+    _count_trips(ctx, [g[0] for g in gemms], clock.seconds(ctx))
 
 
 def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
@@ -223,13 +223,15 @@ def _defer(ctx: LayerContext, g: DeviceGemm, chk: tg.Check, *, tier: str) -> Non
           ratio=chk.state[worst : worst + 1].view(torch.float32) if tier == "abft" else None)
 
 
-def _counted(ctx: LayerContext, ops: list[str], tier: str, seconds: float) -> None:
-    """Check counts and their host time (the launches': the kernels run on after it), as gemm.check counts them."""
+def _counted(ctx: LayerContext, ops: list[str], tier: str, clock: Clock) -> None:
+    """Check counts and their time, as gemm.check counts them: on CUDA the kernels' device time, added at the step
+    boundary (checks/device_time.py)."""
     if tier == "abft":
+        seconds = clock.seconds(ctx, ops)
         for op in ops:
             _count(ctx, op, seconds / len(ops))
     else:
-        _count_trips(ctx, [], seconds)
+        _count_trips(ctx, [], clock.seconds(ctx))
 
 
 def _planned(ctx: LayerContext, g: DeviceGemm) -> tuple[tg.EmulatedFault, ...]:
@@ -360,11 +362,11 @@ def linear_forward(ctx: LayerContext, tier: str, y_MO: torch.Tensor, x_MI: torch
     gemm = DeviceGemm("linear", y_MO, x_MI, w_IO, bias)
     if tier != "abft":
         if check_forward:
-            t0 = time.perf_counter()
+            clock = Clock(y_MO.device, full=False)
             _trip(ctx, [gemm])
-            _count_trips(ctx, ["linear"], time.perf_counter() - t0)
+            _count_trips(ctx, ["linear"], clock.seconds(ctx))
         return None
-    t0 = time.perf_counter()
+    clock = Clock(y_MO.device)
     ws = tg.Workspace(y_MO.device, _weight_floats(weight, layout, forward=check_forward)
                       + tg.operand_floats(x_MI, col_sq=True) + tg.STATE_SIZE)
     with _exact_math(y_MO):
@@ -377,7 +379,9 @@ def linear_forward(ctx: LayerContext, tier: str, y_MO: torch.Tensor, x_MI: torch
             assert xo.xv is not None and xo.rsq is not None and fwd_sq is not None
             _check(ctx, gemm, tg.RowSide(ref=xo.xv, a_sq=xo.rsq, b_sq=fwd_sq), ws, tier="abft")
     if check_forward:
-        _count(ctx, "linear", time.perf_counter() - t0)
+        _count(ctx, "linear", clock.seconds(ctx, ["linear"]))
+    else:
+        clock.seconds(ctx, ["linear_dx", "linear_dw"])  # the operand passes are the backward checks' (their time)
     return sides
 
 
@@ -395,10 +399,10 @@ def linear_backward(ctx: LayerContext, tier: str, dy_MO: torch.Tensor, x_MI: tor
     if dw is not None:
         gemms.append(DeviceGemm("linear_dw", dw if layout == "out_in" else dw.mT, dy_MO.T, x_MI, None,
                                 transposed=layout != "out_in"))
-    t0 = time.perf_counter()
+    clock = Clock(dy_MO.device, full=tier == "abft")
     if tier != "abft":
         _trip(ctx, gemms)
-        _count_trips(ctx, [g.op for g in gemms], time.perf_counter() - t0)
+        _count_trips(ctx, [g.op for g in gemms], clock.seconds(ctx))
         return
     floats = tg.operand_floats(dy_MO, left=dw is not None, col_sq=dw is not None) + len(gemms) * tg.STATE_SIZE
     if sides is None:
@@ -422,4 +426,4 @@ def linear_backward(ctx: LayerContext, tier: str, dy_MO: torch.Tensor, x_MI: tor
                 assert do.lx is not None and do.csq is not None
                 side = tg.RowSide(ref=do.lx, a_sq=do.csq, b_sq=sides.x_col_sq_I)
             _check(ctx, g, side, ws, tier="abft")
-    _counted(ctx, [g.op for g in gemms], "abft", time.perf_counter() - t0)
+    _counted(ctx, [g.op for g in gemms], "abft", clock)

@@ -27,6 +27,7 @@ from .. import compiled
 from ..checks.caches import engine_caches
 from ..checks.context import OPS, CheckConfig, OpStats, Runtime
 from ..checks.deferred import drain
+from ..checks.device_time import settle
 from ..coverage import Coverage
 from ..errors import AlreadyProtectedError, NoProtectableAttentionError
 from ..events import Detection
@@ -263,8 +264,10 @@ class Guard:
         """Close the current step: feed the scheduler, apply a pending policy, pick the ops of the next step."""
         if self._closed:
             return
-        # The step's device-side outcomes (checks/deferred.py) belong to the step that ends here.
+        # The step's device-side outcomes (checks/deferred.py) belong to the step that ends here, and so does the
+        # device time of its CUDA checks (checks/device_time.py), read once the flags' read has waited for the device.
         drain(self._runtime.deferred)
+        settle(self._runtime)
         # Its backward has run: a graph a compiled checked op still keeps had no backward, and never will.
         compiled.release(id(self._runtime))
         stats = self._runtime.stats

@@ -20,7 +20,6 @@ keep mask from its seed and checks its own products under protect(scope="all") (
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 
 import torch
@@ -30,6 +29,7 @@ from ...abft.repair import MatrixReport, pattern_of
 from ...abft.tolerance import NEAR_INF
 from ...checks.context import LayerContext
 from ...checks.deferred import defer
+from ...checks.device_time import Clock
 from ...checks.product import _tolerance
 from ...checks.records import _count, _count_trips
 from ...inject import DEFAULT_NEAR_INF, Injected, WindowHit
@@ -135,8 +135,9 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
     for name in ("q", "k", "v"):
         # The tiles take their references from the operands: a projection's passed checksums go unused.
         ctx.passed.take(name)
-    t0 = time.perf_counter()
     q, k, v = call.q_BHTD, call.k_BHSD, call.v_BHSD
+    # A full check's device time (its checks are inside the attention it computes: both timed); tier 1's host time.
+    clock = Clock(q.device, full=mode == "full")
     u_in = fp32_matmul_operand_roundoff(q.device) if q.dtype == torch.float32 else None
     checks = kernel.Checks(mode=mode, scores="scores" in tiers, context="context" in tiers, tol=_tolerance(ctx),
                            operand_roundoff=u_in, repair=ctx.config.mode == "correct")
@@ -149,12 +150,16 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
         made = None
         if mode == "tier1" and not faults and _vendor_takes(call):
             made = vendor.forward(q.detach(), k.detach(), v.detach(), is_causal=call.is_causal, scale=call.scale)
+            # The vendor's attention is what the unprotected model runs: tier 1's time is the pass and the repair.
+            clock = Clock(q.device, full=False)
         got = kernel.forward(q.detach(), k.detach(), v.detach(), scale=call.scale, checks=checks,
                              is_causal=call.is_causal, attn_mask=call.attn_mask, dropout_p=call.dropout_p, seed=seed,
                              faults=faults, given=None if made is None else (made.out_BHTD, made.lse_BHT))
     if hits:
         _record_injected(hits, got)
     ops = list(tiers)
+    # On CUDA the kernels' device time, added at the step boundary (checks/device_time.py), to the full checks' ops.
+    seconds = clock.seconds(ctx, [op for op in ops if mode == "full" and tiers[op] == "abft"]) / max(1, len(ops))
     if got.records is not None:
         for op in ops:
             i = kernel.OPS.index(op)
@@ -164,8 +169,6 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
     out = got.out_BHTD
     if call.needs_grad:
         out = _with_grad(call, got, seed, None if made is None else made.backward)
-    # The host's share of the call (its launches): the checks themselves run on the device, inside the kernel.
-    seconds = (time.perf_counter() - t0) / max(1, len(ops))
     for op in ops:
         if mode == "tier1":
             continue

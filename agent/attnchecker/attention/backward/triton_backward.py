@@ -15,7 +15,6 @@ import functools
 import logging
 import math
 import os
-import time
 
 import torch
 
@@ -25,6 +24,7 @@ from ...abft.vector_rules import product_rule, softmax_grad_rule
 from ...checks.caches import engine_caches
 from ...checks.context import LayerContext, Runtime
 from ...checks.deferred import defer
+from ...checks.device_time import Clock
 from ...checks.product import _tolerance
 from ...checks.records import _count, _count_trips
 from ...gemm.schedule import whole_step_due, whole_step_trips
@@ -135,7 +135,7 @@ def backward(
         check = "off"
         if given is not None:
             return given
-    t0 = time.perf_counter()
+    clock = Clock(q_BHTD.device, full=check == "abft")
     faults = take_faults() if faults is None else faults
     tf32 = q_BHTD.dtype == torch.float32 and current_fp32_precision(q_BHTD.device.type) == "tf32"
     rules = None
@@ -154,13 +154,13 @@ def backward(
     if launch is not None:
         assert ctx is not None
         _defer(ctx, launch, check)
-        # Host time only: the kernels' own time is on the device and is not waited for.
-        seconds = (time.perf_counter() - t0) / len(kernels.OPS)
+        # On CUDA the kernels' time, on the device, is added at the step boundary (checks/device_time.py).
         if check == "abft":
+            seconds = clock.seconds(ctx, kernels.OPS) / len(kernels.OPS)
             for op in kernels.OPS:
                 _count(ctx, op, seconds)
         else:
-            _count_trips(ctx, TRIP_OPS, time.perf_counter() - t0)
+            _count_trips(ctx, TRIP_OPS, clock.seconds(ctx))
     return dq, dk, dv
 
 
