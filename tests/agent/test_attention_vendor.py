@@ -28,7 +28,7 @@ def _qkv(b: int, h: int, hk: int, t: int, s: int, d: int, dtype: torch.dtype, se
 def test_the_cpu_kernel_gives_sdpa_its_lse_and_its_gradient(dtype, causal, group, t, extra_keys, seed) -> None:
     """The forward is F.scaled_dot_product_attention's output with the row log-sum-exp beside it (float64
     reference), and the backward at those results is autograd's gradient of F.scaled_dot_product_attention, grouped
-    key/value heads included (the caller sums dK, dV over each group)."""
+    key/value heads included (taken as they are: dK and dV on their own heads)."""
     s = t if causal else t + extra_keys
     q, k, v = _qkv(2, 2 * group, 2, t, s, 16, dtype, seed)
     assert vendor.not_supported_reasons(q, k, v, attn_mask=None, is_causal=causal, dropout_p=0.0) == []
@@ -46,31 +46,32 @@ def test_the_cpu_kernel_gives_sdpa_its_lse_and_its_gradient(dtype, causal, group
     want.backward(grad_out)
     dq, dk, dv = made.backward(grad_out, q, k, v)
     _close(dq, leaves[0].grad)
-    for got, leaf in ((dk, leaves[1]), (dv, leaves[2])):
-        _close(got.float().view(2, 2, group, s, 16).sum(2).to(dtype), leaf.grad)
+    _close(dk, leaves[1].grad)
+    _close(dv, leaves[2].grad)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     """fp32 at assert_close's defaults; bf16 within 2 % of the largest gradient (SDPA with grouped heads may take
-    another kernel, whose bf16 rounding differs by an ulp or two, and the group sum here rounds again)."""
+    another kernel, whose bf16 rounding differs by an ulp or two)."""
     if want.dtype == torch.float32:
         torch.testing.assert_close(got, want)
     else:
         torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=2e-2 * float(want.float().abs().max()))
 
 
-@pytest.mark.parametrize("group", [1, 4])
-def test_flash_attention_s_backward_takes_what_its_forward_returned(group: int) -> None:
+@pytest.mark.parametrize(("group", "expand"), [(1, False), (4, False), (4, True)])
+def test_flash_attention_s_backward_takes_what_its_forward_returned(group: int, expand: bool) -> None:
     """The CUDA path's plumbing on meta tensors: FlashAttention's forward returns, for a dense batch, no sequence
     offsets (None), its lengths and the philox state; the backward this module builds hands them back in its
-    schema's order, with K and V expanded to the query heads, and gets one gradient per operand."""
+    schema's order and gets one gradient per operand, dK and dV on K's own heads: as they come with grouped heads
+    taken natively, summed back over each group where the forward took them expanded."""
     q, k, v = (torch.empty(shape, device="meta", dtype=torch.bfloat16)
                for shape in ((2, 8, 128, 64), (2, 8 // group, 128, 64), (2, 8 // group, 128, 64)))
-    k_rep, v_rep = (x.repeat_interleave(group, 1) for x in (k, v))
-    got = torch.ops.aten._scaled_dot_product_flash_attention(q, k_rep, v_rep, 0.0, True, False, scale=0.125)
-    backward = vendor._flash_backward(got[0], got[1], tuple(got[2:8]), is_causal=True, scale=0.125)
+    k_in, v_in = (x.repeat_interleave(group, 1) for x in (k, v)) if expand else (k, v)
+    got = torch.ops.aten._scaled_dot_product_flash_attention(q, k_in, v_in, 0.0, True, False, scale=0.125)
+    backward = vendor._flash_backward(got[0], got[1], tuple(got[2:8]), is_causal=True, scale=0.125, expand=expand)
     dq, dk, dv = backward(torch.empty_like(got[0]), q, k, v)
-    assert dq.shape == q.shape and dk.shape == dv.shape == k_rep.shape
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
 
 def test_what_the_vendor_path_does_not_take_says_why() -> None:

@@ -21,10 +21,11 @@ Which op, per device and dtype:
 - CPU (Triton's interpreter, tests): ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward.
 
 Only calls without a mask, dropout or window, and causal ones only with as many keys as queries (the vendors' causal
-masks align differently when T != S). GQA heads are expanded first (one copy of K and V, as SDPA's own expansion;
-again in the backward rather than kept alive between the two). If an op fails at run time for a reason other than
-memory (a build without it), this process stops calling it and says so once: the Triton kernel's own tier 1 takes
-every later call.
+masks align differently when T != S). Grouped key/value heads (GQA) go in as they are where the op takes them (the
+CPU kernel; FlashAttention where PyTorch's check with ``enable_gqa`` says so), and the backward returns dK and dV on
+those heads; memory-efficient attention gets them expanded (a copy of K and V). If an op fails at run time for a
+reason other than memory (a build without it), this process stops calling it and says so once: the Triton kernel's
+own tier 1 takes every later call.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backward.fused import _expand_heads
+from .backward.fused import _expand_heads, sum_groups
 
 __all__ = ["Forward", "forward", "not_supported_reasons"]
 
@@ -53,9 +54,8 @@ class Forward:
     lse_BHT: torch.Tensor
     """fp32, contiguous (the CPU kernel's and memory-efficient attention's made so: a copy)."""
     backward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Grads] | None
-    """backward(grad_out, q, k, v) -> (dq, dk, dv), k and v and their gradients with the query heads (GQA
-    expanded): the vendor's backward at this forward's out_BHTD and lse_BHT. None where only SDPA's recompute
-    differentiates it."""
+    """backward(grad_out, q, k, v) -> (dq, dk, dv), k, v and their gradients on k's own heads: the vendor's backward
+    at this forward's out_BHTD and lse_BHT. None where only SDPA's recompute differentiates it."""
 
 
 def not_supported_reasons(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, *,
@@ -79,19 +79,22 @@ def forward(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, *,
             ) -> Forward | None:
     """softmax(scale·QKᵀ)·V and its row log-sum-exp by the vendor's op, or None where the op failed (then never
     again: module doc). Call under no_grad; ``not_supported_reasons`` first. No sync."""
-    heads = q_BHTD.shape[1]
-    k, v = _expand_heads(k_BHSD, heads), _expand_heads(v_BHSD, heads)
+    k, v = k_BHSD, v_BHSD
     try:
         if q_BHTD.device.type == "cpu":
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q_BHTD, k, v, 0.0, is_causal, scale=scale)
             lse = lse.contiguous()
             return Forward(out, lse, _cpu_backward(out, lse, is_causal=is_causal, scale=scale))
-        if _cuda_op(q_BHTD, k, v, is_causal) == "flash":
+        op = _cuda_op(q_BHTD, k, v, is_causal)
+        if op == "flash_expanded" or op == "efficient":
+            k, v = _expand_heads(k, q_BHTD.shape[1]), _expand_heads(v, q_BHTD.shape[1])
+        if op in ("flash", "flash_expanded"):
             got = torch.ops.aten._scaled_dot_product_flash_attention(q_BHTD, k, v, 0.0, is_causal, False,
                                                                      scale=scale)
             out, lse = got[0], got[1].contiguous()
-            return Forward(out, lse, _flash_backward(out, lse, tuple(got[2:8]), is_causal=is_causal, scale=scale))
+            return Forward(out, lse, _flash_backward(out, lse, tuple(got[2:8]), is_causal=is_causal, scale=scale,
+                                                     expand=op == "flash_expanded"))
         got = torch.ops.aten._scaled_dot_product_efficient_attention(q_BHTD, k, v, None, True, 0.0, is_causal,
                                                                      scale=scale)
         # Padded along T to the kernel's alignment: the first T are the rows'.
@@ -108,37 +111,40 @@ def forward(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, *,
 def _cpu_backward(out: torch.Tensor, lse: torch.Tensor, *, is_causal: bool, scale: float
                   ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Grads]:
     def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Grads:
-        heads = q.shape[1]
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.contiguous(), q, _expand_heads(k, heads), _expand_heads(v, heads), out, lse, 0.0, is_causal,
-            scale=scale)
+            grad_out.contiguous(), q, k, v, out, lse, 0.0, is_causal, scale=scale)
         return dq, dk, dv
 
     return backward
 
 
 def _flash_backward(out: torch.Tensor, lse: torch.Tensor, rest: tuple[object, ...], *, is_causal: bool,
-                    scale: float) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Grads]:
+                    scale: float, expand: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                                                            Grads]:
     """rest: the forward's (cum_seq_q, cum_seq_k, max_q, max_k, philox_seed, philox_offset), what the op's derivative
-    hands its backward (None offsets for a dense batch; a seed and offset unused without dropout)."""
+    hands its backward (None offsets for a dense batch; a seed and offset unused without dropout). expand: the
+    forward took grouped heads expanded; so does the backward, whose dK and dV are then summed back."""
     cum_q, cum_k, max_q, max_k, seed, offset = rest
 
     def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Grads:
-        heads = q.shape[1]
+        heads, kv_heads = q.shape[1], k.shape[1]
         dout = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        if expand:
+            k, v = _expand_heads(k, heads), _expand_heads(v, heads)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, _expand_heads(k, heads), _expand_heads(v, heads), out, lse, cum_q, cum_k, max_q, max_k, 0.0,
-            is_causal, seed, offset, scale=scale)
-        return dq, dk, dv
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, is_causal, seed, offset, scale=scale)
+        return dq, sum_groups(dk, kv_heads), sum_groups(dv, kv_heads)
 
     return backward
 
 
 def _cuda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> str | None:
-    """"flash", "efficient" or None: what PyTorch's own checks say takes these inputs (SDPAParams' fields moved
-    between releases: where the constructor does not take ours, the dtype decides, and a failure at run time
-    turns the path off, ``forward``). Remembered per kind of call (what those checks read but the lengths), since
-    a launch-bound step pays every microsecond of host time per call."""
+    """"flash" (grouped heads as they are), "flash_expanded" (grouped heads, which this build's FlashAttention takes
+    only expanded), "efficient" (heads expanded) or None: what PyTorch's own checks say takes these inputs
+    (SDPAParams' fields moved between releases: where the constructor does not take ours, the dtype decides, with
+    grouped heads expanded, and a failure at run time turns the path off, ``forward``). Remembered per kind of call
+    (what those checks read but the lengths), since a launch-bound step pays every microsecond of host time per
+    call."""
     key = (q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], is_causal, q.shape[-2] == k.shape[-2],
            tuple(x.stride(-1) == 1 for x in (q, k, v)), any(x.requires_grad for x in (q, k, v)))
     if key not in _ops:
@@ -152,12 +158,20 @@ _ops: dict[tuple[object, ...], str | None] = {}
 def _cuda_op_uncached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> str | None:
     from torch.backends import cuda as sdpa
 
+    grouped = k.shape[1] != q.shape[1]
+    half = q.dtype in (torch.float16, torch.bfloat16)
     try:
-        params = sdpa.SDPAParams(q, k, v, None, 0.0, is_causal, k.shape[1] != q.shape[1])
+        params = sdpa.SDPAParams(q, k, v, None, 0.0, is_causal, grouped)
+        if grouped:
+            heads = q.shape[1]
+            expanded = sdpa.SDPAParams(q, _expand_heads(k, heads), _expand_heads(v, heads), None, 0.0, is_causal,
+                                       False)
     except TypeError:
-        return "flash" if q.dtype in (torch.float16, torch.bfloat16) else "efficient"
-    if q.dtype in (torch.float16, torch.bfloat16) and sdpa.can_use_flash_attention(params, False):
+        return ("flash_expanded" if grouped else "flash") if half else "efficient"
+    if half and sdpa.can_use_flash_attention(params, False):
         return "flash"
-    if sdpa.can_use_efficient_attention(params, False):
+    if half and grouped and sdpa.can_use_flash_attention(expanded, False):
+        return "flash_expanded"
+    if sdpa.can_use_efficient_attention(expanded if grouped else params, False):
         return "efficient"
     return None
