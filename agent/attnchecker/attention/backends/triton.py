@@ -240,9 +240,8 @@ class _KernelBackward(torch.autograd.Function):
             return (*replay_backward(q, k, v, out, lse, dout, how), None, None)
         h = q.shape[1]
         if mode == "off" and how.vendor_backward is not None:
-            # The vendor's backward at its own forward's (repaired) results: no forward again.
-            grads = how.vendor_backward(dout, q, k, v)
-            return grads[0], sum_groups(grads[1], k.shape[1]), sum_groups(grads[2], v.shape[1]), None, None
+            # The vendor's backward at its own forward's (repaired) results, dK and dV on k's heads: no forward again.
+            return (*how.vendor_backward(dout, q, k, v), None, None)
         k_rep, v_rep = _expand_heads(k, h), _expand_heads(v, h)
         if mode == "off":
             grads = _sdpa_backward(dout, q, k_rep, v_rep, how.attn_mask, scale=how.scale, is_causal=how.is_causal)
