@@ -263,25 +263,30 @@ def test_a_vendor_op_that_fails_hands_tier1_to_the_kernel_for_good(make_ctx, mon
     assert ctx.runtime.stats.trip_checks["scores"] == 3 and rec.detections == []
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_a_fault_in_the_vendor_forward_on_a_tier1_step_leaves_the_clean_step(arch: str) -> None:
+ZOO_ONE_LAYER = {"gpt2": {"n_layer": 1, "n_head": 2},
+                 "llama": {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}}
+
+
+@pytest.mark.parametrize(("arch", "compiled"), [("gpt2", False), ("llama", False), ("gpt2", True)],
+                         ids=["gpt2", "llama", "gpt2_compiled"])
+def test_a_fault_in_the_vendor_forward_on_a_tier1_step_leaves_the_clean_step(arch: str, compiled: bool) -> None:
     """protect(model) with the default scope on a step whose attention checks are not due, GPT-2 and Llama (grouped
-    key/value heads): every attention call's tier 1 reads the vendor's forward (the CPU flash kernel, seen once per
+    key/value heads), and GPT-2 under torch.compile (aot_eager: the checked attention op runs the same path inside
+    the graph): every attention call's tier 1 reads the vendor's forward (the CPU flash kernel, seen once per
     layer), and NaN written below autograd into one of them is recomputed on the device, reported at the step
     boundary, and the loss and gradients are the clean step's."""
-    config = {"n_layer": 1, "n_head": 2} if arch == "gpt2" else {"num_hidden_layers": 1, "num_attention_heads": 4,
-                                                                  "num_key_value_heads": 2}
-    model = build(arch, **config)
+    model = build(arch, **ZOO_ONE_LAYER[arch])
+    run = torch.compile(model, backend="aot_eager") if compiled else model
     policy = attnchecker.Policy(adaptive=False, op_periods={"scores": 1000, "context": 1000})
     with attnchecker.protect(model, policy=policy) as guard:
-        loss_of(arch, model, batch(arch, 0)).backward()  # the first step checks every op
+        loss_of(arch, run, batch(arch, 0)).backward()  # the first step checks every op
         guard.step()
         assert not guard.check_config.checks("scores") and not guard.check_config.checks("context")
 
         def step(mode: VendorForwardFault) -> tuple[float, dict[str, torch.Tensor]]:
             model.zero_grad(set_to_none=True)
             with mode:
-                loss = loss_of(arch, model, batch(arch, 0))
+                loss = loss_of(arch, run, batch(arch, 0))
             loss.backward()
             guard.step()
             return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -309,10 +314,6 @@ class FusedCalls(TorchDispatchMode):
         if func in (FUSED_FORWARD, FUSED_BACKWARD):
             self.counts["forward" if func is FUSED_FORWARD else "backward"] += 1
         return func(*args, **(kwargs or {}))
-
-
-ZOO_ONE_LAYER = {"gpt2": {"n_layer": 1, "n_head": 2},
-                 "llama": {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}}
 
 
 @pytest.mark.parametrize("scope", ["attention", "all"])

@@ -136,8 +136,6 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
         # The tiles take their references from the operands: a projection's passed checksums go unused.
         ctx.passed.take(name)
     q, k, v = call.q_BHTD, call.k_BHSD, call.v_BHSD
-    # A full check's device time (its checks are inside the attention it computes: both timed); tier 1's host time.
-    clock = Clock(q.device, full=mode == "full")
     u_in = fp32_matmul_operand_roundoff(q.device) if q.dtype == torch.float32 else None
     checks = kernel.Checks(mode=mode, scores="scores" in tiers, context="context" in tiers, tol=_tolerance(ctx),
                            operand_roundoff=u_in, repair=ctx.config.mode == "correct")
@@ -150,8 +148,9 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
         made = None
         if mode == "tier1" and not faults and _vendor_takes(call):
             made = vendor.forward(q.detach(), k.detach(), v.detach(), is_causal=call.is_causal, scale=call.scale)
-            # The vendor's attention is what the unprotected model runs: tier 1's time is the pass and the repair.
-            clock = Clock(q.device, full=False)
+        # A full check's device time (its checks are inside the attention it computes: both timed); tier 1's host
+        # time, after the vendor's attention where it ran (what the unprotected model runs too).
+        clock = Clock(q.device, full=mode == "full")
         got = kernel.forward(q.detach(), k.detach(), v.detach(), scale=call.scale, checks=checks,
                              is_causal=call.is_causal, attn_mask=call.attn_mask, dropout_p=call.dropout_p, seed=seed,
                              faults=faults, given=None if made is None else (made.out_BHTD, made.lse_BHT))
