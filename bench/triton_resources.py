@@ -77,7 +77,7 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any)
         elif name in ("Q", "K", "V", "Out"):
             signature[name] = pointer
         elif name == "Mask":
-            signature[name] = "*i1" if consts["MASK_KIND"] == 1 else "*fp32"
+            signature[name] = "*u8" if consts["MASK_KIND"] == 1 else "*fp32"
         elif name in ("Seed", "Faults"):
             signature[name] = "*i64"
         elif name in ("Lse", "Status", "Records", "Saved", "FaultValues", "FaultSeen", "Debug", "KMax", "KeyTiles",

@@ -110,6 +110,37 @@ def make_mask(kind: str, b: int, h: int, t: int, s: int, seed: int) -> dict[str,
 MASKS = ("none", "causal", "window", "padding", "bool", "additive", "dead_rows")
 
 
+if ta.triton is not None:
+    import triton.language as tl
+
+    @ta.triton.jit
+    def _keep_and_scale(keep_out, scale_out, seed, t, s, p, inv_keep, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
+        n = tl.program_id(2)
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+        cols = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)[None, :]
+        at = (n * t + rows) * s + cols
+        inside = (rows < t) & (cols < s)
+        tl.store(keep_out + at, triton_dropout.keep(seed, n, t, s, rows, cols, p).to(tl.int8), mask=inside)
+        tl.store(scale_out + at, triton_dropout.keep_scale(seed, n, t, s, rows, cols, p, inv_keep), mask=inside)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 2.0**-24, 1.0 - 2.0**-24])
+def test_the_forward_s_dropout_multiplier_is_the_keep_mask_scaled(p: float) -> None:
+    """The forward kernel multiplies P̃ by keep_scale (no boolean tile: it compiles for sm_90 where a select on the
+    mask did not); the backward and the reference read keep. Every counter of 3 × 61 × 97 draws: inv_keep exactly
+    where keep keeps, 0 where it drops."""
+    n, t, s = 3, 61, 97
+    keep = torch.empty((n, t, s), dtype=torch.int8, device=DEVICE)
+    scale = torch.empty((n, t, s), dtype=torch.float32, device=DEVICE)
+    inv_keep = 1.0 / (1.0 - p)
+    _keep_and_scale[(ta.triton.cdiv(t, 16), ta.triton.cdiv(s, 32), n)](keep, scale, 1234, t, s, p, inv_keep,
+                                                                        BLOCK_T=16, BLOCK_S=32)
+    expected = torch.where(keep.bool(), torch.tensor(inv_keep, dtype=torch.float32), torch.tensor(0.0))
+    assert torch.equal(scale.cpu(), expected.cpu())
+    kept = float(keep.float().mean())
+    assert 0.0 < kept < 1.0 or p in (2.0**-24, 1.0 - 2.0**-24)
+
+
 @settings(max_examples=12)
 @given(dtype=st.sampled_from(DTYPES), mask=st.sampled_from(MASKS), b=st.integers(1, 2), hk=st.integers(1, 2),
        group=st.sampled_from([1, 2]), t=st.integers(1, 36), s=st.integers(1, 36), d=st.sampled_from([4, 16, 24]),

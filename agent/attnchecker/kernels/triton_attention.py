@@ -386,7 +386,10 @@ def _mask_layout(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int
         mask = mask.unsqueeze(0)
     # broadcast_to is a view: a dimension it broadcasts gets stride 0.
     mask = torch.broadcast_to(mask, shape)
-    return (1 if mask.dtype == torch.bool else 2), mask, tuple(mask.stride())  # type: ignore[return-value]
+    if mask.dtype == torch.bool:
+        # Its bytes as uint8 (a view): the kernel adds a masked key's -INF from them (_attention's MASK_KIND 1).
+        return 1, mask.view(torch.uint8), tuple(mask.stride())  # type: ignore[return-value]
+    return 2, mask, tuple(mask.stride())  # type: ignore[return-value]
 
 
 def located(records: torch.Tensor, saved: torch.Tensor | None) -> torch.Tensor:
@@ -985,9 +988,11 @@ if triton is not None:
             if WINDOWED:
                 valid = valid & (offs_m[:, None] - offs_n[None, :] < window)
             if MASK_KIND == 1:
+                # The bool mask read as bytes (0 or 1) and added as 0 or -INF (1 - 1/0): no boolean tile from a load,
+                # which the repair kernel could not compile (triton_dropout.keep_scale says why).
                 allowed = tl.load(m_at + offs_m[:, None].to(tl.int64) * smt + offs_n[None, :] * sms, mask=valid,
-                                  other=0)
-                valid = valid & (allowed != 0)
+                                  other=0).to(tl.float32)
+                z = z + (1.0 - 1.0 / allowed)
             if MASK_KIND == 2:
                 bias = tl.load(m_at + offs_m[:, None].to(tl.int64) * smt + offs_n[None, :] * sms, mask=valid,
                                other=0.0).to(tl.float32)
@@ -1004,8 +1009,8 @@ if triton is not None:
             l_i = l_i * alpha + p_sum
             m_i = m_new
             if DROPOUT:
-                keep = triton_dropout.keep(seed, pid_n, T, S, offs_m[:, None], offs_n[None, :], dropout_p)
-                p = tl.where(keep, p * inv_keep, 0.0)
+                p = p * triton_dropout.keep_scale(seed, pid_n, T, S, offs_m[:, None], offs_n[None, :], dropout_p,
+                                                  inv_keep)
             # P̃ rounded to V's dtype, as the GEMM takes it: the context's references use the same values.
             p_c = p.to(v.dtype)
             cl = _dot(_operand(p_c, DOT), _operand(v, DOT), DOT)

@@ -37,6 +37,17 @@ if triton is not None:
         offsets = (n.to(tl.int64) * t + rows.to(tl.int64)) * s + cols.to(tl.int64)
         return tl.rand(seed, offsets) >= p
 
+    @device_function
+    def keep_scale(seed, n, t, s, rows, cols, p, inv_keep):
+        """(len(rows), len(cols)) fp32: inv_keep where ``keep`` keeps, 0 where it drops, with no boolean tile.
+        A kernel that multiplies by it rather than selecting with ``keep`` compiles where a select does not: Triton
+        3.9 hoists the P̃ operand's layout conversion through the select into the mask, and a 1-bit tile cannot go
+        through shared memory (the checked attention's repair kernel, sm_90). r >= p exactly when ceil(p - r) <= 0:
+        r and p lie in [0, 1), so p - r lies in (-1, 1) and is 0 only when r == p (a difference of two floats rounds
+        to 0 only when they are equal)."""
+        offsets = (n.to(tl.int64) * t + rows.to(tl.int64)) * s + cols.to(tl.int64)
+        return (1.0 - tl.math.ceil(p - tl.rand(seed, offsets))) * inv_keep
+
     @triton.jit
     def _keep_mask_kernel(out_ptr, seed, t, s, p, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr):
         n = tl.program_id(2)
