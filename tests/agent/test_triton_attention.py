@@ -110,6 +110,33 @@ def make_mask(kind: str, b: int, h: int, t: int, s: int, seed: int) -> dict[str,
 MASKS = ("none", "causal", "window", "padding", "bool", "additive", "dead_rows")
 
 
+@pytest.mark.parametrize(("mode", "mask"), [(m, k) for m in ("full", "tier1") for k in ("bool", "padding", "dead_rows")]
+                         + [("full", "additive")])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_mask_kind_with_and_without_dropout_gives_the_reference_and_flags_nothing(mode, mask, dropout,
+                                                                                       dtype) -> None:
+    """Every mask kind the kernel reads (a bool mask from its bytes, an additive one, rows with every key masked),
+    with dropout and without, in both check modes: out and lse are the reference's and nothing flags (tier 1 with
+    a positive additive bias can trip by design, and its repair dismisses the trip:
+    test_a_positive_bias_over_the_tier1_bound_is_dismissed_by_the_recompute). Each call
+    also launches the repair kernel (a clean block returns at once): bench/triton_compile_matrix.py compiles these
+    launches for sm_90, where the bool mask's and dropout's repair once failed to compile."""
+    b, h, t, s, d, seed = 2, 2, 40, 36, 16, 7
+    q, k, v = seeded((b, h, t, d), seed, dtype), seeded((b, h, s, d), seed + 1, dtype), seeded((b, h, s, d), seed + 2,
+                                                                                               dtype)
+    kw = make_mask(mask, b, h, t, s, seed)
+    got = run(q, k, v, checks=ta.Checks(mode=mode), dropout_p=dropout,
+              seed=torch.tensor([seed], dtype=torch.int64, device=DEVICE), **kw)
+    keep = triton_dropout.keep_mask(seed, (b, h, t, s), dropout, DEVICE) if dropout else None
+    out, lse = reference(q, k, v, scale=d**-0.5, keep=keep, dropout_p=dropout, **kw)
+    assert got.status[:2].tolist() == [0.0, 0.0]
+    assert float((got.out_BHTD.double() - out).abs().max()) <= OUT_TOL[dtype] * (1.0 + float(v.abs().max()))
+    assert torch.equal(torch.isfinite(got.lse_BHT), torch.isfinite(lse))
+    finite = torch.isfinite(lse)
+    assert torch.allclose(got.lse_BHT.double()[finite], lse[finite], atol=1e-4)
+
+
 if ta.triton is not None:
     import triton.language as tl
 
