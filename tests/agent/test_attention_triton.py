@@ -431,6 +431,56 @@ def test_protect_reports_a_fault_in_the_kernel_at_the_step_boundary_and_the_step
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("policy", ["full", "tier1"])
+def test_a_kernel_that_fails_hands_its_calls_to_the_next_backend_and_the_step_goes_on(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, policy: str) -> None:
+    """A configuration the GPU's Triton cannot compile (the interpreter never compiles one) or a launch that raises:
+    the failure is logged once, the call that failed runs on the next backend, the kernel is never tried again in
+    this process, and the coverage says why. The step's loss and gradients are the unprotected model's, and a fault
+    planned in the scores of a later step is still found and corrected on the backend that took over."""
+    from attnchecker.attention.backends import triton as triton_backend
+
+    tried = []
+
+    def broken(*_args: Any, **_kwargs: Any) -> Any:
+        tried.append(1)
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(triton_backend, "_failed", [])
+    monkeypatch.setattr(triton_attention, "forward", broken)
+    model = build("gpt2", n_layer=1, n_head=2)
+    plain = copy.deepcopy(model)
+    want_loss = loss_of("gpt2", plain, batch("gpt2", 0))
+    want_loss.backward()
+    pol = attnchecker.Policy.full() if policy == "full" else attnchecker.Policy(
+        adaptive=False, op_periods={"scores": 1000, "context": 1000})
+    fault = Fault(op="scores", layer=0, step=1, kind="nan", seed=3)
+    with caplog.at_level("ERROR", logger="attnchecker"), \
+            attnchecker.protect(model, policy=pol, faults=FaultPlan([fault])) as guard:
+        if policy == "tier1":
+            guard.tripwire_only_this_step()
+        loss = loss_of("gpt2", model, batch("gpt2", 0))
+        loss.backward()
+        guard.step()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        lines = guard.coverage.backend_lines()
+        assert guard.detections == []
+        model.zero_grad(set_to_none=True)
+        if policy == "tier1":
+            guard.tripwire_only_this_step()
+        loss_of("gpt2", model, batch("gpt2", 1)).backward()
+        guard.step()
+        dets = [(d.op, d.layer, d.kind) for d in guard.detections]
+    assert len(tried) == 1
+    assert len([r for r in caplog.records if "failed and is off" in r.message]) == 1
+    assert lines and all("triton (the Triton kernel failed here once (RuntimeError" in line for line in lines), lines
+    assert not any(line.startswith("layer 0: triton") for line in lines), lines
+    assert dets == [("scores", 0, "nan")]
+    torch.testing.assert_close(loss.detach(), want_loss.detach(), rtol=1e-6, atol=0.0)
+    for (n, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(grads[n], q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def _dropout_step(model: torch.nn.Module, backward_faults: list[KernelFault]) -> tuple[dict[str, torch.Tensor],
                                                                                      list[Any], list[str]]:
     """One GPT-2 step with attention dropout under protect(scope="all", policy=full), the optimizer's: (gradients,

@@ -28,7 +28,7 @@ from ..gemm.schedule import whole_step_trips
 from .backends import AttentionBackend, AttentionCall, choose, requested
 from .backends.native_cpu import NativeBackend
 from .backends.tiled_torch import TiledBackend
-from .backends.triton import TritonBackend
+from .backends.triton import KernelFailed, TritonBackend
 from .backends.unfused import UnfusedBackend
 from .backends.unfused import context_checks as context_checks  # re-exported: tests and bench verify through them
 from .backends.unfused import scores_checks as scores_checks
@@ -114,7 +114,10 @@ def protected_sdpa(
         tier1 = dataclasses.replace(call_with(frozenset()), paper=False)
         if not TRITON.not_supported_reasons(tier1, tier1=True):
             # Tier 1 in the Triton kernel: a trip is recovered by its repair kernel, on the device, with no sync.
-            return TRITON.tier1(tier1)
+            try:
+                return TRITON.tier1(tier1)
+            except KernelFailed:
+                pass  # logged, and the kernel declines from now on: SDPA's tier 1 below
         fused, trip = _tripwire_sdpa(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal,
                                      scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)
         if trip is None or cfg.mode != "correct":
@@ -128,8 +131,13 @@ def protected_sdpa(
         trip, force = None, frozenset()
     call = call_with(force)
     choice = choose(call, BACKEND_ORDER)
+    try:
+        got = choice.backend.run(call)
+    except KernelFailed:
+        # The Triton kernel failed before writing anything (logged; it declines from now on): the next backend.
+        choice = choose(call, BACKEND_ORDER)
+        got = choice.backend.run(call)
     ctx.runtime.calls.ran(ctx.layer, choice.backend.name, choice.declined)
-    got = choice.backend.run(call)
     if trip is not None and not call.caught[0]:
         _emit_trip(ctx, trip, action="recomputed")
     if return_probs:

@@ -19,6 +19,7 @@ keep mask from its seed and checks its own products under protect(scope="all") (
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -51,12 +52,25 @@ from ..backward.replay import Replay, replay_backward
 from . import AttentionCall, BackendOutput
 from .tiled_torch import mods_reasons
 
-__all__ = ["MAX_HEAD_DIM", "TritonBackend", "reports_of"]
+__all__ = ["MAX_HEAD_DIM", "KernelFailed", "TritonBackend", "reports_of"]
+
+log = logging.getLogger("attnchecker")
 
 MAX_HEAD_DIM = 256
 """The largest head dim the kernel tiles (a whole head row is one tile row; beyond 256 its registers spill)."""
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACTIONS = ("detected", "recomputed", "corrected", "uncorrectable")
+
+_failed: list[str] = []
+"""Why the kernel is off for the process, once it failed at run time: a configuration this Triton could not compile
+(the interpreter the tests run under never compiles one: bench/triton_compile_matrix.py compiles them offline), or
+a launch that raised. The backend then declines every call and the next backend in auto's order takes it, the one
+that failed included (attention/pipeline.py): training goes on, checked, and ``Guard.coverage`` says why."""
+
+
+class KernelFailed(RuntimeError):
+    """The kernel failed on a call that nothing was written for yet: the pipeline runs that call on the next
+    backend."""
 
 
 class TritonBackend:
@@ -69,7 +83,7 @@ class TritonBackend:
         why = kernel.not_available_reason(q.device)
         if why is not None:
             return [why]
-        reasons = []
+        reasons = list(_failed)
         if q.device.type == "cpu" and call.requested != self.name:
             reasons.append("CPU tensors under Triton's interpreter: taken only when ATTNCHECKER_ATTENTION=triton asks "
                            "(the interpreter is for tests)")
@@ -151,9 +165,19 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
         # A full check's device time (its checks are inside the attention it computes: both timed); tier 1's host
         # time, after the vendor's attention where it ran (what the unprotected model runs too).
         clock = Clock(q.device, full=mode == "full")
-        got = kernel.forward(q.detach(), k.detach(), v.detach(), scale=call.scale, checks=checks,
-                             is_causal=call.is_causal, attn_mask=call.attn_mask, dropout_p=call.dropout_p, seed=seed,
-                             faults=faults, given=None if made is None else (made.out_BHTD, made.lse_BHT))
+        try:
+            got = kernel.forward(q.detach(), k.detach(), v.detach(), scale=call.scale, checks=checks,
+                                 is_causal=call.is_causal, attn_mask=call.attn_mask, dropout_p=call.dropout_p,
+                                 seed=seed, faults=faults, given=None if made is None else (made.out_BHTD,
+                                                                                            made.lse_BHT))
+        except torch.OutOfMemoryError:
+            raise  # the next backend needs more memory, not less
+        except Exception as exc:
+            # Nothing deferred or counted yet: the call can run again elsewhere.
+            _failed.append(f"the Triton kernel failed here once ({type(exc).__name__}: {str(exc)[:200]})")
+            log.error("attnchecker: the Triton checked attention failed and is off for this process; its calls run "
+                      "on the next backend (Guard.coverage names it): %s", exc, exc_info=exc)
+            raise KernelFailed(_failed[-1]) from exc
     if hits:
         _record_injected(hits, got)
     ops = list(tiers)
