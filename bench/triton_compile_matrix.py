@@ -1,0 +1,203 @@
+"""Every Triton kernel configuration the tests launch, compiled for a GPU without one.
+
+The Triton tests run on the CPU under Triton's interpreter, which executes a kernel's Python and never compiles it.
+A configuration that Triton's compiler rejects (a constexpr branch, a mask kind, a dtype) therefore passes every
+test here and fails on a GPU at its first launch. This tool runs a pytest selection under the interpreter with
+every launch recorded (bench/_launch_recorder.py: kernel, argument types, constexprs, warps), turns each into the
+configuration a GPU launches (``gpu_config``: the tile sizes and operand modes the interpreter replaces), and compiles
+each distinct one for the target with Triton's compiler and its bundled ptxas, offline. A static check, not a
+timing: which configurations compile, and each one's registers and spill stack.
+
+    .venv/bin/python bench/triton_compile_matrix.py [--jobs 2] [--arch 90] [--out docs/perf/triton_compile_matrix.json]
+        [PYTEST_ARGS ...]   (default: the Triton test files, TESTS)
+
+Exits 1 when a configuration does not compile. The first run compiles each configuration (seconds for most, about
+20 s for the attention's repair kernel on one core); Triton's cache keeps them.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import _common
+
+_common.setup_path()
+TESTS = ("tests/agent/test_triton_attention.py", "tests/agent/test_attention_triton.py",
+         "tests/agent/test_triton_attention_backward.py", "tests/agent/test_triton_gemm_check.py",
+         "tests/agent/test_whole_step_triton.py")
+"""The test files that launch the Triton kernels: the attention forward and backward, the GEMM checks, whole steps."""
+
+
+def record(pytest_args: list[str], jobs: int) -> tuple[dict[str, int], str]:
+    """Run pytest_args under the interpreter with launches recorded: ({launch key (JSON): launches}, pytest's
+    summary line). Test outcomes do not matter here, only what was launched."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "TRITON_INTERPRET": "1", "ATTNCHECKER_LAUNCHES": f"{tmp}/launches",
+               "PYTHONPATH": os.pathsep.join([str(ROOT / "bench"), str(ROOT / "agent"),
+                                              os.environ.get("PYTHONPATH", "")]),
+               "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "_launch_recorder", "-q", "-p", "no:randomly",
+                               "-n", str(jobs), *pytest_args], cwd=ROOT, env=env, capture_output=True, text=True,
+                              check=False)
+        seen: dict[str, int] = {}
+        for path in glob.glob(f"{tmp}/launches.*"):
+            for key, n in json.loads(Path(path).read_text()).items():
+                seen[key] = seen.get(key, 0) + n
+    summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    if not seen:
+        raise RuntimeError(f"no Triton launch recorded (pytest: {summary!r}; stderr: {proc.stderr[-2000:]})")
+    return seen, summary
+
+
+def gpu_configs(launch: dict[str, Any], head_dims: tuple[int, ...]) -> list[dict[str, Any]]:
+    """The launch as a GPU makes it, at each of head_dims for the attention's kernels: the tests' small head dims
+    keep the interpreter fast, and the compiler's layouts (and what fails in them) change with the head dim, so the
+    configurations are compiled at the dims models use (64 and 128) in their place."""
+    if launch["module"].rsplit(".", 1)[-1] not in ("triton_attention", "triton_attention_bwd") \
+            or "BLOCK_D" not in launch["constexprs"] or not head_dims:
+        return [gpu_config(launch)]
+    return [gpu_config({**launch, "constexprs": {**launch["constexprs"], "BLOCK_D": d}}) for d in head_dims]
+
+
+def gpu_config(launch: dict[str, Any]) -> dict[str, Any]:
+    """The launch as a GPU makes it. Under the interpreter the launchers pick other tiles and operand modes; each
+    choice below is the GPU side of the function that makes it:
+    - kernels/triton_attention: tiles ``gpu_blocks(d)`` (64 x 64 on 8 warps, 2 stages) where the interpreter takes
+      16 x 16 (``block_sizes``); ``dot_mode`` 2 (bf16 cast to fp32: the interpreter's tl.dot takes no bf16) is 0 on a
+      GPU, and 3 (TF32 emulated by truncation) is 1 (the tensor cores' TF32);
+    - kernels/triton_attention_bwd: INTERPRET off (its tiles and warps are the GPU's already);
+    - kernels/triton_gemm_kernels: the tiles of ``triton_gemm_check._blocks`` for a CUDA device, and ``_dot_flags``'s
+      operand modes for CUDA tensors (fp32 products only where the operands' dtypes differ).
+    Any other kernel is launched alike on both."""
+    from attnchecker.kernels import triton_attention as ta
+    from attnchecker.kernels import triton_gemm_check as tgc
+
+    module = launch["module"].rsplit(".", 1)[-1]
+    consts = dict(launch["constexprs"])
+    options = dict(launch["options"])
+    if module == "triton_attention":
+        blk = ta.gpu_blocks(consts.get("BLOCK_D", 64))
+        consts.update({k: v for k, v in (("BLOCK_M", blk.m), ("BLOCK_N", blk.n)) if k in consts})
+        if "DOT" in consts:
+            consts["DOT"] = {2: 0, 3: 1}.get(consts["DOT"], consts["DOT"])
+        options["num_warps"] = blk.warps
+        if launch["kernel"] == "_attention":
+            options["num_stages"] = blk.stages
+    elif module == "triton_attention_bwd":
+        if "INTERPRET" in consts:
+            consts["INTERPRET"] = False
+    elif module == "triton_gemm_kernels":
+        import torch
+
+        blk = tgc._blocks(torch.device("cuda"))
+        scan = launch["kernel"] == "trip_pass"
+        sizes = {"BM": blk.rows, "BN": blk.cols, "BR": blk.rows, "BC": blk.cols,
+                 "BK": blk.recompute_k if scan else blk.k, "RBN": blk.recompute_cols}
+        consts.update({k: v for k, v in sizes.items() if k in consts})
+        a, b = launch["signature"].get("a_ptr"), launch["signature"].get("b_ptr")
+        if "DOT_FP32" in consts and a is not None and b is not None:
+            consts["DOT_FP32"] = a != b
+            consts["IEEE"] = a != b or a == "*fp32"
+    return {**launch, "constexprs": consts, "options": options}
+
+
+def compile_one(config: dict[str, Any], arch: int) -> dict[str, Any]:
+    """Compile one configuration for sm_<arch>: its row of the report (ok, seconds, registers, spill stack; the
+    compiler's message where it failed)."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import triton_resources
+
+    fn = getattr(importlib.import_module(config["module"]), config["kernel"])
+    signature: dict[str, Any] = {}
+    constexprs: dict[tuple[int, ...], Any] = {}
+    for i, name in enumerate(fn.arg_names):
+        kind = config["signature"].get(name) if name not in config["constexprs"] else None
+        if name in config["constexprs"] or kind is None:
+            signature[name] = "constexpr"
+            constexprs[(i,)] = config["constexprs"].get(name)
+        else:
+            signature[name] = tuple(kind) if isinstance(kind, list) else kind
+    t0 = time.perf_counter()
+    row: dict[str, Any] = {"kernel": config["kernel"], "constexprs": config["constexprs"],
+                           "options": config["options"], "launches": config["launches"]}
+    try:
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": config["options"].get("num_warps", 4),
+                                           "num_stages": config["options"].get("num_stages", 3)})
+    except Exception as exc:  # the compiler's error is the finding: kept, and the next configuration compiled
+        message = str(exc).strip().splitlines()
+        errors = [line for line in message if "error:" in line]
+        return {**row, "ok": False, "seconds": round(time.perf_counter() - t0, 1),
+                "error": f"{type(exc).__name__}: {(errors or message or [''])[0][:300]}"}
+    return {**row, "ok": True, "seconds": round(time.perf_counter() - t0, 1),
+            **triton_resources.resources(compiled.asm["cubin"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90: H100/H200)")
+    parser.add_argument("--jobs", type=int, default=2, help="pytest workers, then compile processes")
+    parser.add_argument("--head-dims", default="64,128",
+                        help="the attention kernels' head dims to compile at (comma-separated; empty: the tests' own)")
+    parser.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
+    args, pytest_args = parser.parse_known_args()
+    t0 = time.perf_counter()
+    seen, summary = record(pytest_args or list(TESTS), args.jobs)
+    print(f"recorded {sum(seen.values())} launches, {len(seen)} configurations under the interpreter ({summary})",
+          flush=True)
+    os.environ.pop("TRITON_INTERPRET", None)  # this process compiles: its kernels must not be built interpreted
+    sys.path.insert(0, str(ROOT / "agent"))
+    configs: dict[str, dict[str, Any]] = {}
+    head_dims = tuple(int(d) for d in args.head_dims.split(",") if d.strip())
+    for key, n in seen.items():
+        for config in gpu_configs(json.loads(key), head_dims):
+            gpu_key = json.dumps(config, sort_keys=True)
+            configs.setdefault(gpu_key, {**config, "launches": 0})["launches"] += n
+    with ProcessPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(compile_one, configs.values(), [args.arch] * len(configs)))
+    failed = [r for r in rows if not r["ok"]]
+    by_kernel: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_kernel.setdefault(r["kernel"], []).append(r)
+    print(f"\n{'kernel':22s} {'configs':>7s} {'failed':>6s} {'registers':>9s} {'max spill':>9s}")
+    for kernel, rs in sorted(by_kernel.items()):
+        ok = [r for r in rs if r["ok"]]
+        regs = max((r["reg"] for r in ok), default=0)
+        spill = max((r["stack"] for r in ok), default=0)
+        print(f"{kernel:22s} {len(rs):7d} {len(rs) - len(ok):6d} {regs:9d} {spill:7d} B")
+    for r in failed:
+        print(f"\nFAILED {r['kernel']} {json.dumps(r['constexprs'], sort_keys=True)} {r['options']}\n  {r['error']}")
+    print(f"\n{len(rows)} configurations for sm_{args.arch}, {len(failed)} failed "
+          f"({time.perf_counter() - t0:.0f} s)")
+    if args.out is not None:
+        import triton
+
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"arch": f"sm_{args.arch}", "triton": triton.__version__,
+                                        "pytest_args": pytest_args or list(TESTS), "pytest": summary,
+                                        "head_dims": list(head_dims),
+                                        "configurations": len(rows), "failed": len(failed), "rows": rows},
+                                       indent=1, sort_keys=True) + "\n")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
