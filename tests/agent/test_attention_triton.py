@@ -438,8 +438,6 @@ def test_a_kernel_that_fails_hands_its_calls_to_the_next_backend_and_the_step_go
     the failure is logged once, the call that failed runs on the next backend, the kernel is never tried again in
     this process, and the coverage says why. The step's loss and gradients are the unprotected model's, and a fault
     planned in the scores of a later step is still found and corrected on the backend that took over."""
-    from attnchecker.attention.backends import triton as triton_backend
-
     tried = []
 
     def broken(*_args: Any, **_kwargs: Any) -> Any:
@@ -507,6 +505,33 @@ def test_under_scope_all_a_dropout_call_s_backward_is_the_checked_triton_backwar
     assert [(d.op, d.action, d.tier) for d in dets] == [("grad_v", "recomputed", "abft")]
     for n, g in grads.items():
         torch.testing.assert_close(g, clean[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_a_backward_kernel_that_fails_leaves_the_step_s_gradients(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """The Triton backward runs inside autograd: where it fails (a configuration this Triton cannot compile, a launch
+    that raises) the failure is logged once, that call's gradients come from the PyTorch replay of the forward's
+    keep mask, the kernels are not tried again, and the gradients are the ones the Triton backward gives."""
+    model = build("gpt2", n_layer=1, n_head=2, attn_pdrop=0.1)
+    want, _, _ = _dropout_step(copy.deepcopy(model), [])
+    tried = []
+
+    def broken(*_args: Any, **_kwargs: Any) -> Any:
+        tried.append(1)
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(triton_backward, "_failed", [])
+    monkeypatch.setattr(triton_backward.kernels, "run", broken)
+    with caplog.at_level("ERROR", logger="attnchecker"):
+        grads, dets, _ = _dropout_step(model, [])
+        again, _, _ = _dropout_step(copy.deepcopy(model), [])
+    assert len(tried) == 1 and dets == []
+    assert len([r for r in caplog.records if "backward failed and is off" in r.message]) == 1
+    assert triton_backward.not_supported_reasons(*(torch.zeros(1, 1, 4, 4),) * 3, None)[0].startswith(
+        "the Triton backward failed here once (RuntimeError")
+    for n, g in grads.items():
+        torch.testing.assert_close(g, want[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(again[n], want[n], rtol=1e-5, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
 
 
 # ------------------------------------------------------------------------------ launches and syncs per forward

@@ -233,8 +233,8 @@ class _KernelBackward(torch.autograd.Function):
     dropout seed, its scores in fp32 as this kernel kept them; tier 1 without dropout, SDPA's gradient read by the
     kernels' tier-1 pass (fused.sdpa_tier1_on_device); unchecked without dropout, the vendor's backward at its own
     forward's results where the vendor's forward made them (tier-1 steps: attention/vendor.py), else SDPA's
-    recomputed gradient (flash). Where the Triton backward declines (ATTNCHECKER_ATTENTION_BACKWARD=torch): the
-    checked PyTorch products, or with dropout the PyTorch replay of the kernel's keep mask
+    recomputed gradient (flash). Where the Triton backward declines (ATTNCHECKER_ATTENTION_BACKWARD=torch) or failed
+    in this process: the checked PyTorch products, or with dropout the PyTorch replay of the kernel's keep mask
     (attention/backward/replay.py, unchecked)."""
 
     @staticmethod
@@ -255,11 +255,14 @@ class _KernelBackward(torch.autograd.Function):
                                                   is_causal=how.is_causal, vendor_backward=how.vendor_backward)
                 return dq, dk, dv, None, None
             if mode != "off" or how.dropout_p > 0.0:
-                dq, dk, dv = triton_backward.backward(
-                    q, k, v, out, lse, dout, scale=how.scale, is_causal=how.is_causal, attn_mask=how.attn_mask,
-                    dropout_p=how.dropout_p, seed=0 if how.seed is None else how.seed, check=mode, ctx=layer)
-                return dq, dk, dv, None, None
-        elif how.dropout_p > 0.0:
+                try:
+                    dq, dk, dv = triton_backward.backward(
+                        q, k, v, out, lse, dout, scale=how.scale, is_causal=how.is_causal, attn_mask=how.attn_mask,
+                        dropout_p=how.dropout_p, seed=0 if how.seed is None else how.seed, check=mode, ctx=layer)
+                    return dq, dk, dv, None, None
+                except triton_backward.KernelFailed:
+                    pass  # logged, and off from now on: the PyTorch branches below
+        if how.dropout_p > 0.0:
             return (*replay_backward(q, k, v, out, lse, dout, how), None, None)
         h = q.shape[1]
         if mode == "off" and how.vendor_backward is not None:

@@ -133,9 +133,12 @@ def _off_cpu_backward(
         if not reasons:
             # The PyTorch tile loop's forward rounds its half-precision scores to their dtype.
             half = q.dtype in (torch.float16, torch.bfloat16)
-            return triton_backward.backward(q, k, v, out, lse, grad_out, scale=scale, is_causal=is_causal,
-                                            attn_mask=attn_mask, check=mode, ctx=layer,
-                                            scores_dtype=q.dtype if half else None)
+            try:
+                return triton_backward.backward(q, k, v, out, lse, grad_out, scale=scale, is_causal=is_causal,
+                                                attn_mask=attn_mask, check=mode, ctx=layer,
+                                                scores_dtype=q.dtype if half else None)
+            except triton_backward.KernelFailed as exc:
+                reasons = [str(exc)]  # logged: the checked PyTorch products below
         if triton_backward.requested() == "triton" and reasons[0] not in _warned:
             _warned.add(reasons[0])
             log.warning("attnchecker: %s=triton cannot take this attention backward (%s); it runs the checked "

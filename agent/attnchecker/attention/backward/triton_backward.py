@@ -31,8 +31,8 @@ from ...gemm.schedule import whole_step_due, whole_step_trips
 from ...kernels import triton_attention_bwd as kernels
 from ...matmul_precision import current_fp32_precision, fp32_matmul_operand_roundoff
 
-__all__ = ["BACKWARD_ENV", "KernelFault", "backward", "check_mode", "emulated_faults", "not_supported_reasons",
-           "requested", "take_faults"]
+__all__ = ["BACKWARD_ENV", "KernelFailed", "KernelFault", "backward", "check_mode", "emulated_faults",
+           "not_supported_reasons", "requested", "take_faults"]
 
 log = logging.getLogger("attnchecker")
 
@@ -46,6 +46,14 @@ _CHOICES = ("auto", "triton", "torch")
 
 _pending: list[KernelFault] = []
 
+_failed: list[str] = []
+"""Why the kernels are off for the process, once they failed at run time (a configuration this Triton could not
+compile, a launch that raised): every later call gets the PyTorch products, and the call that failed too."""
+
+
+class KernelFailed(RuntimeError):
+    """The kernels failed before writing anything: the caller computes the gradients another way."""
+
 
 def requested() -> str:
     """ATTNCHECKER_ATTENTION_BACKWARD: auto, triton or torch. Raises ValueError on anything else."""
@@ -58,7 +66,7 @@ def requested() -> str:
 def not_supported_reasons(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
                           attn_mask: torch.Tensor | None) -> list[str]:
     """Why ``backward`` cannot take this call ([] = it can), ATTNCHECKER_ATTENTION_BACKWARD=torch included."""
-    reasons = ["ATTNCHECKER_ATTENTION_BACKWARD=torch"] if requested() == "torch" else []
+    reasons = ["ATTNCHECKER_ATTENTION_BACKWARD=torch"] if requested() == "torch" else list(_failed)
     if attn_mask is not None and attn_mask.requires_grad:
         reasons.append("a mask that requires grad (the kernels give no gradient for it)")
     return reasons + kernels.not_supported_reasons(q_BHTD, k_BHSD, v_BHSD, attn_mask)
@@ -147,10 +155,21 @@ def backward(
         rules = _rules(kernels.default_block(), t, k_BHSD.shape[-2], d, h // k_BHSD.shape[1], q_BHTD.dtype,
                        _tolerance(ctx), tf32, u_fwd or 0.0, scores_dtype)
     repair = ctx is not None and ctx.config.mode == "correct"
-    dq, dk, dv, launch = kernels.run(
-        q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, dout_BHTD, scale=scale, is_causal=is_causal, window=window,
-        attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, check=check, rules=rules, faults=faults, repair=repair,
-        tf32=tf32, given=given)
+    try:
+        dq, dk, dv, launch = kernels.run(
+            q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, dout_BHTD, scale=scale, is_causal=is_causal, window=window,
+            attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, check=check, rules=rules, faults=faults,
+            repair=repair, tf32=tf32, given=given)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        # Nothing deferred or counted yet. Tier 1's gradients were made already: they go on unread this once.
+        _failed.append(f"the Triton backward failed here once ({type(exc).__name__}: {str(exc)[:200]})")
+        log.error("attnchecker: the Triton attention backward failed and is off for this process; its calls run "
+                  "the PyTorch products: %s", exc, exc_info=exc)
+        if given is not None:
+            return given
+        raise KernelFailed(_failed[-1]) from exc
     if launch is not None:
         assert ctx is not None
         _defer(ctx, launch, check)
