@@ -988,11 +988,12 @@ if triton is not None:
             if WINDOWED:
                 valid = valid & (offs_m[:, None] - offs_n[None, :] < window)
             if MASK_KIND == 1:
-                # The bool mask read as bytes (0 or 1) and added as 0 or -INF (1 - 1/0): no boolean tile from a load,
-                # which the repair kernel could not compile (triton_dropout.keep_scale says why).
+                # The bool mask read as bytes (0 or 1) and added as 0 or -INF (1 - 1/0, IEEE's division: the fast
+                # one promises no INF): no boolean tile from a load, which the repair kernel could not compile
+                # (triton_dropout.keep_scale says why).
                 allowed = tl.load(m_at + offs_m[:, None].to(tl.int64) * smt + offs_n[None, :] * sms, mask=valid,
                                   other=0).to(tl.float32)
-                z = z + (1.0 - 1.0 / allowed)
+                z = z + (1.0 - tl.math.div_rn(tl.full(allowed.shape, 1.0, tl.float32), allowed))
             if MASK_KIND == 2:
                 bias = tl.load(m_at + offs_m[:, None].to(tl.int64) * smt + offs_n[None, :] * sms, mask=valid,
                                other=0.0).to(tl.float32)
