@@ -9,8 +9,10 @@ says corrected or recomputed. On the Triton path the reports come at the step bo
 The interpreter runs a tiny model's step in one to two seconds, so the models have one layer (every kind of GEMM is
 still there: attention projections, MLP, LM head). Most tests hit a sample of a step's GEMMs on both paths;
 ``test_every_linear_gemm_of_a_step_is_corrected_on_the_triton_path`` hits every one on the Triton path (15 to 30
-s a model), as tests/agent/test_linear_abft.py and test_whole_step_tripwire.py do on the CPU path. The attention's own products (q/k/v, scores, context and
-the fused backward) are checked by the attention's backends, on either path, and are not the subject here."""
+s a model), as tests/agent/test_linear_abft.py and test_whole_step_tripwire.py do on the CPU path. The attention's
+own products (q/k/v, scores, context and the fused backward) are checked by the attention's backends, on either path,
+and are not the subject here. What a check kernel the GPU cannot compile does to a step:
+``test_a_gemm_check_kernel_that_fails_hands_its_gemms_to_the_cpu_path_and_training_goes_on``."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -220,7 +222,8 @@ def test_every_linear_gemm_of_a_step_is_corrected_on_the_triton_path(arch: str, 
 def test_a_projection_fault_on_a_quiet_step_is_recomputed_on_the_device(arch: str, projections: int,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Tier 1 of the attention's projections where the GEMM checks' Triton path runs: the tier-1 pass (which
-    recomputes a tripped row itself) on the device (gemm.projection._trip_on_device), not the host's sum and its sync per call, every step.
+    recomputes a tripped row itself) on the device (gemm.projection._trip_on_device), not the host's sum and its sync
+    per call, every step.
     An INF, NaN, 3e20 or exponent flip written below autograd into each projection's forward output (GPT-2's c_attn
     and c_proj; Llama's q, k, v and o) on a quiet step is recomputed, reported at the step boundary with the
     projection's op and tier "tripwire", and the gradients are the clean quiet step's. The host's tier 1 is never
@@ -296,3 +299,91 @@ def test_a_quiet_step_on_the_device_path_adds_no_host_sync(arch: str, scope: str
         assert all("triton" in line for line in guard.coverage.backend_lines())
     finally:
         guard.close()
+
+
+class _OutputRecorder(GemmInjector):
+    """GemmInjector that also keeps the address of each GEMM output's storage, to name the GEMM a check kernel was
+    launched on (a view of its output: one of a fused projection's slices, a transposed weight gradient)."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.outputs: list[int] = []
+
+    def __torch_dispatch__(self, func: object, types: object, args: tuple = (), kwargs: object = None) -> object:
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if len(self.outputs) < len(self.calls):
+            self.outputs.append(out.untyped_storage().data_ptr())
+        return out
+
+
+@pytest.mark.parametrize(("kernel", "fail_at"), [("check_pass", 2), ("check_pass", 5), ("trip_pass", 2),
+                                                 ("trip_pass", 9)])
+def test_a_gemm_check_kernel_that_fails_hands_its_gemms_to_the_cpu_path_and_training_goes_on(
+        kernel: str, fail_at: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A GEMM check kernel the GPU's Triton cannot compile (the interpreter never compiles one) or whose launch
+    raises, on the ``fail_at``-th launch of a step: on a full-check step (``check_pass``: an MLP Linear's forward,
+    where nothing of the call was checked yet; the LM head's dW, after its dX was) and on a tier-1 step
+    (``trip_pass``: GPT-2's fused q/k/v projection after q; the LM head's dW). The GEMM whose kernel failed, and the
+    rest of that call, are checked on the CPU path at once: a NaN written below autograd into that very GEMM's output
+    is corrected or recomputed and reported once, and the gradients are the clean step's. Every GEMM of the step is
+    counted once, as on a step where nothing failed. The failure is logged once, and the path is never tried again
+    in the process: the next step runs on the CPU path, checked."""
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+    monkeypatch.setattr(device, "_failed", [])
+    real = getattr(tg, kernel)
+    launches: list[torch.Tensor] = []
+    failed_on: list[int] = []
+    armed = [False]
+
+    def launcher(c: torch.Tensor, *args: object, **kwargs: object) -> object:
+        launches.append(c)
+        if armed[0] and len(launches) == fail_at:
+            failed_on.append(c.untyped_storage().data_ptr())
+            raise RuntimeError("PassManager::run failed")
+        return real(c, *args, **kwargs)
+
+    monkeypatch.setattr(tg, kernel, launcher)
+    tier1 = kernel == "trip_pass"
+
+    def run(injector: GemmInjector, *, sabotage: bool, steps: int = 1) -> tuple[dict[str, torch.Tensor], list, dict]:
+        """``steps`` steps of a fresh one-layer GPT-2 under scope="all" (lr 0), the first under ``injector``: the
+        first step's gradients, every detection, and the first step's check counts."""
+        device._failed.clear()
+        launches.clear()
+        armed[0] = sabotage
+        model = model_of("gpt2")
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        guard = attnchecker.protect(model, optimizer=opt, policy=Policy.full(), scope="all")
+        try:
+            if tier1:
+                guard.tripwire_only_this_step()
+            grads = injected_step("gpt2", model, opt, injector)
+            counts = {"abft": dict(guard.report().checks), "tripwire": guard.report().tier_checks["tripwire"]}
+            for _ in range(steps - 1):
+                injected_step("gpt2", model, opt, GemmInjector())
+            return grads, list(guard.detections), counts
+        finally:
+            guard.close()
+
+    plain, _, _ = one_step("gpt2", GemmInjector(), scope=None)
+    clean, detections, want_counts = run(GemmInjector(), sabotage=False)
+    assert not detections and worst_rel(clean, plain) <= 1e-5
+    assert len(launches) > fail_at
+
+    recorder = _OutputRecorder()
+    with caplog.at_level("ERROR", logger="attnchecker"):
+        grads, detections, counts = run(recorder, sabotage=True, steps=2)
+    assert len(launches) == fail_at, "the path was tried again after it failed"
+    assert len([r for r in caplog.records if "GEMM checks run as PyTorch ops" in r.message]) == 1
+    assert device.failed() is not None and "PassManager::run failed" in device.failed()
+    assert not detections and worst_rel(grads, clean) <= 1e-5
+    assert counts == want_counts
+
+    target = max(i for i, ptr in enumerate(recorder.outputs) if ptr == failed_on[0])
+    injector = GemmInjector(target=target, kind="nan", element=11)
+    grads, detections, _ = run(injector, sabotage=True)
+    assert injector.hit == recorder.calls[target]
+    outcome = [(d.op, d.tier, d.action) for d in detections]
+    assert len(outcome) == 1 and outcome[0][0] in (*GEMM_OPS, *PROJECTION_OPS), outcome
+    assert outcome[0][1:] in ((("tripwire",) if tier1 else ("abft",)) + (a,) for a in ("corrected", "recomputed"))
+    assert worst_rel(grads, clean) <= 1e-5

@@ -59,12 +59,16 @@ def check_gemms(ctx: LayerContext, gemms: list[Gemm], *, tier: str = "abft",
     given: per GEMM, the direction and operand side of its clean check already made (``linear_sums``), or None;
     given_seconds: the time that took, counted in these checks' time.
     On the Triton path (gemm/device.py: CUDA tensors, ``ATTNCHECKER_GEMM``) nothing waits for the device: the checks
-    and their repairs run as kernels, their reports come at the step boundary, and this returns 0."""
+    and their repairs run as kernels, their reports come at the step boundary, and this returns 0; where one of its
+    kernels fails, the GEMMs it had not checked are checked here."""
     if not gemms or ctx.config.mode == "off":
         return 0
     if device.takes(*_operands(gemms)):
-        device.check_gemms(ctx, gemms, tier=tier)
-        return 0
+        try:
+            device.check_gemms(ctx, gemms, tier=tier)
+            return 0
+        except device.KernelFailed as exc:
+            gemms, given = gemms[exc.done:], given[exc.done:] if given is not None else None
     tol = _tolerance(ctx)
     pending: list[tuple[Gemm, dict[str, DirectionCheck], float]] = []
     t_call = time.perf_counter()
@@ -167,8 +171,11 @@ def trip_gemms(ctx: LayerContext, gemms: list[Gemm]) -> None:
     if not gemms or ctx.config.mode == "off":
         return
     if device.takes(*_operands(gemms)):
-        device.trip_gemms(ctx, gemms)
-        return
+        try:
+            device.trip_gemms(ctx, gemms)
+            return
+        except device.KernelFailed as exc:  # the GEMMs it had not passed over get the host's tier 1
+            gemms = gemms[exc.done:]
     t0 = time.perf_counter()
     tripped = extreme_each([c for _, c, *_ in gemms])  # sync: the one per call on a tier-1 step (none on CPU)
     _count_trips(ctx, [gemm[0] for gemm in gemms], time.perf_counter() - t0)

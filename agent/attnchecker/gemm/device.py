@@ -21,6 +21,12 @@ What it does not do: the check of a product with more than two leading dims, or 
 fp16, declines to the CPU path's torch ops (``takes``); the in-kernel recomputation is not recorded in
 ``Injector.injected`` (its original value is never read back: that would be a sync).
 
+A kernel that fails at run time (a configuration the GPU's Triton cannot compile: the interpreter the tests run under
+never compiles one, bench/triton_compile_matrix.py compiles them offline; or a launch that raises) turns this path off
+for the process: ``KernelFailed`` tells the caller which of the call's GEMMs were checked already, the caller checks
+the rest on the CPU path's torch ops (gemm/check.py), and ``takes`` declines every later call. Training goes on,
+checked, at the CPU path's cost (a host sync per checked call). An out-of-memory error is raised as it is.
+
 Legend: M tokens, I input features, O output features; nb matrices of a batched product; 2 a checksum pair.
 """
 from __future__ import annotations
@@ -44,8 +50,8 @@ from ..checks.records import _count, _count_trips
 from ..kernels import triton_gemm_check as tg
 from ..matmul_precision import fp32_matmul_operand_roundoff
 
-__all__ = ["GEMM_ENV", "MODES", "DeviceGemm", "LinearSides", "check_gemms", "check_product", "linear_backward",
-           "linear_forward", "native_allowed", "requested", "takes", "trip_gemms", "trip_product"]
+__all__ = ["GEMM_ENV", "MODES", "DeviceGemm", "KernelFailed", "LinearSides", "check_gemms", "check_product", "failed",
+           "linear_backward", "linear_forward", "native_allowed", "requested", "takes", "trip_gemms", "trip_product"]
 
 log = logging.getLogger("attnchecker")
 
@@ -60,6 +66,50 @@ def requested() -> str:
         raise ValueError(f"{GEMM_ENV}={mode!r}: use auto, triton (the Triton checks; CPU tensors under "
                          f"TRITON_INTERPRET=1) or torch (every GEMM check as PyTorch ops)")
     return mode
+
+
+_failed: list[str] = []
+"""Why this path is off for the process, once one of its kernels failed at run time (module docstring)."""
+
+
+class KernelFailed(RuntimeError):
+    """A kernel of this path failed during a call. The call's first ``done`` GEMMs were checked and their outcomes
+    deferred; nothing was deferred or counted for the rest, which the caller checks on the CPU path."""
+
+    def __init__(self, reason: str, done: int) -> None:
+        super().__init__(reason)
+        self.done = done
+
+
+def failed() -> str | None:
+    """Why this path is off for the process (a kernel failed at run time), or None while it runs."""
+    return _failed[0] if _failed else None
+
+
+def _failure(exc: Exception, done: int) -> KernelFailed:
+    """Turns the path off for the process (``_failed``), logs why once, and says how far the call got."""
+    if not _failed:
+        _failed.append(f"a GEMM check's Triton kernel failed here once ({type(exc).__name__}: {str(exc)[:200]})")
+        log.error("attnchecker: a Triton kernel of the GEMM checks failed; the GEMM checks run as PyTorch ops, with a "
+                  "host sync per checked call, for the rest of this process: %s", exc, exc_info=exc)
+    return KernelFailed(_failed[0], done)
+
+
+class _Launches:
+    """The kernel launches of one call, as a context: ``done`` counts its GEMMs checked and deferred so far, and an
+    exception from a launch leaves as ``KernelFailed`` (out of memory, and a KernelFailed from within, as they are)."""
+
+    def __init__(self) -> None:
+        self.done = 0
+
+    def __enter__(self) -> _Launches:
+        if _failed:  # a call ``takes`` accepted before the failure: its backward, for one
+            raise KernelFailed(_failed[0], 0)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, Exception) and not isinstance(exc, (torch.OutOfMemoryError, KernelFailed)):
+            raise _failure(exc, self.done) from exc
 
 
 def native_allowed() -> bool:
@@ -79,7 +129,7 @@ def _warn_once(reason: str) -> None:
 def takes(*tensors: torch.Tensor) -> bool:
     """Whether these tensors' GEMM checks take this path (module docstring). No sync, no pass over them."""
     mode = requested()
-    if mode == "torch" or not tensors:
+    if mode == "torch" or not tensors or _failed:
         return False
     device = tensors[0].device
     if device.type == "cuda" or mode == "triton":
@@ -119,12 +169,16 @@ def check_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Te
     if not gemms or ctx.config.mode == "off":
         return
     todo = [DeviceGemm(op, c, a, b, bias) for op, c, a, b, bias in gemms]
-    clock = Clock(todo[0].c.device, full=tier == "abft")
-    ws = tg.Workspace(todo[0].c.device, sum(_side_floats(g) + tg.STATE_SIZE for g in todo))
-    with _exact_math(todo[0].c):
-        for g in todo:
-            _check(ctx, g, _row_side(g, ws), ws, tier=tier)
-    _counted(ctx, [g.op for g in todo], tier, clock)
+    clock, call = Clock(todo[0].c.device, full=tier == "abft"), _Launches()
+    try:
+        with call, _exact_math(todo[0].c):
+            ws = tg.Workspace(todo[0].c.device, sum(_side_floats(g) + tg.STATE_SIZE for g in todo))
+            for g in todo:
+                _check(ctx, g, _row_side(g, ws), ws, tier=tier)
+                call.done += 1
+    finally:
+        if call.done:  # the GEMMs checked before a failure are counted; the CPU path counts the rest
+            _counted(ctx, [g.op for g in todo[:call.done]], tier, clock)
 
 
 def trip_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -133,22 +187,25 @@ def trip_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Ten
     (``_trip``). No sync."""
     if not gemms or ctx.config.mode == "off":
         return
-    clock = Clock(gemms[0][1].device, full=False)
     _trip(ctx, [DeviceGemm(op, c, a, b, bias) for op, c, a, b, bias in gemms])
-    _count_trips(ctx, [g[0] for g in gemms], clock.seconds(ctx))
 
 
 def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
     """Per GEMM the tier-1 pass, which finds the rows holding an extreme element and recomputes them in the program
     that found them: one launch a GEMM, one memset a call. A tripped row is recomputed rather than checked by its
     checksums: that needs no operand pass on the steps where nothing trips, and recomputing gives the exact row
-    whatever the fault."""
-    ws = tg.Workspace(todo[0].c.device, len(todo) * tg.STATE_SIZE)
+    whatever the fault. Counted as tier 1 of the GEMMs done, on the host's clock."""
     tol = _tolerance(ctx)
-    with _exact_math(todo[0].c):
-        for g in todo:
-            chk = _trip_launch(g, ws, tol, correct=ctx.config.mode == "correct", faults=_planned(ctx, g))
-            _defer(ctx, g, chk, tier="tripwire")
+    clock, call = Clock(todo[0].c.device, full=False), _Launches()
+    try:
+        with call, _exact_math(todo[0].c):
+            ws = tg.Workspace(todo[0].c.device, len(todo) * tg.STATE_SIZE)
+            for g in todo:
+                chk = _trip_launch(g, ws, tol, correct=ctx.config.mode == "correct", faults=_planned(ctx, g))
+                _defer(ctx, g, chk, tier="tripwire")
+                call.done += 1
+    finally:
+        _count_trips(ctx, [g.op for g in todo[:call.done]], clock.seconds(ctx))
 
 
 def _side_floats(g: DeviceGemm) -> int:
@@ -355,21 +412,20 @@ def linear_forward(ctx: LayerContext, tier: str, y_MO: torch.Tensor, x_MI: torch
                    bias: torch.Tensor | None, layout: str, *, check_forward: bool) -> LinearSides | None:
     """A checked Linear's forward on this path: on a full-check step, one read of W and one of x for this check and
     the backward's two (``LinearSides``), then y's check pass and repair; on a tier-1 step, y's tier-1 pass (when this
-    module's forward is ours to check). No sync."""
+    module's forward is ours to check). No sync. Raises KernelFailed (nothing checked) where a kernel failed: the
+    caller checks this forward on the CPU path, and the backward too (``takes`` declines from then on)."""
     if ctx.config.mode == "off":
         return None
     w_IO = weight.T if layout == "out_in" else weight
     gemm = DeviceGemm("linear", y_MO, x_MI, w_IO, bias)
     if tier != "abft":
         if check_forward:
-            clock = Clock(y_MO.device, full=False)
             _trip(ctx, [gemm])
-            _count_trips(ctx, ["linear"], clock.seconds(ctx))
         return None
     clock = Clock(y_MO.device)
-    ws = tg.Workspace(y_MO.device, _weight_floats(weight, layout, forward=check_forward)
-                      + tg.operand_floats(x_MI, col_sq=True) + tg.STATE_SIZE)
-    with _exact_math(y_MO):
+    with _Launches(), _exact_math(y_MO):
+        ws = tg.Workspace(y_MO.device, _weight_floats(weight, layout, forward=check_forward)
+                          + tg.operand_floats(x_MI, col_sq=True) + tg.STATE_SIZE)
         fwd, fwd_sq, ww, w_sq = _weight_pass(weight, layout, ws, forward=check_forward)
         xo = tg.operand_pass(x_MI, ws, right=fwd if check_forward else None, right_w=True, row_sq=check_forward,
                              col_sq=True)
@@ -389,7 +445,8 @@ def linear_backward(ctx: LayerContext, tier: str, dy_MO: torch.Tensor, x_MI: tor
                     layout: str, dx_MI: torch.Tensor | None, dw: torch.Tensor | None, sides: LinearSides | None
                     ) -> None:
     """A checked Linear's backward on this path: dX = dY·W_OI and dW (as dYᵀ·x (O, I): a Conv1D's (I, O) gradient
-    through its transposed view), both by rows from one read of dY and the forward's ``sides``. No sync."""
+    through its transposed view), both by rows from one read of dY and the forward's ``sides``. No sync. Raises
+    KernelFailed where a kernel failed: its ``done`` GEMMs (dX, then dW) were checked, the caller checks the rest."""
     if ctx.config.mode == "off" or (dx_MI is None and dw is None):
         return
     w_OI = weight if layout == "out_in" else weight.T
@@ -399,31 +456,43 @@ def linear_backward(ctx: LayerContext, tier: str, dy_MO: torch.Tensor, x_MI: tor
     if dw is not None:
         gemms.append(DeviceGemm("linear_dw", dw if layout == "out_in" else dw.mT, dy_MO.T, x_MI, None,
                                 transposed=layout != "out_in"))
-    clock = Clock(dy_MO.device, full=tier == "abft")
     if tier != "abft":
         _trip(ctx, gemms)
-        _count_trips(ctx, [g.op for g in gemms], clock.seconds(ctx))
         return
+    clock = Clock(dy_MO.device)
     floats = tg.operand_floats(dy_MO, left=dw is not None, col_sq=dw is not None) + len(gemms) * tg.STATE_SIZE
     if sides is None:
         floats += _weight_floats(weight, layout, forward=False) + tg.operand_floats(x_MI, col_sq=True)
-    ws = tg.Workspace(dy_MO.device, floats)
-    with _exact_math(dy_MO):
-        if sides is None:
-            # A module whose forward the attention's projection hook checked: its W and x are read now.
-            _, _, ww, w_sq = _weight_pass(weight, layout, ws, forward=False)
-            xo = tg.operand_pass(x_MI, ws, right_w=True, col_sq=True)
-            assert xo.xw is not None and xo.csq is not None
-            sides = LinearSides(ww_O2=ww, w_col_sq_I=w_sq, xw_M2=xo.xw, x_col_sq_I=xo.csq)
-        do = tg.operand_pass(dy_MO, ws, right=sides.ww_O2 if dx_MI is not None else None,
-                             row_sq=dx_MI is not None, left=sides.xw_M2 if dw is not None else None,
-                             col_sq=dw is not None)
-        for g in gemms:
-            if g.op == "linear_dx":
-                assert do.xv is not None and do.rsq is not None
-                side = tg.RowSide(ref=do.xv, a_sq=do.rsq, b_sq=sides.w_col_sq_I)
-            else:
-                assert do.lx is not None and do.csq is not None
-                side = tg.RowSide(ref=do.lx, a_sq=do.csq, b_sq=sides.x_col_sq_I)
-            _check(ctx, g, side, ws, tier="abft")
-    _counted(ctx, [g.op for g in gemms], "abft", clock)
+    call = _Launches()
+    try:
+        with call, _exact_math(dy_MO):
+            ws = tg.Workspace(dy_MO.device, floats)
+            _check_backward(ctx, gemms, call, ws, dy_MO, x_MI, weight, layout, dx_MI is not None, dw is not None,
+                            sides)
+    finally:
+        if call.done:  # the GEMMs checked before a failure are counted; the CPU path counts the rest
+            _counted(ctx, [g.op for g in gemms[:call.done]], "abft", clock)
+
+
+def _check_backward(ctx: LayerContext, gemms: list[DeviceGemm], call: _Launches, ws: tg.Workspace,
+                    dy_MO: torch.Tensor, x_MI: torch.Tensor, weight: torch.Tensor, layout: str, need_dx: bool,
+                    need_dw: bool, sides: LinearSides | None) -> None:
+    """linear_backward's launches: the operand passes (one read of dY; of W and x too where the forward left no
+    ``sides``), then dX's and dW's check passes and repairs."""
+    if sides is None:
+        # A module whose forward the attention's projection hook checked: its W and x are read now.
+        _, _, ww, w_sq = _weight_pass(weight, layout, ws, forward=False)
+        xo = tg.operand_pass(x_MI, ws, right_w=True, col_sq=True)
+        assert xo.xw is not None and xo.csq is not None
+        sides = LinearSides(ww_O2=ww, w_col_sq_I=w_sq, xw_M2=xo.xw, x_col_sq_I=xo.csq)
+    do = tg.operand_pass(dy_MO, ws, right=sides.ww_O2 if need_dx else None, row_sq=need_dx,
+                         left=sides.xw_M2 if need_dw else None, col_sq=need_dw)
+    for g in gemms:
+        if g.op == "linear_dx":
+            assert do.xv is not None and do.rsq is not None
+            side = tg.RowSide(ref=do.xv, a_sq=do.rsq, b_sq=sides.w_col_sq_I)
+        else:
+            assert do.lx is not None and do.csq is not None
+            side = tg.RowSide(ref=do.lx, a_sq=do.csq, b_sq=sides.x_col_sq_I)
+        _check(ctx, g, side, ws, tier="abft")
+        call.done += 1

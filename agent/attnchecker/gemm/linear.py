@@ -115,19 +115,23 @@ class _CheckedLinear(torch.autograd.Function):
         # the GPU (gemm/device.py); otherwise as below, with one sync per checked call.
         ctx.on_device, ctx.sides = device.takes(x_MI, weight, y_MO), None
         if ctx.on_device:
-            ctx.sides = device.linear_forward(site.ctx, tier, y_MO, x_MI, weight, bias, site.layout,
-                                              check_forward=site.check_forward)
-        elif tier == "abft" and site.check_forward:
-            # One read of x and of W for this check and the backward's two (gemm.check.linear_sums).
-            t0 = time.perf_counter()
-            made = linear_sums(x_MI, w_IO, forward=True)
-            given = None
-            if made is not None and made[0] is not None:
-                given, sums = [("row", made[0])], made[1]
-            check_gemms(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)], given=given,
-                        given_seconds=time.perf_counter() - t0)
-        elif site.check_forward:
-            check(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)])
+            try:
+                ctx.sides = device.linear_forward(site.ctx, tier, y_MO, x_MI, weight, bias, site.layout,
+                                                  check_forward=site.check_forward)
+            except device.KernelFailed:  # nothing checked: this forward and its backward on the CPU path below
+                ctx.on_device = False
+        if site.check_forward and not ctx.on_device:
+            if tier == "abft":
+                # One read of x and of W for this check and the backward's two (gemm.check.linear_sums).
+                t0 = time.perf_counter()
+                made = linear_sums(x_MI, w_IO, forward=True)
+                given = None
+                if made is not None and made[0] is not None:
+                    given, sums = [("row", made[0])], made[1]
+                check_gemms(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)], given=given,
+                            given_seconds=time.perf_counter() - t0)
+            else:
+                check(site.ctx, [("linear", y_MO, x_MI, w_IO, bias)])
         ctx.save_for_backward(x_MI, weight, bias)
         ctx.site, ctx.check, ctx.sums, ctx.tier = site, check, sums, tier
         return y_MO
@@ -155,7 +159,10 @@ class _CheckedLinear(torch.autograd.Function):
                 todo.append(("linear_dw", dw, x_MI.t(), dy_MO, None))
             _inject(site.ctx, "linear_dw", dw)
         if ctx.on_device:
-            device.linear_backward(site.ctx, ctx.tier, dy_MO, x_MI, weight, site.layout, dx_MI, dw, ctx.sides)
+            try:
+                device.linear_backward(site.ctx, ctx.tier, dy_MO, x_MI, weight, site.layout, dx_MI, dw, ctx.sides)
+            except device.KernelFailed as exc:  # the GEMMs it had not checked, on the CPU path
+                ctx.check(site.ctx, todo[exc.done:])
         elif ctx.check is check_gemms and todo:
             t0 = time.perf_counter()
             given = _backward_given(ctx.sums, x_MI, weight, dy_MO, site.layout, need_x=dx_MI is not None,

@@ -313,6 +313,11 @@ def _exact_linear(
     return _dot(x_NTI[key][rows], w_OI[cols], None if b_O is None else b_O[cols])
 
 
+_Wired = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""A slice of a projection's output given tier 1: (op, y slice (..., T, S), its weight rows (S, I), its bias (S,) or
+None)."""
+
+
 def check_linear(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -352,7 +357,7 @@ def check_linear(
     pending: list[tuple[str, torch.Tensor, Checks, Callable[[], Checks], Callable[[], torch.Tensor], _Exact, float,
                         str]] = []
     # Tier 1: (name, y_s, w_s, b_s) of the slices only the tripwire looks at on this step.
-    wired: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    wired: list[_Wired] = []
 
     def full_checks(y_s: torch.Tensor, w_s: torch.Tensor, b_s: torch.Tensor | None,
                     directions: tuple[str, ...] = ("row", "col")) -> Checks:
@@ -394,8 +399,8 @@ def check_linear(
         exact = functools.partial(_exact_linear, x_NTI.detach(), w_s, b_s)
         both = functools.partial(full_checks, y_s, w_s, b_s)
         pending.append((name, y_s, checks, both, recompute, exact, time.perf_counter() - t0, "abft"))
-    if wired and _trip_on_device(ctx, x_NTI, wired):
-        wired = []
+    if wired:
+        wired = _trip_on_device(ctx, x_NTI, wired)
     flags = [_any_bad(item[2]) for item in pending]
     if not flags and not wired:
         return y
@@ -434,26 +439,29 @@ def check_linear(
     return y
 
 
-def _trip_on_device(ctx: LayerContext, x_NTI: torch.Tensor,
-                    wired: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]) -> bool:
+def _trip_on_device(ctx: LayerContext, x_NTI: torch.Tensor, wired: list[_Wired]) -> list[_Wired]:
     """Tier 1 of these slices on the GEMM checks' Triton path (gemm/device.py), where it runs (CUDA): the tier-1 pass
     marks the rows holding an extreme element and the repair kernel recomputes them, on the device; what tripped is
     reported at the step boundary. No sync, where the host's tier 1 waits for the device once per call, every step.
-    False (nothing done) where that path does not take them, or a slice is not a (tokens, features) view of the
-    output (the repair writes through it)."""
+    Returns the slices left for the host's tier 1: all of them where that path does not take them or a slice is not a
+    (tokens, features) view of the output (the repair writes through it), none once done, and those it had not
+    passed over where one of its kernels failed."""
     # Asked first: on the CPU path (every CPU call by default) nothing else here runs.
     if not device.takes(x_NTI, *(t for _, y_s, w_s, b_s in wired for t in (y_s, w_s, b_s) if t is not None)):
-        return False
+        return wired
     x_MI = x_NTI.detach().reshape(-1, x_NTI.shape[-1])
     gemms = []
     for name, y_s, w_s, b_s in wired:
         try:
             y_MS = y_s.view(-1, y_s.shape[-1])
         except RuntimeError:
-            return False
+            return wired
         gemms.append((name, y_MS, x_MI, w_s.T, b_s))
-    device.trip_gemms(ctx, gemms)
-    return True
+    try:
+        device.trip_gemms(ctx, gemms)
+    except device.KernelFailed as exc:
+        return wired[exc.done:]
+    return []
 
 
 def protected_linear(
