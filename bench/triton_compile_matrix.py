@@ -17,6 +17,7 @@ Exits 1 when a configuration does not compile. The first run compiles each confi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -112,9 +114,37 @@ def gpu_config(launch: dict[str, Any]) -> dict[str, Any]:
     return {**launch, "constexprs": consts, "options": options}
 
 
+DIAGNOSTICS = 5
+"""Error lines of a failed compile kept in its row."""
+
+
+@contextlib.contextmanager
+def fd2_into(path: Path) -> Iterator[None]:
+    """The process's fd 2 written into ``path`` for the block. MLIR's passes print their diagnostics there, below
+    Python's sys.stderr; the exception Triton raises says only "PassManager::run failed"."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "wb") as sink:
+            os.dup2(sink.fileno(), 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def diagnostics(message: str, stderr: str) -> list[str]:
+    """The error lines of a failed compile, the compiler's own (from ``stderr``) before the exception's, at most
+    DIAGNOSTICS, each cut at 300 characters; the exception's first line where neither holds one."""
+    lines = [line.strip() for line in (stderr + "\n" + message).splitlines()]
+    errors = list(dict.fromkeys(line[:300] for line in lines if "error:" in line))
+    return errors[:DIAGNOSTICS] or [next((line[:300] for line in lines if line), "")]
+
+
 def compile_one(config: dict[str, Any], arch: int) -> dict[str, Any]:
-    """Compile one configuration for sm_<arch>: its row of the report (ok, seconds, registers, spill stack; the
-    compiler's message where it failed)."""
+    """Compile one configuration for sm_<arch>: its row of the report (ok, seconds, registers, spill stack; where it
+    failed, the compiler's error lines: ``diagnostics``)."""
     import importlib
 
     import triton
@@ -137,16 +167,18 @@ def compile_one(config: dict[str, Any], arch: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     row: dict[str, Any] = {"kernel": config["kernel"], "constexprs": config["constexprs"],
                            "options": config["options"], "launches": config["launches"]}
-    try:
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": config["options"].get("num_warps", 4),
-                                           "num_stages": config["options"].get("num_stages", 3)})
-    except Exception as exc:  # the compiler's error is the finding: kept, and the next configuration compiled
-        message = str(exc).strip().splitlines()
-        errors = [line for line in message if "error:" in line]
-        return {**row, "ok": False, "seconds": round(time.perf_counter() - t0, 1),
-                "error": f"{type(exc).__name__}: {(errors or message or [''])[0][:300]}"}
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "stderr"
+        try:
+            with fd2_into(log):
+                compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                                          target=GPUTarget("cuda", arch, 32),
+                                          options={"num_warps": config["options"].get("num_warps", 4),
+                                                   "num_stages": config["options"].get("num_stages", 3)})
+        except Exception as exc:  # the compiler's error is the finding: kept, and the next configuration compiled
+            errors = diagnostics(str(exc), log.read_text(errors="replace"))
+            return {**row, "ok": False, "seconds": round(time.perf_counter() - t0, 1),
+                    "error": f"{type(exc).__name__}: {errors[0]}", "diagnostics": errors}
     return {**row, "ok": True, "seconds": round(time.perf_counter() - t0, 1),
             **triton_resources.resources(compiled.asm["cubin"])}
 
@@ -187,7 +219,8 @@ def main() -> None:
         spill = max((r["stack"] for r in ok), default=0)
         print(f"{kernel:22s} {len(rs):7d} {len(rs) - len(ok):6d} {regs:9d} {spill:7d} B")
     for r in failed:
-        print(f"\nFAILED {r['kernel']} {json.dumps(r['constexprs'], sort_keys=True)} {r['options']}\n  {r['error']}")
+        print(f"\nFAILED {r['kernel']} {json.dumps(r['constexprs'], sort_keys=True)} {r['options']}\n  "
+              + "\n  ".join(r["diagnostics"]))
     print(f"\n{len(rows)} configurations for sm_{args.arch}, {len(failed)} failed "
           f"({time.perf_counter() - t0:.0f} s)")
     if args.out is not None:

@@ -3,7 +3,8 @@ GPU launches them, offline (Triton's compiler and its bundled ptxas; no GPU).
 
 The interpreter never compiles a kernel, so a configuration the compiler rejects passes every other test here. The
 attention's repair kernel with a bool mask or dropout was one (bf16, head dim 64, Triton 3.9: a 1-bit tile through
-shared memory); the GPU would have failed on the first such call.
+shared memory); the GPU would have failed on the first such call. Where one fails, the report keeps the compiler's own
+error lines, which MLIR prints below Python.
 """
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_the_repair_launches_of_a_bool_mask_and_of_dropout_compile_for_sm90(tmp_path: Path) -> None:
     """The bf16 calls with a bool mask, with and without dropout, in both check modes (each launches the first pass
     and the repair kernel), recorded and compiled at the GPU's tiles (64 × 64 on 8 warps), operand mode (bf16 as it
@@ -42,3 +42,46 @@ def test_the_repair_launches_of_a_bool_mask_and_of_dropout_compile_for_sm90(tmp_
         assert r["constexprs"]["MASK_KIND"] == 1 and r["constexprs"]["DOT"] == 0
         assert (r["constexprs"]["BLOCK_M"], r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_D"]) == (64, 64, 64)
         assert r["options"] == {"num_warps": 8, "num_stages": 2}
+
+
+def _tool() -> object:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import triton_compile_matrix
+
+    return triton_compile_matrix
+
+
+def test_a_failed_compile_keeps_the_compiler_s_own_error_lines() -> None:
+    """MLIR's passes print why they failed to fd 2 and Triton raises "PassManager::run failed": the row keeps the
+    compiler's error lines first (here those the tool printed for the repair kernel before 0d5e9f6)."""
+    tool = _tool()
+    stderr = ("<unknown>:0: error: shared-memory element type bit width must be a multiple of 8; got 1\n"
+              "<unknown>:0: note: see current operation: %0 = ttg.local_alloc\n"
+              "agent/attnchecker/kernels/triton_attention.py:851:5: error: Failures have been detected while "
+              "processing an MLIR pass pipeline\n")
+    got = tool.diagnostics("PassManager::run failed", stderr)
+    assert got == ["<unknown>:0: error: shared-memory element type bit width must be a multiple of 8; got 1",
+                   "agent/attnchecker/kernels/triton_attention.py:851:5: error: Failures have been detected while "
+                   "processing an MLIR pass pipeline"]
+    assert tool.diagnostics("PassManager::run failed\nmore", "") == ["PassManager::run failed"]
+    many = "".join(f"x.py:{i}:1: error: e{i}\n" for i in range(9))
+    assert len(tool.diagnostics("", many)) == tool.DIAGNOSTICS
+
+
+def test_fd2_is_captured_below_python_and_given_back(tmp_path: Path) -> None:
+    """What a C++ pass writes to fd 2 (os.write, below sys.stderr) lands in the file, and fd 2 is the process's
+    own again afterwards, also when the block raises."""
+    tool = _tool()
+    before = os.fstat(2)
+    log = tmp_path / "stderr"
+
+    def failing_pass() -> None:
+        with tool.fd2_into(log):
+            os.write(2, b"x.py:1:1: error: from below Python\n")
+            raise RuntimeError("PassManager::run failed")
+
+    with pytest.raises(RuntimeError, match="PassManager"):
+        failing_pass()
+    assert log.read_text() == "x.py:1:1: error: from below Python\n"
+    after = os.fstat(2)
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
