@@ -114,6 +114,10 @@ def gpu_config(launch: dict[str, Any]) -> dict[str, Any]:
     return {**launch, "constexprs": consts, "options": options}
 
 
+SHARED_MEMORY_PER_BLOCK = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+"""The most shared memory one block may use, opted in, per compute capability (bytes): a kernel that asks for more
+compiles and then fails at its first launch ("out of resource: shared memory")."""
+
 DIAGNOSTICS = 5
 """Error lines of a failed compile kept in its row."""
 
@@ -179,8 +183,13 @@ def compile_one(config: dict[str, Any], arch: int) -> dict[str, Any]:
             errors = diagnostics(str(exc), log.read_text(errors="replace"))
             return {**row, "ok": False, "seconds": round(time.perf_counter() - t0, 1),
                     "error": f"{type(exc).__name__}: {errors[0]}", "diagnostics": errors}
-    return {**row, "ok": True, "seconds": round(time.perf_counter() - t0, 1),
-            **triton_resources.resources(compiled.asm["cubin"])}
+    row = {**row, "seconds": round(time.perf_counter() - t0, 1), "smem": compiled.metadata.shared,
+           **triton_resources.resources(compiled.asm["cubin"])}
+    limit = SHARED_MEMORY_PER_BLOCK.get(arch)
+    if limit is not None and row["smem"] > limit:
+        error = f"needs {row['smem']} B of shared memory, sm_{arch} gives a block at most {limit} B"
+        return {**row, "ok": False, "error": f"OutOfResources: {error}", "diagnostics": [error]}
+    return {**row, "ok": True}
 
 
 def main() -> None:
@@ -212,12 +221,13 @@ def main() -> None:
     by_kernel: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         by_kernel.setdefault(r["kernel"], []).append(r)
-    print(f"\n{'kernel':22s} {'configs':>7s} {'failed':>6s} {'registers':>9s} {'max spill':>9s}")
+    print(f"\n{'kernel':22s} {'configs':>7s} {'failed':>6s} {'registers':>9s} {'max spill':>9s} {'max smem':>9s}")
     for kernel, rs in sorted(by_kernel.items()):
         ok = [r for r in rs if r["ok"]]
         regs = max((r["reg"] for r in ok), default=0)
         spill = max((r["stack"] for r in ok), default=0)
-        print(f"{kernel:22s} {len(rs):7d} {len(rs) - len(ok):6d} {regs:9d} {spill:7d} B")
+        smem = max((r.get("smem", 0) for r in rs), default=0)
+        print(f"{kernel:22s} {len(rs):7d} {len(rs) - len(ok):6d} {regs:9d} {spill:7d} B {smem // 1024:6d} KB")
     for r in failed:
         print(f"\nFAILED {r['kernel']} {json.dumps(r['constexprs'], sort_keys=True)} {r['options']}\n  "
               + "\n  ".join(r["diagnostics"]))

@@ -38,7 +38,7 @@ def test_the_repair_launches_of_a_bool_mask_and_of_dropout_compile_for_sm90(tmp_
     repairs = {(r["constexprs"]["MODE"], r["constexprs"]["DROPOUT"]) for r in attention if r["constexprs"]["REPAIR"]}
     assert repairs == {(2, False), (2, True)}
     for r in attention:
-        assert r["ok"] and r["reg"] > 0
+        assert r["ok"] and r["reg"] > 0 and 0 < r["smem"] <= 232448
         assert r["constexprs"]["MASK_KIND"] == 1 and r["constexprs"]["DOT"] == 0
         assert (r["constexprs"]["BLOCK_M"], r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_D"]) == (64, 64, 64)
         assert r["options"] == {"num_warps": 8, "num_stages": 2}
