@@ -1,6 +1,6 @@
 """A pytest plugin for bench/triton_compile_matrix.py: records every Triton launch the interpreter runs (kernel, each
 argument's type, the constexprs, warps and stages) and writes them, with how often each was launched, to
-``$ATTNCHECKER_LAUNCHES.<worker>`` as JSON when the session ends. It changes nothing a test sees: the launch runs as
+``$ATTNCHECKER_LAUNCHES.<pid>`` as JSON when the session ends. It changes nothing a test sees: the launch runs as
 before. Loaded with ``-p _launch_recorder`` (bench/ on PYTHONPATH)."""
 from __future__ import annotations
 
@@ -67,5 +67,8 @@ def pytest_configure() -> None:
 def pytest_unconfigure() -> None:
     out = os.environ.get("ATTNCHECKER_LAUNCHES")
     if out:
-        with open(f"{out}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}", "w") as f:
+        # One file per process: a pytest that itself runs inside an xdist worker (the suite's test of this tool)
+        # inherits PYTEST_XDIST_WORKER, and its controller, which launched nothing, would overwrite its own worker's
+        # file of the same name.
+        with open(f"{out}.{os.getpid()}", "w") as f:
             json.dump(_seen, f)
