@@ -62,22 +62,23 @@ def record(pytest_args: list[str], jobs: int) -> tuple[dict[str, int], str]:
     return seen, summary
 
 
-def gpu_configs(launch: dict[str, Any], head_dims: tuple[int, ...]) -> list[dict[str, Any]]:
+def gpu_configs(launch: dict[str, Any], head_dims: tuple[int, ...], arch: int = 90) -> list[dict[str, Any]]:
     """The launch as a GPU makes it, at each of head_dims for the attention's kernels: the tests' small head dims
     keep the interpreter fast, and the compiler's layouts (and what fails in them) change with the head dim, so the
     configurations are compiled at the dims models use (64 and 128) in their place."""
     if launch["module"].rsplit(".", 1)[-1] not in ("triton_attention", "triton_attention_bwd") \
             or "BLOCK_D" not in launch["constexprs"] or not head_dims:
-        return [gpu_config(launch)]
-    return [gpu_config({**launch, "constexprs": {**launch["constexprs"], "BLOCK_D": d}}) for d in head_dims]
+        return [gpu_config(launch, arch)]
+    return [gpu_config({**launch, "constexprs": {**launch["constexprs"], "BLOCK_D": d}}, arch) for d in head_dims]
 
 
-def gpu_config(launch: dict[str, Any]) -> dict[str, Any]:
-    """The launch as a GPU makes it. Under the interpreter the launchers pick other tiles and operand modes; each
-    choice below is the GPU side of the function that makes it:
-    - kernels/triton_attention: tiles ``gpu_blocks(d)`` (64 x 64 on 8 warps, 2 stages) where the interpreter takes
-      16 x 16 (``block_sizes``); ``dot_mode`` 2 (bf16 cast to fp32: the interpreter's tl.dot takes no bf16) is 0 on a
-      GPU, and 3 (TF32 emulated by truncation) is 1 (the tensor cores' TF32);
+def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
+    """The launch as a GPU of compute capability ``arch`` makes it. Under the interpreter the launchers pick other
+    tiles and operand modes; each choice below is the GPU side of the function that makes it:
+    - kernels/triton_attention: tiles ``gpu_blocks(d, the arch's shared memory per block)`` (64 x 64 on 8 warps, 2
+      stages; 64 x 32 past head dim 64 on a 99 KB GPU) where the interpreter takes 16 x 16 (``block_sizes``);
+      ``dot_mode`` 2 (bf16 cast to fp32: the interpreter's tl.dot takes no bf16) is 0 on a GPU, and 3 (TF32 emulated
+      by truncation) is 1 (the tensor cores' TF32);
     - kernels/triton_attention_bwd: INTERPRET off (its tiles and warps are the GPU's already);
     - kernels/triton_gemm_kernels: the tiles of ``triton_gemm_check._blocks`` for a CUDA device, and ``_dot_flags``'s
       operand modes for CUDA tensors (fp32 products only where the operands' dtypes differ).
@@ -89,7 +90,7 @@ def gpu_config(launch: dict[str, Any]) -> dict[str, Any]:
     consts = dict(launch["constexprs"])
     options = dict(launch["options"])
     if module == "triton_attention":
-        blk = ta.gpu_blocks(consts.get("BLOCK_D", 64))
+        blk = ta.gpu_blocks(consts.get("BLOCK_D", 64), SHARED_MEMORY_PER_BLOCK.get(arch))
         consts.update({k: v for k, v in (("BLOCK_M", blk.m), ("BLOCK_N", blk.n)) if k in consts})
         if "DOT" in consts:
             consts["DOT"] = {2: 0, 3: 1}.get(consts["DOT"], consts["DOT"])
@@ -212,7 +213,7 @@ def main() -> None:
     agent = {k: n for k, n in seen.items() if json.loads(k)["module"].startswith("attnchecker.")}
     print(f"{len(seen) - len(agent)} configurations of the tests' own kernels left out", flush=True)
     for key, n in agent.items():
-        for config in gpu_configs(json.loads(key), head_dims):
+        for config in gpu_configs(json.loads(key), head_dims, args.arch):
             gpu_key = json.dumps(config, sort_keys=True)
             configs.setdefault(gpu_key, {**config, "launches": 0})["launches"] += n
     with ProcessPoolExecutor(args.jobs) as pool:

@@ -44,6 +44,40 @@ def test_the_repair_launches_of_a_bool_mask_and_of_dropout_compile_for_sm90(tmp_
         assert r["options"] == {"num_warps": 8, "num_stages": 2}
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_at_head_dim_128_a_99_kb_gpu_gets_key_tiles_that_fit(tmp_path: Path) -> None:
+    """sm_89 (L4, L40S, RTX 40; sm_86 alike) gives a block at most 99 KB of shared memory. At head dim 128 the
+    forward's 64 × 64 tiles needed up to 132 KB there, and a launch that needs more fails on the GPU. The same bf16
+    bool-mask calls, compiled for sm_89 with the tiles the launcher picks for such a GPU: 64 × 32, all within 99 KB
+    (the tool fails a row that is not)."""
+    pytest.importorskip("triton")
+    out = tmp_path / "matrix.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "bench/triton_compile_matrix.py", "--arch", "89", "--head-dims", "128", "--jobs", "1",
+         "--out", str(out), "tests/agent/test_triton_attention.py", "-k", "each_mask_kind and bool and bfloat16"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=840, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["arch"] == "sm_89" and report["failed"] == 0
+    attention = [r for r in report["rows"] if r["kernel"] == "_attention"]
+    assert len(attention) == 8
+    for r in attention:
+        assert (r["constexprs"]["BLOCK_M"], r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_D"]) == (64, 32, 128)
+        assert 0 < r["smem"] <= 101376
+
+
+def test_the_launcher_keeps_full_tiles_where_they_fit() -> None:
+    """The 32-key tiles are for GPUs of under 160 KB a block past head dim 64 (and every GPU past 128); an A100 (163
+    KB) and an H100 (227 KB) keep the 64 × 64 tiles they were compiled and timed with, and so does head dim 64."""
+    from attnchecker.kernels import triton_attention as ta
+
+    assert [ta.gpu_blocks(128, limit).n for limit in (101376, 166912, 232448, None)] == [32, 64, 64, 64]
+    assert [ta.gpu_blocks(64, limit).n for limit in (101376, None)] == [64, 64]
+    assert ta.gpu_blocks(256, 232448).n == 32
+
+
 def _tool() -> object:
     sys.path.insert(0, str(ROOT / "bench"))
     import triton_compile_matrix

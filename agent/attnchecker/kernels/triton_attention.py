@@ -185,23 +185,46 @@ class Blocks:
     stages: int
 
 
-def block_sizes(d: int) -> Blocks:
+SMALL_SHARED_MEMORY = 160 * 1024
+"""Shared memory per block (opted in) under which a head dim past 64 takes 32-key tiles (``gpu_blocks``)."""
+
+
+def block_sizes(d: int, device: torch.device | None = None) -> Blocks:
     """Tile sizes: 16 × 16 under the interpreter (small tests cross many tiles, and it runs per op, not per element);
-    on a GPU ``gpu_blocks``."""
+    on a GPU ``gpu_blocks`` for that device's shared memory per block."""
     if interpreting():
         return Blocks(16, 16, max(16, triton.next_power_of_2(d)), 4, 1)
-    return gpu_blocks(d)
+    index = None
+    if device is not None and device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+    return gpu_blocks(d, None if index is None else _shared_per_block(index))
 
 
-def gpu_blocks(d: int) -> Blocks:
+@functools.cache
+def _shared_per_block(index: int) -> int | None:
+    """The most shared memory a block may have on CUDA device ``index``, as Triton reads it for the limit it holds a
+    launch to (a driver query, once per device; no sync). None where this Triton does not say."""
+    try:
+        from triton.compiler.compiler import max_shared_mem
+
+        return int(max_shared_mem(index))
+    except Exception:  # an internal of Triton's: where it moved, the full-size tiles, as before
+        return None
+
+
+def gpu_blocks(d: int, shared_per_block: int | None = None) -> Blocks:
     """On a GPU: 64 queries × 64 keys (32 past D = 128) on 8 warps, one shape for every variant, so that the checks'
-    cost is timed against the same kernel with them off. Compiled for sm_90 (bench/triton_resources.py, D = 64,
-    bf16): the plain kernel 145 registers and tier 1 188, no spills; the full checks' first pass reaches 255 and
-    spills 208 B (1.3 KB at D = 128: the bound's per-row fp64 terms); 128 × 64 on 4 warps spilled the plain and
-    tier-1 variants too.
+    cost is timed against the same kernel with them off. On a GPU with less than SMALL_SHARED_MEMORY per block
+    (``shared_per_block``: sm_86 and sm_89, 99 KB), 32 keys past D = 64: at D = 128, 64 × 64 tiles needed up to
+    132 KB there and half of the variants could not launch; 64 × 32 needed at most 88 KB (compiled for sm_89,
+    docs/performance.md §7). The full-size tiles stay where they fit, as they were timed on the H200.
+    Compiled for sm_90 (bench/triton_resources.py, D = 64, bf16): the plain kernel 145 registers and tier 1 188, no
+    spills; the full checks' first pass reaches 255 and spills 208 B (1.3 KB at D = 128: the bound's per-row fp64
+    terms); 128 × 64 on 4 warps spilled the plain and tier-1 variants too.
     TODO(triton-fwd): tune on a GPU. Untuned, on the first H200 run the kernel with its checks off reached 33 to
     132 TFLOP/s in bf16 (docs/performance.md §8)."""
-    return Blocks(64, 64 if d <= 128 else 32, max(16, triton.next_power_of_2(d)), 8, 2)
+    narrow = d > 128 or (d > 64 and shared_per_block is not None and shared_per_block < SMALL_SHARED_MEMORY)
+    return Blocks(64, 32 if narrow else 64, max(16, triton.next_power_of_2(d)), 8, 2)
 
 
 def dot_mode(dtype: torch.dtype, operand_roundoff: float | None) -> int:
@@ -245,7 +268,7 @@ def forward(
     pass writes; the repair kernel then recomputes a tripped block into them, as after that pass."""
     b, h, t, d = q_BHTD.shape
     hk, s = k_BHSD.shape[1], k_BHSD.shape[2]
-    blk = blocks or block_sizes(d)
+    blk = blocks or block_sizes(d, q_BHTD.device)
     n_blocks = triton.cdiv(t, blk.m)
     dev = q_BHTD.device
     if given is not None:
