@@ -144,7 +144,8 @@ def diagnostics(message: str, stderr: str) -> list[str]:
     DIAGNOSTICS, each cut at 300 characters; the exception's first line where neither holds one."""
     lines = [line.strip() for line in (stderr + "\n" + message).splitlines()]
     errors = list(dict.fromkeys(line[:300] for line in lines if "error:" in line))
-    return errors[:DIAGNOSTICS] or [next((line[:300] for line in lines if line), "")]
+    # Not the first line of stderr: a compile also prints Python's warnings there.
+    return errors[:DIAGNOSTICS] or [next((line.strip()[:300] for line in message.splitlines() if line.strip()), "")]
 
 
 def compile_one(config: dict[str, Any], arch: int) -> dict[str, Any]:

@@ -98,6 +98,8 @@ def test_a_failed_compile_keeps_the_compiler_s_own_error_lines() -> None:
                    "agent/attnchecker/kernels/triton_attention.py:851:5: error: Failures have been detected while "
                    "processing an MLIR pass pipeline"]
     assert tool.diagnostics("PassManager::run failed\nmore", "") == ["PassManager::run failed"]
+    assert tool.diagnostics("PassManager::run failed", "knobs.py:504: UserWarning: TRITON_DEFAULT_FP_FUSION is unset\n"
+                            ) == ["PassManager::run failed"]
     many = "".join(f"x.py:{i}:1: error: e{i}\n" for i in range(9))
     assert len(tool.diagnostics("", many)) == tool.DIAGNOSTICS
 
