@@ -79,7 +79,8 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
       stages; 64 x 32 past head dim 64 on a 99 KB GPU) where the interpreter takes 16 x 16 (``block_sizes``);
       ``dot_mode`` 2 (bf16 cast to fp32: the interpreter's tl.dot takes no bf16) is 0 on a GPU, and 3 (TF32 emulated
       by truncation) is 1 (the tensor cores' TF32);
-    - kernels/triton_attention_bwd: INTERPRET off (its tiles and warps are the GPU's already);
+    - kernels/triton_attention_bwd: INTERPRET off; tiles and stages ``gpu_tiles(d, the arch's shared memory per
+      block)`` (32 x 32 on 3 stages where they fit: the interpreter's tiles);
     - kernels/triton_gemm_kernels: the tiles of ``triton_gemm_check._blocks`` for a CUDA device, and ``_dot_flags``'s
       operand modes for CUDA tensors (fp32 products only where the operands' dtypes differ).
     Any other kernel is launched alike on both."""
@@ -98,8 +99,14 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
         if launch["kernel"] == "_attention":
             options["num_stages"] = blk.stages
     elif module == "triton_attention_bwd":
+        from attnchecker.kernels import triton_attention_bwd as tab
+
+        tile = tab.gpu_tiles(consts.get("BLOCK_D", 64), SHARED_MEMORY_PER_BLOCK.get(arch))
+        consts.update({k: tile.block for k in ("BLOCK_M", "BLOCK_N") if k in consts})
         if "INTERPRET" in consts:
             consts["INTERPRET"] = False
+        if launch["kernel"] in ("_query_pass", "_key_pass"):
+            options["num_stages"] = tile.stages
     elif module == "triton_gemm_kernels":
         import torch
 
@@ -171,8 +178,12 @@ def compile_one(config: dict[str, Any], arch: int) -> dict[str, Any]:
         else:
             signature[name] = tuple(kind) if isinstance(kind, list) else kind
     t0 = time.perf_counter()
+    # The constexprs do not say the operands' dtype: the first pointer parameter's element type does (q for the
+    # attention's kernels, the checked output for the GEMM checks').
+    pointer = next((signature[n] for n in fn.arg_names if str(signature[n]).startswith("*")), None)
     row: dict[str, Any] = {"kernel": config["kernel"], "constexprs": config["constexprs"],
-                           "options": config["options"], "launches": config["launches"]}
+                           "options": config["options"], "launches": config["launches"],
+                           "operand_dtype": None if pointer is None else str(pointer)[1:]}
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "stderr"
         try:

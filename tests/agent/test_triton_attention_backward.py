@@ -209,6 +209,71 @@ def test_a_fault_in_each_product_is_flagged_and_its_block_recomputed(
     assert all(torch.equal(x, y) for x, y in zip(got, a["clean"], strict=True))
 
 
+# The tiles a 99 KB GPU takes at head dim 256 (kernels.gpu_tiles): 16 × 16, and the rules' tile vectors as long.
+SMALL_TILES = kernels.Tiles(16, 2)
+
+
+@pytest.mark.parametrize(("dtype", "mask", "p"), [(torch.float32, "window", 0.0), (torch.bfloat16, "additive", 0.1)])
+def test_the_small_gpus_16_wide_tiles_give_the_same_gradients_and_flag_nothing_clean(
+        make_ctx: Any, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, mask: str, p: float) -> None:
+    """The backward at the tiles it takes past head dim 128 on a GPU with 99 KB of shared memory a block (sm_86,
+    sm_89): T = 40 crosses 3 query and 3 key tiles of 16. The same gradients as autograd's, every op checked once,
+    no flag, every clean ratio within its bound."""
+    monkeypatch.setattr(kernels, "tiles", lambda *_: SMALL_TILES)
+    taken = []
+    run = kernels.run
+
+    def run_seen(*args: Any, **kwargs: Any) -> Any:
+        taken.append(kwargs.get("tile"))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "run", run_seen)
+    a = make(dtype, h=2, hk=1, t=40, s=40, mask=mask, p=p, seed=5)
+    ctx, rec = make_ctx()
+    got = backward(a, ctx)
+    drain(ctx.runtime.deferred)
+    assert taken == [SMALL_TILES]
+    assert not rec.detections, rec.detections[:2]
+    assert all(ctx.runtime.stats.checks[op] == 1 for op in kernels.OPS)
+    assert all(float(r) <= 1.0 for r in ctx.runtime.stats.residual_max.values()), ctx.runtime.stats.residual_max
+    assert close(got, a, REL[dtype])
+
+
+@pytest.mark.parametrize(("op", "side"), PRODUCTS)
+def test_at_the_small_gpus_16_wide_tiles_a_finite_fault_in_each_product_is_flagged_and_recomputed(
+        make_ctx: Any, monkeypatch: pytest.MonkeyPatch, faulty_call: dict[str, Any], op: str, side: str) -> None:
+    """A finite error of 5 % of the product's RMS (the hardest kind for a bound) in each product and pass, at the 16 ×
+    16 tiles: flagged against the 16-long vectors' bounds, located in its matrix, and the recompute gives the
+    fault-free gradients of those tiles bit for bit."""
+    monkeypatch.setattr(kernels, "tiles", lambda *_: SMALL_TILES)
+    clean_ctx, _ = make_ctx()
+    clean = backward(faulty_call, clean_ctx)
+    ctx, rec = make_ctx()
+    got = backward(faulty_call, ctx, faults=[fault_at(op, side, "finite", faulty_call["rms"][op])])
+    drain(ctx.runtime.deferred)
+    mine = [d for d in rec.detections if d.op == op]
+    assert mine and all(d.action == "recomputed" for d in rec.detections), rec.detections
+    assert (mine[0].batch, mine[0].head) == (0, 0 if op in ("grad_v", "grad_k") else 1), mine[0]
+    assert all(torch.equal(x, y) for x, y in zip(got, clean, strict=True))
+
+
+def test_the_gpu_tiles_fit_each_gpus_shared_memory() -> None:
+    """32 × 32 on Triton's 3 stages up to head dim 64 everywhere and wherever they fit; 2 stages at head dim 128 on a
+    99 KB GPU (3 needed 107 KB there) and at 256 on an A100; 16 × 16 at 256 on a 99 KB GPU. Each choice within the
+    limit by the compiled need (SHARED_NEEDED); an unknown limit keeps the tiles of the interpreter and the H200."""
+    limits = {"sm_89": 101376, "sm_80": 166912, "sm_90": 232448}
+    want = {(64, "sm_89"): (32, 3), (64, "sm_80"): (32, 3), (64, "sm_90"): (32, 3),
+            (128, "sm_89"): (32, 2), (128, "sm_80"): (32, 3), (128, "sm_90"): (32, 3),
+            (256, "sm_89"): (16, 2), (256, "sm_80"): (32, 2), (256, "sm_90"): (32, 3)}
+    for (d, arch), (block, stages) in want.items():
+        got = kernels.gpu_tiles(d, limits[arch])
+        assert (got.block, got.stages) == (block, stages), (d, arch, got)
+        assert kernels.SHARED_NEEDED[(d, block, stages)] <= limits[arch]
+    assert kernels.gpu_tiles(96, limits["sm_89"]) == kernels.gpu_tiles(128, limits["sm_89"])
+    assert kernels.gpu_tiles(256) == kernels.Tiles(kernels.BLOCK, 3)
+    assert kernels.tiles(256, torch.device("cpu")) == kernels.Tiles(kernels.BLOCK, 3)
+
+
 def test_a_fault_that_repeats_in_the_recompute_is_uncorrectable(make_ctx: Any, faulty_call: dict[str, Any]) -> None:
     ctx, rec = make_ctx()
     got = backward(faulty_call, ctx, faults=[fault_at("grad_k", "keys", "inf", 1.0, persistent=True)])

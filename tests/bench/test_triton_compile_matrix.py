@@ -18,6 +18,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
+def compile_matrix(out: Path, *args: str) -> dict:
+    """bench/triton_compile_matrix.py with these arguments, its report written to ``out``: the report, after the tool
+    exited 0 (every configuration compiled and fit)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "bench/triton_compile_matrix.py", "--out", str(out), *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=840, check=False)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    report: dict = json.loads(out.read_text())
+    return report
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_repair_launches_of_a_bool_mask_and_of_dropout_compile_for_sm90(tmp_path: Path) -> None:
@@ -25,14 +36,8 @@ def test_the_repair_launches_of_a_bool_mask_and_of_dropout_compile_for_sm90(tmp_
     and the repair kernel), recorded and compiled at the GPU's tiles (64 × 64 on 8 warps), operand mode (bf16 as it
     is) and head dim 64: every configuration compiles, the repair kernel's among them."""
     pytest.importorskip("triton")
-    out = tmp_path / "matrix.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "bench/triton_compile_matrix.py", "--head-dims", "64", "--jobs", "1", "--out", str(out),
-         "tests/agent/test_triton_attention.py", "-k", "each_mask_kind and bool and bfloat16"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=840, check=False)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    report = json.loads(out.read_text())
+    report = compile_matrix(tmp_path / "matrix.json", "--head-dims", "64", "--jobs", "1",
+                            "tests/agent/test_triton_attention.py", "-k", "each_mask_kind and bool and bfloat16")
     assert report["arch"] == "sm_90" and report["failed"] == 0 and report["pytest"].startswith("4 passed")
     attention = [r for r in report["rows"] if r["kernel"] == "_attention"]
     repairs = {(r["constexprs"]["MODE"], r["constexprs"]["DROPOUT"]) for r in attention if r["constexprs"]["REPAIR"]}
@@ -52,14 +57,8 @@ def test_at_head_dim_128_a_99_kb_gpu_gets_key_tiles_that_fit(tmp_path: Path) -> 
     bool-mask calls, compiled for sm_89 with the tiles the launcher picks for such a GPU: 64 × 32, all within 99 KB
     (the tool fails a row that is not)."""
     pytest.importorskip("triton")
-    out = tmp_path / "matrix.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "bench/triton_compile_matrix.py", "--arch", "89", "--head-dims", "128", "--jobs", "1",
-         "--out", str(out), "tests/agent/test_triton_attention.py", "-k", "each_mask_kind and bool and bfloat16"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=840, check=False)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    report = json.loads(out.read_text())
+    report = compile_matrix(tmp_path / "matrix.json", "--arch", "89", "--head-dims", "128", "--jobs", "1",
+                            "tests/agent/test_triton_attention.py", "-k", "each_mask_kind and bool and bfloat16")
     assert report["arch"] == "sm_89" and report["failed"] == 0
     attention = [r for r in report["rows"] if r["kernel"] == "_attention"]
     assert len(attention) == 8
@@ -68,14 +67,38 @@ def test_at_head_dim_128_a_99_kb_gpu_gets_key_tiles_that_fit(tmp_path: Path) -> 
         assert 0 < r["smem"] <= 101376
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_on_a_99_kb_gpu_the_backwards_passes_get_tiles_that_fit_at_head_dims_128_and_256(tmp_path: Path) -> None:
+    """The backward's key and query passes, on Triton's 3 stages of 32 × 32 tiles, needed 104 and 100 KB at head dim
+    128 and 201 and 196 KB at 256: none could launch on sm_86 or sm_89 (99 KB a block). The launcher's tiles for such
+    a GPU: 2 stages at 128, 16 × 16 on 2 at 256. The checked fp32 causal call whose lse is off in a row, and the clean
+    one before it (full checks and the repair launches), compiled for sm_89 at both head dims: every configuration
+    fits (the tool fails a row that does not)."""
+    pytest.importorskip("triton")
+    report = compile_matrix(tmp_path / "matrix.json", "--arch", "89", "--head-dims", "128,256", "--jobs", "2",
+                            "tests/agent/test_triton_attention_backward.py", "-k", "wrong_log_sum_exp")
+    assert report["arch"] == "sm_89" and report["failed"] == 0
+    passes = {(r["kernel"], r["constexprs"]["BLOCK_D"], r["constexprs"]["REPAIR"]): r for r in report["rows"]
+              if r["kernel"] in ("_query_pass", "_key_pass")}
+    assert len(passes) == 8, sorted(passes)
+    for (_, d, _), r in passes.items():
+        assert r["constexprs"]["CHECK"] == 2 and r["constexprs"]["CAUSAL"] and r["operand_dtype"] == "fp32"
+        assert (r["constexprs"]["BLOCK_M"], r["options"]["num_stages"]) == ((32, 2) if d == 128 else (16, 2))
+        assert 0 < r["smem"] <= 101376
+
+
 def test_the_launcher_keeps_full_tiles_where_they_fit() -> None:
     """The 32-key tiles are for GPUs of under 160 KB a block past head dim 64 (and every GPU past 128); an A100 (163
-    KB) and an H100 (227 KB) keep the 64 × 64 tiles they were compiled and timed with, and so does head dim 64."""
+    KB) and an H100 (227 KB) keep the 64 × 64 tiles they were compiled and timed with, and so does head dim 64. Past
+    head dim 128 every GPU under 168 KB takes 16 × 16 tiles (64 × 32 needed up to 168 KB, 32 × 32 on one stage 116
+    KB); an H100 keeps 64 × 32."""
     from attnchecker.kernels import triton_attention as ta
 
     assert [ta.gpu_blocks(128, limit).n for limit in (101376, 166912, 232448, None)] == [32, 64, 64, 64]
     assert [ta.gpu_blocks(64, limit).n for limit in (101376, None)] == [64, 64]
-    assert ta.gpu_blocks(256, 232448).n == 32
+    assert [(b.m, b.n, b.stages) for b in (ta.gpu_blocks(256, limit) for limit in (101376, 166912, 232448))] \
+        == [(16, 16, 2), (16, 16, 2), (64, 32, 2)]
 
 
 def _tool() -> object:

@@ -61,7 +61,7 @@ from ..abft.tile_terms import TileTerms, tile_terms
 from ..abft.tolerance import NEAR_INF, Tolerance
 from . import triton_checks as tc
 from . import triton_dropout
-from .triton_common import device_function, host_table, interpreting, triton
+from .triton_common import SMALL_SHARED_MEMORY, device_function, host_table, interpreting, shared_per_block, triton
 
 if triton is not None:
     import triton.language as tl
@@ -185,46 +185,41 @@ class Blocks:
     stages: int
 
 
-SMALL_SHARED_MEMORY = 160 * 1024
-"""Shared memory per block (opted in) under which a head dim past 64 takes 32-key tiles (``gpu_blocks``)."""
-
-
 def block_sizes(d: int, device: torch.device | None = None) -> Blocks:
     """Tile sizes: 16 × 16 under the interpreter (small tests cross many tiles, and it runs per op, not per element);
     on a GPU ``gpu_blocks`` for that device's shared memory per block."""
     if interpreting():
         return Blocks(16, 16, max(16, triton.next_power_of_2(d)), 4, 1)
-    index = None
-    if device is not None and device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-    return gpu_blocks(d, None if index is None else _shared_per_block(index))
+    return gpu_blocks(d, None if device is None else shared_per_block(device))
 
 
-@functools.cache
-def _shared_per_block(index: int) -> int | None:
-    """The most shared memory a block may have on CUDA device ``index``, as Triton reads it for the limit it holds a
-    launch to (a driver query, once per device; no sync). None where this Triton does not say."""
-    try:
-        from triton.compiler.compiler import max_shared_mem
-
-        return int(max_shared_mem(index))
-    except Exception:  # an internal of Triton's: where it moved, the full-size tiles, as before
-        return None
+WIDE_TILES_SHARED = 172032
+"""The most shared memory the 64 × 32 tiles needed at head dim 256 (the repair kernel, a bool mask, no causal mask;
+compiled for sm_80): a GPU with less per block takes 16 × 16 tiles there (``gpu_blocks``)."""
 
 
 def gpu_blocks(d: int, shared_per_block: int | None = None) -> Blocks:
-    """On a GPU: 64 queries × 64 keys (32 past D = 128) on 8 warps, one shape for every variant, so that the checks'
-    cost is timed against the same kernel with them off. On a GPU with less than SMALL_SHARED_MEMORY per block
-    (``shared_per_block``: sm_86 and sm_89, 99 KB), 32 keys past D = 64: at D = 128, 64 × 64 tiles needed up to
-    132 KB there and half of the variants could not launch; 64 × 32 needed at most 88 KB (compiled for sm_89,
-    docs/performance.md §7). The full-size tiles stay where they fit, as they were timed on the H200.
+    """On a GPU: 64 queries × 64 keys (32 past D = 128) on 8 warps, 2 stages, one shape for every variant, so that the
+    checks' cost is timed against the same kernel with them off. Where a GPU gives a block less shared memory
+    (``shared_per_block``), smaller tiles, compiled for sm_89 and sm_80 (docs/performance.md §7):
+    - D = 128 under SMALL_SHARED_MEMORY (sm_86 and sm_89, 99 KB): 32 keys. 64 × 64 tiles needed up to 132 KB there
+      and half of the variants could not launch; 64 × 32 needed at most 88 KB.
+    - D = 256 under WIDE_TILES_SHARED (every GPU but H100, H200 and their successors): 16 × 16, the interpreter's
+      tiles, which the suite runs. 64 × 32 needed up to 168 KB, more than an A100's 163; 32 × 32 on one stage up to
+      116 KB; 16 × 16 at most 55 KB.
+    The full-size tiles stay where they fit, as they were timed on the H200.
     Compiled for sm_90 (bench/triton_resources.py, D = 64, bf16): the plain kernel 145 registers and tier 1 188, no
     spills; the full checks' first pass reaches 255 and spills 208 B (1.3 KB at D = 128: the bound's per-row fp64
     terms); 128 × 64 on 4 warps spilled the plain and tier-1 variants too.
     TODO(triton-fwd): tune on a GPU. Untuned, on the first H200 run the kernel with its checks off reached 33 to
     132 TFLOP/s in bf16 (docs/performance.md §8)."""
-    narrow = d > 128 or (d > 64 and shared_per_block is not None and shared_per_block < SMALL_SHARED_MEMORY)
-    return Blocks(64, 32 if narrow else 64, max(16, triton.next_power_of_2(d)), 8, 2)
+    block_d = max(16, triton.next_power_of_2(d))
+    if d > 128:
+        if shared_per_block is not None and shared_per_block < WIDE_TILES_SHARED:
+            return Blocks(16, 16, block_d, 8, 2)
+        return Blocks(64, 32, block_d, 8, 2)
+    small = d > 64 and shared_per_block is not None and shared_per_block < SMALL_SHARED_MEMORY
+    return Blocks(64, 32 if small else 64, block_d, 8, 2)
 
 
 def dot_mode(dtype: torch.dtype, operand_roundoff: float | None) -> int:
@@ -1162,7 +1157,8 @@ if triton is not None:
 
 
 def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = True, reps: int = 20,
-                 dtype: torch.dtype = torch.bfloat16, vendor: Any = None) -> dict[str, Any]:
+                 dtype: torch.dtype = torch.bfloat16, vendor: Any = None, blocks: Blocks | None = None
+                 ) -> dict[str, Any]:
     """The cost of the checks inside the kernel (bench/gpu_suite.py): one forward with checks off, with tier 1 and
     with the full checks (its repair launch included, which returns at once on clean data), interleaved over ``reps``
     rounds, milliseconds per call (device-synchronised: a benchmark, not the fast path) and each over checks off.
@@ -1173,7 +1169,7 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
 
     vendor: attention/vendor.forward, to time tier 1 as a default step runs it where the vendor takes the
     call: the vendor's forward alone ("vendor") and with the pass over it and the repair launch ("tier1_given"),
-    each also over SDPA's forward."""
+    each also over SDPA's forward. blocks: the kernel's tiles (default ``block_sizes`` for the device)."""
     import statistics
     import time
 
@@ -1202,10 +1198,10 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
             elif checks == "tier1_given":
                 made = vendor(q, k, v, is_causal=causal, scale=scale)
                 forward(q, k, v, scale=scale, checks=Checks(mode="tier1"), is_causal=causal,
-                        given=(made.out_BHTD, made.lse_BHT))
+                        given=(made.out_BHTD, made.lse_BHT), blocks=blocks)
             else:
                 assert isinstance(checks, Checks)
-                forward(q, k, v, scale=scale, checks=checks, is_causal=causal)
+                forward(q, k, v, scale=scale, checks=checks, is_causal=causal, blocks=blocks)
             sync()
             if r:  # the first round compiles
                 times[name].append((time.perf_counter() - t0) * 1e3)

@@ -46,13 +46,13 @@ from typing import Any
 import torch
 
 from . import triton_dropout
-from .triton_common import device_function, host_table, interpreting, triton
+from .triton_common import device_function, host_table, interpreting, shared_per_block, triton
 
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["CHECKS", "FIELDS", "OPS", "KernelFault", "Launch", "Rules", "available", "bench_checks", "default_block",
-           "interpreting", "not_supported_reasons", "run"]
+__all__ = ["CHECKS", "FIELDS", "OPS", "KernelFault", "Launch", "Rules", "Tiles", "available", "bench_checks",
+           "gpu_tiles", "interpreting", "not_supported_reasons", "run", "tiles"]
 
 OPS: tuple[str, ...] = ("scores_bwd", "grad_probs", "grad_v", "grad_k", "grad_q")
 """The checked products, in the order of an Outcome's per-op fields and of a status word's bits."""
@@ -63,12 +63,12 @@ CHECKS: tuple[str, ...] = ("off", "tripwire", "abft")
 FAULT_KINDS: tuple[str, ...] = ("value", "add", "bitflip")
 _SIDES = ("keys", "queries")
 BLOCK = 32
-"""Rows and keys per tile, on a GPU and under the interpreter. NUM_WARPS = 8 warps per program on a GPU. Chosen
-from the compiler, not from timing (no GPU has run these kernels): ptxas for sm_90 (bench/triton_kernels.py,
-docs/perf/triton_backward_kernels.json; bf16, causal) has the checked kernels spilling 36-344 bytes per thread at
-32×32 tiles and 8 warps, D = 64 and 128, against 1.3-4.7 KB at 64×64 (8 warps) and up to 17.7 KB at 64×64 (4
-warps); the unchecked ones 0-32 bytes at 32 and 0-72 at 64. bench/gpu_suite.py's backward_kernel section is what
-should settle it."""
+"""Rows and keys per tile, under the interpreter and on a GPU where it fits (``gpu_tiles``). NUM_WARPS = 8 warps per
+program on a GPU. Chosen from the compiler, not from timing (no GPU has run these kernels): ptxas for sm_90
+(bench/triton_kernels.py, docs/perf/triton_backward_kernels.json; bf16, causal) has the checked kernels spilling
+36-344 bytes per thread at 32×32 tiles and 8 warps, D = 64 and 128, against 1.3-4.7 KB at 64×64 (8 warps) and up to
+17.7 KB at 64×64 (4 warps); the unchecked ones 0-32 bytes at 32 and 0-72 at 64. bench/gpu_suite.py's backward_kernel
+section is what should settle it."""
 NUM_WARPS = 8
 MAX_HEAD_DIM = 256
 
@@ -78,9 +78,43 @@ def available() -> bool:
     return triton is not None and (torch.cuda.is_available() or interpreting())
 
 
-def default_block() -> int:
-    """The tile size ``run`` takes by default (the rules' tile vectors are this long)."""
-    return BLOCK
+@dataclass(frozen=True, slots=True)
+class Tiles:
+    block: int
+    """Rows and keys per tile (the rules' tile vectors are this long)."""
+    stages: int
+    """Software-pipeline stages of the passes' loops (Triton's num_stages; its default is 3)."""
+
+
+SHARED_NEEDED: dict[tuple[int, int, int], int] = {
+    (64, BLOCK, 3): 57888,
+    (128, BLOCK, 3): 107040, (128, BLOCK, 2): 74016,
+    (256, BLOCK, 3): 205344, (256, BLOCK, 2): 139552, (256, 16, 2): 67744}
+"""(padded head dim, block, stages) -> the most shared memory a key or query pass needed at those tiles, bytes, over
+the configurations bench/triton_compile_matrix.py compiled with Triton 3.9 (sm_80 and sm_89: the same bytes for each
+arch; docs/performance.md §7). (256, BLOCK, 3): the configuration heaviest at 128 (causal, full checks), compiled
+alone for sm_90."""
+
+
+def tiles(d: int, device: torch.device | None = None) -> Tiles:
+    """The tiles ``run`` takes for head dim d on ``device``: BLOCK on Triton's 3 stages under the interpreter (and
+    where the device's limit is unknown), else ``gpu_tiles`` for its shared memory per block."""
+    return gpu_tiles(d, None if device is None else shared_per_block(device))
+
+
+def gpu_tiles(d: int, shared_per_block: int | None = None) -> Tiles:
+    """The first of 32 × 32 on 3 stages, on 2, and 16 × 16 on 2 whose shared memory (SHARED_NEEDED) fits
+    ``shared_per_block``. What it gives: BLOCK on 3 stages up to D = 64 everywhere, and past it on H100 and H200
+    (227 KB); 2 stages at D = 128 on sm_86 and sm_89 (99 KB: 3 stages needed 104 KB) and at D = 256 on A100
+    (163 KB); 16 × 16 at D = 256 on a 99 KB GPU."""
+    block_d = max(16, triton.next_power_of_2(d)) if triton is not None else d
+    if shared_per_block is None or block_d <= 64:
+        return Tiles(BLOCK, 3)
+    for block, stages in ((BLOCK, 3), (BLOCK, 2), (16, 2)):
+        need = SHARED_NEEDED.get((block_d, block, stages))
+        if need is not None and need <= shared_per_block:
+            return Tiles(block, stages)
+    return Tiles(16, 2)
 
 
 def not_supported_reasons(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
@@ -215,7 +249,7 @@ def run(
     faults: list[KernelFault] | None = None,
     repair: bool = True,
     tf32: bool = False,
-    block: int | None = None,
+    tile: Tiles | None = None,
     given: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Launch | None]:
     """(dq (B, H, T, D), dk, dv (B, HK, S, D) summed over each KV head's query heads, and what the checks found, None
@@ -224,7 +258,8 @@ def run(
     additive, broadcastable to (B, H, T, S); causal is top-left aligned, as SDPA's. seed: dropout's, an int or a (1,)
     int64 tensor on the device (the forward's, read in the kernels: no copy to the host). rules: for check "abft" (and
     "tripwire", which ignores them). repair: launch the recompute of flagged programs. tf32: fp32 products with TF32
-    operands (the rules must say so). block: tile size (default BLOCK). given: (dq, dk, dv) an unchecked backward
+    operands (the rules must say so). tile: tile size and stages (default ``tiles`` for the head dim and device: the
+    rules' tile vectors must be as long). given: (dq, dk, dv) an unchecked backward
     made (SDPA's), for check "tripwire": the first pass only reads them (``_trip_given``) and the repair recomputes
     the flagged blocks into them; returned (made contiguous where they were not).
     Launches 3 kernels, 5 with repair; no host-device sync."""
@@ -238,7 +273,8 @@ def run(
         raise ValueError(f"q has {h} heads and k/v {hk}: the KV heads must divide the query heads")
     device = q_BHTD.device
     interp = interpreting()
-    blk = block or default_block()
+    tile = tile or tiles(d, device)
+    blk = tile.block
     block_d = max(16, triton.next_power_of_2(d))
     n_kb, n_qb = triton.cdiv(s, blk), triton.cdiv(t, blk)
     p_keys, p_queries = b * hk * n_kb, b * h * n_qb
@@ -291,11 +327,11 @@ def run(
         _query_pass[(n_qb, b * h)](*inputs, dq, written, summary, table, seed if on_device else dq, *sizes, p_keys,
                                    r.tile, r.queries,
                                    r.softmax, FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None,
-                                   num_warps=NUM_WARPS, **common)
+                                   num_warps=NUM_WARPS, num_stages=tile.stages, **common)
         _key_pass[(n_kb, b * hk)](*inputs, dk, dv, written, summary, table, seed if on_device else dq, *sizes, 0,
                                   r.tile, r.keys,
                                   FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None, num_warps=NUM_WARPS,
-                                  **common)
+                                  num_stages=tile.stages, **common)
     if not mode:
         return dq, dk, dv, None
     return dq, dk, dv, Launch(b, h, hk, n_kb, n_qb, status, summary, repaired)
@@ -967,14 +1003,14 @@ if triton is not None:
 
 
 def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = True, reps: int = 20,
-                 dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+                 dtype: torch.dtype = torch.bfloat16, tile: Tiles | None = None) -> dict[str, Any]:
     """The cost of the checks inside the kernels (bench/gpu_suite.py): one backward with check "off", "tripwire"
     and "abft" (with its repair launch, which returns at once on clean data), interleaved over ``reps`` rounds,
     milliseconds per call (device-synchronised: a benchmark, not the fast path) and each variant over "off"; "sdpa",
     SDPA's own backward on the same inputs (its forward run before the timer), the unprotected step's; and
     "tripwire_given", what a tier-1 step without dropout runs (attention.backward.fused.sdpa_tier1_on_device): SDPA's
     forward again and its backward, then the tier-1 pass over its gradients and the two repair launches, also over
-    "sdpa"."""
+    "sdpa". tile: the kernels' tiles (default ``tiles`` for the head dim and device)."""
     import statistics
     import time
 
@@ -992,7 +1028,8 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
         if causal:
             z = z.masked_fill(torch.ones(z.shape[-2:], dtype=torch.bool, device=device).triu(r0 + 1), -math.inf)
         lse[..., r0:r0 + 512] = torch.logsumexp(z, -1)
-    tol, blk = Tolerance(), default_block()
+    tile = tile or tiles(d, q.device)
+    tol, blk = Tolerance(), tile.block
     rules = Rules(product_rule(blk, d, tol).scalars(), product_rule(d, t, tol).scalars(),
                   product_rule(d, t, tol).scalars(), softmax_grad_rule(t=t, s=t, d=d, dtype=dtype, tol=tol).scalars())
     # (SDPA's forward keeps its scores in fp32: scores_dtype None.)
@@ -1016,10 +1053,10 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
                     again = torch.nn.functional.scaled_dot_product_attention(lq, lk, lv, is_causal=causal, scale=scale)
                     grads = torch.autograd.grad(again, leaves, do)
                 run(q, k, v, out, lse, do, scale=scale, is_causal=causal, window=None, attn_mask=None, dropout_p=0.0,
-                    seed=0, check="tripwire", rules=None, given=(grads[0], grads[1], grads[2]))
+                    seed=0, check="tripwire", rules=None, tile=tile, given=(grads[0], grads[1], grads[2]))
             else:
                 run(q, k, v, out, lse, do, scale=scale, is_causal=causal, window=None, attn_mask=None, dropout_p=0.0,
-                    seed=0, check=c, rules=rules if c == "abft" else None)
+                    seed=0, check=c, rules=rules if c == "abft" else None, tile=tile)
             sync()
             if r:  # the first round compiles
                 times[c].append((time.perf_counter() - t0) * 1e3)

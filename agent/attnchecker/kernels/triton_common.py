@@ -10,6 +10,7 @@ inlined into the kernels.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,7 +27,7 @@ except ImportError:  # no triton: available() says so, and nothing here is calle
 # interpreted, whatever the environment says later.
 _INTERPRET = knobs is not None and bool(knobs.runtime.interpret)
 
-__all__ = ["device_function", "host_table", "interpreting", "triton"]
+__all__ = ["SMALL_SHARED_MEMORY", "device_function", "host_table", "interpreting", "shared_per_block", "triton"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,6 +35,30 @@ F = TypeVar("F", bound=Callable[..., Any])
 def interpreting() -> bool:
     """TRITON_INTERPRET=1 was set when the kernels were built (this module imported): they run on CPU tensors."""
     return _INTERPRET
+
+
+SMALL_SHARED_MEMORY = 160 * 1024
+"""Shared memory per block (opted in) under which the attention kernels take smaller tiles or fewer pipeline stages
+past head dim 64: sm_86 and sm_89 (A10, A40, L4, L40S, RTX 30 and 40) give 99 KB; A100 163 KB, H100 and H200 227 KB."""
+
+
+def shared_per_block(device: torch.device) -> int | None:
+    """The most shared memory a block may use on ``device``, as Triton reads it for the limit it holds a launch to
+    (a driver query, once per device; no sync). None off CUDA, under the interpreter, or where this Triton does not
+    say."""
+    if device.type != "cuda" or interpreting():
+        return None
+    return _shared_per_block(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _shared_per_block(index: int) -> int | None:
+    try:
+        from triton.compiler.compiler import max_shared_mem
+
+        return int(max_shared_mem(index))
+    except Exception:  # an internal of Triton's: where it moved, the full-size tiles, as before
+        return None
 
 
 def device_function(fn: F) -> F:

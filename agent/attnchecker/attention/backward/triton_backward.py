@@ -147,19 +147,20 @@ def backward(
     faults = take_faults() if faults is None else faults
     tf32 = q_BHTD.dtype == torch.float32 and current_fp32_precision(q_BHTD.device.type) == "tf32"
     rules = None
+    tile = kernels.tiles(q_BHTD.shape[-1], q_BHTD.device)
     if check == "abft":
         assert ctx is not None
         _, h, t, d = q_BHTD.shape
         # The forward's fp32 products rounded their operands too, under the same flags (its scores and output).
         u_fwd = fp32_matmul_operand_roundoff(q_BHTD.device) if q_BHTD.dtype == torch.float32 else None
-        rules = _rules(kernels.default_block(), t, k_BHSD.shape[-2], d, h // k_BHSD.shape[1], q_BHTD.dtype,
+        rules = _rules(tile.block, t, k_BHSD.shape[-2], d, h // k_BHSD.shape[1], q_BHTD.dtype,
                        _tolerance(ctx), tf32, u_fwd or 0.0, scores_dtype)
     repair = ctx is not None and ctx.config.mode == "correct"
     try:
         dq, dk, dv, launch = kernels.run(
             q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, dout_BHTD, scale=scale, is_causal=is_causal, window=window,
             attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, check=check, rules=rules, faults=faults,
-            repair=repair, tf32=tf32, given=given)
+            repair=repair, tf32=tf32, tile=tile, given=given)
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:
