@@ -30,6 +30,8 @@ Sections, in order (each records its own wall time; one that would pass the budg
    time one call of a GEMM's tier 1 costs (its memset and launch) against one aten op's.
 4. coverage: the share of a step's GEMM FLOPs each scope checks (torch.utils.flop_counter over one unprotected
    step: the attention core's products against the projections', the MLP's and the LM head's).
+   tiles: the attention kernels (forward and backward, checks off and on) at head dims 128 and 256, at the tiles
+   each GPU class takes (99 KB of shared memory a block, an A100's 163 KB, this GPU's), timed against each other.
 5. profile: Nsight Compute on the checked forward kernel (off, tier 1, full checks, each with its repair launch) at
    B, H, T, D = 1, 32, 8192, 128: occupancy, issue stalls, instructions executed, spill traffic, where ncu can read
    the GPU's counters (not in every virtual machine: the section then records ncu's error). The raw CSV lands beside
@@ -297,6 +299,62 @@ def backward_kernel_section(args: argparse.Namespace, device: str, deadline: flo
         out.append({"shape": [b, h, t, d], **got})
         print(f"backward kernel B={b} H={h} T={t} D={d}: {got}")
     return {"rows": out}
+
+
+SMALL_GPU_SHARED = 101376
+"""sm_86 and sm_89's shared memory per block (99 KB): the tiles section times the tiles such a GPU takes."""
+
+
+def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:
+    """The attention kernels at the tiles each GPU class takes (kernels' ``gpu_blocks`` and ``gpu_tiles`` for 99 KB,
+    163 KB and this GPU's shared memory per block), each timed here against the others: what the smaller tiles of a
+    99 KB GPU cost, and whether they would pay on this one (at head dim 128 the 64 × 32 forward tiles spill 2.6 KB
+    where 64 × 64 spill 8.9 KB, compiled for sm_89 and sm_90). bf16, causal; the forward's and the backward's
+    bench_checks at each choice."""
+    import torch
+
+    from attnchecker.kernels import triton_attention, triton_attention_bwd
+    from attnchecker.kernels.triton_common import shared_per_block
+
+    why = triton_attention.not_available_reason(torch.device(device))
+    if why is not None:
+        return {"skipped": why}
+    here = shared_per_block(torch.device(device))
+    limits = {"sm_86_89": SMALL_GPU_SHARED, "sm_80": 166912, "here": here}
+    # Under the interpreter the GPU's tile choices at a small head dim: every code path, in seconds.
+    shapes = [(1, 1, 48, 128, 32), (1, 1, 48, 256, 32)] if args.dry_run else [(1, 32, 4096, 128, 128),
+                                                                              (1, 16, 4096, 256, 256)]
+    rows: list[dict[str, Any]] = []
+    for b, h, t, d_tiles, d in shapes:
+        forward_choices: dict[tuple[int, ...], list[str]] = {}
+        backward_choices: dict[tuple[int, int], list[str]] = {}
+        for name, limit in limits.items():
+            blk = triton_attention.gpu_blocks(d_tiles, limit)
+            forward_choices.setdefault((blk.m, blk.n, blk.warps, blk.stages), []).append(name)
+            tile = triton_attention_bwd.gpu_tiles(d_tiles, limit)
+            backward_choices.setdefault((tile.block, tile.stages), []).append(name)
+        for (m, n, warps, stages), names in forward_choices.items():
+            if time.monotonic() > deadline:
+                rows.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
+                continue
+            blocks = triton_attention.Blocks(m, n, max(16, d), warps, stages)
+            got = triton_attention.bench_checks(b=b, h=h, t=t, d=d, device=device, causal=True,
+                                                reps=1 if args.dry_run else 10, blocks=blocks)
+            rows.append({"kernel": "forward", "shape": [b, h, t, d], "tiles": [m, n], "warps": warps,
+                         "stages": stages, "taken_by": names, **got})
+            print(f"tiles: forward B={b} H={h} T={t} D={d} {m}x{n} stages {stages} ({', '.join(names)}): "
+                  f"off {got['off_ms']:.3f} ms, full {got['full_ms']:.3f} ms")
+        for (block, stages), names in backward_choices.items():
+            if time.monotonic() > deadline:
+                rows.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
+                continue
+            got = triton_attention_bwd.bench_checks(b=b, h=h, t=t, d=d, device=device, reps=1 if args.dry_run else 5,
+                                                    tile=triton_attention_bwd.Tiles(block, stages))
+            rows.append({"kernel": "backward", "shape": [b, h, t, d], "tiles": [block, block], "stages": stages,
+                         "taken_by": names, **got})
+            print(f"tiles: backward B={b} H={h} T={t} D={d} {block}x{block} stages {stages} ({', '.join(names)}): "
+                  f"off {got['off_ms']:.3f} ms, abft {got['abft_ms']:.3f} ms")
+    return {"shared_per_block_here": here, "rows": rows}
 
 
 ATTRIBUTION_VARIANTS = ("baseline", "default", "all_default", "all_full")
@@ -577,8 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=460.0, help="wall-time budget of the whole suite")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--sections", default=None,
-                    help="comma-separated subset of tests,steps,kernel,backward_kernel,attribution,coverage,profile "
-                    "(default all)")
+                    help="comma-separated subset of tests,steps,kernel,backward_kernel,attribution,coverage,tiles,"
+                    "profile (default all)")
     ap.add_argument("--out", default=None, help="JSON path (default docs/perf/gpu_suite[_dry_run].json)")
     ap.add_argument("--profile-target", action="store_true", help=argparse.SUPPRESS)  # what ncu runs (profile)
     args = ap.parse_args(argv)
@@ -616,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         ("backward_kernel", lambda: backward_kernel_section(args, device, deadline)),
         ("attribution", lambda: attribution_section(args, device, deadline)),
         ("coverage", lambda: coverage_section(args, device)),
+        ("tiles", lambda: tiles_section(args, device, deadline)),
         ("profile", lambda: profile_section(args, out)),
     ]
     if args.sections is not None:
