@@ -9,7 +9,11 @@ each distinct one for the target with Triton's compiler and its bundled ptxas, o
 timing: which configurations compile, and each one's registers and spill stack.
 
     .venv/bin/python bench/triton_compile_matrix.py [--jobs 2] [--arch 90] [--out docs/perf/triton_compile_matrix.json]
-        [PYTEST_ARGS ...]   (default: the Triton test files, TESTS)
+        [--only kernel=_attention,REPAIR=true] [PYTEST_ARGS ...]   (default: the Triton test files, TESTS)
+
+``--only`` compiles the configurations that match every ``KEY=VALUE`` (``kernel`` the kernel's name, any other key a
+constexpr) and leaves the rest out of the report; the attention's repair kernel takes one to three minutes to compile
+on one core, so a check of one kernel need not compile the others.
 
 Exits 1 when a configuration does not compile. The first run compiles each configuration (seconds for most, about
 20 s for the attention's repair kernel on one core); Triton's cache keeps them.
@@ -126,6 +130,29 @@ SHARED_MEMORY_PER_BLOCK = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 2
 """The most shared memory one block may use, opted in, per compute capability (bytes): a kernel that asks for more
 compiles and then fails at its first launch ("out of resource: shared memory")."""
 
+def only_filter(spec: str) -> dict[str, Any]:
+    """``--only``'s ``KEY=VALUE,...`` as {key: value}, each value read as JSON where it is JSON (true, 2) and as a
+    string where not (a kernel's name)."""
+    wanted: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"KEY=VALUE pairs separated by commas, got {item!r} "
+                                             "(e.g. --only kernel=_attention,REPAIR=true)")
+        try:
+            wanted[key.strip()] = json.loads(value.strip())
+        except json.JSONDecodeError:
+            wanted[key.strip()] = value.strip()
+    return wanted
+
+
+def matches(config: dict[str, Any], wanted: dict[str, Any]) -> bool:
+    """Whether the GPU configuration has every ``--only`` value (``kernel`` its name, other keys its constexprs)."""
+    missing = object()  # a constexpr the kernel does not have matches no value
+    return all((config["kernel"] if key == "kernel" else config["constexprs"].get(key, missing)) == value
+               for key, value in wanted.items())
+
+
 DIAGNOSTICS = 5
 """Error lines of a failed compile kept in its row."""
 
@@ -212,6 +239,9 @@ def main() -> None:
     parser.add_argument("--head-dims", default="64,128",
                         help="the attention kernels' head dims to compile at (comma-separated; empty: the tests' own)")
     parser.add_argument("--out", type=Path, default=None, help="write the report as JSON here")
+    parser.add_argument("--only", type=only_filter, default={},
+                        help="compile only the configurations with these values: KEY=VALUE,... (kernel=NAME or a "
+                             "constexpr, e.g. kernel=_attention,REPAIR=true)")
     args, pytest_args = parser.parse_known_args()
     t0 = time.perf_counter()
     seen, summary = record(pytest_args or list(TESTS), args.jobs)
@@ -228,6 +258,13 @@ def main() -> None:
         for config in gpu_configs(json.loads(key), head_dims, args.arch):
             gpu_key = json.dumps(config, sort_keys=True)
             configs.setdefault(gpu_key, {**config, "launches": 0})["launches"] += n
+    chosen = {k: c for k, c in configs.items() if matches(c, args.only)}
+    if args.only:
+        print(f"--only: {len(chosen)} of {len(configs)} configurations", flush=True)
+        if not chosen:
+            raise SystemExit(f"--only {args.only} matches none of the {len(configs)} configurations recorded")
+    left_out = len(configs) - len(chosen)
+    configs = chosen
     with ProcessPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(compile_one, configs.values(), [args.arch] * len(configs)))
     failed = [r for r in rows if not r["ok"]]
@@ -254,6 +291,7 @@ def main() -> None:
                                         "pytest_args": pytest_args or list(TESTS), "pytest": summary,
                                         "head_dims": list(head_dims),
                                         "tests_own_kernels_left_out": len(seen) - len(agent),
+                                        "only": args.only, "left_out_by_only": left_out,
                                         "configurations": len(rows), "failed": len(failed), "rows": rows},
                                        indent=1, sort_keys=True) + "\n")
     sys.exit(1 if failed else 0)

@@ -32,19 +32,24 @@ def compile_matrix(out: Path, *args: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_repair_launches_of_a_bool_mask_and_of_dropout_compile_for_sm90(tmp_path: Path) -> None:
-    """The bf16 calls with a bool mask, with and without dropout, in both check modes (each launches the first pass
-    and the repair kernel), recorded and compiled at the GPU's tiles (64 × 64 on 8 warps), operand mode (bf16 as it
-    is) and head dim 64: every configuration compiles, the repair kernel's among them."""
+    """The bf16 calls with a bool mask, with and without dropout, in both check modes, recorded; the repair kernel's
+    launches with the mask and dropout (after a full check, and after a tier-1 trip) compiled at the GPU's tiles
+    (64 × 64 on 8 warps), operand mode (bf16 as it is) and head dim 64: both compile. That kernel carried the 1-bit
+    tile the compiler rejected; the others are in the matrices of docs/perf (one to three minutes a repair
+    configuration on one core, so this test compiles no more)."""
     pytest.importorskip("triton")
     report = compile_matrix(tmp_path / "matrix.json", "--head-dims", "64", "--jobs", "1",
+                            "--only", "kernel=_attention,REPAIR=true,DROPOUT=true",
                             "tests/agent/test_triton_attention.py", "-k", "each_mask_kind and bool and bfloat16")
     assert report["arch"] == "sm_90" and report["failed"] == 0 and report["pytest"].startswith("4 passed")
-    attention = [r for r in report["rows"] if r["kernel"] == "_attention"]
-    repairs = {(r["constexprs"]["MODE"], r["constexprs"]["DROPOUT"]) for r in attention if r["constexprs"]["REPAIR"]}
-    assert repairs == {(2, False), (2, True)}
-    for r in attention:
+    assert report["left_out_by_only"] > 0
+    rows = report["rows"]
+    assert {(r["constexprs"]["KEY_TILES"], r["constexprs"]["K_MAX_GIVEN"]) for r in rows} == {(True, False),
+                                                                                               (False, True)}
+    for r in rows:
         assert r["ok"] and r["reg"] > 0 and 0 < r["smem"] <= 232448
-        assert r["constexprs"]["MASK_KIND"] == 1 and r["constexprs"]["DOT"] == 0
+        assert r["kernel"] == "_attention" and r["constexprs"]["MODE"] == 2 and r["constexprs"]["REPAIR"]
+        assert r["constexprs"]["MASK_KIND"] == 1 and r["constexprs"]["DOT"] == 0 and r["constexprs"]["DROPOUT"]
         assert (r["constexprs"]["BLOCK_M"], r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_D"]) == (64, 64, 64)
         assert r["options"] == {"num_warps": 8, "num_stages": 2}
 
@@ -54,15 +59,17 @@ def test_the_repair_launches_of_a_bool_mask_and_of_dropout_compile_for_sm90(tmp_
 def test_at_head_dim_128_a_99_kb_gpu_gets_key_tiles_that_fit(tmp_path: Path) -> None:
     """sm_89 (L4, L40S, RTX 40; sm_86 alike) gives a block at most 99 KB of shared memory. At head dim 128 the
     forward's 64 × 64 tiles needed up to 132 KB there, and a launch that needs more fails on the GPU. The same bf16
-    bool-mask calls, compiled for sm_89 with the tiles the launcher picks for such a GPU: 64 × 32, all within 99 KB
-    (the tool fails a row that is not)."""
+    bool-mask calls, their repair launches compiled for sm_89 with the tiles the launcher picks for such a GPU:
+    64 × 32, within 99 KB (the tool fails a row that is not). The repair kernel needs the most of the forward's
+    launches (90 KB after a tier-1 trip, against 33 KB for the first pass: docs/perf/triton_compile_matrix_sm89_*)."""
     pytest.importorskip("triton")
     report = compile_matrix(tmp_path / "matrix.json", "--arch", "89", "--head-dims", "128", "--jobs", "1",
+                            "--only", "kernel=_attention,REPAIR=true,DROPOUT=false",
                             "tests/agent/test_triton_attention.py", "-k", "each_mask_kind and bool and bfloat16")
     assert report["arch"] == "sm_89" and report["failed"] == 0
-    attention = [r for r in report["rows"] if r["kernel"] == "_attention"]
-    assert len(attention) == 8
-    for r in attention:
+    rows = report["rows"]
+    assert len(rows) == 2 and all(r["kernel"] == "_attention" and r["constexprs"]["REPAIR"] for r in rows)
+    for r in rows:
         assert (r["constexprs"]["BLOCK_M"], r["constexprs"]["BLOCK_N"], r["constexprs"]["BLOCK_D"]) == (64, 32, 128)
         assert 0 < r["smem"] <= 101376
 
@@ -72,16 +79,17 @@ def test_at_head_dim_128_a_99_kb_gpu_gets_key_tiles_that_fit(tmp_path: Path) -> 
 def test_on_a_99_kb_gpu_the_backwards_passes_get_tiles_that_fit_at_head_dims_128_and_256(tmp_path: Path) -> None:
     """The backward's key and query passes, on Triton's 3 stages of 32 × 32 tiles, needed 104 and 100 KB at head dim
     128 and 201 and 196 KB at 256: none could launch on sm_86 or sm_89 (99 KB a block). The launcher's tiles for such
-    a GPU: 2 stages at 128, 16 × 16 on 2 at 256. The checked fp32 causal call whose lse is off in a row, and the clean
-    one before it (full checks and the repair launches), compiled for sm_89 at both head dims: every configuration
-    fits (the tool fails a row that does not)."""
+    a GPU: 2 stages at 128, 16 × 16 on 2 at 256. The checked fp32 causal call whose lse is off in a row, recorded;
+    its repair launches of both passes (full checks and the recompute: the most shared memory either pass needs),
+    compiled for sm_89 at both head dims: every configuration fits (the tool fails a row that does not)."""
     pytest.importorskip("triton")
     report = compile_matrix(tmp_path / "matrix.json", "--arch", "89", "--head-dims", "128,256", "--jobs", "2",
+                            "--only", "REPAIR=true",
                             "tests/agent/test_triton_attention_backward.py", "-k", "wrong_log_sum_exp")
     assert report["arch"] == "sm_89" and report["failed"] == 0
     passes = {(r["kernel"], r["constexprs"]["BLOCK_D"], r["constexprs"]["REPAIR"]): r for r in report["rows"]
               if r["kernel"] in ("_query_pass", "_key_pass")}
-    assert len(passes) == 8, sorted(passes)
+    assert len(passes) == 4 == len(report["rows"]), sorted(passes)
     for (_, d, _), r in passes.items():
         assert r["constexprs"]["CHECK"] == 2 and r["constexprs"]["CAUSAL"] and r["operand_dtype"] == "fp32"
         assert (r["constexprs"]["BLOCK_M"], r["options"]["num_stages"]) == ((32, 2) if d == 128 else (16, 2))
@@ -144,3 +152,21 @@ def test_fd2_is_captured_below_python_and_given_back(tmp_path: Path) -> None:
     assert log.read_text() == "x.py:1:1: error: from below Python\n"
     after = os.fstat(2)
     assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
+
+
+def test_only_keeps_the_configurations_with_every_value_and_refuses_a_bare_key() -> None:
+    """``--only kernel=_attention,REPAIR=true``: the kernel by name, a constexpr by its JSON value; a constexpr the
+    kernel lacks matches nothing; a pair without ``=`` is refused with what to write instead."""
+    import argparse
+
+    tool = _tool()
+    wanted = tool.only_filter("kernel=_attention, REPAIR=true,BLOCK_D=128")
+    assert wanted == {"kernel": "_attention", "REPAIR": True, "BLOCK_D": 128}
+    repair = {"kernel": "_attention", "constexprs": {"REPAIR": True, "BLOCK_D": 128}}
+    first = {"kernel": "_attention", "constexprs": {"REPAIR": False, "BLOCK_D": 128}}
+    tiles = {"kernel": "_kv_tiles", "constexprs": {"BLOCK_D": 128}}
+    assert [tool.matches(c, wanted) for c in (repair, first, tiles)] == [True, False, False]
+    assert [tool.matches(c, tool.only_filter("BLOCK_D=128")) for c in (repair, first, tiles)] == [True] * 3
+    assert all(tool.matches(c, {}) for c in (repair, first, tiles))
+    with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
+        tool.only_filter("REPAIR")
