@@ -31,6 +31,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from attnchecker.abft import Tolerance
 from attnchecker.kernels import triton_attention as ta
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -81,14 +82,12 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any)
         elif name in ("Seed", "Faults"):
             signature[name] = "*i64"
         elif name in ("Lse", "Status", "Records", "Saved", "FaultValues", "FaultSeen", "Debug", "KMax", "KeyTiles",
-                      "ValueTiles"):
+                      "KeyNorms", "ValueTiles", "ValueNorms"):
             signature[name] = "*fp32"
-        elif name in ("KeyTiles64", "ValueTiles64"):
-            signature[name] = "*fp64"
         elif name in ("scale", "dropout_p"):
             signature[name] = "fp32"
         elif name in ("s_row", "s_col", "c_row", "c_col"):
-            signature[name] = ("fp32",) * 12
+            signature[name] = ("fp32",) * len(ta._terms_of(Tolerance(), None, blocks.m, blocks.n, blocks.d)[0])
         elif name == "fixing":
             signature[name] = ("fp32", "fp32")
         else:

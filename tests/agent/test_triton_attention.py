@@ -253,6 +253,20 @@ def test_the_kernel_verdicts_are_the_python_checks(dtype, tol, t, s, d, faults, 
         _hold_to_python(got.debug.cpu().double(), q, k, v, d, tolerance, u_in, torch_dtype, tf32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("magnitude", [1e-10, 1e15])
+def test_at_tiny_and_huge_magnitudes_the_kernel_s_bounds_are_the_python_rule_s(dtype, magnitude) -> None:
+    """The bound's variance squares norms: u²·a²·b² is 1e-52 at |q|, |k| ~ 1e-10 and 1e60 at 1e15, outside fp32.
+    The kernel combines the squares in fp64 per tile and the per-vector terms as fp32 norms; its bounds are the Python
+    rule's (fp64 throughout) within 1e-4, and a clean call flags nothing."""
+    q, k, v = (seeded((1, 2, 24, 16), 11 + i, torch.float32).mul(magnitude).to(dtype) for i in range(3))
+    got = run(q, k, v, scale=16**-0.5, debug=True, checks=ta.Checks(mode="full", tol=Tolerance(), repair=False))
+    assert got.debug is not None and got.records is not None
+    assert not bool((got.records[..., 0] != 0).any())
+    with _fp32_precision("ieee"), ieee_fp32_matmul("cpu"):
+        _hold_to_python(got.debug.cpu().double(), q, k, v, 16, Tolerance(), None, dtype, False)
+
+
 @contextlib.contextmanager
 def _dot_mode(mode: int | None) -> Iterator[None]:
     """ta.dot_mode forced to ``mode`` inside the block (None: as it is)."""

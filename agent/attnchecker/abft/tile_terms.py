@@ -59,9 +59,11 @@ class TileTerms:
     tiny: float
 
     def as_tuple(self) -> tuple[float, ...]:
-        """What the kernel takes, in its order (kernels/triton_attention.py `_bound`)."""
+        """What the kernel takes, in its order (kernels/triton_checks.py `bound`): the fields, then √c_b, √c_r, √c_sq
+        and √mom, with which the kernel makes the variance's terms as norms in fp32 rather than squares in fp64."""
         return (self.floor, self.rig_coef, self.under, self.c_b, self.c_r, self.c_sq, self.off2, float(self.n),
-                self.z, self.trunc, self.mom, self.tiny)
+                self.z, self.trunc, self.mom, self.tiny, math.sqrt(self.c_b), math.sqrt(self.c_r),
+                math.sqrt(self.c_sq), math.sqrt(self.mom))
 
     def pair(
         self,

@@ -209,8 +209,8 @@ def gpu_blocks(d: int, shared_per_block: int | None = None) -> Blocks:
       116 KB; 16 × 16 at most 55 KB.
     The full-size tiles stay where they fit, as they were timed on the H200.
     Compiled for sm_90 (bench/triton_resources.py, D = 64, bf16): the plain kernel 145 registers and tier 1 188, no
-    spills; the full checks' first pass reaches 255 and spills 208 B (1.3 KB at D = 128: the bound's per-row fp64
-    terms); 128 × 64 on 4 warps spilled the plain and tier-1 variants too.
+    spills; the full checks' first pass reaches 255 and spills 72 B (208 B while the bound's per-row terms were fp64);
+    128 × 64 on 4 warps spilled the plain and tier-1 variants too.
     TODO(triton-fwd): tune on a GPU. Untuned, on the first H200 run the kernel with its checks off reached 33 to
     132 TFLOP/s in bf16 (docs/performance.md §8)."""
     block_d = max(16, triton.next_power_of_2(d))
@@ -312,18 +312,18 @@ def forward(
     # call by one launch (_kv_tiles) rather than again by every query block that visits the tile. The TF32 path's
     # operand moments still need the tiles themselves: it keeps making them in the loop.
     n_key_tiles = triton.cdiv(s, blk.n)
-    key_tiles = key_tiles64 = value_tiles = value_tiles64 = None
+    key_tiles = key_norms = value_tiles = value_norms = None
     if mode == 2 and operand_roundoff is None and (checks.scores or checks.context):
         if checks.scores:
             key_tiles = torch.empty((b * hk, n_key_tiles, 2 * blk.d + blk.n + 1), dtype=torch.float32, device=dev)
-            key_tiles64 = torch.empty((b * hk, n_key_tiles, 4), dtype=torch.float64, device=dev)
+            key_norms = torch.empty((b * hk, n_key_tiles, 4), dtype=torch.float32, device=dev)
         if checks.context:
             value_tiles = torch.empty((b * hk, n_key_tiles, 2 * blk.n + blk.d + 1), dtype=torch.float32, device=dev)
-            value_tiles64 = torch.empty((b * hk, n_key_tiles, 4), dtype=torch.float64, device=dev)
+            value_norms = torch.empty((b * hk, n_key_tiles, 4), dtype=torch.float32, device=dev)
         with _ieee_quietly():
             _kv_tiles[(n_key_tiles, b * hk)](
-                k_BHSD, v_BHSD, *(x if x is not None else lse for x in (key_tiles, key_tiles64, value_tiles,
-                                                                        value_tiles64)),
+                k_BHSD, v_BHSD, *(x if x is not None else lse for x in (key_tiles, key_norms, value_tiles,
+                                                                        value_norms)),
                 *k_BHSD.stride(), *v_BHSD.stride(), hk, s, d, n_key_tiles, terms[0][0], terms[2][0],
                 KEYS=key_tiles is not None, VALUES=value_tiles is not None, BLOCK_N=blk.n, BLOCK_D=blk.d,
                 num_warps=blk.warps)
@@ -335,7 +335,7 @@ def forward(
         table if table is not None else q_BHTD, values if values is not None else q_BHTD,
         seen if seen is not None else q_BHTD, dbg if dbg is not None else out,
         k_max_BHkS if k_max_BHkS is not None else lse,
-        *(x if x is not None else lse for x in (key_tiles, key_tiles64, value_tiles, value_tiles64)),
+        *(x if x is not None else lse for x in (key_tiles, key_norms, value_tiles, value_norms)),
         *q_BHTD.stride(), *k_BHSD.stride(), *v_BHSD.stride(), *out.stride(), *mask_strides,
         *(k_max_BHkS.stride()[:2] if k_max_BHkS is not None else (0, 0)),
         h, h // hk, t, s, d, n_blocks, n_tiles, n_key_tiles,
@@ -523,63 +523,63 @@ if triton is not None:
         (bad, d1, b1, ratio, ref1, ref2, mom1, mom2) (R,)."""
         bar_e = tc.rsum(b_op, 0)
         bar_w = tc.rsum(b_op * w[:, None], 0)
-        b_sum, b_sq1, b_sq2 = tc.other_side(b_norm, tl.full([b_norm.shape[0]], 1, tl.int1), terms[0])
+        b_sum, b_norm1, b_norm2 = tc.other_side(b_norm, tl.full([b_norm.shape[0]], 1, tl.int1), terms[0])
         ref1, ref2 = tc.refs(a_op, bar_e, bar_w)
-        mom1 = tl.full([s.shape[0]], 0, tl.float64)
-        mom2 = tl.full([s.shape[0]], 0, tl.float64)
+        mom1 = tl.full([s.shape[0]], 0, tl.float32)
+        mom2 = tl.full([s.shape[0]], 0, tl.float32)
         if TF32:
             mom1, mom2 = _scores_moments(a_op * a_op, b_op * b_op, bar_e, bar_w, w, terms[11])
-        bad, d1, b1, ratio = tc.check(s, ref1, ref2, a_norm, b_sum, b_sq1, b_sq2, tc.ref_norm(bar_e, terms[0]),
+        bad, d1, b1, ratio = tc.check(s, ref1, ref2, a_norm, b_sum, b_norm1, b_norm2, tc.ref_norm(bar_e, terms[0]),
                                       tc.ref_norm(bar_w, terms[0]), mom1, mom2, terms, CALIBRATED)
         return bad, d1, b1, ratio, ref1, ref2, mom1, mom2
 
     @_jit
-    def _rows_of_tile(x, a_op, a_norm, At, At64, terms, CALIBRATED: tl.constexpr, L: tl.constexpr, M: tl.constexpr):
+    def _rows_of_tile(x, a_op, a_norm, At, AtNorms, terms, CALIBRATED: tl.constexpr, L: tl.constexpr, M: tl.constexpr):
         """The rows of a tile x = A·B (R, C) against their references, with what they take from the tile of B alone
-        read from its _kv_tiles row (At fp32: B's two weighted sums (L,) each, its M norms, their other_side sum; At64
-        fp64: the other_side squares and the two sums' ref_norm): _scores_rows (L = BLOCK_D, M = BLOCK_N) and
+        read from its _kv_tiles row (At: B's two weighted sums (L,) each, its M norms, their other_side sum; AtNorms:
+        other_side's two norms and the two sums' ref_norm; fp32): _scores_rows (L = BLOCK_D, M = BLOCK_N) and
         _context_rows (L = BLOCK_N, M = BLOCK_D) of IEEE products, which have no operand moments."""
         offs = tl.arange(0, L)
         ref1, ref2 = tc.refs(a_op, tl.load(At + offs), tl.load(At + L + offs))
-        mom = tl.full([x.shape[0]], 0, tl.float64)
-        bad, d1, b1, ratio = tc.check(x, ref1, ref2, a_norm, tl.load(At + 2 * L + M), tl.load(At64),
-                                      tl.load(At64 + 1), tl.load(At64 + 2), tl.load(At64 + 3), mom, mom, terms,
+        mom = tl.full([x.shape[0]], 0, tl.float32)
+        bad, d1, b1, ratio = tc.check(x, ref1, ref2, a_norm, tl.load(At + 2 * L + M), tl.load(AtNorms),
+                                      tl.load(AtNorms + 1), tl.load(AtNorms + 2), tl.load(AtNorms + 3), mom, mom, terms,
                                       CALIBRATED)
         return bad, d1, b1, ratio, ref1, ref2, mom, mom
 
     @_jit
-    def _tile_terms(x, valid, floor, Out, Out64, row):
+    def _tile_terms(x, valid, floor, Out, OutNorms, row):
         """One tile's row of _kv_tiles' outputs from x (R, L) fp32, in the layout _rows_of_tile reads. Out
         (2·L + R + 1,) fp32: Σ_i x_i and Σ_i i·x_i over x's rows (i = 1..R), each row's norm, their other_side sum
-        (valid (R,): the rows that exist); Out64 (4,) fp64: the other_side squares, and the two sums' norms + floor
+        (valid (R,): the rows that exist); OutNorms (4,) fp32: other_side's two norms, and the two sums' norms + floor
         (tc.ref_norm)."""
         n_rows: tl.constexpr = x.shape[0]
         n_cols: tl.constexpr = x.shape[1]
         e = tc.rsum(x, 0)
         w = tc.rsum(x * tc.weights(n_rows)[:, None], 0)
         norms = tl.sqrt(tc.rsum(x * x, 1))
-        b_sum, b_sq1, b_sq2 = tc.other_side(norms, valid, floor)
+        b_sum, b_norm1, b_norm2 = tc.other_side(norms, valid, floor)
         at = Out + row * (2 * n_cols + n_rows + 1)
         tl.store(at + tl.arange(0, n_cols), e)
         tl.store(at + n_cols + tl.arange(0, n_cols), w)
         tl.store(at + 2 * n_cols + tl.arange(0, n_rows), norms)
         tl.store(at + 2 * n_cols + n_rows, b_sum)
-        tl.store(Out64 + row * 4, b_sq1)
-        tl.store(Out64 + row * 4 + 1, b_sq2)
-        tl.store(Out64 + row * 4 + 2, tc.ref_norm(e, floor))
-        tl.store(Out64 + row * 4 + 3, tc.ref_norm(w, floor))
+        tl.store(OutNorms + row * 4, b_norm1)
+        tl.store(OutNorms + row * 4 + 1, b_norm2)
+        tl.store(OutNorms + row * 4 + 2, tc.ref_norm(e, floor))
+        tl.store(OutNorms + row * 4 + 3, tc.ref_norm(w, floor))
 
     @triton.jit
-    def _kv_tiles(K, V, KOut, KOut64, VOut, VOut64, skb, skh, sks, skd, svb, svh, svs, svd, HK, S, D, N_KEY_TILES,
+    def _kv_tiles(K, V, KOut, KNorms, VOut, VNorms, skb, skh, sks, skd, svb, svh, svs, svd, HK, S, D, N_KEY_TILES,
                   floor_s, floor_c, KEYS: tl.constexpr, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr):
         """Per tile of BLOCK_N keys of one (batch, key head), what the row checks take from it alone.
         KEYS (_scores_rows): KOut (2·BLOCK_D + BLOCK_N + 1,) fp32: Σ_j k_j and Σ_j j·k_j over its keys
-        (j = 1..BLOCK_N), each key's norm, Σ_j (‖k_j‖ + floor); KOut64 (4,) fp64: Σ_j (‖k_j‖ + floor)²,
-        Σ_j j²(‖k_j‖ + floor)², and the two sums' norms + floor (tc.other_side, tc.ref_norm).
+        (j = 1..BLOCK_N), each key's norm, Σ_j (‖k_j‖ + floor); KNorms (4,) fp32: √Σ_j (‖k_j‖ + floor)²,
+        √Σ_j j²(‖k_j‖ + floor)², and the two sums' norms + floor (tc.other_side, tc.ref_norm).
         VALUES (_context_rows): VOut (2·BLOCK_N + BLOCK_D + 1,) fp32: each key's Σ_d v_jd and Σ_d d·v_jd, each
-        feature's norm over the tile's keys, and that norm's other_side sum over the D features; VOut64 the same
-        four fp64 terms. Keys past S and features past D are zeros, as the attention kernel loads them."""
+        feature's norm over the tile's keys, and that norm's other_side sum over the D features; VNorms the same
+        four norms. Keys past S and features past D are zeros, as the attention kernel loads them."""
         tile = tl.program_id(0)
         n = tl.program_id(1)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -591,17 +591,17 @@ if triton is not None:
             # The scores' rows reduce over keys: the key tile as it is (keys × features).
             k = tl.load(K + (n // HK).to(tl.int64) * skb + (n % HK).to(tl.int64) * skh + offs_n[:, None] * sks
                         + offs_d[None, :] * skd, mask=inside, other=0.0)
-            _tile_terms(k.to(tl.float32), tl.full([BLOCK_N], 1, tl.int1), floor_s, KOut, KOut64, row)
+            _tile_terms(k.to(tl.float32), tl.full([BLOCK_N], 1, tl.int1), floor_s, KOut, KNorms, row)
         if VALUES:
             # The context's rows reduce over features: the value tile transposed (features × keys).
             v = tl.load(V + (n // HK).to(tl.int64) * svb + (n % HK).to(tl.int64) * svh + offs_n[:, None] * svs
                         + offs_d[None, :] * svd, mask=inside, other=0.0)
-            _tile_terms(tl.trans(v.to(tl.float32)), d_ok, floor_c, VOut, VOut64, row)
+            _tile_terms(tl.trans(v.to(tl.float32)), d_ok, floor_c, VOut, VNorms, row)
 
     @_jit
     def _scores_moments(a_sq, b_sq, bar_e, bar_w, w, tiny):
         """abft.operand_moments.scores_moments of one tile direction, one group: per vector (M_1 + R_1, M_2 + R_2)
-        fp64, the TF32 rounding of A (a_sq (R, D): A squared) and B (b_sq (C, D)), independent along the head dim."""
+        fp32, the TF32 rounding of A (a_sq (R, D): A squared) and B (b_sq (C, D)), independent along the head dim."""
         beta_e = tc.rsum(b_sq, 0)
         beta_w = tc.rsum(b_sq * (w * w)[:, None], 0)
         a_tot = tc.rsum(a_sq, 1)
@@ -610,7 +610,7 @@ if triton is not None:
         # Floors: a flushed square loses <= tiny times its term's weight (Σ w² per M column, 1 per R column).
         r1 = tc.rsum(a_sq * (bar_e * bar_e)[None, :], 1) + tiny * (tc.rsum(bar_e * bar_e, 0) + a_tot)
         r2 = tc.rsum(a_sq * (bar_w * bar_w)[None, :], 1) + tiny * (tc.rsum(bar_w * bar_w, 0) + a_tot)
-        return (1.01 * (m1 + r1)).to(tl.float64), (1.01 * (m2 + r2)).to(tl.float64)
+        return 1.01 * (m1 + r1), 1.01 * (m2 + r2)
 
     @_jit
     def _context_rows(cl, pcf, vf, v_col, a_c, w_d, d_ok, D, terms, TF32: tl.constexpr, CALIBRATED: tl.constexpr):
@@ -618,10 +618,10 @@ if triton is not None:
         and V's column norms over the tile's keys (the D features that exist)."""
         vw_e = tc.rsum(vf, 1)
         vw_w = tc.rsum(vf * w_d[None, :], 1)
-        b_sum, b_sq1, b_sq2 = tc.other_side(v_col, d_ok, terms[0])
+        b_sum, b_norm1, b_norm2 = tc.other_side(v_col, d_ok, terms[0])
         ref1, ref2 = tc.refs(pcf, vw_e, vw_w)
-        mom1 = tl.full([cl.shape[0]], 0, tl.float64)
-        mom2 = tl.full([cl.shape[0]], 0, tl.float64)
+        mom1 = tl.full([cl.shape[0]], 0, tl.float32)
+        mom2 = tl.full([cl.shape[0]], 0, tl.float32)
         if TF32:
             # abft.operand_moments.context_moments, rows: P_tk is shared along row t (one group).
             l1 = tc.rsum(pcf, 1)
@@ -632,10 +632,9 @@ if triton is not None:
             row_r1 = tc.rsum(pcf * (vw_e * vw_e)[None, :], 1)
             row_r2 = tc.rsum(pcf * (vw_w * vw_w)[None, :], 1)
             tiny = terms[11]
-            mom1 = (1.01 * l1 * (row_m1 + row_r1 + tiny * l1 * (df + 1.0))).to(tl.float64)
-            mom2 = (1.01 * l1 * (row_m2 + row_r2 + tiny * l1 * (df * (df + 1.0) * (2.0 * df + 1.0) / 6.0 + 1.0))
-                    ).to(tl.float64)
-        bad, d1, b1, ratio = tc.check(cl, ref1, ref2, a_c, b_sum, b_sq1, b_sq2, tc.ref_norm(vw_e, terms[0]),
+            mom1 = 1.01 * l1 * (row_m1 + row_r1 + tiny * l1 * (df + 1.0))
+            mom2 = 1.01 * l1 * (row_m2 + row_r2 + tiny * l1 * (df * (df + 1.0) * (2.0 * df + 1.0) / 6.0 + 1.0))
+        bad, d1, b1, ratio = tc.check(cl, ref1, ref2, a_c, b_sum, b_norm1, b_norm2, tc.ref_norm(vw_e, terms[0]),
                                       tc.ref_norm(vw_w, terms[0]), mom1, mom2, terms, CALIBRATED)
         return bad, d1, b1, ratio, ref1, ref2, mom1, mom2
 
@@ -644,11 +643,11 @@ if triton is not None:
         """The columns of a context tile (features): references (wᵀP̃_c)·V, bounded with ‖V_:,d‖ and a_c."""
         pw_e = tc.rsum(pcf, 0)
         pw_w = tc.rsum(pcf * w_m[:, None], 0)
-        b_sum, b_sq1, b_sq2 = tc.other_side(a_c, tl.full([a_c.shape[0]], 1, tl.int1), terms[0])
+        b_sum, b_norm1, b_norm2 = tc.other_side(a_c, tl.full([a_c.shape[0]], 1, tl.int1), terms[0])
         vt = tl.trans(vf)
         ref1, ref2 = tc.refs(vt, pw_e, pw_w)
-        mom1 = tl.full([cl.shape[1]], 0, tl.float64)
-        mom2 = tl.full([cl.shape[1]], 0, tl.float64)
+        mom1 = tl.full([cl.shape[1]], 0, tl.float32)
+        mom2 = tl.full([cl.shape[1]], 0, tl.float32)
         if TF32:
             # abft.operand_moments.context_moments, columns: V_kj is shared along column j.
             tiny = terms[11]
@@ -662,10 +661,11 @@ if triton is not None:
             col_m2 = tc.rsum(vsq_t * m_w[None, :], 1) + tiny * tc.rsum(m_w, 0)
             col_r1 = mass_e * (tc.rsum(vsq_t * pw_e[None, :], 1) + tiny * mass_e)
             col_r2 = mass_w * (tc.rsum(vsq_t * pw_w[None, :], 1) + tiny * mass_w)
-            mom1 = (1.01 * (col_m1 + col_r1)).to(tl.float64)
-            mom2 = (1.01 * (col_m2 + col_r2)).to(tl.float64)
-        bad, d1, b1, ratio = tc.check(tl.trans(cl), ref1, ref2, v_col, b_sum, b_sq1, b_sq2, tc.ref_norm(pw_e, terms[0]),
-                                      tc.ref_norm(pw_w, terms[0]), mom1, mom2, terms, CALIBRATED)
+            mom1 = 1.01 * (col_m1 + col_r1)
+            mom2 = 1.01 * (col_m2 + col_r2)
+        bad, d1, b1, ratio = tc.check(tl.trans(cl), ref1, ref2, v_col, b_sum, b_norm1, b_norm2,
+                                      tc.ref_norm(pw_e, terms[0]), tc.ref_norm(pw_w, terms[0]), mom1, mom2, terms,
+                                      CALIBRATED)
         return bad, d1, b1, ratio, ref1, ref2, mom1, mom2
 
     @_jit
@@ -871,7 +871,7 @@ if triton is not None:
     @triton.jit
     def _attention(
         Q, K, V, Out, Lse, Mask, Seed, Status, Records, Saved, Faults, FaultValues, FaultSeen, Debug, KMax, KeyTiles,
-        KeyTiles64, ValueTiles, ValueTiles64,
+        KeyNorms, ValueTiles, ValueNorms,
         sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sot, sod, smb, smh, smt, sms,
         skmb, skmh,
         H, GROUP, T, S, D, N_BLOCKS, N_TILES, N_KEY_TILES,
@@ -968,7 +968,7 @@ if triton is not None:
                 # the same on AS_ijᵀ = K_j Q_iᵀ.
                 if KEY_TILES:
                     bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _rows_of_tile(
-                        s, qf, q_norm, KeyTiles + kt_at * (2 * BLOCK_D + BLOCK_N + 1), KeyTiles64 + kt_at * 4,
+                        s, qf, q_norm, KeyTiles + kt_at * (2 * BLOCK_D + BLOCK_N + 1), KeyNorms + kt_at * 4,
                         s_row, CALIBRATED, BLOCK_D, BLOCK_N)
                 else:
                     bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _scores_rows(s, qf, q_norm, kf, k_norm, w_n, s_row,
@@ -1046,7 +1046,7 @@ if triton is not None:
                     vt_at = ValueTiles + kt_at * (2 * BLOCK_N + BLOCK_D + 1)
                     v_col = tl.load(vt_at + 2 * BLOCK_N + tl.arange(0, BLOCK_D))
                     bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _rows_of_tile(
-                        cl, pcf, a_c, vt_at, ValueTiles64 + kt_at * 4, c_row, CALIBRATED, BLOCK_N, BLOCK_D)
+                        cl, pcf, a_c, vt_at, ValueNorms + kt_at * 4, c_row, CALIBRATED, BLOCK_N, BLOCK_D)
                 else:
                     v_col = tl.sqrt(tc.rsum(vf * vf, 0))
                     bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _context_rows(cl, pcf, vf, v_col, a_c, w_d, d_ok,

@@ -47,23 +47,48 @@ if triton is not None:
     @_jit
     def other_side(b, valid, floor):
         """What every vector's bound takes from the other operand's per-element norms b (C,) (valid: elements that
-        exist): (Σ_j b'_j fp32, Σ_j b'_j² fp64, Σ_j j² b'_j² fp64), b' = b + floor (tolerance.direction_bounds)."""
+        exist), b' = b + floor (tolerance.direction_bounds): (Σ_j b'_j, ‖b'‖, ‖j·b'‖) fp32, j = 1..C. The norms are
+        scaled by the largest b' before squaring, so that no square under- or overflows fp32."""
         bf = tl.where(valid, b + floor, 0.0)
-        j = (tl.arange(0, b.shape[0]) + 1).to(tl.float64)
-        b64 = bf.to(tl.float64)
-        return rsum(bf, 0), rsum(b64 * b64, 0), rsum(b64 * b64 * j * j, 0)
+        j = (tl.arange(0, b.shape[0]) + 1).to(tl.float32)
+        big = rmax(bf, 0)
+        inv = 1.0 / tl.where((big > 0.0) & (big < float("inf")), big, 1.0)
+        x = bf * inv
+        return rsum(bf, 0), _scaled(big, tl.sqrt(rsum(x * x, 0))), _scaled(big, tl.sqrt(rsum(x * x * j * j, 0)))
+
+    @_jit
+    def _scaled(big, root):
+        """big·root, where root is a norm of values divided by big (INF and NaN stay what big is)."""
+        return tl.where((big > 0.0) & (big < float("inf")), big * root, big)
 
     @_jit
     def ref_norm(x, floor):
-        """‖x‖ + floor in fp64: the norm of a reference's weight vector (B w), floored as direction_bounds floors it."""
-        return (tl.sqrt(rsum(x * x, 0)) + floor).to(tl.float64)
+        """‖x‖ + floor: the norm of a reference's weight vector (B w), floored as direction_bounds floors it."""
+        return tl.sqrt(rsum(x * x, 0)) + floor
 
     @_jit
-    def bound(a, b_sum, b_sq1, b_sq2, r1, r2, sq, ref1, ref2, mom1, mom2, terms, CALIBRATED: tl.constexpr):
+    def norm3(x, y, z):
+        """√(x² + y² + z²) of three fp32 tensors >= 0 (one shape), scaled by their largest so that no square under- or
+        overflows fp32 (an INF stays INF, a NaN stays NaN)."""
+        m = tl.maximum(tl.maximum(x, y, propagate_nan=tl.PropagateNan.ALL), z, propagate_nan=tl.PropagateNan.ALL)
+        inv = 1.0 / tl.where((m > 0.0) & (m < float("inf")), m, 1.0)
+        xs = x * inv
+        ys = y * inv
+        zs = z * inv
+        return _scaled(m, tl.sqrt(xs * xs + ys * ys + zs * zs))
+
+    @_jit
+    def bound(a, b_sum, b_norm1, b_norm2, r1, r2, sq, ref1, ref2, mom1, mom2, terms, CALIBRATED: tl.constexpr):
         """(R,) bounds on |d1| and |d2| of R vectors with operand norms a (R,), ΣC² sq (R,), references ref1, ref2 (R,)
-        and operand-rounding moments mom1, mom2 (R,) fp64 (zeros without them): abft/tile_terms.py's rule, term by
-        term (``TileTerms.pair`` is the same in torch). terms: ``TileTerms.as_tuple()``. The variance is fp64, as in
-        tolerance.py: u²·a²·b² underflows fp32 for values below ~1e-15."""
+        and operand-rounding moments mom1, mom2 (R,) (zeros without them); the other operand's terms per tile:
+        b_sum = Σ b', b_norm1 = ‖b'‖, b_norm2 = ‖j·b'‖ (``other_side``), r1, r2 the reference weights' norms
+        (``ref_norm``). abft/tile_terms.py's rule, term by term (``TileTerms.pair`` is the same in torch, in fp64).
+        terms: ``TileTerms.as_tuple()``.
+
+        All fp32: the variance's squares (u²·a²·b², below 1e-52 at norms of 1e-10) leave fp32's range, so the
+        standard deviation is made as a norm of norms (``norm3``), each term a product of roots (√c_b·‖b'‖,
+        √c_sq·√ΣC², ...). fp64, which ``TileTerms.pair`` uses for the same reason, runs at 1/64 of fp32's rate on
+        the 99 KB GPUs (sm_86, sm_89) and at half of it on an H100."""
         floor = terms[0]
         n = terms[7]
         a_f = a + floor
@@ -71,19 +96,21 @@ if triton is not None:
         rig1 = tl.where(terms[1] == 0.0, 0.0, a_f * b_sum * terms[1]) + terms[2]
         rig2 = rig1 * n
         if CALIBRATED:
-            # The scalars join fp64 tensors only (a Python float under the interpreter, an fp32 scalar compiled).
-            a64 = a_f.to(tl.float64)
-            a2 = a64 * a64
-            sqp = sq.to(tl.float64) + n * terms[11]
-            var1 = a2 * (b_sq1 * terms[3] + r1 * r1 * terms[4]) + sqp * terms[5] + mom1 * terms[10]
-            var2 = a2 * (b_sq2 * terms[3] + r2 * r2 * terms[4]) + sqp * terms[5] * n * n + mom2 * terms[10]
+            zero = tl.zeros_like(b_norm1)
+            # Per tile (scalars): √(c_b·‖b'‖² + c_r·r²) for each weight vector (ones, 1..n).
+            k1 = norm3(b_norm1 * terms[12], r1 * terms[13], zero)
+            k2 = norm3(b_norm2 * terms[12], r2 * terms[13], zero)
+            # Per vector: √(c_sq·(ΣC² + n·tiny)) and √(mom·M).
+            s1 = tl.sqrt(sq + n * terms[11]) * terms[14]
+            std1 = norm3(a_f * k1, s1, tl.sqrt(mom1) * terms[15])
+            std2 = norm3(a_f * k2, s1 * n, tl.sqrt(mom2) * terms[15])
             # A non-finite reference adds nothing to the truncation term (it is never flagged anyway).
-            ref1_abs = tl.where(tl.abs(ref1) <= 3.4028234663852886e38, tl.abs(ref1), 0.0).to(tl.float64)
-            ref2_abs = tl.where(tl.abs(ref2) <= 3.4028234663852886e38, tl.abs(ref2), 0.0).to(tl.float64)
-            cal1 = tl.sqrt(var1) * terms[8] + ref1_abs * terms[9] + terms[2]
-            cal2 = tl.sqrt(var2) * terms[8] + ref2_abs * terms[9] + terms[6]
-            rig1 = tl.minimum(rig1, cal1.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
-            rig2 = tl.minimum(rig2, cal2.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+            ref1_abs = tl.where(tl.abs(ref1) <= 3.4028234663852886e38, tl.abs(ref1), 0.0)
+            ref2_abs = tl.where(tl.abs(ref2) <= 3.4028234663852886e38, tl.abs(ref2), 0.0)
+            cal1 = std1 * terms[8] + ref1_abs * terms[9] + terms[2]
+            cal2 = std2 * terms[8] + ref2_abs * terms[9] + terms[6]
+            rig1 = tl.minimum(rig1, cal1, propagate_nan=tl.PropagateNan.ALL)
+            rig2 = tl.minimum(rig2, cal2, propagate_nan=tl.PropagateNan.ALL)
         # tolerance._clamp: an undefined bound (NaN, +INF) reads NEAR_INF, so an extreme residual still flags.
         b1 = tl.where((rig1 != rig1) | (rig1 == float("inf")), 1e10, rig1)
         b2 = tl.where((rig2 != rig2) | (rig2 == float("inf")), 1e10, rig2)
@@ -103,13 +130,13 @@ if triton is not None:
         return bad, d1, tl.maximum(x1, x2, propagate_nan=tl.PropagateNan.ALL)
 
     @_jit
-    def check(x, ref1, ref2, a, b_sum, b_sq1, b_sq2, r1, r2, mom1, mom2, terms, CALIBRATED: tl.constexpr):
+    def check(x, ref1, ref2, a, b_sum, b_norm1, b_norm2, r1, r2, mom1, mom2, terms, CALIBRATED: tl.constexpr):
         """The vectors along axis 1 of a tile x (R, C) fp32 against their references: (bad, d1, b1, ratio) (R,)."""
         w = weights(x.shape[1])
         sum1 = rsum(x, 1)
         sum2 = rsum(x * w[None, :], 1)
         sq = rsum(x * x, 1)
-        b1, b2 = bound(a, b_sum, b_sq1, b_sq2, r1, r2, sq, ref1, ref2, mom1, mom2, terms, CALIBRATED)
+        b1, b2 = bound(a, b_sum, b_norm1, b_norm2, r1, r2, sq, ref1, ref2, mom1, mom2, terms, CALIBRATED)
         bad, d1, ratio = verdict(sum1, sum2, ref1, ref2, b1, b2)
         return bad, d1, b1, ratio
 
