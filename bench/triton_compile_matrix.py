@@ -12,11 +12,10 @@ timing: which configurations compile, and each one's registers and spill stack.
         [--only kernel=_attention,REPAIR=true] [PYTEST_ARGS ...]   (default: the Triton test files, TESTS)
 
 ``--only`` compiles the configurations that match every ``KEY=VALUE`` (``kernel`` the kernel's name, any other key a
-constexpr) and leaves the rest out of the report; the attention's repair kernel takes one to three minutes to compile
-on one core, so a check of one kernel need not compile the others.
+constexpr) and leaves the rest out of the report, so a check of one kernel need not compile the others.
 
-Exits 1 when a configuration does not compile. The first run compiles each configuration (seconds for most, about
-20 s for the attention's repair kernel on one core); Triton's cache keeps them.
+Exits 1 when a configuration does not compile. The first run compiles each configuration (seconds for most, 20 s to
+three minutes for the attention's repair kernel on one core, by machine); Triton's cache keeps them.
 """
 from __future__ import annotations
 
