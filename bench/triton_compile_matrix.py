@@ -81,7 +81,8 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
     - kernels/triton_attention: tiles ``gpu_blocks(d, the arch's shared memory per block)`` (64 x 64 on 8 warps, 2
       stages; 64 x 32 past head dim 64 on a 99 KB GPU) where the interpreter takes 16 x 16 (``block_sizes``);
       ``dot_mode`` 2 (bf16 cast to fp32: the interpreter's tl.dot takes no bf16) is 0 on a GPU, and 3 (TF32 emulated
-      by truncation) is 1 (the tensor cores' TF32);
+      by truncation) is 1 (the tensor cores' TF32); ``refs_by_dot`` holds on those tiles only from BY_DOT_MIN_ROWS
+      rows, where the interpreter takes it on every tile;
     - kernels/triton_attention_bwd: INTERPRET off; tiles and stages ``gpu_tiles(d, the arch's shared memory per
       block)`` (32 x 32 on 3 stages where they fit: the interpreter's tiles);
     - kernels/triton_gemm_kernels: the tiles of ``triton_gemm_check._blocks`` for a CUDA device, and ``_dot_flags``'s
@@ -98,6 +99,8 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
         consts.update({k: v for k, v in (("BLOCK_M", blk.m), ("BLOCK_N", blk.n)) if k in consts})
         if "DOT" in consts:
             consts["DOT"] = {2: 0, 3: 1}.get(consts["DOT"], consts["DOT"])
+        if "BY_DOT" in consts:
+            consts["BY_DOT"] = bool(consts["BY_DOT"]) and blk.m >= ta.BY_DOT_MIN_ROWS
         options["num_warps"] = blk.warps
         if launch["kernel"] == "_attention":
             options["num_stages"] = blk.stages

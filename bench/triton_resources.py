@@ -5,7 +5,10 @@ measures the time (bench/gpu_suite.py); this says which variants spill, and what
 executes: its machine instructions by class (``--mix``: tensor-core products, fp32, fp64, special functions,
 shuffles, barriers, spill loads and stores), which a change to the checks can be weighed by before a GPU is at hand.
 
-    .venv/bin/python bench/triton_resources.py [--arch 90] [--mix] [--out docs/perf/triton_resources.json]
+    .venv/bin/python bench/triton_resources.py [--arch 90] [--head-dim 64] [--mix] [--by-dot auto|on|off]
+        [--out docs/perf/triton_resources.json]
+
+The tiles are those the launcher picks on that arch (``gpu_blocks`` with its shared memory per block).
 
 Compiling a full-check variant takes about a minute on one CPU core (the repair variant two), the first time: Triton
 caches what it compiled.
@@ -69,13 +72,14 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any)
     consts = {"BLOCK_M": blocks.m, "BLOCK_N": blocks.n, "BLOCK_D": blocks.d, "IS_CAUSAL": True, "WINDOWED": False,
               "MASK_KIND": 0, "DROPOUT": False, "MODE": 2, "CHECK_SCORES": True, "CHECK_CONTEXT": True,
               "CALIBRATED": True, "TF32": False, "DOT": 0, "COLS": False, "REPAIR": False, "FAULTS": False,
-              "DEBUG": False, "K_MAX_GIVEN": False, "KEY_TILES": False, "VALUE_TILES": False, **constexprs}
+              "DEBUG": False, "K_MAX_GIVEN": False, "KEY_TILES": False, "VALUE_TILES": False,
+              "BY_DOT": dtype in ("bf16", "fp16") and blocks.m >= ta.BY_DOT_MIN_ROWS, **constexprs}
     pointer = "*" + dtype
     signature: dict[str, Any] = {}
     for name in names:
         if name in consts:
             signature[name] = "constexpr"
-        elif name in ("Q", "K", "V", "Out"):
+        elif name in ("Q", "K", "V", "Out", "KeyParts", "ValueParts"):
             signature[name] = pointer
         elif name == "Mask":
             signature[name] = "*u8" if consts["MASK_KIND"] == 1 else "*fp32"
@@ -164,15 +168,25 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90: H100/H200)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--mix", action="store_true", help="also the key-tile loop's instructions by class")
+    parser.add_argument("--by-dot", choices=("auto", "on", "off"), default="auto",
+                        help="the bf16/fp16 variants' row references on the tensor cores (BY_DOT): as the launcher "
+                             "picks for the arch's tiles (auto), or forced, to weigh the two forms on the same tiles")
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     args = parser.parse_args()
     d = args.head_dim
+    # The tiles the launcher picks on that arch (gpu_blocks with its shared memory per block): 64 × 32 past head dim
+    # 64 and 16 × 16 past 128 on the 99 KB GPUs.
+    from triton_compile_matrix import SHARED_MEMORY_PER_BLOCK
+
+    tiles = ta.gpu_blocks(d, SHARED_MEMORY_PER_BLOCK.get(args.arch))
     rows = []
     for name, spec in VARIANTS.items():
         t0 = time.perf_counter()
         spec = dict(spec)
         dtype = spec.pop("dtype")
-        blocks = ta.gpu_blocks(d)
+        blocks = tiles
+        if args.by_dot != "auto" and dtype != "fp32":
+            spec["BY_DOT"] = args.by_dot == "on"
         compiled = triton.compile(source(dtype, blocks, **spec), target=GPUTarget("cuda", args.arch, 32),
                                   options={"num_warps": blocks.warps, "num_stages": blocks.stages})
         row = {"variant": name, "dtype": dtype, "head_dim": d, "block_m": blocks.m, "block_n": blocks.n,
@@ -191,7 +205,7 @@ def main() -> None:
     # Tier 1 over the vendor's forward: one pass over its output and log-sum-exp, no key loop (so no mix).
     given = []
     for dtype in ("bf16", "fp16", "fp32"):
-        blocks = ta.gpu_blocks(d)
+        blocks = tiles
         compiled = triton.compile(source(dtype, blocks, ta._trip_given), target=GPUTarget("cuda", args.arch, 32),
                                   options={"num_warps": blocks.warps})
         given.append({"kernel": "_trip_given", "dtype": dtype, "head_dim": d, "block_m": blocks.m,
@@ -202,7 +216,8 @@ def main() -> None:
         print_mix(rows)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"arch": f"sm_{args.arch}", "triton": triton.__version__, "rows": rows,
+        args.out.write_text(json.dumps({"arch": f"sm_{args.arch}", "triton": triton.__version__, "by_dot": args.by_dot,
+                                        "rows": rows,
                                         "given_pass": given}, indent=2) + "\n")
 
 

@@ -170,3 +170,26 @@ def test_only_keeps_the_configurations_with_every_value_and_refuses_a_bare_key()
     assert all(tool.matches(c, {}) for c in (repair, first, tiles))
     with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
         tool.only_filter("REPAIR")
+
+
+def test_a_gpu_takes_the_references_on_the_tensor_cores_on_tiles_of_64_rows_only() -> None:
+    """Under the interpreter bf16 and fp16 calls take BY_DOT on their 16 × 16 tiles, so the suite runs it; the GPU
+    configuration keeps it where its tiles have 64 query rows (an H100 at head dims 64 to 256, a 99 KB GPU to 128) and
+    drops it on the 16 × 16 tiles of head dim 256 on a 99 KB GPU, where it made the loop longer (kernels/
+    triton_attention.refs_by_dot)."""
+    import torch
+
+    from attnchecker.kernels import triton_attention as ta
+
+    tool = _tool()
+    assert [ta.refs_by_dot(dtype, 16) for dtype in (torch.bfloat16, torch.float16, torch.float32)] \
+        == [ta.interpreting()] * 2 + [False]
+    assert ta.refs_by_dot(torch.bfloat16, 64) and not ta.refs_by_dot(torch.float32, 64)
+    launch = {"module": "attnchecker.kernels.triton_attention", "kernel": "_attention", "options": {"num_warps": 4},
+              "constexprs": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 16, "DOT": 2, "BY_DOT": True}}
+    by_dot = {(d, arch): tool.gpu_configs(launch, (d,), arch)[0]["constexprs"]["BY_DOT"]
+              for d in (64, 128, 256) for arch in (89, 90)}
+    assert by_dot == {(64, 89): True, (64, 90): True, (128, 89): True, (128, 90): True, (256, 89): False,
+                      (256, 90): True}
+    fp32 = {**launch, "constexprs": {**launch["constexprs"], "DOT": 0, "BY_DOT": False}}
+    assert not tool.gpu_configs(fp32, (64,), 90)[0]["constexprs"]["BY_DOT"]

@@ -66,8 +66,9 @@ from .triton_common import SMALL_SHARED_MEMORY, device_function, host_table, int
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["FIELDS", "OPS", "OUTCOMES", "SAVED_FIELDS", "Checks", "Fault", "Result", "available", "emulated_faults",
-           "forward", "interpreting", "located", "not_available_reason", "take_faults"]
+__all__ = ["BY_DOT_MIN_ROWS", "FIELDS", "OPS", "OUTCOMES", "SAVED_FIELDS", "TILE_NORMS", "Checks", "Fault", "Result",
+           "available", "emulated_faults", "forward", "interpreting", "located", "not_available_reason", "refs_by_dot",
+           "take_faults"]
 
 OPS = ("scores", "context")
 FIELDS = ("flag", "n_rows", "row", "n_cols", "col", "value", "residual", "bound", "outcome", "saved")
@@ -85,6 +86,9 @@ OUTCOMES = ("none", "recomputed", "corrected", "uncorrectable", "dismissed")
 """none: not repaired (detect mode, or clean); dismissed: a tier-1 trip the recompute shows was what the operands
 give (an ALiBi-like positive bias under the log-sum-exp bound, values past 1e10 in diverged training)."""
 RECORD = 16
+TILE_NORMS = 6
+"""Per key tile, the row checks' scalars that _kv_tiles makes (_tile_terms): other_side's two norms, the two weighted
+sums' ref_norm, and their split3 scales (bf16, fp16)."""
 _KINDS = {"set": 0, "add": 1, "bitflip": 2}
 
 
@@ -209,7 +213,8 @@ def gpu_blocks(d: int, shared_per_block: int | None = None) -> Blocks:
       116 KB; 16 × 16 at most 55 KB.
     The full-size tiles stay where they fit, as they were timed on the H200.
     Compiled for sm_90 (bench/triton_resources.py, D = 64, bf16): the plain kernel 145 registers and tier 1 188, no
-    spills; the full checks' first pass reaches 255 and spills 72 B (208 B while the bound's per-row terms were fp64);
+    spills; the full checks' first pass reaches 255 and no longer spills (208 B while the bound's per-row terms were
+    fp64, 32 B while the row references were fp32 products);
     128 × 64 on 4 warps spilled the plain and tier-1 variants too.
     TODO(triton-fwd): tune on a GPU. Untuned, on the first H200 run the kernel with its checks off reached 33 to
     132 TFLOP/s in bf16 (docs/performance.md §8)."""
@@ -220,6 +225,23 @@ def gpu_blocks(d: int, shared_per_block: int | None = None) -> Blocks:
         return Blocks(64, 32, block_d, 8, 2)
     small = d > 64 and shared_per_block is not None and shared_per_block < SMALL_SHARED_MEMORY
     return Blocks(64, 32 if small else 64, block_d, 8, 2)
+
+
+BY_DOT_MIN_ROWS = 64
+"""Query rows per tile from which the row checks' references are a tensor-core product (``refs_by_dot``)."""
+
+
+def refs_by_dot(dtype: torch.dtype, block_m: int) -> bool:
+    """The kernels' BY_DOT: the rows' references of both products as one small tensor-core product per tile, of the
+    tile's A operand with the other side's weighted sums split into three parts of the operands' dtype
+    (triton_checks.refs_by_dot; _kv_tiles makes the parts once per call), in place of fp32 products reduced across the
+    lanes. bf16 and fp16 only (fp32 operands would make it an fp32 product on the CUDA cores), and on tiles of
+    BY_DOT_MIN_ROWS query rows or more. Offline (bench/triton_resources.py, bf16, the clean path's key-tile loop) it
+    takes the loop from 2,696 to 2,297 instructions on sm_90 at D = 64 (64 × 64 tiles), from 5,080 to 2,341 on sm_89
+    at D = 128 (64 × 32), from 5,395 to 3,163 on sm_90 at D = 256, but from 2,065 to 2,765 on the 16 × 16 tiles of
+    D = 256 on the 99 KB GPUs, which keep the fp32 references. Under the interpreter every tile takes it where the
+    dtype does, so that the suite runs it (its 16 × 16 tiles stand in for a GPU's)."""
+    return dtype in (torch.bfloat16, torch.float16) and (block_m >= BY_DOT_MIN_ROWS or interpreting())
 
 
 def dot_mode(dtype: torch.dtype, operand_roundoff: float | None) -> int:
@@ -312,21 +334,31 @@ def forward(
     # call by one launch (_kv_tiles) rather than again by every query block that visits the tile. The TF32 path's
     # operand moments still need the tiles themselves: it keeps making them in the loop.
     n_key_tiles = triton.cdiv(s, blk.n)
-    key_tiles = key_norms = value_tiles = value_norms = None
+    by_dot = refs_by_dot(q_BHTD.dtype, blk.m)
+    key_tiles = key_norms = key_parts = value_tiles = value_norms = value_parts = None
+    tiles_of = (b * hk, n_key_tiles)
     if mode == 2 and operand_roundoff is None and (checks.scores or checks.context):
         if checks.scores:
-            key_tiles = torch.empty((b * hk, n_key_tiles, 2 * blk.d + blk.n + 1), dtype=torch.float32, device=dev)
-            key_norms = torch.empty((b * hk, n_key_tiles, 4), dtype=torch.float32, device=dev)
+            key_tiles = torch.empty((*tiles_of, 2 * blk.d + blk.n + 1), dtype=torch.float32, device=dev)
+            key_norms = torch.empty((*tiles_of, TILE_NORMS), dtype=torch.float32, device=dev)
+            if by_dot:
+                key_parts = torch.empty((*tiles_of, blk.d, tc.SPLIT_COLUMNS), dtype=k_BHSD.dtype, device=dev)
         if checks.context:
-            value_tiles = torch.empty((b * hk, n_key_tiles, 2 * blk.n + blk.d + 1), dtype=torch.float32, device=dev)
-            value_norms = torch.empty((b * hk, n_key_tiles, 4), dtype=torch.float32, device=dev)
+            value_tiles = torch.empty((*tiles_of, 2 * blk.n + blk.d + 1), dtype=torch.float32, device=dev)
+            value_norms = torch.empty((*tiles_of, TILE_NORMS), dtype=torch.float32, device=dev)
+            if by_dot:
+                value_parts = torch.empty((*tiles_of, blk.n, tc.SPLIT_COLUMNS), dtype=v_BHSD.dtype, device=dev)
+    # A buffer a call does not use is passed as a spare tensor of its pointer's dtype, never read.
+    kv_buffers = [x if x is not None else spare for x, spare in zip(
+        (key_tiles, key_norms, key_parts, value_tiles, value_norms, value_parts),
+        (lse, lse, k_BHSD, lse, lse, v_BHSD), strict=True)]
+    if key_tiles is not None or value_tiles is not None:
         with _ieee_quietly():
             _kv_tiles[(n_key_tiles, b * hk)](
-                k_BHSD, v_BHSD, *(x if x is not None else lse for x in (key_tiles, key_norms, value_tiles,
-                                                                        value_norms)),
-                *k_BHSD.stride(), *v_BHSD.stride(), hk, s, d, n_key_tiles, terms[0][0], terms[2][0],
+                k_BHSD, v_BHSD, *kv_buffers, *k_BHSD.stride(), *v_BHSD.stride(), hk, s, d, n_key_tiles, terms[0][0],
+                terms[2][0],
                 KEYS=key_tiles is not None, VALUES=value_tiles is not None, BLOCK_N=blk.n, BLOCK_D=blk.d,
-                num_warps=blk.warps)
+                BY_DOT=by_dot, num_warps=blk.warps)
     launch = functools.partial(
         _attention[(n_blocks, b * h)],
         q_BHTD, k_BHSD, v_BHSD, out, lse, mask if mask is not None else q_BHTD,
@@ -335,7 +367,7 @@ def forward(
         table if table is not None else q_BHTD, values if values is not None else q_BHTD,
         seen if seen is not None else q_BHTD, dbg if dbg is not None else out,
         k_max_BHkS if k_max_BHkS is not None else lse,
-        *(x if x is not None else lse for x in (key_tiles, key_norms, value_tiles, value_norms)),
+        *kv_buffers,
         *q_BHTD.stride(), *k_BHSD.stride(), *v_BHSD.stride(), *out.stride(), *mask_strides,
         *(k_max_BHkS.stride()[:2] if k_max_BHkS is not None else (0, 0)),
         h, h // hk, t, s, d, n_blocks, n_tiles, n_key_tiles,
@@ -348,7 +380,7 @@ def forward(
         TF32=operand_roundoff is not None, DOT=dot_mode(q_BHTD.dtype, operand_roundoff),
         COLS=checks.cols or debug, FAULTS=table is not None, DEBUG=dbg is not None,
         K_MAX_GIVEN=k_max_BHkS is not None, KEY_TILES=key_tiles is not None, VALUE_TILES=value_tiles is not None,
-        num_warps=blk.warps, num_stages=blk.stages,
+        BY_DOT=by_dot, num_warps=blk.warps, num_stages=blk.stages,
     )
     with _ieee_quietly():
         if given is None:
@@ -474,6 +506,7 @@ if triton is not None:
     _jit: Any = device_function
     _F32_MAX: Any = tl.constexpr(3.4028234663852886e38)
     SAVED_HEAD: Any = tl.constexpr(len(SAVED_FIELDS))
+    N_TILE_NORMS: Any = tl.constexpr(TILE_NORMS)
 
     @_jit
     def _operand(x, DOT: tl.constexpr):
@@ -534,13 +567,19 @@ if triton is not None:
         return bad, d1, b1, ratio, ref1, ref2, mom1, mom2
 
     @_jit
-    def _rows_of_tile(x, a_op, a_norm, At, AtNorms, terms, CALIBRATED: tl.constexpr, L: tl.constexpr, M: tl.constexpr):
+    def _rows_of_tile(x, a_op, a_dot, a_norm, At, AtNorms, Parts, terms, CALIBRATED: tl.constexpr, L: tl.constexpr,
+                      M: tl.constexpr, BY_DOT: tl.constexpr):
         """The rows of a tile x = A·B (R, C) against their references, with what they take from the tile of B alone
         read from its _kv_tiles row (At: B's two weighted sums (L,) each, its M norms, their other_side sum; AtNorms:
-        other_side's two norms and the two sums' ref_norm; fp32): _scores_rows (L = BLOCK_D, M = BLOCK_N) and
-        _context_rows (L = BLOCK_N, M = BLOCK_D) of IEEE products, which have no operand moments."""
+        other_side's two norms, the two sums' ref_norm and their split3 scales; fp32; Parts: the sums' split3
+        parts): _scores_rows (L = BLOCK_D, M = BLOCK_N) and _context_rows (L = BLOCK_N, M = BLOCK_D) of IEEE
+        products, which have no operand moments. BY_DOT (bf16, fp16): the references by a tensor-core product of
+        a_dot, A as its GEMM takes it (tc.refs_by_dot); else in fp32 from a_op."""
         offs = tl.arange(0, L)
-        ref1, ref2 = tc.refs(a_op, tl.load(At + offs), tl.load(At + L + offs))
+        if BY_DOT:
+            ref1, ref2 = tc.refs_by_dot(a_dot, Parts, tl.load(AtNorms + 4), tl.load(AtNorms + 5))
+        else:
+            ref1, ref2 = tc.refs(a_op, tl.load(At + offs), tl.load(At + L + offs))
         mom = tl.full([x.shape[0]], 0, tl.float32)
         bad, d1, b1, ratio = tc.check(x, ref1, ref2, a_norm, tl.load(At + 2 * L + M), tl.load(AtNorms),
                                       tl.load(AtNorms + 1), tl.load(AtNorms + 2), tl.load(AtNorms + 3), mom, mom, terms,
@@ -548,11 +587,12 @@ if triton is not None:
         return bad, d1, b1, ratio, ref1, ref2, mom, mom
 
     @_jit
-    def _tile_terms(x, valid, floor, Out, OutNorms, row):
+    def _tile_terms(x, valid, floor, Out, OutNorms, Parts, row, BY_DOT: tl.constexpr):
         """One tile's row of _kv_tiles' outputs from x (R, L) fp32, in the layout _rows_of_tile reads. Out
         (2·L + R + 1,) fp32: Σ_i x_i and Σ_i i·x_i over x's rows (i = 1..R), each row's norm, their other_side sum
-        (valid (R,): the rows that exist); OutNorms (4,) fp32: other_side's two norms, and the two sums' norms + floor
-        (tc.ref_norm)."""
+        (valid (R,): the rows that exist); OutNorms (TILE_NORMS,) fp32: other_side's two norms, the two sums' norms
+        + floor (tc.ref_norm), and with BY_DOT the two sums' split3 scales, their parts at Parts ((L, PARTS) in the
+        operands' dtype)."""
         n_rows: tl.constexpr = x.shape[0]
         n_cols: tl.constexpr = x.shape[1]
         e = tc.rsum(x, 0)
@@ -564,22 +604,29 @@ if triton is not None:
         tl.store(at + n_cols + tl.arange(0, n_cols), w)
         tl.store(at + 2 * n_cols + tl.arange(0, n_rows), norms)
         tl.store(at + 2 * n_cols + n_rows, b_sum)
-        tl.store(OutNorms + row * 4, b_norm1)
-        tl.store(OutNorms + row * 4 + 1, b_norm2)
-        tl.store(OutNorms + row * 4 + 2, tc.ref_norm(e, floor))
-        tl.store(OutNorms + row * 4 + 3, tc.ref_norm(w, floor))
+        at_norms = OutNorms + row * N_TILE_NORMS
+        tl.store(at_norms, b_norm1)
+        tl.store(at_norms + 1, b_norm2)
+        tl.store(at_norms + 2, tc.ref_norm(e, floor))
+        tl.store(at_norms + 3, tc.ref_norm(w, floor))
+        if BY_DOT:
+            scale_e, scale_w = tc.store_parts(Parts + row * (n_cols * tc.PARTS), e, w, Parts.dtype.element_ty)
+            tl.store(at_norms + 4, scale_e)
+            tl.store(at_norms + 5, scale_w)
 
     @triton.jit
-    def _kv_tiles(K, V, KOut, KNorms, VOut, VNorms, skb, skh, sks, skd, svb, svh, svs, svd, HK, S, D, N_KEY_TILES,
-                  floor_s, floor_c, KEYS: tl.constexpr, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+    def _kv_tiles(K, V, KOut, KNorms, KParts, VOut, VNorms, VParts, skb, skh, sks, skd, svb, svh, svs, svd, HK, S, D,
+                  N_KEY_TILES, floor_s, floor_c, KEYS: tl.constexpr, VALUES: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BY_DOT: tl.constexpr):
         """Per tile of BLOCK_N keys of one (batch, key head), what the row checks take from it alone.
         KEYS (_scores_rows): KOut (2·BLOCK_D + BLOCK_N + 1,) fp32: Σ_j k_j and Σ_j j·k_j over its keys
-        (j = 1..BLOCK_N), each key's norm, Σ_j (‖k_j‖ + floor); KNorms (4,) fp32: √Σ_j (‖k_j‖ + floor)²,
-        √Σ_j j²(‖k_j‖ + floor)², and the two sums' norms + floor (tc.other_side, tc.ref_norm).
+        (j = 1..BLOCK_N), each key's norm, Σ_j (‖k_j‖ + floor); KNorms (TILE_NORMS,) fp32: √Σ_j (‖k_j‖ + floor)²,
+        √Σ_j j²(‖k_j‖ + floor)², the two sums' norms + floor (tc.other_side, tc.ref_norm), and with BY_DOT the
+        two sums' split3 scales; KParts (BLOCK_D, PARTS) in K's dtype: their split3 parts.
         VALUES (_context_rows): VOut (2·BLOCK_N + BLOCK_D + 1,) fp32: each key's Σ_d v_jd and Σ_d d·v_jd, each
         feature's norm over the tile's keys, and that norm's other_side sum over the D features; VNorms the same
-        four norms. Keys past S and features past D are zeros, as the attention kernel loads them."""
+        norms and scales, VParts (BLOCK_N, PARTS) the parts. Keys past S and features past D are zeros, as the
+        attention kernel loads them."""
         tile = tl.program_id(0)
         n = tl.program_id(1)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -591,12 +638,12 @@ if triton is not None:
             # The scores' rows reduce over keys: the key tile as it is (keys × features).
             k = tl.load(K + (n // HK).to(tl.int64) * skb + (n % HK).to(tl.int64) * skh + offs_n[:, None] * sks
                         + offs_d[None, :] * skd, mask=inside, other=0.0)
-            _tile_terms(k.to(tl.float32), tl.full([BLOCK_N], 1, tl.int1), floor_s, KOut, KNorms, row)
+            _tile_terms(k.to(tl.float32), tl.full([BLOCK_N], 1, tl.int1), floor_s, KOut, KNorms, KParts, row, BY_DOT)
         if VALUES:
             # The context's rows reduce over features: the value tile transposed (features × keys).
             v = tl.load(V + (n // HK).to(tl.int64) * svb + (n % HK).to(tl.int64) * svh + offs_n[:, None] * svs
                         + offs_d[None, :] * svd, mask=inside, other=0.0)
-            _tile_terms(tl.trans(v.to(tl.float32)), d_ok, floor_c, VOut, VNorms, row)
+            _tile_terms(tl.trans(v.to(tl.float32)), d_ok, floor_c, VOut, VNorms, VParts, row, BY_DOT)
 
     @_jit
     def _scores_moments(a_sq, b_sq, bar_e, bar_w, w, tiny):
@@ -871,7 +918,7 @@ if triton is not None:
     @triton.jit
     def _attention(
         Q, K, V, Out, Lse, Mask, Seed, Status, Records, Saved, Faults, FaultValues, FaultSeen, Debug, KMax, KeyTiles,
-        KeyNorms, ValueTiles, ValueNorms,
+        KeyNorms, KeyParts, ValueTiles, ValueNorms, ValueParts,
         sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd, sob, soh, sot, sod, smb, smh, smt, sms,
         skmb, skmh,
         H, GROUP, T, S, D, N_BLOCKS, N_TILES, N_KEY_TILES,
@@ -882,6 +929,7 @@ if triton is not None:
         MODE: tl.constexpr, CHECK_SCORES: tl.constexpr, CHECK_CONTEXT: tl.constexpr, CALIBRATED: tl.constexpr,
         TF32: tl.constexpr, DOT: tl.constexpr, COLS: tl.constexpr, REPAIR: tl.constexpr, FAULTS: tl.constexpr,
         DEBUG: tl.constexpr, K_MAX_GIVEN: tl.constexpr, KEY_TILES: tl.constexpr, VALUE_TILES: tl.constexpr,
+        BY_DOT: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -896,6 +944,10 @@ if triton is not None:
         FULL: tl.constexpr = MODE == 2
         # Columns on every tile (tests, and the repair, which locates with them); else only on a tile that flags.
         ALL_COLS: tl.constexpr = COLS or REPAIR
+        # The repair kernel, which runs on flagged blocks only, keeps the rows' references in fp32: with the extra
+        # product per tile ptxas gave it 128 registers and a 5 KB spill stack on sm_89, against 255 and 1.4 KB
+        # without (D = 128, a bool mask; Triton 3.9).
+        ROWS_BY_DOT: tl.constexpr = BY_DOT and not REPAIR
         # Every key's norm in the loop: the full checks' bound needs them; tier 1 only their running max, which
         # forward() hands over per key prefix (KMax, (B, Hk, S)) where it can.
         KEY_NORMS: tl.constexpr = MODE == 2 or (MODE == 1 and K_MAX_GIVEN == 0)
@@ -968,8 +1020,9 @@ if triton is not None:
                 # the same on AS_ijᵀ = K_j Q_iᵀ.
                 if KEY_TILES:
                     bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _rows_of_tile(
-                        s, qf, q_norm, KeyTiles + kt_at * (2 * BLOCK_D + BLOCK_N + 1), KeyNorms + kt_at * 4,
-                        s_row, CALIBRATED, BLOCK_D, BLOCK_N)
+                        s, qf, q_op, q_norm, KeyTiles + kt_at * (2 * BLOCK_D + BLOCK_N + 1),
+                        KeyNorms + kt_at * N_TILE_NORMS, KeyParts + kt_at * (BLOCK_D * tc.PARTS), s_row, CALIBRATED,
+                        BLOCK_D, BLOCK_N, ROWS_BY_DOT)
                 else:
                     bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _scores_rows(s, qf, q_norm, kf, k_norm, w_n, s_row,
                                                                               TF32, CALIBRATED)
@@ -1046,7 +1099,8 @@ if triton is not None:
                     vt_at = ValueTiles + kt_at * (2 * BLOCK_N + BLOCK_D + 1)
                     v_col = tl.load(vt_at + 2 * BLOCK_N + tl.arange(0, BLOCK_D))
                     bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _rows_of_tile(
-                        cl, pcf, a_c, vt_at, ValueNorms + kt_at * 4, c_row, CALIBRATED, BLOCK_N, BLOCK_D)
+                        cl, pcf, _operand(p_c, DOT), a_c, vt_at, ValueNorms + kt_at * N_TILE_NORMS,
+                        ValueParts + kt_at * (BLOCK_N * tc.PARTS), c_row, CALIBRATED, BLOCK_N, BLOCK_D, ROWS_BY_DOT)
                 else:
                     v_col = tl.sqrt(tc.rsum(vf * vf, 0))
                     bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _context_rows(cl, pcf, vf, v_col, a_c, w_d, d_ok,

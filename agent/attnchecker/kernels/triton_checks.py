@@ -15,7 +15,11 @@ from .triton_common import device_function, triton
 if triton is not None:
     import triton.language as tl
 
-__all__: list[str] = []
+__all__ = ["SPLIT_COLUMNS"]
+
+SPLIT_COLUMNS = 8
+"""Columns of a tile's ``split3`` parts as stored by ``store_parts``: six used, rows of 16 bytes in bf16 and fp16;
+``refs_by_dot`` reads them as the 16 columns of a tl.dot operand."""
 
 if triton is not None:
     _jit: Any = device_function
@@ -144,6 +148,53 @@ if triton is not None:
     def refs(a_op, bw_e, bw_w):
         """(R,) references (A·(B e), A·(B w)) of a tile A·B, from A (R, K) and B's weighted sums (K,) in fp32."""
         return rsum(a_op * bw_e[None, :], 1), rsum(a_op * bw_w[None, :], 1)
+
+    PARTS: Any = tl.constexpr(SPLIT_COLUMNS)
+
+    @_jit
+    def split3(x, dtype: tl.constexpr):
+        """x (L,) fp32 as scale·(p1 + p2 + p3), each part a value of dtype (bf16, fp16) held in fp32, within about
+        2⁻²⁴ of the largest |x|: scale is the power of 2 that takes that element into [1, 2), where fp16 holds every
+        part, and it clamps at 2^±126 for subnormal and huge x. So the parts' products with a tile of dtype are exact
+        in fp32, and one tensor-core product carries an fp32 vector. An INF or NaN in x stays non-finite in the
+        parts' sum. Returns (p1, p2, p3, scale)."""
+        big = rmax(tl.abs(x), 0)
+        exp = (big.to(tl.int32, bitcast=True) >> 23) & 255
+        inv_exp = tl.minimum(tl.maximum(254 - exp, 1), 253)
+        inv = (inv_exp << 23).to(tl.float32, bitcast=True)
+        scale = ((254 - inv_exp) << 23).to(tl.float32, bitcast=True)
+        y = x * inv
+        p1 = y.to(dtype).to(tl.float32)
+        rest = y - p1  # exact: p1 is y rounded to fewer bits
+        p2 = rest.to(dtype).to(tl.float32)
+        p3 = (rest - p2).to(dtype).to(tl.float32)
+        return p1, p2, p3, scale
+
+    @_jit
+    def store_parts(Parts, e, w, dtype: tl.constexpr):
+        """A tile's two weighted sums e, w (L,) fp32 as ``split3`` parts: Parts (L, PARTS) of dtype, columns
+        [e's three, w's three, 0, 0]. Returns the two scales."""
+        e1, e2, e3, scale_e = split3(e, dtype)
+        w1, w2, w3, scale_w = split3(w, dtype)
+        col = tl.arange(0, PARTS)[None, :]
+        parts = (tl.where(col == 0, e1[:, None], 0.0) + tl.where(col == 1, e2[:, None], 0.0)
+                 + tl.where(col == 2, e3[:, None], 0.0) + tl.where(col == 3, w1[:, None], 0.0)
+                 + tl.where(col == 4, w2[:, None], 0.0) + tl.where(col == 5, w3[:, None], 0.0))
+        tl.store(Parts + tl.arange(0, e.shape[0])[:, None] * PARTS + col, parts.to(dtype))
+        return scale_e, scale_w
+
+    @_jit
+    def refs_by_dot(a, Parts, scale_e, scale_w):
+        """``refs`` on the tensor cores: (R,) references (A·(B e), A·(B w)) of a tile A·B from A (R, K) as its GEMM
+        takes it (bf16 or fp16; fp32 holding bf16 values under the interpreter) and B's weighted sums stored as
+        ``store_parts`` (K, PARTS) with their scales. One small tl.dot (K × 16, the columns past PARTS zeros), its
+        columns added back, in place of 2·R·K fp32 products reduced along K across the lanes: a quarter of the full
+        checks' key-tile loop (bench/triton_resources.py --mix)."""
+        col = tl.arange(0, 16)[None, :]
+        parts = tl.load(Parts + tl.arange(0, a.shape[1])[:, None] * PARTS + col, mask=col < PARTS, other=0.0)
+        r = tl.dot(a, parts.to(a.dtype), input_precision="ieee")
+        return (rsum(tl.where(col < 3, r, 0.0), 1) * scale_e,
+                rsum(tl.where((col >= 3) & (col < 6), r, 0.0), 1) * scale_w)
 
     @_jit
     def locate(x, ref1, ref2, near_inf):

@@ -1,0 +1,113 @@
+"""The Triton forward's row-check references on the tensor cores (kernels/triton_checks.split3, store_parts,
+refs_by_dot), under Triton's interpreter on CPU: a tile's references A·(B e), A·(B w) from the other side's weighted
+sums split into three parts of the operands' dtype and one tl.dot, as the kernel makes them in bf16 and fp16.
+
+- The parts carry an fp32 vector at any magnitude fp32 holds (1e-30 to 1e30, fp16 included, whose own range is 6e-8
+  to 65504) to within 2⁻²⁵ of its largest element.
+- The references are the fp64 product's within fp32 accumulation plus that representation error, the error the
+  bound's reference term allows for (abft/tile_terms.py: c_r); a non-finite sum gives a non-finite reference, which
+  the check reads as an upstream fault, as with the fp32 references.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnchecker.kernels import triton_attention as ta
+from attnchecker.kernels import triton_checks as tc
+from attnchecker.kernels.triton_common import interpreting, triton
+
+pytestmark = pytest.mark.skipif(not ta.available("cpu") or not interpreting(),
+                                reason="needs triton's interpreter (TRITON_INTERPRET=1)")
+
+U = 2.0**-24
+"""fp32's unit roundoff."""
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _refs_kernel(A, E, W, Parts, Scales, Refs, R: tl.constexpr, L: tl.constexpr, AS_FP32: tl.constexpr):
+        """store_parts of (E, W) (L,) fp32 into Parts (L, SPLIT_COLUMNS), then refs_by_dot of A (R, L) with them:
+        Refs (2, R) fp32, Scales (2,). AS_FP32: A goes into the product as fp32 (bf16 under the interpreter, as the
+        kernel's DOT mode 2 does)."""
+        rows = tl.arange(0, R)
+        cols = tl.arange(0, L)
+        a = tl.load(A + rows[:, None] * L + cols[None, :])
+        scale_e, scale_w = tc.store_parts(Parts, tl.load(E + cols), tl.load(W + cols), Parts.dtype.element_ty)
+        tl.store(Scales, scale_e)
+        tl.store(Scales + 1, scale_w)
+        if AS_FP32:
+            a = a.to(tl.float32)
+        ref1, ref2 = tc.refs_by_dot(a, Parts, scale_e, scale_w)
+        tl.store(Refs + rows, ref1)
+        tl.store(Refs + R + rows, ref2)
+
+
+def _refs(a_RL: torch.Tensor, e_L: torch.Tensor, w_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(refs (2, R), parts (L, SPLIT_COLUMNS) as stored, scales (2,)) from the kernel."""
+    r, n = a_RL.shape
+    parts = torch.full((n, tc.SPLIT_COLUMNS), math.nan, dtype=a_RL.dtype)
+    scales = torch.empty(2)
+    refs = torch.empty(2, r)
+    _refs_kernel[(1,)](a_RL, e_L, w_L, parts, scales, refs, R=r, L=n,
+                       AS_FP32=ta.dot_mode(a_RL.dtype, None) == 2)
+    return refs, parts, scales
+
+
+def _vector(n: int, seed: int, magnitude: float, spread: float) -> torch.Tensor:
+    """(n,) fp32 with random signs, magnitudes spread over 10^±spread around magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    x *= 10.0 ** (spread * (2 * torch.rand(n, generator=g, dtype=torch.float64) - 1))
+    return (x * magnitude).float()
+
+
+@settings(max_examples=30)
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16]), n=st.sampled_from([16, 32, 64]),
+       exponent=st.integers(-30, 30), spread=st.sampled_from([0.0, 2.0, 8.0]), seed=st.integers(0, 2**20))
+def test_the_parts_carry_an_fp32_vector_at_any_magnitude(dtype, n, exponent, spread, seed) -> None:
+    x = _vector(n, seed, 10.0**exponent, spread)
+    _, parts, scales = _refs(torch.zeros(16, n, dtype=dtype), x, x)
+    assert bool((parts[:, 6:] == 0).all())
+    for col, scale in ((0, scales[0]), (3, scales[1])):
+        # A power of 2 that takes the largest element into [1, 2).
+        assert math.log2(float(scale)).is_integer()
+        assert 1.0 <= float(x.abs().max() / scale) < 2.0
+        back = parts[:, col:col + 3].double().sum(-1) * float(scale)
+        assert bool(((back - x.double()).abs() <= 2.0**-25 * float(x.abs().max())).all()), (back, x)
+
+
+@settings(max_examples=30)
+@given(dtype=st.sampled_from([torch.bfloat16, torch.float16]), r=st.sampled_from([16, 64]),
+       n=st.sampled_from([16, 64, 128]), exponent=st.integers(-30, 30), spread=st.sampled_from([0.0, 3.0]),
+       cancel=st.booleans(), seed=st.integers(0, 2**20))
+def test_the_references_are_the_fp64_product_s_within_the_bound_s_reference_term(dtype, r, n, exponent, spread,
+                                                                                cancel, seed) -> None:
+    """A (R, L) as the kernel's tiles hold it (bf16 or fp16 values; P̃ in [0, 1] or Q); the sums at any magnitude,
+    with cancellation (w = e - mean: its products cancel to far below their own size) or without."""
+    a = torch.randn(r, n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    e = _vector(n, seed + 1, 10.0**exponent, spread)
+    w = e - e.mean() if cancel else _vector(n, seed + 2, 10.0**exponent, spread)
+    refs, _, _ = _refs(a, e, w)
+    a64 = a.double()
+    for got, x in zip(refs, (e, w), strict=True):
+        exact = a64 @ x.double()
+        # fp32 accumulation in any order, and the parts' representation error (2⁻²⁵·max|x| per element).
+        allowed = 2 * n * U * (a64.abs() @ x.double().abs()) + U / 2 * a64.abs().sum(-1) * float(x.abs().max())
+        assert bool(((got.double() - exact).abs() <= allowed).all()), (got, exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_a_non_finite_sum_gives_non_finite_references(dtype, bad) -> None:
+    a = torch.randn(16, 16, generator=torch.Generator().manual_seed(3)).to(dtype)
+    e = _vector(16, 4, 1.0, 0.0)
+    e[5] = bad
+    refs, _, _ = _refs(a, e, _vector(16, 5, 1.0, 0.0))
+    assert not bool(refs[0].isfinite().any())
+    assert bool(refs[1].isfinite().all())
