@@ -195,6 +195,28 @@ def test_clean_calls_give_the_reference_and_flag_nothing(dtype, mask, b, hk, gro
     assert float(got.status[2:].max()) < 0.5  # the worst clean ratio: far from the bound
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_worst_clean_ratio_is_the_largest_over_every_row_of_every_tile(dtype) -> None:
+    """The call's worst clean ratio per op (status[2:], the residual histogram's input) is the largest ratio of an
+    unflagged row over every tile the block visits, as the debug records show them: each row keeps its own worst
+    over the key tiles and the block reduces them once. The fast pass (rows only) gives the same as the pass that
+    checks columns too. A fault in one row must not hide the others' ratios."""
+    q, k, v = (seeded((1, 2, 40, 16), 31 + i, torch.float32).to(dtype) for i in range(3))
+    checks = ta.Checks(mode="full", tol=Tolerance(), repair=False)
+    fault = [("scores", 1, 20, 7, "set", 1e6, False)]
+    fast = run(q, k, v, is_causal=True, checks=checks, faults=fault)
+    dbg = run(q, k, v, is_causal=True, checks=checks, faults=fault, debug=True)
+    assert dbg.debug is not None
+    for op, part in ((0, 0), (1, 2)):
+        rows = dbg.debug[:, :, :, part].double()
+        clean = rows[..., 8] == 0.0  # NaN in the slots of tiles a block never visits
+        expected = float(rows[..., 7][clean].max())
+        assert 0.0 < expected < 1.0
+        assert float(dbg.status[2 + op]) == pytest.approx(expected, rel=1e-6)
+        assert float(fast.status[2 + op]) == float(dbg.status[2 + op])
+    assert float(fast.status[0]) == 1.0
+
 # ------------------------------------------------------------------------------------ verdicts = the Python checks
 
 TOLERANCES = {"calibrated": Tolerance(), "rigorous": Tolerance(calibrated=False), "extreme": Tolerance(mode="extreme"),

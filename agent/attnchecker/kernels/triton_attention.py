@@ -236,11 +236,11 @@ def refs_by_dot(dtype: torch.dtype, block_m: int) -> bool:
     tile's A operand with the other side's weighted sums split into three parts of the operands' dtype
     (triton_checks.refs_by_dot; _kv_tiles makes the parts once per call), in place of fp32 products reduced across the
     lanes. bf16 and fp16 only (fp32 operands would make it an fp32 product on the CUDA cores), and on tiles of
-    BY_DOT_MIN_ROWS query rows or more. Offline (bench/triton_resources.py, bf16, the clean path's key-tile loop) it
-    takes the loop from 2,696 to 2,297 instructions on sm_90 at D = 64 (64 × 64 tiles), from 5,080 to 2,341 on sm_89
-    at D = 128 (64 × 32), from 5,395 to 3,163 on sm_90 at D = 256, but from 2,065 to 2,765 on the 16 × 16 tiles of
-    D = 256 on the 99 KB GPUs, which keep the fp32 references. Under the interpreter every tile takes it where the
-    dtype does, so that the suite runs it (its 16 × 16 tiles stand in for a GPU's)."""
+    BY_DOT_MIN_ROWS query rows or more. Offline (bench/triton_resources.py --by-dot, bf16, the clean path's key-tile
+    loop) it takes the loop from 2,668 to 2,126 instructions on sm_90 at D = 64 (64 × 64 tiles), from 5,096 to 2,314
+    on sm_89 at D = 128 (64 × 32), from 5,370 to 3,131 on sm_90 at D = 256, but from 2,045 to 2,794 on the 16 × 16
+    tiles of D = 256 on the 99 KB GPUs, which keep the fp32 references. Under the interpreter every tile takes it
+    where the dtype does, so that the suite runs it (its 16 × 16 tiles stand in for a GPU's)."""
     return dtype in (torch.bfloat16, torch.float16) and (block_m >= BY_DOT_MIN_ROWS or interpreting())
 
 
@@ -728,10 +728,10 @@ if triton is not None:
 
     @_jit
     def _tally(worst, rec, rows_seen, x, rows, cols, r0, c0, near_inf):
-        """One checked tile x folded into its block's state: the worst clean ratio of its rows (NaN-sticky), and when
-        a row or column flagged, the block's record (_note). rows, cols: (bad, d1, b1, ratio, ref1, ref2) of each
-        direction. Returns (worst, rec, rows_seen, flagged)."""
-        worst = tc.max_nan(worst, tc.rmax(tl.where(rows[0], 0.0, rows[3]), 0))
+        """One checked tile x folded into its block's state: each row's worst clean ratio so far (worst (R,),
+        NaN-sticky), and when a row or column flagged, the block's record (_note). rows, cols: (bad, d1, b1, ratio,
+        ref1, ref2) of each direction. Returns (worst, rec, rows_seen, flagged)."""
+        worst = tc.max_nan(worst, tl.where(rows[0], 0.0, rows[3]))
         flagged = tc.rsum(rows[0].to(tl.int32), 0) + tc.rsum(cols[0].to(tl.int32), 0) > 0
         if flagged:
             rec, rows_seen = _note(rec, rows_seen, x, rows[0], rows[1], rows[2], rows[3], rows[4], rows[5], cols[0],
@@ -770,9 +770,11 @@ if triton is not None:
 
     @_jit
     def _tally_rows(worst, rec, rows_seen, x, bad, d1, b1, ratio, ref1, ref2, r0, c0, At):
-        """_tally for the fast pass, which checks rows only: the worst clean ratio, and on a flagged row
-        _note_rows. Returns (worst, rec, rows_seen)."""
-        worst = tc.max_nan(worst, tc.rmax(tl.where(bad, 0.0, ratio), 0))
+        """_tally for the fast pass, which checks rows only: each row's worst clean ratio, and on a flagged row
+        _note_rows. Returns (worst, rec, rows_seen). The rows' worst is reduced across the block once, after the key
+        loop: reduced per tile, across the warps, it cost 171 of the clean loop's 2,297 instructions (bf16, D = 64,
+        sm_90)."""
+        worst = tc.max_nan(worst, tl.where(bad, 0.0, ratio))
         if tc.rsum(bad.to(tl.int32), 0) > 0:
             rec, rows_seen = _note_rows(rec, rows_seen, x, bad, d1, b1, ratio, ref1, ref2, r0, c0, At)
         return worst, rec, rows_seen
@@ -979,8 +981,9 @@ if triton is not None:
         rec_c = tl.full([16], 0, tl.float32)
         rows_s = tl.full([BLOCK_M], 0, tl.int32)
         rows_c = tl.full([BLOCK_M], 0, tl.int32)
-        worst_s = tl.full([], 0, tl.float32)
-        worst_c = tl.full([], 0, tl.float32)
+        # Each row's worst clean ratio over the tiles, reduced across the block once, after the loop.
+        worst_s = tl.full([BLOCK_M], 0, tl.float32)
+        worst_c = tl.full([BLOCK_M], 0, tl.float32)
         failed_s = tl.full([], 0, tl.int32)
         failed_c = tl.full([], 0, tl.int32)
         k_max = tl.full([], 0, tl.float32)
@@ -1170,8 +1173,10 @@ if triton is not None:
             _publish(rec_at, rec_s, rec_c, Status)
             if FULL and not REPAIR:
                 # A non-finite ratio is a check whose inputs already carried a fault reported elsewhere: left out.
-                tl.atomic_max(Status + 2, tl.where(worst_s <= _F32_MAX, worst_s, 0.0))
-                tl.atomic_max(Status + 3, tl.where(worst_c <= _F32_MAX, worst_c, 0.0))
+                block_s = tc.rmax(worst_s, 0)
+                block_c = tc.rmax(worst_c, 0)
+                tl.atomic_max(Status + 2, tl.where(block_s <= _F32_MAX, block_s, 0.0))
+                tl.atomic_max(Status + 3, tl.where(block_c <= _F32_MAX, block_c, 0.0))
 
 
     @triton.jit
