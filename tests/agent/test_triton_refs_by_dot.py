@@ -111,3 +111,31 @@ def test_a_non_finite_sum_gives_non_finite_references(dtype, bad) -> None:
     refs, _, _ = _refs(a, e, _vector(16, 5, 1.0, 0.0))
     assert not bool(refs[0].isfinite().any())
     assert bool(refs[1].isfinite().all())
+
+
+@pytest.mark.parametrize("refs_by_dot", [None, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_kernel_takes_the_form_of_references_asked_for_and_either_gives_a_clean_call(monkeypatch, dtype,
+                                                                                          refs_by_dot) -> None:
+    """Checks.refs_by_dot None: bf16 and fp16 calls make their row references on the tensor cores (under the
+    interpreter on every tile), fp32 calls in fp32; False: fp32 whatever the dtype (bench_checks' A/B, and the way
+    back should a GPU's tensor cores disagree). Seen by counting the calls of the device function (plain Python under
+    the interpreter); both forms give a call that flags nothing and the same output."""
+    calls = []
+    real = tc.refs_by_dot
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(tc, "refs_by_dot", counted)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=g).to(dtype) for _ in range(3))
+    got = ta.forward(q, k, v, scale=0.25, is_causal=True, blocks=ta.Blocks(16, 16, 16, 4, 1),
+                     checks=ta.Checks(mode="full", repair=False, refs_by_dot=refs_by_dot))
+    assert bool(calls) == (refs_by_dot is None and dtype != torch.float32)
+    assert got.status[:2].tolist() == [0.0, 0.0]
+    assert 0.0 < float(got.status[2:].max()) < 1.0
+    plain = ta.forward(q, k, v, scale=0.25, is_causal=True, blocks=ta.Blocks(16, 16, 16, 4, 1),
+                       checks=ta.Checks(mode=None))
+    assert torch.equal(got.out_BHTD, plain.out_BHTD)

@@ -242,8 +242,13 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
     # Nsight Compute runs on a GPU machine only; here the section says why it did not.
     assert doc["profile"] == {"skipped": "--dry-run"} or "ncu not on the PATH" in doc["profile"]["skipped"]
     # The forward kernel's split of its checks' cost, SDPA beside it, and tier 1 over the vendor's forward.
-    assert {"full_scores_ms", "full_context_ms", "full_no_repair_ms", "sdpa_ms", "vendor_ms", "tier1_given_ms",
-            "tier1_given_over_vendor", "tier1_given_over_sdpa"} <= set(doc["kernel"]["rows"][0])
+    assert {"full_scores_ms", "full_context_ms", "full_no_repair_ms", "full_fp32_refs_ms", "full_fp32_refs_over_off",
+            "sdpa_ms", "vendor_ms", "tier1_given_ms", "tier1_given_over_vendor", "tier1_given_over_sdpa"} \
+        <= set(doc["kernel"]["rows"][0])
+    # A clean call with either form of the row references flags nothing, and its worst ratio sits under the bound.
+    for form in ("full", "full_fp32_refs"):
+        assert doc["kernel"]["rows"][0][f"{form}_flagged"] is False
+        assert 0.0 < doc["kernel"]["rows"][0][f"{form}_worst_ratio"] < 1.0
     assert {"sdpa_ms", "tripwire_given_ms", "tripwire_given_over_sdpa"} <= set(doc["backward_kernel"]["rows"][0])
 
 

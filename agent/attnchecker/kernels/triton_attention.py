@@ -153,6 +153,10 @@ class Checks:
     """Launch the repair kernel (correct mode); False: flagged blocks are only reported (detect mode)."""
     cols: bool = False
     """Check columns on every tile (tests hold them to the Python checks), not only on a flagged one."""
+    refs_by_dot: bool | None = None
+    """The row checks' references in bf16 and fp16: None as ``refs_by_dot`` picks for the tiles (the tensor cores on
+    tiles of 64 query rows); False in fp32 on the CUDA cores, as before they moved (bench_checks times both, and
+    compares their worst clean ratios); True on the tensor cores on any tiles."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,7 +338,8 @@ def forward(
     # call by one launch (_kv_tiles) rather than again by every query block that visits the tile. The TF32 path's
     # operand moments still need the tiles themselves: it keeps making them in the loop.
     n_key_tiles = triton.cdiv(s, blk.n)
-    by_dot = refs_by_dot(q_BHTD.dtype, blk.m)
+    by_dot = refs_by_dot(q_BHTD.dtype, blk.m) if checks.refs_by_dot is None else \
+        checks.refs_by_dot and q_BHTD.dtype in (torch.bfloat16, torch.float16)
     key_tiles = key_norms = key_parts = value_tiles = value_norms = value_parts = None
     tiles_of = (b * hk, n_key_tiles)
     if mode == 2 and operand_roundoff is None and (checks.scores or checks.context):
@@ -1223,8 +1228,11 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     rounds, milliseconds per call (device-synchronised: a benchmark, not the fast path) and each over checks off.
 
     Beside them, to tell where the full checks' cost lies (the first H200 run measured them at 7 to 20× the kernel,
-    docs/performance.md §8): the scores' checks alone, the context's alone, both without the repair launch, and
-    SDPA's own forward on the same inputs (the unprotected step's attention).
+    docs/performance.md §8): the scores' checks alone, the context's alone, both without the repair launch, the full
+    checks with the row references in fp32 (``Checks.refs_by_dot`` False, the form before they moved to the tensor
+    cores), and SDPA's own forward on the same inputs (the unprotected step's attention). After the timing, one
+    clean call each of the full checks with either form of the references: whether it flagged and its worst clean
+    ratio (how near the bound a clean call comes on this GPU's tensor cores; a sync, outside the timing).
 
     vendor: attention/vendor.forward, to time tier 1 as a default step runs it where the vendor takes the
     call: the vendor's forward alone ("vendor") and with the pass over it and the repair launch ("tier1_given"),
@@ -1238,7 +1246,8 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     variants: dict[str, Checks | str] = {
         "off": Checks(mode=None), "tier1": Checks(mode="tier1"), "full": Checks(mode="full"),
         "full_scores": Checks(mode="full", context=False), "full_context": Checks(mode="full", scores=False),
-        "full_no_repair": Checks(mode="full", repair=False), "sdpa": "sdpa"}
+        "full_no_repair": Checks(mode="full", repair=False), "full_fp32_refs": Checks(mode="full", refs_by_dot=False),
+        "sdpa": "sdpa"}
     if vendor is not None:
         variants |= {"vendor": "vendor", "tier1_given": "tier1_given"}
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
@@ -1267,6 +1276,10 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     med = {name: statistics.median(xs) for name, xs in times.items()}
     got = {f"{name}_ms": ms for name, ms in med.items()} | {
         f"{name}_over_off": med[name] / med["off"] for name in names if name != "off"}
+    for name, by_dot in (("full", None), ("full_fp32_refs", False)):
+        status = forward(q, k, v, scale=scale, checks=Checks(mode="full", repair=False, refs_by_dot=by_dot),
+                         is_causal=causal, blocks=blocks).status.tolist()  # syncs: read once, after the timing
+        got |= {f"{name}_flagged": bool(status[0] or status[1]), f"{name}_worst_ratio": max(status[2], status[3])}
     if vendor is not None:
         got |= {"tier1_given_over_vendor": med["tier1_given"] / med["vendor"],
                 "tier1_given_over_sdpa": med["tier1_given"] / med["sdpa"],
