@@ -153,11 +153,11 @@ if triton is not None:
 
     @_jit
     def split3(x, dtype: tl.constexpr):
-        """x (L,) fp32 as scale·(p1 + p2 + p3), each part a value of dtype (bf16, fp16) held in fp32, within about
-        2⁻²⁴ of the largest |x|: scale is the power of 2 that takes that element into [1, 2), where fp16 holds every
-        part, and it clamps at 2^±126 for subnormal and huge x. So the parts' products with a tile of dtype are exact
-        in fp32, and one tensor-core product carries an fp32 vector. An INF or NaN in x stays non-finite in the
-        parts' sum. Returns (p1, p2, p3, scale)."""
+        """x (L,) fp32 as scale·(p1 + p2 + p3), each part a value of dtype (bf16, fp16) held in fp32, to within
+        2⁻²⁵ of the largest |x| (tests/agent/test_triton_refs_by_dot.py). scale is the power of 2 that takes that
+        element into [1, 2), where fp16 holds every part; it clamps at 2^±126 for subnormal and huge x. So the
+        parts' products with a tile of dtype are exact in fp32, and one tensor-core product carries an fp32 vector.
+        An INF or NaN in x stays non-finite in the parts' sum. Returns (p1, p2, p3, scale)."""
         big = rmax(tl.abs(x), 0)
         exp = (big.to(tl.int32, bitcast=True) >> 23) & 255
         inv_exp = tl.minimum(tl.maximum(254 - exp, 1), 253)
