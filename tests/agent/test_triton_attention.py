@@ -393,10 +393,10 @@ def _qkv(seed: int, dtype: torch.dtype = torch.float32, b: int = 1, h: int = 2, 
     return tuple(seeded((b, h, t, d), seed + i, dtype) for i in range(3))
 
 
-@functools.lru_cache(maxsize=4)
-def _clean(seed: int) -> ta.Result:
-    """The clean causal call on _qkv(seed), made once for the fault tests that compare with it."""
-    return run(*_qkv(seed), is_causal=True)
+@functools.lru_cache(maxsize=8)
+def _clean(seed: int, dtype: torch.dtype = torch.float32) -> ta.Result:
+    """The clean causal call on _qkv(seed, dtype), made once for the fault tests that compare with it."""
+    return run(*_qkv(seed, dtype), is_causal=True)
 
 
 def _flagged(got: ta.Result, op: str) -> list[tuple[int, int]]:
@@ -411,20 +411,24 @@ def _field(got: ta.Result, op: str, n: int, blk: int, name: str) -> float:
     return float(records[n, blk, ta.OPS.index(op), ta.FIELDS.index(name)])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", list(FAULTS))
 @pytest.mark.parametrize("op", ta.OPS)
-def test_every_fault_kind_is_flagged_at_its_place_and_the_recompute_gives_the_clean_output(op: str, kind: str) -> None:
+def test_every_fault_kind_is_flagged_at_its_place_and_the_recompute_gives_the_clean_output(op: str, kind: str,
+                                                                                            dtype: torch.dtype) -> None:
     """Matrix 1, row 20 (block 1 of 2), key 7 or feature 5, inside the kernel's tile: the block's record points at it,
-    the repair kernel's recompute (the fault was transient) gives the clean call's output and lse, bit for bit."""
-    q, k, v = _qkv(3)
-    clean = _clean(3)
+    the repair kernel's recompute (the fault was transient) gives the clean call's output and lse, bit for bit. In
+    bf16 and fp16 the first pass's row references are the tensor-core product (refs_by_dot), and the host locates the
+    kept row's element with them."""
+    q, k, v = _qkv(3, dtype)
+    clean = _clean(3, dtype)
     col = 7 if op == "scores" else 5
     how, value = FAULTS[kind]
     if value is None:
         # A finite error of 4 × the RMS of the scores, or of V for the context (its partial products are P̃-weighted
         # sums of V's rows): thousands of times the context's bound, hundreds of the scores'.
-        scores = q[0, 1] @ k[0, 1].mT
-        value = 4.0 * float((scores if op == "scores" else v).square().mean().sqrt())
+        scores = q[0, 1].float() @ k[0, 1].float().mT
+        value = 4.0 * float((scores if op == "scores" else v.float()).square().mean().sqrt())
     got = run(q, k, v, is_causal=True, faults=[(op, 1, 20, col, how, value, False)])
     assert _flagged(got, op) == [[1, 1]]
     assert [_field(got, op, 1, 1, f) for f in ("row", "col", "outcome")] == [20.0, col, 1.0]
