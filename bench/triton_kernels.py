@@ -45,7 +45,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 def _signature(fn: Any, dtype: str) -> dict[str, Any]:
     pointers = {"Q": dtype, "K": dtype, "V": dtype, "DO": dtype, "DQ": dtype, "DK": dtype, "DV": dtype,
                 "LSE": "fp32", "DELTA": "fp32", "SUMMARY": "fp32", "FAULTS": "fp32", "MASK": "fp32", "STATUS": "i32",
-                "FIRST": "i32", "SEED": "i64"}
+                "FIRST": "i32", "SEED": "i64", "KROWS": "fp32", "KTILE": "fp32", "QROWS": "fp32",
+                "QTILE": "fp32"}
     sig: dict[str, Any] = {}
     for name in fn.arg_names:
         if name in pointers:

@@ -4,7 +4,9 @@ own products in the kernel, flags and a small summary on the device, and a repai
 flagged. No host-device sync anywhere here.
 
 Launches (each a constant, whatever T and S):
-  1. ``_delta``: δ_i = rowsum(dO_i ∘ O_i) in fp32.
+  1. ``_delta``: δ_i = rowsum(dO_i ∘ O_i) in fp32; with check "abft", also what the key pass's checks take from each
+     query block alone (norms, checksums and column sums of q and dO), and ``_key_terms`` those of K, with the values'
+     norms, for the query pass: made once per call, not in every program's loop over the other side's blocks.
   2. ``_query_pass`` over (query block, batch·head): recomputes S = Q_i K_jᵀ and AP from the lse, dP = dO_i V_jᵀ,
      dS = AP ∘ (dP ∘ Z - δ) key block by key block, and accumulates dQ_i = scale·Σ_j dS_ij K_j.
   3. ``_key_pass`` over (key block, batch·KV head): the same S, AP, dP, dS for its keys against every query block
@@ -262,7 +264,7 @@ def run(
     rules' tile vectors must be as long). given: (dq, dk, dv) an unchecked backward
     made (SDPA's), for check "tripwire": the first pass only reads them (``_trip_given``) and the repair recomputes
     the flagged blocks into them; returned (made contiguous where they were not).
-    Launches 3 kernels, 5 with repair; no host-device sync."""
+    Launches 3 kernels, 5 with repair, one more each for check "abft" (``_key_terms``); no host-device sync."""
     if triton is None:
         raise RuntimeError("the Triton attention backward needs triton (pip install triton)")
     if check not in CHECKS:
@@ -283,8 +285,20 @@ def run(
         raise ValueError(f"given gradients take check 'tripwire' (tier 1), not {check!r}")
 
     delta_BHT = torch.empty((b, h, t), dtype=torch.float32, device=device)
-    _delta[(triton.cdiv(t, blk), b * h)](out_BHTD, dout_BHTD, delta_BHT, *_strides(out_BHTD), *_strides(dout_BHTD),
-                                         h, t, d, BLOCK_M=blk, BLOCK_D=block_d)
+    # check "abft": what each pass's checks take from the other pass's blocks alone, made once per call (_delta,
+    # _key_terms) rather than in every program's loop.
+    terms = mode == CHECKS.index("abft")
+    q_rows = torch.empty((b * h, 6, t), dtype=torch.float32, device=device) if terms else delta_BHT
+    q_tile = torch.empty((b * h, n_qb, 2 * block_d + 4), dtype=torch.float32, device=device) if terms else delta_BHT
+    _delta[(n_qb, b * h)](out_BHTD, dout_BHTD, delta_BHT, q_BHTD, q_rows, q_tile, *_strides(out_BHTD),
+                          *_strides(dout_BHTD), *_strides(q_BHTD), h, t, d, BLOCK_M=blk, BLOCK_D=block_d,
+                          TERMS=terms)
+    k_rows, k_tile = delta_BHT, delta_BHT
+    if terms:
+        k_rows = torch.empty((b * hk, 4, s), dtype=torch.float32, device=device)
+        k_tile = torch.empty((b * hk, n_kb, block_d + 2), dtype=torch.float32, device=device)
+        _key_terms[(n_kb, b * hk)](k_BHSD, v_BHSD, k_rows, k_tile, *_strides(k_BHSD), *_strides(v_BHSD), hk, s, d,
+                                   BLOCK_N=blk, BLOCK_D=block_d)
     if given is None:
         dq = torch.empty((b, h, t, d), dtype=q_BHTD.dtype, device=device)
         dk = torch.empty((b, hk, s, d), dtype=k_BHSD.dtype, device=device)
@@ -324,11 +338,13 @@ def run(
         if attempt:
             repaired = torch.empty_like(status)
         written = repaired if attempt else status
-        _query_pass[(n_qb, b * h)](*inputs, dq, written, summary, table, seed if on_device else dq, *sizes, p_keys,
+        _query_pass[(n_qb, b * h)](*inputs, dq, written, summary, table, seed if on_device else dq, k_rows, k_tile,
+                                   *sizes, p_keys,
                                    r.tile, r.queries,
                                    r.softmax, FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None,
                                    num_warps=NUM_WARPS, num_stages=tile.stages, **common)
-        _key_pass[(n_kb, b * hk)](*inputs, dk, dv, written, summary, table, seed if on_device else dq, *sizes, 0,
+        _key_pass[(n_kb, b * hk)](*inputs, dk, dv, written, summary, table, seed if on_device else dq, q_rows, q_tile,
+                                  *sizes, 0,
                                   r.tile, r.keys,
                                   FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None, num_warps=NUM_WARPS,
                                   num_stages=tile.stages, **common)
@@ -341,9 +357,13 @@ if triton is not None:
     _keep = triton_dropout.keep
 
     @triton.jit
-    def _delta(OUT, DO, DELTA, so_b, so_h, so_t, so_d, sdo_b, sdo_h, sdo_t, sdo_d, H, T, D,
-               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-        """δ = rowsum(dO ∘ O) in fp32 (the forward's output, as it was verified)."""
+    def _delta(OUT, DO, DELTA, Q, QROWS, QTILE, so_b, so_h, so_t, so_d, sdo_b, sdo_h, sdo_t, sdo_d, sq_b, sq_h, sq_t,
+               sq_d, H, T, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TERMS: tl.constexpr):
+        """δ = rowsum(dO ∘ O) in fp32 (the forward's output, as it was verified). TERMS (check "abft"): also what the
+        key pass's checks take from this query block alone, made once per call here rather than again by every key
+        program that visits the block: ``_block_terms`` of q (QROWS rows 0-2; QTILE's first BLOCK_D and scalars 0, 1)
+        and of dO (rows 3-5; the next BLOCK_D, scalars 2, 3). QROWS (B·H, 6, T), QTILE (B·H, query blocks, 2·BLOCK_D
+        + 4), fp32."""
         n = tl.program_id(1)
         bb, hh = n // H, n % H
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -353,6 +373,47 @@ if triton is not None:
         do = tl.load(DO + bb * sdo_b + hh * sdo_h + rows[:, None] * sdo_t + cols[None, :] * sdo_d, mask=inside,
                      other=0.0)
         tl.store(DELTA + n * T + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < T)
+        if TERMS:
+            q = tl.load(Q + bb * sq_b + hh * sq_h + rows[:, None] * sq_t + cols[None, :] * sq_d, mask=inside,
+                        other=0.0)
+            w_d = tl.where(cols < D, (cols + 1).to(tl.float32), 0.0)
+            tile_at = QTILE + (n * tl.num_programs(0) + tl.program_id(0)) * (2 * BLOCK_D + 4)
+            _block_terms(q.to(tl.float32), w_d, cols, QROWS + n * 6 * T, T, rows, tile_at, tile_at + 2 * BLOCK_D)
+            _block_terms(do.to(tl.float32), w_d, cols, QROWS + (n * 6 + 3) * T, T, rows, tile_at + BLOCK_D,
+                         tile_at + 2 * BLOCK_D + 2)
+
+    @triton.jit
+    def _key_terms(K, V, KROWS, KTILE, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, HK, S, D,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """What the query pass's checks take from one key block alone, made once per call rather than again by every
+        query program that visits the block: K's ``_block_terms`` (KROWS rows 0-2, KTILE) and each value's norm
+        (KROWS row 3). KROWS (B·HK, 4, S), KTILE (B·HK, key blocks, BLOCK_D + 2), fp32."""
+        nk = tl.program_id(1)
+        bb, hk = nk // HK, nk % HK
+        keys = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_D)
+        inside = (keys[:, None] < S) & (cols[None, :] < D)
+        k = tl.load(K + bb * sk_b + hk * sk_h + keys[:, None] * sk_s + cols[None, :] * sk_d, mask=inside, other=0.0)
+        v = tl.load(V + bb * sv_b + hk * sv_h + keys[:, None] * sv_s + cols[None, :] * sv_d, mask=inside,
+                    other=0.0).to(tl.float32)
+        w_d = tl.where(cols < D, (cols + 1).to(tl.float32), 0.0)
+        tile_at = KTILE + (nk * tl.num_programs(0) + tl.program_id(0)) * (BLOCK_D + 2)
+        _block_terms(k.to(tl.float32), w_d, cols, KROWS + nk * 4 * S, S, keys, tile_at, tile_at + BLOCK_D)
+        tl.store(KROWS + (nk * 4 + 3) * S + keys, tl.sqrt(tl.sum(v * v, 1)), mask=keys < S)
+
+    @device_function
+    def _block_terms(x, w_d, cols, ROWS, L, rows, COLS, SCALARS):
+        """One block x (R, BLOCK_D) fp32 of an operand (q, dO, k or v), as the other pass's checks use it: per row r
+        its norm, x_r·e and x_r·w_d at ROWS + f·L + r (f = 0, 1, 2); its columns' Σ_r x_rd² at COLS + d; Σ_r (x_r·e)²
+        and Σ_r (x_r·w_d)² at SCALARS, SCALARS + 1. Rows past L are zeros in x and not stored."""
+        row_in = rows < L
+        x1, x2 = tl.sum(x, 1), tl.sum(x * w_d[None, :], 1)
+        tl.store(ROWS + rows, tl.sqrt(tl.sum(x * x, 1)), mask=row_in)
+        tl.store(ROWS + L + rows, x1, mask=row_in)
+        tl.store(ROWS + 2 * L + rows, x2, mask=row_in)
+        tl.store(COLS + cols, tl.sum(x * x, 0))
+        tl.store(SCALARS, tl.sum(x1 * x1, 0))
+        tl.store(SCALARS + 1, tl.sum(x2 * x2, 0))
 
     @device_function
     def _dot(a, b, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
@@ -595,7 +656,7 @@ if triton is not None:
         return p, zs, live
 
     @triton.jit
-    def _query_pass(Q, K, V, DO, LSE, DELTA, MASK, DQ, STATUS, SUMMARY, FAULTS, SEED,
+    def _query_pass(Q, K, V, DO, LSE, DELTA, MASK, DQ, STATUS, SUMMARY, FAULTS, SEED, KROWS, KTILE,
                     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                     sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t, sm_b, sm_h, sm_t, sm_s,
                     H, HK, T, S, D, scale, window, p_drop, seed, n_faults, P0, R_TILE, R_Q, R_SM, FIRST,
@@ -603,8 +664,8 @@ if triton is not None:
                     WINDOW: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, CHECK: tl.constexpr,
                     FAULTS_ON: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
                     REPAIR: tl.constexpr, SEED_ON_DEVICE: tl.constexpr, GIVEN: tl.constexpr = False):
-        """dQ of one query block of one head (module doc), with its checks. GIVEN: the repair of a tier-1 first pass
-        over given gradients (``_trip_given``)."""
+        """dQ of one query block of one head (module doc), with its checks. KROWS, KTILE: ``_key_terms``' (check
+        "abft"). GIVEN: the repair of a tier-1 first pass over given gradients (``_trip_given``)."""
         n = tl.program_id(1)
         bb, hh = n // H, n % H
         hk = hh // (H // HK)
@@ -645,8 +706,11 @@ if triton is not None:
         k_col_sq = tl.zeros((BLOCK_D,), tl.float32)
         k_ref1_sq = tl.full((), 0.0, tl.float32)
         k_ref2_sq = tl.full((), 0.0, tl.float32)
-        k_max = tl.full((), 0.0, tl.float32)
-        v_max = tl.full((), 0.0, tl.float32)
+        # The largest key and value norm per tile column, reduced once after the loop.
+        k_max = tl.zeros((BLOCK_N,), tl.float32)
+        v_max = tl.zeros((BLOCK_N,), tl.float32)
+        k_terms = KROWS + (bb * HK + hk) * 4 * S
+        k_tiles = KTILE + (bb * HK + hk) * tl.cdiv(S, BLOCK_N) * (BLOCK_D + 2)
         live = tl.zeros((BLOCK_M,), tl.float32)
         overflow = tl.full((), 0, tl.int32)
         slot = pid * 5
@@ -684,16 +748,16 @@ if triton is not None:
                 dp = _emulate(dp, FAULTS, n_faults, 1, 1, n, rows, keys, REPAIR, None)
             if CHECK == 2:
                 kf, vf = k.to(tl.float32), v.to(tl.float32)
-                k_norm = tl.sqrt(tl.sum(kf * kf, 1))
-                v_norm = tl.sqrt(tl.sum(vf * vf, 1))
+                k_norm = tl.load(k_terms + keys, mask=key_in, other=0.0)
+                v_norm = tl.load(k_terms + 3 * S + keys, mask=key_in, other=0.0)
                 d1, b1, ratio = _tile_check(s, k_norm, tl.sum(kf * qbar1[None, :], 1), tl.sum(kf * qbar2[None, :], 1),
                                             w_m, bt_q, R_TILE, 0)
                 worst_s = _keep_worst(worst_s, ratio, keys, d1, b1, key_in, hh, 1, SUMMARY, slot + 0, write)
                 d1, b1, ratio = _tile_check(dp, v_norm, tl.sum(vf * dobar1[None, :], 1),
                                             tl.sum(vf * dobar2[None, :], 1), w_m, bt_do, R_TILE, 0)
                 worst_p = _keep_worst(worst_p, ratio, keys, d1, b1, key_in, hh, 1, SUMMARY, slot + 1, write)
-                k_max = tl.maximum(k_max, tl.max(tl.where(key_in, k_norm, 0.0), 0))
-                v_max = tl.maximum(v_max, tl.max(tl.where(key_in, v_norm, 0.0), 0))
+                k_max = tl.maximum(k_max, k_norm)
+                v_max = tl.maximum(v_max, v_norm)
             p, zs, live_t = _scores_to_probs(s, rows, keys, lse, n, bb, hh, MASK, sm_b, sm_h, sm_t, sm_s, T, S,
                                              scale, window, p_drop, seed, CAUSAL, WINDOW, MASK_KIND, DROPOUT)
             ds = p * (dp * zs - delta[:, None])
@@ -706,13 +770,15 @@ if triton is not None:
             if CHECK == 2:
                 # dQ's reference Σ_j dS_ij (K_j w) and its rule's norms, accumulated as dQ is.
                 dsf = ds_c.to(tl.float32)
-                kw1, kw2 = tl.sum(kf, 1), tl.sum(kf * w_d[None, :], 1)
+                kw1 = tl.load(k_terms + S + keys, mask=key_in, other=0.0)
+                kw2 = tl.load(k_terms + 2 * S + keys, mask=key_in, other=0.0)
                 ref_q1 += tl.sum(dsf * kw1[None, :], 1)
                 ref_q2 += tl.sum(dsf * kw2[None, :], 1)
                 ds_sq += tl.sum(dsf * dsf, 1)
-                k_col_sq += tl.sum(kf * kf, 0)
-                k_ref1_sq += tl.sum(kw1 * kw1, 0)
-                k_ref2_sq += tl.sum(kw2 * kw2, 0)
+                tile_at = k_tiles + (start_n // BLOCK_N) * (BLOCK_D + 2)
+                k_col_sq += tl.load(tile_at + feats)
+                k_ref1_sq += tl.load(tile_at + BLOCK_D)
+                k_ref2_sq += tl.load(tile_at + BLOCK_D + 1)
                 ds_sum += tl.sum(ds, 1)
                 p_sum += tl.sum(p, 1)
                 live = tl.maximum(live, live_t)
@@ -726,6 +792,7 @@ if triton is not None:
             # forward's lse, which a uniform error in a row's AP, such as a wrong lse, leaves Σ_j dS_ij blind to):
             # bounds from q, the keys read, the lse, dO and the values read (abft.vector_rules.SoftmaxGradRule).
             lse_abs = tl.where(tl.abs(lse) < float("inf"), tl.abs(lse), 0.0)
+            k_max, v_max = tl.max(k_max, 0), tl.max(v_max, 0)
             rho = tl.exp(R_SM[0] * (scale * q_norm * k_max + live) + R_SM[1] * (1.0 + lse_abs))
             g = R_SM[2] * do_norm * v_max * (1.0 + rho) / (1.0 - p_drop)
             bound = R_SM[4] * (g * ((rho - 1.0) + rho * R_SM[3]) + R_SM[5] * (1.0 + g))
@@ -762,7 +829,7 @@ if triton is not None:
             _store_status(STATUS, pid, flags, bad_in, REPAIR, spilled)
 
     @triton.jit
-    def _key_pass(Q, K, V, DO, LSE, DELTA, MASK, DK, DV, STATUS, SUMMARY, FAULTS, SEED,
+    def _key_pass(Q, K, V, DO, LSE, DELTA, MASK, DK, DV, STATUS, SUMMARY, FAULTS, SEED, QROWS, QTILE,
                   sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                   sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t, sm_b, sm_h, sm_t, sm_s,
                   H, HK, T, S, D, scale, window, p_drop, seed, n_faults, P0, R_TILE, R_KV, FIRST,
@@ -771,7 +838,7 @@ if triton is not None:
                   FAULTS_ON: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
                   REPAIR: tl.constexpr, SEED_ON_DEVICE: tl.constexpr, GIVEN: tl.constexpr = False):
         """dK and dV of one key block of one KV head, over every query head of its group (module doc), with its
-        checks. GIVEN: as the query pass's."""
+        checks. QROWS, QTILE: ``_delta``'s terms (check "abft"). GIVEN: as the query pass's."""
         nk = tl.program_id(1)
         bb, hk = nk // HK, nk % HK
         group = H // HK
@@ -846,8 +913,9 @@ if triton is not None:
                     dp = _emulate(dp, FAULTS, n_faults, 1, 0, n, rows, keys, REPAIR, None)
                 if CHECK == 2:
                     qf, dof = q.to(tl.float32), do.to(tl.float32)
-                    q_norm = tl.sqrt(tl.sum(qf * qf, 1))
-                    do_norm = tl.sqrt(tl.sum(dof * dof, 1))
+                    q_terms = QROWS + n * 6 * T + rows
+                    q_norm = tl.load(q_terms, mask=row_in, other=0.0)
+                    do_norm = tl.load(q_terms + 3 * T, mask=row_in, other=0.0)
                     d1, b1, ratio = _tile_check(s, q_norm, tl.sum(qf * kbar1[None, :], 1),
                                                 tl.sum(qf * kbar2[None, :], 1), w_n, bt_k, R_TILE, 1)
                     worst_s = _keep_worst(worst_s, ratio, rows, d1, b1, row_in, hh, 0, SUMMARY, slot + 0, write)
@@ -873,20 +941,23 @@ if triton is not None:
                     # dV's and dK's references Σ_i (AP∘Z)_ijᵀ (dO_i w), Σ_i dS_ijᵀ (Q_i w), and their rules' norms,
                     # accumulated as dV and dK are, over the operands as the products took them.
                     pdf, dsf = pd_c.to(tl.float32), ds_c.to(tl.float32)
-                    qw1, qw2 = tl.sum(qf, 1), tl.sum(qf * w_d[None, :], 1)
-                    dow1, dow2 = tl.sum(dof, 1), tl.sum(dof * w_d[None, :], 1)
+                    qw1 = tl.load(q_terms + T, mask=row_in, other=0.0)
+                    qw2 = tl.load(q_terms + 2 * T, mask=row_in, other=0.0)
+                    dow1 = tl.load(q_terms + 4 * T, mask=row_in, other=0.0)
+                    dow2 = tl.load(q_terms + 5 * T, mask=row_in, other=0.0)
                     ref_v1 += tl.sum(pdf * dow1[:, None], 0)
                     ref_v2 += tl.sum(pdf * dow2[:, None], 0)
                     ref_k1 += tl.sum(dsf * qw1[:, None], 0)
                     ref_k2 += tl.sum(dsf * qw2[:, None], 0)
                     p_sq += tl.sum(pdf * pdf, 0)
                     ds_sq += tl.sum(dsf * dsf, 0)
-                    q_col_sq += tl.sum(qf * qf, 0)
-                    do_col_sq += tl.sum(dof * dof, 0)
-                    q_ref1_sq += tl.sum(qw1 * qw1, 0)
-                    q_ref2_sq += tl.sum(qw2 * qw2, 0)
-                    do_ref1_sq += tl.sum(dow1 * dow1, 0)
-                    do_ref2_sq += tl.sum(dow2 * dow2, 0)
+                    tile_at = QTILE + (n * tl.cdiv(T, BLOCK_M) + start_m // BLOCK_M) * (2 * BLOCK_D + 4)
+                    q_col_sq += tl.load(tile_at + feats)
+                    do_col_sq += tl.load(tile_at + BLOCK_D + feats)
+                    q_ref1_sq += tl.load(tile_at + 2 * BLOCK_D)
+                    q_ref2_sq += tl.load(tile_at + 2 * BLOCK_D + 1)
+                    do_ref1_sq += tl.load(tile_at + 2 * BLOCK_D + 2)
+                    do_ref2_sq += tl.load(tile_at + 2 * BLOCK_D + 3)
         flags = 0
         if CHECK == 2:
             bt = _b_terms(tl.sqrt(do_col_sq), do_ref1_sq, do_ref2_sq, feat_in, w_d, R_KV)
