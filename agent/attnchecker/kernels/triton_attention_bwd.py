@@ -590,12 +590,22 @@ if triton is not None:
                 at = tl.min(tl.where(valid_V & (r == top), index_V, 2147483647), 0)
                 pick = index_V == at
                 tl.store(SUMMARY + slot * 6, top)
-                tl.store(SUMMARY + slot * 6 + 1, head.to(tl.float32))
+                tl.store(SUMMARY + slot * 6 + 1, tl.sum(tl.where(pick, head, 0), 0).to(tl.float32))
                 tl.store(SUMMARY + slot * 6 + 2, at.to(tl.float32))
                 tl.store(SUMMARY + slot * 6 + 3, tl.sum(tl.where(pick, error_V, 0.0), 0))
                 tl.store(SUMMARY + slot * 6 + 4, tl.sum(tl.where(pick, bound_V, 0.0), 0))
                 tl.store(SUMMARY + slot * 6 + 5, COLUMN * 1.0)
         return tl.maximum(best, top)
+
+    @device_function
+    def _fold(kept, ratio_V, at_V, error_V, bound_V, valid_V):
+        """A tile's checked vectors folded into the loop's worst per tile position, kept = (ratio, at, error, bound)
+        vectors: no reduction across the block's warps per tile (``_keep_worst`` takes them once, after the loop).
+        A later tile replaces a position only when it is worse, so ties keep the first."""
+        r = tl.where(valid_V, ratio_V, 0.0)
+        worse = r > kept[0]
+        return (tl.where(worse, r, kept[0]), tl.where(worse, at_V, kept[1]), tl.where(worse, error_V, kept[2]),
+                tl.where(worse, bound_V, kept[3]))
 
     @device_function
     def _tile_check(c, a_V, ref1_V, ref2_V, w_U, bt, R, AXIS: tl.constexpr):
@@ -709,6 +719,10 @@ if triton is not None:
         # The largest key and value norm per tile column, reduced once after the loop.
         k_max = tl.zeros((BLOCK_N,), tl.float32)
         v_max = tl.zeros((BLOCK_N,), tl.float32)
+        # The column checks' worst per tile column (_fold): ratio, key, error, bound.
+        kept_s = (tl.zeros((BLOCK_N,), tl.float32), tl.zeros((BLOCK_N,), tl.int32), tl.zeros((BLOCK_N,), tl.float32),
+                  tl.zeros((BLOCK_N,), tl.float32))
+        kept_p = kept_s
         k_terms = KROWS + (bb * HK + hk) * 4 * S
         k_tiles = KTILE + (bb * HK + hk) * tl.cdiv(S, BLOCK_N) * (BLOCK_D + 2)
         live = tl.zeros((BLOCK_M,), tl.float32)
@@ -752,10 +766,10 @@ if triton is not None:
                 v_norm = tl.load(k_terms + 3 * S + keys, mask=key_in, other=0.0)
                 d1, b1, ratio = _tile_check(s, k_norm, tl.sum(kf * qbar1[None, :], 1), tl.sum(kf * qbar2[None, :], 1),
                                             w_m, bt_q, R_TILE, 0)
-                worst_s = _keep_worst(worst_s, ratio, keys, d1, b1, key_in, hh, 1, SUMMARY, slot + 0, write)
+                kept_s = _fold(kept_s, ratio, keys, d1, b1, key_in)
                 d1, b1, ratio = _tile_check(dp, v_norm, tl.sum(vf * dobar1[None, :], 1),
                                             tl.sum(vf * dobar2[None, :], 1), w_m, bt_do, R_TILE, 0)
-                worst_p = _keep_worst(worst_p, ratio, keys, d1, b1, key_in, hh, 1, SUMMARY, slot + 1, write)
+                kept_p = _fold(kept_p, ratio, keys, d1, b1, key_in)
                 k_max = tl.maximum(k_max, k_norm)
                 v_max = tl.maximum(v_max, v_norm)
             p, zs, live_t = _scores_to_probs(s, rows, keys, lse, n, bb, hh, MASK, sm_b, sm_h, sm_t, sm_s, T, S,
@@ -784,6 +798,10 @@ if triton is not None:
                 live = tl.maximum(live, live_t)
         flags = 0
         if CHECK == 2:
+            worst_s = _keep_worst(worst_s, kept_s[0], kept_s[1], kept_s[2], kept_s[3], kept_s[0] >= 0, hh, 1, SUMMARY,
+                                  slot + 0, write)
+            worst_p = _keep_worst(worst_p, kept_p[0], kept_p[1], kept_p[2], kept_p[3], kept_p[0] >= 0, hh, 1, SUMMARY,
+                                  slot + 1, write)
             bt_k = _b_terms(tl.sqrt(k_col_sq), k_ref1_sq, k_ref2_sq, feat_in, w_d, R_Q)
             d1, b1, ratio = _tile_check(dq, tl.sqrt(ds_sq), ref_q1, ref_q2, w_d, bt_k, R_Q, 1)
             ratio = tl.where(overflow > 0, 0.0, ratio)
@@ -868,18 +886,23 @@ if triton is not None:
         worst_p = tl.full((), 0.0, tl.float32)
         worst_v = tl.full((), 0.0, tl.float32)
         worst_k = tl.full((), 0.0, tl.float32)
-        ref_v1 = tl.zeros((BLOCK_N,), tl.float32)
-        ref_v2 = tl.zeros((BLOCK_N,), tl.float32)
-        ref_k1 = tl.zeros((BLOCK_N,), tl.float32)
-        ref_k2 = tl.zeros((BLOCK_N,), tl.float32)
-        p_sq = tl.zeros((BLOCK_N,), tl.float32)
-        ds_sq = tl.zeros((BLOCK_N,), tl.float32)
+        ref_v1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        ref_v2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        ref_k1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        ref_k2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        p_sq = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        ds_sq = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         q_col_sq = tl.zeros((BLOCK_D,), tl.float32)
         do_col_sq = tl.zeros((BLOCK_D,), tl.float32)
         q_ref1_sq = tl.full((), 0.0, tl.float32)
         q_ref2_sq = tl.full((), 0.0, tl.float32)
         do_ref1_sq = tl.full((), 0.0, tl.float32)
         do_ref2_sq = tl.full((), 0.0, tl.float32)
+        # The row checks' worst per tile row (_fold): ratio, g·T + row (g: the query head within the group), error,
+        # bound.
+        kept_s = (tl.zeros((BLOCK_M,), tl.float32), tl.zeros((BLOCK_M,), tl.int32), tl.zeros((BLOCK_M,), tl.float32),
+                  tl.zeros((BLOCK_M,), tl.float32))
+        kept_p = kept_s
         overflow = tl.full((), 0, tl.int32)
         slot = pid * 5
         write = not REPAIR
@@ -918,10 +941,10 @@ if triton is not None:
                     do_norm = tl.load(q_terms + 3 * T, mask=row_in, other=0.0)
                     d1, b1, ratio = _tile_check(s, q_norm, tl.sum(qf * kbar1[None, :], 1),
                                                 tl.sum(qf * kbar2[None, :], 1), w_n, bt_k, R_TILE, 1)
-                    worst_s = _keep_worst(worst_s, ratio, rows, d1, b1, row_in, hh, 0, SUMMARY, slot + 0, write)
+                    kept_s = _fold(kept_s, ratio, g * T + rows, d1, b1, row_in)
                     d1, b1, ratio = _tile_check(dp, do_norm, tl.sum(dof * vbar1[None, :], 1),
                                                 tl.sum(dof * vbar2[None, :], 1), w_n, bt_v, R_TILE, 1)
-                    worst_p = _keep_worst(worst_p, ratio, rows, d1, b1, row_in, hh, 0, SUMMARY, slot + 1, write)
+                    kept_p = _fold(kept_p, ratio, g * T + rows, d1, b1, row_in)
                 p, zs, _live = _scores_to_probs(s, rows, keys, lse, n, bb, hh, MASK, sm_b, sm_h, sm_t, sm_s, T, S,
                                                 scale, window, p_drop, seed, CAUSAL, WINDOW, MASK_KIND, DROPOUT)
                 pd = p * zs
@@ -945,12 +968,12 @@ if triton is not None:
                     qw2 = tl.load(q_terms + 2 * T, mask=row_in, other=0.0)
                     dow1 = tl.load(q_terms + 4 * T, mask=row_in, other=0.0)
                     dow2 = tl.load(q_terms + 5 * T, mask=row_in, other=0.0)
-                    ref_v1 += tl.sum(pdf * dow1[:, None], 0)
-                    ref_v2 += tl.sum(pdf * dow2[:, None], 0)
-                    ref_k1 += tl.sum(dsf * qw1[:, None], 0)
-                    ref_k2 += tl.sum(dsf * qw2[:, None], 0)
-                    p_sq += tl.sum(pdf * pdf, 0)
-                    ds_sq += tl.sum(dsf * dsf, 0)
+                    ref_v1 += pdf * dow1[:, None]
+                    ref_v2 += pdf * dow2[:, None]
+                    ref_k1 += dsf * qw1[:, None]
+                    ref_k2 += dsf * qw2[:, None]
+                    p_sq += pdf * pdf
+                    ds_sq += dsf * dsf
                     tile_at = QTILE + (n * tl.cdiv(T, BLOCK_M) + start_m // BLOCK_M) * (2 * BLOCK_D + 4)
                     q_col_sq += tl.load(tile_at + feats)
                     do_col_sq += tl.load(tile_at + BLOCK_D + feats)
@@ -960,6 +983,12 @@ if triton is not None:
                     do_ref2_sq += tl.load(tile_at + 2 * BLOCK_D + 3)
         flags = 0
         if CHECK == 2:
+            ref_v1, ref_v2, ref_k1, ref_k2 = tl.sum(ref_v1, 0), tl.sum(ref_v2, 0), tl.sum(ref_k1, 0), tl.sum(ref_k2, 0)
+            p_sq, ds_sq = tl.sum(p_sq, 0), tl.sum(ds_sq, 0)
+            worst_s = _keep_worst(worst_s, kept_s[0], kept_s[1] % T, kept_s[2], kept_s[3], kept_s[0] >= 0,
+                                  hk * group + kept_s[1] // T, 0, SUMMARY, slot + 0, write)
+            worst_p = _keep_worst(worst_p, kept_p[0], kept_p[1] % T, kept_p[2], kept_p[3], kept_p[0] >= 0,
+                                  hk * group + kept_p[1] // T, 0, SUMMARY, slot + 1, write)
             bt = _b_terms(tl.sqrt(do_col_sq), do_ref1_sq, do_ref2_sq, feat_in, w_d, R_KV)
             d1, b1, ratio = _tile_check(dv, tl.sqrt(p_sq), ref_v1, ref_v2, w_d, bt, R_KV, 1)
             ratio = tl.where(overflow > 0, 0.0, ratio)
