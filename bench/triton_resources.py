@@ -137,13 +137,19 @@ def clean_path_kernel() -> Any:
 
 
 def loop_mix(cubin: bytes) -> dict[str, Any]:
-    """The instructions of the kernel's longest loop (the key-tile loop: one iteration per BLOCK_N keys) by class,
-    and the kernel's total. Static counts, from the disassembly: what one iteration issues per warp, not a time."""
+    """The instructions of the kernel's tile loop (one iteration per tile of the other side: BLOCK_N keys in the
+    forward) by class, and the kernel's total. Static counts, from the disassembly: what one iteration issues per
+    warp, not a time. The tile loop is the longest loop that makes tensor-core products and holds no other loop that
+    does (so not the backward key pass's loop over a GQA group's heads around it, nor a flagged program's loop over
+    its inputs); the longest loop where none makes them."""
     text = _cuobjdump(cubin, "-sass")
     code = [(int(a, 16), op, rest) for a, op, rest in _INSTRUCTION.findall(text)]
     back = [(int(t.group(1), 16), addr) for addr, op, rest in code if op == "BRA"
             if (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) < addr]
-    lo, hi = max(back, key=lambda r: r[1] - r[0]) if back else (0, -1)
+    mma = [addr for addr, op, _ in code if CLASSES.get(op) == "tensor core"]
+    making = [(a, b) for a, b in back if any(a <= m <= b for m in mma)]
+    innermost = [(a, b) for a, b in making if not any((c, d) != (a, b) and a <= c and d <= b for c, d in making)]
+    lo, hi = max(innermost or back, key=lambda r: r[1] - r[0]) if back else (0, -1)
     mix: dict[str, int] = {}
     for addr, op, _ in code:
         if lo <= addr <= hi:
