@@ -21,8 +21,9 @@ Sections, in order (each records its own wall time; one that would pass the budg
    the checks inside the kernel), where the Triton backend is installed; the scores' and the context's checks each
    alone and both without the repair launch (where the full checks' cost lies), and SDPA's forward.
    backward_kernel: the same for the Triton backward (kernels/triton_attention_bwd.py): check "abft" (its repair
-   launch included) and "tripwire" against "off", SDPA's backward, and what a tier-1 step without dropout runs
-   (SDPA's forward again and its backward, the tier-1 pass over its gradients, the repair launches) over SDPA's.
+   launch included), "abft_fp32_refs" (the same with every reference an fp32 sum) and "tripwire" against "off",
+   SDPA's backward, and what a tier-1 step without dropout runs (SDPA's forward again and its backward, the tier-1
+   pass over its gradients, the repair launches) over SDPA's.
    attribution: where a protected step's time goes, against the unprotected one (torch.profiler over a few steps
    of each model at T = 2048): device time in all kernels and in attnchecker's Triton kernels, kernel launches, host
    time in ops and in the driver's launch calls, the top kernels; the default policies on their tier-1 steps (what

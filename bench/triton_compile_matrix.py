@@ -84,7 +84,8 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
       by truncation) is 1 (the tensor cores' TF32); ``refs_by_dot`` holds on those tiles only from BY_DOT_MIN_ROWS
       rows, where the interpreter takes it on every tile;
     - kernels/triton_attention_bwd: INTERPRET off; tiles and stages ``gpu_tiles(d, the arch's shared memory per
-      block)`` (32 x 32 on 3 stages where they fit: the interpreter's tiles);
+      block)`` (32 x 32 on 3 stages where they fit: the interpreter's tiles); BY_DOT as ``by_dot`` picks it on a
+      GPU for the pass, dtype and head dim;
     - kernels/triton_gemm_kernels: the tiles of ``triton_gemm_check._blocks`` for a CUDA device, and ``_dot_flags``'s
       operand modes for CUDA tensors (fp32 products only where the operands' dtypes differ).
     Any other kernel is launched alike on both."""
@@ -113,6 +114,14 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
             consts["INTERPRET"] = False
         if launch["kernel"] in ("_query_pass", "_key_pass"):
             options["num_stages"] = tile.stages
+        if "BY_DOT" in consts:
+            # The interpreter takes every tensor-core form (bits 1 and 3); a GPU those ``by_dot`` picks for the
+            # pass at this head dim.
+            import torch
+
+            half = {"*bf16": torch.bfloat16, "*fp16": torch.float16}.get(launch["signature"].get("Q"), torch.float32)
+            picked = tab.by_dot(half, consts.get("BLOCK_D", 64))
+            consts["BY_DOT"] = picked[launch["kernel"] != "_query_pass"] if consts["BY_DOT"] else 0
     elif module == "triton_gemm_kernels":
         import torch
 

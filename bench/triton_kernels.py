@@ -33,6 +33,7 @@ _common.setup_path()
 os.environ.pop("TRITON_INTERPRET", None)
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -46,7 +47,7 @@ def _signature(fn: Any, dtype: str) -> dict[str, Any]:
     pointers = {"Q": dtype, "K": dtype, "V": dtype, "DO": dtype, "DQ": dtype, "DK": dtype, "DV": dtype,
                 "LSE": "fp32", "DELTA": "fp32", "SUMMARY": "fp32", "FAULTS": "fp32", "MASK": "fp32", "STATUS": "i32",
                 "FIRST": "i32", "SEED": "i64", "KROWS": "fp32", "KTILE": "fp32", "QROWS": "fp32",
-                "QTILE": "fp32"}
+                "QTILE": "fp32", "QPARTS": dtype}
     sig: dict[str, Any] = {}
     for name in fn.arg_names:
         if name in pointers:
@@ -64,11 +65,15 @@ def _signature(fn: Any, dtype: str) -> dict[str, Any]:
     return sig
 
 
-def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int, mix: bool = False,
+def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int, mix: bool = False, by_dot: int | None = None,
                 repair: bool = False) -> dict[str, Any]:
+    """ptxas's registers, spill and shared memory of one kernel (and with mix its tile loop's instructions by class).
+    by_dot: the passes' BY_DOT; None for what the launcher picks for bf16 at this head dim (kernels.by_dot)."""
+    if by_dot is None:
+        by_dot = kernels.by_dot(torch.bfloat16, d)[fn is kernels._key_pass]
     const = {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": d, "CAUSAL": True, "WINDOW": False, "MASK_KIND": 0,
              "DROPOUT": False, "CHECK": check, "FAULTS_ON": False, "INTERPRET": False, "PRECISION": "ieee",
-             "REPAIR": repair, "SEED_ON_DEVICE": False, "GIVEN": repair}
+             "REPAIR": repair, "SEED_ON_DEVICE": False, "GIVEN": repair, "BY_DOT": by_dot}
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     sig = {k: v for k, v in _signature(fn, "bf16").items() if k not in const}
     sig.update(dict.fromkeys(const, "constexpr"))
@@ -83,7 +88,7 @@ def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int, mix: boo
     regs = re.findall(r"Used (\d+) registers", report)
     spills = re.findall(r"(\d+) bytes spill stores", report)
     got = {"registers": int(regs[-1]), "spill_store_bytes": int(spills[-1]) if spills else 0,
-           "shared_bytes": int(compiled.metadata.shared)}
+           "shared_bytes": int(compiled.metadata.shared), "by_dot": by_dot if check == 2 else 0}
     if mix:
         from triton_resources import loop_mix
 
@@ -94,6 +99,9 @@ def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int, mix: boo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mix", action="store_true", help="the launched configuration only, with its loop's mix")
+    ap.add_argument("--by-dot", choices=("auto", "off"), default="auto",
+                    help="the checked passes' references on the tensor cores as the launcher picks them for bf16 "
+                         "(kernels.by_dot), or all fp32 sums (off), to weigh the two on the same code")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if kernels.interpreting():
@@ -104,7 +112,8 @@ def main() -> None:
         for d in (64, 128):
             for block, warps in configs:
                 for check, name in enumerate(kernels.CHECKS):
-                    got = compile_one(fn, d=d, check=check, block=block, warps=warps, mix=args.mix)
+                    got = compile_one(fn, d=d, check=check, block=block, warps=warps, mix=args.mix,
+                                      by_dot=None if args.by_dot == "auto" else 0)
                     rows.append({"kernel": fn.__name__.strip("_"), "head_dim": d, "block": block, "warps": warps,
                                  "check": name, **got})
                     print(rows[-1], flush=True)

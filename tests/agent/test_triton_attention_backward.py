@@ -9,6 +9,7 @@ bit for bit. And the fast path's claims: a constant number of launches whatever 
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -146,11 +147,48 @@ def test_a_seed_on_the_device_draws_the_same_dropout_mask(make_ctx: Any) -> None
     assert close(got, a, REL[torch.float32])
 
 
+@pytest.mark.skipif(not kernels.interpreting(), reason="counts device-function calls through the interpreter")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_half_precision_takes_the_tensor_core_references_and_both_forms_agree(
+        make_ctx: Any, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """bf16 and fp16 checked calls fold their references from tensor-core products with split parts
+    (triton_checks.fold_parts; kernels.by_dot), fp32 calls never; with the tensor-core forms switched off
+    (by_dot (0, 0)) the same call gives the same gradients, and neither form flags a clean call. Seen by counting the
+    device function's calls (plain Python under the interpreter): fails where the launcher ignores by_dot."""
+    from attnchecker.kernels import triton_checks as tc
+
+    calls = []
+    real = tc.fold_parts
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(tc, "fold_parts", counted)
+    a = make(dtype, t=40, s=40, d=24, mask="causal")
+    ctx, rec = make_ctx()
+    fast = backward(a, ctx)
+    assert bool(calls) == (dtype != torch.float32)
+    calls.clear()
+    monkeypatch.setattr(kernels, "by_dot", lambda *_: (0, 0))
+    plain = backward(a, ctx)
+    assert not calls
+    drain(ctx.runtime.deferred)
+    assert not rec.detections, rec.detections[:2]
+    assert all(torch.equal(x, y) for x, y in zip(fast, plain, strict=True))
+    assert close(fast, a, REL[dtype])
+
+
 @pytest.fixture(scope="module")
 def faulty_call() -> dict[str, Any]:
+    return _faulty(torch.float32)
+
+
+@functools.cache
+def _faulty(dtype: torch.dtype) -> dict[str, Any]:
     """GQA (2 query heads on 1 KV head), causal, T = S = 32: its clean gradients, and each product's RMS (a finite
     fault of 5 % of it is far above every bound and far below the tripwire)."""
-    a = make(torch.float32, t=32, s=32)
+    a = make(dtype, t=32, s=32)
     from attnchecker.checks.context import LayerContext, Runtime
 
     a["clean"] = backward(a, LayerContext(layer=0, runtime=Runtime()))
@@ -186,10 +224,13 @@ EXPECTED_KIND = {"inf": {"inf", "neg_inf"}, "nan": {"nan"}, "near_inf": {"near_i
                  "bitflip": {"inf", "neg_inf", "near_inf"}, "finite": {"silent"}}
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("op", "side", "kind"), CASES)
 def test_a_fault_in_each_product_is_flagged_and_its_block_recomputed(
-        make_ctx: Any, faulty_call: dict[str, Any], op: str, side: str, kind: str) -> None:
-    a = faulty_call
+        make_ctx: Any, op: str, side: str, kind: str, dtype: torch.dtype) -> None:
+    """In every dtype: bf16 and fp16 take the references on the tensor cores (kernels.by_dot; under the interpreter
+    every form), fp32 their fp32 sums."""
+    a = _faulty(dtype)
     ctx, rec = make_ctx()
     got = backward(a, ctx, faults=[fault_at(op, side, kind, a["rms"][op])])
     assert not rec.detections  # deferred: nothing is emitted before the step boundary

@@ -249,7 +249,9 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
     for form in ("full", "full_fp32_refs"):
         assert doc["kernel"]["rows"][0][f"{form}_flagged"] is False
         assert 0.0 < doc["kernel"]["rows"][0][f"{form}_worst_ratio"] < 1.0
-    assert {"sdpa_ms", "tripwire_given_ms", "tripwire_given_over_sdpa"} <= set(doc["backward_kernel"]["rows"][0])
+    # The backward's two forms of the references, timed side by side (run(refs_by_dot=False)).
+    assert {"sdpa_ms", "tripwire_given_ms", "tripwire_given_over_sdpa", "abft_over_off",
+            "abft_fp32_refs_over_off"} <= set(doc["backward_kernel"]["rows"][0])
 
 
 def test_gpu_suite_reads_nsight_computes_raw_csv() -> None:

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from . import triton_checks as tc
 from . import triton_dropout
 from .triton_common import device_function, host_table, interpreting, shared_per_block, triton
 
@@ -96,6 +97,20 @@ SHARED_NEEDED: dict[tuple[int, int, int], int] = {
 the configurations bench/triton_compile_matrix.py compiled with Triton 3.9 (sm_80 and sm_89: the same bytes for each
 arch; docs/performance.md §7). (256, BLOCK, 3): the configuration heaviest at 128 (causal, full checks), compiled
 alone for sm_90."""
+
+
+def by_dot(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
+    """(query pass, key pass): which of a checked call's references each makes on the tensor cores, BY_DOT's bits.
+    Bit 1: the S and dP checks' references, from the block the program keeps (``triton_checks.parts_of``); bit 2 (key
+    pass): dV's and dK's, from _delta's parts of each query block. bf16 and fp16 only (their products with the parts
+    are exact in fp32). Chosen from ptxas for sm_90 (bench/triton_kernels.py --mix, bf16, the launched 32 × 32 tiles
+    on 8 warps), not from timing: where a form shortened the tile loop without much more spill. Under the interpreter
+    every form runs (bits 1 and 3), so that the tests run each."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return 0, 0
+    if interpreting():
+        return 1, 3
+    return (0, 3) if block_d <= 64 else (1, 1)
 
 
 def tiles(d: int, device: torch.device | None = None) -> Tiles:
@@ -253,6 +268,7 @@ def run(
     tf32: bool = False,
     tile: Tiles | None = None,
     given: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    refs_by_dot: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Launch | None]:
     """(dq (B, H, T, D), dk, dv (B, HK, S, D) summed over each KV head's query heads, and what the checks found, None
     for check "off"). window: keys more than window - 1 before a query are masked (GPT-Neo's local attention: key j
@@ -263,7 +279,8 @@ def run(
     operands (the rules must say so). tile: tile size and stages (default ``tiles`` for the head dim and device: the
     rules' tile vectors must be as long). given: (dq, dk, dv) an unchecked backward
     made (SDPA's), for check "tripwire": the first pass only reads them (``_trip_given``) and the repair recomputes
-    the flagged blocks into them; returned (made contiguous where they were not).
+    the flagged blocks into them; returned (made contiguous where they were not). refs_by_dot: False makes every
+    reference an fp32 sum whatever the dtype (``by_dot`` (0, 0): bench_checks' A/B on a GPU).
     Launches 3 kernels, 5 with repair, one more each for check "abft" (``_key_terms``); no host-device sync."""
     if triton is None:
         raise RuntimeError("the Triton attention backward needs triton (pip install triton)")
@@ -289,10 +306,13 @@ def run(
     # _key_terms) rather than in every program's loop.
     terms = mode == CHECKS.index("abft")
     q_rows = torch.empty((b * h, 6, t), dtype=torch.float32, device=device) if terms else delta_BHT
-    q_tile = torch.empty((b * h, n_qb, 2 * block_d + 4), dtype=torch.float32, device=device) if terms else delta_BHT
-    _delta[(n_qb, b * h)](out_BHTD, dout_BHTD, delta_BHT, q_BHTD, q_rows, q_tile, *_strides(out_BHTD),
+    q_tile = torch.empty((b * h, n_qb, 2 * block_d + 8), dtype=torch.float32, device=device) if terms else delta_BHT
+    dot_q, dot_k = by_dot(q_BHTD.dtype, block_d) if terms and refs_by_dot else (0, 0)
+    q_parts = (torch.empty((b * h, n_qb, 2, blk, tc.SPLIT_COLUMNS), dtype=q_BHTD.dtype, device=device) if dot_k >= 2
+               else q_BHTD)
+    _delta[(n_qb, b * h)](out_BHTD, dout_BHTD, delta_BHT, q_BHTD, q_rows, q_tile, q_parts, *_strides(out_BHTD),
                           *_strides(dout_BHTD), *_strides(q_BHTD), h, t, d, BLOCK_M=blk, BLOCK_D=block_d,
-                          TERMS=terms)
+                          TERMS=terms, BY_DOT=dot_k)
     k_rows, k_tile = delta_BHT, delta_BHT
     if terms:
         k_rows = torch.empty((b * hk, 4, s), dtype=torch.float32, device=device)
@@ -342,12 +362,12 @@ def run(
                                    *sizes, p_keys,
                                    r.tile, r.queries,
                                    r.softmax, FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None,
-                                   num_warps=NUM_WARPS, num_stages=tile.stages, **common)
+                                   num_warps=NUM_WARPS, num_stages=tile.stages, BY_DOT=dot_q, **common)
         _key_pass[(n_kb, b * hk)](*inputs, dk, dv, written, summary, table, seed if on_device else dq, q_rows, q_tile,
-                                  *sizes, 0,
+                                  q_parts, *sizes, 0,
                                   r.tile, r.keys,
                                   FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None, num_warps=NUM_WARPS,
-                                  num_stages=tile.stages, **common)
+                                  num_stages=tile.stages, BY_DOT=dot_k, **common)
     if not mode:
         return dq, dk, dv, None
     return dq, dk, dv, Launch(b, h, hk, n_kb, n_qb, status, summary, repaired)
@@ -357,13 +377,16 @@ if triton is not None:
     _keep = triton_dropout.keep
 
     @triton.jit
-    def _delta(OUT, DO, DELTA, Q, QROWS, QTILE, so_b, so_h, so_t, so_d, sdo_b, sdo_h, sdo_t, sdo_d, sq_b, sq_h, sq_t,
-               sq_d, H, T, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TERMS: tl.constexpr):
+    def _delta(OUT, DO, DELTA, Q, QROWS, QTILE, QPARTS, so_b, so_h, so_t, so_d, sdo_b, sdo_h, sdo_t, sdo_d, sq_b,
+               sq_h, sq_t, sq_d, H, T, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TERMS: tl.constexpr,
+               BY_DOT: tl.constexpr):
         """δ = rowsum(dO ∘ O) in fp32 (the forward's output, as it was verified). TERMS (check "abft"): also what the
         key pass's checks take from this query block alone, made once per call here rather than again by every key
         program that visits the block: ``_block_terms`` of q (QROWS rows 0-2; QTILE's first BLOCK_D and scalars 0, 1)
         and of dO (rows 3-5; the next BLOCK_D, scalars 2, 3). QROWS (B·H, 6, T), QTILE (B·H, query blocks, 2·BLOCK_D
-        + 4), fp32."""
+        + 8), fp32. BY_DOT (its bit 2): also the block's q·e, q·w and dO·e, dO·w as ``triton_checks.store_parts``
+        (QPARTS (B·H, query blocks, 2, BLOCK_M, PARTS) of q's dtype; the scales are QTILE's scalars 4-7), which the key
+        pass's dK and dV references take on the tensor cores."""
         n = tl.program_id(1)
         bb, hh = n // H, n % H
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -377,10 +400,20 @@ if triton is not None:
             q = tl.load(Q + bb * sq_b + hh * sq_h + rows[:, None] * sq_t + cols[None, :] * sq_d, mask=inside,
                         other=0.0)
             w_d = tl.where(cols < D, (cols + 1).to(tl.float32), 0.0)
-            tile_at = QTILE + (n * tl.num_programs(0) + tl.program_id(0)) * (2 * BLOCK_D + 4)
-            _block_terms(q.to(tl.float32), w_d, cols, QROWS + n * 6 * T, T, rows, tile_at, tile_at + 2 * BLOCK_D)
-            _block_terms(do.to(tl.float32), w_d, cols, QROWS + (n * 6 + 3) * T, T, rows, tile_at + BLOCK_D,
-                         tile_at + 2 * BLOCK_D + 2)
+            block = n * tl.num_programs(0) + tl.program_id(0)
+            tile_at = QTILE + block * (2 * BLOCK_D + 8)
+            q1, q2 = _block_terms(q.to(tl.float32), w_d, cols, QROWS + n * 6 * T, T, rows, tile_at,
+                                  tile_at + 2 * BLOCK_D)
+            do1, do2 = _block_terms(do.to(tl.float32), w_d, cols, QROWS + (n * 6 + 3) * T, T, rows, tile_at + BLOCK_D,
+                                    tile_at + 2 * BLOCK_D + 2)
+            if BY_DOT >= 2:
+                parts_at = QPARTS + block * 2 * BLOCK_M * N_PARTS
+                q_se, q_sw = tc.store_parts(parts_at, q1, q2, q.dtype)
+                do_se, do_sw = tc.store_parts(parts_at + BLOCK_M * N_PARTS, do1, do2, do.dtype)
+                tl.store(tile_at + 2 * BLOCK_D + 4, q_se)
+                tl.store(tile_at + 2 * BLOCK_D + 5, q_sw)
+                tl.store(tile_at + 2 * BLOCK_D + 6, do_se)
+                tl.store(tile_at + 2 * BLOCK_D + 7, do_sw)
 
     @triton.jit
     def _key_terms(K, V, KROWS, KTILE, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, HK, S, D,
@@ -401,11 +434,14 @@ if triton is not None:
         _block_terms(k.to(tl.float32), w_d, cols, KROWS + nk * 4 * S, S, keys, tile_at, tile_at + BLOCK_D)
         tl.store(KROWS + (nk * 4 + 3) * S + keys, tl.sqrt(tl.sum(v * v, 1)), mask=keys < S)
 
+    N_PARTS: Any = tl.constexpr(tc.SPLIT_COLUMNS)
+
     @device_function
     def _block_terms(x, w_d, cols, ROWS, L, rows, COLS, SCALARS):
         """One block x (R, BLOCK_D) fp32 of an operand (q, dO, k or v), as the other pass's checks use it: per row r
         its norm, x_r·e and x_r·w_d at ROWS + f·L + r (f = 0, 1, 2); its columns' Σ_r x_rd² at COLS + d; Σ_r (x_r·e)²
-        and Σ_r (x_r·w_d)² at SCALARS, SCALARS + 1. Rows past L are zeros in x and not stored."""
+        and Σ_r (x_r·w_d)² at SCALARS, SCALARS + 1. Rows past L are zeros in x and not stored. Returns the rows'
+        x·e and x·w_d."""
         row_in = rows < L
         x1, x2 = tl.sum(x, 1), tl.sum(x * w_d[None, :], 1)
         tl.store(ROWS + rows, tl.sqrt(tl.sum(x * x, 1)), mask=row_in)
@@ -414,6 +450,7 @@ if triton is not None:
         tl.store(COLS + cols, tl.sum(x * x, 0))
         tl.store(SCALARS, tl.sum(x1 * x1, 0))
         tl.store(SCALARS + 1, tl.sum(x2 * x2, 0))
+        return x1, x2
 
     @device_function
     def _dot(a, b, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
@@ -673,9 +710,13 @@ if triton is not None:
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                     WINDOW: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, CHECK: tl.constexpr,
                     FAULTS_ON: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-                    REPAIR: tl.constexpr, SEED_ON_DEVICE: tl.constexpr, GIVEN: tl.constexpr = False):
+                    REPAIR: tl.constexpr, SEED_ON_DEVICE: tl.constexpr, GIVEN: tl.constexpr = False,
+                    BY_DOT: tl.constexpr = 0):
         """dQ of one query block of one head (module doc), with its checks. KROWS, KTILE: ``_key_terms``' (check
-        "abft"). GIVEN: the repair of a tier-1 first pass over given gradients (``_trip_given``)."""
+        "abft"). GIVEN: the repair of a tier-1 first pass over given gradients (``_trip_given``). BY_DOT (bf16, fp16;
+        ``by_dot``): bit 1, the S and dP column checks' references on the tensor cores (``triton_checks.parts_of``);
+        dQ's stay fp32 sums (on the tensor cores they took this loop from about 1,800 to 3,800 instructions at D = 64,
+        bench/triton_kernels.py --mix)."""
         n = tl.program_id(1)
         bb, hh = n // H, n % H
         hk = hh // (H // HK)
@@ -741,6 +782,9 @@ if triton is not None:
             dobar1, dobar2 = tl.sum(dof, 0), tl.sum(dof * w_m[:, None], 0)
             bt_q = _b_terms(q_norm, _sq(qbar1), _sq(qbar2), row_in, w_m, R_TILE)
             bt_do = _b_terms(do_norm, _sq(dobar1), _sq(dobar2), row_in, w_m, R_TILE)
+            if BY_DOT % 2 == 1:
+                q_parts, q_se, q_sw = tc.parts_of(qbar1, qbar2, q.dtype, 16)
+                do_parts, do_se, do_sw = tc.parts_of(dobar1, dobar2, do.dtype, 16)
         lo, hi = 0, S
         if CAUSAL:
             hi = tl.minimum(S, start_m + BLOCK_M)
@@ -764,11 +808,15 @@ if triton is not None:
                 kf, vf = k.to(tl.float32), v.to(tl.float32)
                 k_norm = tl.load(k_terms + keys, mask=key_in, other=0.0)
                 v_norm = tl.load(k_terms + 3 * S + keys, mask=key_in, other=0.0)
-                d1, b1, ratio = _tile_check(s, k_norm, tl.sum(kf * qbar1[None, :], 1), tl.sum(kf * qbar2[None, :], 1),
-                                            w_m, bt_q, R_TILE, 0)
+                if BY_DOT % 2 == 1:
+                    s_ref1, s_ref2 = tc.fold_parts(_dot(k, q_parts, "ieee", INTERPRET), q_se, q_sw)
+                    p_ref1, p_ref2 = tc.fold_parts(_dot(v, do_parts, "ieee", INTERPRET), do_se, do_sw)
+                else:
+                    s_ref1, s_ref2 = tl.sum(kf * qbar1[None, :], 1), tl.sum(kf * qbar2[None, :], 1)
+                    p_ref1, p_ref2 = tl.sum(vf * dobar1[None, :], 1), tl.sum(vf * dobar2[None, :], 1)
+                d1, b1, ratio = _tile_check(s, k_norm, s_ref1, s_ref2, w_m, bt_q, R_TILE, 0)
                 kept_s = _fold(kept_s, ratio, keys, d1, b1, key_in)
-                d1, b1, ratio = _tile_check(dp, v_norm, tl.sum(vf * dobar1[None, :], 1),
-                                            tl.sum(vf * dobar2[None, :], 1), w_m, bt_do, R_TILE, 0)
+                d1, b1, ratio = _tile_check(dp, v_norm, p_ref1, p_ref2, w_m, bt_do, R_TILE, 0)
                 kept_p = _fold(kept_p, ratio, keys, d1, b1, key_in)
                 k_max = tl.maximum(k_max, k_norm)
                 v_max = tl.maximum(v_max, v_norm)
@@ -847,16 +895,19 @@ if triton is not None:
             _store_status(STATUS, pid, flags, bad_in, REPAIR, spilled)
 
     @triton.jit
-    def _key_pass(Q, K, V, DO, LSE, DELTA, MASK, DK, DV, STATUS, SUMMARY, FAULTS, SEED, QROWS, QTILE,
+    def _key_pass(Q, K, V, DO, LSE, DELTA, MASK, DK, DV, STATUS, SUMMARY, FAULTS, SEED, QROWS, QTILE, QPARTS,
                   sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                   sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t, sm_b, sm_h, sm_t, sm_s,
                   H, HK, T, S, D, scale, window, p_drop, seed, n_faults, P0, R_TILE, R_KV, FIRST,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                   WINDOW: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, CHECK: tl.constexpr,
                   FAULTS_ON: tl.constexpr, INTERPRET: tl.constexpr, PRECISION: tl.constexpr,
-                  REPAIR: tl.constexpr, SEED_ON_DEVICE: tl.constexpr, GIVEN: tl.constexpr = False):
+                  REPAIR: tl.constexpr, SEED_ON_DEVICE: tl.constexpr, GIVEN: tl.constexpr = False,
+                  BY_DOT: tl.constexpr = 0):
         """dK and dV of one key block of one KV head, over every query head of its group (module doc), with its
-        checks. QROWS, QTILE: ``_delta``'s terms (check "abft"). GIVEN: as the query pass's."""
+        checks. QROWS, QTILE, QPARTS: ``_delta``'s terms (check "abft"). GIVEN: as the query pass's. BY_DOT (bf16,
+        fp16; ``by_dot``): bit 1, the S and dP row checks' references on the tensor cores (``triton_checks.
+        parts_of``); bit 2, dV's and dK's."""
         nk = tl.program_id(1)
         bb, hk = nk // HK, nk % HK
         group = H // HK
@@ -886,10 +937,17 @@ if triton is not None:
         worst_p = tl.full((), 0.0, tl.float32)
         worst_v = tl.full((), 0.0, tl.float32)
         worst_k = tl.full((), 0.0, tl.float32)
-        ref_v1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        ref_v2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        ref_k1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        ref_k2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        # dV's and dK's references: by tile element, summed over the rows after the loop; or (BY_DOT) the products
+        # of the tiles with _delta's parts, their columns summed after the loop.
+        col16 = tl.arange(0, 16)
+        if BY_DOT >= 2:
+            ref_v = tl.zeros((BLOCK_N, 16), tl.float32)
+            ref_k = tl.zeros((BLOCK_N, 16), tl.float32)
+        else:
+            ref_v1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            ref_v2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            ref_k1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            ref_k2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         p_sq = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         ds_sq = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         q_col_sq = tl.zeros((BLOCK_D,), tl.float32)
@@ -916,6 +974,11 @@ if triton is not None:
             vbar1, vbar2 = tl.sum(vf, 0), tl.sum(vf * w_n[:, None], 0)
             bt_k = _b_terms(tl.sqrt(tl.sum(kf * kf, 1)), _sq(kbar1), _sq(kbar2), key_in, w_n, R_TILE)
             bt_v = _b_terms(tl.sqrt(tl.sum(vf * vf, 1)), _sq(vbar1), _sq(vbar2), key_in, w_n, R_TILE)
+            if BY_DOT % 2 == 1:
+                # The row references Q_i·(K_jᵀ e), ... as one tensor-core product per tile of the operand the tile's
+                # own product takes (triton_checks.parts_of: exact to 2⁻²⁵ of the largest sum).
+                k_parts, k_se, k_sw = tc.parts_of(kbar1, kbar2, k.dtype, 16)
+                v_parts, v_se, v_sw = tc.parts_of(vbar1, vbar2, v.dtype, 16)
         lo, hi = 0, T
         if CAUSAL:
             lo = start_n // BLOCK_M * BLOCK_M
@@ -939,11 +1002,15 @@ if triton is not None:
                     q_terms = QROWS + n * 6 * T + rows
                     q_norm = tl.load(q_terms, mask=row_in, other=0.0)
                     do_norm = tl.load(q_terms + 3 * T, mask=row_in, other=0.0)
-                    d1, b1, ratio = _tile_check(s, q_norm, tl.sum(qf * kbar1[None, :], 1),
-                                                tl.sum(qf * kbar2[None, :], 1), w_n, bt_k, R_TILE, 1)
+                    if BY_DOT % 2 == 1:
+                        s_ref1, s_ref2 = tc.fold_parts(_dot(q, k_parts, "ieee", INTERPRET), k_se, k_sw)
+                        p_ref1, p_ref2 = tc.fold_parts(_dot(do, v_parts, "ieee", INTERPRET), v_se, v_sw)
+                    else:
+                        s_ref1, s_ref2 = tl.sum(qf * kbar1[None, :], 1), tl.sum(qf * kbar2[None, :], 1)
+                        p_ref1, p_ref2 = tl.sum(dof * vbar1[None, :], 1), tl.sum(dof * vbar2[None, :], 1)
+                    d1, b1, ratio = _tile_check(s, q_norm, s_ref1, s_ref2, w_n, bt_k, R_TILE, 1)
                     kept_s = _fold(kept_s, ratio, g * T + rows, d1, b1, row_in)
-                    d1, b1, ratio = _tile_check(dp, do_norm, tl.sum(dof * vbar1[None, :], 1),
-                                                tl.sum(dof * vbar2[None, :], 1), w_n, bt_v, R_TILE, 1)
+                    d1, b1, ratio = _tile_check(dp, do_norm, p_ref1, p_ref2, w_n, bt_v, R_TILE, 1)
                     kept_p = _fold(kept_p, ratio, g * T + rows, d1, b1, row_in)
                 p, zs, _live = _scores_to_probs(s, rows, keys, lse, n, bb, hh, MASK, sm_b, sm_h, sm_t, sm_s, T, S,
                                                 scale, window, p_drop, seed, CAUSAL, WINDOW, MASK_KIND, DROPOUT)
@@ -964,17 +1031,31 @@ if triton is not None:
                     # dV's and dK's references Σ_i (AP∘Z)_ijᵀ (dO_i w), Σ_i dS_ijᵀ (Q_i w), and their rules' norms,
                     # accumulated as dV and dK are, over the operands as the products took them.
                     pdf, dsf = pd_c.to(tl.float32), ds_c.to(tl.float32)
-                    qw1 = tl.load(q_terms + T, mask=row_in, other=0.0)
-                    qw2 = tl.load(q_terms + 2 * T, mask=row_in, other=0.0)
-                    dow1 = tl.load(q_terms + 4 * T, mask=row_in, other=0.0)
-                    dow2 = tl.load(q_terms + 5 * T, mask=row_in, other=0.0)
-                    ref_v1 += pdf * dow1[:, None]
-                    ref_v2 += pdf * dow2[:, None]
-                    ref_k1 += dsf * qw1[:, None]
-                    ref_k2 += dsf * qw2[:, None]
+                    block = n * tl.cdiv(T, BLOCK_M) + start_m // BLOCK_M
+                    tile_at = QTILE + block * (2 * BLOCK_D + 8)
+                    if BY_DOT >= 2:
+                        parts_at = (QPARTS + block * 2 * BLOCK_M * N_PARTS + tl.arange(0, BLOCK_M)[:, None] * N_PARTS
+                                    + col16[None, :])
+                        in_parts = col16[None, :] < N_PARTS
+                        qw_parts = tl.load(parts_at, mask=in_parts, other=0.0)
+                        dow_parts = tl.load(parts_at + BLOCK_M * N_PARTS, mask=in_parts, other=0.0)
+                        q_se, q_sw = tl.load(tile_at + 2 * BLOCK_D + 4), tl.load(tile_at + 2 * BLOCK_D + 5)
+                        do_se, do_sw = tl.load(tile_at + 2 * BLOCK_D + 6), tl.load(tile_at + 2 * BLOCK_D + 7)
+                        ref_v += _dot(tl.trans(pd_c), dow_parts, "ieee", INTERPRET) * tl.where(
+                            col16 < 3, do_se, tl.where(col16 < 6, do_sw, 0.0))[None, :]
+                        ref_k += _dot(tl.trans(ds_c), qw_parts, "ieee", INTERPRET) * tl.where(
+                            col16 < 3, q_se, tl.where(col16 < 6, q_sw, 0.0))[None, :]
+                    else:
+                        qw1 = tl.load(q_terms + T, mask=row_in, other=0.0)
+                        qw2 = tl.load(q_terms + 2 * T, mask=row_in, other=0.0)
+                        dow1 = tl.load(q_terms + 4 * T, mask=row_in, other=0.0)
+                        dow2 = tl.load(q_terms + 5 * T, mask=row_in, other=0.0)
+                        ref_v1 += pdf * dow1[:, None]
+                        ref_v2 += pdf * dow2[:, None]
+                        ref_k1 += dsf * qw1[:, None]
+                        ref_k2 += dsf * qw2[:, None]
                     p_sq += pdf * pdf
                     ds_sq += dsf * dsf
-                    tile_at = QTILE + (n * tl.cdiv(T, BLOCK_M) + start_m // BLOCK_M) * (2 * BLOCK_D + 4)
                     q_col_sq += tl.load(tile_at + feats)
                     do_col_sq += tl.load(tile_at + BLOCK_D + feats)
                     q_ref1_sq += tl.load(tile_at + 2 * BLOCK_D)
@@ -983,7 +1064,12 @@ if triton is not None:
                     do_ref2_sq += tl.load(tile_at + 2 * BLOCK_D + 3)
         flags = 0
         if CHECK == 2:
-            ref_v1, ref_v2, ref_k1, ref_k2 = tl.sum(ref_v1, 0), tl.sum(ref_v2, 0), tl.sum(ref_k1, 0), tl.sum(ref_k2, 0)
+            if BY_DOT >= 2:
+                ref_v1, ref_v2 = tc.fold_parts(ref_v, 1.0, 1.0)
+                ref_k1, ref_k2 = tc.fold_parts(ref_k, 1.0, 1.0)
+            else:
+                ref_v1, ref_v2 = tl.sum(ref_v1, 0), tl.sum(ref_v2, 0)
+                ref_k1, ref_k2 = tl.sum(ref_k1, 0), tl.sum(ref_k2, 0)
             p_sq, ds_sq = tl.sum(p_sq, 0), tl.sum(ds_sq, 0)
             worst_s = _keep_worst(worst_s, kept_s[0], kept_s[1] % T, kept_s[2], kept_s[3], kept_s[0] >= 0,
                                   hk * group + kept_s[1] // T, 0, SUMMARY, slot + 0, write)
@@ -1110,7 +1196,8 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     SDPA's own backward on the same inputs (its forward run before the timer), the unprotected step's; and
     "tripwire_given", what a tier-1 step without dropout runs (attention.backward.fused.sdpa_tier1_on_device): SDPA's
     forward again and its backward, then the tier-1 pass over its gradients and the two repair launches, also over
-    "sdpa". tile: the kernels' tiles (default ``tiles`` for the head dim and device)."""
+    "sdpa"; and "abft_fp32_refs", "abft" with every reference an fp32 sum (``run(refs_by_dot=False)``), to weigh the
+    tensor-core references on the GPU. tile: the kernels' tiles (default ``tiles`` for the head dim and device)."""
     import statistics
     import time
 
@@ -1134,7 +1221,7 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
                   product_rule(d, t, tol).scalars(), softmax_grad_rule(t=t, s=t, d=d, dtype=dtype, tol=tol).scalars())
     # (SDPA's forward keeps its scores in fp32: scores_dtype None.)
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
-    names = (*CHECKS, "sdpa", "tripwire_given")
+    names = (*CHECKS, "abft_fp32_refs", "sdpa", "tripwire_given")
     times: dict[str, list[float]] = {c: [] for c in names}
     for r in range(reps + 1):
         turn = r % len(names)
@@ -1155,8 +1242,10 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
                 run(q, k, v, out, lse, do, scale=scale, is_causal=causal, window=None, attn_mask=None, dropout_p=0.0,
                     seed=0, check="tripwire", rules=None, tile=tile, given=(grads[0], grads[1], grads[2]))
             else:
+                full = c.startswith("abft")
                 run(q, k, v, out, lse, do, scale=scale, is_causal=causal, window=None, attn_mask=None, dropout_p=0.0,
-                    seed=0, check=c, rules=rules if c == "abft" else None, tile=tile)
+                    seed=0, check="abft" if full else c, rules=rules if full else None, tile=tile,
+                    refs_by_dot=c == "abft")
             sync()
             if r:  # the first round compiles
                 times[c].append((time.perf_counter() - t0) * 1e3)

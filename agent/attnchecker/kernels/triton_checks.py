@@ -171,17 +171,32 @@ if triton is not None:
         return p1, p2, p3, scale
 
     @_jit
-    def store_parts(Parts, e, w, dtype: tl.constexpr):
-        """A tile's two weighted sums e, w (L,) fp32 as ``split3`` parts: Parts (L, PARTS) of dtype, columns
-        [e's three, w's three, 0, 0]. Returns the two scales."""
+    def parts_of(e, w, dtype: tl.constexpr, COLUMNS: tl.constexpr):
+        """Two weighted sums e, w (L,) fp32 as ``split3`` parts: (L, COLUMNS) of dtype, columns [e's three, w's
+        three, zeros], and the two scales."""
         e1, e2, e3, scale_e = split3(e, dtype)
         w1, w2, w3, scale_w = split3(w, dtype)
-        col = tl.arange(0, PARTS)[None, :]
+        col = tl.arange(0, COLUMNS)[None, :]
         parts = (tl.where(col == 0, e1[:, None], 0.0) + tl.where(col == 1, e2[:, None], 0.0)
                  + tl.where(col == 2, e3[:, None], 0.0) + tl.where(col == 3, w1[:, None], 0.0)
                  + tl.where(col == 4, w2[:, None], 0.0) + tl.where(col == 5, w3[:, None], 0.0))
-        tl.store(Parts + tl.arange(0, e.shape[0])[:, None] * PARTS + col, parts.to(dtype))
+        return parts.to(dtype), scale_e, scale_w
+
+    @_jit
+    def store_parts(Parts, e, w, dtype: tl.constexpr):
+        """A tile's two weighted sums e, w (L,) fp32 as ``parts_of``, stored: Parts (L, PARTS) of dtype. Returns the
+        two scales."""
+        parts, scale_e, scale_w = parts_of(e, w, dtype, PARTS)
+        tl.store(Parts + tl.arange(0, e.shape[0])[:, None] * PARTS + tl.arange(0, PARTS)[None, :], parts)
         return scale_e, scale_w
+
+    @_jit
+    def fold_parts(r, scale_e, scale_w):
+        """The references from a product r (R, C) of a tile with ``parts_of`` columns: (R,) each, its part columns
+        added back and scaled."""
+        col = tl.arange(0, r.shape[1])[None, :]
+        return (rsum(tl.where(col < 3, r, 0.0), 1) * scale_e,
+                rsum(tl.where((col >= 3) & (col < 6), r, 0.0), 1) * scale_w)
 
     @_jit
     def refs_by_dot(a, Parts, scale_e, scale_w):
@@ -192,9 +207,7 @@ if triton is not None:
         checks' key-tile loop (bench/triton_resources.py --mix)."""
         col = tl.arange(0, 16)[None, :]
         parts = tl.load(Parts + tl.arange(0, a.shape[1])[:, None] * PARTS + col, mask=col < PARTS, other=0.0)
-        r = tl.dot(a, parts.to(a.dtype), input_precision="ieee")
-        return (rsum(tl.where(col < 3, r, 0.0), 1) * scale_e,
-                rsum(tl.where((col >= 3) & (col < 6), r, 0.0), 1) * scale_w)
+        return fold_parts(tl.dot(a, parts.to(a.dtype), input_precision="ieee"), scale_e, scale_w)
 
     @_jit
     def locate(x, ref1, ref2, near_inf):
