@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnchecker.kernels import triton_attention as ta
+from attnchecker.kernels import triton_attention_bwd as tab
 from attnchecker.kernels import triton_checks as tc
 from attnchecker.kernels.triton_common import interpreting, triton
 
@@ -29,6 +30,11 @@ U = 2.0**-24
 
 if triton is not None:
     import triton.language as tl
+
+    @triton.jit
+    def _hypot3_kernel(X, Y, Z, Out, N: tl.constexpr):
+        at = tl.arange(0, N)
+        tl.store(Out + at, tab._hypot3(tl.load(X + at), tl.load(Y + at), tl.load(Z + at)))
 
     @triton.jit
     def _refs_kernel(A, E, W, Parts, Scales, Refs, R: tl.constexpr, L: tl.constexpr, AS_FP32: tl.constexpr):
@@ -100,6 +106,26 @@ def test_the_references_are_the_fp64_product_s_within_the_bound_s_reference_term
         # fp32 accumulation in any order, and the parts' representation error (2⁻²⁵·max|x| per element).
         allowed = 2 * n * U * (a64.abs() @ x.double().abs()) + U / 2 * a64.abs().sum(-1) * float(x.abs().max())
         assert bool(((got.double() - exact).abs() <= allowed).all()), (got, exact)
+
+
+@settings(max_examples=40)
+@given(exponents=st.lists(st.integers(-45, 38), min_size=3, max_size=3), zeros=st.integers(0, 7),
+       seed=st.integers(0, 2**20))
+def test_the_backward_bounds_hypot_scales_by_a_power_of_2_without_under_or_overflow(exponents, zeros, seed) -> None:
+    """The backward's bounds take sqrt(x² + y² + z²) of standard deviations scaled by a power of 2 near the largest
+    (triton_checks.pow2_scale, a multiply where a division was): within 2 ulp of fp64's at every magnitude fp32
+    holds, subnormals and zeros included, where the squares themselves would under- or overflow."""
+    g = torch.Generator().manual_seed(seed)
+    n = 16
+    xyz = [(torch.rand(n, generator=g, dtype=torch.float64) + 0.5) * 10.0**e for e in exponents]
+    for i in range(3):
+        if zeros >> i & 1:
+            xyz[i][::2] = 0.0
+    x32 = [t.float() for t in xyz]
+    out = torch.empty(n)
+    _hypot3_kernel[(1,)](*x32, out, N=n)
+    exact = torch.sqrt(sum(t.double() ** 2 for t in x32))
+    assert bool(((out.double() - exact).abs() <= 2 * 2.0**-23 * exact).all()), (out, exact)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -464,11 +464,12 @@ if triton is not None:
 
     @device_function
     def _hypot3(x, y, z):
-        """sqrt(x² + y² + z²) of non-negative terms, scaled by the largest: no square of a small norm underflows."""
-        top = tl.maximum(tl.maximum(x, y), z)
-        unit = tl.where(top > 0, top, 1.0)
-        x, y, z = x / unit, y / unit, z / unit
-        return top * tl.sqrt(x * x + y * y + z * z)
+        """sqrt(x² + y² + z²) of non-negative terms, scaled by a power of 2 near the largest (triton_checks.pow2_scale:
+        three multiplies where three divisions by the largest were): no square of a small norm underflows, nor of a
+        large one overflows."""
+        inv, unit = tc.pow2_scale(tl.maximum(tl.maximum(x, y), z))
+        x, y, z = x * inv, y * inv, z * inv
+        return unit * tl.sqrt(x * x + y * y + z * z)
 
     @device_function
     def _bound(a, bsum, bsq1, bsq2, r1, r2, sq, ref1, ref2, R):
@@ -749,11 +750,13 @@ if triton is not None:
         worst_s = tl.full((), 0.0, tl.float32)
         worst_p = tl.full((), 0.0, tl.float32)
         worst_q = tl.full((), 0.0, tl.float32)
-        ref_q1 = tl.zeros((BLOCK_M,), tl.float32)
-        ref_q2 = tl.zeros((BLOCK_M,), tl.float32)
-        ds_sq = tl.zeros((BLOCK_M,), tl.float32)
-        ds_sum = tl.zeros((BLOCK_M,), tl.float32)
-        p_sum = tl.zeros((BLOCK_M,), tl.float32)
+        # dQ's references and norms and the two identities' row sums, kept as tiles and summed over the keys once
+        # after the loop (no reduction across the warps per tile).
+        ref_q1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        ref_q2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        ds_sq = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        ds_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        p_sum = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         k_col_sq = tl.zeros((BLOCK_D,), tl.float32)
         k_ref1_sq = tl.full((), 0.0, tl.float32)
         k_ref2_sq = tl.full((), 0.0, tl.float32)
@@ -834,15 +837,15 @@ if triton is not None:
                 dsf = ds_c.to(tl.float32)
                 kw1 = tl.load(k_terms + S + keys, mask=key_in, other=0.0)
                 kw2 = tl.load(k_terms + 2 * S + keys, mask=key_in, other=0.0)
-                ref_q1 += tl.sum(dsf * kw1[None, :], 1)
-                ref_q2 += tl.sum(dsf * kw2[None, :], 1)
-                ds_sq += tl.sum(dsf * dsf, 1)
+                ref_q1 += dsf * kw1[None, :]
+                ref_q2 += dsf * kw2[None, :]
+                ds_sq += dsf * dsf
                 tile_at = k_tiles + (start_n // BLOCK_N) * (BLOCK_D + 2)
                 k_col_sq += tl.load(tile_at + feats)
                 k_ref1_sq += tl.load(tile_at + BLOCK_D)
                 k_ref2_sq += tl.load(tile_at + BLOCK_D + 1)
-                ds_sum += tl.sum(ds, 1)
-                p_sum += tl.sum(p, 1)
+                ds_sum += ds
+                p_sum += p
                 live = tl.maximum(live, live_t)
         flags = 0
         if CHECK == 2:
@@ -851,6 +854,8 @@ if triton is not None:
             worst_p = _keep_worst(worst_p, kept_p[0], kept_p[1], kept_p[2], kept_p[3], kept_p[0] >= 0, hh, 1, SUMMARY,
                                   slot + 1, write)
             bt_k = _b_terms(tl.sqrt(k_col_sq), k_ref1_sq, k_ref2_sq, feat_in, w_d, R_Q)
+            ref_q1, ref_q2, ds_sq = tl.sum(ref_q1, 1), tl.sum(ref_q2, 1), tl.sum(ds_sq, 1)
+            ds_sum, p_sum = tl.sum(ds_sum, 1), tl.sum(p_sum, 1)
             d1, b1, ratio = _tile_check(dq, tl.sqrt(ds_sq), ref_q1, ref_q2, w_d, bt_k, R_Q, 1)
             ratio = tl.where(overflow > 0, 0.0, ratio)
             worst_q = _keep_worst(worst_q, ratio, rows, d1, b1, row_in, hh, 0, SUMMARY, slot + 4, write)

@@ -152,17 +152,22 @@ if triton is not None:
     PARTS: Any = tl.constexpr(SPLIT_COLUMNS)
 
     @_jit
+    def pow2_scale(big):
+        """(inv, scale) for big ≥ 0 (fp32, any shape): powers of 2 with inv·scale = 1 that take big into [1, 2) (into
+        [1, 4) past 2^126; big ≤ 2^-126 goes to at most 1), made from big's exponent bits: a multiply by inv scales
+        exactly and without a division. INF and NaN get inv = 2^-126."""
+        exp = (big.to(tl.int32, bitcast=True) >> 23) & 255
+        inv_exp = tl.minimum(tl.maximum(254 - exp, 1), 253)
+        return (inv_exp << 23).to(tl.float32, bitcast=True), ((254 - inv_exp) << 23).to(tl.float32, bitcast=True)
+
+    @_jit
     def split3(x, dtype: tl.constexpr):
         """x (L,) fp32 as scale·(p1 + p2 + p3), each part a value of dtype (bf16, fp16) held in fp32, to within
         2⁻²⁵ of the largest |x| (tests/agent/test_triton_refs_by_dot.py). scale is the power of 2 that takes that
         element into [1, 2), where fp16 holds every part; it clamps at 2^±126 for subnormal and huge x. So the
         parts' products with a tile of dtype are exact in fp32, and one tensor-core product carries an fp32 vector.
         An INF or NaN in x stays non-finite in the parts' sum. Returns (p1, p2, p3, scale)."""
-        big = rmax(tl.abs(x), 0)
-        exp = (big.to(tl.int32, bitcast=True) >> 23) & 255
-        inv_exp = tl.minimum(tl.maximum(254 - exp, 1), 253)
-        inv = (inv_exp << 23).to(tl.float32, bitcast=True)
-        scale = ((254 - inv_exp) << 23).to(tl.float32, bitcast=True)
+        inv, scale = pow2_scale(rmax(tl.abs(x), 0))
         y = x * inv
         p1 = y.to(dtype).to(tl.float32)
         rest = y - p1  # exact: p1 is y rounded to fewer bits
