@@ -463,13 +463,13 @@ if triton is not None:
         return c
 
     @device_function
-    def _hypot3(x, y, z):
-        """sqrt(x² + y² + z²) of non-negative terms, scaled by a power of 2 near the largest (triton_checks.pow2_scale:
-        three multiplies where three divisions by the largest were): no square of a small norm underflows, nor of a
-        large one overflows."""
-        inv, unit = tc.pow2_scale(tl.maximum(tl.maximum(x, y), z))
-        x, y, z = x * inv, y * inv, z * inv
-        return unit * tl.sqrt(x * x + y * y + z * z)
+    def _hypot2(x, y):
+        """sqrt(x² + y²) of non-negative terms, scaled by a power of 2 near the larger (triton_checks.pow2_scale: two
+        multiplies, where a division by the larger was): no square of a small norm underflows, nor of a large one
+        overflows."""
+        inv, unit = tc.pow2_scale(tl.maximum(x, y))
+        x, y = x * inv, y * inv
+        return unit * tl.sqrt(x * x + y * y)
 
     @device_function
     def _bound(a, bsum, bsq1, bsq2, r1, r2, sq, ref1, ref2, R):
@@ -478,8 +478,9 @@ if triton is not None:
         rig1 = R[1] * a * bsum + R[2]
         rig2 = rig1 * R[8]
         t_sq = R[7] * tl.sqrt(sq + R[9])
-        s1 = _hypot3(a * tl.sqrt(bsq1) * R[5], a * r1 * R[6], t_sq)
-        s2 = _hypot3(a * tl.sqrt(bsq2) * R[5], a * r2 * R[6], t_sq * R[8])
+        # hypot(a·x, a·y, t) = hypot(a·hypot(x, y), t): the per-block part made once where B is the program's.
+        s1 = _hypot2(a * _hypot2(tl.sqrt(bsq1) * R[5], r1 * R[6]), t_sq)
+        s2 = _hypot2(a * _hypot2(tl.sqrt(bsq2) * R[5], r2 * R[6]), t_sq * R[8])
         ref1 = tl.where(tl.abs(ref1) < float("inf"), tl.abs(ref1), 0.0)
         ref2 = tl.where(tl.abs(ref2) < float("inf"), tl.abs(ref2), 0.0)
         c1 = R[4] * s1 + R[2] + R[11] * ref1
