@@ -39,6 +39,11 @@ if triton is not None:
         tl.store(Out + at, tab._hypot2(tl.load(A + at) * inner, tl.load(Z + at)))
 
     @triton.jit
+    def _norm3_kernel(X, Y, Z, Out, N: tl.constexpr):
+        at = tl.arange(0, N)
+        tl.store(Out + at, tc.norm3(tl.load(X + at), tl.load(Y + at), tl.load(Z + at)))
+
+    @triton.jit
     def _refs_kernel(A, E, W, Parts, Scales, Refs, R: tl.constexpr, L: tl.constexpr, AS_FP32: tl.constexpr):
         """store_parts of (E, W) (L,) fp32 into Parts (L, SPLIT_COLUMNS), then refs_by_dot of A (R, L) with them:
         Refs (2, R) fp32, Scales (2,). AS_FP32: A goes into the product as fp32 (bf16 under the interpreter, as the
@@ -130,6 +135,29 @@ def test_the_backward_bounds_hypot_scales_by_a_power_of_2_without_under_or_overf
     a, x, y, zz = (t.double() for t in (a, x, y, zz))
     exact = torch.sqrt((a * x) ** 2 + (a * y) ** 2 + zz**2)
     assert bool(((out.double() - exact).abs() <= 4 * 2.0**-23 * exact).all()), (out, exact)
+
+
+@settings(max_examples=40)
+@given(exponents=st.lists(st.integers(-45, 38), min_size=3, max_size=3), zeros=st.integers(0, 7),
+       seed=st.integers(0, 2**20))
+def test_the_forward_bounds_norm3_holds_at_every_magnitude(exponents, zeros, seed) -> None:
+    """triton_checks.norm3, the forward's standard deviation as a norm of norms, scaled by a power of 2 near the
+    largest term: within 4 ulp of fp64's from subnormals to 1e38, zeros anywhere; an INF term gives INF and a NaN
+    gives NaN."""
+    g = torch.Generator().manual_seed(seed)
+    n = 16
+    x, y, z = ((torch.rand(n, generator=g, dtype=torch.float64) + 0.5) * 10.0**e for e in exponents)
+    for i, t in enumerate((x, y, z)):
+        if zeros >> i & 1:
+            t[::2] = 0.0
+    x, y, z = x.float(), y.float(), z.float()
+    x[1], y[3], z[5] = math.inf, math.nan, math.inf
+    out = torch.empty(n)
+    _norm3_kernel[(1,)](x, y, z, out, N=n)
+    exact = torch.sqrt(x.double() ** 2 + y.double() ** 2 + z.double() ** 2)
+    assert out[1] == math.inf and math.isnan(out[3]) and out[5] == math.inf
+    keep = exact.isfinite()
+    assert bool(((out.double() - exact).abs()[keep] <= 4 * 2.0**-23 * exact[keep]).all()), (out, exact)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

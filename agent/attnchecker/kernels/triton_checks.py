@@ -72,14 +72,15 @@ if triton is not None:
 
     @_jit
     def norm3(x, y, z):
-        """√(x² + y² + z²) of three fp32 tensors >= 0 (one shape), scaled by their largest so that no square under- or
-        overflows fp32 (an INF stays INF, a NaN stays NaN)."""
+        """√(x² + y² + z²) of three fp32 tensors >= 0 (one shape), scaled by a power of 2 near their largest
+        (``pow2_scale``: multiplies, no division) so that no square under- or overflows fp32 (an INF stays INF, a NaN
+        stays NaN)."""
         m = tl.maximum(tl.maximum(x, y, propagate_nan=tl.PropagateNan.ALL), z, propagate_nan=tl.PropagateNan.ALL)
-        inv = 1.0 / tl.where((m > 0.0) & (m < float("inf")), m, 1.0)
+        inv, scale = pow2_scale(m)
         xs = x * inv
         ys = y * inv
         zs = z * inv
-        return _scaled(m, tl.sqrt(xs * xs + ys * ys + zs * zs))
+        return scale * tl.sqrt(xs * xs + ys * ys + zs * zs)
 
     @_jit
     def bound(a, b_sum, b_norm1, b_norm2, r1, r2, sq, ref1, ref2, mom1, mom2, terms, CALIBRATED: tl.constexpr):
