@@ -8,7 +8,8 @@ whole result is written), and a row that breaks records its traceback and lets t
     python bench/gpu_suite.py --sections profile,kernel   # some sections only (a second call on a warm machine)
 
 Sections, in order (each records its own wall time; one that would pass the budget is skipped and says so):
-1. tests: the `gpu`-marked tests (pytest -m gpu), their outcome and counts.
+1. tests: the `gpu`-marked tests that are not `slow` (pytest -m "gpu and not slow"), their outcome and counts; the
+   slow ones run a bench in a subprocess for minutes and are left to `pytest -m "gpu and slow"`.
 2. steps: training-step time (forward, backward, SGD step; CUDA-synchronised, interleaved shuffled rounds, median of
    per-round ratios) and peak memory (torch.cuda.max_memory_allocated over a step) of protection against the
    unprotected step, bf16, on a GPT-2-small-like (hidden 768, 12 heads) and a Llama-7B-like (hidden 4096, 32 heads,
@@ -537,8 +538,12 @@ def tests_section(budget_s: float) -> dict[str, Any]:
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "agent").glob("test_*.py")
                    if "pytest.mark.gpu" in p.read_text())
     # A per-test limit, so that one slow test cannot keep the run from its end, where pytest prints the failures.
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "--tb=short", "--durations=10", "-p", "no:cacheprovider",
-           f"--timeout={max(10, int(budget_s / 4))}", *files]
+    # The slow gpu tests run a bench end to end in a subprocess (a minute or more, with its kernels' compiles): under
+    # that limit they can only time out (test_gpu_overhead_bench_runs failed on the H100 at its 26 s limit, its
+    # traceback not captured; docs/performance.md §9), so they are left to `pytest -m "gpu and slow"`, and this
+    # section's time goes to the tests that can finish in it.
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu and not slow", "-v", "--tb=short", "--durations=10", "-p",
+           "no:cacheprovider", f"--timeout={max(10, int(budget_s / 4))}", *files]
     env = _checkout_env()
     t0 = time.monotonic()
     try:
