@@ -52,9 +52,12 @@ def machine() -> dict[str, Any]:
                     copy_gb_s=copy_bandwidth_gb_s(), gemm_gflop_s=gemm_gflop_s())
     except ImportError:
         pass
+    # A copy of the tree on a lent GPU machine carries git metadata that need not be this tree's (its field read
+    # 0a0ac5b for 5c97468 on the H100 run): the caller, who knows the commit, says it there.
+    given = os.environ.get("ATTNCHECKER_GIT_COMMIT")
     try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                            text=True, check=False).stdout.strip() or None
+        info["git_commit"] = given or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                                     capture_output=True, text=True, check=False).stdout.strip() or None
     except OSError:
         info["git_commit"] = None
     return info

@@ -7,6 +7,9 @@ whole result is written), and a row that breaks records its traceback and lets t
     python bench/gpu_suite.py --dry-run        # on a CPU: Triton's interpreter, tiny sizes, every section end to end
     python bench/gpu_suite.py --sections profile,kernel   # some sections only (a second call on a warm machine)
 
+On a copy of the tree whose git metadata is not the tree's (a lent machine), name the commit:
+ATTNCHECKER_GIT_COMMIT=<hash> python bench/gpu_suite.py ...; the JSON's machine.git_commit then reads it.
+
 Sections, in order (each records its own wall time; one that would pass the budget is skipped and says so):
 1. tests: the `gpu`-marked tests that are not `slow` (pytest -m "gpu and not slow"), their outcome and counts; the
    slow ones run a bench in a subprocess for minutes and are left to `pytest -m "gpu and slow"`.
