@@ -315,7 +315,9 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
     163 KB and this GPU's shared memory per block), each timed here against the others: what the smaller tiles of a
     99 KB GPU cost, and whether they would pay on this one (at head dim 128 the 64 × 32 forward tiles spill 2.6 KB
     where 64 × 64 spill 8.9 KB, compiled for sm_89 and sm_90). bf16, causal; the forward's and the backward's
-    bench_checks at each choice."""
+    bench_checks at each choice, and each again at the other warp count (forward on 4 warps, backward on 8 where
+    ``warps_for`` took 4 and 4 where it took 8): whether fewer warps, which hold a small tile fewer times over, pay
+    on the GPU as they do in the compiler's counts."""
     import torch
 
     from attnchecker.kernels import triton_attention, triton_attention_bwd
@@ -332,12 +334,19 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
     rows: list[dict[str, Any]] = []
     for b, h, t, d_tiles, d in shapes:
         forward_choices: dict[tuple[int, ...], list[str]] = {}
-        backward_choices: dict[tuple[int, int], list[str]] = {}
+        backward_choices: dict[tuple[int, int, int], list[str]] = {}
         for name, limit in limits.items():
             blk = triton_attention.gpu_blocks(d_tiles, limit)
             forward_choices.setdefault((blk.m, blk.n, blk.warps, blk.stages), []).append(name)
+            # And on 4 warps: one warpgroup per 64-row tile does the tile's work with about a third fewer
+            # instructions summed over the warps (sm_90 offline, bf16 full checks), not timed yet.
+            if blk.warps != 4:
+                forward_choices.setdefault((blk.m, blk.n, 4, blk.stages), [])
             tile = triton_attention_bwd.gpu_tiles(d_tiles, limit)
-            backward_choices.setdefault((tile.block, tile.stages), []).append(name)
+            backward_choices.setdefault((tile.block, tile.stages, tile.warps), []).append(name)
+            # The other warp count at the same tiles, timed beside it (warps_for chose from the compiler's counts).
+            other = 8 if tile.warps != 8 else 4
+            backward_choices.setdefault((tile.block, tile.stages, other), [])
         for (m, n, warps, stages), names in forward_choices.items():
             if time.monotonic() > deadline:
                 rows.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
@@ -347,18 +356,20 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
                                                 reps=1 if args.dry_run else 10, blocks=blocks)
             rows.append({"kernel": "forward", "shape": [b, h, t, d], "tiles": [m, n], "warps": warps,
                          "stages": stages, "taken_by": names, **got})
-            print(f"tiles: forward B={b} H={h} T={t} D={d} {m}x{n} stages {stages} ({', '.join(names)}): "
+            print(f"tiles: forward B={b} H={h} T={t} D={d} {m}x{n} stages {stages} warps {warps} "
+                  f"({', '.join(names) or 'none: 4 warps beside the chosen'}): "
                   f"off {got['off_ms']:.3f} ms, full {got['full_ms']:.3f} ms")
-        for (block, stages), names in backward_choices.items():
+        for (block, stages, warps), names in backward_choices.items():
             if time.monotonic() > deadline:
                 rows.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
                 continue
             got = triton_attention_bwd.bench_checks(b=b, h=h, t=t, d=d, device=device, reps=1 if args.dry_run else 5,
-                                                    tile=triton_attention_bwd.Tiles(block, stages))
+                                                    tile=triton_attention_bwd.Tiles(block, stages, warps))
             rows.append({"kernel": "backward", "shape": [b, h, t, d], "tiles": [block, block], "stages": stages,
-                         "taken_by": names, **got})
-            print(f"tiles: backward B={b} H={h} T={t} D={d} {block}x{block} stages {stages} ({', '.join(names)}): "
-                  f"off {got['off_ms']:.3f} ms, abft {got['abft_ms']:.3f} ms")
+                         "warps": warps, "taken_by": names, **got})
+            print(f"tiles: backward B={b} H={h} T={t} D={d} {block}x{block} stages {stages} warps {warps} "
+                  f"({', '.join(names) or 'none: the other warp count'}): off {got['off_ms']:.3f} ms, "
+                  f"abft {got['abft_ms']:.3f} ms")
     return {"shared_per_block_here": here, "rows": rows}
 
 

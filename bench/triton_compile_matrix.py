@@ -83,9 +83,9 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
       ``dot_mode`` 2 (bf16 cast to fp32: the interpreter's tl.dot takes no bf16) is 0 on a GPU, and 3 (TF32 emulated
       by truncation) is 1 (the tensor cores' TF32); ``refs_by_dot`` holds on those tiles only from BY_DOT_MIN_ROWS
       rows, where the interpreter takes it on every tile;
-    - kernels/triton_attention_bwd: INTERPRET off; tiles and stages ``gpu_tiles(d, the arch's shared memory per
-      block)`` (32 x 32 on 3 stages where they fit: the interpreter's tiles); BY_DOT as ``by_dot`` picks it on a
-      GPU for the pass, dtype and head dim;
+    - kernels/triton_attention_bwd: INTERPRET off; tiles, stages and the passes' warps ``gpu_tiles(d, the arch's
+      shared memory per block)`` (32 x 32 on 3 stages where they fit: the interpreter's tiles); BY_DOT as
+      ``by_dot`` picks it on a GPU for the pass, dtype and head dim;
     - kernels/triton_gemm_kernels: the tiles of ``triton_gemm_check._blocks`` for a CUDA device, and ``_dot_flags``'s
       operand modes for CUDA tensors (fp32 products only where the operands' dtypes differ).
     Any other kernel is launched alike on both."""
@@ -106,21 +106,22 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
         if launch["kernel"] == "_attention":
             options["num_stages"] = blk.stages
     elif module == "triton_attention_bwd":
+        import torch
+
         from attnchecker.kernels import triton_attention_bwd as tab
 
-        tile = tab.gpu_tiles(consts.get("BLOCK_D", 64), SHARED_MEMORY_PER_BLOCK.get(arch))
+        operand = {"*bf16": torch.bfloat16, "*fp16": torch.float16}.get(launch["signature"].get("Q"), torch.float32)
+        tile = tab.gpu_tiles(consts.get("BLOCK_D", 64), SHARED_MEMORY_PER_BLOCK.get(arch), operand)
         consts.update({k: tile.block for k in ("BLOCK_M", "BLOCK_N") if k in consts})
         if "INTERPRET" in consts:
             consts["INTERPRET"] = False
         if launch["kernel"] in ("_query_pass", "_key_pass"):
             options["num_stages"] = tile.stages
+            options["num_warps"] = tile.warps
         if "BY_DOT" in consts:
             # The interpreter takes every tensor-core form (bits 1 and 3); a GPU those ``by_dot`` picks for the
             # pass at this head dim.
-            import torch
-
-            half = {"*bf16": torch.bfloat16, "*fp16": torch.float16}.get(launch["signature"].get("Q"), torch.float32)
-            picked = tab.by_dot(half, consts.get("BLOCK_D", 64))
+            picked = tab.by_dot(operand, consts.get("BLOCK_D", 64))
             consts["BY_DOT"] = picked[launch["kernel"] != "_query_pass"] if consts["BY_DOT"] else 0
     elif module == "triton_gemm_kernels":
         import torch

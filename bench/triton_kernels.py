@@ -3,15 +3,17 @@
 run should look at before it times anything: a kernel that spills to local memory is slow whatever its checks cost.
 
 Variants: the query pass and the key pass, bf16, causal, head dim 64 and 128, check off / tripwire / abft, at the
-tile size and warps kernels/triton_attention_bwd.py launches with (BLOCK, NUM_WARPS), and at 64×64 tiles with 8 and
-4 warps for comparison; and tier 1 over SDPA's gradients: the pass that reads them and the two repair launches.
+tile size and warps kernels/triton_attention_bwd.py launches with (BLOCK, ``warps_for``), at BLOCK with 8 warps, and
+(without --mix) at 64×64 tiles with 8 and 4 warps for comparison; and tier 1 over SDPA's gradients: the pass that
+reads them and the two repair launches.
 Needs triton, not a GPU; TRITON_INTERPRET must be unset.
 
     python bench/triton_kernels.py [--out docs/perf/triton_backward_kernels.json]
     python bench/triton_kernels.py --mix [--out docs/perf/triton_backward_kernels_mix.json]
 
---mix: only the launched tile size and warps, and each pass's loop (over the other side's tiles) counted by
-instruction class, as bench/triton_resources.py --mix counts the forward's.
+--mix: BLOCK only, and each pass's loop (over the other side's tiles) counted by instruction class, as
+bench/triton_resources.py --mix counts the forward's; ``per_tile`` is the loop times the program's warps, the
+instructions one tile costs the whole program (a tile smaller than the warps' layout is held several times over).
 """
 from __future__ import annotations
 
@@ -107,31 +109,36 @@ def main() -> None:
     if kernels.interpreting():
         raise SystemExit("TRITON_INTERPRET was set when the kernels were built: unset it")
     rows = []
-    configs = [(kernels.BLOCK, kernels.NUM_WARPS)] + ([] if args.mix else [(64, 8), (64, 4)])
     for fn in (kernels._query_pass, kernels._key_pass):
         for d in (64, 128):
+            launched = kernels.gpu_tiles(d).warps
+            configs = [(kernels.BLOCK, launched)] + [(kernels.BLOCK, w) for w in (8, 4) if w != launched]
+            configs += [] if args.mix else [(64, 8), (64, 4)]
             for block, warps in configs:
                 for check, name in enumerate(kernels.CHECKS):
                     got = compile_one(fn, d=d, check=check, block=block, warps=warps, mix=args.mix,
                                       by_dot=None if args.by_dot == "auto" else 0)
                     rows.append({"kernel": fn.__name__.strip("_"), "head_dim": d, "block": block, "warps": warps,
-                                 "check": name, **got})
+                                 "launched": (block, warps) == (kernels.BLOCK, launched), "check": name, **got})
+                    if args.mix:
+                        rows[-1]["per_tile"] = warps * got["loop_instructions"]
                     print(rows[-1], flush=True)
     # Tier 1 over SDPA's gradients (run(given=...)): the pass that reads them, and the repair it gates.
     for d in (64, 128):
         for fn, check, repair in ((kernels._trip_given, 1, False), (kernels._query_pass, 1, True),
                                   (kernels._key_pass, 1, True)):
-            got = compile_one(fn, d=d, check=check, block=kernels.BLOCK, warps=kernels.NUM_WARPS, mix=args.mix,
-                              repair=repair)
+            # _trip_given launches on TRIP_WARPS; the repairs on the passes' warps (gpu_tiles).
+            warps = kernels.TRIP_WARPS if fn is kernels._trip_given else kernels.gpu_tiles(d).warps
+            got = compile_one(fn, d=d, check=check, block=kernels.BLOCK, warps=warps, mix=args.mix, repair=repair)
             name = fn.__name__.strip("_") + (" (repair, given)" if repair else "")
-            rows.append({"kernel": name, "head_dim": d, "block": kernels.BLOCK, "warps": kernels.NUM_WARPS,
+            rows.append({"kernel": name, "head_dim": d, "block": kernels.BLOCK, "warps": warps, "launched": True,
                          "check": "tripwire", **got})
             print(rows[-1], flush=True)
-    extra = ["loop_instructions"] if args.mix else []
+    extra = ["loop_instructions", "per_tile"] if args.mix else []
     print(_common.table([[r["kernel"], r["head_dim"], r["block"], r["warps"], r["check"], r["registers"],
-                          r["spill_store_bytes"], r["shared_bytes"], *(r[k] for k in extra)] for r in rows],
+                          r["spill_store_bytes"], r["shared_bytes"], *(r.get(k, "") for k in extra)] for r in rows],
                         ["kernel", "D", "block", "warps", "check", "registers", "spill B", "shared B",
-                         *(["loop instructions"] if args.mix else [])]))
+                         *(["loop instructions (per warp)", "per tile (× warps)"] if args.mix else [])]))
     path = _common.write_result("triton_backward_kernels", {"target": "sm_90", "dtype": "bf16", "causal": True,
                                                             "triton": triton.__version__, "rows": rows}, args.out)
     print(f"wrote {path}")

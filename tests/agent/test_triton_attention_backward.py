@@ -301,16 +301,20 @@ def test_at_the_small_gpus_16_wide_tiles_a_finite_fault_in_each_product_is_flagg
 def test_the_gpu_tiles_fit_each_gpus_shared_memory() -> None:
     """32 × 32 on Triton's 3 stages up to head dim 64 everywhere and wherever they fit; 2 stages at head dim 128 on a
     99 KB GPU (3 needed 107 KB there) and at 256 on an A100; 16 × 16 at 256 on a 99 KB GPU. Each choice within the
-    limit by the compiled need (SHARED_NEEDED); an unknown limit keeps the tiles of the interpreter and the H200."""
+    limit by the compiled need (SHARED_NEEDED); an unknown limit keeps the tiles of the interpreter and the H200.
+    4 warps a program, but 8 on 32 × 32 tiles at 256 and for fp32 inputs (kernels.warps_for: with 4 they spill
+    kilobytes there)."""
     limits = {"sm_89": 101376, "sm_80": 166912, "sm_90": 232448}
-    want = {(64, "sm_89"): (32, 3), (64, "sm_80"): (32, 3), (64, "sm_90"): (32, 3),
-            (128, "sm_89"): (32, 2), (128, "sm_80"): (32, 3), (128, "sm_90"): (32, 3),
-            (256, "sm_89"): (16, 2), (256, "sm_80"): (32, 2), (256, "sm_90"): (32, 3)}
-    for (d, arch), (block, stages) in want.items():
+    want = {(64, "sm_89"): (32, 3, 4), (64, "sm_80"): (32, 3, 4), (64, "sm_90"): (32, 3, 4),
+            (128, "sm_89"): (32, 2, 4), (128, "sm_80"): (32, 3, 4), (128, "sm_90"): (32, 3, 4),
+            (256, "sm_89"): (16, 2, 4), (256, "sm_80"): (32, 2, 8), (256, "sm_90"): (32, 3, 8)}
+    for (d, arch), (block, stages, warps) in want.items():
         got = kernels.gpu_tiles(d, limits[arch])
-        assert (got.block, got.stages) == (block, stages), (d, arch, got)
+        assert (got.block, got.stages, got.warps) == (block, stages, warps), (d, arch, got)
         assert kernels.SHARED_NEEDED[(d, block, stages)] <= limits[arch]
     assert kernels.gpu_tiles(96, limits["sm_89"]) == kernels.gpu_tiles(128, limits["sm_89"])
+    # fp32 inputs keep 8 warps everywhere: with 4 their checked passes spill kilobytes.
+    assert all(kernels.gpu_tiles(d, limits[arch], torch.float32).warps == 8 for d, arch in want)
     assert kernels.gpu_tiles(256) == kernels.Tiles(kernels.BLOCK, 3)
     assert kernels.tiles(256, torch.device("cpu")) == kernels.Tiles(kernels.BLOCK, 3)
 

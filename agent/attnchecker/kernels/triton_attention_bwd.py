@@ -55,7 +55,7 @@ if triton is not None:
     import triton.language as tl
 
 __all__ = ["CHECKS", "FIELDS", "OPS", "KernelFault", "Launch", "Rules", "Tiles", "available", "bench_checks",
-           "gpu_tiles", "interpreting", "not_supported_reasons", "run", "tiles"]
+           "by_dot", "gpu_tiles", "interpreting", "not_supported_reasons", "run", "tiles", "warps_for"]
 
 OPS: tuple[str, ...] = ("scores_bwd", "grad_probs", "grad_v", "grad_k", "grad_q")
 """The checked products, in the order of an Outcome's per-op fields and of a status word's bits."""
@@ -66,13 +66,17 @@ CHECKS: tuple[str, ...] = ("off", "tripwire", "abft")
 FAULT_KINDS: tuple[str, ...] = ("value", "add", "bitflip")
 _SIDES = ("keys", "queries")
 BLOCK = 32
-"""Rows and keys per tile, under the interpreter and on a GPU where it fits (``gpu_tiles``). NUM_WARPS = 8 warps per
-program on a GPU. Chosen from the compiler, not from timing (no GPU has run these kernels): ptxas for sm_90
-(bench/triton_kernels.py, docs/perf/triton_backward_kernels.json; bf16, causal) has the checked kernels spilling
-36-344 bytes per thread at 32×32 tiles and 8 warps, D = 64 and 128, against 1.3-4.7 KB at 64×64 (8 warps) and up to
-17.7 KB at 64×64 (4 warps); the unchecked ones 0-32 bytes at 32 and 0-72 at 64. bench/gpu_suite.py's backward_kernel
-section is what should settle it."""
+"""Rows and keys per tile, under the interpreter and on a GPU where it fits (``gpu_tiles``). Chosen from the compiler,
+not from timing: ptxas for sm_90 (bench/triton_kernels.py, docs/perf/triton_backward_kernels.json; bf16, causal) had
+the checked kernels spilling 36-344 bytes per thread at 32×32 tiles and 8 warps, D = 64 and 128, against 1.3-4.7 KB
+at 64×64 (8 warps) and up to 17.7 KB at 64×64 (4 warps); the unchecked ones 0-32 bytes at 32 and 0-72 at 64."""
 NUM_WARPS = 8
+"""Warps per program where fewer would spill kilobytes: 32×32 tiles at head dim 256 (``warps_for``)."""
+FEW_WARPS = 4
+"""Warps per program on 32×32 tiles up to head dim 128 and on 16×16 tiles (``warps_for``)."""
+TRIP_WARPS = 8
+"""Warps of ``_trip_given``, one read of a block's gradients: on Triton's default 4 it needs 255 registers and spills
+56 bytes at head dim 128, on 8 it takes 159 and none (sm_90, bench/triton_kernels.py)."""
 MAX_HEAD_DIM = 256
 
 
@@ -87,6 +91,24 @@ class Tiles:
     """Rows and keys per tile (the rules' tile vectors are this long)."""
     stages: int
     """Software-pipeline stages of the passes' loops (Triton's num_stages; its default is 3)."""
+    warps: int = NUM_WARPS
+    """Warps per program (Triton's num_warps; ``warps_for``)."""
+
+
+def warps_for(block: int, block_d: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Warps per program for block × block tiles at padded head dim block_d and inputs of dtype: FEW_WARPS, except
+    NUM_WARPS for fp32 inputs and on 32×32 tiles at 256. A 32×32 tile is smaller than 8 warps' tensor-core layout,
+    so 8 warps hold and check much of it several times over: the work of one tile, summed over the program's warps,
+    is 54 to 58 % of it with 4 (bf16, full checks, sm_90 offline: key pass 12,304 → 6,932 instructions per tile at
+    D = 64, 17,096 → 9,968 at 128; query pass 12,312 → 6,916 and 15,488 → 8,312; unchecked 2,976 → 2,196 and
+    3,088 → 2,348 at 64), with the same 8 warps resident per SM (two programs of 4 at up to 255 registers). At 32×32
+    and D = 256, 4 warps spill 1.1 to 2.7 KB, and with fp32 inputs (fp32 products, TF32 or not, and the references'
+    fp32 sums) 0.8 to 11 KB where 8 spill 0.1 to 5.3 KB (the checked configurations the backward's tests launch,
+    compiled for sm_89: docs/perf/triton_compile_matrix_sm89_bwd_abft_warps.json). Not timed on a GPU:
+    bench/gpu_suite.py's tiles section times both counts."""
+    if dtype == torch.float32 or (block == BLOCK and block_d > 128):
+        return NUM_WARPS
+    return FEW_WARPS
 
 
 SHARED_NEEDED: dict[tuple[int, int, int], int] = {
@@ -104,34 +126,35 @@ def by_dot(dtype: torch.dtype, block_d: int) -> tuple[int, int]:
     Bit 1: the S and dP checks' references, from the block the program keeps (``triton_checks.parts_of``); bit 2 (key
     pass): dV's and dK's, from _delta's parts of each query block. bf16 and fp16 only (their products with the parts
     are exact in fp32). Chosen from ptxas for sm_90 (bench/triton_kernels.py --mix, bf16, the launched 32 × 32 tiles
-    on 8 warps), not from timing: where a form shortened the tile loop without much more spill. Under the interpreter
-    every form runs (bits 1 and 3), so that the tests run each."""
+    on 4 warps), not from timing: where a form shortened the tile loop without much more spill (the key pass's dV and
+    dK form at D = 128: 2,305 instructions against 2,492, but 220 spill loads and stores per tile against 135). Under
+    the interpreter every form runs (bits 1 and 3), so that the tests run each."""
     if dtype not in (torch.bfloat16, torch.float16):
         return 0, 0
     if interpreting():
         return 1, 3
-    return (0, 3) if block_d <= 64 else (1, 1)
+    return (1, 3) if block_d <= 64 else (1, 1)
 
 
-def tiles(d: int, device: torch.device | None = None) -> Tiles:
-    """The tiles ``run`` takes for head dim d on ``device``: BLOCK on Triton's 3 stages under the interpreter (and
-    where the device's limit is unknown), else ``gpu_tiles`` for its shared memory per block."""
-    return gpu_tiles(d, None if device is None else shared_per_block(device))
+def tiles(d: int, device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16) -> Tiles:
+    """The tiles ``run`` takes for head dim d and inputs of dtype on ``device``: BLOCK on Triton's 3 stages under the
+    interpreter (and where the device's limit is unknown), else ``gpu_tiles`` for its shared memory per block."""
+    return gpu_tiles(d, None if device is None else shared_per_block(device), dtype)
 
 
-def gpu_tiles(d: int, shared_per_block: int | None = None) -> Tiles:
+def gpu_tiles(d: int, shared_per_block: int | None = None, dtype: torch.dtype = torch.bfloat16) -> Tiles:
     """The first of 32 × 32 on 3 stages, on 2, and 16 × 16 on 2 whose shared memory (SHARED_NEEDED) fits
     ``shared_per_block``. What it gives: BLOCK on 3 stages up to D = 64 everywhere, and past it on H100 and H200
     (227 KB); 2 stages at D = 128 on sm_86 and sm_89 (99 KB: 3 stages needed 104 KB) and at D = 256 on A100
-    (163 KB); 16 × 16 at D = 256 on a 99 KB GPU."""
+    (163 KB); 16 × 16 at D = 256 on a 99 KB GPU; each with ``warps_for``'s warps."""
     block_d = max(16, triton.next_power_of_2(d)) if triton is not None else d
     if shared_per_block is None or block_d <= 64:
-        return Tiles(BLOCK, 3)
+        return Tiles(BLOCK, 3, warps_for(BLOCK, block_d, dtype))
     for block, stages in ((BLOCK, 3), (BLOCK, 2), (16, 2)):
         need = SHARED_NEEDED.get((block_d, block, stages))
         if need is not None and need <= shared_per_block:
-            return Tiles(block, stages)
-    return Tiles(16, 2)
+            return Tiles(block, stages, warps_for(block, block_d, dtype))
+    return Tiles(16, 2, warps_for(16, block_d, dtype))
 
 
 def not_supported_reasons(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
@@ -292,7 +315,7 @@ def run(
         raise ValueError(f"q has {h} heads and k/v {hk}: the KV heads must divide the query heads")
     device = q_BHTD.device
     interp = interpreting()
-    tile = tile or tiles(d, device)
+    tile = tile or tiles(d, device, q_BHTD.dtype)
     blk = tile.block
     block_d = max(16, triton.next_power_of_2(d))
     n_kb, n_qb = triton.cdiv(s, blk), triton.cdiv(t, blk)
@@ -352,7 +375,8 @@ def run(
             _trip_given[(p_keys + p_queries,)](
                 *inputs[:6], dq, dk, dv, status, summary, *_strides(q_BHTD), *_strides(k_BHSD), *_strides(v_BHSD),
                 *_strides(dout_BHTD), *_strides(lse_BHT), h, hk, t, s, d, window or 0, n_kb, n_qb, p_keys,
-                BLOCK_M=blk, BLOCK_N=blk, BLOCK_D=block_d, CAUSAL=is_causal, WINDOW=window is not None)
+                BLOCK_M=blk, BLOCK_N=blk, BLOCK_D=block_d, CAUSAL=is_causal, WINDOW=window is not None,
+                num_warps=TRIP_WARPS)
             continue
         # The repair: the same launches, whose programs read their first run's status and return when it is 0.
         if attempt:
@@ -362,11 +386,11 @@ def run(
                                    *sizes, p_keys,
                                    r.tile, r.queries,
                                    r.softmax, FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None,
-                                   num_warps=NUM_WARPS, num_stages=tile.stages, BY_DOT=dot_q, **common)
+                                   num_warps=tile.warps, num_stages=tile.stages, BY_DOT=dot_q, **common)
         _key_pass[(n_kb, b * hk)](*inputs, dk, dv, written, summary, table, seed if on_device else dq, q_rows, q_tile,
                                   q_parts, *sizes, 0,
                                   r.tile, r.keys,
-                                  FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None, num_warps=NUM_WARPS,
+                                  FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None, num_warps=tile.warps,
                                   num_stages=tile.stages, BY_DOT=dot_k, **common)
     if not mode:
         return dq, dk, dv, None
@@ -1221,7 +1245,7 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
         if causal:
             z = z.masked_fill(torch.ones(z.shape[-2:], dtype=torch.bool, device=device).triu(r0 + 1), -math.inf)
         lse[..., r0:r0 + 512] = torch.logsumexp(z, -1)
-    tile = tile or tiles(d, q.device)
+    tile = tile or tiles(d, q.device, dtype)
     tol, blk = Tolerance(), tile.block
     rules = Rules(product_rule(blk, d, tol).scalars(), product_rule(d, t, tol).scalars(),
                   product_rule(d, t, tol).scalars(), softmax_grad_rule(t=t, s=t, d=d, dtype=dtype, tol=tol).scalars())

@@ -147,7 +147,7 @@ def backward(
     faults = take_faults() if faults is None else faults
     tf32 = q_BHTD.dtype == torch.float32 and current_fp32_precision(q_BHTD.device.type) == "tf32"
     rules = None
-    tile = kernels.tiles(q_BHTD.shape[-1], q_BHTD.device)
+    tile = kernels.tiles(q_BHTD.shape[-1], q_BHTD.device, q_BHTD.dtype)
     if check == "abft":
         assert ctx is not None
         _, h, t, d = q_BHTD.shape
