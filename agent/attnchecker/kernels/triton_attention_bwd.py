@@ -71,9 +71,9 @@ not from timing: ptxas for sm_90 (bench/triton_kernels.py, docs/perf/triton_back
 the checked kernels spilling 36-344 bytes per thread at 32×32 tiles and 8 warps, D = 64 and 128, against 1.3-4.7 KB
 at 64×64 (8 warps) and up to 17.7 KB at 64×64 (4 warps); the unchecked ones 0-32 bytes at 32 and 0-72 at 64."""
 NUM_WARPS = 8
-"""Warps per program where fewer would spill kilobytes: 32×32 tiles at head dim 256 (``warps_for``)."""
+"""Warps per program where fewer would spill kilobytes: 32×32 tiles at head dim 256, and fp32 inputs (``warps_for``)."""
 FEW_WARPS = 4
-"""Warps per program on 32×32 tiles up to head dim 128 and on 16×16 tiles (``warps_for``)."""
+"""Warps per program, bf16 and fp16, on 32×32 tiles up to head dim 128 and on 16×16 tiles (``warps_for``)."""
 TRIP_WARPS = 8
 """Warps of ``_trip_given``, one read of a block's gradients: on Triton's default 4 it needs 255 registers and spills
 56 bytes at head dim 128, on 8 it takes 159 and none (sm_90, bench/triton_kernels.py)."""
