@@ -833,13 +833,13 @@ if triton is not None:
             if FAULTS_ON:
                 dp = _emulate(dp, FAULTS, n_faults, 1, 1, n, rows, keys, REPAIR, None)
             if CHECK == 2:
-                kf, vf = k.to(tl.float32), v.to(tl.float32)
                 k_norm = tl.load(k_terms + keys, mask=key_in, other=0.0)
                 v_norm = tl.load(k_terms + 3 * S + keys, mask=key_in, other=0.0)
                 if BY_DOT % 2 == 1:
                     s_ref1, s_ref2 = tc.fold_parts(_dot(k, q_parts, "ieee", INTERPRET), q_se, q_sw)
                     p_ref1, p_ref2 = tc.fold_parts(_dot(v, do_parts, "ieee", INTERPRET), do_se, do_sw)
                 else:
+                    kf, vf = k.to(tl.float32), v.to(tl.float32)
                     s_ref1, s_ref2 = tl.sum(kf * qbar1[None, :], 1), tl.sum(kf * qbar2[None, :], 1)
                     p_ref1, p_ref2 = tl.sum(vf * dobar1[None, :], 1), tl.sum(vf * dobar2[None, :], 1)
                 d1, b1, ratio = _tile_check(s, k_norm, s_ref1, s_ref2, w_m, bt_q, R_TILE, 0)
@@ -1028,7 +1028,6 @@ if triton is not None:
                 if FAULTS_ON:
                     dp = _emulate(dp, FAULTS, n_faults, 1, 0, n, rows, keys, REPAIR, None)
                 if CHECK == 2:
-                    qf, dof = q.to(tl.float32), do.to(tl.float32)
                     q_terms = QROWS + n * 6 * T + rows
                     q_norm = tl.load(q_terms, mask=row_in, other=0.0)
                     do_norm = tl.load(q_terms + 3 * T, mask=row_in, other=0.0)
@@ -1036,6 +1035,7 @@ if triton is not None:
                         s_ref1, s_ref2 = tc.fold_parts(_dot(q, k_parts, "ieee", INTERPRET), k_se, k_sw)
                         p_ref1, p_ref2 = tc.fold_parts(_dot(do, v_parts, "ieee", INTERPRET), v_se, v_sw)
                     else:
+                        qf, dof = q.to(tl.float32), do.to(tl.float32)
                         s_ref1, s_ref2 = tl.sum(qf * kbar1[None, :], 1), tl.sum(qf * kbar2[None, :], 1)
                         p_ref1, p_ref2 = tl.sum(dof * vbar1[None, :], 1), tl.sum(dof * vbar2[None, :], 1)
                     d1, b1, ratio = _tile_check(s, q_norm, s_ref1, s_ref2, w_n, bt_k, R_TILE, 1)
