@@ -16,7 +16,9 @@ from attnchecker.abft import CALIBRATED_SIGMAS, Bound, Tolerance, bounds, direct
 from attnchecker.attention.pipeline import check_linear, protected_sdpa
 from attnchecker.checks.deferred import drain
 from attnchecker.emulate import emulate_fp32_matmul, round_mantissa
+from attnchecker.gemm import device as gemm_device
 from attnchecker.inject import Fault
+from attnchecker.kernels import triton_gemm_check as tg
 from attnchecker.matmul_precision import (
     current_fp32_precision,
     fp32_matmul_operand_roundoff,
@@ -282,9 +284,17 @@ def test_truncating_tf32_rows_of_one_sign_are_not_flagged() -> None:
 
 
 
+@pytest.mark.parametrize("gemm", ["cpu", "triton"])
 @pytest.mark.parametrize("truncate", [False, True], ids=["round", "truncate"])
-def test_tf32_emulated_clean_layers_never_flag_over_ten_thousand_checks(make_ctx, truncate) -> None:
-    """Projections (one check per batch element) and scores/context (one per (batch, head)) under emulated TF32."""
+def test_tf32_emulated_clean_layers_never_flag_over_ten_thousand_checks(make_ctx, truncate, gemm, monkeypatch) -> None:
+    """Projections (one check per batch element) and scores/context (one per (batch, head)) under emulated TF32. The
+    projections on either GEMM check path: the CPU's, and the Triton path's (a GPU's, here under the interpreter), whose
+    row rule bounds TF32's operand rounding as its own and reports at the step boundary (drained below)."""
+    if gemm == "triton":
+        if not (tg.available() and tg.interpreted()):
+            pytest.skip("the Triton path on CPU tensors needs Triton's interpreter")
+        monkeypatch.setenv(gemm_device.GEMM_ENV, "triton")
+    tg.LAUNCHES.reset()
     ctx, rec = make_ctx()
     checks = 0
     with emulate_fp32_matmul("tf32", truncate=truncate), torch.no_grad():
@@ -299,8 +309,10 @@ def test_tf32_emulated_clean_layers_never_flag_over_ten_thousand_checks(make_ctx
             q, k, v = (z.view(b, t, heads, -1).transpose(1, 2) for z in qkv.split(d_model, -1))
             protected_sdpa(q, k, v, ctx=ctx, is_causal=i % 2 == 0)
             checks += 3 * b + 2 * b * heads
+    drain(ctx.runtime.deferred)
     assert checks >= 10_000
     assert rec.detections == []
+    assert (tg.LAUNCHES.by_kernel.get("check_pass", 0) == 3 * 6) == (gemm == "triton")
 
 
 @pytest.mark.parametrize("faults", [

@@ -222,7 +222,7 @@ def test_every_linear_gemm_of_a_step_is_corrected_on_the_triton_path(arch: str, 
 def test_a_projection_fault_on_a_quiet_step_is_recomputed_on_the_device(arch: str, projections: int,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Tier 1 of the attention's projections where the GEMM checks' Triton path runs: the tier-1 pass (which
-    recomputes a tripped row itself) on the device (gemm.projection._trip_on_device), not the host's sum and its sync
+    recomputes a tripped row itself) on the device (gemm.projection._on_device), not the host's sum and its sync
     per call, every step.
     An INF, NaN, 3e20 or exponent flip written below autograd into each projection's forward output (GPT-2's c_attn
     and c_proj; Llama's q, k, v and o) on a quiet step is recomputed, reported at the step boundary with the
@@ -242,7 +242,7 @@ def test_a_projection_fault_on_a_quiet_step_is_recomputed_on_the_device(arch: st
         return guarded_step(arch, model, opt, guard, injector)
 
     try:
-        step(GemmInjector())  # step 0 checks every op in full (the host's path for full checks)
+        step(GemmInjector())  # step 0 checks every op in full
         monkeypatch.setattr(projection, "tripped", host_tier1)
         assert not guard.check_config.checks("q") and guard.check_config.trips("q")
         recorder = GemmInjector()
@@ -262,16 +262,50 @@ def test_a_projection_fault_on_a_quiet_step_is_recomputed_on_the_device(arch: st
         guard.close()
 
 
+@pytest.mark.parametrize(("arch", "projections"), [("gpt2", 2), ("llama", 4), ("bert", 4)])
+def test_a_projection_fault_on_a_checked_step_is_corrected_on_the_device(arch: str, projections: int,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention's projections' full check where the GEMM checks' Triton path runs: each slice's check pass and
+    repair kernel on the device (gemm.projection._on_device), as every other Linear's there, not the host's
+    checksum ops and their sync per call. An INF, NaN, 3e20 or exponent flip written below autograd into each
+    projection's forward output (GPT-2's fused c_attn, one of its q/k/v slices, and c_proj; Llama's and BERT's q, k, v
+    and output projections, BERT's with a bias) on a step of Policy.full() is corrected or its row recomputed,
+    reported at the step boundary with the projection's op and tier "abft", and the gradients are the fault-free
+    step's. The host's projection check is never asked."""
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+    recorder = GemmInjector()
+    clean, finite, detections = one_step(arch, recorder, scope="attention")
+    assert finite and not detections
+
+    def host_check(*_args: object, **_kwargs: object) -> object:
+        raise AssertionError("a projection's full check ran on the host")
+
+    monkeypatch.setattr(projection._ProjectionInput, "checks", host_check)
+    monkeypatch.setattr(projection, "tripped", host_check)
+    forward = [c for c in recorder.calls if c.phase == "forward" and c.op != "bmm" and is_model_gemm(c)]
+    failures = []
+    for n, call in enumerate(forward[:projections]):
+        kind = KINDS[n % len(KINDS)]
+        injector = GemmInjector(target=call.index, kind=kind, element=6 + 7 * n)
+        grads, finite, detections = one_step(arch, injector, scope="attention")
+        assert injector.hit == call
+        outcome = [(d.op, d.tier, d.action) for d in detections]
+        if not (finite and worst_rel(grads, clean) <= 1e-5 and outcome
+                and all(op in PROJECTION_OPS and t == "abft" and a in ("corrected", "recomputed")
+                        for op, t, a in outcome)):
+            failures.append((call, kind, worst_rel(grads, clean), outcome))
+    assert not failures
+
+
 @pytest.mark.parametrize("scope", ["all", "attention"])
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "bert"])
-def test_a_quiet_step_on_the_device_path_adds_no_host_sync(arch: str, scope: str,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_on_the_device_path_adds_no_host_sync(arch: str, scope: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU route end to end (CPU tensors under the interpreter): the Triton attention forward, the GEMM checks'
-    Triton path, the attention backward off the CPU kernel. A step whose full checks are not due, in either scope,
-    forward and backward, makes the host wait for the device no more often than the unprotected step does
-    (BERT's mask building waits once, in transformers, either way): tier 1 of every projection, Linear GEMM and
-    attention output stays on the device until the step boundary. A checked step still waits once per projection
-    call (its full check's rule runs on the host)."""
+    Triton path, the attention backward off the CPU kernel. A step, forward and backward, in either scope, makes the
+    host wait for the device no more often than the unprotected step does (BERT's mask building waits once, in
+    transformers, either way): on the first step every op's full check, the projections' included, on the steps
+    after it tier 1 of every projection, Linear GEMM and attention output; their outcomes stay on the device until
+    the step boundary."""
     monkeypatch.setenv(device.GEMM_ENV, "triton")
     monkeypatch.setenv(BACKEND_ENV, "triton")
     monkeypatch.setattr(fused, "cpu_kernel", False)
@@ -290,11 +324,12 @@ def test_a_quiet_step_on_the_device_path_adds_no_host_sync(arch: str, scope: str
     pinned = dict.fromkeys(("q", "k", "v", "scores", "context", "out"), 1000)
     guard = attnchecker.protect(model, optimizer=opt, scope=scope, policy=Policy(op_periods=pinned, adaptive=False))
     try:
+        tg.LAUNCHES.reset()
         checked = syncs_of_a_step(model, opt)
-        assert len(checked) > len(unprotected)
+        assert guard.report().checks.get("q", 0) > 0 and tg.LAUNCHES.by_kernel.get("check_pass", 0) > 0
         quiet = [syncs_of_a_step(model, opt) for _ in range(2)]
         assert not guard.check_config.checks("q") and guard.check_config.trips("q")
-        assert quiet == [unprotected, unprotected], (quiet, unprotected)
+        assert [checked, *quiet] == [unprotected] * 3, (checked, quiet, unprotected)
         assert guard.report().tier_checks["tripwire"] > 0 and not guard.detections
         assert all("triton" in line for line in guard.coverage.backend_lines())
     finally:

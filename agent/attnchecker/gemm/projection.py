@@ -332,7 +332,8 @@ def check_linear(
     """Inject planned faults into y = x Wᵀ + b (``out_in``, nn.Linear) or x W + b (``in_out``, HF Conv1D), then verify
     and repair it in place. x: (..., T, I), y: (..., T, O). ``splits`` names column slices of a fused projection
     (GPT-2 c_attn), each its own op. Returns y. Syncs with the device once (clean input), more only when a fault is
-    found; not at all on a tier-1 call where the GEMM checks' Triton path runs (``_trip_on_device``). In
+    found; not at all where the GEMM checks' Triton path runs (CUDA), which takes the full checks and tier 1
+    (``_on_device``) and reports at the step boundary. In
     paper-faithful mode (config.source_repair False) q/k/v are not verified here: their input-derived checksums go to
     ``ctx.passed`` for protected_sdpa.
     """
@@ -358,6 +359,8 @@ def check_linear(
                         str]] = []
     # Tier 1: (name, y_s, w_s, b_s) of the slices only the tripwire looks at on this step.
     wired: list[_Wired] = []
+    # The slices due a full check on this step, in the same form.
+    due: list[_Wired] = []
 
     def full_checks(y_s: torch.Tensor, w_s: torch.Tensor, b_s: torch.Tensor | None,
                     directions: tuple[str, ...] = ("row", "col")) -> Checks:
@@ -377,10 +380,9 @@ def check_linear(
         paper_pass = name in ("q", "k", "v") and not cfg.source_repair
         if cfg.mode == "off" or not (cfg.checks(name) or paper_pass):
             continue
-        t0 = time.perf_counter()
-        with _exact_math(y):
-            shared = shared or _ProjectionInput.of(x_NTI.detach())
-            if paper_pass:
+        if paper_pass:
+            with _exact_math(y):
+                shared = shared or _ProjectionInput.of(x_NTI.detach())
                 # Paper mode keeps the operand-only bound: the output it would be measured on is unverified.
                 w_norm_O, bias_abs = shared.weight_norms(w_s, b_s)
                 token_rule = direction_bounds(("col",), shared.x_norm_NT, w_norm_O, k=w_s.shape[1],
@@ -392,15 +394,20 @@ def check_linear(
                                                       x_NTI=x_NTI.detach(), weight_OI=w_s, bias_O=b_s,
                                                       x_norm_NT=shared.x_norm_NT, out_dtype=y.dtype, tol=tol))
                 continue
+        due.append((name, y_s, w_s, b_s))
+    if due:
+        due = _on_device(ctx, x_NTI, due, full=True)
+    for name, y_s, w_s, b_s in due:
+        t0 = time.perf_counter()
+        with _exact_math(y):
             checks = full_checks(y_s, w_s, b_s, fast_directions(tol, y.dtype))
             _observe(ctx, checks, name)
-
         recompute = functools.partial(_recompute_linear, ctx, name, x_NTI.detach(), w_s, b_s)
         exact = functools.partial(_exact_linear, x_NTI.detach(), w_s, b_s)
         both = functools.partial(full_checks, y_s, w_s, b_s)
         pending.append((name, y_s, checks, both, recompute, exact, time.perf_counter() - t0, "abft"))
     if wired:
-        wired = _trip_on_device(ctx, x_NTI, wired)
+        wired = _on_device(ctx, x_NTI, wired, full=False)
     flags = [_any_bad(item[2]) for item in pending]
     if not flags and not wired:
         return y
@@ -439,29 +446,48 @@ def check_linear(
     return y
 
 
-def _trip_on_device(ctx: LayerContext, x_NTI: torch.Tensor, wired: list[_Wired]) -> list[_Wired]:
-    """Tier 1 of these slices on the GEMM checks' Triton path (gemm/device.py), where it runs (CUDA): the tier-1 pass
-    marks the rows holding an extreme element and the repair kernel recomputes them, on the device; what tripped is
-    reported at the step boundary. No sync, where the host's tier 1 waits for the device once per call, every step.
-    Returns the slices left for the host's tier 1: all of them where that path does not take them or a slice is not a
-    (tokens, features) view of the output (the repair writes through it), none once done, and those it had not
-    passed over where one of its kernels failed."""
-    # Asked first: on the CPU path (every CPU call by default) nothing else here runs.
-    if not device.takes(x_NTI, *(t for _, y_s, w_s, b_s in wired for t in (y_s, w_s, b_s) if t is not None)):
-        return wired
+def _on_device(ctx: LayerContext, x_NTI: torch.Tensor, slices: list[_Wired], *, full: bool) -> list[_Wired]:
+    """These slices' full check (``full``) or tier 1 on the GEMM checks' Triton path (gemm/device.py), where it runs
+    (CUDA), as every other Linear's there. No sync, where the host's checks wait for the device once per call; what
+    flagged or tripped is reported at the step boundary.
+
+    Full: per slice one read of its weight rows and one of x for its row references and norms, its check pass, and its
+    repair kernel, which corrects a located element or recomputes a flagged row: a constant number of launches a
+    slice, where the host's check is a few hundred PyTorch ops a slice (each a launch on CUDA). By rows, ungrouped,
+    under verify_gemm's row rule, as the whole-step GEMMs there: the host's check adds grouped rows, the random-walk
+    model (fp32) and the columns (bf16/fp16), and catches more small finite errors (docs/fault-coverage.md has both
+    paths' rates; ATTNCHECKER_GEMM=torch keeps the host's check on a GPU). Tier 1: the tier-1 pass marks the rows
+    holding an extreme element and recomputes them.
+
+    Returns the slices left for the host: all of them where that path does not take them or a slice is not a (tokens,
+    features) view of the output (the repair writes through it), none once done, and those it had not passed over
+    where one of its kernels failed."""
+    gemms = _device_gemms(x_NTI, slices)
+    if gemms is None:
+        return slices
+    try:
+        (device.check_gemms if full else device.trip_gemms)(ctx, gemms)
+    except device.KernelFailed as exc:
+        return slices[exc.done:]
+    return []
+
+
+def _device_gemms(x_NTI: torch.Tensor, slices: list[_Wired]
+                  ) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] | None:
+    """The slices as gemm/device.py's products (op, y (M, S), x (M, I), W_sᵀ (I, S), b_s), or None where that path
+    does not take them (asked first: on the CPU path, every CPU call by default, nothing else here runs) or a slice is
+    not a (tokens, features) view of the output, which its repair must write through."""
+    if not device.takes(x_NTI, *(t for _, y_s, w_s, b_s in slices for t in (y_s, w_s, b_s) if t is not None)):
+        return None
     x_MI = x_NTI.detach().reshape(-1, x_NTI.shape[-1])
     gemms = []
-    for name, y_s, w_s, b_s in wired:
+    for name, y_s, w_s, b_s in slices:
         try:
             y_MS = y_s.view(-1, y_s.shape[-1])
         except RuntimeError:
-            return wired
+            return None
         gemms.append((name, y_MS, x_MI, w_s.T, b_s))
-    try:
-        device.trip_gemms(ctx, gemms)
-    except device.KernelFailed as exc:
-        return wired[exc.done:]
-    return []
+    return gemms
 
 
 def protected_linear(
