@@ -395,3 +395,23 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
     # A flag costs the first pass a kept row only (locating and the columns' check are the repair kernel's): its whole
     # loop is within half its clean path again. With them in it, it was 5.2 times the clean path and spilled 1.7 KB.
     assert full["loop_instructions"] <= 1.5 * clean["loop_instructions"]
+
+
+def test_host_ops_bench_counts_a_protected_step_on_the_gpu_route_against_the_unprotected_one(tmp_path: Path) -> None:
+    """bench/host_ops.py: what a step asks of the host on a GPU's route (Triton's interpreter here). The unprotected
+    step launches no Triton kernel and waits for nothing; each protected one launches its checks as Triton kernels,
+    waits only at the step boundary (the deferred outcomes: 3 calls), and dispatches fewer than 100 aten ops beyond
+    the unprotected step's (2,237 more for full checks when the projections' full check ran as PyTorch ops)."""
+    pytest.importorskip("triton")
+    doc = run_bench("host_ops", tmp_path)
+    (model,) = doc["models"]
+    steps = model["steps"]
+    assert set(steps) == {"baseline", "full", "default_tier1", "all_full", "all_default_tier1"}
+    assert steps["baseline"]["triton_launches"] == 0 and steps["baseline"]["syncs"] == 0
+    assert steps["full"]["triton_by_kernel"]["check_pass"] > 0 and steps["full"]["triton_by_kernel"]["_attention"] > 0
+    assert steps["all_full"]["triton_by_kernel"]["_query_pass"] > 0
+    assert steps["default_tier1"]["triton_by_kernel"]["trip_pass"] > 0
+    for name, step in steps.items():
+        if name != "baseline":
+            assert step["syncs"] <= 3, (name, step["syncs_by_call"])
+            assert 0 < step["over_baseline"]["aten_ops_launching"] < 100, (name, step["top_ops"])

@@ -1,0 +1,192 @@
+"""What one protected training step asks of the host on the GPU route, counted on a CPU: the aten ops it dispatches
+(on CUDA each one outside a view is a kernel launch or more, and a few microseconds of the host's time), the Triton
+kernels it launches, and the calls that make the host wait for the device (syncs), against the unprotected step.
+
+Where a step is launch-bound (a small model on a GPU: docs/performance.md §8, §9), these counts, not FLOPs, are what
+protection costs, and they do not depend on the GPU or on the model's width: one count here is what every GPU run
+would launch. The step is bench/gpu_suite.py's (its models at their dry-run sizes, its variants, each attached once
+and warmed up), on the route a CUDA step takes: the Triton attention (ATTNCHECKER_ATTENTION=triton), the GEMM checks'
+Triton path (ATTNCHECKER_GEMM=triton), the attention backward off the CPU-only kernel, every Triton kernel run by
+Triton's interpreter. The default variants are counted on a step between full checks (what 7 steps in 8 run); their
+checked steps check what the full variants do.
+
+    python bench/host_ops.py [--models gpt2_small,llama_7b] [--seq 64] [--tiny] [--out docs/perf/host_ops.json]
+
+Counts are exact and deterministic (one run says it all). Ops are the profiler's leaf aten ops outside the Triton
+kernels' interpreted bodies; "by source" attributes torch calls (TorchFunctionMode: one per torch function or method
+call, which may dispatch several aten ops) to the innermost attnchecker module that made them.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("ATTNCHECKER_ATTENTION", "triton")
+os.environ.setdefault("ATTNCHECKER_GEMM", "triton")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
+
+_common.setup_path()
+
+import gpu_suite
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.profiler import ProfilerActivity, profile
+
+VIEWS = frozenset({
+    "view", "_unsafe_view", "t", "transpose", "permute", "expand", "select", "slice", "unsqueeze", "squeeze",
+    "as_strided", "alias", "detach", "reshape", "split", "unbind", "split_with_sizes", "chunk", "narrow",
+    "_reshape_alias", "diagonal", "unflatten", "flatten", "lift_fresh", "resolve_conj", "resolve_neg", "view_as",
+    "expand_as", "contiguous", "result_type", "empty", "empty_strided", "empty_like", "is_nonzero",
+})
+"""Ops that launch no kernel on CUDA: views and metadata, and allocations (the caching allocator's, host-side)."""
+SYNCS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.cpu,
+                   torch.Tensor.numpy, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__,
+                   torch.Tensor.nonzero})
+"""Calls that wait for a device tensor's value (tests/agent/sync_counter.py's list)."""
+STEPS = ("baseline", "full", "default_tier1", "all_full", "all_default_tier1")
+"""gpu_suite's variants; the default ones on a step between full checks (Guard.tripwire_only_this_step). A default
+step with every op due checks what ``full`` does."""
+_KERNEL_EVENT = "attnchecker.bench.triton_kernel"
+
+
+class _Kernels:
+    """Counts Triton launches by kernel, and marks the interpreter's run of each so its own torch calls are not
+    counted as the step's (on a GPU they are device code)."""
+
+    def __init__(self) -> None:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        self.by_kernel: collections.Counter[str] = collections.Counter()
+        self.depth = 0
+        run = InterpretedFunction.run
+        kernels = self
+
+        def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            if not kwargs.get("warmup"):
+                kernels.by_kernel[fn.fn.__name__] += 1
+            kernels.depth += 1
+            try:
+                with torch.profiler.record_function(_KERNEL_EVENT):
+                    return run(fn, *args, **kwargs)
+            finally:
+                kernels.depth -= 1
+
+        InterpretedFunction.run = counted
+
+
+class _Calls(TorchFunctionMode):
+    """Torch calls outside the kernels: syncs by name, and every call by the innermost attnchecker module on the
+    stack (its path under agent/attnchecker/)."""
+
+    def __init__(self, kernels: _Kernels) -> None:
+        super().__init__()
+        self.kernels = kernels
+        self.syncs: collections.Counter[str] = collections.Counter()
+        self.by_source: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.kernels.depth:
+            name = getattr(func, "__name__", str(func))
+            if func in SYNCS:
+                self.syncs[name] += 1
+            if name not in VIEWS:
+                ours = [f.filename.split("/attnchecker/", 1)[1] for f in traceback.extract_stack()[:-1]
+                        if "/attnchecker/" in f.filename and "/site-packages/torch" not in f.filename]
+                self.by_source[ours[-1] if ours else "(the model, autograd, the optimizer)"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _inside_kernel(event: Any) -> bool:
+    while event is not None:
+        if event.name == _KERNEL_EVENT:
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def count_step(step: Callable[[], None], kernels: _Kernels) -> dict[str, Any]:
+    """One step's counts (its job warmed up before)."""
+    kernels.by_kernel.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, _Calls(kernels) as calls:
+        step()
+    ops: collections.Counter[str] = collections.Counter()
+    for e in prof.events():
+        if (e.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in e.cpu_children)
+                and not _inside_kernel(e)):
+            ops[e.name[len("aten::"):]] += 1
+    launching = {k: n for k, n in ops.items() if k not in VIEWS}
+    return {"aten_ops_launching": sum(launching.values()), "aten_ops_views_and_allocs": sum(ops.values())
+            - sum(launching.values()), "triton_launches": sum(kernels.by_kernel.values()),
+            "syncs": sum(calls.syncs.values()), "syncs_by_call": dict(calls.syncs),
+            "triton_by_kernel": dict(sorted(kernels.by_kernel.items())),
+            "top_ops": dict(collections.Counter(launching).most_common(12)),
+            "torch_calls_by_source": dict(calls.by_source.most_common(12))}
+
+
+def run_model(kind: str, seq: int) -> dict[str, Any]:
+    from attnchecker.attention.backward import fused
+
+    fused.cpu_kernel = False  # the CPU-only backward kernel is not on a GPU's route
+    kernels = _Kernels()
+    base = gpu_suite._model(kind, gpu_suite.DRY_SHAPES[kind], seq, 256)
+    ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
+    rows: dict[str, Any] = {}
+    for name in STEPS:
+        variant = name.removesuffix("_tier1")
+        job = gpu_suite._Job(variant, base, "cpu", torch.bfloat16)
+        try:
+            def step(job: Any = job, name: str = name) -> None:
+                if job.guard is not None and name.endswith("_tier1"):
+                    job.guard.tripwire_only_this_step()
+                job.step(ids)
+
+            for _ in range(3):
+                step()
+            rows[name] = count_step(step, kernels)
+        finally:
+            job.close()
+    base_row = rows["baseline"]
+    for row in rows.values():
+        row["over_baseline"] = {k: row[k] - base_row[k] for k in ("aten_ops_launching", "triton_launches", "syncs")}
+    return {"model": kind, "seq": seq, "shape": gpu_suite.DRY_SHAPES[kind], "layers": gpu_suite.LAYERS,
+            "steps": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gpt2_small,llama_7b")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--tiny", action="store_true", help="GPT-2 alone at T = 32 (the smoke test)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.models, args.seq = "gpt2_small", 32
+    from attnchecker.kernels import triton_gemm_check as tg
+
+    if not (tg.available() and tg.interpreted()):
+        raise SystemExit("bench/host_ops.py needs triton installed and TRITON_INTERPRET=1 before triton is imported")
+    results = []
+    for kind in args.models.split(","):
+        got = run_model(kind, args.seq)
+        results.append(got)
+        lines = [[name, r["aten_ops_launching"], r["over_baseline"]["aten_ops_launching"], r["triton_launches"],
+                  r["syncs"], r["aten_ops_views_and_allocs"]] for name, r in got["steps"].items()]
+        print(f"\n{kind}, {gpu_suite.LAYERS} layers, T={args.seq}: per step")
+        print(_common.table(lines, ["step", "aten ops (launching)", "over baseline", "Triton launches", "syncs",
+                                    "views/allocs"]))
+    path = _common.write_result("host_ops", {"models": results, "environment": {
+        k: os.environ[k] for k in ("TRITON_INTERPRET", "ATTNCHECKER_ATTENTION", "ATTNCHECKER_GEMM")}}, args.out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
