@@ -13,11 +13,14 @@ force) run as fp32 GEMMs; bf16 and fp16 operands are multiplied in fp32 and roun
 fp32 accumulation does (CPU half GEMMs are slow).
 
     python bench/coverage.py [--tiny] [--shapes tiny,gpt2,7b] [--dtypes fp32,tf32,bf16,fp16] [--trials 1024]
-                             [--clean-checks 100000] [--path unfused|tiled|kernel] [--out bench/results/coverage.json]
+                             [--clean-checks 100000] [--path unfused|tiled|kernel|triton]
+                             [--out bench/results/coverage.json]
 
 --path tiled checks scores and context as the tiled attention path does (TiledOp): tile by tile, through the
 engine's per-tile checks. --path kernel (fp32) runs them through the native attention pass (KernelOp): the errors are
-written inside the kernel, and its rows' verdict is read.
+written inside the kernel, and its rows' verdict is read. --path triton checks the projections q and out as a GPU
+does, through the GEMM checks' Triton path (TritonOp), its kernels run by Triton's interpreter (TRITON_INTERPRET=1
+in the command's environment).
 """
 from __future__ import annotations
 
@@ -281,6 +284,45 @@ class KernelOp(Op):
         return {"row": _Stitched(row.bad[None], row.diff[None], row.bound[None], row.bound2[None], row.groups)}
 
 
+class TritonOp(Op):
+    """q or out checked as the GEMM checks' Triton path checks a projection on a GPU (--path triton; the kernels
+    under Triton's interpreter here, TRITON_INTERPRET=1): gemm/device.py's operand passes and check pass, by rows, with
+    verify_gemm's row rule (abft/gemm_rule.py), the repair kernel told not to correct. A fault's verdict is its row's
+    outcome code; the clean ratio is the check's worst (both weightings: the kernel keeps one worst)."""
+
+    def __init__(self, name: str, shape: dict[str, int], dtype_name: str, seed: int) -> None:
+        from attnchecker.kernels import triton_gemm_check as tg
+
+        if name not in ("q", "out"):
+            raise ValueError(f"--path triton covers the projections q and out, not {name!r}")
+        if dtype_name == "tf32":
+            raise ValueError("--path triton: TF32 is not emulated under Triton's interpreter")
+        if not (tg.available() and tg.interpreted()):
+            raise ValueError("--path triton needs triton installed and TRITON_INTERPRET=1 before it is imported")
+        super().__init__(name, shape, dtype_name, seed)
+
+    def _check(self, c: torch.Tensor, tol: Tolerance) -> Any:
+        from attnchecker.gemm import device
+
+        with torch.no_grad():
+            return device.check_product(c[0].clone(), self.x[0], self.w.T, None, tol, correct=False)
+
+    def checks(self, c: torch.Tensor, tol: Tolerance) -> dict[str, Any]:
+        return {"row": self._check(c, tol)}
+
+    def verify(self, c: torch.Tensor, tol: Tolerance, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        return self._check(c, tol).code.reshape(-1)[rows] != 0
+
+    def clean_ratios(self, tol: Tolerance) -> dict[str, float]:
+        from attnchecker.kernels import triton_gemm_check as tg
+
+        chk = self._check(self.c, tol)
+        worst = tg.STATE["worst"]
+        ratio = float(chk.state[worst : worst + 1].view(torch.float32))
+        return {"worst_d1_over_bound": ratio, "worst_d2_over_bound": ratio, "median_bound_over_rms": float("nan"),
+                "flagged_vectors": int((chk.code != 0).sum())}
+
+
 @dataclasses.dataclass
 class _Stitched:
     """The fields of a DirectionCheck the campaign reads, over all tiles of a matrix."""
@@ -515,10 +557,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ks", default=None, help="comma list of K for the --parts model sweep (default 64..8192)")
     p.add_argument("--sigmas", type=float, default=None,
                    help="the calibrated threshold in modelled standard deviations (default: the library's)")
-    p.add_argument("--path", default="unfused", choices=("unfused", "tiled", "kernel"),
-                   help="which attention path's checks scores and context go through (tiled: tile by tile, the "
-                        "engine's tiled_attention checks; kernel: the native pass, fp32; projections are the same "
-                        "on every path)")
+    p.add_argument("--path", default="unfused", choices=("unfused", "tiled", "kernel", "triton"),
+                   help="which path's checks the ops go through: scores and context on the unfused, tiled (tile by "
+                        "tile, the engine's tiled_attention checks) or kernel (the native pass, fp32) path, where "
+                        "projections are the same on every path; triton: q and out as the GEMM checks' Triton path "
+                        "checks them on a GPU (by rows; under TRITON_INTERPRET=1)")
     p.add_argument("--projection-directions", default="engine", choices=("engine", "both", "rows"),
                    help="q/out: the directions the engine's clean check verifies (fp32: the rows alone), both, or "
                         "the rows alone in every dtype (what the rows alone give up, side by side)")
@@ -553,8 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         for dtype_name in dtypes:
             for op_name in args.ops.split(","):
                 t0 = time.perf_counter()
-                op = {"tiled": TiledOp, "kernel": KernelOp}.get(args.path, Op)(op_name, SHAPES[shape_name],
-                                                                               dtype_name, args.seed)
+                op = {"tiled": TiledOp, "kernel": KernelOp, "triton": TritonOp}.get(args.path, Op)(
+                    op_name, SHAPES[shape_name], dtype_name, args.seed)
                 entry = {
                     "shape": shape_name, "dtype": dtype_name, "op": op_name, "path": args.path,
                     "product_shape": list(op.c.shape),

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,27 @@ def test_coverage_bench_writes_its_errors_inside_the_native_attention_pass(tmp_p
         assert r["bits"]["30"]["rate"] == 1.0  # the top exponent bit: INF or a huge value
     bad = attention_paths_run(tmp_path, "kernel", "bf16")
     assert bad.returncode != 0 and "--path kernel covers fp32 scores and context" in bad.stderr
+
+
+def test_coverage_bench_checks_the_projections_as_the_gpu_path_does(tmp_path):
+    """--path triton: q and out through the GEMM checks' Triton path (its kernels under Triton's interpreter), by
+    rows: every 2x RMS error is caught and no clean row flags, in bf16 and fp32; the attention's scores, which that path
+    does not check, are refused with a message that says so."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+
+    def run(ops: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "bench/coverage.py", "--tiny", "--dtypes", "fp32,bf16", "--ops", ops,
+                               "--path", "triton", "--parts", "faults", "--out", str(tmp_path / "coverage.json")],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=540, check=False)
+
+    proc = run("q,out")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "coverage.json").read_text())
+    assert {(r["dtype"], r["op"], r["path"]) for r in doc["results"]} == {
+        (d, op, "triton") for d in ("fp32", "bf16") for op in ("q", "out")}
+    for r in doc["results"]:
+        assert all(r["magnitude"]["calibrated"][str(m)] == 1.0 for m in doc["magnitudes"] if m >= 2), r["op"]
+        assert r["clean"]["flagged_vectors"] == 0 and 0 < r["clean"]["worst_d1_over_bound"] < 1
+    bad = run("scores")
+    assert bad.returncode != 0 and "--path triton covers the projections q and out" in bad.stderr
