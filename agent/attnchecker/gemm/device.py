@@ -17,6 +17,12 @@ workspace (a memset) for the kernels' atomics. A Linear's three GEMMs: 11 launch
 pass alone, which recomputes the rows holding an extreme element in the program that found them (a tier-1 Linear: 3
 launches and 2 memsets); one memset per call.
 
+Host time: on a small model a GPU step is launch-bound, and every tier-1 call (each Linear output, every step) spends
+host time before its one launch. No torch product runs on this path (its sums are the kernels'), so autocast and the
+fp32 matmul precision flags do not reach it: its calls enter no_grad alone, not ``checks.product._exact_math``, whose
+three contexts were a quarter of a tier-1 call's host time (bench/host_ops.py times a call with the launches left
+out).
+
 What it does not do: the check of a product with more than two leading dims, or of a dtype other than fp32, bf16 and
 fp16, declines to the CPU path's torch ops (``takes``); the in-kernel recomputation is not recorded in
 ``Injector.injected`` (its original value is never read back: that would be a sync).
@@ -45,7 +51,7 @@ from ..abft.repair import MatrixReport
 from ..checks.context import LayerContext
 from ..checks.deferred import defer
 from ..checks.device_time import Clock
-from ..checks.product import _exact_math, _tolerance
+from ..checks.product import _tolerance
 from ..checks.records import _count, _count_trips
 from ..kernels import triton_gemm_check as tg
 from ..matmul_precision import fp32_matmul_operand_roundoff
@@ -171,7 +177,7 @@ def check_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Te
     todo = [DeviceGemm(op, c, a, b, bias) for op, c, a, b, bias in gemms]
     clock, call = Clock(todo[0].c.device, full=tier == "abft"), _Launches()
     try:
-        with call, _exact_math(todo[0].c):
+        with call, torch.no_grad():
             ws = tg.Workspace(todo[0].c.device, sum(_side_floats(g) + tg.STATE_SIZE for g in todo))
             for g in todo:
                 _check(ctx, g, _row_side(g, ws), ws, tier=tier)
@@ -198,7 +204,7 @@ def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
     tol = _tolerance(ctx)
     clock, call = Clock(todo[0].c.device, full=False), _Launches()
     try:
-        with call, _exact_math(todo[0].c):
+        with call, torch.no_grad():
             ws = tg.Workspace(todo[0].c.device, len(todo) * tg.STATE_SIZE)
             for g in todo:
                 chk = _trip_launch(g, ws, tol, correct=ctx.config.mode == "correct", faults=_planned(ctx, g))
@@ -226,7 +232,7 @@ def check_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch
     repair kernel, the outcome left in the returned Check's device tensors (``Check.code`` per row). No sync."""
     g = DeviceGemm("product", c, a, b, bias)
     ws = tg.Workspace(c.device, _side_floats(g) + tg.STATE_SIZE)
-    with _exact_math(c):
+    with torch.no_grad():
         chk = _launch(g, _row_side(g, ws), ws, tol, correct=correct)
     return chk
 
@@ -237,7 +243,7 @@ def trip_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.
     an extreme element (none on clean data). No sync."""
     g = DeviceGemm("product", c, a, b, bias)
     ws = tg.Workspace(c.device, tg.STATE_SIZE)
-    with _exact_math(c):
+    with torch.no_grad():
         return _trip_launch(g, ws, tol, correct=correct)
 
 
@@ -256,10 +262,12 @@ def _launch(g: DeviceGemm, side: tg.RowSide, ws: tg.Workspace, tol: Tolerance, *
 
 
 def _rule(g: DeviceGemm, tol: Tolerance) -> GemmRowRule:
-    """verify_gemm's row rule for this GEMM."""
+    """verify_gemm's row rule for this GEMM (the fp32 GEMMs' operand rounding asked of the flags only for an fp32
+    output, the one the rule reads it for: a lookup of the flags is a tenth of a tier-1 call's host time)."""
     cast = g.c.dtype if (g.a.dtype != g.c.dtype or g.b.dtype != g.c.dtype) else None
+    roundoff = fp32_matmul_operand_roundoff(g.c.device) if g.c.dtype == torch.float32 else None
     return gemm_row_rule(g.c.shape[-1], g.a.shape[-1], tol, g.c.dtype, bias=g.bias is not None,
-                         operands_cast_to=cast, operand_roundoff=fp32_matmul_operand_roundoff(g.c.device))
+                         operands_cast_to=cast, operand_roundoff=roundoff)
 
 
 def _check(ctx: LayerContext, g: DeviceGemm, side: tg.RowSide, ws: tg.Workspace, *, tier: str) -> None:
@@ -423,7 +431,7 @@ def linear_forward(ctx: LayerContext, tier: str, y_MO: torch.Tensor, x_MI: torch
             _trip(ctx, [gemm])
         return None
     clock = Clock(y_MO.device)
-    with _Launches(), _exact_math(y_MO):
+    with _Launches(), torch.no_grad():
         ws = tg.Workspace(y_MO.device, _weight_floats(weight, layout, forward=check_forward)
                           + tg.operand_floats(x_MI, col_sq=True) + tg.STATE_SIZE)
         fwd, fwd_sq, ww, w_sq = _weight_pass(weight, layout, ws, forward=check_forward)
@@ -465,7 +473,7 @@ def linear_backward(ctx: LayerContext, tier: str, dy_MO: torch.Tensor, x_MI: tor
         floats += _weight_floats(weight, layout, forward=False) + tg.operand_floats(x_MI, col_sq=True)
     call = _Launches()
     try:
-        with call, _exact_math(dy_MO):
+        with call, torch.no_grad():
             ws = tg.Workspace(dy_MO.device, floats)
             _check_backward(ctx, gemms, call, ws, dy_MO, x_MI, weight, layout, dx_MI is not None, dw is not None,
                             sides)
