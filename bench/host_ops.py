@@ -10,7 +10,11 @@ Triton path (ATTNCHECKER_GEMM=triton), the attention backward off the CPU-only k
 Triton's interpreter. The default variants are counted on a step between full checks (what 7 steps in 8 run); their
 checked steps check what the full variants do.
 
-    python bench/host_ops.py [--models gpt2_small,llama_7b] [--seq 64] [--tiny] [--out docs/perf/host_ops.json]
+    python bench/host_ops.py [--models gpt2_small,llama_7b] [--seq 64] [--tiny] [--only-host-us]
+                             [--out docs/perf/host_ops.json]
+
+It also times what one GEMM check call costs the host besides its launches (``host_us_per_call``: the kernels
+replaced by launches that do nothing, against one aten op): a time, of this machine's CPU, not a count.
 
 Counts are exact and deterministic (one run says it all). Ops are the profiler's leaf aten ops outside the Triton
 kernels' interpreted bodies; "by source" attributes torch calls (TorchFunctionMode: one per torch function or method
@@ -160,11 +164,64 @@ def run_model(kind: str, seq: int) -> dict[str, Any]:
             "steps": rows}
 
 
+def host_us_per_call(calls: int) -> dict[str, float]:
+    """What one GEMM check call costs the host on the Triton path besides its launches: gemm/device.py's tier-1 call
+    (trip_gemms) and full check (check_gemms) of one 256 x 256 bf16 product inside a guard's context, their kernels
+    replaced by launches that do nothing (on a GPU Triton's own launcher adds its time per launch), against one aten
+    add of the same operands. Median microseconds over ``calls`` calls of each."""
+    import statistics
+    import time
+
+    from attnchecker.checks.context import CheckConfig, LayerContext, OpStats, Runtime
+    from attnchecker.gemm import device
+    from attnchecker.kernels import triton_gemm_check as tg
+
+    def no_launch(*_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    class _NoLaunch:
+        def __getitem__(self, grid: Any) -> Callable[..., None]:
+            return no_launch
+
+    class _NoKernels:
+        def __getattr__(self, name: str) -> _NoLaunch:
+            return _NoLaunch()
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(256, 256, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    c = a @ b
+    runtime = Runtime(step=0, config=CheckConfig(), injector=None, on_detection=lambda *_: None, stats=OpStats())
+    ctx = LayerContext(layer=0, runtime=runtime)
+    gemm = [("linear", c, a, b, None)]
+    calls_of: dict[str, Callable[[], object]] = {
+        "gemm_tier1": lambda: device.trip_gemms(ctx, gemm),
+        "gemm_full_check": lambda: device.check_gemms(ctx, gemm),
+        "aten_add": lambda: torch.add(a, b),
+    }
+    kernels, tg._kernels = tg._kernels, _NoKernels  # type: ignore[assignment]
+    try:
+        got = {}
+        for name, call in calls_of.items():
+            call()
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+                runtime.deferred.clear()
+            got[name] = statistics.median(times) * 1e6
+        return got
+    finally:
+        tg._kernels = kernels  # type: ignore[assignment]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt2_small,llama_7b")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--tiny", action="store_true", help="GPT-2 alone at T = 32 (the smoke test)")
+    parser.add_argument("--only-host-us", action="store_true",
+                        help="time the host's cost per GEMM check call alone (host_us_per_call), no model steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.tiny:
@@ -174,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (tg.available() and tg.interpreted()):
         raise SystemExit("bench/host_ops.py needs triton installed and TRITON_INTERPRET=1 before triton is imported")
     results = []
-    for kind in args.models.split(","):
+    for kind in [] if args.only_host_us else args.models.split(","):
         got = run_model(kind, args.seq)
         results.append(got)
         lines = [[name, r["aten_ops_launching"], r["over_baseline"]["aten_ops_launching"], r["triton_launches"],
@@ -182,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{kind}, {gpu_suite.LAYERS} layers, T={args.seq}: per step")
         print(_common.table(lines, ["step", "aten ops (launching)", "over baseline", "Triton launches", "syncs",
                                     "views/allocs"]))
-    path = _common.write_result("host_ops", {"models": results, "environment": {
+    host_us = host_us_per_call(200 if args.tiny else 3000)
+    print(f"\nhost time per call, launches left out (us): {host_us}")
+    path = _common.write_result("host_ops", {"models": results, "host_us_per_call": host_us, "environment": {
         k: os.environ[k] for k in ("TRITON_INTERPRET", "ATTNCHECKER_ATTENTION", "ATTNCHECKER_GEMM")}}, args.out)
     print(f"\nwrote {path}")
     return 0

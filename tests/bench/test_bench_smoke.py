@@ -415,3 +415,5 @@ def test_host_ops_bench_counts_a_protected_step_on_the_gpu_route_against_the_unp
         if name != "baseline":
             assert step["syncs"] <= 3, (name, step["syncs_by_call"])
             assert 0 < step["over_baseline"]["aten_ops_launching"] < 100, (name, step["top_ops"])
+    assert set(doc["host_us_per_call"]) == {"gemm_tier1", "gemm_full_check", "aten_add"}
+    assert all(positive(us) for us in doc["host_us_per_call"].values())
