@@ -101,6 +101,7 @@ def verify_gemm(
     exact_sums: bool = False,
     operand_sums: OperandSums | None = None,
     row_verifier: RowVerifier | None = None,
+    ref_norms: bool = False,
 ) -> dict[str, DirectionCheck]:
     """The requested directions of C = A·B (+ bias) against references from A and B, for 2-D operands or batches of
     them (the same leading dims on all three, e.g. (B, H) for attention; bias 2-D only). The checks carry C's leading
@@ -129,8 +130,16 @@ def verify_gemm(
     row_verifier: evaluates the rule of a 2-D fp32 product checked in one direction (``RowVerifier``, with
     ``row_rule``; a column check as the rows of Cᵀ) in place of the eager bound below; its check carries no rule.
     Where it declines, the eager rule.
+    ref_norms: the calibrated bound's reference term from the norms of the vectors the references dot with (‖B w‖,
+    ‖wᵀA‖: direction_bounds' ``ref_norms``) instead of the triangle bound Σ_j w_j ‖B_j‖, √n looser on uncorrelated
+    columns: the rule of the GEMM checks' Triton path (abft/gemm_rule.py). Eager only (one_pass and row_verifier are
+    not asked), and not with operand_sums.
     """
     _check_shapes(c_MN, a_MK, b_KN, bias_N)
+    if ref_norms:
+        if operand_sums is not None:
+            raise ValueError("verify_gemm: ref_norms makes its operand side itself (not with operand_sums)")
+        one_pass, row_verifier = None, None
     if not directions or any(d not in DIRECTIONS for d in directions):
         raise ValueError(f"verify_gemm: directions must be a non-empty subset of {DIRECTIONS}, got {directions!r}")
     if operand_sums is not None and (len(directions) != 1 or wide_norms or exact_sums):
@@ -141,6 +150,8 @@ def verify_gemm(
     a, b = a_MK.to(acc), b_KN.to(acc)
     both = len(set(directions)) == 2
     refs: dict[str, torch.Tensor] = {}
+    norms_row: torch.Tensor | None = None
+    norms_col: torch.Tensor | None = None
     roundoff = tol.mode == "roundoff"
     use_abs = c_MN.dtype != acc_dtype(c_MN.dtype) and roundoff
     with_sq = roundoff and tol.calibrated
@@ -150,9 +161,13 @@ def verify_gemm(
     if operand_sums is not None:
         refs[directions[0]] = operand_sums.ref.to(acc)
     elif "row" in directions:
-        refs["row"] = times_skinny(a, weighted_rows(b))
+        bw_K2 = weighted_rows(b)
+        refs["row"] = times_skinny(a, bw_K2)
+        norms_row = bw_K2.norm(dim=-2) if ref_norms else None
     if "col" in directions and operand_sums is None:
-        refs["col"] = (weighted_cols(a).mT @ b).mT
+        wa_K2 = weighted_cols(a)
+        refs["col"] = (wa_K2.mT @ b).mT
+        norms_col = wa_K2.norm(dim=-2) if ref_norms else None
     bias_abs_N = None
     if bias_N is not None:
         bias = bias_N.to(acc)
@@ -196,7 +211,8 @@ def verify_gemm(
             return {d: native}
     rules = direction_bounds(tuple(got), a_norm_M, b_norm_N, k=k, out_dtype=c_MN.dtype, tol=tol,
                              bias_abs_C=bias_abs_N, use_abs=use_abs, operands_cast_to=cast_to,
-                             operand_roundoff=operand_roundoff if c_MN.dtype == torch.float32 else None)
+                             operand_roundoff=operand_roundoff if c_MN.dtype == torch.float32 else None,
+                             ref_norms=(norms_row, norms_col))
     out = {}
     for d in DIRECTIONS:
         if d in got:

@@ -3,16 +3,18 @@
 output dtype, bias, operand cast and operand rounding the whole-step GEMMs meet, not only fp32 products.
 
 For row i of C = A·B (+ bias), n columns, reduction length k, with a = ‖A_i‖ + floor_a, b_j = ‖B_j‖ + floor_b, and
-per weighting w (ones, then 1..n) the sums over the row's columns Σb = Σ_j b_j, B²_w = Σ_j w_j² b_j², R_w = Σ_j w_j b_j,
-bias sums Σ|β| and β²_w = Σ_j w_j² β_j², and the row's own Σ|C| and ΣC²:
+per weighting w (ones, then 1..n) the sums over the row's columns Σb = Σ_j b_j, B²_w = Σ_j w_j² b_j², the norm of the
+vector the reference dots A's row with ‖B w‖ (the operand pass makes it beside the reference), bias sums Σ|β| and
+β²_w = Σ_j w_j² β_j², and the row's own Σ|C| and ΣC²:
 
   under   = under0 + flush·(√k·(Σb + n·a) + n)
   rig1    = rig_ab·a·Σb + rig_bias·Σ|β| + under + abs_coef·Σ|C|,           rig2 = n·rig1
-  var_w   = a²·(var_b·B²_w + var_ref·R_w²) + var_bias·β²_w + sq_coef·n^(2·[w = 1..n])·(ΣC² + tiny_pad)
+  var_w   = a²·(var_b·B²_w + var_ref·‖B w‖²) + var_bias·β²_w + sq_coef·n^(2·[w = 1..n])·(ΣC² + tiny_pad)
   cal_w   = sigmas·√var_w + under·(1, (n + 1)/2)_w + common·|ref_w|   (|ref| read as 0 where it is not finite)
   bound_w = min(rig_w, cal_w) where calibrated, NaN and +INF read near_inf (``tolerance._clamp``)
 
-which is ``direction_bounds(("row",), ...)`` followed by ``Bound.pair`` for verify_gemm's arguments, term by term: the
+which is ``direction_bounds(("row",), ..., ref_norms=(‖B w‖, None))`` followed by ``Bound.pair`` for
+``verify_gemm(..., ref_norms=True)``'s arguments, term by term: the
 line of that function each scalar comes from is named below. tests/agent/test_triton_gemm_check.py holds the kernel's
 verdicts to verify_gemm's. Pure: floats in, floats out.
 """
@@ -124,7 +126,7 @@ def _rule(n: int, k: int, tol: Tolerance, out_dtype: torch.dtype, bias: bool, ca
         n=n, k=k, floor_a=floor, floor_b=floor, rig_ab=rig_ab, rig_bias=rig_bias, abs_coef=abs_coef, under0=under0,
         flush=flush, calibrated=True,
         var_b=k * u2 + op_var + n * u2,  # product (and its operand rounding) + forming B w
-        var_ref=k * u2,  # the reference's K-long dot, per (Σ_j w_j b_j)²: no ‖Bw‖ given, the triangle bound
+        var_ref=k * u2,  # the reference's K-long dot, per ‖B w‖² (the CPU path's verify_gemm: per (Σ_j w_j b_j)²)
         var_bias=n * u2 if bias else 0.0,
         sq_coef=c_sq,
         tiny_pad=n * torch.finfo(acc).tiny,  # Bound.pair: ΣC² made in C's (accumulation) dtype

@@ -215,15 +215,15 @@ def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
 
 
 def _side_floats(g: DeviceGemm) -> int:
-    return tg.operand_floats(g.b, col_sq=True)
+    return tg.operand_floats(g.b, col_sq=True) + tg.operand_floats(g.a, right=True)
 
 
 def _row_side(g: DeviceGemm, ws: tg.Workspace) -> tg.RowSide:
     """A GEMM's row references and norms from one read of B (B w, ‖B_j‖²) and one of A (A·(B w), ‖A_i‖²)."""
     bo = tg.operand_pass(g.b, ws, right_w=True, col_sq=True)
     ao = tg.operand_pass(g.a, ws, right=bo.xw, row_sq=True)
-    assert ao.xv is not None and ao.rsq is not None and bo.csq is not None
-    return tg.RowSide(ref=ao.xv, a_sq=ao.rsq, b_sq=bo.csq)
+    assert ao.xv is not None and ao.rsq is not None and bo.csq is not None and ao.vsq is not None
+    return tg.RowSide(ref=ao.xv, a_sq=ao.rsq, b_sq=bo.csq, ref_sq=ao.vsq)
 
 
 def check_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, tol: Tolerance, *,
@@ -433,15 +433,15 @@ def linear_forward(ctx: LayerContext, tier: str, y_MO: torch.Tensor, x_MI: torch
     clock = Clock(y_MO.device)
     with _Launches(), torch.no_grad():
         ws = tg.Workspace(y_MO.device, _weight_floats(weight, layout, forward=check_forward)
-                          + tg.operand_floats(x_MI, col_sq=True) + tg.STATE_SIZE)
+                          + tg.operand_floats(x_MI, right=check_forward, col_sq=True) + tg.STATE_SIZE)
         fwd, fwd_sq, ww, w_sq = _weight_pass(weight, layout, ws, forward=check_forward)
         xo = tg.operand_pass(x_MI, ws, right=fwd if check_forward else None, right_w=True, row_sq=check_forward,
                              col_sq=True)
         assert xo.xw is not None and xo.csq is not None
         sides = LinearSides(ww_O2=ww, w_col_sq_I=w_sq, xw_M2=xo.xw, x_col_sq_I=xo.csq)
         if check_forward:
-            assert xo.xv is not None and xo.rsq is not None and fwd_sq is not None
-            _check(ctx, gemm, tg.RowSide(ref=xo.xv, a_sq=xo.rsq, b_sq=fwd_sq), ws, tier="abft")
+            assert xo.xv is not None and xo.rsq is not None and fwd_sq is not None and xo.vsq is not None
+            _check(ctx, gemm, tg.RowSide(ref=xo.xv, a_sq=xo.rsq, b_sq=fwd_sq, ref_sq=xo.vsq), ws, tier="abft")
     if check_forward:
         _count(ctx, "linear", clock.seconds(ctx, ["linear"]))
     else:
@@ -468,7 +468,8 @@ def linear_backward(ctx: LayerContext, tier: str, dy_MO: torch.Tensor, x_MI: tor
         _trip(ctx, gemms)
         return
     clock = Clock(dy_MO.device)
-    floats = tg.operand_floats(dy_MO, left=dw is not None, col_sq=dw is not None) + len(gemms) * tg.STATE_SIZE
+    floats = (tg.operand_floats(dy_MO, right=dx_MI is not None, left=dw is not None, col_sq=dw is not None)
+              + len(gemms) * tg.STATE_SIZE)
     if sides is None:
         floats += _weight_floats(weight, layout, forward=False) + tg.operand_floats(x_MI, col_sq=True)
     call = _Launches()
@@ -497,10 +498,10 @@ def _check_backward(ctx: LayerContext, gemms: list[DeviceGemm], call: _Launches,
                          left=sides.xw_M2 if need_dw else None, col_sq=need_dw)
     for g in gemms:
         if g.op == "linear_dx":
-            assert do.xv is not None and do.rsq is not None
-            side = tg.RowSide(ref=do.xv, a_sq=do.rsq, b_sq=sides.w_col_sq_I)
+            assert do.xv is not None and do.rsq is not None and do.vsq is not None
+            side = tg.RowSide(ref=do.xv, a_sq=do.rsq, b_sq=sides.w_col_sq_I, ref_sq=do.vsq)
         else:
-            assert do.lx is not None and do.csq is not None
-            side = tg.RowSide(ref=do.lx, a_sq=do.csq, b_sq=sides.x_col_sq_I)
+            assert do.lx is not None and do.csq is not None and do.lsq is not None
+            side = tg.RowSide(ref=do.lx, a_sq=do.csq, b_sq=sides.x_col_sq_I, ref_sq=do.lsq)
         _check(ctx, g, side, ws, tier="abft")
         call.done += 1

@@ -151,11 +151,13 @@ class Workspace:
         return out
 
 
-def operand_floats(x: torch.Tensor, *, left: bool = False, left_w: bool = False, col_sq: bool = False) -> int:
-    """The zeroed floats ``operand_pass`` takes from its workspace for these outputs."""
+def operand_floats(x: torch.Tensor, *, right: bool = False, left: bool = False, left_w: bool = False,
+                   col_sq: bool = False) -> int:
+    """The zeroed floats ``operand_pass`` takes from its workspace for these outputs (right, left: a factor given,
+    whose squared norms it keeps there too)."""
     nb0, nb1, _, _ = _lead(x)
-    cols = x.shape[-1] * nb0 * nb1
-    return cols * (2 * left + 2 * left_w + col_sq)
+    nb = nb0 * nb1
+    return nb * (x.shape[-1] * (2 * left + 2 * left_w + col_sq) + 2 * right + 2 * left)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -174,6 +176,10 @@ class OperandOut:
     """(nb, C, 2) Xᵀ·[1, 1..R]"""
     csq: torch.Tensor | None = None
     """(nb, C) ΣX² per column"""
+    vsq: torch.Tensor | None = None
+    """(nb, 2) ‖V‖² per column of V (right's), for the rule of the check xv is the reference of"""
+    lsq: torch.Tensor | None = None
+    """(nb, 2) ‖L‖² per column of L (left's)"""
 
 
 def _factor(f: torch.Tensor | None, lead: tuple[int, int], like: torch.Tensor
@@ -194,7 +200,8 @@ def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None =
                  left: torch.Tensor | None = None, left_w: bool = False, row_sq: bool = False, col_sq: bool = False
                  ) -> OperandOut:
     """One read of X (R, C) or (.., R, C), any strides: X·right for right (C, 2) or (nb, C, 2), X·w, Xᵀ·left for
-    left (R, 2) or (nb, R, 2), Xᵀ·w, and the squared row and column sums, in fp32. No sync."""
+    left (R, 2) or (nb, R, 2), Xᵀ·w, and the squared row and column sums, in fp32; with right or left, its squared
+    norms per column (the reference's ‖B w‖² a row rule takes). No sync."""
     k = _kernels()
     nb0, nb1, s0, s1 = _lead(x)
     nb = nb0 * nb1
@@ -207,6 +214,8 @@ def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None =
     lx = ws.take(nb * cols * 2).view(nb, cols, 2) if left is not None else None
     wx = ws.take(nb * cols * 2).view(nb, cols, 2) if left_w else None
     csq = ws.take(nb * cols).view(nb, cols) if col_sq else None
+    vsq = ws.take(nb * 2).view(nb, 2) if right is not None else None
+    lsq = ws.take(nb * 2).view(nb, 2) if left is not None else None
     vt, sv0, sv1, svk, svj = _factor(right, (nb0, nb1), x)
     lt, sl0, sl1, slr, slj = _factor(left, (nb0, nb1), x)
     blk = _blocks(dev)
@@ -217,11 +226,12 @@ def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None =
         vt, sv0, sv1, svk, svj, lt, sl0, sl1, slr, slj,
         xv if xv is not None else dummy, xw if xw is not None else dummy, rsq if rsq is not None else dummy,
         lx if lx is not None else dummy, wx if wx is not None else dummy, csq if csq is not None else dummy,
+        vsq if vsq is not None else dummy, lsq if lsq is not None else dummy,
         RIGHT_V=right is not None, RIGHT_W=right_w, LEFT_L=left is not None, LEFT_W=left_w, ROW_SQ=row_sq,
         COL_SQ=col_sq, BR=blk.rows, BC=blk.cols,
     )
     LAUNCHES.count("operand_pass")
-    return OperandOut(xv=xv, xw=xw, rsq=rsq, lx=lx, wx=wx, csq=csq)
+    return OperandOut(xv=xv, xw=xw, rsq=rsq, lx=lx, wx=wx, csq=csq, vsq=vsq, lsq=lsq)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -239,6 +249,9 @@ class RowSide:
     """(nb, M) ‖A_i‖²"""
     b_sq: torch.Tensor
     """(nb, N) or (N,) ‖B_j‖² (one row shared by the batch)."""
+    ref_sq: torch.Tensor
+    """(nb, 2) ‖B w‖² per weighting: the vector the reference dotted A's rows with (its rounding term's norm, where
+    the triangle bound Σ_j w_j ‖B_j‖ is √N looser on uncorrelated columns: 30x at a 7B projection)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -282,10 +295,11 @@ def _side_args(side: RowSide, lead: tuple[int, int]) -> tuple[Any, ...]:
     """The kernels' (pointer, batch strides, element strides) of a RowSide, its (nb, ...) outputs split into the
     (nb0, nb1) leading dims; a b_sq of one row is shared by the batch (batch strides 0)."""
     nb1 = lead[1]
-    ref, a_sq, b_sq = side.ref, side.a_sq, side.b_sq
+    ref, a_sq, b_sq, ref_sq = side.ref, side.a_sq, side.b_sq, side.ref_sq
     sb0, sb1 = ((b_sq.stride(0) * nb1, b_sq.stride(0)) if b_sq.dim() == 2 and b_sq.shape[0] > 1 else (0, 0))
     return (ref, ref.stride(0) * nb1, ref.stride(0), ref.stride(-2), ref.stride(-1),
-            a_sq, a_sq.stride(0) * nb1, a_sq.stride(0), a_sq.stride(-1), b_sq, sb0, sb1, b_sq.stride(-1))
+            a_sq, a_sq.stride(0) * nb1, a_sq.stride(0), a_sq.stride(-1), b_sq, sb0, sb1, b_sq.stride(-1),
+            ref_sq, ref_sq.stride(0) * nb1, ref_sq.stride(0))
 
 
 def check_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, side: RowSide,

@@ -61,13 +61,15 @@ def operand_pass(
     x_ptr, R, C, nb1, sx0, sx1, sxr, sxc,
     v_ptr, sv0, sv1, svk, svj,
     l_ptr, sl0, sl1, slr, slj,
-    xv_ptr, xw_ptr, rsq_ptr, lx_ptr, wx_ptr, csq_ptr,
+    xv_ptr, xw_ptr, rsq_ptr, lx_ptr, wx_ptr, csq_ptr, vsq_ptr, lsq_ptr,
     RIGHT_V: tl.constexpr, RIGHT_W: tl.constexpr, LEFT_L: tl.constexpr, LEFT_W: tl.constexpr,
     ROW_SQ: tl.constexpr, COL_SQ: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
 ):
     """One read of X (.., R, C), BR rows a program: xv = X·V (V (.., C, 2)), xw = X·[1, 1..C], rsq = ΣX² per row
     (dense (nb, R, 2) / (nb, R)); lx = Xᵀ·L (L (.., R, 2)), wx = Xᵀ·[1, 1..R], csq = ΣX² per column (dense (nb, C, 2)
-    / (nb, C), zeroed by the caller: the programs add their rows' parts)."""
+    / (nb, C), zeroed by the caller: the programs add their rows' parts). With V, vsq = ‖V‖² per column of V (nb, 2),
+    stored by each matrix's first program (every program reads all of V); with L, lsq = ‖L‖² likewise (nb, 2, zeroed:
+    each program adds its rows'): the norms of the vectors a row check's reference dots with, for its rule."""
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)
     # Matrix pid_b of the (nb0, nb1) leading dims, each with its own strides.
@@ -88,6 +90,10 @@ def operand_pass(
         lb = l_ptr + (bi0 * sl0 + bi1 * sl1)
         l0 = tl.load(lb + rows.to(tl.int64) * slr, mask=rmask, other=0.0).to(tl.float32)
         l1 = tl.load(lb + rows.to(tl.int64) * slr + slj, mask=rmask, other=0.0).to(tl.float32)
+        tl.atomic_add(lsq_ptr + pid_b.to(tl.int64) * 2, tl.reduce(l0 * l0, 0, _add))
+        tl.atomic_add(lsq_ptr + pid_b.to(tl.int64) * 2 + 1, tl.reduce(l1 * l1, 0, _add))
+    vs0 = tl.full([BC], 0, tl.float32)
+    vs1 = tl.full([BC], 0, tl.float32)
     # The checksum weights over the rows (1..R); rows past R read X as 0.
     wr = (rows + 1).to(tl.float32)
     out_c = pid_b.to(tl.int64) * C
@@ -101,6 +107,8 @@ def operand_pass(
             v1 = tl.load(vb + cols.to(tl.int64) * svk + svj, mask=cmask, other=0.0).to(tl.float32)
             acc_v0 += tl.reduce(x * v0[None, :], 1, _add)
             acc_v1 += tl.reduce(x * v1[None, :], 1, _add)
+            vs0 += v0 * v0
+            vs1 += v1 * v1
         if RIGHT_W:
             acc_w0 += tl.reduce(x, 1, _add)
             acc_w1 += tl.reduce(x * (cols + 1).to(tl.float32)[None, :], 1, _add)
@@ -119,6 +127,9 @@ def operand_pass(
     if RIGHT_V:
         tl.store(xv_ptr + out_r * 2, acc_v0, mask=rmask)
         tl.store(xv_ptr + out_r * 2 + 1, acc_v1, mask=rmask)
+        if pid_r == 0:
+            tl.store(vsq_ptr + pid_b.to(tl.int64) * 2, tl.reduce(vs0, 0, _add))
+            tl.store(vsq_ptr + pid_b.to(tl.int64) * 2 + 1, tl.reduce(vs1, 0, _add))
     if RIGHT_W:
         tl.store(xw_ptr + out_r * 2, acc_w0, mask=rmask)
         tl.store(xw_ptr + out_r * 2 + 1, acc_w1, mask=rmask)
@@ -128,13 +139,12 @@ def operand_pass(
 
 @triton.jit
 def _other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS: tl.constexpr, BN: tl.constexpr):
-    """The rule's sums over the row's N columns (abft/gemm_rule.py): Σb (fp32), Σb² and Σj²b² (fp64), (Σb, Σj·b)
-    (fp64, the triangle bound on ‖B w‖), and of the bias: Σ|β| (fp32), Σβ², Σj²β² (fp64), Σβ, Σj·β (fp32, the bias's
-    part of the references). b_j = √(B's squared column sum) + floor_b."""
+    """The rule's sums over the row's N columns (abft/gemm_rule.py): Σb (fp32), Σb² and Σj²b² (fp64), and of the
+    bias: Σ|β| (fp32), Σβ², Σj²β² (fp64), Σβ, Σj·β (fp32, the bias's part of the references). b_j = √(B's squared
+    column sum) + floor_b."""
     sb = tl.full([BN], 0, tl.float32)
     b2_1 = tl.full([BN], 0, tl.float64)
     b2_2 = tl.full([BN], 0, tl.float64)
-    r2 = tl.full([BN], 0, tl.float64)
     babs = tl.full([BN], 0, tl.float32)
     bw2_1 = tl.full([BN], 0, tl.float64)
     bw2_2 = tl.full([BN], 0, tl.float64)
@@ -150,7 +160,6 @@ def _other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS: tl.constexpr, BN: t
         sb += b
         b2_1 += b64 * b64
         b2_2 += (w64 * b64) * (w64 * b64)
-        r2 += w64 * b64
         if HAS_BIAS:
             beta = tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
             beta64 = beta.to(tl.float64)
@@ -159,18 +168,27 @@ def _other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS: tl.constexpr, BN: t
             bw2_2 += (w64 * beta64) * (w64 * beta64)
             bref1 += beta
             bref2 += w * beta
-    sb_s = tl.reduce(sb, 0, _add)
-    return (sb_s, tl.reduce(b2_1, 0, _add), tl.reduce(b2_2, 0, _add), sb_s.to(tl.float64), tl.reduce(r2, 0, _add),
-            tl.reduce(babs, 0, _add), tl.reduce(bw2_1, 0, _add), tl.reduce(bw2_2, 0, _add), tl.reduce(bref1, 0, _add),
-            tl.reduce(bref2, 0, _add))
+    return (tl.reduce(sb, 0, _add), tl.reduce(b2_1, 0, _add), tl.reduce(b2_2, 0, _add), tl.reduce(babs, 0, _add),
+            tl.reduce(bw2_1, 0, _add), tl.reduce(bw2_2, 0, _add), tl.reduce(bref1, 0, _add), tl.reduce(bref2, 0, _add))
+
+
+@triton.jit
+def _ref_norms(terms, refsq_ptr, srq0, srq1, bi0, bi1):
+    """``_other_terms``'s sums with ‖B w‖² (w = ones, 1..N) of this matrix appended, in fp64: the operand pass
+    made them beside the references (operand_pass's vsq / lsq)."""
+    rq = refsq_ptr + (bi0 * srq0 + bi1 * srq1)
+    sb, b2_1, b2_2, babs, bw2_1, bw2_2, bref1, bref2 = terms
+    return (sb, b2_1, b2_2, babs, bw2_1, bw2_2, bref1, bref2, tl.load(rq).to(tl.float64),
+            tl.load(rq + 1).to(tl.float64))
 
 
 @triton.jit
 def _bound(a, sq, ab, ref1, ref2, terms, rule, nf, USE_ABS: tl.constexpr, CALIBRATED: tl.constexpr,
            FLUSH: tl.constexpr):
     """(bound on |d1|, bound on |d2|) per row: abft/gemm_rule.py's formulas, in its order of terms. terms:
-    ``_other_terms``'s sums; rule: the rule scalars the kernel was passed, as one tuple."""
-    sb, b2_1, b2_2, r1, r2, babs, bw2_1, bw2_2, _, _ = terms
+    ``_other_terms``'s sums and the squared norms of B w (fp64, ``_ref_norms``); rule: the rule scalars the kernel was
+    passed, as one tuple."""
+    sb, b2_1, b2_2, babs, bw2_1, bw2_2, _, _, rn1, rn2 = terms
     rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common, sigmas, near_inf, \
         sqrt_k = rule
     under = tl.full(a.shape, 0.0, tl.float32) + under0
@@ -186,8 +204,8 @@ def _bound(a, sq, ab, ref1, ref2, terms, rule, nf, USE_ABS: tl.constexpr, CALIBR
         a64 = a.to(tl.float64)
         a2 = a64 * a64
         sq64 = sq.to(tl.float64) + tiny_pad
-        v1 = a2 * (var_b * b2_1 + var_ref * (r1 * r1)) + var_bias * bw2_1 + sq_coef * sq64
-        v2 = a2 * (var_b * b2_2 + var_ref * (r2 * r2)) + var_bias * bw2_2 + (sq_coef * nf * nf) * sq64
+        v1 = a2 * (var_b * b2_1 + var_ref * rn1) + var_bias * bw2_1 + sq_coef * sq64
+        v2 = a2 * (var_b * b2_2 + var_ref * rn2) + var_bias * bw2_2 + (sq_coef * nf * nf) * sq64
         u64 = under.to(tl.float64)
         # |ref| read as 0 where it is not finite (Bound.pair's nan_to_num).
         ref1_abs = tl.where(tl.abs(ref1) <= FLT_MAX, tl.abs(ref1), 0.0).to(tl.float64)
@@ -228,6 +246,7 @@ def check_pass(
     ref_ptr, sr0, sr1, srm, srj,
     asq_ptr, sa0, sa1, sam,
     bsq_ptr, sb0, sb1, sbn,
+    refsq_ptr, srq0, srq1,
     bias_ptr,
     a_ptr, sA0, sA1, sAm, sAk,
     b_ptr, sB0, sB1, sBk, sBn, K,
@@ -265,8 +284,9 @@ def check_pass(
         if USE_ABS:
             ab += tl.reduce(tl.abs(c), 1, _add)
         ext += tl.reduce((~(tl.abs(c) <= near_inf)).to(tl.int32), 1, _add)
-    terms = _other_terms(bsq_ptr + (bi0 * sb0 + bi1 * sb1), sbn, bias_ptr, N, floor_b, HAS_BIAS, BN)
-    bref1, bref2 = terms[8], terms[9]
+    terms = _ref_norms(_other_terms(bsq_ptr + (bi0 * sb0 + bi1 * sb1), sbn, bias_ptr, N, floor_b, HAS_BIAS, BN),
+                       refsq_ptr, srq0, srq1, bi0, bi1)
+    bref1, bref2 = terms[6], terms[7]
     rule = (rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common, sigmas,
             near_inf, sqrt_k)
     nf = N * 1.0
@@ -581,6 +601,7 @@ def repair_rows(
     ref_ptr, sr0, sr1, srm, srj,
     asq_ptr, sa0, sa1, sam,
     bsq_ptr, sb0, sb1, sbn,
+    refsq_ptr, srq0, srq1,
     bias_ptr,
     a_ptr, sA0, sA1, sAm, sAk,
     b_ptr, sB0, sB1, sBk, sBn, K,
@@ -646,8 +667,9 @@ def repair_rows(
             sab += tl.reduce(tl.abs(fresh_f), 1, _add)
         if CORRECT:
             tl.store(ptrs, fresh, mask=m2)
-    terms = _other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS, BN)
-    bref1, bref2 = terms[8], terms[9]
+    terms = _ref_norms(_other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS, BN), refsq_ptr, srq0, srq1, bi0,
+                       bi1)
+    bref1, bref2 = terms[6], terms[7]
     rule = (rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common, sigmas,
             near_inf, sqrt_k)
     rb = ref_ptr + (bi0 * sr0 + bi1 * sr1)
