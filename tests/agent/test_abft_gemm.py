@@ -167,11 +167,14 @@ def _operand_side(a: torch.Tensor, b: torch.Tensor, direction: str) -> OperandSu
     """What a caller that read A and B itself passes (gemm.check.linear_sums makes these in its kernel reads)."""
     a32, b32 = a.float(), b.float()
     if direction == "row":
-        ref = a32 @ (b32 @ checksum_weights(b.shape[-1], b.device, torch.float32))
+        v_K2 = b32 @ checksum_weights(b.shape[-1], b.device, torch.float32)
+        ref = a32 @ v_K2
     else:
-        ref = (checksum_weights(a.shape[-2], a.device, torch.float32).mT @ a32 @ b32).mT
+        v_K2 = (checksum_weights(a.shape[-2], a.device, torch.float32).mT @ a32).mT
+        ref = (v_K2.mT @ b32).mT
+    # The norm of the vector the reference dotted the other operand with: the bound's reference term.
     return OperandSums(ref=ref, a_norm=torch.linalg.vector_norm(a32, dim=-1),
-                       b_norm=torch.linalg.vector_norm(b32, dim=-2))
+                       b_norm=torch.linalg.vector_norm(b32, dim=-2), ref_norm=torch.linalg.vector_norm(v_K2, dim=-2))
 
 
 @settings(max_examples=40, deadline=None)

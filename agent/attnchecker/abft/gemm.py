@@ -69,6 +69,9 @@ class OperandSums:
     ref: torch.Tensor
     a_norm: torch.Tensor
     b_norm: torch.Tensor
+    ref_norm: torch.Tensor | None = None
+    """(..., 2) the norm of the vector ref dotted the operand with (‖B w‖ for the rows, ‖wᵀA‖ for the columns), for
+    the bound's reference term; None: the triangle bound Σ_j w_j ‖B_j‖ (√n looser on uncorrelated columns)."""
 
 
 class RowVerifier(Protocol):
@@ -101,7 +104,7 @@ def verify_gemm(
     exact_sums: bool = False,
     operand_sums: OperandSums | None = None,
     row_verifier: RowVerifier | None = None,
-    ref_norms: bool = False,
+    ref_norms: bool = True,
 ) -> dict[str, DirectionCheck]:
     """The requested directions of C = A·B (+ bias) against references from A and B, for 2-D operands or batches of
     them (the same leading dims on all three, e.g. (B, H) for attention; bias 2-D only). The checks carry C's leading
@@ -131,15 +134,11 @@ def verify_gemm(
     ``row_rule``; a column check as the rows of Cᵀ) in place of the eager bound below; its check carries no rule.
     Where it declines, the eager rule.
     ref_norms: the calibrated bound's reference term from the norms of the vectors the references dot with (‖B w‖,
-    ‖wᵀA‖: direction_bounds' ``ref_norms``) instead of the triangle bound Σ_j w_j ‖B_j‖, √n looser on uncorrelated
-    columns: the rule of the GEMM checks' Triton path (abft/gemm_rule.py). Eager only (one_pass and row_verifier are
-    not asked), and not with operand_sums.
+    ‖wᵀA‖: direction_bounds' ``ref_norms``; operand_sums bring theirs) instead of the triangle bound Σ_j w_j ‖B_j‖,
+    which is √n looser on uncorrelated columns and made a 7B projection's bound 4x its RMS (bench/gemm_rule_terms.py).
+    The GEMM checks' Triton path evaluates the same rule (abft/gemm_rule.py). False: the triangle bound (a what-if).
     """
     _check_shapes(c_MN, a_MK, b_KN, bias_N)
-    if ref_norms:
-        if operand_sums is not None:
-            raise ValueError("verify_gemm: ref_norms makes its operand side itself (not with operand_sums)")
-        one_pass, row_verifier = None, None
     if not directions or any(d not in DIRECTIONS for d in directions):
         raise ValueError(f"verify_gemm: directions must be a non-empty subset of {DIRECTIONS}, got {directions!r}")
     if operand_sums is not None and (len(directions) != 1 or wide_norms or exact_sums):
@@ -160,14 +159,17 @@ def verify_gemm(
         operand_sums = _row_operands_in_one_pass(a, b, one_pass)
     if operand_sums is not None:
         refs[directions[0]] = operand_sums.ref.to(acc)
+        if ref_norms and operand_sums.ref_norm is not None:
+            norms_row, norms_col = ((operand_sums.ref_norm, None) if directions[0] == "row"
+                                    else (None, operand_sums.ref_norm))
     elif "row" in directions:
         bw_K2 = weighted_rows(b)
         refs["row"] = times_skinny(a, bw_K2)
-        norms_row = bw_K2.norm(dim=-2) if ref_norms else None
+        norms_row = _ref_norm(bw_K2, wide_norms) if ref_norms else None
     if "col" in directions and operand_sums is None:
         wa_K2 = weighted_cols(a)
         refs["col"] = (wa_K2.mT @ b).mT
-        norms_col = wa_K2.norm(dim=-2) if ref_norms else None
+        norms_col = _ref_norm(wa_K2, wide_norms) if ref_norms else None
     bias_abs_N = None
     if bias_N is not None:
         bias = bias_N.to(acc)
@@ -204,7 +206,9 @@ def verify_gemm(
         d = directions[0]
         mine_V, other_n = (a_norm_M, b_norm_N) if d == "row" else (b_norm_N, a_norm_M)
         sq_V = sums[d][1]
-        rule = row_rule(other_n[None], k=k, tol=tol, bias_abs_gn=None if bias_abs_N is None else bias_abs_N[None])
+        ref_n = norms_row if d == "row" else norms_col
+        rule = row_rule(other_n[None], k=k, tol=tol, bias_abs_gn=None if bias_abs_N is None else bias_abs_N[None],
+                        ref_norm_g2=None if ref_n is None else ref_n[None])
         native = None if rule is None else row_verifier(rule, refs[d][None], got[d][None],
                                                          None if sq_V is None else sq_V[None], mine_V[None])
         if native is not None:
@@ -230,7 +234,7 @@ def _row_operands_in_one_pass(a_MK: torch.Tensor, b_KN: torch.Tensor, one_pass: 
     ref_M2, a_sq_M = _times(one_pass, a_MK, bw_K2, "row")
     if ref_M2 is None or a_sq_M is None:
         return None
-    return OperandSums(ref=ref_M2, a_norm=a_sq_M.sqrt(), b_norm=b_sq_N.sqrt())
+    return OperandSums(ref=ref_M2, a_norm=a_sq_M.sqrt(), b_norm=b_sq_N.sqrt(), ref_norm=bw_K2.norm(dim=-2))
 
 
 def _c_side(
@@ -290,6 +294,13 @@ def _one_direction_sums(
     if with_sq:
         sq_sum = col_norms(c_MN).square()
     return abs_sum, sq_sum
+
+
+def _ref_norm(v_K2: torch.Tensor, wide: bool) -> torch.Tensor:
+    """(..., 2) ‖v‖ per weighting of the vector a reference dotted its operand with; float64 with ``wide`` (its fp32
+    square sum overflows where the operand norms do: ``_widened``)."""
+    norm_2: torch.Tensor = torch.linalg.vector_norm(v_K2.double() if wide else v_K2, dim=-2)
+    return norm_2
 
 
 def _widened(norm_V: torch.Tensor, x: torch.Tensor, k: int, norms: Callable[[torch.Tensor], torch.Tensor]

@@ -255,9 +255,10 @@ def linear_sums(x_MI: torch.Tensor, w_IO: torch.Tensor, *, forward: bool
     if xs is None or xs.right is None or xs.col_sq is None or (forward and xs.row_sq is None):
         return None
     backward = LinearSums(xw_M2=xs.right[:, -2:], x_col_I=xs.col_sq.sqrt(), ww_O2=ww_O2, w_col_I=w_col_sq.sqrt())
-    if not forward or xs.row_sq is None or b_sq_O is None:
+    if not forward or xs.row_sq is None or b_sq_O is None or bw_I2 is None:
         return None, backward
-    return OperandSums(ref=xs.right[:, :2], a_norm=xs.row_sq.sqrt(), b_norm=b_sq_O.sqrt()), backward
+    return OperandSums(ref=xs.right[:, :2], a_norm=xs.row_sq.sqrt(), b_norm=b_sq_O.sqrt(),
+                       ref_norm=bw_I2.norm(dim=-2)), backward
 
 
 def backward_sums(dy_MO: torch.Tensor, sums: LinearSums, *, need_x: bool, dw_direction: str | None
@@ -276,14 +277,15 @@ def backward_sums(dy_MO: torch.Tensor, sums: LinearSums, *, need_x: bool, dw_dir
     if need_x:
         if ds.right is None or ds.row_sq is None:
             return None
-        dx = ("row", OperandSums(ref=ds.right, a_norm=ds.row_sq.sqrt(), b_norm=sums.w_col_I))
+        dx = ("row", OperandSums(ref=ds.right, a_norm=ds.row_sq.sqrt(), b_norm=sums.w_col_I,
+                                 ref_norm=sums.ww_O2.norm(dim=-2)))
     if dw_direction is not None:
         if ds.left is None or ds.col_sq is None:
             return None
         dy_col_O = ds.col_sq.sqrt()
         # A's rows and B's columns as the GEMM is written: dyᵀ·x (A = dyᵀ) or xᵀ·dy (A = xᵀ).
         a_norm, b_norm = (dy_col_O, sums.x_col_I) if dw_direction == "row" else (sums.x_col_I, dy_col_O)
-        dw = (dw_direction, OperandSums(ref=ds.left, a_norm=a_norm, b_norm=b_norm))
+        dw = (dw_direction, OperandSums(ref=ds.left, a_norm=a_norm, b_norm=b_norm, ref_norm=sums.xw_M2.norm(dim=-2)))
     return dx, dw
 
 
