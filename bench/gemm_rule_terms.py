@@ -1,13 +1,13 @@
-"""Which term sets the whole-step GEMM checks' row bound, on the two paths: the CPU path's verify_gemm, whose
-calibrated bound takes the triangle bound Σ_j w_j ‖B_j‖ for the norm of the vector its reference dots A's rows with,
-and the GPU path's (the GEMM checks' Triton path: abft/gemm_rule.py, ``verify_gemm(ref_norms=True)``), which takes
-that vector's norm ‖B w‖, made beside the reference. The triangle bound is √n looser on uncorrelated columns.
+"""Which term sets the GEMM checks' row bound (verify_gemm's rule, which the GEMM checks' Triton path evaluates per
+row: abft/gemm_rule.py), with the reference's term from the norm of the vector the reference dots A's rows with,
+‖B w‖ (the rule of both paths), and from the triangle bound Σ_j w_j ‖B_j‖ instead (``verify_gemm(ref_norms=False)``,
+the rule before ‖B w‖ was passed), √n looser on uncorrelated columns.
 
 On the coverage campaign's projection operands (bench/coverage.py's q: LLM-like activations with outlier channels
 against a random weight; out: without outliers), per shape and dtype: the median over rows of each calibrated
 variance term for w = ones (the product's rounding, the reference's by either norm, the checksum's forming and the
 output's rounding), the median bound over the product's RMS and the worst clean residual over its bound, for each
-rule. A bound many times its clean residuals lets finite errors under it pass (docs/fault-coverage.md, "Projections
+form. A bound many times its clean residuals lets finite errors under it pass (docs/fault-coverage.md, "Projections
 on a GPU"). Deterministic: one run.
 
     python bench/gemm_rule_terms.py [--shapes gpt2,7b] [--dtypes fp32,bf16,fp16] [--out docs/perf/gemm_rule_terms.json]
@@ -32,8 +32,7 @@ from attnchecker.abft.gemm_rule import gemm_row_rule
 
 
 def terms(op_name: str, shape: str, dtype_name: str) -> dict[str, Any]:
-    """One product's rule terms, bound and clean ratios under the CPU path's rule (triangle) and the GPU path's
-    (ref_norms)."""
+    """One product's rule terms, bound and clean ratios with the reference's norm and with the triangle bound."""
     op = campaign.Op(op_name, campaign.SHAPES[shape], dtype_name, seed=0)
     acc = torch.float32
     x_MK, b_KN, c_MN = op.x[0].to(acc), op.w.to(acc).T, op.c[0].to(acc)
@@ -48,7 +47,7 @@ def terms(op_name: str, shape: str, dtype_name: str) -> dict[str, Any]:
     use_abs = op.c.dtype != acc
     abs_M, sq_M = c_MN.abs().sum(1), c_MN.square().sum(1)
     out: dict[str, Any] = {"op": op_name, "shape": shape, "dtype": dtype_name, "n": n, "k": k, "rms": op.rms}
-    for name, ref_norms in (("cpu_path_triangle", (None, None)), ("gpu_path_ref_norms", (bw_2, None))):
+    for name, ref_norms in (("triangle", (None, None)), ("ref_norms", (bw_2, None))):
         rule = direction_bounds(("row",), a_M, b_N, k=k, out_dtype=op.c.dtype, tol=tol, use_abs=use_abs,
                                 ref_norms=ref_norms)["row"]
         b1, b2 = rule.pair(abs_M if use_abs else None, sq_M, ref_M2)
@@ -78,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         args.shapes, args.dtypes = "tiny", "fp32,bf16"
     rows = [terms(op, shape, dtype) for shape in args.shapes.split(",") for dtype in args.dtypes.split(",")
             for op in args.ops.split(",")]
-    cpu, gpu = "cpu_path_triangle", "gpu_path_ref_norms"
+    cpu, gpu = "triangle", "ref_norms"
     print(_common.table([[r["shape"], r["dtype"], r["op"], r[cpu]["median_bound_over_rms"],
                           r[gpu]["median_bound_over_rms"], r[cpu]["worst_clean_ratio"], r[gpu]["worst_clean_ratio"],
                           max(r["median_variance_w1"], key=r["median_variance_w1"].get)] for r in rows],
-                        ["shape", "dtype", "op", "bound/RMS, CPU path", "GPU path", "worst clean ratio, CPU path",
-                         "GPU path", "largest term, CPU path"]))
+                        ["shape", "dtype", "op", "bound/RMS, triangle", "with ||Bw||", "worst clean ratio, triangle",
+                         "with ||Bw||", "largest term, triangle"]))
     path = _common.write_result("gemm_rule_terms", {"rows": rows}, args.out)
     print(f"wrote {path}")
     return 0
