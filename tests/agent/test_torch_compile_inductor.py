@@ -1,19 +1,23 @@
 """Training under ``torch.compile(backend="inductor")`` with the default (adaptive) policy and scope="all" (issue 35):
 the schedule changes which ops are checked, and how, from step to step inside the ops' bodies, so it costs no
 recompilation; every injected extreme fault is corrected, and the losses and the trained weights are the fault-free
-ones. One tiny Llama, 20 steps: Inductor builds C++ here, tens of seconds per graph."""
+ones, on the CPU's GEMM check path and on the Triton path a GPU takes. One tiny Llama, 20 steps: Inductor builds C++
+here, tens of seconds per graph."""
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from model_zoo import batch, build, loss_of, rel_diff
 
 import attnchecker
 from attnchecker.compiled import kept_count
+from attnchecker.gemm import device
 from attnchecker.inject import Fault, FaultPlan
+from attnchecker.kernels import triton_gemm_check as tg
 
 ARCH, STEPS = "llama", 20
 # Layers: 0 and 1 are the attention layers; under scope="all" the Linear modules follow in module order (layer 0's
@@ -55,8 +59,18 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, backend: Any) -> 
     return losses
 
 
-def test_inductor_training_corrects_every_fault_without_recompiling() -> None:
+@pytest.mark.parametrize("gemm", ["cpu", "triton"])
+def test_inductor_training_corrects_every_fault_without_recompiling(gemm: str, monkeypatch: pytest.MonkeyPatch
+                                                                    ) -> None:
+    """On both GEMM check paths: the CPU's, and the Triton path a GPU takes (its kernels under Triton's interpreter
+    here), whose projection and Linear checks then run inside the compiled graphs' checked ops."""
     from torch._inductor.compile_fx import compile_fx
+
+    if gemm == "triton":
+        if not (tg.available() and tg.interpreted()):
+            pytest.skip("the Triton path on CPU tensors needs Triton's interpreter")
+        monkeypatch.setenv(device.GEMM_ENV, "triton")
+    tg.LAUNCHES.reset()
 
     # The reference: the unprotected model, fault-free, with its graphs counted by Dynamo (no Inductor needed).
     torch._dynamo.reset()
@@ -89,3 +103,4 @@ def test_inductor_training_corrects_every_fault_without_recompiling() -> None:
     for (name, p), q in zip(model.named_parameters(), want_model.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
     assert kept_count() == 0  # every graph a checked op kept for its backward was used and dropped
+    assert (tg.LAUNCHES.by_kernel.get("check_pass", 0) > 0) == (gemm == "triton")
