@@ -207,3 +207,45 @@ def test_operand_sums_go_with_one_direction_only() -> None:
     a, b = randn((4, 5), 0, torch.float32), randn((5, 3), 1, torch.float32)
     with pytest.raises(ValueError, match="one direction"):
         verify_gemm(a @ b, a, b, Tolerance(), operand_sums=_operand_side(a, b, "row"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(m=st.integers(1, 24), k=st.integers(1, 48), groups=st.integers(2, 5), run=st.integers(1, 40),
+       dtype=st.sampled_from(DTYPES), with_bias=st.booleans(), lead=st.booleans(), seed=st.integers(0, 10_000))
+def test_rows_in_runs_are_each_runs_own_subproduct_check(m: int, k: int, groups: int, run: int, dtype: torch.dtype,
+                                                         with_bias: bool, lead: bool, seed: int) -> None:
+    """verify_gemm(groups=g) checks row i as g runs of n/g columns (vector i·g + h): each run's reference, residual
+    and bound are those of the sub-product A·B[:, run h] (+ its bias) checked on its own, and a product with an
+    error in one run flags that vector only."""
+    n = groups * run
+    shape = (2,) if lead and not with_bias else ()
+    a, b = randn((*shape, m, k), seed, dtype), randn((*shape, k, n), seed + 1, dtype)
+    bias = randn((n,), seed + 2, dtype) if with_bias else None
+    c = product(a, b, bias)
+    tol = Tolerance()
+    got = verify_gemm(c, a, b, tol, bias_N=bias, directions=("row",), groups=groups)["row"]
+    assert got.groups == groups and got.bad.shape[-1] == m * groups
+    for h in range(groups):
+        cols = slice(h * run, (h + 1) * run)
+        want = verify_gemm(c[..., cols], a, b[..., cols], tol, bias_N=None if bias is None else bias[cols],
+                           directions=("row",))["row"]
+        # The same residuals up to the sums' own order (well inside the bound), the same bound.
+        gap = (got.diff[..., h::groups, :] - want.diff).abs().amax(-1)
+        assert bool((gap <= 0.01 * want.bound).all()), (gap, want.bound)
+        torch.testing.assert_close(got.bound[..., h::groups], want.bound, rtol=1e-5, atol=0.0)
+    assert not bool(got.bad.any())
+    i, h = seed % m, (seed // m) % groups
+    c[..., i, h * run + seed % run] += 8 * float(got.bound.reshape(-1, m * groups)[0, i * groups + h]) + 1.0
+    bad = verify_gemm(c, a, b, tol, bias_N=bias, directions=("row",), groups=groups)["row"].bad
+    assert bad.reshape(-1, m * groups)[0].nonzero().flatten().tolist() == [i * groups + h]
+
+
+def test_runs_go_with_the_rows_and_divide_them() -> None:
+    a, b = randn((4, 8), 0, torch.float32), randn((8, 12), 1, torch.float32)
+    c = a @ b
+    with pytest.raises(ValueError, match="rows only"):
+        verify_gemm(c, a, b, Tolerance(), groups=3)
+    with pytest.raises(ValueError, match="divide"):
+        verify_gemm(c, a, b, Tolerance(), directions=("row",), groups=5)
+    with pytest.raises(ValueError, match="eagerly"):
+        verify_gemm(c, a, b, Tolerance(), directions=("row",), groups=3, wide_norms=True)

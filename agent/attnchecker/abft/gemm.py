@@ -21,6 +21,7 @@ from .checksum import (
     checksum_weights,
     checksums_of,
     col_norms,
+    group_sums_rows,
     times_skinny,
     verify_direction,
     weighted_cols,
@@ -105,6 +106,7 @@ def verify_gemm(
     operand_sums: OperandSums | None = None,
     row_verifier: RowVerifier | None = None,
     ref_norms: bool = True,
+    groups: int = 1,
 ) -> dict[str, DirectionCheck]:
     """The requested directions of C = A·B (+ bias) against references from A and B, for 2-D operands or batches of
     them (the same leading dims on all three, e.g. (B, H) for attention; bias 2-D only). The checks carry C's leading
@@ -137,8 +139,18 @@ def verify_gemm(
     ‖wᵀA‖: direction_bounds' ``ref_norms``; operand_sums bring theirs) instead of the triangle bound Σ_j w_j ‖B_j‖,
     which is √n looser on uncorrelated columns and made a 7B projection's bound 4x its RMS (bench/gemm_rule_terms.py).
     The GEMM checks' Triton path evaluates the same rule (abft/gemm_rule.py). False: the triangle bound (a what-if).
+    groups: g > 1 checks each row as g runs of N/g consecutive columns, each its own checksum pair (weights ones and
+    1..N/g; abft/checksum.py's grouped layout: the check's vectors are (..., M·g), run h of row i at i·g + h), each run
+    the product of A with a column block of B and bounded as that sub-product. A run's residual sums N/g output
+    roundings, not N: the clean bound of a half-precision product, which its output rounding sets, drops √g. Rows
+    only, computed here (not with one_pass, operand_sums or row_verifier); the GEMM checks' Triton path groups its
+    rows so (gemm/device.py) and is held to this.
     """
     _check_shapes(c_MN, a_MK, b_KN, bias_N)
+    if groups != 1:
+        return _verify_grouped_rows(c_MN, a_MK, b_KN, tol, groups, bias_N=bias_N, operand_roundoff=operand_roundoff,
+                                    directions=directions, ref_norms=ref_norms,
+                                    other=(wide_norms, exact_sums, one_pass, operand_sums, row_verifier))
     if not directions or any(d not in DIRECTIONS for d in directions):
         raise ValueError(f"verify_gemm: directions must be a non-empty subset of {DIRECTIONS}, got {directions!r}")
     if operand_sums is not None and (len(directions) != 1 or wide_norms or exact_sums):
@@ -223,6 +235,54 @@ def verify_gemm(
             chk = verify_direction(refs[d], got[d], rules[d], *sums[d])
             out[d] = _full(chk) if c_MN.dim() > 2 else _batched(chk)
     return out
+
+
+def _verify_grouped_rows(
+    c_MN: torch.Tensor, a_MK: torch.Tensor, b_KN: torch.Tensor, tol: Tolerance, groups: int, *,
+    bias_N: torch.Tensor | None, operand_roundoff: float | None, directions: tuple[str, ...], ref_norms: bool,
+    other: tuple[object, ...],
+) -> dict[str, DirectionCheck]:
+    """verify_gemm's row check with ``groups`` checksum runs per row (its docstring): references A·(B_h w) per column
+    block B_h of B, C's run sums, and the rule of each block's sub-product with the groups a batch dim, laid out as
+    grouped vectors (``Bound.grouped``)."""
+    n = c_MN.shape[-1]
+    if directions != ("row",) or groups < 1 or n % groups:
+        raise ValueError(f"verify_gemm: groups={groups} checks rows only (directions=('row',)) in runs that divide "
+                         f"the row's {n} columns")
+    if any(o not in (None, False) for o in other):
+        raise ValueError("verify_gemm: grouped rows are computed eagerly: pass no wide_norms, exact_sums, one_pass, "
+                         "operand_sums or row_verifier with groups")
+    k = a_MK.shape[-1]
+    acc = acc_dtype(c_MN.dtype)
+    a, b, c = a_MK.to(acc), b_KN.to(acc), c_MN.to(acc)
+    roundoff = tol.mode == "roundoff"
+    use_abs = c_MN.dtype != acc and roundoff
+    with_sq = roundoff and tol.calibrated
+    bw_Kg2 = group_sums_rows(b, groups)
+    ref_Mg2 = _runs(times_skinny(a, bw_Kg2.flatten(-2)), groups)
+    bias_abs_gL = None
+    if bias_N is not None:
+        ref_Mg2 = ref_Mg2 + group_sums_rows(bias_N.to(acc)[None], groups)[0]
+        bias_abs_gL = _runs(bias_N.to(acc).abs(), groups)
+    c_MgL = _runs(c, groups)
+    abs_V = c_MgL.abs().sum(-1).flatten(-2) if use_abs else None
+    sq_V = torch.linalg.vector_norm(c_MgL, dim=-1).square().flatten(-2) if with_sq else None
+    cast_to = c_MN.dtype if (a_MK.dtype != c_MN.dtype or b_KN.dtype != c_MN.dtype) else None
+    # Per block: ‖B_h w‖ (..., g, 2) and ‖B_j‖ (..., g, N/g); A's row norms shared by the blocks.
+    ref_norm_g2 = _runs(_ref_norm(bw_Kg2.flatten(-2), False), groups) if ref_norms else None
+    rule = direction_bounds(("row",), _row_norms(a)[..., None, :], _runs(_col_norms(b), groups), k=k,
+                            out_dtype=c_MN.dtype, tol=tol, bias_abs_C=bias_abs_gL, use_abs=use_abs,
+                            operands_cast_to=cast_to,
+                            operand_roundoff=operand_roundoff if c_MN.dtype == torch.float32 else None,
+                            ref_norms=(ref_norm_g2, None))["row"].grouped()
+    chk = verify_direction(ref_Mg2.flatten(-3, -2), group_sums_rows(c, groups).flatten(-3, -2), rule, abs_V, sq_V,
+                           groups=groups)
+    return {"row": _full(chk) if c_MN.dim() > 2 else _batched(chk)}
+
+
+def _runs(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(..., g, n/g): x's last dim split into g runs."""
+    return x.reshape(*x.shape[:-1], groups, x.shape[-1] // groups)
 
 
 def _row_operands_in_one_pass(a_MK: torch.Tensor, b_KN: torch.Tensor, one_pass: OnePass) -> OperandSums | None:
@@ -333,7 +393,8 @@ def _full(chk: DirectionCheck) -> DirectionCheck:
     """The bound rule's base expanded to the check's shape: ``abft.repair`` indexes it per matrix. d2's bound is
     kept: the margin histogram takes the larger of the two ratios (records._worst_ratio)."""
     return DirectionCheck(ref=chk.ref, diff=chk.diff, bound=chk.bound, bad=chk.bad,
-                          rule=None if chk.rule is None else chk.rule.select(..., chk.bad.shape), bound2=chk.bound2)
+                          rule=None if chk.rule is None else chk.rule.select(..., chk.bad.shape), bound2=chk.bound2,
+                          groups=chk.groups)
 
 
 def _batched(chk: DirectionCheck) -> DirectionCheck:
@@ -345,7 +406,7 @@ def _batched(chk: DirectionCheck) -> DirectionCheck:
         rule = dataclasses.replace(rule, base=rule.base[None], offset_NV=offset,
                                    var_NV2=None if rule.var_NV2 is None else rule.var_NV2[None])
     return DirectionCheck(ref=chk.ref[None], diff=chk.diff[None], bound=chk.bound[None], bad=chk.bad[None], rule=rule,
-                          bound2=None if chk.bound2 is None else chk.bound2[None])
+                          bound2=None if chk.bound2 is None else chk.bound2[None], groups=chk.groups)
 
 
 def exact_gemm_elements(
