@@ -43,9 +43,10 @@ def corrupt(value: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "near_inf":
         return torch.full_like(value, 3e20)
     if kind == "bitflip":
-        # The top exponent bit of an fp32 value: a moderate value becomes ~1e38 (or a tiny one ~2^-126 becomes ~1).
-        bits = value.detach().clone().view(torch.int32) ^ (1 << 30)
-        return bits.view(torch.float32)
+        # The top exponent bit: a moderate fp32 or bf16 value becomes ~1e38 (fp16: INF or NaN), a tiny one ~1.
+        if value.dtype == torch.float32:
+            return (value.detach().clone().view(torch.int32) ^ (1 << 30)).view(torch.float32)
+        return (value.detach().clone().reshape(1).view(torch.int16) ^ (1 << 14)).view(value.dtype).reshape(())
     raise ValueError(kind)
 
 

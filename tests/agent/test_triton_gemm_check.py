@@ -120,9 +120,60 @@ def test_the_rule_takes_the_references_norm_not_the_triangle_bound() -> None:
     c[i, j] = (c[i, j].float() + 2 * float(norms.bound[0, i])).to(dtype)
     assert not bool(verify_gemm(c, a, b, Tolerance(), directions=("row",), ref_norms=False)["row"].bad[0, i])
     assert verify_gemm(c, a, b, Tolerance(), directions=("row",))["row"].bad[0].nonzero().flatten().tolist() == [i]
-    got = device.check_product(c, a, b, None, Tolerance(), correct=False)
+    # One checksum pair per row, as these verify_gemm calls check it (512 columns would otherwise be 2 runs).
+    got = device.check_product(c, a, b, None, Tolerance(grouped=False), correct=False)
     assert (got.code != 0).nonzero().flatten().tolist() == [i]
     assert float(got.slot_f[0, 2]) == pytest.approx(float(norms.bound[0, i]), rel=1e-4)
+
+
+@settings(max_examples=16)
+@given(m=st.integers(1, 40), k=st.integers(1, 96), n=st.sampled_from([512, 768, 1000, 1536, 2304]),
+       dtype=st.sampled_from(DTYPES), bias=st.booleans(), cast=st.booleans(),
+       fault=st.sampled_from([None, 0.25, 4.0]), seed=st.integers(0, 2**31 - 1))
+def test_rows_in_runs_flag_what_verify_gemm_flags_by_runs(m: int, k: int, n: int, dtype: torch.dtype, bias: bool,
+                                                          cast: bool, fault: float | None, seed: int) -> None:
+    """Rows of 512 columns and more are checked in runs (device.runs: 2 to MAX_RUNS runs of at least 256 columns,
+    each its own checksum pair), as verify_gemm(groups=runs) checks them: a row is flagged where one of its runs is,
+    clean or with an error of 1/4 or 4 times its run's bound (1000 columns: runs of 500, across the kernel's tiles),
+    and a flagged row's bound is its flagged run's."""
+    cast = cast and dtype != torch.float32
+    c, a, b, beta = product(m, k, n, dtype, seed=seed, bias=bias, cast=cast)
+    r = device.runs(n, Tolerance())
+    assert r == {512: 2, 768: 3, 1000: 2, 1536: 6, 2304: 8}[n]
+    i, j = seed % m, (seed // m) % n
+    if fault is not None:
+        chk = verify_gemm(c, a, b, Tolerance(), bias_N=beta, directions=("row",), groups=r)["row"]
+        assert chk.bound2 is not None
+        v = i * r + j // (n // r)
+        e = fault * min(float(chk.bound[0, v]), float(chk.bound2[0, v]) / (j % (n // r) + 1))
+        c[i, j] = (c[i, j].float() + e).to(dtype)
+    want = verify_gemm(c, a, b, Tolerance(), bias_N=beta, directions=("row",), groups=r)["row"]
+    bad_MR = want.bad[0].view(m, r)
+    got = device.check_product(c, a, b, beta, Tolerance(), correct=False)
+    assert torch.equal(got.code != 0, bad_MR.any(1)), ((got.code != 0).nonzero().tolist(), bad_MR.nonzero().tolist())
+    if fault == 4.0:
+        assert bool(got.code[i] != 0)
+    n_flagged = int(got.state[tg.STATE["flagged"]])
+    for row, bound in zip(got.slot_i[:n_flagged, 1].tolist(), got.slot_f[:n_flagged, 2].tolist(), strict=True):
+        run = int(bad_MR[row].nonzero()[0, 0])
+        assert bound == pytest.approx(float(want.bound[0, row * r + run]), rel=1e-4)
+
+
+def test_runs_catch_what_one_pair_per_row_misses() -> None:
+    """The point of the runs: a bf16 product's clean bound is its output rounding over the checksum's elements, so
+    a run of a third of the row has a bound about √3 smaller. An error of 1.2 times the run's bound is flagged in
+    runs and passes one pair per row (Tolerance(grouped=False)), on both verify_gemm and the kernels."""
+    dtype = torch.bfloat16
+    c, a, b, _ = product(16, 256, 768, dtype, seed=11)
+    by_runs = verify_gemm(c, a, b, Tolerance(), directions=("row",), groups=3)["row"]
+    whole = verify_gemm(c, a, b, Tolerance(), directions=("row",))["row"]
+    i, j = 4, 500
+    assert float(by_runs.bound[0, i * 3 + 2]) < 0.7 * float(whole.bound[0, i])
+    c[i, j] = (c[i, j].float() + 1.2 * float(by_runs.bound[0, i * 3 + 2])).to(dtype)
+    assert device.check_product(c.clone(), a, b, None, Tolerance(), correct=False).code.nonzero().flatten().tolist() \
+        == [i]
+    assert not bool(device.check_product(c.clone(), a, b, None, Tolerance(grouped=False), correct=False).code.any())
+    assert not bool(verify_gemm(c, a, b, Tolerance(), directions=("row",))["row"].bad.any())
 
 
 KINDS = {"inf": float("inf"), "nan": float("nan"), "1e20": 1e20, "bitflip": None}

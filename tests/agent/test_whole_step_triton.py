@@ -218,6 +218,63 @@ def test_every_linear_gemm_of_a_step_is_corrected_on_the_triton_path(arch: str, 
     assert not failures
 
 
+WIDE = {"gpt2": {"n_layer": 1, "n_embd": 512, "n_head": 8},
+        "llama": {"num_hidden_layers": 1, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8,
+                  "num_key_value_heads": 8}}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_wide_layers_are_checked_in_runs_and_their_faults_corrected(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of 512 columns and more are checked in runs on the Triton path (device.runs). At width 512 every
+    Linear/Conv1D GEMM but the LM head's forward has such rows: GPT-2's c_fc 8 runs, its fused c_attn (checked per
+    q/k/v slice) and the rest 2, every dX and dW 2 or 8; Llama's q/k/v/o and down 2, gate and up 4. A clean step
+    flags nothing and checks some GEMM in each of those run counts; every GEMM of GPT-2's step with a 1,536- or
+    2,048-wide side (its c_attn and MLP Conv1Ds forward, dX and dW: both weight layouts' passes, the fused
+    projection's slices, 8 runs) and Llama's sample (``linear_sample``), hit in turn below
+    autograd, the four kinds rotating, is corrected or recomputed with the fault-free gradients (fp32, to 1e-5: a
+    corrected half-precision element is the exact value rounded, which the GEMM's own may differ from by an ulp)."""
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+    seen_runs: list[int] = []
+    launch = tg.check_pass
+
+    def spy(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, side: tg.RowSide,
+            *args: object, **kwargs: object) -> tg.Check:
+        seen_runs.append(side.runs)
+        return launch(c, a, b, bias, side, *args, **kwargs)
+
+    monkeypatch.setattr(tg, "check_pass", spy)
+
+    def step(injector: GemmInjector) -> tuple[dict[str, torch.Tensor], bool, list]:
+        model = build(arch, **WIDE[arch])
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        guard = attnchecker.protect(model, optimizer=opt, policy=Policy.full(), scope="all")
+        try:
+            grads = injected_step(arch, model, opt, injector)
+            return grads, all(bool(torch.isfinite(p).all()) for p in model.parameters()), list(guard.detections)
+        finally:
+            guard.close()
+
+    recorder = GemmInjector()
+    clean, finite, detections = step(recorder)
+    assert finite and not detections
+    assert set(seen_runs) >= ({1, 2, 8} if arch == "gpt2" else {1, 2, 4}), sorted(set(seen_runs))
+    calls = [c for c in recorder.calls if is_model_gemm(c) and not (c.phase == "forward" and c.op == "bmm")]
+    calls = ([c for c in calls if {1536, 2048} & {*c.shape, c.k}] if arch == "gpt2"
+             else linear_sample(recorder.calls))
+    failures = []
+    for n, call in enumerate(calls):
+        kind = KINDS[n % len(KINDS)]
+        injector = GemmInjector(target=call.index, kind=kind, element=5 + 31 * n)
+        grads, finite, detections = step(injector)
+        assert injector.hit == call, "the faulty run made different GEMM calls before the target"
+        outcome = [(d.op, d.action) for d in detections]
+        if not (finite and worst_rel(grads, clean) <= 1e-5 and outcome
+                and all(op in (*GEMM_OPS, *PROJECTION_OPS) and action in ("corrected", "recomputed")
+                        for op, action in outcome)):
+            failures.append((call, kind, worst_rel(grads, clean), outcome))
+    assert not failures
+
+
 @pytest.mark.parametrize(("arch", "projections"), [("gpt2", 2), ("llama", 4)])
 def test_a_projection_fault_on_a_quiet_step_is_recomputed_on_the_device(arch: str, projections: int,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:

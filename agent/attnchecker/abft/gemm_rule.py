@@ -14,7 +14,8 @@ vector the reference dots A's row with ‖B w‖ (the operand pass makes it besi
   bound_w = min(rig_w, cal_w) where calibrated, NaN and +INF read near_inf (``tolerance._clamp``)
 
 which is ``direction_bounds(("row",), ..., ref_norms=(‖B w‖, None))`` followed by ``Bound.pair`` for
-``verify_gemm(..., ref_norms=True)``'s arguments, term by term: the
+``verify_gemm(..., ref_norms=True)``'s arguments, term by term. A row checked in g runs (``verify_gemm(groups=g)``)
+takes this rule with n = N/g per run, its sums over the run's columns and ‖B_h w‖ of its block: the
 line of that function each scalar comes from is named below. tests/agent/test_triton_gemm_check.py holds the kernel's
 verdicts to verify_gemm's. Pure: floats in, floats out.
 """

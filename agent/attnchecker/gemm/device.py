@@ -57,7 +57,8 @@ from ..kernels import triton_gemm_check as tg
 from ..matmul_precision import fp32_matmul_operand_roundoff
 
 __all__ = ["GEMM_ENV", "MODES", "DeviceGemm", "KernelFailed", "LinearSides", "check_gemms", "check_product", "failed",
-           "linear_backward", "linear_forward", "native_allowed", "requested", "takes", "trip_gemms", "trip_product"]
+           "linear_backward", "linear_forward", "native_allowed", "requested", "runs", "takes", "trip_gemms",
+           "trip_product"]
 
 log = logging.getLogger("attnchecker")
 
@@ -175,12 +176,13 @@ def check_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Te
     if not gemms or ctx.config.mode == "off":
         return
     todo = [DeviceGemm(op, c, a, b, bias) for op, c, a, b, bias in gemms]
+    tol = _tolerance(ctx)
     clock, call = Clock(todo[0].c.device, full=tier == "abft"), _Launches()
     try:
         with call, torch.no_grad():
-            ws = tg.Workspace(todo[0].c.device, sum(_side_floats(g) + tg.STATE_SIZE for g in todo))
+            ws = tg.Workspace(todo[0].c.device, sum(_side_floats(g, tol) + tg.STATE_SIZE for g in todo))
             for g in todo:
-                _check(ctx, g, _row_side(g, ws), ws, tier=tier)
+                _check(ctx, g, _row_side(g, ws, tol), ws, tier=tier)
                 call.done += 1
     finally:
         if call.done:  # the GEMMs checked before a failure are counted; the CPU path counts the rest
@@ -214,16 +216,24 @@ def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
         _count_trips(ctx, [g.op for g in todo[:call.done]], clock.seconds(ctx))
 
 
-def _side_floats(g: DeviceGemm) -> int:
-    return tg.operand_floats(g.b, col_sq=True) + tg.operand_floats(g.a, right=True)
+def runs(n: int, tol: Tolerance) -> int:
+    """Checksum runs per row of n columns under ``tol`` on this path (kernels/triton_gemm_check.runs): grouped
+    round-off checks only, as the CPU's grouped checks (checks.product._groups); the paper's threshold keeps one."""
+    return tg.runs(n) if tol.grouped and tol.mode == "roundoff" else 1
 
 
-def _row_side(g: DeviceGemm, ws: tg.Workspace) -> tg.RowSide:
-    """A GEMM's row references and norms from one read of B (B w, ‖B_j‖²) and one of A (A·(B w), ‖A_i‖²)."""
-    bo = tg.operand_pass(g.b, ws, right_w=True, col_sq=True)
+def _side_floats(g: DeviceGemm, tol: Tolerance) -> int:
+    return tg.operand_floats(g.b, col_sq=True) + tg.operand_floats(g.a, right=2 * runs(g.c.shape[-1], tol))
+
+
+def _row_side(g: DeviceGemm, ws: tg.Workspace, tol: Tolerance) -> tg.RowSide:
+    """A GEMM's row references and norms from one read of B (B_h w per run h, ‖B_j‖²) and one of A (A·(B_h w),
+    ‖A_i‖²)."""
+    r = runs(g.c.shape[-1], tol)
+    bo = tg.operand_pass(g.b, ws, right_w=r, col_sq=True)
     ao = tg.operand_pass(g.a, ws, right=bo.xw, row_sq=True)
     assert ao.xv is not None and ao.rsq is not None and bo.csq is not None and ao.vsq is not None
-    return tg.RowSide(ref=ao.xv, a_sq=ao.rsq, b_sq=bo.csq, ref_sq=ao.vsq)
+    return tg.RowSide(ref=ao.xv, a_sq=ao.rsq, b_sq=bo.csq, ref_sq=ao.vsq, runs=r)
 
 
 def check_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, tol: Tolerance, *,
@@ -231,9 +241,9 @@ def check_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch
     """One product's row check on this path outside a guard (tests, bench/): its operand passes, check pass and
     repair kernel, the outcome left in the returned Check's device tensors (``Check.code`` per row). No sync."""
     g = DeviceGemm("product", c, a, b, bias)
-    ws = tg.Workspace(c.device, _side_floats(g) + tg.STATE_SIZE)
+    ws = tg.Workspace(c.device, _side_floats(g, tol) + tg.STATE_SIZE)
     with torch.no_grad():
-        chk = _launch(g, _row_side(g, ws), ws, tol, correct=correct)
+        chk = _launch(g, _row_side(g, ws, tol), ws, tol, correct=correct)
     return chk
 
 
@@ -250,23 +260,25 @@ def trip_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.
 def _trip_launch(g: DeviceGemm, ws: tg.Workspace, tol: Tolerance, *, correct: bool,
                  faults: tuple[tg.EmulatedFault, ...] = ()) -> tg.Check:
     """The tier-1 pass of one GEMM under ``tol``, which recomputes the rows holding an extreme element itself."""
-    return tg.trip_pass(g.c, g.a, g.b, g.bias, _rule(g, tol), ws, correct=correct, faults=faults)
+    return tg.trip_pass(g.c, g.a, g.b, g.bias, _rule(g, tol, 1), ws, correct=correct, faults=faults)
 
 
 def _launch(g: DeviceGemm, side: tg.RowSide, ws: tg.Workspace, tol: Tolerance, *, correct: bool,
             faults: tuple[tg.EmulatedFault, ...] = ()) -> tg.Check:
-    """The check pass and the repair kernel of one GEMM under ``tol`` (verify_gemm's rule for it)."""
-    chk = tg.check_pass(g.c, g.a, g.b, g.bias, side, _rule(g, tol), ws, correct=correct)
+    """The check pass and the repair kernel of one GEMM under ``tol`` (verify_gemm's rule for it, per run)."""
+    chk = tg.check_pass(g.c, g.a, g.b, g.bias, side, _rule(g, tol, side.runs), ws, correct=correct)
     tg.repair_rows(chk, faults=faults)
     return chk
 
 
-def _rule(g: DeviceGemm, tol: Tolerance) -> GemmRowRule:
-    """verify_gemm's row rule for this GEMM (the fp32 GEMMs' operand rounding asked of the flags only for an fp32
-    output, the one the rule reads it for: a lookup of the flags is a tenth of a tier-1 call's host time)."""
+def _rule(g: DeviceGemm, tol: Tolerance, n_runs: int) -> GemmRowRule:
+    """verify_gemm's row rule for this GEMM, of each run of its rows' n_runs (``verify_gemm(groups=n_runs)``: each
+    run the sub-product of A with a block of B's columns); the fp32 GEMMs' operand rounding asked of the flags only
+    for an fp32 output, the one the rule reads it for (a lookup of the flags is a tenth of a tier-1 call's host
+    time)."""
     cast = g.c.dtype if (g.a.dtype != g.c.dtype or g.b.dtype != g.c.dtype) else None
     roundoff = fp32_matmul_operand_roundoff(g.c.device) if g.c.dtype == torch.float32 else None
-    return gemm_row_rule(g.c.shape[-1], g.a.shape[-1], tol, g.c.dtype, bias=g.bias is not None,
+    return gemm_row_rule(g.c.shape[-1] // n_runs, g.a.shape[-1], tol, g.c.dtype, bias=g.bias is not None,
                          operands_cast_to=cast, operand_roundoff=roundoff)
 
 
@@ -387,33 +399,37 @@ class LinearSides:
     dY·(W_OI w_I) and ‖W_OI[:, i]‖²; dW (as dYᵀ·x (O, I)) by rows needs dYᵀ·(x w_I) and ‖x[:, i]‖²."""
 
     ww_O2: torch.Tensor
-    """(1, O, 2) W_OI·w_I"""
+    """(1, O, 2·runs_I) W_OI·w_I per run of the input features (both backward checks' rows are I long)"""
     w_col_sq_I: torch.Tensor
     """(1, I) ‖W_OI[:, i]‖²"""
     xw_M2: torch.Tensor
-    """(1, M, 2) x·w_I"""
+    """(1, M, 2·runs_I) x·w_I per run"""
     x_col_sq_I: torch.Tensor
     """(1, I) ‖x[:, i]‖²"""
+    runs_I: int = 1
+    """The backward checks' runs per row (``runs`` of I)."""
 
 
-def _weight_pass(weight: torch.Tensor, layout: str, ws: tg.Workspace, *, forward: bool
+def _weight_pass(weight: torch.Tensor, layout: str, ws: tg.Workspace, *, runs_o: int, runs_i: int
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """One read of the weight as stored: (W_IO·w_O (1, I, 2) and ‖W_IO[:, o]‖² (1, O) for the forward check, or None;
-    W_OI·w_I (1, O, 2) and ‖W_OI[:, i]‖² (1, I) for dX's)."""
+    """One read of the weight as stored: (W_IO·w_O per run of O (1, I, 2·runs_o) and ‖W_IO[:, o]‖² (1, O) for the
+    forward check (runs_o > 0), else None; W_OI·w_I per run of I (1, O, 2·runs_i) and ‖W_OI[:, i]‖² (1, I) for
+    dX's)."""
+    forward = runs_o > 0
     if layout == "out_in":  # nn.Linear: W (O, I)
-        out = tg.operand_pass(weight, ws, left_w=forward, right_w=True, row_sq=forward, col_sq=True)
+        out = tg.operand_pass(weight, ws, left_w=runs_o, right_w=runs_i, row_sq=forward, col_sq=True)
         fwd, fwd_sq, ww, w_sq = out.wx, out.rsq, out.xw, out.csq
     else:  # Conv1D: W (I, O)
-        out = tg.operand_pass(weight, ws, right_w=forward, left_w=True, col_sq=forward, row_sq=True)
+        out = tg.operand_pass(weight, ws, right_w=runs_o, left_w=runs_i, col_sq=forward, row_sq=True)
         fwd, fwd_sq, ww, w_sq = out.xw, out.csq, out.wx, out.rsq
     assert ww is not None and w_sq is not None
     return fwd, fwd_sq, ww, w_sq
 
 
-def _weight_floats(weight: torch.Tensor, layout: str, *, forward: bool) -> int:
+def _weight_floats(weight: torch.Tensor, layout: str, *, runs_o: int, runs_i: int) -> int:
     if layout == "out_in":
-        return tg.operand_floats(weight, left_w=forward, col_sq=True)
-    return tg.operand_floats(weight, left_w=True, col_sq=forward)
+        return tg.operand_floats(weight, left_w=runs_o, col_sq=True)
+    return tg.operand_floats(weight, left_w=runs_i, col_sq=runs_o > 0)
 
 
 def linear_forward(ctx: LayerContext, tier: str, y_MO: torch.Tensor, x_MI: torch.Tensor, weight: torch.Tensor,
@@ -431,17 +447,21 @@ def linear_forward(ctx: LayerContext, tier: str, y_MO: torch.Tensor, x_MI: torch
             _trip(ctx, [gemm])
         return None
     clock = Clock(y_MO.device)
+    tol = _tolerance(ctx)
+    runs_o = runs(y_MO.shape[-1], tol) if check_forward else 0
+    runs_i = runs(x_MI.shape[-1], tol)
     with _Launches(), torch.no_grad():
-        ws = tg.Workspace(y_MO.device, _weight_floats(weight, layout, forward=check_forward)
-                          + tg.operand_floats(x_MI, right=check_forward, col_sq=True) + tg.STATE_SIZE)
-        fwd, fwd_sq, ww, w_sq = _weight_pass(weight, layout, ws, forward=check_forward)
-        xo = tg.operand_pass(x_MI, ws, right=fwd if check_forward else None, right_w=True, row_sq=check_forward,
+        ws = tg.Workspace(y_MO.device, _weight_floats(weight, layout, runs_o=runs_o, runs_i=runs_i)
+                          + tg.operand_floats(x_MI, right=2 * runs_o, col_sq=True) + tg.STATE_SIZE)
+        fwd, fwd_sq, ww, w_sq = _weight_pass(weight, layout, ws, runs_o=runs_o, runs_i=runs_i)
+        xo = tg.operand_pass(x_MI, ws, right=fwd if check_forward else None, right_w=runs_i, row_sq=check_forward,
                              col_sq=True)
         assert xo.xw is not None and xo.csq is not None
-        sides = LinearSides(ww_O2=ww, w_col_sq_I=w_sq, xw_M2=xo.xw, x_col_sq_I=xo.csq)
+        sides = LinearSides(ww_O2=ww, w_col_sq_I=w_sq, xw_M2=xo.xw, x_col_sq_I=xo.csq, runs_I=runs_i)
         if check_forward:
             assert xo.xv is not None and xo.rsq is not None and fwd_sq is not None and xo.vsq is not None
-            _check(ctx, gemm, tg.RowSide(ref=xo.xv, a_sq=xo.rsq, b_sq=fwd_sq, ref_sq=xo.vsq), ws, tier="abft")
+            _check(ctx, gemm, tg.RowSide(ref=xo.xv, a_sq=xo.rsq, b_sq=fwd_sq, ref_sq=xo.vsq, runs=runs_o), ws,
+                   tier="abft")
     if check_forward:
         _count(ctx, "linear", clock.seconds(ctx, ["linear"]))
     else:
@@ -468,10 +488,13 @@ def linear_backward(ctx: LayerContext, tier: str, dy_MO: torch.Tensor, x_MI: tor
         _trip(ctx, gemms)
         return
     clock = Clock(dy_MO.device)
-    floats = (tg.operand_floats(dy_MO, right=dx_MI is not None, left=dw is not None, col_sq=dw is not None)
+    width = 2 * (sides.runs_I if sides is not None else runs(x_MI.shape[-1], _tolerance(ctx)))
+    floats = (tg.operand_floats(dy_MO, right=width if dx_MI is not None else 0, left=width if dw is not None else 0,
+                                col_sq=dw is not None)
               + len(gemms) * tg.STATE_SIZE)
     if sides is None:
-        floats += _weight_floats(weight, layout, forward=False) + tg.operand_floats(x_MI, col_sq=True)
+        floats += (_weight_floats(weight, layout, runs_o=0, runs_i=width // 2)
+                   + tg.operand_floats(x_MI, col_sq=True))
     call = _Launches()
     try:
         with call, torch.no_grad():
@@ -490,18 +513,19 @@ def _check_backward(ctx: LayerContext, gemms: list[DeviceGemm], call: _Launches,
     ``sides``), then dX's and dW's check passes and repairs."""
     if sides is None:
         # A module whose forward the attention's projection hook checked: its W and x are read now.
-        _, _, ww, w_sq = _weight_pass(weight, layout, ws, forward=False)
-        xo = tg.operand_pass(x_MI, ws, right_w=True, col_sq=True)
+        runs_i = runs(x_MI.shape[-1], _tolerance(ctx))
+        _, _, ww, w_sq = _weight_pass(weight, layout, ws, runs_o=0, runs_i=runs_i)
+        xo = tg.operand_pass(x_MI, ws, right_w=runs_i, col_sq=True)
         assert xo.xw is not None and xo.csq is not None
-        sides = LinearSides(ww_O2=ww, w_col_sq_I=w_sq, xw_M2=xo.xw, x_col_sq_I=xo.csq)
+        sides = LinearSides(ww_O2=ww, w_col_sq_I=w_sq, xw_M2=xo.xw, x_col_sq_I=xo.csq, runs_I=runs_i)
     do = tg.operand_pass(dy_MO, ws, right=sides.ww_O2 if need_dx else None, row_sq=need_dx,
                          left=sides.xw_M2 if need_dw else None, col_sq=need_dw)
     for g in gemms:
         if g.op == "linear_dx":
             assert do.xv is not None and do.rsq is not None and do.vsq is not None
-            side = tg.RowSide(ref=do.xv, a_sq=do.rsq, b_sq=sides.w_col_sq_I, ref_sq=do.vsq)
+            side = tg.RowSide(ref=do.xv, a_sq=do.rsq, b_sq=sides.w_col_sq_I, ref_sq=do.vsq, runs=sides.runs_I)
         else:
             assert do.lx is not None and do.csq is not None and do.lsq is not None
-            side = tg.RowSide(ref=do.lx, a_sq=do.csq, b_sq=sides.x_col_sq_I, ref_sq=do.lsq)
+            side = tg.RowSide(ref=do.lx, a_sq=do.csq, b_sq=sides.x_col_sq_I, ref_sq=do.lsq, runs=sides.runs_I)
         _check(ctx, g, side, ws, tier="abft")
         call.done += 1

@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 
+from ..abft.checksum import GROUP_MIN
 from ..abft.gemm_rule import GemmRowRule
 
-__all__ = ["LAUNCHES", "OUTCOMES", "SLOTS", "STATE", "STATE_SIZE", "Check", "EmulatedFault", "OperandOut", "RowSide",
-           "Workspace", "available", "check_pass", "fault_kind", "interpreted", "new_state",
-           "operand_floats", "operand_pass", "repair_rows", "takes", "trip_pass"]
+__all__ = ["LAUNCHES", "MAX_RUNS", "OUTCOMES", "SLOTS", "STATE", "STATE_SIZE", "Check", "EmulatedFault", "OperandOut",
+           "RowSide", "Workspace", "available", "check_pass", "fault_kind", "interpreted", "new_state",
+           "operand_floats", "operand_pass", "repair_rows", "runs", "takes", "trip_pass"]
 
 SLOTS = 16
 """Flagged rows per check whose summary (batch, row, column, outcome, value, residual, bound) is kept for its report;
@@ -151,13 +152,40 @@ class Workspace:
         return out
 
 
-def operand_floats(x: torch.Tensor, *, right: bool = False, left: bool = False, left_w: bool = False,
-                   col_sq: bool = False) -> int:
-    """The zeroed floats ``operand_pass`` takes from its workspace for these outputs (right, left: a factor given,
-    whose squared norms it keeps there too)."""
+def operand_floats(x: torch.Tensor, *, right: int = 0, left: int = 0, left_w: int = 0, col_sq: bool = False) -> int:
+    """The zeroed floats ``operand_pass`` takes from its workspace for these outputs: right, left the widths of the
+    factors given (0: none; their squared norms are kept there too), left_w the runs of Xᵀ·w (0: not asked)."""
     nb0, nb1, _, _ = _lead(x)
     nb = nb0 * nb1
-    return nb * (x.shape[-1] * (2 * left + 2 * left_w + col_sq) + 2 * right + 2 * left)
+    return nb * (x.shape[-1] * (left + 2 * left_w + col_sq) + right + left)
+
+
+MAX_RUNS = 8
+"""Most checksum runs per row on this path (``runs``): the operand pass makes a reference per run and weighting as an
+IEEE fp32 tl.dot, 2·runs padded to JP = 16 multiply-adds per element it loads. A bf16 element reaches an H100 at
+about 1.7·10¹² a second: 16 multiply-adds each ask 2.7·10¹³ a second, just under its ~3.3·10¹³ fp32 rate; 32 would
+ask twice that (data-sheet arithmetic, not timed)."""
+
+
+@functools.lru_cache(maxsize=256)
+def runs(n: int) -> int:
+    """Checksum runs for a row of n columns on this path: abft/checksum.py's group_count (runs of ≥ GROUP_MIN
+    columns), capped at MAX_RUNS: the most runs ≤ MAX_RUNS that divide n into runs of at least GROUP_MIN."""
+    for g in range(min(MAX_RUNS, n // GROUP_MIN), 1, -1):
+        if n % g == 0:
+            return g
+    return 1
+
+
+def _jp(*widths: int) -> int:
+    """The grouped operand pass's padded factor width (tl.dot takes 16 and up), or 0 for the 2-wide form."""
+    if max(widths) <= 2:
+        return 0
+    return max(16, triton_next_pow2(max(widths)))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,26 +193,26 @@ class OperandOut:
     """What one read of X (.., R, C) gave, dense with the leading dims flattened to nb (None where not asked for)."""
 
     xv: torch.Tensor | None = None
-    """(nb, R, 2) X·V"""
+    """(nb, R, J) X·V"""
     xw: torch.Tensor | None = None
-    """(nb, R, 2) X·[1, 1..C]"""
+    """(nb, R, 2·runs) X·[1, 1..C/runs] per run of columns (2: one run)"""
     rsq: torch.Tensor | None = None
     """(nb, R) ΣX² per row"""
     lx: torch.Tensor | None = None
-    """(nb, C, 2) Xᵀ·L"""
+    """(nb, C, J) Xᵀ·L"""
     wx: torch.Tensor | None = None
-    """(nb, C, 2) Xᵀ·[1, 1..R]"""
+    """(nb, C, 2·runs) Xᵀ·[1, 1..R/runs] per run of rows"""
     csq: torch.Tensor | None = None
     """(nb, C) ΣX² per column"""
     vsq: torch.Tensor | None = None
-    """(nb, 2) ‖V‖² per column of V (right's), for the rule of the check xv is the reference of"""
+    """(nb, J) ‖V‖² per column of V (right's), for the rule of the check xv is the reference of"""
     lsq: torch.Tensor | None = None
-    """(nb, 2) ‖L‖² per column of L (left's)"""
+    """(nb, J) ‖L‖² per column of L (left's)"""
 
 
 def _factor(f: torch.Tensor | None, lead: tuple[int, int], like: torch.Tensor
             ) -> tuple[torch.Tensor, int, int, int, int]:
-    """A (.., L, 2) factor as (tensor, batch strides, element strides); a 2-D one is shared by the batch (strides 0),
+    """A (.., L, J) factor as (tensor, batch strides, element strides); a 2-D one is shared by the batch (strides 0),
     a (nb, L, 2) one is split into the (nb0, nb1) leading dims."""
     if f is None:
         return like, 0, 0, 0, 0
@@ -196,26 +224,33 @@ def _factor(f: torch.Tensor | None, lead: tuple[int, int], like: torch.Tensor
     return f, f.stride(0) * nb1, f.stride(0), f.stride(1), f.stride(2)
 
 
-def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None = None, right_w: bool = False,
-                 left: torch.Tensor | None = None, left_w: bool = False, row_sq: bool = False, col_sq: bool = False
+def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None = None, right_w: int = 0,
+                 left: torch.Tensor | None = None, left_w: int = 0, row_sq: bool = False, col_sq: bool = False
                  ) -> OperandOut:
-    """One read of X (R, C) or (.., R, C), any strides: X·right for right (C, 2) or (nb, C, 2), X·w, Xᵀ·left for
-    left (R, 2) or (nb, R, 2), Xᵀ·w, and the squared row and column sums, in fp32; with right or left, its squared
-    norms per column (the reference's ‖B w‖² a row rule takes). No sync."""
+    """One read of X (R, C) or (.., R, C), any strides: X·right for right (C, J) or (nb, C, J), X·w per run of
+    C/right_w columns (right_w runs; 0: not asked), Xᵀ·left for left (R, J) or (nb, R, J), Xᵀ·w per run of R/left_w
+    rows, and the squared row and column sums, in fp32; with right or left, its squared norms per column (the
+    reference's ‖B w‖² a row rule takes). A factor wider than 2 or more than one run: the grouped form (JP > 0). No
+    sync."""
     k = _kernels()
     nb0, nb1, s0, s1 = _lead(x)
     nb = nb0 * nb1
     rows, cols = x.shape[-2:]
     dev = x.device
+    jv = right.shape[-1] if right is not None else 0
+    jl = left.shape[-1] if left is not None else 0
+    for what, n_runs, length in (("right_w", right_w, cols), ("left_w", left_w, rows)):
+        if n_runs and length % n_runs:
+            raise ValueError(f"operand_pass: {what}={n_runs} runs do not divide {length}")
     new = functools.partial(torch.empty, device=dev, dtype=torch.float32)
-    xv = new(nb, rows, 2) if right is not None else None
-    xw = new(nb, rows, 2) if right_w else None
+    xv = new(nb, rows, jv) if right is not None else None
+    xw = new(nb, rows, 2 * right_w) if right_w else None
     rsq = new(nb, rows) if row_sq else None
-    lx = ws.take(nb * cols * 2).view(nb, cols, 2) if left is not None else None
-    wx = ws.take(nb * cols * 2).view(nb, cols, 2) if left_w else None
+    lx = ws.take(nb * cols * jl).view(nb, cols, jl) if left is not None else None
+    wx = ws.take(nb * cols * 2 * left_w).view(nb, cols, 2 * left_w) if left_w else None
     csq = ws.take(nb * cols).view(nb, cols) if col_sq else None
-    vsq = ws.take(nb * 2).view(nb, 2) if right is not None else None
-    lsq = ws.take(nb * 2).view(nb, 2) if left is not None else None
+    vsq = ws.take(nb * jv).view(nb, jv) if right is not None else None
+    lsq = ws.take(nb * jl).view(nb, jl) if left is not None else None
     vt, sv0, sv1, svk, svj = _factor(right, (nb0, nb1), x)
     lt, sl0, sl1, slr, slj = _factor(left, (nb0, nb1), x)
     blk = _blocks(dev)
@@ -227,8 +262,9 @@ def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None =
         xv if xv is not None else dummy, xw if xw is not None else dummy, rsq if rsq is not None else dummy,
         lx if lx is not None else dummy, wx if wx is not None else dummy, csq if csq is not None else dummy,
         vsq if vsq is not None else dummy, lsq if lsq is not None else dummy,
-        RIGHT_V=right is not None, RIGHT_W=right_w, LEFT_L=left is not None, LEFT_W=left_w, ROW_SQ=row_sq,
-        COL_SQ=col_sq, BR=blk.rows, BC=blk.cols,
+        jv, jl, cols // max(right_w, 1), rows // max(left_w, 1), 2 * right_w, 2 * left_w,
+        RIGHT_V=right is not None, RIGHT_W=bool(right_w), LEFT_L=left is not None, LEFT_W=bool(left_w),
+        ROW_SQ=row_sq, COL_SQ=col_sq, BR=blk.rows, BC=blk.cols, JP=_jp(jv, jl, 2 * right_w, 2 * left_w),
     )
     LAUNCHES.count("operand_pass")
     return OperandOut(xv=xv, xw=xw, rsq=rsq, lx=lx, wx=wx, csq=csq, vsq=vsq, lsq=lsq)
@@ -244,14 +280,18 @@ class RowSide:
     square sum added up across programs can be rooted only by its reader, the check pass)."""
 
     ref: torch.Tensor
-    """(nb, M, 2) A·(B w), w = ones and 1..N; the bias is added by the check pass."""
+    """(nb, M, 2·runs) A·(B_h w) per run h of N/runs columns, w = ones and 1..N/runs; the bias is added by the check
+    pass."""
     a_sq: torch.Tensor
     """(nb, M) ‖A_i‖²"""
     b_sq: torch.Tensor
     """(nb, N) or (N,) ‖B_j‖² (one row shared by the batch)."""
     ref_sq: torch.Tensor
-    """(nb, 2) ‖B w‖² per weighting: the vector the reference dotted A's rows with (its rounding term's norm, where
-    the triangle bound Σ_j w_j ‖B_j‖ is √N looser on uncorrelated columns: 30x at a 7B projection)."""
+    """(nb, 2·runs) ‖B_h w‖² per run and weighting: the vector the reference dotted A's rows with (its rounding
+    term's norm, where the triangle bound Σ_j w_j ‖B_j‖ is √N looser on uncorrelated columns: 30x at a 7B
+    projection)."""
+    runs: int = 1
+    """Checksum runs per row (``runs``): each run of N/runs columns is checked on its own."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -320,14 +360,19 @@ def check_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Te
              "CALIBRATED": rule.calibrated, "FLUSH": rule.flush != 0.0}
     bias_t = bias if bias is not None else state
     c_args = (c, m, n, nb1, sc0, sc1, c.stride(-2), c.stride(-1))
+    if n % side.runs or side.ref.shape[-1] != 2 * side.runs or side.ref_sq.shape[-1] != 2 * side.runs:
+        raise ValueError(f"check_pass: {side.runs} runs of a {n}-column row need references (.., {m}, "
+                         f"{2 * side.runs}) and their norms (.., {2 * side.runs}); got {tuple(side.ref.shape)}, "
+                         f"{tuple(side.ref_sq.shape)}")
     side_args = _side_args(side, (nb0, nb1))
+    runs_args = (side.runs, n // side.runs)
     k.check_pass[(triton_cdiv(m, blk.rows), nb)](
         *c_args, *side_args, bias_t, *a_args, *b_args, state, code, slot, slot_i, slot_f, SLOTS,
-        *_rule_args(rule), BM=blk.rows, BN=blk.cols, BK=blk.k, **flags,
+        *_rule_args(rule), *runs_args, BM=blk.rows, BN=blk.cols, BK=blk.k, **flags,
     )
     LAUNCHES.count("check_pass")
     args = {"c": c_args, "side": side_args, "bias": bias_t, "a": a_args, "b": b_args, "rule": rule, "flags": flags,
-            "grid": (triton_cdiv(m, blk.rows), nb), "blk": blk}
+            "grid": (triton_cdiv(m, blk.rows), nb), "blk": blk, "runs": runs_args}
     return Check(state=state, code=code, slot=slot, slot_i=slot_i, slot_f=slot_f, lead=(nb0, nb1), args=args)
 
 
@@ -422,7 +467,7 @@ def repair_rows(check: Check, faults: tuple[EmulatedFault, ...] = ()) -> None:
     k.repair_rows[args["grid"]](
         *args["c"], *args["side"], args["bias"], *args["a"], *args["b"], check.state, check.code, check.slot,
         check.slot_i, SLOTS, _fault_table(faults, c.device, check.state), *_rule_args(rule), rule.elem_ab,
-        rule.elem_abs, NF=len(faults), BM=blk.rows, BN=blk.cols, BK=blk.k,
+        rule.elem_abs, *args["runs"], NF=len(faults), BM=blk.rows, BN=blk.cols, BK=blk.k,
         **_dot_flags(c, args["a"][0], args["b"][0]), **args["flags"],
     )
     LAUNCHES.count("repair_rows")

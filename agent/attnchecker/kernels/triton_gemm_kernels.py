@@ -62,14 +62,24 @@ def operand_pass(
     v_ptr, sv0, sv1, svk, svj,
     l_ptr, sl0, sl1, slr, slj,
     xv_ptr, xw_ptr, rsq_ptr, lx_ptr, wx_ptr, csq_ptr, vsq_ptr, lsq_ptr,
+    jv, jl, run_c, run_r, jw, jlw,
     RIGHT_V: tl.constexpr, RIGHT_W: tl.constexpr, LEFT_L: tl.constexpr, LEFT_W: tl.constexpr,
-    ROW_SQ: tl.constexpr, COL_SQ: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    ROW_SQ: tl.constexpr, COL_SQ: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, JP: tl.constexpr,
 ):
     """One read of X (.., R, C), BR rows a program: xv = X·V (V (.., C, 2)), xw = X·[1, 1..C], rsq = ΣX² per row
     (dense (nb, R, 2) / (nb, R)); lx = Xᵀ·L (L (.., R, 2)), wx = Xᵀ·[1, 1..R], csq = ΣX² per column (dense (nb, C, 2)
     / (nb, C), zeroed by the caller: the programs add their rows' parts). With V, vsq = ‖V‖² per column of V (nb, 2),
     stored by each matrix's first program (every program reads all of V); with L, lsq = ‖L‖² likewise (nb, 2, zeroed:
-    each program adds its rows'): the norms of the vectors a row check's reference dots with, for its rule."""
+    each program adds its rows'): the norms of the vectors a row check's reference dots with, for its rule.
+
+    JP > 0: the grouped form (``_operand_pass_wide``), for the references of rows checked in runs (check_pass's G):
+    V (C, jv) and L (R, jl) any width up to JP, xw = X·[1, 1..run_c] per run of run_c columns (nb, R, jw = 2·runs),
+    wx = Xᵀ·[1, 1..run_r] per run of run_r rows (nb, C, jlw), each as tl.dot with the weights made in registers."""
+    if JP > 0:
+        _operand_pass_wide(x_ptr, R, C, nb1, sx0, sx1, sxr, sxc, v_ptr, sv0, sv1, svk, svj, l_ptr, sl0, sl1, slr, slj,
+                           xv_ptr, xw_ptr, rsq_ptr, lx_ptr, wx_ptr, csq_ptr, vsq_ptr, lsq_ptr, jv, jl, run_c, run_r,
+                           jw, jlw, RIGHT_V, RIGHT_W, LEFT_L, LEFT_W, ROW_SQ, COL_SQ, BR, BC, JP)
+        return
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)
     # Matrix pid_b of the (nb0, nb1) leading dims, each with its own strides.
@@ -138,6 +148,83 @@ def operand_pass(
 
 
 @triton.jit
+def _operand_pass_wide(
+    x_ptr, R, C, nb1, sx0, sx1, sxr, sxc, v_ptr, sv0, sv1, svk, svj, l_ptr, sl0, sl1, slr, slj,
+    xv_ptr, xw_ptr, rsq_ptr, lx_ptr, wx_ptr, csq_ptr, vsq_ptr, lsq_ptr, jv, jl, run_c, run_r, jw, jlw,
+    RIGHT_V: tl.constexpr, RIGHT_W: tl.constexpr, LEFT_L: tl.constexpr, LEFT_W: tl.constexpr,
+    ROW_SQ: tl.constexpr, COL_SQ: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, JP: tl.constexpr,
+):
+    """operand_pass's grouped form: the same one read of X, its skinny products as fp32 tl.dot (IEEE: a reference
+    carries no TF32 rounding) against factors up to JP wide, the run weights generated per tile. On a GPU each
+    loaded element costs JP multiply-adds (16 at most groups: triton_gemm_check.MAX_RUNS), which keeps the pass
+    memory-bound."""
+    pid_r = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    bi0 = (pid_b // nb1).to(tl.int64)
+    bi1 = (pid_b % nb1).to(tl.int64)
+    rows = pid_r * BR + tl.arange(0, BR)
+    rmask = rows < R
+    jj = tl.arange(0, JP)
+    xb = x_ptr + (bi0 * sx0 + bi1 * sx1)
+    vb = v_ptr + (bi0 * sv0 + bi1 * sv1)
+    acc_v = tl.full([BR, JP], 0, tl.float32)
+    acc_w = tl.full([BR, JP], 0, tl.float32)
+    acc_sq = tl.full([BR], 0, tl.float32)
+    vs = tl.full([JP], 0, tl.float32)
+    lt = tl.full([BR, JP], 0, tl.float32)
+    if LEFT_L:
+        lb = l_ptr + (bi0 * sl0 + bi1 * sl1)
+        lt = tl.load(lb + rows.to(tl.int64)[:, None] * slr + jj[None, :].to(tl.int64) * slj,
+                     mask=rmask[:, None] & (jj < jl)[None, :], other=0.0).to(tl.float32)
+        tl.atomic_add(lsq_ptr + pid_b.to(tl.int64) * jl + jj, tl.reduce(lt * lt, 0, _add), mask=jj < jl)
+    # The run weights over this program's rows (LEFT_W): column 2h is 1 on run h's rows, 2h + 1 their place in it.
+    run_of_r = rows // run_r
+    place_r = (rows - run_of_r * run_r + 1).to(tl.float32)
+    wr = tl.where(rmask[:, None] & (jj[None, :] == 2 * run_of_r[:, None]), 1.0,
+                  tl.where(rmask[:, None] & (jj[None, :] == 2 * run_of_r[:, None] + 1), place_r[:, None], 0.0))
+    out_c = pid_b.to(tl.int64) * C
+    for c0 in range(0, C, BC):
+        cols = c0 + tl.arange(0, BC)
+        cmask = cols < C
+        x = tl.load(xb + rows.to(tl.int64)[:, None] * sxr + cols[None, :].to(tl.int64) * sxc,
+                    mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        if RIGHT_V:
+            v = tl.load(vb + cols.to(tl.int64)[:, None] * svk + jj[None, :].to(tl.int64) * svj,
+                        mask=cmask[:, None] & (jj < jv)[None, :], other=0.0).to(tl.float32)
+            acc_v = tl.dot(x, v, acc_v, input_precision="ieee")
+            vs += tl.reduce(v * v, 0, _add)
+        if RIGHT_W:
+            run_of_c = cols // run_c
+            place_c = (cols - run_of_c * run_c + 1).to(tl.float32)
+            wc = tl.where(cmask[:, None] & (jj[None, :] == 2 * run_of_c[:, None]), 1.0,
+                          tl.where(cmask[:, None] & (jj[None, :] == 2 * run_of_c[:, None] + 1), place_c[:, None],
+                                   0.0))
+            acc_w = tl.dot(x, wc, acc_w, input_precision="ieee")
+        x2 = x * x
+        if ROW_SQ:
+            acc_sq += tl.reduce(x2, 1, _add)
+        if LEFT_L:
+            part = tl.dot(tl.trans(x), lt, input_precision="ieee")
+            tl.atomic_add(lx_ptr + (out_c + cols)[:, None] * jl + jj[None, :], part,
+                          mask=cmask[:, None] & (jj < jl)[None, :])
+        if LEFT_W:
+            part = tl.dot(tl.trans(x), wr, input_precision="ieee")
+            tl.atomic_add(wx_ptr + (out_c + cols)[:, None] * jlw + jj[None, :], part,
+                          mask=cmask[:, None] & (jj < jlw)[None, :])
+        if COL_SQ:
+            tl.atomic_add(csq_ptr + out_c + cols, tl.reduce(x2, 0, _add), mask=cmask)
+    out_r = pid_b.to(tl.int64) * R + rows
+    if RIGHT_V:
+        tl.store(xv_ptr + out_r[:, None] * jv + jj[None, :], acc_v, mask=rmask[:, None] & (jj < jv)[None, :])
+        if pid_r == 0:
+            tl.store(vsq_ptr + pid_b.to(tl.int64) * jv + jj, vs, mask=jj < jv)
+    if RIGHT_W:
+        tl.store(xw_ptr + out_r[:, None] * jw + jj[None, :], acc_w, mask=rmask[:, None] & (jj < jw)[None, :])
+    if ROW_SQ:
+        tl.store(rsq_ptr + out_r, acc_sq, mask=rmask)
+
+
+@triton.jit
 def _other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS: tl.constexpr, BN: tl.constexpr):
     """The rule's sums over the row's N columns (abft/gemm_rule.py): Σb (fp32), Σb² and Σj²b² (fp64), and of the
     bias: Σ|β| (fp32), Σβ², Σj²β² (fp64), Σβ, Σj·β (fp32, the bias's part of the references). b_j = √(B's squared
@@ -173,10 +260,9 @@ def _other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS: tl.constexpr, BN: t
 
 
 @triton.jit
-def _ref_norms(terms, refsq_ptr, srq0, srq1, bi0, bi1):
-    """``_other_terms``'s sums with ‖B w‖² (w = ones, 1..N) of this matrix appended, in fp64: the operand pass
-    made them beside the references (operand_pass's vsq / lsq)."""
-    rq = refsq_ptr + (bi0 * srq0 + bi1 * srq1)
+def _ref_norms(terms, rq):
+    """``_other_terms``'s sums with ‖B_h w‖² (w = ones, 1..L) of this matrix's run h appended (rq points at them), in
+    fp64: the operand pass made them beside the references (operand_pass's vsq / lsq)."""
     sb, b2_1, b2_2, babs, bw2_1, bw2_2, bref1, bref2 = terms
     return (sb, b2_1, b2_2, babs, bw2_1, bw2_2, bref1, bref2, tl.load(rq).to(tl.float64),
             tl.load(rq + 1).to(tl.float64))
@@ -242,7 +328,7 @@ def _keep_summaries(state_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS, rep, n_r
 
 @triton.jit
 def check_pass(
-    c_ptr, M, N, nb1, sc0, sc1, scm, scn,
+    c_ptr, M, _n, nb1, sc0, sc1, scm, scn,
     ref_ptr, sr0, sr1, srm, srj,
     asq_ptr, sa0, sa1, sam,
     bsq_ptr, sb0, sb1, sbn,
@@ -252,12 +338,14 @@ def check_pass(
     b_ptr, sB0, sB1, sBk, sBn, K,
     state_ptr, code_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS,
     floor_a, floor_b, rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common,
-    sigmas, near_inf, sqrt_k,
+    sigmas, near_inf, sqrt_k, G, L,
     CORRECT: tl.constexpr, USE_ABS: tl.constexpr, HAS_BIAS: tl.constexpr, CALIBRATED: tl.constexpr,
     FLUSH: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """The row check of C = A·B (+ bias), BM rows of one matrix a program (module docstring). ref: A·(B w) without
-    the bias; asq: ‖A_i‖²; bsq: ‖B_j‖². CORRECT: write corrections (else locate and report only: "detect")."""
+    """The row check of C = A·B (+ bias), BM rows of one matrix a program (module docstring), each row as G runs of L
+    columns (N = G·L; G = 1: the whole row), each run its own checksum pair (weights ones and 1..L) and rule. ref:
+    A·(B_h w) per run h and weighting, (.., M, 2G), without the bias; asq: ‖A_i‖²; bsq: ‖B_j‖²; refsq: ‖B_h w‖²
+    (.., 2G). CORRECT: write corrections (else locate and report only: "detect")."""
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     # Matrix pid_b of the (nb0, nb1) leading dims, each with its own strides.
@@ -267,145 +355,196 @@ def check_pass(
     rmask = rows < M
     rows64 = rows.to(tl.int64)
     cb = c_ptr + (bi0 * sc0 + bi1 * sc1)
-    s1 = tl.full([BM], 0, tl.float32)
-    s2 = tl.full([BM], 0, tl.float32)
-    sq = tl.full([BM], 0, tl.float32)
-    ab = tl.full([BM], 0, tl.float32)
-    ext = tl.full([BM], 0, tl.int32)
-    # The one read of C.
-    for n0 in range(0, N, BN):
-        cols = n0 + tl.arange(0, BN)
-        m2 = rmask[:, None] & (cols < N)[None, :]
-        c = tl.load(cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn, mask=m2, other=0.0)
-        c = c.to(tl.float32)
-        s1 += tl.reduce(c, 1, _add)
-        s2 += tl.reduce(c * (cols + 1).to(tl.float32)[None, :], 1, _add)
-        sq += tl.reduce(c * c, 1, _add)
-        if USE_ABS:
-            ab += tl.reduce(tl.abs(c), 1, _add)
-        ext += tl.reduce((~(tl.abs(c) <= near_inf)).to(tl.int32), 1, _add)
-    terms = _ref_norms(_other_terms(bsq_ptr + (bi0 * sb0 + bi1 * sb1), sbn, bias_ptr, N, floor_b, HAS_BIAS, BN),
-                       refsq_ptr, srq0, srq1, bi0, bi1)
-    bref1, bref2 = terms[6], terms[7]
+    rb = ref_ptr + (bi0 * sr0 + bi1 * sr1)
+    bsq_b = bsq_ptr + (bi0 * sb0 + bi1 * sb1)
+    rq = refsq_ptr + (bi0 * srq0 + bi1 * srq1)
     rule = (rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common, sigmas,
             near_inf, sqrt_k)
-    nf = N * 1.0
-    rb = ref_ptr + (bi0 * sr0 + bi1 * sr1)
-    ref1 = tl.load(rb + rows64 * srm, mask=rmask, other=0.0) + bref1
-    ref2 = tl.load(rb + rows64 * srm + srj, mask=rmask, other=0.0) + bref2
+    lf = L * 1.0
     a = tl.sqrt(tl.load(asq_ptr + (bi0 * sa0 + bi1 * sa1) + rows64 * sam, mask=rmask, other=0.0)) + floor_a
-    b1, b2 = _bound(a, sq, ab, ref1, ref2, terms, rule, nf, USE_ABS, CALIBRATED, FLUSH)
-    d1 = ref1 - s1
-    d2 = ref2 - s2
-    ok = (tl.abs(d1) <= b1) & (tl.abs(d2) <= b2)
-    # A non-finite reference is an input's fault, never this product's (abft.checksum.verify_direction).
-    bad = rmask & (tl.abs(ref1) <= FLT_MAX) & ~ok
-    upstream = rmask & (ext > 0) & ~(tl.abs(ref1) <= FLT_MAX)
-    # The worst clean residual/bound ratio, for the histogram: non-negative floats compare as their bits.
-    ratio = tl.maximum(tl.abs(d1) / tl.maximum(b1, 1e-30), tl.abs(d2) / tl.maximum(b2, 1e-30))
-    ratio = tl.where(rmask & ~bad & (ratio <= FLT_MAX), ratio, 0.0)
-    tl.atomic_max(state_ptr + S_WORST, tl.reduce(ratio, 0, _max).to(tl.int32, bitcast=True))
+    ext = tl.full([BM], 0, tl.int32)
+    n_bad = tl.full([BM], 0, tl.int32)
+    # Per row: its first flagged run (-1: none) and that run's d1 and bound, for locating and the reports; and the
+    # first run whose reference is not finite while C's run holds an extreme value (an input's fault; its report
+    # carries no residual, as a tier-1 trip's).
+    first = tl.full([BM], -1, tl.int32)
+    first_up = tl.full([BM], -1, tl.int32)
+    d1_rep = tl.full([BM], float("nan"), tl.float32)
+    b1_rep = tl.full([BM], 0, tl.float32) + near_inf
+    worst = tl.full([BM], 0, tl.float32)
+    for h in range(0, G):
+        off = h * L
+        s1 = tl.full([BM], 0, tl.float32)
+        s2 = tl.full([BM], 0, tl.float32)
+        sq = tl.full([BM], 0, tl.float32)
+        ab = tl.full([BM], 0, tl.float32)
+        ext_h = tl.full([BM], 0, tl.int32)
+        # The one read of C.
+        for n0 in range(0, L, BN):
+            local = n0 + tl.arange(0, BN)
+            m2 = rmask[:, None] & (local < L)[None, :]
+            c = tl.load(cb + rows64[:, None] * scm + (off + local)[None, :].to(tl.int64) * scn, mask=m2, other=0.0)
+            c = c.to(tl.float32)
+            s1 += tl.reduce(c, 1, _add)
+            s2 += tl.reduce(c * (local + 1).to(tl.float32)[None, :], 1, _add)
+            sq += tl.reduce(c * c, 1, _add)
+            if USE_ABS:
+                ab += tl.reduce(tl.abs(c), 1, _add)
+            ext_h += tl.reduce((~(tl.abs(c) <= near_inf)).to(tl.int32), 1, _add)
+        terms = _ref_norms(_other_terms(bsq_b + off * sbn, sbn, bias_ptr + off, L, floor_b, HAS_BIAS, BN),
+                           rq + 2 * h)
+        ref1 = tl.load(rb + rows64 * srm + (2 * h) * srj, mask=rmask, other=0.0) + terms[6]
+        ref2 = tl.load(rb + rows64 * srm + (2 * h + 1) * srj, mask=rmask, other=0.0) + terms[7]
+        b1, b2 = _bound(a, sq, ab, ref1, ref2, terms, rule, lf, USE_ABS, CALIBRATED, FLUSH)
+        d1 = ref1 - s1
+        d2 = ref2 - s2
+        ok = (tl.abs(d1) <= b1) & (tl.abs(d2) <= b2)
+        # A non-finite reference is an input's fault, never this product's (abft.checksum.verify_direction).
+        bad_h = rmask & (tl.abs(ref1) <= FLT_MAX) & ~ok
+        up_h = rmask & (ext_h > 0) & ~(tl.abs(ref1) <= FLT_MAX)
+        # The worst clean residual/bound ratio, for the histogram.
+        ratio = tl.maximum(tl.abs(d1) / tl.maximum(b1, 1e-30), tl.abs(d2) / tl.maximum(b2, 1e-30))
+        worst = tl.maximum(worst, tl.where(rmask & ~bad_h & (ratio <= FLT_MAX), ratio, 0.0))
+        take = bad_h & (first < 0)
+        first = tl.where(take, h, first)
+        d1_rep = tl.where(take, d1, d1_rep)
+        b1_rep = tl.where(take, b1, b1_rep)
+        first_up = tl.where(up_h & (first_up < 0), h, first_up)
+        n_bad += bad_h.to(tl.int32)
+        ext += ext_h
+    # Non-negative floats compare as their bits.
+    tl.atomic_max(state_ptr + S_WORST, tl.reduce(worst, 0, _max).to(tl.int32, bitcast=True))
     n_ext = tl.reduce(ext, 0, _add)
     if n_ext > 0:
         tl.atomic_add(state_ptr + S_EXTREME, n_ext)
+    bad = n_bad > 0
+    upstream = first_up >= 0
     code = tl.full([BM], 0, tl.int32)
     rep = bad | upstream
     n_rep = tl.reduce(rep.to(tl.int32), 0, _add)
     if n_rep > 0:
-        # The slow path, in the programs holding a flagged row only: read those rows again for what locating and
-        # reporting need (their sums without extreme elements, where those are, the worst value).
-        s1f = tl.full([BM], 0, tl.float32)
-        s2f = tl.full([BM], 0, tl.float32)
-        sqf = tl.full([BM], 0, tl.float32)
-        abf = tl.full([BM], 0, tl.float32)
-        nx = tl.full([BM], 0, tl.int32)
-        xpos = tl.full([BM], -1, tl.int32)
-        wkey = tl.full([BM], 0, tl.int32)
-        wpos = tl.full([BM], 0, tl.int32)
-        for n0 in range(0, N, BN):
-            cols = n0 + tl.arange(0, BN)
-            m2 = rep[:, None] & (cols < N)[None, :]
-            c = tl.load(cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn, mask=m2, other=0.0)
-            c = c.to(tl.float32)
-            e = ~(tl.abs(c) <= near_inf) & m2
-            cf = tl.where(e, 0.0, c)
-            s1f += tl.reduce(cf, 1, _add)
-            s2f += tl.reduce(cf * (cols + 1).to(tl.float32)[None, :], 1, _add)
-            sqf += tl.reduce(cf * cf, 1, _add)
-            abf += tl.reduce(tl.abs(cf), 1, _add)
-            nx += tl.reduce(e.to(tl.int32), 1, _add)
-            xpos = tl.maximum(xpos, tl.reduce(tl.where(e, cols[None, :], -1), 1, _max))
-            # |x| as its bits: ordered as |x| is, every NaN above INF (the worst value: NaN, INF, then largest).
-            key = c.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            kmax = tl.reduce(key, 1, _max)
-            kpos = tl.argmax(key, axis=1) + n0
-            wpos = tl.where(kmax > wkey, kpos, wpos)
-            wkey = tl.maximum(wkey, kmax)
-        # Locate (abft.repair.locate_and_fix): one extreme element by value, else d2/d1 - 1 where it is an index.
-        d1f = ref1 - s1f
-        d2f = ref2 - s2f
-        single = nx == 1
-        pos = d2f / d1f
-        rnd = tl.floor(pos + 0.5)
-        located = (tl.abs(pos) <= FLT_MAX) & (tl.abs(pos - rnd) <= LOCATE_SLACK) & (rnd >= 1.0) & (rnd <= nf)
-        loc = tl.where(single, xpos, tl.where(located, rnd, 1.0).to(tl.int32) - 1)
-        fixable = bad & (tl.abs(ref2) <= FLT_MAX) & (single | ((nx == 0) & located))
-        loc64 = loc.to(tl.int64)
-        old = tl.load(cb + rows64 * scm + loc64 * scn, mask=fixable, other=0.0)
-        old_f = old.to(tl.float32)
-        # The located element exactly, from A's row and B's column (the CPU ladder's `exact`), fp32 products.
-        exact = tl.full([BM], 0, tl.float32)
-        if tl.reduce(fixable.to(tl.int32), 0, _add) > 0:
-            ab_ = a_ptr + (bi0 * sA0 + bi1 * sA1)
-            bb_ = b_ptr + (bi0 * sB0 + bi1 * sB1)
-            for k0 in range(0, K, BK):
-                ks = (k0 + tl.arange(0, BK)).to(tl.int64)
-                mk = fixable[:, None] & (ks < K)[None, :]
-                av = tl.load(ab_ + rows64[:, None] * sAm + ks[None, :] * sAk, mask=mk, other=0.0).to(tl.float32)
-                bv = tl.load(bb_ + ks[None, :] * sBk + loc64[:, None] * sBn, mask=mk, other=0.0).to(tl.float32)
-                exact += tl.reduce(av * bv, 1, _add)
-            if HAS_BIAS:
-                exact += tl.load(bias_ptr + loc64, mask=fixable, other=0.0).to(tl.float32)
-        stored = exact.to(c_ptr.dtype.element_ty)
-        new = stored.to(tl.float32)
-        # The row after the fix, from its sums without extreme elements; a finite old value leaves them too.
-        # (A multiplication by 0 would keep an INF's NaN: the extreme value is left out by where.)
-        kept = tl.where(single, 0.0, old_f)
-        wl = (loc + 1).to(tl.float32)
-        base1 = s1f - kept
-        base2 = s2f - wl * kept
-        base_sq = sqf - kept * kept
-        base_ab = abf - tl.abs(kept)
-        e1, e2 = _bound(a, base_sq + new * new, base_ab + tl.abs(new), ref1, ref2, terms, rule, nf, USE_ABS,
-                        CALIBRATED, FLUSH)
-        fixed_ok = (tl.abs(ref1 - (base1 + new)) <= e1) & (tl.abs(ref2 - (base2 + wl * new)) <= e2)
-        # The exact value rounds to what C holds (an fp16 product past 65504 is INF): C is what the GEMM gives, no
-        # fault, when the row checks out with the unrounded value (gemm.check._overflowed's case).
-        x1, x2 = _bound(a, base_sq + exact * exact, base_ab + tl.abs(exact), ref1, ref2, terms, rule, nf, USE_ABS,
-                        CALIBRATED, FLUSH)
-        exact_ok = (tl.abs(ref1 - (base1 + exact)) <= x1) & (tl.abs(ref2 - (base2 + wl * exact)) <= x2)
-        same = new == old_f
-        consistent = fixable & same & exact_ok
-        corrected = fixable & ~same & fixed_ok
-        if CORRECT:
-            code = tl.where(consistent, CONSISTENT, tl.where(corrected, CORRECTED, NEED_RECOMPUTE))
-            tl.store(cb + rows64 * scm + loc64 * scn, stored, mask=corrected)
-        else:
-            code = tl.where(consistent, CONSISTENT, DETECTED)
+        # The slow path, in the programs holding a flagged row only, run by run: each flagged row's first flagged run
+        # (else its first upstream one) read again for what locating and reporting need.
+        run = tl.where(bad, first, first_up)
+        col = tl.full([BM], 0, tl.int32)
+        value = tl.full([BM], 0, tl.float32)
+        for h in range(0, G):
+            sel = rep & (run == h)
+            if tl.reduce(sel.to(tl.int32), 0, _add) > 0:
+                code_h, col_h, value_h = _locate_run(
+                    cb, rb, bsq_b, rq, bias_ptr, a_ptr + (bi0 * sA0 + bi1 * sA1), b_ptr + (bi0 * sB0 + bi1 * sB1),
+                    rows64, sel, bad & (n_bad == 1), a, h, L, K, scm, scn, srm, srj, sbn, sAm, sAk, sBk, sBn,
+                    floor_b, rule, lf, near_inf, CORRECT, USE_ABS, HAS_BIAS, CALIBRATED, FLUSH, BM, BN, BK)
+                code = tl.where(sel, code_h, code)
+                col = tl.where(sel, col_h, col)
+                value = tl.where(sel, value_h, value)
         code = tl.where(bad, code, tl.where(upstream, UPSTREAM, CLEAN))
         # Counts, then the first SLOTS flagged rows' summaries for the reports (batch, row, col, code; value, d1,
-        # bound): the column the fix went to, else the worst element's.
+        # bound): the column the fix went to, else the worst element's of the run.
         tl.atomic_add(state_ptr + S_CORRECTED, tl.reduce((code == CORRECTED).to(tl.int32), 0, _add))
         tl.atomic_add(state_ptr + S_RECOMPUTE, tl.reduce((code == NEED_RECOMPUTE).to(tl.int32), 0, _add))
         tl.atomic_add(state_ptr + S_CONSISTENT, tl.reduce((code == CONSISTENT).to(tl.int32), 0, _add))
         tl.atomic_add(state_ptr + S_DETECTED, tl.reduce((code == DETECTED).to(tl.int32), 0, _add))
         tl.atomic_add(state_ptr + S_UPSTREAM, tl.reduce((code == UPSTREAM).to(tl.int32), 0, _add))
-        col = tl.where(fixable, loc, wpos)
-        value = tl.load(cb + rows64 * scm + col.to(tl.int64) * scn, mask=rep & ~fixable, other=0.0).to(tl.float32)
-        value = tl.where(fixable, old_f, value)
         _keep_summaries(state_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS, rep, n_rep, pid_b, M, rows, col, code,
-                        value, d1, b1)
+                        value, d1_rep, b1_rep)
     tl.store(code_ptr + pid_b.to(tl.int64) * M + rows64, code, mask=rmask)
+
+
+@triton.jit
+def _locate_run(cb, rb, bsq_b, rq, bias_ptr, ab_, bb_, rows64, sel, alone, a, h, L, K, scm, scn, srm, srj, sbn, sAm,
+                sAk, sBk, sBn, floor_b, rule, lf, near_inf, CORRECT: tl.constexpr,
+                USE_ABS: tl.constexpr, HAS_BIAS: tl.constexpr, CALIBRATED: tl.constexpr, FLUSH: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """check_pass's slow path for run h of the rows ``sel``: its sums without extreme elements, the worst value, the
+    located single error (an extreme element by value, else d2/d1 - 1 where it is an index; only in a row whose one
+    flagged run this is: ``alone``) recomputed exactly from A's row and B's column and written back where the run
+    then checks out. Returns (code, column, value) per row: CORRECTED, CONSISTENT, NEED_RECOMPUTE (DETECTED in detect
+    mode) for a flagged row; the column the fix went to, else the run's worst element's; the value C held there."""
+    off = h * L
+    s1f = tl.full([BM], 0, tl.float32)
+    s2f = tl.full([BM], 0, tl.float32)
+    sqf = tl.full([BM], 0, tl.float32)
+    abf = tl.full([BM], 0, tl.float32)
+    nx = tl.full([BM], 0, tl.int32)
+    xpos = tl.full([BM], -1, tl.int32)
+    wkey = tl.full([BM], 0, tl.int32)
+    wpos = tl.full([BM], 0, tl.int32)
+    for n0 in range(0, L, BN):
+        local = n0 + tl.arange(0, BN)
+        m2 = sel[:, None] & (local < L)[None, :]
+        c = tl.load(cb + rows64[:, None] * scm + (off + local)[None, :].to(tl.int64) * scn, mask=m2, other=0.0)
+        c = c.to(tl.float32)
+        e = ~(tl.abs(c) <= near_inf) & m2
+        cf = tl.where(e, 0.0, c)
+        s1f += tl.reduce(cf, 1, _add)
+        s2f += tl.reduce(cf * (local + 1).to(tl.float32)[None, :], 1, _add)
+        sqf += tl.reduce(cf * cf, 1, _add)
+        abf += tl.reduce(tl.abs(cf), 1, _add)
+        nx += tl.reduce(e.to(tl.int32), 1, _add)
+        xpos = tl.maximum(xpos, tl.reduce(tl.where(e, local[None, :], -1), 1, _max))
+        # |x| as its bits: ordered as |x| is, every NaN above INF (the worst value: NaN, INF, then largest).
+        key = c.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        kmax = tl.reduce(key, 1, _max)
+        kpos = tl.argmax(key, axis=1) + n0
+        wpos = tl.where(kmax > wkey, kpos, wpos)
+        wkey = tl.maximum(wkey, kmax)
+    terms = _ref_norms(_other_terms(bsq_b + off * sbn, sbn, bias_ptr + off, L, floor_b, HAS_BIAS, BN), rq + 2 * h)
+    ref1 = tl.load(rb + rows64 * srm + (2 * h) * srj, mask=sel, other=0.0) + terms[6]
+    ref2 = tl.load(rb + rows64 * srm + (2 * h + 1) * srj, mask=sel, other=0.0) + terms[7]
+    # Locate (abft.repair.locate_and_fix): one extreme element by value, else d2/d1 - 1 where it is an index.
+    d1f = ref1 - s1f
+    d2f = ref2 - s2f
+    single = nx == 1
+    pos = d2f / d1f
+    rnd = tl.floor(pos + 0.5)
+    located = (tl.abs(pos) <= FLT_MAX) & (tl.abs(pos - rnd) <= LOCATE_SLACK) & (rnd >= 1.0) & (rnd <= lf)
+    loc = tl.where(single, xpos, tl.where(located, rnd, 1.0).to(tl.int32) - 1)
+    fixable = sel & alone & (tl.abs(ref2) <= FLT_MAX) & (single | ((nx == 0) & located))
+    loc64 = (off + loc).to(tl.int64)
+    old = tl.load(cb + rows64 * scm + loc64 * scn, mask=fixable, other=0.0)
+    old_f = old.to(tl.float32)
+    # The located element exactly, from A's row and B's column (the CPU ladder's `exact`), fp32 products.
+    exact = tl.full([BM], 0, tl.float32)
+    if tl.reduce(fixable.to(tl.int32), 0, _add) > 0:
+        for k0 in range(0, K, BK):
+            ks = (k0 + tl.arange(0, BK)).to(tl.int64)
+            mk = fixable[:, None] & (ks < K)[None, :]
+            av = tl.load(ab_ + rows64[:, None] * sAm + ks[None, :] * sAk, mask=mk, other=0.0).to(tl.float32)
+            bv = tl.load(bb_ + ks[None, :] * sBk + loc64[:, None] * sBn, mask=mk, other=0.0).to(tl.float32)
+            exact += tl.reduce(av * bv, 1, _add)
+        if HAS_BIAS:
+            exact += tl.load(bias_ptr + loc64, mask=fixable, other=0.0).to(tl.float32)
+    stored = exact.to(cb.dtype.element_ty)
+    new = stored.to(tl.float32)
+    # The run after the fix, from its sums without extreme elements; a finite old value leaves them too.
+    # (A multiplication by 0 would keep an INF's NaN: the extreme value is left out by where.)
+    kept = tl.where(single, 0.0, old_f)
+    wl = (loc + 1).to(tl.float32)
+    base1 = s1f - kept
+    base2 = s2f - wl * kept
+    base_sq = sqf - kept * kept
+    base_ab = abf - tl.abs(kept)
+    e1, e2 = _bound(a, base_sq + new * new, base_ab + tl.abs(new), ref1, ref2, terms, rule, lf, USE_ABS, CALIBRATED,
+                    FLUSH)
+    fixed_ok = (tl.abs(ref1 - (base1 + new)) <= e1) & (tl.abs(ref2 - (base2 + wl * new)) <= e2)
+    # The exact value rounds to what C holds (an fp16 product past 65504 is INF): C is what the GEMM gives, no
+    # fault, when the run checks out with the unrounded value (gemm.check._overflowed's case).
+    x1, x2 = _bound(a, base_sq + exact * exact, base_ab + tl.abs(exact), ref1, ref2, terms, rule, lf, USE_ABS,
+                    CALIBRATED, FLUSH)
+    exact_ok = (tl.abs(ref1 - (base1 + exact)) <= x1) & (tl.abs(ref2 - (base2 + wl * exact)) <= x2)
+    same = new == old_f
+    consistent = fixable & same & exact_ok
+    corrected = fixable & ~same & fixed_ok
+    if CORRECT:
+        code = tl.where(consistent, CONSISTENT, tl.where(corrected, CORRECTED, NEED_RECOMPUTE))
+        tl.store(cb + rows64 * scm + loc64 * scn, stored, mask=corrected)
+    else:
+        code = tl.where(consistent, CONSISTENT, DETECTED)
+    col = tl.where(fixable, loc, wpos) + off
+    value = tl.load(cb + rows64 * scm + col.to(tl.int64) * scn, mask=sel & ~fixable, other=0.0).to(tl.float32)
+    value = tl.where(fixable, old_f, value)
+    return code, col, value
 
 
 @triton.jit
@@ -597,7 +736,7 @@ def _fresh_tile(ab_, bb_, cb, rows, rows64, need, n0, N, K, sAm, sAk, sBk, sBn, 
 
 @triton.jit
 def repair_rows(
-    c_ptr, M, N, nb1, sc0, sc1, scm, scn,
+    c_ptr, M, _n, nb1, sc0, sc1, scm, scn,
     ref_ptr, sr0, sr1, srm, srj,
     asq_ptr, sa0, sa1, sam,
     bsq_ptr, sb0, sb1, sbn,
@@ -608,7 +747,7 @@ def repair_rows(
     state_ptr, code_ptr, slot_ptr, slot_i_ptr, SLOTS,
     fault_ptr,
     floor_a, floor_b, rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common,
-    sigmas, near_inf, sqrt_k, elem_ab, elem_abs,
+    sigmas, near_inf, sqrt_k, elem_ab, elem_abs, G, L,
     CORRECT: tl.constexpr, USE_ABS: tl.constexpr, HAS_BIAS: tl.constexpr, CALIBRATED: tl.constexpr,
     FLUSH: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, IS_F32: tl.constexpr, NF: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -616,7 +755,8 @@ def repair_rows(
     """Recompute the rows the check pass marked NEED_RECOMPUTE (BM rows of one matrix a program), re-verify them with
     the same rule, write them back, and give each its outcome: RECOMPUTED, UNCORRECTABLE (a fault that came back), or
     CONSISTENT (the recomputation equals the old row to round-off, and that row's checksums overflowed or it held INF
-    or NaN: the product as the dtype holds it, not a fault). Returns at once on a clean call. (A tier-1 trip's rows
+    or NaN: the product as the dtype holds it, not a fault). Each run of L columns verified as check_pass verifies
+    it (G runs). Returns at once on a clean call. (A tier-1 trip's rows
     are recomputed in the tier-1 pass itself: ``_recompute_tripped``.)"""
     if tl.load(state_ptr + S_RECOMPUTE) == 0:
         return
@@ -637,50 +777,53 @@ def repair_rows(
     bsq_b = bsq_ptr + (bi0 * sb0 + bi1 * sb1)
     a = tl.sqrt(tl.load(asq_ptr + (bi0 * sa0 + bi1 * sa1) + rows64 * sam, mask=need, other=0.0)) + floor_a
     a_sq = tl.full([BM], 0, tl.float32)
-    s1 = tl.full([BM], 0, tl.float32)
-    s2 = tl.full([BM], 0, tl.float32)
-    sq = tl.full([BM], 0, tl.float32)
-    sab = tl.full([BM], 0, tl.float32)
-    o1 = tl.full([BM], 0, tl.float32)
-    o2 = tl.full([BM], 0, tl.float32)
-    differs = tl.full([BM], 0, tl.int32)
-    for n0 in range(0, N, BN):
-        cols, cmask, m2, _acc, beta, a_sq, _b_sq, fresh = _fresh_tile(
-            ab_, bb_, cb, rows, rows64, need, n0, N, K, sAm, sAk, sBk, sBn, bias_ptr, a_sq, pid_b, fault_ptr,
-            DOT_FP32, IEEE, HAS_BIAS, False, IS_F32, NF, BM, BN, BK)
-        fresh_f = fresh.to(tl.float32)
-        ptrs = cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn
-        old = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
-        w = (cols + 1).to(tl.float32)
-        # Apart by more than two correct computations can be: the old row held a fault. The tolerance from the fresh
-        # values only (an INF in the old row must not widen its own test).
-        bj = tl.where(cmask, tl.sqrt(tl.load(bsq_b + cols * sbn, mask=cmask, other=0.0)) + floor_b, 0.0)
-        tol = elem_ab * (a[:, None] * bj[None, :]) + elem_abs * (2.0 * tl.abs(fresh_f) + tl.abs(beta)[None, :])
-        same = (fresh_f == old) | (tl.abs(fresh_f - old) <= tol)
-        differs += tl.reduce((m2 & ~same).to(tl.int32), 1, _add)
-        o1 += tl.reduce(old, 1, _add)
-        o2 += tl.reduce(old * w[None, :], 1, _add)
-        s1 += tl.reduce(fresh_f, 1, _add)
-        s2 += tl.reduce(fresh_f * w[None, :], 1, _add)
-        sq += tl.reduce(fresh_f * fresh_f, 1, _add)
-        if USE_ABS:
-            sab += tl.reduce(tl.abs(fresh_f), 1, _add)
-        if CORRECT:
-            tl.store(ptrs, fresh, mask=m2)
-    terms = _ref_norms(_other_terms(bsq_b, sbn, bias_ptr, N, floor_b, HAS_BIAS, BN), refsq_ptr, srq0, srq1, bi0,
-                       bi1)
-    bref1, bref2 = terms[6], terms[7]
     rule = (rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common, sigmas,
             near_inf, sqrt_k)
     rb = ref_ptr + (bi0 * sr0 + bi1 * sr1)
-    ref1 = tl.load(rb + rows64 * srm, mask=need, other=0.0) + bref1
-    ref2 = tl.load(rb + rows64 * srm + srj, mask=need, other=0.0) + bref2
-    nf = N * 1.0
-    b1, b2 = _bound(a, sq, sab, ref1, ref2, terms, rule, nf, USE_ABS, CALIBRATED, FLUSH)
-    ok = (tl.abs(ref1 - s1) <= b1) & (tl.abs(ref2 - s2) <= b2)
-    overflowed = ~(tl.abs(o1) <= FLT_MAX) | ~(tl.abs(o2) <= FLT_MAX)
+    rq = refsq_ptr + (bi0 * srq0 + bi1 * srq1)
+    lf = L * 1.0
+    differs = tl.full([BM], 0, tl.int32)
+    all_ok = need
+    overflowed = tl.full([BM], 0, tl.int32) > 0
+    for h in range(0, G):
+        off = h * L
+        s1 = tl.full([BM], 0, tl.float32)
+        s2 = tl.full([BM], 0, tl.float32)
+        sq = tl.full([BM], 0, tl.float32)
+        sab = tl.full([BM], 0, tl.float32)
+        o1 = tl.full([BM], 0, tl.float32)
+        o2 = tl.full([BM], 0, tl.float32)
+        for n0 in range(off, off + L, BN):
+            cols, cmask, m2, _acc, beta, a_sq, _b_sq, fresh = _fresh_tile(
+                ab_, bb_, cb, rows, rows64, need, n0, off + L, K, sAm, sAk, sBk, sBn, bias_ptr, a_sq, pid_b,
+                fault_ptr, DOT_FP32, IEEE, HAS_BIAS, False, IS_F32, NF, BM, BN, BK)
+            fresh_f = fresh.to(tl.float32)
+            ptrs = cb + rows64[:, None] * scm + cols[None, :].to(tl.int64) * scn
+            old = tl.load(ptrs, mask=m2, other=0.0).to(tl.float32)
+            w = (cols - off + 1).to(tl.float32)
+            # Apart by more than two correct computations can be: the old row held a fault. The tolerance from the
+            # fresh values only (an INF in the old row must not widen its own test).
+            bj = tl.where(cmask, tl.sqrt(tl.load(bsq_b + cols * sbn, mask=cmask, other=0.0)) + floor_b, 0.0)
+            tol = elem_ab * (a[:, None] * bj[None, :]) + elem_abs * (2.0 * tl.abs(fresh_f) + tl.abs(beta)[None, :])
+            same = (fresh_f == old) | (tl.abs(fresh_f - old) <= tol)
+            differs += tl.reduce((m2 & ~same).to(tl.int32), 1, _add)
+            o1 += tl.reduce(old, 1, _add)
+            o2 += tl.reduce(old * w[None, :], 1, _add)
+            s1 += tl.reduce(fresh_f, 1, _add)
+            s2 += tl.reduce(fresh_f * w[None, :], 1, _add)
+            sq += tl.reduce(fresh_f * fresh_f, 1, _add)
+            if USE_ABS:
+                sab += tl.reduce(tl.abs(fresh_f), 1, _add)
+            if CORRECT:
+                tl.store(ptrs, fresh, mask=m2)
+        terms = _ref_norms(_other_terms(bsq_b + off * sbn, sbn, bias_ptr + off, L, floor_b, HAS_BIAS, BN), rq + 2 * h)
+        ref1 = tl.load(rb + rows64 * srm + (2 * h) * srj, mask=need, other=0.0) + terms[6]
+        ref2 = tl.load(rb + rows64 * srm + (2 * h + 1) * srj, mask=need, other=0.0) + terms[7]
+        b1, b2 = _bound(a, sq, sab, ref1, ref2, terms, rule, lf, USE_ABS, CALIBRATED, FLUSH)
+        all_ok = all_ok & (tl.abs(ref1 - s1) <= b1) & (tl.abs(ref2 - s2) <= b2)
+        overflowed = overflowed | ~(tl.abs(o1) <= FLT_MAX) | ~(tl.abs(o2) <= FLT_MAX)
     consistent = (differs == 0) & overflowed
-    code = tl.where(consistent, CONSISTENT, tl.where(ok, RECOMPUTED, UNCORRECTABLE))
+    code = tl.where(consistent, CONSISTENT, tl.where(all_ok, RECOMPUTED, UNCORRECTABLE))
     _count_outcomes(state_ptr, need, code)
     tl.store(code_ptr + pid_b.to(tl.int64) * M + rows64, code, mask=need)
     slot = tl.load(slot_ptr + pid_b.to(tl.int64) * M + rows64, mask=need, other=SLOTS)
