@@ -7,8 +7,10 @@ On the coverage campaign's projection operands (bench/coverage.py's q: LLM-like 
 against a random weight; out: without outliers), per shape and dtype: the median over rows of each calibrated
 variance term for w = ones (the product's rounding, the reference's by either norm, the checksum's forming and the
 output's rounding), the median bound over the product's RMS and the worst clean residual over its bound, for each
-form. A bound many times its clean residuals lets finite errors under it pass (docs/fault-coverage.md, "Projections
-on a GPU"). Deterministic: one run.
+form, and for the GEMM checks' Triton path, which checks rows of 512 columns and more in runs (gemm/device.py; key
+``runs``: verify_gemm(groups=runs), the median over rows of each row's median run bound). A bound many times its
+clean residuals lets finite errors under it pass (docs/fault-coverage.md, "Projections on a GPU"). Deterministic:
+one run.
 
     python bench/gemm_rule_terms.py [--shapes gpt2,7b] [--dtypes fp32,bf16,fp16] [--out docs/perf/gemm_rule_terms.json]
 """
@@ -28,7 +30,9 @@ import coverage as campaign
 import torch
 
 from attnchecker.abft import Tolerance, direction_bounds
+from attnchecker.abft.gemm import verify_gemm
 from attnchecker.abft.gemm_rule import gemm_row_rule
+from attnchecker.kernels import triton_gemm_check as tg
 
 
 def terms(op_name: str, shape: str, dtype_name: str) -> dict[str, Any]:
@@ -54,6 +58,16 @@ def terms(op_name: str, shape: str, dtype_name: str) -> dict[str, Any]:
         out[name] = {"median_bound_over_rms": float(b1.median()) / op.rms,
                      "worst_clean_ratio": max(float((d_M2[:, 0] / b1.double()).max()),
                                               float((d_M2[:, 1] / b2.double()).max()))}
+    # The GPU path's rows in runs (gemm/device.py: verify_gemm(groups=runs)): each run's bound, per row the median over
+    # its runs, and the worst clean ratio of any run (its residual in the check's own fp32 sums).
+    runs = tg.runs(n)
+    by_runs = verify_gemm(op.c[0], op.x[0], op.w.T, tol, directions=("row",), groups=runs)["row"]
+    assert by_runs.bound2 is not None
+    d_V2 = by_runs.diff[0].abs()
+    ratio = torch.maximum(d_V2[:, 0] / by_runs.bound[0], d_V2[:, 1] / by_runs.bound2[0])
+    out["runs"] = {"runs": runs, "median_bound_over_rms": float(by_runs.bound[0].view(-1, runs).median(1).values
+                                                               .median()) / op.rms,
+                   "worst_clean_ratio": float(ratio.max())}
     # The calibrated variance's terms for w = ones (abft/gemm_rule.py's scalars), median over rows.
     rule_s = gemm_row_rule(n, k, tol, op.c.dtype, bias=False)
     a2 = a_M.double().square()
@@ -79,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
             for op in args.ops.split(",")]
     cpu, gpu = "triangle", "ref_norms"
     print(_common.table([[r["shape"], r["dtype"], r["op"], r[cpu]["median_bound_over_rms"],
-                          r[gpu]["median_bound_over_rms"], r[cpu]["worst_clean_ratio"], r[gpu]["worst_clean_ratio"],
+                          r[gpu]["median_bound_over_rms"], r["runs"]["median_bound_over_rms"], r["runs"]["runs"],
+                          r[cpu]["worst_clean_ratio"], r[gpu]["worst_clean_ratio"], r["runs"]["worst_clean_ratio"],
                           max(r["median_variance_w1"], key=r["median_variance_w1"].get)] for r in rows],
-                        ["shape", "dtype", "op", "bound/RMS, triangle", "with ||Bw||", "worst clean ratio, triangle",
-                         "with ||Bw||", "largest term, triangle"]))
+                        ["shape", "dtype", "op", "bound/RMS, triangle", "with ||Bw||", "in runs", "runs",
+                         "worst clean ratio, triangle", "with ||Bw||", "in runs", "largest term, triangle"]))
     path = _common.write_result("gemm_rule_terms", {"rows": rows}, args.out)
     print(f"wrote {path}")
     return 0
