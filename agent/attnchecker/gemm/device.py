@@ -182,7 +182,7 @@ def check_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Te
         with call, torch.no_grad():
             ws = tg.Workspace(todo[0].c.device, sum(_side_floats(g, tol) + tg.STATE_SIZE for g in todo))
             for g in todo:
-                _check(ctx, g, _row_side(g, ws, tol), ws, tier=tier)
+                _check(ctx, g, _row_side(g, ws, tol), ws, tol, tier=tier)
                 call.done += 1
     finally:
         if call.done:  # the GEMMs checked before a failure are counted; the CPU path counts the rest
@@ -282,9 +282,10 @@ def _rule(g: DeviceGemm, tol: Tolerance, n_runs: int) -> GemmRowRule:
                          operands_cast_to=cast, operand_roundoff=roundoff)
 
 
-def _check(ctx: LayerContext, g: DeviceGemm, side: tg.RowSide, ws: tg.Workspace, *, tier: str) -> None:
-    """One GEMM's check pass and repair kernel, its outcome deferred to the step boundary."""
-    chk = _launch(g, side, ws, _tolerance(ctx), correct=ctx.config.mode == "correct", faults=_planned(ctx, g))
+def _check(ctx: LayerContext, g: DeviceGemm, side: tg.RowSide, ws: tg.Workspace, tol: Tolerance, *, tier: str
+           ) -> None:
+    """One GEMM's check pass and repair kernel under the call's ``tol``, its outcome deferred to the step boundary."""
+    chk = _launch(g, side, ws, tol, correct=ctx.config.mode == "correct", faults=_planned(ctx, g))
     _defer(ctx, g, chk, tier=tier)
 
 
@@ -460,7 +461,7 @@ def linear_forward(ctx: LayerContext, tier: str, y_MO: torch.Tensor, x_MI: torch
         sides = LinearSides(ww_O2=ww, w_col_sq_I=w_sq, xw_M2=xo.xw, x_col_sq_I=xo.csq, runs_I=runs_i)
         if check_forward:
             assert xo.xv is not None and xo.rsq is not None and fwd_sq is not None and xo.vsq is not None
-            _check(ctx, gemm, tg.RowSide(ref=xo.xv, a_sq=xo.rsq, b_sq=fwd_sq, ref_sq=xo.vsq, runs=runs_o), ws,
+            _check(ctx, gemm, tg.RowSide(ref=xo.xv, a_sq=xo.rsq, b_sq=fwd_sq, ref_sq=xo.vsq, runs=runs_o), ws, tol,
                    tier="abft")
     if check_forward:
         _count(ctx, "linear", clock.seconds(ctx, ["linear"]))
@@ -488,7 +489,8 @@ def linear_backward(ctx: LayerContext, tier: str, dy_MO: torch.Tensor, x_MI: tor
         _trip(ctx, gemms)
         return
     clock = Clock(dy_MO.device)
-    width = 2 * (sides.runs_I if sides is not None else runs(x_MI.shape[-1], _tolerance(ctx)))
+    tol = _tolerance(ctx)
+    width = 2 * (sides.runs_I if sides is not None else runs(x_MI.shape[-1], tol))
     floats = (tg.operand_floats(dy_MO, right=width if dx_MI is not None else 0, left=width if dw is not None else 0,
                                 col_sq=dw is not None)
               + len(gemms) * tg.STATE_SIZE)
@@ -499,21 +501,21 @@ def linear_backward(ctx: LayerContext, tier: str, dy_MO: torch.Tensor, x_MI: tor
     try:
         with call, torch.no_grad():
             ws = tg.Workspace(dy_MO.device, floats)
-            _check_backward(ctx, gemms, call, ws, dy_MO, x_MI, weight, layout, dx_MI is not None, dw is not None,
-                            sides)
+            _check_backward(ctx, gemms, call, ws, tol, dy_MO, x_MI, weight, layout, dx_MI is not None,
+                            dw is not None, sides)
     finally:
         if call.done:  # the GEMMs checked before a failure are counted; the CPU path counts the rest
             _counted(ctx, [g.op for g in gemms[:call.done]], "abft", clock)
 
 
-def _check_backward(ctx: LayerContext, gemms: list[DeviceGemm], call: _Launches, ws: tg.Workspace,
+def _check_backward(ctx: LayerContext, gemms: list[DeviceGemm], call: _Launches, ws: tg.Workspace, tol: Tolerance,
                     dy_MO: torch.Tensor, x_MI: torch.Tensor, weight: torch.Tensor, layout: str, need_dx: bool,
                     need_dw: bool, sides: LinearSides | None) -> None:
     """linear_backward's launches: the operand passes (one read of dY; of W and x too where the forward left no
     ``sides``), then dX's and dW's check passes and repairs."""
     if sides is None:
         # A module whose forward the attention's projection hook checked: its W and x are read now.
-        runs_i = runs(x_MI.shape[-1], _tolerance(ctx))
+        runs_i = runs(x_MI.shape[-1], tol)
         _, _, ww, w_sq = _weight_pass(weight, layout, ws, runs_o=0, runs_i=runs_i)
         xo = tg.operand_pass(x_MI, ws, right_w=runs_i, col_sq=True)
         assert xo.xw is not None and xo.csq is not None
@@ -527,5 +529,5 @@ def _check_backward(ctx: LayerContext, gemms: list[DeviceGemm], call: _Launches,
         else:
             assert do.lx is not None and do.csq is not None and do.lsq is not None
             side = tg.RowSide(ref=do.lx, a_sq=do.csq, b_sq=sides.x_col_sq_I, ref_sq=do.lsq, runs=sides.runs_I)
-        _check(ctx, g, side, ws, tier="abft")
+        _check(ctx, g, side, ws, tol, tier="abft")
         call.done += 1

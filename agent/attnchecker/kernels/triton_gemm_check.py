@@ -239,9 +239,9 @@ def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None =
     dev = x.device
     jv = right.shape[-1] if right is not None else 0
     jl = left.shape[-1] if left is not None else 0
-    for what, n_runs, length in (("right_w", right_w, cols), ("left_w", left_w, rows)):
-        if n_runs and length % n_runs:
-            raise ValueError(f"operand_pass: {what}={n_runs} runs do not divide {length}")
+    if (right_w and cols % right_w) or (left_w and rows % left_w):
+        raise ValueError(f"operand_pass: right_w={right_w} runs must divide its {cols} columns and left_w={left_w} "
+                         f"its {rows} rows")
     new = functools.partial(torch.empty, device=dev, dtype=torch.float32)
     xv = new(nb, rows, jv) if right is not None else None
     xw = new(nb, rows, 2 * right_w) if right_w else None
@@ -262,9 +262,10 @@ def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None =
         xv if xv is not None else dummy, xw if xw is not None else dummy, rsq if rsq is not None else dummy,
         lx if lx is not None else dummy, wx if wx is not None else dummy, csq if csq is not None else dummy,
         vsq if vsq is not None else dummy, lsq if lsq is not None else dummy,
-        jv, jl, cols // max(right_w, 1), rows // max(left_w, 1), 2 * right_w, 2 * left_w,
+        jv, jl, cols // (right_w or 1), rows // (left_w or 1), 2 * right_w, 2 * left_w,
         RIGHT_V=right is not None, RIGHT_W=bool(right_w), LEFT_L=left is not None, LEFT_W=bool(left_w),
-        ROW_SQ=row_sq, COL_SQ=col_sq, BR=blk.rows, BC=blk.cols, JP=_jp(jv, jl, 2 * right_w, 2 * left_w),
+        ROW_SQ=row_sq, COL_SQ=col_sq, BR=blk.rows, BC=blk.cols,
+        JP=0 if jv <= 2 and jl <= 2 and right_w <= 1 and left_w <= 1 else _jp(jv, jl, 2 * right_w, 2 * left_w),
     )
     LAUNCHES.count("operand_pass")
     return OperandOut(xv=xv, xw=xw, rsq=rsq, lx=lx, wx=wx, csq=csq, vsq=vsq, lsq=lsq)
