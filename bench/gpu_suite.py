@@ -28,6 +28,10 @@ Sections, in order (each records its own wall time; one that would pass the budg
    launch included), "abft_fp32_refs" (the same with every reference an fp32 sum) and "tripwire" against "off",
    SDPA's backward, and what a tier-1 step without dropout runs (SDPA's forward again and its backward, the tier-1
    pass over its gradients, the repair launches) over SDPA's.
+   gemm_check: the GEMM checks' Triton path alone (bench/triton_gemm_check.py's ``timing``), bf16, at Llama-7B's
+   projection and MLP shapes and GPT-2's MLP (M = 8192 tokens): the GEMM (cuBLAS), its full check with the rows in
+   runs and with one pair a row (what the runs cost: their operand passes' wider tl.dot), and tier 1, each against
+   the GEMM (issue 32 put a check that reads its operands 2 to 4 times at 15 to 30 % of the GEMM).
    attribution: where a protected step's time goes, against the unprotected one (torch.profiler over a few steps
    of each model at T = 2048): device time in all kernels and in attnchecker's Triton kernels, kernel launches, host
    time in ops and in the driver's launch calls, the top kernels; the default policies on their tier-1 steps (what
@@ -279,6 +283,35 @@ def kernel_section(args: argparse.Namespace, device: str, deadline: float) -> di
                                             reps=1 if args.dry_run else 20, vendor=vendor.forward)
         out.append({"shape": [b, h, t, d], **got})
         print(f"forward kernel B={b} H={h} T={t} D={d}: {got}")
+    return {"rows": out}
+
+
+GEMM_CHECK_SHAPES = ((8192, 4096, 4096), (8192, 4096, 11008), (8192, 11008, 4096), (8192, 768, 3072))
+"""(M, K, N) of gemm_check: Llama-7B's q/k/v/o, its MLP up and down, GPT-2's MLP up, at 8192 tokens."""
+
+
+def gemm_check_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:
+    """The GEMM checks' Triton path next to the GEMM it checks (bench/triton_gemm_check.timing), bf16, per shape."""
+    import torch
+    import triton_gemm_check
+
+    from attnchecker.kernels import triton_gemm_check as tg
+
+    probe = torch.zeros(1, 1, device=device, dtype=torch.bfloat16)
+    if not tg.takes(probe):
+        return {"skipped": "the GEMM checks' Triton path does not take tensors here (no triton, or no CUDA device "
+                           "and no TRITON_INTERPRET=1)"}
+    shapes = ((64, 64, 512), (64, 64, 64)) if args.dry_run else GEMM_CHECK_SHAPES
+    out: list[dict[str, Any]] = []
+    for m, k, n in shapes:
+        if time.monotonic() > deadline:
+            out.append({"shape": [m, k, n], "skipped": "over the time budget"})
+            continue
+        got = triton_gemm_check.timing(m, k, n, torch.bfloat16, rounds=1 if args.dry_run else 5,
+                                       reps=1 if args.dry_run else 10, device=device)
+        out.append(got)
+        print(f"gemm check M={m} K={k} N={n}, runs={got['runs']}: "
+              + ", ".join(f"{name} {r['median']:.2f}x" for name, r in got["ratio_vs_gemm"].items()))
     return {"rows": out}
 
 
@@ -655,8 +688,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=460.0, help="wall-time budget of the whole suite")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--sections", default=None,
-                    help="comma-separated subset of tests,steps,kernel,backward_kernel,attribution,coverage,tiles,"
-                    "profile (default all)")
+                    help="comma-separated subset of tests,steps,kernel,backward_kernel,gemm_check,attribution,"
+                    "coverage,tiles,profile (default all)")
     ap.add_argument("--out", default=None, help="JSON path (default docs/perf/gpu_suite[_dry_run].json)")
     ap.add_argument("--profile-target", action="store_true", help=argparse.SUPPRESS)  # what ncu runs (profile)
     args = ap.parse_args(argv)
@@ -692,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         ("steps", lambda: steps_section(args, device, deadline, step_rows, save)),
         ("kernel", lambda: kernel_section(args, device, deadline)),
         ("backward_kernel", lambda: backward_kernel_section(args, device, deadline)),
+        ("gemm_check", lambda: gemm_check_section(args, device, deadline)),
         ("attribution", lambda: attribution_section(args, device, deadline)),
         ("coverage", lambda: coverage_section(args, device)),
         ("tiles", lambda: tiles_section(args, device, deadline)),

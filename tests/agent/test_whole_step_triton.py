@@ -228,9 +228,9 @@ def test_wide_layers_are_checked_in_runs_and_their_faults_corrected(arch: str, m
     """Rows of 512 columns and more are checked in runs on the Triton path (device.runs). At width 512 every
     Linear/Conv1D GEMM but the LM head's forward has such rows: GPT-2's c_fc 8 runs, its fused c_attn (checked per
     q/k/v slice) and the rest 2, every dX and dW 2 or 8; Llama's q/k/v/o and down 2, gate and up 4. A clean step
-    flags nothing and checks some GEMM in each of those run counts; every GEMM of GPT-2's step with a 1,536- or
-    2,048-wide side (its c_attn and MLP Conv1Ds forward, dX and dW: both weight layouts' passes, the fused
-    projection's slices, 8 runs) and Llama's sample (``linear_sample``), hit in turn below
+    flags nothing and checks some GEMM in each of those run counts; GPT-2's c_fc forward and the fused c_attn's
+    slices, the MLP's dX and dW with rows in 8 runs (a Conv1D's gradient through its transposed view) and c_attn's
+    dW, and Llama's sample (``linear_sample``), each hit in turn below
     autograd, the four kinds rotating, is corrected or recomputed with the fault-free gradients (fp32, to 1e-5: a
     corrected half-precision element is the exact value rounded, which the GEMM's own may differ from by an ulp)."""
     monkeypatch.setenv(device.GEMM_ENV, "triton")
@@ -259,8 +259,12 @@ def test_wide_layers_are_checked_in_runs_and_their_faults_corrected(arch: str, m
     assert finite and not detections
     assert set(seen_runs) >= ({1, 2, 8} if arch == "gpt2" else {1, 2, 4}), sorted(set(seen_runs))
     calls = [c for c in recorder.calls if is_model_gemm(c) and not (c.phase == "forward" and c.op == "bmm")]
-    calls = ([c for c in calls if {1536, 2048} & {*c.shape, c.k}] if arch == "gpt2"
-             else linear_sample(recorder.calls))
+    # GPT-2 (48 tokens): forward c_attn (48, 1536) and c_fc (48, 2048); backward the MLP's c_proj dX (48, 2048) and
+    # dW (2048, 512), c_attn's dW (512, 1536).
+    wanted = {("forward", (48, 1536)), ("forward", (48, 2048)), ("backward", (48, 2048)), ("backward", (2048, 512)),
+              ("backward", (512, 1536))}
+    calls = ([c for c in calls if (c.phase, c.shape) in wanted] if arch == "gpt2" else linear_sample(recorder.calls))
+    assert len(calls) >= 4
     failures = []
     for n, call in enumerate(calls):
         kind = KINDS[n % len(KINDS)]

@@ -210,7 +210,7 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["dry_run"] and doc["device"] == "cpu"
-    for section in ("steps", "kernel", "backward_kernel", "attribution", "coverage", "tiles"):
+    for section in ("steps", "kernel", "backward_kernel", "gemm_check", "attribution", "coverage", "tiles"):
         assert "error" not in doc[section] and "skipped" not in doc[section], (section, doc[section])
     steps = {(r["model"], r["seq"]): r for r in doc["steps"]}
     assert set(steps) == {("gpt2_small", 32), ("llama_7b", 32)}
@@ -226,6 +226,12 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
             assert all(positive(x) for x in row.values() if isinstance(x, float)), row
     for row in doc["coverage"]["rows"]:
         assert 0 < row["attention_core_share"] < 1
+    # The GEMM checks timed beside their GEMM, with the rows in runs and with one pair a row (2 runs at 512 columns).
+    gemm_rows = {tuple(r["shape"]): r for r in doc["gemm_check"]["rows"]}
+    assert gemm_rows[(64, 64, 512)]["runs"] == 2 and gemm_rows[(64, 64, 64)]["runs"] == 1
+    for row in gemm_rows.values():
+        assert set(row["ratio_vs_gemm"]) == {"check", "check_one_pair", "tier1"}
+        assert all(positive(s["median"]) for s in row["seconds"].values())
     # Each GPU class's tiles timed side by side, a 99 KB GPU's smallest among them.
     tiles = {(r["kernel"], tuple(r["tiles"]), r["stages"]): r for r in doc["tiles"]["rows"]}
     assert {("forward", (16, 16), 2), ("backward", (16, 16), 2), ("backward", (32, 32), 2)} <= set(tiles)
