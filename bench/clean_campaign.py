@@ -20,9 +20,11 @@ Per run (dtype x model x mask x variant): checks, flags, the worst clean residua
 residual_max``, on the device), max |activation|.
 
     attnchecker bench clean [...]   (or: python bench/clean_campaign.py [...])
-    python bench/clean_campaign.py [--checks 100000] [--dtypes fp32,tf32,bf16,fp16,tf32-trunc] [--size small|tiny]
+    python bench/clean_campaign.py [--checks 100000] [--dtypes fp32,tf32,bf16,fp16,tf32-trunc] [--size small|tiny|wide]
                                    [--tiny] [--long-steps 2] [--jobs 8] [--path auto|unfused|tiled]
                                    [--out docs/perf/clean_campaign.json]
+    TRITON_INTERPRET=1 ATTNCHECKER_GEMM=triton python bench/clean_campaign.py --size wide ...
+                                   (the GEMM checks' Triton path, a GPU's, on this CPU; the JSON records the setting)
 """
 from __future__ import annotations
 
@@ -77,6 +79,9 @@ SIZES = {
     # Many short steps: 45 (GPT-2) or 56 (BERT) checks per step, 10^5 checks per dtype in minutes on one thread.
     "small": Size(d=128, layers=2, heads=4, seq=64, batch=2, long_seq=512, long_batch=2),
     "tiny": Size(d=32, layers=2, heads=2, seq=16, batch=2, long_seq=512, long_batch=1),
+    # Rows of 512 to 2,048 columns, which the GEMM checks' Triton path checks in runs of at least 256 (gemm/device.py):
+    # with TRITON_INTERPRET=1 ATTNCHECKER_GEMM=triton, its kernels on clean training (slow under the interpreter).
+    "wide": Size(d=512, layers=1, heads=8, seq=64, batch=2, long_seq=512, long_batch=1),
 }
 
 
@@ -247,6 +252,17 @@ def train(run: Run, dtype: str, *, size: Size, corpus: torch.Tensor, checks: int
     losses: list[float] = []
     t0 = time.perf_counter()
     guard = attnchecker.protect(model, optimizer=opt, policy=attnchecker.Policy.full(), scope="all")
+
+    def read_worst(*_: Any) -> None:
+        # A pre-step hook of the optimizer registered after the guard's: the step's deferred outcomes (the GEMM
+        # checks' Triton path reports its ratios at the step boundary) are in, and the guard's post-step hook has not
+        # folded them away yet.
+        stats = guard.step_stats
+        assert stats is not None
+        for op, r in stats.residual_max.items():
+            worst[op] = max(worst.get(op, 0.0), float(r))  # sync: bench only, once per op per step
+
+    hook = opt.register_step_pre_hook(read_worst)
     try:
         steps = 0
         while steps < max_steps and sum(guard.report().checks.values()) < checks:
@@ -257,10 +273,6 @@ def train(run: Run, dtype: str, *, size: Size, corpus: torch.Tensor, checks: int
                     loss = loss_of(model, x_BT, keep_BT, y_BT)
                 with precision(dtype) if dtype in ("tf32", TF32_TRUNCATED) else contextlib.nullcontext():
                     loss.backward()
-            stats = guard.step_stats
-            assert stats is not None
-            for op, r in stats.residual_max.items():
-                worst[op] = max(worst.get(op, 0.0), float(r))  # sync: bench only, once per op per step
             losses.append(float(loss.detach()))
             opt.step()  # the guard's step() runs in the optimizer's post-hook: this step's counts are folded in
             opt.zero_grad(set_to_none=True)
@@ -268,6 +280,7 @@ def train(run: Run, dtype: str, *, size: Size, corpus: torch.Tensor, checks: int
         report = guard.report()
         detections = guard.detections
     finally:
+        hook.remove()
         guard.close()
         acts.close()
     checks_by_op = {op: n for op, n in report.checks.items() if n}
@@ -345,7 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     print(_common.table([[d, *[max((r["worst_ratio_by_op"].get(op, 0.0) for r in results if r["dtype"] == d),
                                    default=0.0) for op in worst_ops]] for d in dtypes],
                         ["dtype", *worst_ops]))
-    payload = {"size": vars(size), "per_run_checks": per_run, "path": args.path, "jobs": args.jobs,
+    from attnchecker.gemm import device as gemm_device
+    from attnchecker.kernels import triton_gemm_check as tg
+
+    # Which GEMM check path ran: ATTNCHECKER_GEMM, and whether the Triton kernels could run on these CPU tensors.
+    gemm_path = {"ATTNCHECKER_GEMM": gemm_device.requested(), "triton_interpreted": tg.interpreted()}
+    payload = {"size": vars(size), "per_run_checks": per_run, "path": args.path, "gemm": gemm_path, "jobs": args.jobs,
                "threads": args.threads,
                "long_steps": args.long_steps, "outlier_scales": list(OUTLIER_SCALES), "lr": LR, "totals": totals,
                "results": results}
