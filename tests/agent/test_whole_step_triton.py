@@ -15,7 +15,8 @@ and are not the subject here. What a check kernel the GPU cannot compile does to
 ``test_a_gemm_check_kernel_that_fails_hands_its_gemms_to_the_cpu_path_and_training_goes_on``."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -76,6 +77,26 @@ def guarded_step(arch: str, model: torch.nn.Module, opt: torch.optim.Optimizer, 
     seen = len(guard.detections)
     grads = injected_step(arch, model, opt, injector)
     return grads, list(guard.detections[seen:])
+
+
+def faults_corrected_in_turn(calls: list[GemmCall],
+                             step: Callable[[GemmInjector], tuple[dict[str, torch.Tensor], bool, list]],
+                             clean: dict[str, torch.Tensor], *, first: int, stride: int) -> list[tuple]:
+    """Each GEMM call hit in turn below autograd (element first + stride·n of the n-th, the four kinds rotating) in a
+    fresh ``step``: the failures, where the step's gradients are not the fault-free ones to 1e-5, a weight is not
+    finite, or a GEMM check (a Linear's or a projection's) did not report the fault corrected or recomputed."""
+    failures = []
+    for n, call in enumerate(calls):
+        kind = KINDS[n % len(KINDS)]
+        injector = GemmInjector(target=call.index, kind=kind, element=first + stride * n)
+        grads, finite, detections = step(injector)
+        assert injector.hit == call, "the faulty run made different GEMM calls before the target"
+        outcome = [(d.op, d.action) for d in detections]
+        if not (finite and worst_rel(grads, clean) <= 1e-5 and outcome
+                and all(op in (*GEMM_OPS, *PROJECTION_OPS) and action in ("corrected", "recomputed")
+                        for op, action in outcome)):
+            failures.append((call, kind, worst_rel(grads, clean), outcome))
+    return failures
 
 
 def linear_sample(calls: list[GemmCall]) -> list[GemmCall]:
@@ -204,18 +225,7 @@ def test_every_linear_gemm_of_a_step_is_corrected_on_the_triton_path(arch: str, 
     assert finite and not detections
     calls = [c for c in recorder.calls if is_model_gemm(c) and not (c.phase == "forward" and c.op == "bmm")]
     assert len({c.phase for c in calls}) == 2 and len(calls) >= 12, [(c.phase, c.shape) for c in calls]
-    failures = []
-    for n, call in enumerate(calls):
-        kind = KINDS[n % len(KINDS)]
-        injector = GemmInjector(target=call.index, kind=kind, element=3 + 17 * n)
-        grads, finite, detections = one_step(arch, injector)
-        assert injector.hit == call, "the faulty run made different GEMM calls before the target"
-        outcome = [(d.op, d.action) for d in detections]
-        if not (finite and worst_rel(grads, clean) <= 1e-5 and outcome
-                and all(op in (*GEMM_OPS, *PROJECTION_OPS) and action in ("corrected", "recomputed")
-                        for op, action in outcome)):
-            failures.append((call, kind, worst_rel(grads, clean), outcome))
-    assert not failures
+    assert not faults_corrected_in_turn(calls, functools.partial(one_step, arch), clean, first=3, stride=17)
 
 
 WIDE = {"gpt2": {"n_layer": 1, "n_embd": 512, "n_head": 8},
@@ -265,18 +275,7 @@ def test_wide_layers_are_checked_in_runs_and_their_faults_corrected(arch: str, m
               ("backward", (512, 1536))}
     calls = ([c for c in calls if (c.phase, c.shape) in wanted] if arch == "gpt2" else linear_sample(recorder.calls))
     assert len(calls) >= 4
-    failures = []
-    for n, call in enumerate(calls):
-        kind = KINDS[n % len(KINDS)]
-        injector = GemmInjector(target=call.index, kind=kind, element=5 + 31 * n)
-        grads, finite, detections = step(injector)
-        assert injector.hit == call, "the faulty run made different GEMM calls before the target"
-        outcome = [(d.op, d.action) for d in detections]
-        if not (finite and worst_rel(grads, clean) <= 1e-5 and outcome
-                and all(op in (*GEMM_OPS, *PROJECTION_OPS) and action in ("corrected", "recomputed")
-                        for op, action in outcome)):
-            failures.append((call, kind, worst_rel(grads, clean), outcome))
-    assert not failures
+    assert not faults_corrected_in_turn(calls, step, clean, first=5, stride=31)
 
 
 @pytest.mark.parametrize(("arch", "projections"), [("gpt2", 2), ("llama", 4)])
