@@ -128,7 +128,9 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
 
         blk = tgc._blocks(torch.device("cuda"))
         scan = launch["kernel"] == "trip_pass"
-        sizes = {"BM": blk.rows, "BN": blk.cols, "BR": blk.rows, "BC": blk.cols,
+        operand = {"*fp32": torch.float32}.get(launch["signature"].get("x_ptr"), torch.bfloat16)
+        br, bc = blk.operand_tiles(operand)
+        sizes = {"BM": blk.rows, "BN": blk.cols, "BR": br, "BC": bc,
                  "BK": blk.recompute_k if scan else blk.k, "RBN": blk.recompute_cols}
         consts.update({k: v for k, v in sizes.items() if k in consts})
         a, b = launch["signature"].get("a_ptr"), launch["signature"].get("b_ptr")

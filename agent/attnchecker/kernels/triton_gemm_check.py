@@ -119,12 +119,25 @@ class _Blocks:
     registers of the rarely taken recompute would otherwise set those of the scan every call runs (sm_90, offline,
     32 × 128 scan tiles on 4 warps: 168 registers in bf16 and 242 in fp32 with 16 × 16, against 255 and 60 B / 1.3 KB
     spilled with 128 × 32)."""
+    operand_rows: int
+    operand_cols: int
+    operand_cols_fp32: int
+    """The operand pass's tiles (fp32 X: the last's columns). Each program reads its factors' rows for every tile of
+    X it reads (and, with runs, makes their weights), so more rows a program share that work: on sm_90
+    (bench/triton_gemm_resources.py, a Llama-7B projection's three passes, 4 warps) bf16 64 × 64 tiles issue 0.63 to
+    0.81 warp instructions an element, 32 × 128 tiles 1.18 to 1.65, 128 × 64 spill; fp32, whose products stay on the
+    FMA units, 1.83 to 1.95 on 64 × 32 tiles without spilling, where 64 × 64 spill."""
+
+    def operand_tiles(self, dtype: torch.dtype) -> tuple[int, int]:
+        return self.operand_rows, self.operand_cols_fp32 if dtype == torch.float32 else self.operand_cols
 
 
 def _blocks(device: torch.device) -> _Blocks:
     # On a GPU: tiles a program streams through registers (the check pass is memory-bound; 32 rows × 128 columns of
     # bf16 is 8 KB a step). Under the interpreter each op is a numpy call, whatever its size: big tiles, few ops.
-    return _Blocks(32, 128, 32, 16, 16) if device.type == "cuda" else _Blocks(64, 256, 64, 256, 64)
+    if device.type == "cuda":
+        return _Blocks(32, 128, 32, 16, 16, 64, 64, 32)
+    return _Blocks(64, 256, 64, 256, 64, 64, 256, 256)
 
 
 def _lead(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -161,10 +174,11 @@ def operand_floats(x: torch.Tensor, *, right: int = 0, left: int = 0, left_w: in
 
 
 MAX_RUNS = 8
-"""Most checksum runs per row on this path (``runs``): the operand pass makes a reference per run and weighting as an
-IEEE fp32 tl.dot, 2·runs padded to JP = 16 multiply-adds per element it loads. A bf16 element reaches an H100 at
-about 1.7·10¹² a second: 16 multiply-adds each ask 2.7·10¹³ a second, just under its ~3.3·10¹³ fp32 rate; 32 would
-ask twice that (data-sheet arithmetic, not timed)."""
+"""Most checksum runs per row on this path (``runs``): the operand pass makes a reference per run and weighting as a
+tl.dot against a factor 2·runs wide, padded to JP = 16 columns. For bf16 and fp16 operands those are tensor-core
+products (the factors in TF32 parts, kernels' _dot_exact), whose width costs next to nothing; for fp32 ones they stay
+16 multiply-adds per element and factor on the FMA units, which at an H100's ~3.3·10¹³ fp32 rate reads 2·10¹² fp32
+elements a second, about its memory's rate (data-sheet arithmetic, not timed)."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -175,6 +189,11 @@ def runs(n: int) -> int:
         if n % g == 0:
             return g
     return 1
+
+
+WHOLE_RUN = 2048
+"""Runs of at most this many columns (or rows) have checksum weights 1..run exact in TF32 (11 significant bits): the
+grouped operand pass's tensor-core form takes them as they are, longer runs as three parts (kernels' _dot_exact)."""
 
 
 def _jp(*widths: int) -> int:
@@ -255,7 +274,8 @@ def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None =
     lt, sl0, sl1, slr, slj = _factor(left, (nb0, nb1), x)
     blk = _blocks(dev)
     dummy = ws.buf
-    grid = (triton_cdiv(rows, blk.rows), nb)
+    br, bc = blk.operand_tiles(x.dtype)
+    grid = (triton_cdiv(rows, br), nb)
     k.operand_pass[grid](
         x, rows, cols, nb1, s0, s1, x.stride(-2), x.stride(-1),
         vt, sv0, sv1, svk, svj, lt, sl0, sl1, slr, slj,
@@ -264,8 +284,10 @@ def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None =
         vsq if vsq is not None else dummy, lsq if lsq is not None else dummy,
         jv, jl, cols // (right_w or 1), rows // (left_w or 1), 2 * right_w, 2 * left_w,
         RIGHT_V=right is not None, RIGHT_W=bool(right_w), LEFT_L=left is not None, LEFT_W=bool(left_w),
-        ROW_SQ=row_sq, COL_SQ=col_sq, BR=blk.rows, BC=blk.cols,
+        ROW_SQ=row_sq, COL_SQ=col_sq, BR=br, BC=bc,
         JP=0 if jv <= 2 and jl <= 2 and right_w <= 1 and left_w <= 1 else _jp(jv, jl, 2 * right_w, 2 * left_w),
+        TC=x.dtype in (torch.bfloat16, torch.float16),
+        WHOLE_W=max(cols // right_w if right_w else 0, rows // left_w if left_w else 0) <= WHOLE_RUN,
     )
     LAUNCHES.count("operand_pass")
     return OperandOut(xv=xv, xw=xw, rsq=rsq, lx=lx, wx=wx, csq=csq, vsq=vsq, lsq=lsq)

@@ -65,6 +65,7 @@ def operand_pass(
     jv, jl, run_c, run_r, jw, jlw,
     RIGHT_V: tl.constexpr, RIGHT_W: tl.constexpr, LEFT_L: tl.constexpr, LEFT_W: tl.constexpr,
     ROW_SQ: tl.constexpr, COL_SQ: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, JP: tl.constexpr,
+    TC: tl.constexpr = False, WHOLE_W: tl.constexpr = False,
 ):
     """One read of X (.., R, C), BR rows a program: xv = X·V (V (.., C, 2)), xw = X·[1, 1..C], rsq = ΣX² per row
     (dense (nb, R, 2) / (nb, R)); lx = Xᵀ·L (L (.., R, 2)), wx = Xᵀ·[1, 1..R], csq = ΣX² per column (dense (nb, C, 2)
@@ -78,7 +79,7 @@ def operand_pass(
     if JP > 0:
         _operand_pass_wide(x_ptr, R, C, nb1, sx0, sx1, sxr, sxc, v_ptr, sv0, sv1, svk, svj, l_ptr, sl0, sl1, slr, slj,
                            xv_ptr, xw_ptr, rsq_ptr, lx_ptr, wx_ptr, csq_ptr, vsq_ptr, lsq_ptr, jv, jl, run_c, run_r,
-                           jw, jlw, RIGHT_V, RIGHT_W, LEFT_L, LEFT_W, ROW_SQ, COL_SQ, BR, BC, JP)
+                           jw, jlw, RIGHT_V, RIGHT_W, LEFT_L, LEFT_W, ROW_SQ, COL_SQ, BR, BC, JP, TC, WHOLE_W)
         return
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -153,11 +154,15 @@ def _operand_pass_wide(
     xv_ptr, xw_ptr, rsq_ptr, lx_ptr, wx_ptr, csq_ptr, vsq_ptr, lsq_ptr, jv, jl, run_c, run_r, jw, jlw,
     RIGHT_V: tl.constexpr, RIGHT_W: tl.constexpr, LEFT_L: tl.constexpr, LEFT_W: tl.constexpr,
     ROW_SQ: tl.constexpr, COL_SQ: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, JP: tl.constexpr,
+    TC: tl.constexpr, WHOLE_W: tl.constexpr,
 ):
     """operand_pass's grouped form: the same one read of X, its skinny products as fp32 tl.dot (IEEE: a reference
     carries no TF32 rounding) against factors up to JP wide, the run weights generated per tile. On a GPU each
-    loaded element costs JP multiply-adds (16 at most groups: triton_gemm_check.MAX_RUNS), which keeps the pass
-    memory-bound."""
+    loaded element costs JP multiply-adds per factor (16 at most groups: triton_gemm_check.MAX_RUNS) on the CUDA
+    cores. TC (X bf16 or fp16): the same products on the tensor cores (``_dot_exact``), each factor as three TF32
+    parts: X's values and every part are exact in TF32, so the products are the IEEE ones and only the fp32
+    accumulation rounds; the FMA form left the pass issue-bound at several times the time of its read on sm_90
+    (bench/triton_gemm_resources.py)."""
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)
     bi0 = (pid_b // nb1).to(tl.int64)
@@ -191,7 +196,7 @@ def _operand_pass_wide(
         if RIGHT_V:
             v = tl.load(vb + cols.to(tl.int64)[:, None] * svk + jj[None, :].to(tl.int64) * svj,
                         mask=cmask[:, None] & (jj < jv)[None, :], other=0.0).to(tl.float32)
-            acc_v = tl.dot(x, v, acc_v, input_precision="ieee")
+            acc_v = _dot_exact(x, v, acc_v, TC)
             vs += tl.reduce(v * v, 0, _add)
         if RIGHT_W:
             run_of_c = cols // run_c
@@ -199,16 +204,16 @@ def _operand_pass_wide(
             wc = tl.where(cmask[:, None] & (jj[None, :] == 2 * run_of_c[:, None]), 1.0,
                           tl.where(cmask[:, None] & (jj[None, :] == 2 * run_of_c[:, None] + 1), place_c[:, None],
                                    0.0))
-            acc_w = tl.dot(x, wc, acc_w, input_precision="ieee")
+            acc_w = _dot_exact(x, wc, acc_w, TC, WHOLE_W)
         x2 = x * x
         if ROW_SQ:
             acc_sq += tl.reduce(x2, 1, _add)
         if LEFT_L:
-            part = tl.dot(tl.trans(x), lt, input_precision="ieee")
+            part = _dot_exact(tl.trans(x), lt, tl.full([BC, JP], 0, tl.float32), TC)
             tl.atomic_add(lx_ptr + (out_c + cols)[:, None] * jl + jj[None, :], part,
                           mask=cmask[:, None] & (jj < jl)[None, :])
         if LEFT_W:
-            part = tl.dot(tl.trans(x), wr, input_precision="ieee")
+            part = _dot_exact(tl.trans(x), wr, tl.full([BC, JP], 0, tl.float32), TC, WHOLE_W)
             tl.atomic_add(wx_ptr + (out_c + cols)[:, None] * jlw + jj[None, :], part,
                           mask=cmask[:, None] & (jj < jlw)[None, :])
         if COL_SQ:
@@ -222,6 +227,31 @@ def _operand_pass_wide(
         tl.store(xw_ptr + out_r[:, None] * jw + jj[None, :], acc_w, mask=rmask[:, None] & (jj < jw)[None, :])
     if ROW_SQ:
         tl.store(rsq_ptr + out_r, acc_sq, mask=rmask)
+
+
+@triton.jit
+def _tf32(v):
+    """v (fp32) with its low 13 mantissa bits cleared: a TF32 value, the tensor cores' fp32 operand, exactly."""
+    return (v.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_exact(a, f, acc, TC: tl.constexpr, WHOLE: tl.constexpr = False):
+    """acc + a·f in fp32 with exact products: IEEE fp32 on the CUDA cores, or with TC (a's values TF32-exact: bf16
+    or fp16 held in fp32) TF32 products on the tensor cores, of f's parts f1 (f truncated to TF32), f2 (the rest
+    truncated) and f3 (what is left, at most 2 bits): f1 + f2 + f3 = f exactly, and each product of TF32 values is
+    exact in fp32. WHOLE: f holds integers below 2¹¹, exact in TF32 as they are (the checksum weights of runs of at
+    most 2,048): one product. A non-finite element of f stays non-finite in the sum."""
+    if TC:
+        if WHOLE:
+            return tl.dot(a, f, acc, input_precision="tf32")
+        f1 = _tf32(f)
+        rest = f - f1
+        f2 = _tf32(rest)
+        acc = tl.dot(a, f1, acc, input_precision="tf32")
+        acc = tl.dot(a, f2, acc, input_precision="tf32")
+        return tl.dot(a, rest - f2, acc, input_precision="tf32")
+    return tl.dot(a, f, acc, input_precision="ieee")
 
 
 @triton.jit
