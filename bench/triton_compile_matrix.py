@@ -86,8 +86,9 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
     - kernels/triton_attention_bwd: INTERPRET off; tiles, stages and the passes' warps ``gpu_tiles(d, the arch's
       shared memory per block)`` (32 x 32 on 3 stages where they fit: the interpreter's tiles); BY_DOT as
       ``by_dot`` picks it on a GPU for the pass, dtype and head dim;
-    - kernels/triton_gemm_kernels: the tiles of ``triton_gemm_check._blocks`` for a CUDA device, and ``_dot_flags``'s
-      operand modes for CUDA tensors (fp32 products only where the operands' dtypes differ).
+    - kernels/triton_gemm_kernels: the tiles of ``triton_gemm_check._blocks`` for a CUDA device, ``_dot_flags``'s
+      operand modes for CUDA tensors (fp32 products only where the operands' dtypes differ), and the operand pass's
+      CAST 3 (bf16 rounded on the bits under the interpreter) as 1 (the GPU's conversion).
     Any other kernel is launched alike on both."""
     from attnchecker.kernels import triton_attention as ta
     from attnchecker.kernels import triton_gemm_check as tgc
@@ -133,6 +134,8 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
         sizes = {"BM": blk.rows, "BN": blk.cols, "BR": br, "BC": bc,
                  "BK": blk.recompute_k if scan else blk.k, "RBN": blk.recompute_cols}
         consts.update({k: v for k, v in sizes.items() if k in consts})
+        if consts.get("CAST") == 3:  # bf16 rounded on the bits: the interpreter's form; a GPU converts natively
+            consts["CAST"] = 1
         a, b = launch["signature"].get("a_ptr"), launch["signature"].get("b_ptr")
         if "DOT_FP32" in consts and a is not None and b is not None:
             consts["DOT_FP32"] = a != b

@@ -52,7 +52,8 @@ SHAPES = {
     "gpt2": (8192, 768, 3072, "in_out", True, torch.bfloat16),
 }
 """A Llama-7B projection (nn.Linear, bf16) and GPT-2-small's MLP c_fc (HF Conv1D, bias), 8192 tokens."""
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "autocast-bf16": torch.bfloat16}
+"""autocast-bf16: fp32 x and W (the master weights) under autocast, the GEMMs' outputs and dY bf16."""
 H100_WARP_ISSUE_PER_S = 132 * 4 * 1.98e9
 H100_HBM_BYTES_PER_S = 3.35e12
 
@@ -76,38 +77,44 @@ def captured_as_on_cuda() -> Iterator[list[dict[str, Any]]]:
     launches: list[dict[str, Any]] = []
     stand_in = types.SimpleNamespace(**{name: _Captured(name, launches)
                                         for name in ("operand_pass", "check_pass", "repair_rows", "trip_pass")})
-    saved = tg._kernels, tg._blocks, tg._dot_flags
+    saved = tg._kernels, tg._blocks, tg._dot_flags, tg._cast_code
     cuda_blocks = saved[1](torch.device("cuda"))
 
     def dot_flags(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> dict[str, bool]:
         dot_fp32 = a.dtype != b.dtype
         return {"DOT_FP32": dot_fp32, "IEEE": dot_fp32 or a.dtype == torch.float32, "IS_F32": c.dtype == torch.float32}
 
+    def cast_code(cast: torch.dtype | None, x: torch.Tensor) -> int:
+        return tg._CAST.get(cast, 0) if x.dtype == torch.float32 else 0
+
     tg._kernels, tg._blocks, tg._dot_flags = (lambda: stand_in), (lambda _dev: cuda_blocks), dot_flags  # type: ignore
+    tg._cast_code = cast_code  # type: ignore[assignment]
     try:
         yield launches
     finally:
-        tg._kernels, tg._blocks, tg._dot_flags = saved  # type: ignore[assignment]
+        tg._kernels, tg._blocks, tg._dot_flags, tg._cast_code = saved  # type: ignore[assignment]
     assert kernels is not None
 
 
-def linear_launches(shape: str, dtype: torch.dtype) -> list[dict[str, Any]]:
+def linear_launches(shape: str, dtype: torch.dtype, autocast: bool = False) -> list[dict[str, Any]]:
     """A Linear's launches on a full-check step at this shape (its forward: the weight pass, the x pass, y's check
     pass and repair; its backward: the dY pass, dX's and dW's check passes and repairs), and y's tier-1 pass."""
     m, i, o, layout, has_bias, _ = SHAPES[shape]
     tol = Tolerance()
-    x = torch.empty(m, i, dtype=dtype)
-    weight = torch.empty((o, i) if layout == "out_in" else (i, o), dtype=dtype)
-    bias = torch.empty(o, dtype=dtype) if has_bias else None
+    operand = torch.float32 if autocast else dtype
+    x = torch.empty(m, i, dtype=operand)
+    weight = torch.empty((o, i) if layout == "out_in" else (i, o), dtype=operand)
+    bias = torch.empty(o, dtype=operand) if has_bias else None
     y, dy = torch.empty(m, o, dtype=dtype), torch.empty(m, o, dtype=dtype)
-    dx, dw = torch.empty(m, i, dtype=dtype), torch.empty_like(weight)
+    dx, dw = torch.empty(m, i, dtype=dtype), torch.empty(weight.shape, dtype=dtype)
     w_io = weight.T if layout == "out_in" else weight
     w_oi = weight if layout == "out_in" else weight.T
     with captured_as_on_cuda() as launches:
         runs_o, runs_i = device.runs(o, tol), device.runs(i, tol)
         ws = tg.Workspace(torch.device("cpu"), 1 << 26)
-        fwd, fwd_sq, ww, w_sq = device._weight_pass(weight, layout, ws, runs_o=runs_o, runs_i=runs_i)
-        xo = tg.operand_pass(x, ws, right=fwd, right_w=runs_i, row_sq=True, col_sq=True)
+        cast = device._casts(y.dtype, x, weight)
+        fwd, fwd_sq, ww, w_sq = device._weight_pass(weight, layout, ws, runs_o=runs_o, runs_i=runs_i, cast=cast)
+        xo = tg.operand_pass(x, ws, right=fwd, right_w=runs_i, row_sq=True, col_sq=True, cast=cast)
         assert xo.xv is not None and xo.rsq is not None and fwd_sq is not None and xo.vsq is not None
         assert xo.xw is not None and xo.csq is not None and ww is not None and w_sq is not None
         fwd_gemm = device.DeviceGemm("linear", y, x, w_io, bias)
@@ -172,7 +179,7 @@ def scan_loop(sass: str) -> list[tuple[int, str]]:
     return [(a, op) for a, op in code if lo <= a <= hi]
 
 
-def analyse(launch: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+def analyse(launch: dict[str, Any]) -> dict[str, Any]:
     src, options = source(launch)
     t0 = time.perf_counter()
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -192,7 +199,8 @@ def analyse(launch: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     warps = options.get("num_warps", 4)
     per_element = len(loop) * warps / (rows * cols)
     issue_s = per_element / H100_WARP_ISSUE_PER_S
-    hbm_s = torch.finfo(dtype).bits / 8 / H100_HBM_BYTES_PER_S
+    # The matrix the loop scans is each kernel's first argument (x_ptr, c_ptr): an autocast pass reads fp32.
+    hbm_s = launch["args"][0].element_size() / H100_HBM_BYTES_PER_S
     return {"role": launch["role"], "kernel": launch["kernel"],
             "constexprs": {k: v for k, v in consts.items() if isinstance(v, (bool, int))},
             "compile_s": round(seconds, 1), **triton_resources.resources(cubin),
@@ -205,7 +213,8 @@ def analyse(launch: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama_7b")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="the tensors' dtype (default: the shape's)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                    help="the tensors' dtype (default: the shape's); autocast-bf16: fp32 operands, bf16 outputs")
     ap.add_argument("--kernels", default=None, help="compile only these kernels (comma-separated, e.g. operand_pass)")
     ap.add_argument("--operand-tiles", default=None, metavar="BR,BC,WARPS",
                     help="compile the operand passes at these tiles and warps instead of the launcher's")
@@ -214,7 +223,7 @@ def main() -> None:
     dtype = DTYPES[args.dtype] if args.dtype else SHAPES[args.shape][-1]
     rows = []
     seen: dict[str, dict[str, Any]] = {}
-    for launch in linear_launches(args.shape, dtype):
+    for launch in linear_launches(args.shape, dtype, autocast=args.dtype == "autocast-bf16"):
         if args.kernels and launch["kernel"] not in args.kernels.split(","):
             continue
         if args.operand_tiles and launch["kernel"] == "operand_pass":
@@ -223,7 +232,7 @@ def main() -> None:
         src, _ = source(launch)
         key = repr((launch["kernel"], sorted(src.signature.items()), sorted(src.constants.items()),
                     sorted(src.attrs.items()) if isinstance(src.attrs, dict) else src.attrs))
-        row = seen.get(key) or analyse(launch, dtype)
+        row = seen.get(key) or analyse(launch)
         seen[key] = row
         rows.append({**row, "role": launch["role"]})
         s = row["scan_loop"]
@@ -232,7 +241,8 @@ def main() -> None:
               f"/ element ({s['issue_vs_hbm']:.1f}x the HBM time), local {s['mix'].get('local memory (spills)', 0)}",
               flush=True)
     m, i, o, layout, bias, _ = SHAPES[args.shape]
-    shape = {"name": args.shape, "tokens": m, "in": i, "out": o, "layout": layout, "bias": bias, "dtype": str(dtype)}
+    shape = {"name": args.shape, "tokens": m, "in": i, "out": o, "layout": layout, "bias": bias, "dtype": str(dtype),
+             "autocast": args.dtype == "autocast-bf16"}
     sheet = {"warp_issue_per_s": H100_WARP_ISSUE_PER_S, "hbm_bytes_per_s": H100_HBM_BYTES_PER_S}
     path = _common.write_result("triton_gemm_resources", {
         "arch": "sm_90", "triton": triton.__version__, "shape": shape, "operand_tiles": args.operand_tiles,

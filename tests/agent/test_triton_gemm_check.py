@@ -207,6 +207,35 @@ def test_a_located_fault_is_corrected_in_place(dtype: torch.dtype, kind: str, ma
     torch.testing.assert_close(c, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_the_slices_of_a_fused_projection_share_one_read_of_x(dtype: torch.dtype, make_ctx, monkeypatch) -> None:
+    """GPT-2's c_attn: y (M, 3S) = x·W, its q/k/v slices checked as three GEMMs of the same x. In bf16 and fp16 one
+    operand pass over x makes all three slices' references (3 runs each at S = 768: a factor 18 wide), beside the
+    three passes over W's column blocks: 4 operand passes, not 6; fp32 x, whose pass multiplies on the FMA units,
+    keeps one pass per slice. A fault in each slice (INF, NaN, 1e20) is corrected where it is; checked again, the
+    slices flag nothing."""
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+    g = torch.Generator().manual_seed(7)
+    s = 768
+    x, w = torch.randn(40, 64, generator=g).to(dtype), torch.randn(64, 3 * s, generator=g).to(dtype)
+    y = (x.float() @ w.float()).to(dtype)
+    want = y.clone()
+    slices = [(op, y[:, i * s : (i + 1) * s], x, w[:, i * s : (i + 1) * s], None) for i, op in enumerate("qkv")]
+    for i, kind in enumerate(("inf", "nan", "1e20")):
+        corrupt(slices[i][1], 3 + i, 11 * i + 5, kind)
+    ctx, rec = make_ctx()
+    tg.LAUNCHES.reset()
+    device.check_gemms(ctx, slices)
+    found = sorted((d.op, d.action, d.row, d.col) for d in detections(ctx, rec))
+    assert found == [("k", "corrected", 4, 16), ("q", "corrected", 3, 5), ("v", "corrected", 5, 27)]
+    torch.testing.assert_close(y, want)
+    shared = dtype != torch.float32
+    assert tg.LAUNCHES.by_kernel == {"operand_pass": 4 if shared else 6, "check_pass": 3, "repair_rows": 3}
+    ctx, rec = make_ctx()
+    device.check_gemms(ctx, slices)  # the corrected slices, checked again
+    assert detections(ctx, rec) == []
+
+
 @pytest.mark.parametrize("pattern", ["row", "col", "block"])
 def test_a_row_and_a_block_are_recomputed_and_a_column_corrected(pattern: str, make_ctx, monkeypatch) -> None:
     """The Triton path checks rows only: a corrupted column leaves one error in each row, each located and corrected;

@@ -7,6 +7,9 @@ parts, which is what took the pass from issue-bound to about its read's time on 
   stays non-finite in their sum.
 - So the products are the IEEE ones: the pass's references, and its run sums with weights past 2,048 (three parts),
   are the fp64 products' within fp32 accumulation.
+- An fp32 operand its GEMM rounds to bf16 or fp16 (autocast) enters the products rounded as the GEMM rounds it (to
+  nearest even; on the integer bits under the interpreter, whose own bf16 conversion truncates), so an autocast
+  GEMM's references are of the operands it multiplied.
 """
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnchecker.abft import Tolerance
+from attnchecker.abft.gemm import verify_gemm
+from attnchecker.gemm import device
 from attnchecker.kernels import triton_gemm_check as tg
 from attnchecker.kernels.triton_common import interpreting, triton
 
@@ -51,6 +57,12 @@ if triton is not None:
         a = tl.load(A + r[:, None] * K + k[None, :]).to(tl.float32)
         f = tl.load(F + k[:, None] * J + j[None, :])
         tl.store(Out + r[:, None] * J + j[None, :], tk._dot_exact(a, f, tl.full([R, J], 0, tl.float32), TC))
+
+
+    @triton.jit
+    def _cast_kernel(X, Out, N: tl.constexpr, CAST: tl.constexpr):
+        at = tl.arange(0, N)
+        tl.store(Out + at, tk._gemm_operand(tl.load(X + at), CAST))
 
 
 def _parts(f: torch.Tensor) -> torch.Tensor:
@@ -113,3 +125,34 @@ def test_run_sums_past_2048_columns_take_their_weights_in_parts(dtype: torch.dty
     allowed = 4096 * U * torch.stack([xd.abs().sum(-1), (xd.abs() * w).sum(-1)], -1).reshape(64, 4)
     assert ((got[0].double() - want).abs() <= allowed).all()
     assert np.isfinite(got.numpy()).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(values=st.lists(st.floats(width=32), min_size=64, max_size=64))
+def test_an_autocast_operand_is_rounded_as_its_gemm_rounds_it(values: list[float]) -> None:
+    """Any fp32 value, ties, INF, NaN and values that round past bf16's largest included: the operand pass's bf16 (on
+    the bits, as on the CPU) and fp16 roundings are torch's, which are the GEMM's under autocast."""
+    x = torch.tensor(values, dtype=torch.float32)
+    for code, dtype in ((3, torch.bfloat16), (2, torch.float16)):
+        out = torch.empty_like(x)
+        _cast_kernel[(1,)](x, out, N=64, CAST=code)
+        assert torch.equal(out.nan_to_num(7.0), x.to(dtype).float().nan_to_num(7.0)), dtype
+
+
+@pytest.mark.parametrize("n", [256, 1024])
+def test_an_autocast_gemm_is_checked_against_the_operands_it_multiplied(n: int) -> None:
+    """C = bf16(A)·bf16(B) in bf16 from fp32 A and B (autocast's master weights and a LayerNorm's fp32 output): the
+    Triton check's references are of the rounded operands, so its worst clean residual is under 0.7 × the one of
+    references from the fp32 operands (verify_gemm's, under the same bound); neither flags. With 1,024 columns the
+    rows are checked in 4 runs."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(256, 512, generator=g), torch.randn(512, n, generator=g)
+    c = (a.bfloat16().float() @ b.bfloat16().float()).bfloat16()
+    tol = Tolerance()
+    chk = device.check_product(c, a, b, None, tol)
+    worst = float(chk.state[tg.STATE["worst"] : tg.STATE["worst"] + 1].view(torch.float32))
+    assert int(chk.state[tg.STATE["flagged"]]) == 0
+    cpu = verify_gemm(c, a, b, tol, directions=("row",), groups=device.runs(n, tol))["row"]
+    assert cpu.bound2 is not None and not bool(cpu.bad.any())
+    cpu_worst = float(torch.maximum(cpu.diff[..., 0].abs() / cpu.bound, cpu.diff[..., 1].abs() / cpu.bound2).max())
+    assert 0 < worst < 0.7 * cpu_worst, (worst, cpu_worst)

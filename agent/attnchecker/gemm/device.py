@@ -181,8 +181,8 @@ def check_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Te
     try:
         with call, torch.no_grad():
             ws = tg.Workspace(todo[0].c.device, sum(_side_floats(g, tol) + tg.STATE_SIZE for g in todo))
-            for g in todo:
-                _check(ctx, g, _row_side(g, ws, tol), ws, tol, tier=tier)
+            for g, side in zip(todo, _row_sides(todo, ws, tol), strict=True):
+                _check(ctx, g, side, ws, tol, tier=tier)
                 call.done += 1
     finally:
         if call.done:  # the GEMMs checked before a failure are counted; the CPU path counts the rest
@@ -226,12 +226,64 @@ def _side_floats(g: DeviceGemm, tol: Tolerance) -> int:
     return tg.operand_floats(g.b, col_sq=True) + tg.operand_floats(g.a, right=2 * runs(g.c.shape[-1], tol))
 
 
+SHARED_WIDTH = 32
+"""The widest factor one read of a shared A takes for several GEMMs' references (``_row_sides``): GPT-2's three
+slices of 3 to 5 runs (768 to 1,600 features), two of 8. Compiled for sm_90, the pass with a 32-wide factor takes 255
+registers and 8 B of stack in bf16 and fp16 (bench/triton_compile_matrix.py on the fused-projection test)."""
+
+
+def _row_sides(todo: list[DeviceGemm], ws: tg.Workspace, tol: Tolerance) -> list[tg.RowSide]:
+    """The GEMMs' row references and norms (``_row_side``), with one read of an A that several of them share (the
+    slices of a fused projection, GPT-2's c_attn: y_s = x·W_s) for all their references: x·[B_1 w, B_2 w, ..] in one
+    operand pass instead of one per slice, where A is bf16 or fp16 (the pass's products on the tensor cores, whose
+    width costs next to nothing) and the factors together are at most SHARED_WIDTH wide."""
+    n_runs = [runs(g.c.shape[-1], tol) for g in todo]
+    sides: list[tg.RowSide | None] = [None] * len(todo)
+    shared: dict[tuple[object, ...], list[list[int]]] = {}
+    for i, g in enumerate(todo):
+        if g.a.dtype not in HALF and _cast_of(g) is None:
+            continue
+        chunks = shared.setdefault((g.a.data_ptr(), tuple(g.a.shape), g.a.stride(), g.a.dtype), [[]])
+        if sum(2 * n_runs[j] for j in chunks[-1]) + 2 * n_runs[i] > SHARED_WIDTH:
+            chunks.append([])
+        chunks[-1].append(i)
+    for chunk in (c for chunks in shared.values() for c in chunks if len(c) > 1):
+        b_outs = [tg.operand_pass(todo[i].b, ws, right_w=n_runs[i], col_sq=True, cast=_cast_of(todo[i]))
+                  for i in chunk]
+        factors = [bo.xw for bo in b_outs if bo.xw is not None]
+        b_sqs = [bo.csq for bo in b_outs if bo.csq is not None]
+        assert len(factors) == len(b_sqs) == len(chunk)
+        ao = tg.operand_pass(todo[chunk[0]].a, ws, right=torch.cat(factors, dim=-1), row_sq=True,
+                             cast=_cast_of(todo[chunk[0]]))
+        assert ao.xv is not None and ao.rsq is not None and ao.vsq is not None
+        at = 0
+        for i, b_sq in zip(chunk, b_sqs, strict=True):
+            width = 2 * n_runs[i]
+            sides[i] = tg.RowSide(ref=ao.xv[..., at : at + width], a_sq=ao.rsq, b_sq=b_sq,
+                                  ref_sq=ao.vsq[..., at : at + width], runs=n_runs[i])
+            at += width
+    return [side if side is not None else _row_side(g, ws, tol) for g, side in zip(todo, sides, strict=True)]
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _cast_of(g: DeviceGemm) -> torch.dtype | None:
+    """The half dtype this GEMM rounds an fp32 operand to (autocast's: C is bf16 or fp16, an operand is not), which
+    its operand passes round to in their products (operand_pass's ``cast``), else None."""
+    return _casts(g.c.dtype, g.a, g.b)
+
+
+def _casts(out: torch.dtype, *operands: torch.Tensor) -> torch.dtype | None:
+    return out if out in HALF and any(t.dtype != out for t in operands) else None
+
+
 def _row_side(g: DeviceGemm, ws: tg.Workspace, tol: Tolerance) -> tg.RowSide:
     """A GEMM's row references and norms from one read of B (B_h w per run h, ‖B_j‖²) and one of A (A·(B_h w),
     ‖A_i‖²)."""
     r = runs(g.c.shape[-1], tol)
-    bo = tg.operand_pass(g.b, ws, right_w=r, col_sq=True)
-    ao = tg.operand_pass(g.a, ws, right=bo.xw, row_sq=True)
+    bo = tg.operand_pass(g.b, ws, right_w=r, col_sq=True, cast=_cast_of(g))
+    ao = tg.operand_pass(g.a, ws, right=bo.xw, row_sq=True, cast=_cast_of(g))
     assert ao.xv is not None and ao.rsq is not None and bo.csq is not None and ao.vsq is not None
     return tg.RowSide(ref=ao.xv, a_sq=ao.rsq, b_sq=bo.csq, ref_sq=ao.vsq, runs=r)
 
@@ -411,17 +463,18 @@ class LinearSides:
     """The backward checks' runs per row (``runs`` of I)."""
 
 
-def _weight_pass(weight: torch.Tensor, layout: str, ws: tg.Workspace, *, runs_o: int, runs_i: int
+def _weight_pass(weight: torch.Tensor, layout: str, ws: tg.Workspace, *, runs_o: int, runs_i: int,
+                 cast: torch.dtype | None = None
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """One read of the weight as stored: (W_IO·w_O per run of O (1, I, 2·runs_o) and ‖W_IO[:, o]‖² (1, O) for the
     forward check (runs_o > 0), else None; W_OI·w_I per run of I (1, O, 2·runs_i) and ‖W_OI[:, i]‖² (1, I) for
     dX's)."""
     forward = runs_o > 0
     if layout == "out_in":  # nn.Linear: W (O, I)
-        out = tg.operand_pass(weight, ws, left_w=runs_o, right_w=runs_i, row_sq=forward, col_sq=True)
+        out = tg.operand_pass(weight, ws, left_w=runs_o, right_w=runs_i, row_sq=forward, col_sq=True, cast=cast)
         fwd, fwd_sq, ww, w_sq = out.wx, out.rsq, out.xw, out.csq
     else:  # Conv1D: W (I, O)
-        out = tg.operand_pass(weight, ws, right_w=runs_o, left_w=runs_i, col_sq=forward, row_sq=True)
+        out = tg.operand_pass(weight, ws, right_w=runs_o, left_w=runs_i, col_sq=forward, row_sq=True, cast=cast)
         fwd, fwd_sq, ww, w_sq = out.xw, out.csq, out.wx, out.rsq
     assert ww is not None and w_sq is not None
     return fwd, fwd_sq, ww, w_sq
@@ -451,12 +504,13 @@ def linear_forward(ctx: LayerContext, tier: str, y_MO: torch.Tensor, x_MI: torch
     tol = _tolerance(ctx)
     runs_o = runs(y_MO.shape[-1], tol) if check_forward else 0
     runs_i = runs(x_MI.shape[-1], tol)
+    cast = _casts(y_MO.dtype, x_MI, weight)
     with _Launches(), torch.no_grad():
         ws = tg.Workspace(y_MO.device, _weight_floats(weight, layout, runs_o=runs_o, runs_i=runs_i)
                           + tg.operand_floats(x_MI, right=2 * runs_o, col_sq=True) + tg.STATE_SIZE)
-        fwd, fwd_sq, ww, w_sq = _weight_pass(weight, layout, ws, runs_o=runs_o, runs_i=runs_i)
+        fwd, fwd_sq, ww, w_sq = _weight_pass(weight, layout, ws, runs_o=runs_o, runs_i=runs_i, cast=cast)
         xo = tg.operand_pass(x_MI, ws, right=fwd if check_forward else None, right_w=runs_i, row_sq=check_forward,
-                             col_sq=True)
+                             col_sq=True, cast=cast)
         assert xo.xw is not None and xo.csq is not None
         sides = LinearSides(ww_O2=ww, w_col_sq_I=w_sq, xw_M2=xo.xw, x_col_sq_I=xo.csq, runs_I=runs_i)
         if check_forward:
@@ -516,8 +570,9 @@ def _check_backward(ctx: LayerContext, gemms: list[DeviceGemm], call: _Launches,
     if sides is None:
         # A module whose forward the attention's projection hook checked: its W and x are read now.
         runs_i = runs(x_MI.shape[-1], tol)
-        _, _, ww, w_sq = _weight_pass(weight, layout, ws, runs_o=0, runs_i=runs_i)
-        xo = tg.operand_pass(x_MI, ws, right_w=runs_i, col_sq=True)
+        cast = _casts(dy_MO.dtype, x_MI, weight)
+        _, _, ww, w_sq = _weight_pass(weight, layout, ws, runs_o=0, runs_i=runs_i, cast=cast)
+        xo = tg.operand_pass(x_MI, ws, right_w=runs_i, col_sq=True, cast=cast)
         assert xo.xw is not None and xo.csq is not None
         sides = LinearSides(ww_O2=ww, w_col_sq_I=w_sq, xw_M2=xo.xw, x_col_sq_I=xo.csq, runs_I=runs_i)
     do = tg.operand_pass(dy_MO, ws, right=sides.ww_O2 if need_dx else None, row_sq=need_dx,

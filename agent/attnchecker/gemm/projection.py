@@ -451,13 +451,14 @@ def _on_device(ctx: LayerContext, x_NTI: torch.Tensor, slices: list[_Wired], *, 
     (CUDA), as every other Linear's there. No sync, where the host's checks wait for the device once per call; what
     flagged or tripped is reported at the step boundary.
 
-    Full: per slice one read of its weight rows and one of x for its row references and norms, its check pass, and its
-    repair kernel, which corrects a located element or recomputes a flagged row: a constant number of launches a
-    slice, where the host's check is a few hundred PyTorch ops a slice (each a launch on CUDA). By rows, ungrouped,
-    under verify_gemm's row rule, as the whole-step GEMMs there: the host's check adds grouped rows, the random-walk
-    model (fp32) and the columns (bf16/fp16), and catches more small finite errors (docs/fault-coverage.md has both
-    paths' rates; ATTNCHECKER_GEMM=torch keeps the host's check on a GPU). Tier 1: the tier-1 pass marks the rows
-    holding an extreme element and recomputes them.
+    Full: per slice one read of its weight rows and one of x for its row references and norms (in bf16 and fp16 one
+    read of x for the slices of a fused projection together: device._row_sides), its check pass, and its repair
+    kernel, which corrects a located element or recomputes a flagged row: a constant number of launches a slice,
+    where the host's check is a few hundred PyTorch ops a slice (each a launch on CUDA). By rows (in runs past 512
+    columns: device.runs) under verify_gemm's row rule, as the whole-step GEMMs there: the host's check adds the
+    random-walk model (fp32) and the columns (bf16/fp16), and catches more small finite errors
+    (docs/fault-coverage.md has both paths' rates; ATTNCHECKER_GEMM=torch keeps the host's check on a GPU). Tier 1:
+    the tier-1 pass marks the rows holding an extreme element and recomputes them.
 
     Returns the slices left for the host: all of them where that path does not take them or a slice is not a (tokens,
     features) view of the output (the repair writes through it), none once done, and those it had not passed over

@@ -244,13 +244,14 @@ def _factor(f: torch.Tensor | None, lead: tuple[int, int], like: torch.Tensor
 
 
 def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None = None, right_w: int = 0,
-                 left: torch.Tensor | None = None, left_w: int = 0, row_sq: bool = False, col_sq: bool = False
-                 ) -> OperandOut:
+                 left: torch.Tensor | None = None, left_w: int = 0, row_sq: bool = False, col_sq: bool = False,
+                 cast: torch.dtype | None = None) -> OperandOut:
     """One read of X (R, C) or (.., R, C), any strides: X·right for right (C, J) or (nb, C, J), X·w per run of
     C/right_w columns (right_w runs; 0: not asked), Xᵀ·left for left (R, J) or (nb, R, J), Xᵀ·w per run of R/left_w
     rows, and the squared row and column sums, in fp32; with right or left, its squared norms per column (the
-    reference's ‖B w‖² a row rule takes). A factor wider than 2 or more than one run: the grouped form (JP > 0). No
-    sync."""
+    reference's ‖B w‖² a row rule takes). A factor wider than 2 or more than one run: the grouped form (JP > 0).
+    cast (bf16, fp16): an fp32 X that its GEMM rounds to that dtype (autocast) enters the products rounded so, the
+    squared sums as given. No sync."""
     k = _kernels()
     nb0, nb1, s0, s1 = _lead(x)
     nb = nb0 * nb1
@@ -274,7 +275,9 @@ def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None =
     lt, sl0, sl1, slr, slj = _factor(left, (nb0, nb1), x)
     blk = _blocks(dev)
     dummy = ws.buf
-    br, bc = blk.operand_tiles(x.dtype)
+    # An fp32 operand rounded to half precision by its GEMM is, rounded, exact in TF32: the tensor-core form takes it.
+    cast_code = _cast_code(cast, x)
+    br, bc = blk.operand_tiles(torch.bfloat16 if cast_code else x.dtype)
     grid = (triton_cdiv(rows, br), nb)
     k.operand_pass[grid](
         x, rows, cols, nb1, s0, s1, x.stride(-2), x.stride(-1),
@@ -286,11 +289,22 @@ def operand_pass(x: torch.Tensor, ws: Workspace, *, right: torch.Tensor | None =
         RIGHT_V=right is not None, RIGHT_W=bool(right_w), LEFT_L=left is not None, LEFT_W=bool(left_w),
         ROW_SQ=row_sq, COL_SQ=col_sq, BR=br, BC=bc,
         JP=0 if jv <= 2 and jl <= 2 and right_w <= 1 and left_w <= 1 else _jp(jv, jl, 2 * right_w, 2 * left_w),
-        TC=x.dtype in (torch.bfloat16, torch.float16),
+        TC=x.dtype in (torch.bfloat16, torch.float16) or cast_code > 0, CAST=cast_code,
         WHOLE_W=max(cols // right_w if right_w else 0, rows // left_w if left_w else 0) <= WHOLE_RUN,
     )
     LAUNCHES.count("operand_pass")
     return OperandOut(xv=xv, xw=xw, rsq=rsq, lx=lx, wx=wx, csq=csq, vsq=vsq, lsq=lsq)
+
+
+_CAST = {torch.bfloat16: 1, torch.float16: 2}
+"""operand_pass's CAST code of the dtype a GEMM rounds an fp32 operand to."""
+
+
+def _cast_code(cast: torch.dtype | None, x: torch.Tensor) -> int:
+    """operand_pass's CAST for an operand x its GEMM rounds to ``cast``: 0 none (x is not fp32, or no cast), 1 bf16,
+    2 fp16, 3 bf16 rounded on the integer bits (CPU tensors: Triton's interpreter converts to bf16 by truncation)."""
+    code = _CAST.get(cast, 0) if cast is not None and x.dtype == torch.float32 else 0
+    return 3 if code == 1 and x.device.type != "cuda" else code
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -65,7 +65,7 @@ def operand_pass(
     jv, jl, run_c, run_r, jw, jlw,
     RIGHT_V: tl.constexpr, RIGHT_W: tl.constexpr, LEFT_L: tl.constexpr, LEFT_W: tl.constexpr,
     ROW_SQ: tl.constexpr, COL_SQ: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, JP: tl.constexpr,
-    TC: tl.constexpr = False, WHOLE_W: tl.constexpr = False,
+    TC: tl.constexpr = False, WHOLE_W: tl.constexpr = False, CAST: tl.constexpr = 0,
 ):
     """One read of X (.., R, C), BR rows a program: xv = X·V (V (.., C, 2)), xw = X·[1, 1..C], rsq = ΣX² per row
     (dense (nb, R, 2) / (nb, R)); lx = Xᵀ·L (L (.., R, 2)), wx = Xᵀ·[1, 1..R], csq = ΣX² per column (dense (nb, C, 2)
@@ -75,11 +75,15 @@ def operand_pass(
 
     JP > 0: the grouped form (``_operand_pass_wide``), for the references of rows checked in runs (check_pass's G):
     V (C, jv) and L (R, jl) any width up to JP, xw = X·[1, 1..run_c] per run of run_c columns (nb, R, jw = 2·runs),
-    wx = Xᵀ·[1, 1..run_r] per run of run_r rows (nb, C, jlw), each as tl.dot with the weights made in registers."""
+    wx = Xᵀ·[1, 1..run_r] per run of run_r rows (nb, C, jlw), each as tl.dot with the weights made in registers.
+
+    CAST (1, 3 bf16, 2 fp16: ``_gemm_operand``): X is the fp32 operand of a GEMM that rounds it to that dtype
+    (autocast): its products are of X rounded so, as the GEMM's are (and, rounded, exact in TF32 for the tensor
+    cores), its squared sums of X as given."""
     if JP > 0:
         _operand_pass_wide(x_ptr, R, C, nb1, sx0, sx1, sxr, sxc, v_ptr, sv0, sv1, svk, svj, l_ptr, sl0, sl1, slr, slj,
                            xv_ptr, xw_ptr, rsq_ptr, lx_ptr, wx_ptr, csq_ptr, vsq_ptr, lsq_ptr, jv, jl, run_c, run_r,
-                           jw, jlw, RIGHT_V, RIGHT_W, LEFT_L, LEFT_W, ROW_SQ, COL_SQ, BR, BC, JP, TC, WHOLE_W)
+                           jw, jlw, RIGHT_V, RIGHT_W, LEFT_L, LEFT_W, ROW_SQ, COL_SQ, BR, BC, JP, TC, WHOLE_W, CAST)
         return
     pid_r = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -113,25 +117,26 @@ def operand_pass(
         cmask = cols < C
         x = tl.load(xb + rows.to(tl.int64)[:, None] * sxr + cols[None, :].to(tl.int64) * sxc,
                     mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        xp = _gemm_operand(x, CAST)
         if RIGHT_V:
             v0 = tl.load(vb + cols.to(tl.int64) * svk, mask=cmask, other=0.0).to(tl.float32)
             v1 = tl.load(vb + cols.to(tl.int64) * svk + svj, mask=cmask, other=0.0).to(tl.float32)
-            acc_v0 += tl.reduce(x * v0[None, :], 1, _add)
-            acc_v1 += tl.reduce(x * v1[None, :], 1, _add)
+            acc_v0 += tl.reduce(xp * v0[None, :], 1, _add)
+            acc_v1 += tl.reduce(xp * v1[None, :], 1, _add)
             vs0 += v0 * v0
             vs1 += v1 * v1
         if RIGHT_W:
-            acc_w0 += tl.reduce(x, 1, _add)
-            acc_w1 += tl.reduce(x * (cols + 1).to(tl.float32)[None, :], 1, _add)
+            acc_w0 += tl.reduce(xp, 1, _add)
+            acc_w1 += tl.reduce(xp * (cols + 1).to(tl.float32)[None, :], 1, _add)
         x2 = x * x
         if ROW_SQ:
             acc_sq += tl.reduce(x2, 1, _add)
         if LEFT_L:
-            tl.atomic_add(lx_ptr + (out_c + cols) * 2, tl.reduce(x * l0[:, None], 0, _add), mask=cmask)
-            tl.atomic_add(lx_ptr + (out_c + cols) * 2 + 1, tl.reduce(x * l1[:, None], 0, _add), mask=cmask)
+            tl.atomic_add(lx_ptr + (out_c + cols) * 2, tl.reduce(xp * l0[:, None], 0, _add), mask=cmask)
+            tl.atomic_add(lx_ptr + (out_c + cols) * 2 + 1, tl.reduce(xp * l1[:, None], 0, _add), mask=cmask)
         if LEFT_W:
-            tl.atomic_add(wx_ptr + (out_c + cols) * 2, tl.reduce(x, 0, _add), mask=cmask)
-            tl.atomic_add(wx_ptr + (out_c + cols) * 2 + 1, tl.reduce(x * wr[:, None], 0, _add), mask=cmask)
+            tl.atomic_add(wx_ptr + (out_c + cols) * 2, tl.reduce(xp, 0, _add), mask=cmask)
+            tl.atomic_add(wx_ptr + (out_c + cols) * 2 + 1, tl.reduce(xp * wr[:, None], 0, _add), mask=cmask)
         if COL_SQ:
             tl.atomic_add(csq_ptr + out_c + cols, tl.reduce(x2, 0, _add), mask=cmask)
     out_r = pid_b.to(tl.int64) * R + rows
@@ -154,7 +159,7 @@ def _operand_pass_wide(
     xv_ptr, xw_ptr, rsq_ptr, lx_ptr, wx_ptr, csq_ptr, vsq_ptr, lsq_ptr, jv, jl, run_c, run_r, jw, jlw,
     RIGHT_V: tl.constexpr, RIGHT_W: tl.constexpr, LEFT_L: tl.constexpr, LEFT_W: tl.constexpr,
     ROW_SQ: tl.constexpr, COL_SQ: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, JP: tl.constexpr,
-    TC: tl.constexpr, WHOLE_W: tl.constexpr,
+    TC: tl.constexpr, WHOLE_W: tl.constexpr, CAST: tl.constexpr,
 ):
     """operand_pass's grouped form: the same one read of X, its skinny products as fp32 tl.dot (IEEE: a reference
     carries no TF32 rounding) against factors up to JP wide, the run weights generated per tile. On a GPU each
@@ -193,10 +198,11 @@ def _operand_pass_wide(
         cmask = cols < C
         x = tl.load(xb + rows.to(tl.int64)[:, None] * sxr + cols[None, :].to(tl.int64) * sxc,
                     mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        xp = _gemm_operand(x, CAST)
         if RIGHT_V:
             v = tl.load(vb + cols.to(tl.int64)[:, None] * svk + jj[None, :].to(tl.int64) * svj,
                         mask=cmask[:, None] & (jj < jv)[None, :], other=0.0).to(tl.float32)
-            acc_v = _dot_exact(x, v, acc_v, TC)
+            acc_v = _dot_exact(xp, v, acc_v, TC)
             vs += tl.reduce(v * v, 0, _add)
         if RIGHT_W:
             run_of_c = cols // run_c
@@ -204,16 +210,16 @@ def _operand_pass_wide(
             wc = tl.where(cmask[:, None] & (jj[None, :] == 2 * run_of_c[:, None]), 1.0,
                           tl.where(cmask[:, None] & (jj[None, :] == 2 * run_of_c[:, None] + 1), place_c[:, None],
                                    0.0))
-            acc_w = _dot_exact(x, wc, acc_w, TC, WHOLE_W)
+            acc_w = _dot_exact(xp, wc, acc_w, TC, WHOLE_W)
         x2 = x * x
         if ROW_SQ:
             acc_sq += tl.reduce(x2, 1, _add)
         if LEFT_L:
-            part = _dot_exact(tl.trans(x), lt, tl.full([BC, JP], 0, tl.float32), TC)
+            part = _dot_exact(tl.trans(xp), lt, tl.full([BC, JP], 0, tl.float32), TC)
             tl.atomic_add(lx_ptr + (out_c + cols)[:, None] * jl + jj[None, :], part,
                           mask=cmask[:, None] & (jj < jl)[None, :])
         if LEFT_W:
-            part = _dot_exact(tl.trans(x), wr, tl.full([BC, JP], 0, tl.float32), TC, WHOLE_W)
+            part = _dot_exact(tl.trans(xp), wr, tl.full([BC, JP], 0, tl.float32), TC, WHOLE_W)
             tl.atomic_add(wx_ptr + (out_c + cols)[:, None] * jlw + jj[None, :], part,
                           mask=cmask[:, None] & (jj < jlw)[None, :])
         if COL_SQ:
@@ -227,6 +233,21 @@ def _operand_pass_wide(
         tl.store(xw_ptr + out_r[:, None] * jw + jj[None, :], acc_w, mask=rmask[:, None] & (jj < jw)[None, :])
     if ROW_SQ:
         tl.store(rsq_ptr + out_r, acc_sq, mask=rmask)
+
+
+@triton.jit
+def _gemm_operand(x, CAST: tl.constexpr):
+    """x (fp32) as a GEMM that rounds its operands to bf16 (CAST 1) or fp16 (2) takes it (round to nearest even), held
+    in fp32. CAST 3: bf16 on the integer bits, for Triton's interpreter, whose conversion to bf16 truncates."""
+    if CAST == 1:
+        return x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+    if CAST == 2:
+        return x.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
+    if CAST == 3:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x
 
 
 @triton.jit
