@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args.child, args.seq, size)))
         return 0
-    seqs = [] if args.time_only else [64, 128] if args.tiny else [int(s) for s in args.seqs.split(",")]
+    seqs = [] if args.time_only else [64] if args.tiny else [int(s) for s in args.seqs.split(",")]
     unfused_max = 128 if args.tiny else args.unfused_max
     jobs = [(v, t) for t in seqs for v in variants if not (v == "unfused" and t > unfused_max)]
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {job: [] for job in jobs}
