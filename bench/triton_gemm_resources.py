@@ -53,7 +53,8 @@ SHAPES = {
 }
 """A Llama-7B projection (nn.Linear, bf16) and GPT-2-small's MLP c_fc (HF Conv1D, bias), 8192 tokens."""
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "autocast-bf16": torch.bfloat16}
-"""autocast-bf16: fp32 x and W (the master weights) under autocast, the GEMMs' outputs and dY bf16."""
+"""autocast-bf16: a Linear given with fp32 x and W (the master weights) and bf16 outputs and dY, as a caller that does
+not hand the checks autocast's rounded copies (the integrations do: their autocast GEMMs are the bf16 rows)."""
 H100_WARP_ISSUE_PER_S = 132 * 4 * 1.98e9
 H100_HBM_BYTES_PER_S = 3.35e12
 

@@ -141,8 +141,8 @@ def test_an_autocast_operand_is_rounded_as_its_gemm_rounds_it(values: list[float
 
 @pytest.mark.parametrize("n", [256, 1024])
 def test_an_autocast_gemm_is_checked_against_the_operands_it_multiplied(n: int) -> None:
-    """C = bf16(A)·bf16(B) in bf16 from fp32 A and B (autocast's master weights and a LayerNorm's fp32 output): the
-    Triton check's references are of the rounded operands, so its worst clean residual is under 0.7 × the one of
+    """C = bf16(A)·bf16(B) in bf16, the check given fp32 A and B (a caller handing master weights, not autocast's
+    rounded copies as the integrations do): the Triton check's references are of the rounded operands, so its worst clean residual is under 0.7 × the one of
     references from the fp32 operands (verify_gemm's, under the same bound); neither flags. With 1,024 columns the
     rows are checked in 4 runs."""
     g = torch.Generator().manual_seed(0)

@@ -228,6 +228,62 @@ def test_every_linear_gemm_of_a_step_is_corrected_on_the_triton_path(arch: str, 
     assert not faults_corrected_in_turn(calls, functools.partial(one_step, arch), clean, first=3, stride=17)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_autocast_gemms_are_checked_against_their_rounded_operands_and_corrected(dtype: torch.dtype,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Autocast, the form GPU training takes: the integrations hand the Triton path's checks the GEMMs' own
+    half-precision operands (the fp32 LayerNorm output and master weight as autocast rounds them), so every operand
+    pass takes the tensor-core form, and c_attn's three slices share one pass over x. A clean step flags nothing; an
+    INF, NaN, 1e20 or exponent flip written below autograd into c_attn's output (its v slice), the MLP's c_fc, and a
+    backward GEMM each is corrected or its row recomputed, and the gradients are the fault-free step's to the dtype's
+    rounding (a corrected half-precision element is the exact value rounded, which the GEMM's own may differ from by
+    an ulp)."""
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+    passes: list[tuple[int, torch.dtype]] = []  # (factor width, operand dtype) of each operand pass with a factor
+    launch = tg.operand_pass
+
+    def spy(x: torch.Tensor, ws: tg.Workspace, **kwargs: object) -> tg.OperandOut:
+        right = kwargs.get("right")
+        if isinstance(right, torch.Tensor):
+            passes.append((right.shape[-1], x.dtype))
+        return launch(x, ws, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tg, "operand_pass", spy)
+
+    def step(injector: GemmInjector) -> tuple[dict[str, torch.Tensor], bool, list]:
+        model = model_of("gpt2")
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        guard = attnchecker.protect(model, optimizer=opt, policy=Policy.full(), scope="all")
+        try:
+            with torch.autocast("cpu", dtype=dtype):
+                grads = injected_step("gpt2", model, opt, injector)
+            return grads, all(bool(torch.isfinite(p).all()) for p in model.parameters()), list(guard.detections)
+        finally:
+            guard.close()
+
+    recorder = GemmInjector()
+    tg.LAUNCHES.reset()
+    clean, finite, detections = step(recorder)
+    assert finite and not detections and tg.LAUNCHES.by_kernel.get("check_pass", 0) > 0
+    # Every pass read the GEMMs' own half-precision operands, and c_attn's q, k, v references came from one of them
+    # (3 × 2 columns).
+    assert (6, dtype) in passes and all(d == dtype for _, d in passes), passes
+    forward = [c for c in recorder.calls if c.phase == "forward" and c.op != "bmm" and is_model_gemm(c)]
+    backward = [c for c in recorder.calls if c.phase == "backward" and is_model_gemm(c)]
+    # c_attn (3 × 64 features; element 2·64 + 5 of a row is in its v slice), c_fc (256 features), a late dX/dW.
+    targets = [(forward[0], 2 * 64 + 5), (max(forward[:-1], key=lambda c: c.shape[-1]), 17), (backward[-2], 9)]
+    failures = []
+    for n, (call, element) in enumerate(targets):
+        injector = GemmInjector(target=call.index, kind=KINDS[n % len(KINDS)], element=element)
+        grads, finite, found = step(injector)
+        assert injector.hit == call
+        outcome = [(d.op, d.action) for d in found]
+        if not (finite and worst_rel(grads, clean) <= 2e-2 and outcome
+                and all(action in ("corrected", "recomputed") for _, action in outcome)):
+            failures.append((call, worst_rel(grads, clean), outcome))
+    assert not failures
+
+
 WIDE = {"gpt2": {"n_layer": 1, "n_embd": 512, "n_head": 8},
         "llama": {"num_hidden_layers": 1, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 8,
                   "num_key_value_heads": 8}}
