@@ -226,51 +226,12 @@ def _side_floats(g: DeviceGemm, tol: Tolerance) -> int:
     return tg.operand_floats(g.b, col_sq=True) + tg.operand_floats(g.a, right=2 * runs(g.c.shape[-1], tol))
 
 
-SHARED_WIDTH = 32
-"""The widest factor one read of a shared A takes for several GEMMs' references (``_row_sides``): GPT-2's three
-slices of 3 to 5 runs (768 to 1,600 features), two of 8. Compiled for sm_90, the pass with a 32-wide factor takes 255
-registers and 8 B of stack in bf16 and fp16 (bench/triton_compile_matrix.py on the fused-projection test)."""
-
-
-def _row_sides(todo: list[DeviceGemm], ws: tg.Workspace, tol: Tolerance) -> list[tg.RowSide]:
-    """The GEMMs' row references and norms (``_row_side``), with one read of an A that several of them share (the
-    slices of a fused projection, GPT-2's c_attn: y_s = x·W_s) for all their references: x·[B_1 w, B_2 w, ..] in one
-    operand pass instead of one per slice, where A is bf16 or fp16 (the pass's products on the tensor cores, whose
-    width costs next to nothing) and the factors together are at most SHARED_WIDTH wide."""
-    n_runs = [runs(g.c.shape[-1], tol) for g in todo]
-    sides: list[tg.RowSide | None] = [None] * len(todo)
-    shared: dict[tuple[object, ...], list[list[int]]] = {}
-    for i, g in enumerate(todo):
-        if g.a.dtype not in HALF and _cast_of(g) is None:
-            continue
-        chunks = shared.setdefault((g.a.data_ptr(), tuple(g.a.shape), g.a.stride(), g.a.dtype), [[]])
-        if sum(2 * n_runs[j] for j in chunks[-1]) + 2 * n_runs[i] > SHARED_WIDTH:
-            chunks.append([])
-        chunks[-1].append(i)
-    for chunk in (c for chunks in shared.values() for c in chunks if len(c) > 1):
-        b_outs = [tg.operand_pass(todo[i].b, ws, right_w=n_runs[i], col_sq=True, cast=_cast_of(todo[i]))
-                  for i in chunk]
-        factors = [bo.xw for bo in b_outs if bo.xw is not None]
-        b_sqs = [bo.csq for bo in b_outs if bo.csq is not None]
-        assert len(factors) == len(b_sqs) == len(chunk)
-        ao = tg.operand_pass(todo[chunk[0]].a, ws, right=torch.cat(factors, dim=-1), row_sq=True,
-                             cast=_cast_of(todo[chunk[0]]))
-        assert ao.xv is not None and ao.rsq is not None and ao.vsq is not None
-        at = 0
-        for i, b_sq in zip(chunk, b_sqs, strict=True):
-            width = 2 * n_runs[i]
-            sides[i] = tg.RowSide(ref=ao.xv[..., at : at + width], a_sq=ao.rsq, b_sq=b_sq,
-                                  ref_sq=ao.vsq[..., at : at + width], runs=n_runs[i])
-            at += width
-    return [side if side is not None else _row_side(g, ws, tol) for g, side in zip(todo, sides, strict=True)]
-
-
 HALF = (torch.bfloat16, torch.float16)
 
 
 def _cast_of(g: DeviceGemm) -> torch.dtype | None:
-    """The half dtype this GEMM rounds an fp32 operand to (autocast's: C is bf16 or fp16, an operand is not), which
-    its operand passes round to in their products (operand_pass's ``cast``), else None."""
+    """The half dtype this GEMM rounds an fp32 operand to (C is bf16 or fp16, an operand is not), which its operand
+    passes round to in their products (operand_pass's ``cast``), else None."""
     return _casts(g.c.dtype, g.a, g.b)
 
 
@@ -278,14 +239,46 @@ def _casts(out: torch.dtype, *operands: torch.Tensor) -> torch.dtype | None:
     return out if out in HALF and any(t.dtype != out for t in operands) else None
 
 
-def _row_side(g: DeviceGemm, ws: tg.Workspace, tol: Tolerance) -> tg.RowSide:
-    """A GEMM's row references and norms from one read of B (B_h w per run h, ‖B_j‖²) and one of A (A·(B_h w),
-    ‖A_i‖²)."""
-    r = runs(g.c.shape[-1], tol)
-    bo = tg.operand_pass(g.b, ws, right_w=r, col_sq=True, cast=_cast_of(g))
-    ao = tg.operand_pass(g.a, ws, right=bo.xw, row_sq=True, cast=_cast_of(g))
-    assert ao.xv is not None and ao.rsq is not None and bo.csq is not None and ao.vsq is not None
-    return tg.RowSide(ref=ao.xv, a_sq=ao.rsq, b_sq=bo.csq, ref_sq=ao.vsq, runs=r)
+SHARED_WIDTH = 32
+"""The widest factor one read of a shared A takes for several GEMMs' references (``_row_sides``): GPT-2's three
+slices of 3 to 5 runs (768 to 1,600 features), two of 8. Compiled for sm_90, the pass with a 32-wide factor takes 255
+registers and 8 B of stack in bf16 and fp16 (bench/triton_compile_matrix.py on the fused-projection test)."""
+
+
+def _row_sides(todo: list[DeviceGemm], ws: tg.Workspace, tol: Tolerance) -> list[tg.RowSide]:
+    """The GEMMs' row references and norms: per GEMM one read of B (B_h w per run h, ‖B_j‖²), and one read of A
+    (A·(B_h w), ‖A_i‖²) for each A, shared by the GEMMs of one A (the slices of a fused projection, GPT-2's c_attn:
+    y_s = x·W_s) where A is bf16 or fp16 or rounded to it (the pass's products on the tensor cores, whose width costs
+    next to nothing) and their factors together are at most SHARED_WIDTH wide: x·[B_1 w, B_2 w, ..] in one operand
+    pass instead of one per slice."""
+    n_runs = [runs(g.c.shape[-1], tol) for g in todo]
+    chunks: list[list[int]] = []
+    open_chunk: dict[tuple[object, ...], list[int]] = {}
+    for i, g in enumerate(todo):
+        shares = g.a.dtype in HALF or _cast_of(g) is not None
+        key = (g.a.data_ptr(), tuple(g.a.shape), g.a.stride(), g.a.dtype) if shares else (i,)
+        chunk = open_chunk.get(key)
+        if chunk is None or sum(2 * n_runs[j] for j in chunk) + 2 * n_runs[i] > SHARED_WIDTH:
+            chunk = open_chunk[key] = []
+            chunks.append(chunk)
+        chunk.append(i)
+    sides: list[tg.RowSide | None] = [None] * len(todo)
+    for chunk in chunks:
+        b_outs = [tg.operand_pass(todo[i].b, ws, right_w=n_runs[i], col_sq=True, cast=_cast_of(todo[i]))
+                  for i in chunk]
+        factors = [bo.xw for bo in b_outs if bo.xw is not None]
+        b_sqs = [bo.csq for bo in b_outs if bo.csq is not None]
+        assert len(factors) == len(b_sqs) == len(chunk)
+        ao = tg.operand_pass(todo[chunk[0]].a, ws, right=factors[0] if len(chunk) == 1 else torch.cat(factors, -1),
+                             row_sq=True, cast=_cast_of(todo[chunk[0]]))
+        assert ao.xv is not None and ao.rsq is not None and ao.vsq is not None
+        at = 0
+        for i, b_sq in zip(chunk, b_sqs, strict=True):
+            width = 2 * n_runs[i]
+            sides[i] = tg.RowSide(ref=ao.xv[..., at : at + width], a_sq=ao.rsq, b_sq=b_sq,
+                                  ref_sq=ao.vsq[..., at : at + width], runs=n_runs[i])
+            at += width
+    return [side for side in sides if side is not None]
 
 
 def check_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, tol: Tolerance, *,
@@ -295,7 +288,8 @@ def check_product(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch
     g = DeviceGemm("product", c, a, b, bias)
     ws = tg.Workspace(c.device, _side_floats(g, tol) + tg.STATE_SIZE)
     with torch.no_grad():
-        chk = _launch(g, _row_side(g, ws, tol), ws, tol, correct=correct)
+        (side,) = _row_sides([g], ws, tol)
+        chk = _launch(g, side, ws, tol, correct=correct)
     return chk
 
 

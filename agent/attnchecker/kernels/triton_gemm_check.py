@@ -132,10 +132,16 @@ class _Blocks:
         return self.operand_rows, self.operand_cols_fp32 if dtype == torch.float32 else self.operand_cols
 
 
+def _compiled(device: torch.device) -> bool:
+    """Whether launches on this device run compiled (CUDA) rather than under Triton's interpreter: the launchers'
+    tiles, products and roundings follow it (bench/triton_gemm_resources.py sets it to capture a GPU's launches)."""
+    return device.type == "cuda"
+
+
 def _blocks(device: torch.device) -> _Blocks:
     # On a GPU: tiles a program streams through registers (the check pass is memory-bound; 32 rows × 128 columns of
     # bf16 is 8 KB a step). Under the interpreter each op is a numpy call, whatever its size: big tiles, few ops.
-    if device.type == "cuda":
+    if _compiled(device):
         return _Blocks(32, 128, 32, 16, 16, 64, 64, 32)
     return _Blocks(64, 256, 64, 256, 64, 64, 256, 256)
 
@@ -304,7 +310,7 @@ def _cast_code(cast: torch.dtype | None, x: torch.Tensor) -> int:
     """operand_pass's CAST for an operand x its GEMM rounds to ``cast``: 0 none (x is not fp32, or no cast), 1 bf16,
     2 fp16, 3 bf16 rounded on the integer bits (CPU tensors: Triton's interpreter converts to bf16 by truncation)."""
     code = _CAST.get(cast, 0) if cast is not None and x.dtype == torch.float32 else 0
-    return 3 if code == 1 and x.device.type != "cuda" else code
+    return 3 if code == 1 and not _compiled(x.device) else code
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -475,7 +481,7 @@ def _fault_table(faults: tuple[EmulatedFault, ...], device: torch.device, empty:
 def _dot_flags(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> dict[str, bool]:
     """How a recomputation's tl.dot runs: the interpreter's takes fp32 and fp16, not bf16, so products there are in
     fp32, as the GPU accumulates them; IEEE fp32 for fp32 operands."""
-    dot_fp32 = c.device.type != "cuda" or a.dtype != b.dtype
+    dot_fp32 = not _compiled(c.device) or a.dtype != b.dtype
     return {"DOT_FP32": dot_fp32, "IEEE": dot_fp32 or a.dtype == torch.float32, "IS_F32": c.dtype == torch.float32}
 
 
