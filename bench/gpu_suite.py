@@ -348,9 +348,9 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
     163 KB and this GPU's shared memory per block), each timed here against the others: what the smaller tiles of a
     99 KB GPU cost, and whether they would pay on this one (at head dim 128 the 64 × 32 forward tiles spill 2.6 KB
     where 64 × 64 spill 8.9 KB, compiled for sm_89 and sm_90). bf16, causal; the forward's and the backward's
-    bench_checks at each choice, and each again at the other warp count (forward on 4 warps, backward on 8 where
-    ``warps_for`` took 4 and 4 where it took 8): whether fewer warps, which hold a small tile fewer times over, pay
-    on the GPU as they do in the compiler's counts."""
+    bench_checks at each choice, and each again at the other warp count (4 where the launcher took 8, 8 where it
+    took 4; ``gpu_blocks`` for the forward, ``warps_for`` for the backward): whether fewer warps, which hold a tile
+    fewer times over, pay on the GPU as they do in the compiler's counts."""
     import torch
 
     from attnchecker.kernels import triton_attention, triton_attention_bwd
@@ -364,18 +364,18 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
     # Under the interpreter the GPU's tile choices of head dim 256 at a small head dim: every code path (16 × 16 and
     # 64 × 32 forward tiles, 16 × 16 and 32 × 32 backward ones on 2 and 3 stages, each on both warp counts), in
     # seconds; head dim 128's choices are more of the same tiles' sizes.
-    shapes = [(1, 1, 48, 256, 32)] if args.dry_run else [(1, 32, 4096, 128, 128), (1, 16, 4096, 256, 256)]
+    shapes = [(1, 1, 48, 256, 32)] if args.dry_run else [(1, 12, 8192, 64, 64), (1, 32, 4096, 128, 128),
+                                                         (1, 16, 4096, 256, 256)]
     rows: list[dict[str, Any]] = []
     for b, h, t, d_tiles, d in shapes:
         forward_choices: dict[tuple[int, ...], list[str]] = {}
         backward_choices: dict[tuple[int, int, int], list[str]] = {}
         for name, limit in limits.items():
-            blk = triton_attention.gpu_blocks(d_tiles, limit)
+            blk = triton_attention.gpu_blocks(d_tiles, limit, torch.bfloat16)
             forward_choices.setdefault((blk.m, blk.n, blk.warps, blk.stages), []).append(name)
-            # And on 4 warps: one warpgroup per 64-row tile does the tile's work with about a third fewer
-            # instructions summed over the warps (sm_90 offline, bf16 full checks), not timed yet.
-            if blk.warps != 4:
-                forward_choices.setdefault((blk.m, blk.n, 4, blk.stages), [])
+            # And on the other warp count: on 4 a 64-row tile is one warpgroup's, with about half the instructions
+            # over the warps that 8 issue (sm_90 and sm_80 offline, bf16; kernels/triton_attention._four_warps).
+            forward_choices.setdefault((blk.m, blk.n, 8 if blk.warps == 4 else 4, blk.stages), [])
             tile = triton_attention_bwd.gpu_tiles(d_tiles, limit)
             backward_choices.setdefault((tile.block, tile.stages, tile.warps), []).append(name)
             # The other warp count at the same tiles, timed beside it (warps_for chose from the compiler's counts).
@@ -391,7 +391,7 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
             rows.append({"kernel": "forward", "shape": [b, h, t, d], "tiles": [m, n], "warps": warps,
                          "stages": stages, "taken_by": names, **got})
             print(f"tiles: forward B={b} H={h} T={t} D={d} {m}x{n} stages {stages} warps {warps} "
-                  f"({', '.join(names) or 'none: 4 warps beside the chosen'}): "
+                  f"({', '.join(names) or 'none: the other warp count'}): "
                   f"off {got['off_ms']:.3f} ms, full {got['full_ms']:.3f} ms")
         for (block, stages, warps), names in backward_choices.items():
             if time.monotonic() > deadline:

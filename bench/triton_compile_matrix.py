@@ -78,8 +78,10 @@ def gpu_configs(launch: dict[str, Any], head_dims: tuple[int, ...], arch: int = 
 def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
     """The launch as a GPU of compute capability ``arch`` makes it. Under the interpreter the launchers pick other
     tiles and operand modes; each choice below is the GPU side of the function that makes it:
-    - kernels/triton_attention: tiles ``gpu_blocks(d, the arch's shared memory per block)`` (64 x 64 on 8 warps, 2
-      stages; 64 x 32 past head dim 64 on a 99 KB GPU) where the interpreter takes 16 x 16 (``block_sizes``);
+    - kernels/triton_attention: tiles ``gpu_blocks(d, the arch's shared memory per block, the launch's dtype)``
+      (64 x 64, 2 stages, on 4 warps in bf16 and fp16 where two programs fit an SM, else 8: ``full`` by the mode
+      and kernel; the repair on ``REPAIR_WARPS``; 64 x 32 past head dim 64 on a 99 KB GPU) where the interpreter
+      takes 16 x 16 (``block_sizes``);
       ``dot_mode`` 2 (bf16 cast to fp32: the interpreter's tl.dot takes no bf16) is 0 on a GPU, and 3 (TF32 emulated
       by truncation) is 1 (the tensor cores' TF32); ``refs_by_dot`` holds on those tiles only from BY_DOT_MIN_ROWS
       rows, where the interpreter takes it on every tile;
@@ -97,13 +99,20 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
     consts = dict(launch["constexprs"])
     options = dict(launch["options"])
     if module == "triton_attention":
-        blk = ta.gpu_blocks(consts.get("BLOCK_D", 64), SHARED_MEMORY_PER_BLOCK.get(arch))
+        import torch
+
+        operand = {"*bf16": torch.bfloat16, "*fp16": torch.float16}.get(launch["signature"].get(
+            "Q", launch["signature"].get("K")), torch.float32)
+        # The full checks' tiles for _kv_tiles (made for them only) and for a first pass of mode 2; tier 1's for
+        # _trip_given and mode 0 and 1 (gpu_blocks' full).
+        full = launch["kernel"] == "_kv_tiles" or consts.get("MODE") == 2
+        blk = ta.gpu_blocks(consts.get("BLOCK_D", 64), SHARED_MEMORY_PER_BLOCK.get(arch), operand, full=full)
         consts.update({k: v for k, v in (("BLOCK_M", blk.m), ("BLOCK_N", blk.n)) if k in consts})
         if "DOT" in consts:
             consts["DOT"] = {2: 0, 3: 1}.get(consts["DOT"], consts["DOT"])
         if "BY_DOT" in consts:
             consts["BY_DOT"] = bool(consts["BY_DOT"]) and blk.m >= ta.BY_DOT_MIN_ROWS
-        options["num_warps"] = blk.warps
+        options["num_warps"] = ta.REPAIR_WARPS if consts.get("REPAIR") else blk.warps
         if launch["kernel"] == "_attention":
             options["num_stages"] = blk.stages
     elif module == "triton_attention_bwd":

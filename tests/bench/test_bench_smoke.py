@@ -254,6 +254,7 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
     assert {"full_scores_ms", "full_context_ms", "full_no_repair_ms", "full_fp32_refs_ms", "full_fp32_refs_over_off",
             "sdpa_ms", "vendor_ms", "tier1_given_ms", "tier1_given_over_vendor", "tier1_given_over_sdpa"} \
         <= set(doc["kernel"]["rows"][0])
+    assert set(doc["kernel"]["rows"][0]["warps_by_form"]) == {"off", "full"}  # what each ran on (block_sizes)
     # A clean call with either form of the row references flags nothing, and its worst ratio sits under the bound.
     for form in ("full", "full_fp32_refs"):
         assert doc["kernel"]["rows"][0][f"{form}_flagged"] is False

@@ -109,6 +109,23 @@ def test_the_launcher_keeps_full_tiles_where_they_fit() -> None:
         == [(16, 16, 2), (16, 16, 2), (64, 32, 2)]
 
 
+def test_the_forward_takes_one_warpgroup_a_tile_where_two_programs_fit_an_sm() -> None:
+    """4 warps a 64-row tile in bf16 and fp16 where two such programs' pipelined shared memory fits an SM (head dim
+    64 on an A100, an H100; 128 on an H100 without the full checks, whose programs need 127 KB and more there), 8
+    elsewhere: the 99 KB GPUs, fp32 inputs and head dim 256 (4 warps spill there), unknown limits."""
+    import torch
+
+    from attnchecker.kernels import triton_attention as ta
+
+    h100, a100, small = 232448, 166912, 101376
+    bf16 = torch.bfloat16
+    assert [ta.gpu_blocks(64, limit, bf16).warps for limit in (h100, a100, small, None)] == [4, 4, 8, 8]
+    assert [ta.gpu_blocks(64, h100, dtype).warps for dtype in (torch.float16, torch.float32)] == [4, 8]
+    assert [ta.gpu_blocks(128, h100, bf16, full=full).warps for full in (False, True)] == [4, 8]
+    assert [ta.gpu_blocks(128, a100, bf16, full=False).warps, ta.gpu_blocks(256, h100, bf16, full=False).warps] \
+        == [8, 8]
+
+
 def _tool() -> object:
     sys.path.insert(0, str(ROOT / "bench"))
     import triton_compile_matrix

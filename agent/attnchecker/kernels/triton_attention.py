@@ -193,22 +193,30 @@ class Blocks:
     stages: int
 
 
-def block_sizes(d: int, device: torch.device | None = None) -> Blocks:
+def block_sizes(d: int, device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
+                full: bool = True) -> Blocks:
     """Tile sizes: 16 × 16 under the interpreter (small tests cross many tiles, and it runs per op, not per element);
-    on a GPU ``gpu_blocks`` for that device's shared memory per block."""
+    on a GPU ``gpu_blocks`` for that device's shared memory per block, the inputs' dtype and whether the call runs
+    the full checks."""
     if interpreting():
         return Blocks(16, 16, max(16, triton.next_power_of_2(d)), 4, 1)
-    return gpu_blocks(d, None if device is None else shared_per_block(device))
+    return gpu_blocks(d, None if device is None else shared_per_block(device), dtype, full)
 
 
 WIDE_TILES_SHARED = 172032
 """The most shared memory the 64 × 32 tiles needed at head dim 256 (the repair kernel, a bool mask, no causal mask;
 compiled for sm_80): a GPU with less per block takes 16 × 16 tiles there (``gpu_blocks``)."""
 
+REPAIR_WARPS = 8
+"""The repair kernel's warps, whatever the first pass's: it runs on flagged blocks only, and on 4 warps its spill
+stack grows from 2.3 to 3.8 KB a thread (bf16, D = 64, sm_90), which the driver reserves for every resident thread."""
 
-def gpu_blocks(d: int, shared_per_block: int | None = None) -> Blocks:
-    """On a GPU: 64 queries × 64 keys (32 past D = 128) on 8 warps, 2 stages, one shape for every variant, so that the
-    checks' cost is timed against the same kernel with them off. Where a GPU gives a block less shared memory
+
+def gpu_blocks(d: int, shared_per_block: int | None = None, dtype: torch.dtype = torch.bfloat16,
+               full: bool = True) -> Blocks:
+    """On a GPU: 64 queries × 64 keys (32 past D = 128), 2 stages, one tile shape for every variant, so that the
+    checks' cost is timed against the same tiles with them off; 4 warps or 8 (``_four_warps``: at head dim 128 the
+    full checks, ``full``, keep 8 where the rest take 4). Where a GPU gives a block less shared memory
     (``shared_per_block``), smaller tiles, compiled for sm_89 and sm_80 (docs/performance.md §7):
     - D = 128 under SMALL_SHARED_MEMORY (sm_86 and sm_89, 99 KB): 32 keys. 64 × 64 tiles needed up to 132 KB there
       and half of the variants could not launch; 64 × 32 needed at most 88 KB.
@@ -216,19 +224,35 @@ def gpu_blocks(d: int, shared_per_block: int | None = None) -> Blocks:
       tiles, which the suite runs. 64 × 32 needed up to 168 KB, more than an A100's 163; 32 × 32 on one stage up to
       116 KB; 16 × 16 at most 55 KB.
     The full-size tiles stay where they fit, as they were timed on the H200.
-    Compiled for sm_90 (bench/triton_resources.py, D = 64, bf16): the plain kernel 145 registers and tier 1 188, no
-    spills; the full checks' first pass reaches 255 and no longer spills (208 B while the bound's per-row terms were
-    fp64, 32 B while the row references were fp32 products);
-    128 × 64 on 4 warps spilled the plain and tier-1 variants too.
     TODO(triton-fwd): tune on a GPU. Untuned, on the first H200 run the kernel with its checks off reached 33 to
     132 TFLOP/s in bf16 (docs/performance.md §8)."""
     block_d = max(16, triton.next_power_of_2(d))
+    warps = 4 if _four_warps(d, shared_per_block, dtype, full) else 8
     if d > 128:
         if shared_per_block is not None and shared_per_block < WIDE_TILES_SHARED:
             return Blocks(16, 16, block_d, 8, 2)
         return Blocks(64, 32, block_d, 8, 2)
     small = d > 64 and shared_per_block is not None and shared_per_block < SMALL_SHARED_MEMORY
-    return Blocks(64, 32 if small else 64, block_d, 8, 2)
+    return Blocks(64, 32 if small else 64, block_d, warps, 2)
+
+
+def _four_warps(d: int, shared_per_block: int | None, dtype: torch.dtype, full: bool) -> bool:
+    """A 64-row tile on one warpgroup (4 warps) rather than two. On two, Triton gives each warpgroup the whole
+    64 × 64 tile of scores or half of every row: it computes QKᵀ and the softmax twice, or reduces each row across
+    the warpgroups through shared memory on every tile. Compiled for sm_90 as a GPU's JIT launches it (bf16,
+    bench/triton_resources.py --mix [--warps 8]), a tile with no masked element issues per 1,000 scores on 4 warps
+    against 8: D = 64, 379 against 656 instructions without checks, 1,310 against 2,453 on the full checks' clean
+    path; D = 128, 468 against 822 and 1,573 against 2,754 (32 B spilled). Where two 4-warp programs' shared memory
+    fits an SM, so that it keeps 8 warps resident, as the JIT's pipelined loads need it (bench/triton_resources.py's
+    shared_launch): D <= 64 from the A100's 163 KB a block (at most 61 KB a program on sm_80, 82 KB on sm_90); at
+    D = 128 on H100 and H200 without the full checks (82 KB), whose programs need 127 to 143 KB there, so one would
+    hold an SM on its 4 warps. bf16 and fp16 only: with fp32 inputs 4 warps spill 584 B (TF32 full checks, D = 64),
+    and at D = 256 968 B. Not yet timed on a GPU: bench/gpu_suite.py's tiles section times both counts."""
+    if dtype not in (torch.bfloat16, torch.float16) or d > 128 or shared_per_block is None:
+        return False
+    if d > 64:
+        return not full and shared_per_block >= WIDE_TILES_SHARED
+    return shared_per_block >= SMALL_SHARED_MEMORY
 
 
 BY_DOT_MIN_ROWS = 64
@@ -289,7 +313,7 @@ def forward(
     pass writes; the repair kernel then recomputes a tripped block into them, as after that pass."""
     b, h, t, d = q_BHTD.shape
     hk, s = k_BHSD.shape[1], k_BHSD.shape[2]
-    blk = blocks or block_sizes(d, q_BHTD.device)
+    blk = blocks or block_sizes(d, q_BHTD.device, q_BHTD.dtype, full=checks.mode == "full")
     n_blocks = triton.cdiv(t, blk.m)
     dev = q_BHTD.device
     if given is not None:
@@ -397,7 +421,7 @@ def forward(
                 *k_max_BHkS.stride()[:2], h, h // hk, t, s, d, n_blocks, scale,
                 BLOCK_M=blk.m, BLOCK_N=blk.n, BLOCK_D=blk.d, IS_CAUSAL=is_causal, num_warps=blk.warps)
         if checking and checks.repair:
-            launch(MODE=2, REPAIR=True)
+            launch(MODE=2, REPAIR=True, num_warps=REPAIR_WARPS)
     return Result(out, lse, status, records, blk.m, seen, saved, dbg)
 
 
@@ -1059,13 +1083,19 @@ if triton is not None:
                     failed_s = tl.maximum(failed_s, tc.rmax(again.to(tl.int32), 0))
                     failed_s = tl.maximum(failed_s, tc.rmax(again_t.to(tl.int32), 0))
 
-            # The online softmax (abft.tiled.fold_scores): masked keys -INF, P̃ = exp(z - m_new) in [0, 1].
-            z = s * scale
+            # The online softmax (abft.tiled.fold_scores) in base 2, as a GPU's exp is (ex2): z = log2(e)·(scale·AS +
+            # mask), P̃ = 2^(z - m_new) in [0, 1], the log-sum-exp back in base e after the loop. Masked keys -INF,
+            # on the tiles that hold any (under is_causal the diagonal's, a window's edge, the last rows and keys):
+            # the rest skip the per-element test, a third of the plain loop on 4 warps (bench/triton_resources.py).
+            z = s * (scale * tc.LOG2E)
             valid = key_ok[None, :] & row_ok[:, None]
+            edge = (start_n + BLOCK_N > S) | ((pid_m + 1) * BLOCK_M > T)
             if IS_CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None])
+                edge = edge | (start_n + BLOCK_N - 1 > pid_m * BLOCK_M)
             if WINDOWED:
                 valid = valid & (offs_m[:, None] - offs_n[None, :] < window)
+                edge = edge | (pid_m * BLOCK_M + BLOCK_M - 1 - start_n >= window)
             if MASK_KIND == 1:
                 # The bool mask read as bytes (0 or 1) and added as 0 or -INF (1 - 1/0, IEEE's division: the fast
                 # one promises no INF): no boolean tile from a load, which the repair kernel could not compile
@@ -1076,15 +1106,16 @@ if triton is not None:
             if MASK_KIND == 2:
                 bias = tl.load(m_at + offs_m[:, None].to(tl.int64) * smt + offs_n[None, :] * sms, mask=valid,
                                other=0.0).to(tl.float32)
-                z = z + bias
+                z = z + bias * tc.LOG2E
                 if REPAIR:
                     mask_max = tl.maximum(mask_max, tc.rmax(tl.where(valid & (bias == bias), bias, float("-inf")), 1))
-            z = tl.where(valid, z, float("-inf"))
+            if edge:
+                z = tl.where(valid, z, float("-inf"))
             m_new = tl.maximum(m_i, tc.rmax(z, 1))
             # A row with every key so far masked has m = -INF: shift by 0 there (P̃ = 0, alpha = 0).
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(z - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
+            p = tl.math.exp2(z - m_safe[:, None])
+            alpha = tl.math.exp2(m_i - m_safe)
             p_sum = tc.rsum(p, 1)
             l_i = l_i * alpha + p_sum
             m_i = m_new
@@ -1149,6 +1180,7 @@ if triton is not None:
         dead = l_i == 0.0
         l_safe = tl.where(dead, 1.0, l_i)
         o = tl.where(dead[:, None], 0.0, acc / l_safe[:, None])
+        m_i = m_i * tc.LN2  # base e from here
         lse = tl.where(dead, float("inf"), m_i + tl.log(l_safe))
         lse_at = Lse + pid_n.to(tl.int64) * T + offs_m
         if MODE == 1:
@@ -1276,6 +1308,10 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     med = {name: statistics.median(xs) for name, xs in times.items()}
     got = {f"{name}_ms": ms for name, ms in med.items()} | {
         f"{name}_over_off": med[name] / med["off"] for name in names if name != "off"}
+    # The warps each form ran on (block_sizes: the full checks' may differ from the others').
+    dev = torch.device(device)
+    got["warps_by_form"] = {form: (blocks or block_sizes(d, dev, dtype, full=form == "full")).warps
+                            for form in ("off", "full")}
     for name, by_dot in (("full", None), ("full_fp32_refs", False)):
         status = forward(q, k, v, scale=scale, checks=Checks(mode="full", repair=False, refs_by_dot=by_dot),
                          is_causal=causal, blocks=blocks).status.tolist()  # syncs: read once, after the timing

@@ -697,30 +697,42 @@ if triton is not None:
                            0, SUMMARY, slot, WRITE)
 
     @device_function
-    def _scores_to_probs(s, q_rows, k_cols, lse, n, bb, hh, MASK, sm_b, sm_h, sm_t, sm_s, T, S, scale, window, p_drop,
-                         seed, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK_KIND: tl.constexpr,
+    def _scores_to_probs(s, q_rows, k_cols, r0, c0, lse, n, bb, hh, MASK, sm_b, sm_h, sm_t, sm_s, T, S, scale, window,
+                         p_drop, seed, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK_KIND: tl.constexpr,
                          DROPOUT: tl.constexpr):
-        """(AP, Z, the live additive mask's |value| per row) of one tile: AP = exp(scale·S + mask - lse) where the
-        key is seen, 0 elsewhere; Z = keep/(1-p) (ones without dropout)."""
+        """(AP, Z, the live additive mask's |value| per row) of one tile, its rows from r0 and its keys from c0: AP =
+        exp(scale·S + mask - lse) where the key is seen, 0 elsewhere; Z = keep/(1-p) (ones without dropout). In base
+        2, as a GPU's exp is (ex2): 2^(log2(e)·(scale·S + mask) - log2(e)·lse), the rounding of log2(e)·lse within
+        the bound's lse term (vector_rules.softmax_grad_rule: 8 units of |lse|). The unseen keys are zeroed on the
+        tiles that hold any (under is_causal the diagonal's, a window's edge, the last rows and keys, and wherever a
+        bool mask may drop a key): the rest skip the per-element test."""
+        block_m: tl.constexpr = q_rows.shape[0]
+        block_n: tl.constexpr = k_cols.shape[0]
         seen = (q_rows[:, None] < T) & (k_cols[None, :] < S)
+        edge = (r0 + block_m > T) | (c0 + block_n > S)
         if CAUSAL:
             seen = seen & (k_cols[None, :] <= q_rows[:, None])
+            edge = edge | (c0 + block_n - 1 > r0)
         if WINDOW:
             seen = seen & (q_rows[:, None] - k_cols[None, :] < window)
-        z = s * scale
+            edge = edge | (r0 + block_m - 1 - c0 >= window)
+        z = s * (scale * tc.LOG2E)
         live = tl.zeros(q_rows.shape, tl.float32)
         if MASK_KIND == 1:
             m = tl.load(MASK + bb * sm_b + hh * sm_h + q_rows[:, None] * sm_t + k_cols[None, :] * sm_s, mask=seen,
                         other=0.0).to(tl.float32)
-            z = z + m
+            z = z + m * tc.LOG2E
             live = tl.max(tl.where(seen & (m > -200.0), tl.abs(m), 0.0), 1)
         if MASK_KIND == 2:
             keep_key = tl.load(MASK + bb * sm_b + hh * sm_h + q_rows[:, None] * sm_t + k_cols[None, :] * sm_s,
                                mask=seen, other=0)
             seen = seen & (keep_key != 0)
+            edge = edge | True
         # A row with every key masked has lse = +INF (the tiled paths' convention; -INF is read the same way).
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
-        p = tl.where(seen, tl.exp(z - lse[:, None]), 0.0)
+        p = tl.math.exp2(z - (lse * tc.LOG2E)[:, None])
+        if edge:
+            p = tl.where(seen, p, 0.0)
         if DROPOUT:
             kept = _keep(seed, n, T, S, q_rows[:, None], k_cols[None, :], p_drop)
             zs = tl.where(kept, 1.0 / (1.0 - p_drop), 0.0)
@@ -848,8 +860,9 @@ if triton is not None:
                 kept_p = _fold(kept_p, ratio, keys, d1, b1, key_in)
                 k_max = tl.maximum(k_max, k_norm)
                 v_max = tl.maximum(v_max, v_norm)
-            p, zs, live_t = _scores_to_probs(s, rows, keys, lse, n, bb, hh, MASK, sm_b, sm_h, sm_t, sm_s, T, S,
-                                             scale, window, p_drop, seed, CAUSAL, WINDOW, MASK_KIND, DROPOUT)
+            p, zs, live_t = _scores_to_probs(s, rows, keys, start_m, start_n, lse, n, bb, hh, MASK, sm_b, sm_h, sm_t,
+                                             sm_s, T, S, scale, window, p_drop, seed, CAUSAL, WINDOW, MASK_KIND,
+                                             DROPOUT)
             ds = p * (dp * zs - delta[:, None])
             ds_c = ds.to(k.dtype)
             overflow = tl.maximum(overflow, _overflowed(ds, ds_c))
@@ -1042,8 +1055,9 @@ if triton is not None:
                     kept_s = _fold(kept_s, ratio, g * T + rows, d1, b1, row_in)
                     d1, b1, ratio = _tile_check(dp, do_norm, p_ref1, p_ref2, w_n, bt_v, R_TILE, 1)
                     kept_p = _fold(kept_p, ratio, g * T + rows, d1, b1, row_in)
-                p, zs, _live = _scores_to_probs(s, rows, keys, lse, n, bb, hh, MASK, sm_b, sm_h, sm_t, sm_s, T, S,
-                                                scale, window, p_drop, seed, CAUSAL, WINDOW, MASK_KIND, DROPOUT)
+                p, zs, _live = _scores_to_probs(s, rows, keys, start_m, start_n, lse, n, bb, hh, MASK, sm_b, sm_h,
+                                                sm_t, sm_s, T, S, scale, window, p_drop, seed, CAUSAL, WINDOW,
+                                                MASK_KIND, DROPOUT)
                 pd = p * zs
                 ds = p * (dp * zs - delta[:, None])
                 pd_c, ds_c = pd.to(do.dtype), ds.to(q.dtype)

@@ -151,6 +151,10 @@ if triton is not None:
         return rsum(a_op * bw_e[None, :], 1), rsum(a_op * bw_w[None, :], 1)
 
     PARTS: Any = tl.constexpr(SPLIT_COLUMNS)
+    # The softmax in base 2 (a GPU's exp is ex2 of its argument times log2(e)): the kernels fold log2(e) into the
+    # scale, and take the log-sum-exp back to base e with ln(2).
+    LOG2E: Any = tl.constexpr(1.4426950408889634)
+    LN2: Any = tl.constexpr(0.6931471805599453)
 
     @_jit
     def pow2_scale(big):
