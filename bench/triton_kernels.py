@@ -13,7 +13,13 @@ Needs triton, not a GPU; TRITON_INTERPRET must be unset.
 
 --mix: BLOCK only, and each pass's loop (over the other side's tiles) counted by instruction class, as
 bench/triton_resources.py --mix counts the forward's; ``per_tile`` is the loop times the program's warps, the
-instructions one tile costs the whole program (a tile smaller than the warps' layout is held several times over).
+instructions one tile costs the whole program (a tile smaller than the warps' layout is held several times over);
+``interior``: the same for a tile with no masked element (under is_causal every tile off the diagonal), which skips
+the per-element mask.
+
+Each kernel is compiled as Triton's JIT specialises a launch on a GPU (a contiguous (1, 32, 4096, d) call: unit
+strides constants, 16-divisible sizes and aligned pointers marked; triton_resources.specialise);
+``--types-only`` from the argument types alone, as this tool did before (docs/perf's earlier JSONs).
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import torch
 import triton
+import triton_resources
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -67,19 +74,54 @@ def _signature(fn: Any, dtype: str) -> dict[str, Any]:
     return sig
 
 
+LAUNCH = {"heads": 32, "length": 4096}
+"""The call a launched compile specialises for: contiguous (1, H, T, D) q, k, v, dO, T = S, no GQA or mask."""
+
+
+def _values(d: int) -> dict[str, int]:
+    """The launch's integer arguments that Triton's JIT specialises on (triton_resources.specialise)."""
+    h, t = LAUNCH["heads"], LAUNCH["length"]
+    strides = (h * t * d, t * d, d, 1)
+    values = {f"s{x}_{a}": v for x in ("q", "do") for a, v in zip("bhtd", strides, strict=True)}
+    values.update({f"s{x}_{a}": v for x in "kv" for a, v in zip("bhsd", strides, strict=True)})
+    values.update({"sl_b": h * t, "sl_h": t, "sl_t": 1, "sm_b": 0, "sm_h": 0, "sm_t": 0, "sm_s": 0, "H": h, "HK": h,
+                   "T": t, "S": t, "D": d, "window": 0, "n_faults": 0})
+    return values
+
+
+# The per-element mask of _scores_to_probs made never-taken: the loop a tile with no masked element runs.
+INTERIOR_EDITS = (
+    ("        if edge:\n            p = tl.where(seen, p, 0.0)",
+     "        if NEVER:\n            p = tl.where(seen, p, 0.0)", 1),
+    ("                         DROPOUT: tl.constexpr):\n        \"\"\"(AP, Z,",
+     "                         DROPOUT: tl.constexpr, NEVER: tl.constexpr = False):\n        \"\"\"(AP, Z,", 1),
+)
+
+
+def interior_module() -> Any:
+    """kernels/triton_attention_bwd with INTERIOR_EDITS, loaded under another name (raises if an edit no longer
+    matches its source). For the instruction count only."""
+    return triton_resources.edited_module(kernels, "interior", INTERIOR_EDITS)
+
+
 def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int, mix: bool = False, by_dot: int | None = None,
-                repair: bool = False) -> dict[str, Any]:
-    """ptxas's registers, spill and shared memory of one kernel (and with mix its tile loop's instructions by class).
-    by_dot: the passes' BY_DOT; None for what the launcher picks for bf16 at this head dim (kernels.by_dot)."""
+                repair: bool = False, launched: bool = True) -> dict[str, Any]:
+    """ptxas's registers, spill and shared memory of one kernel (and with mix its tile loop's instructions by class,
+    and the interior path's for the passes). by_dot: the passes' BY_DOT; None for what the launcher picks for bf16 at
+    this head dim (kernels.by_dot). launched: specialised as a GPU's JIT launches it."""
     if by_dot is None:
-        by_dot = kernels.by_dot(torch.bfloat16, d)[fn is kernels._key_pass]
+        by_dot = kernels.by_dot(torch.bfloat16, d)[fn.__name__ == "_key_pass"]
     const = {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": d, "CAUSAL": True, "WINDOW": False, "MASK_KIND": 0,
              "DROPOUT": False, "CHECK": check, "FAULTS_ON": False, "INTERPRET": False, "PRECISION": "ieee",
              "REPAIR": repair, "SEED_ON_DEVICE": False, "GIVEN": repair, "BY_DOT": by_dot}
     const = {k: v for k, v in const.items() if k in fn.arg_names}
     sig = {k: v for k, v in _signature(fn, "bf16").items() if k not in const}
     sig.update(dict.fromkeys(const, "constexpr"))
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=TARGET,
+    sig = {name: sig[name] for name in fn.arg_names}
+    attrs = triton_resources.specialise(fn.arg_names, sig, _values(d), const) if launched else {}
+    names = list(fn.arg_names)
+    constexprs = {(names.index(k),): v for k, v in const.items()}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs), target=TARGET,
                               options={"num_warps": warps})
     ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas*"))
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -92,9 +134,13 @@ def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int, mix: boo
     got = {"registers": int(regs[-1]), "spill_store_bytes": int(spills[-1]) if spills else 0,
            "shared_bytes": int(compiled.metadata.shared), "by_dot": by_dot if check == 2 else 0}
     if mix:
-        from triton_resources import loop_mix
-
-        got.update(loop_mix(compiled.asm["cubin"]))
+        got.update(triton_resources.loop_mix(compiled.asm["cubin"]))
+        if fn.__name__ in ("_query_pass", "_key_pass") and not repair:
+            inner = compile_one(getattr(interior_module(), fn.__name__), d=d, check=check, block=block, warps=warps,
+                                by_dot=by_dot, launched=launched)
+            got["interior"] = {"registers": inner["registers"], "spill_store_bytes": inner["spill_store_bytes"],
+                               **triton_resources.loop_mix(inner["cubin"])}
+    got["cubin"] = compiled.asm["cubin"]
     return got
 
 
@@ -104,8 +150,11 @@ def main() -> None:
     ap.add_argument("--by-dot", choices=("auto", "off"), default="auto",
                     help="the checked passes' references on the tensor cores as the launcher picks them for bf16 "
                          "(kernels.by_dot), or all fp32 sums (off), to weigh the two on the same code")
+    ap.add_argument("--types-only", action="store_true",
+                    help="compile from the argument types alone, not specialised as a GPU launch is")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    as_launched = not args.types_only
     if kernels.interpreting():
         raise SystemExit("TRITON_INTERPRET was set when the kernels were built: unset it")
     rows = []
@@ -117,28 +166,37 @@ def main() -> None:
             for block, warps in configs:
                 for check, name in enumerate(kernels.CHECKS):
                     got = compile_one(fn, d=d, check=check, block=block, warps=warps, mix=args.mix,
-                                      by_dot=None if args.by_dot == "auto" else 0)
+                                      by_dot=None if args.by_dot == "auto" else 0, launched=as_launched)
+                    got.pop("cubin")
                     rows.append({"kernel": fn.__name__.strip("_"), "head_dim": d, "block": block, "warps": warps,
-                                 "launched": (block, warps) == (kernels.BLOCK, launched), "check": name, **got})
+                                 "launched": (block, warps) == (kernels.BLOCK, launched), "check": name,
+                                 "specialised": as_launched, **got})
                     if args.mix:
                         rows[-1]["per_tile"] = warps * got["loop_instructions"]
-                    print(rows[-1], flush=True)
+                        rows[-1]["interior"]["per_tile"] = warps * got["interior"]["loop_instructions"]
+                    print({k: v for k, v in rows[-1].items() if k not in ("loop_mix", "interior")}, flush=True)
     # Tier 1 over SDPA's gradients (run(given=...)): the pass that reads them, and the repair it gates.
     for d in (64, 128):
         for fn, check, repair in ((kernels._trip_given, 1, False), (kernels._query_pass, 1, True),
                                   (kernels._key_pass, 1, True)):
             # _trip_given launches on TRIP_WARPS; the repairs on the passes' warps (gpu_tiles).
             warps = kernels.TRIP_WARPS if fn is kernels._trip_given else kernels.gpu_tiles(d).warps
-            got = compile_one(fn, d=d, check=check, block=kernels.BLOCK, warps=warps, mix=args.mix, repair=repair)
+            got = compile_one(fn, d=d, check=check, block=kernels.BLOCK, warps=warps, mix=args.mix, repair=repair,
+                              launched=as_launched)
+            got.pop("cubin")
             name = fn.__name__.strip("_") + (" (repair, given)" if repair else "")
             rows.append({"kernel": name, "head_dim": d, "block": kernels.BLOCK, "warps": warps, "launched": True,
-                         "check": "tripwire", **got})
-            print(rows[-1], flush=True)
-    extra = ["loop_instructions", "per_tile"] if args.mix else []
+                         "check": "tripwire", "specialised": as_launched, **got})
+            print({k: v for k, v in rows[-1].items() if k != "loop_mix"}, flush=True)
+    for r in rows:
+        if "interior" in r:
+            r["interior_per_tile"] = r["interior"]["per_tile"]
+    extra = ["loop_instructions", "per_tile", "interior_per_tile"] if args.mix else []
     print(_common.table([[r["kernel"], r["head_dim"], r["block"], r["warps"], r["check"], r["registers"],
                           r["spill_store_bytes"], r["shared_bytes"], *(r.get(k, "") for k in extra)] for r in rows],
                         ["kernel", "D", "block", "warps", "check", "registers", "spill B", "shared B",
-                         *(["loop instructions (per warp)", "per tile (× warps)"] if args.mix else [])]))
+                         *(["loop instructions (per warp)", "per tile (× warps)", "interior tile (× warps)"]
+                           if args.mix else [])]))
     path = _common.write_result("triton_backward_kernels", {"target": "sm_90", "dtype": "bf16", "causal": True,
                                                             "triton": triton.__version__, "rows": rows}, args.out)
     print(f"wrote {path}")

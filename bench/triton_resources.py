@@ -6,9 +6,18 @@ executes: its machine instructions by class (``--mix``: tensor-core products, fp
 shuffles, barriers, spill loads and stores), which a change to the checks can be weighed by before a GPU is at hand.
 
     .venv/bin/python bench/triton_resources.py [--arch 90] [--head-dim 64] [--mix] [--by-dot auto|on|off]
-        [--out docs/perf/triton_resources.json]
+        [--warps 4|8] [--types-only] [--out docs/perf/triton_resources.json]
 
-The tiles are those the launcher picks on that arch (``gpu_blocks`` with its shared memory per block).
+The tiles and warps are those the launcher picks on that arch for each variant's dtype (``gpu_blocks`` with its
+shared memory per block). Each kernel is compiled as Triton's JIT specialises a launch on a GPU (``source``): a
+contiguous (1, 32, 4096, d) call, its unit strides constants and its 16-divisible sizes and aligned pointers marked,
+so that its loads vectorise and pipeline; ``--types-only`` compiles from the argument types alone, as this tool did
+before (and docs/perf's earlier JSONs hold), which overstates the loop's memory instructions several times over.
+``per_1k_scores``: the loop's instructions summed over the program's warps per 1,000 elements of its tile of scores,
+which compares tiles and warp counts. The loop is counted on three paths where it has them: as compiled (every
+branch), the clean path (``clean_path``: the full checks' flag-only branches never taken) and the interior path
+(``interior``: a tile with no masked element, under is_causal every tile below the diagonal, which skips the
+per-element mask).
 
 Compiling a full-check variant takes about a minute on one CPU core (the repair variant two), the first time: Triton
 caches what it compiled.
@@ -16,6 +25,7 @@ caches what it compiled.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import linecache
@@ -30,8 +40,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "agent"))
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
 
 from attnchecker.abft import Tolerance
@@ -66,7 +78,17 @@ CLASSES: dict[str, str] = {
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[A-Z0-9_.]*([^;]*);")
 
 
-def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any) -> ASTSource:
+LAUNCH = {"batch": 1, "heads": 32, "length": 4096}
+"""The call ``source`` specialises for: contiguous (B, H, T, D) q, k, v and out, T = S, no GQA, a (T, S) mask."""
+
+
+def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, *, launched: bool = True,
+           **constexprs: Any) -> ASTSource:
+    """The kernel's compile source for a (1, 32, 4096, blocks.d) call of ``dtype`` at these tiles and constexprs.
+    launched: specialised as Triton's JIT specialises such a launch on a GPU (triton.runtime.jit's
+    ``native_specialize_impl``: an integer argument of 1 a constant, a 16-divisible one and a 16-byte-aligned
+    pointer marked so), which lets the loads vectorise and go through the pipeliner's asynchronous copies; else
+    from the argument types alone."""
     kernel = kernel if kernel is not None else ta._attention
     names = kernel.arg_names
     consts = {"BLOCK_M": blocks.m, "BLOCK_N": blocks.n, "BLOCK_D": blocks.d, "IS_CAUSAL": True, "WINDOWED": False,
@@ -74,8 +96,20 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any)
               "CALIBRATED": True, "TF32": False, "DOT": 0, "COLS": False, "REPAIR": False, "FAULTS": False,
               "DEBUG": False, "K_MAX_GIVEN": False, "KEY_TILES": False, "VALUE_TILES": False,
               "BY_DOT": dtype in ("bf16", "fp16") and blocks.m >= ta.BY_DOT_MIN_ROWS, **constexprs}
+    if "NEVER" in names:
+        consts["NEVER"] = False  # interior_kernel's never-taken branch
     pointer = "*" + dtype
+    h, t, d = LAUNCH["heads"], LAUNCH["length"], blocks.d
+    mask_strides = (0, 0, t, 1) if consts["MASK_KIND"] else (0, 0, 0, 0)
+    values = {**dict(zip(("sqb", "sqh", "sqt", "sqd"), (h * t * d, t * d, d, 1), strict=True)),
+              **{f"s{x}{a}": v for x in "kvo" for a, v in zip("bhtd" if x == "o" else "bhsd", (h * t * d, t * d, d, 1),
+                                                               strict=True)},
+              **dict(zip(("smb", "smh", "smt", "sms"), mask_strides, strict=True)),
+              "skmb": h * t, "skmh": t, "H": h, "GROUP": 1, "T": t, "S": t, "D": d, "HK": h,
+              "N_BLOCKS": t // blocks.m, "N_TILES": t // blocks.n, "N_KEY_TILES": t // blocks.n, "window": 0,
+              "n_faults": 0}
     signature: dict[str, Any] = {}
+    attrs: dict[tuple[int, ...], Any] = {}
     for name in names:
         if name in consts:
             signature[name] = "constexpr"
@@ -96,8 +130,31 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, **constexprs: Any)
             signature[name] = ("fp32", "fp32")
         else:
             signature[name] = "i32"
+    if launched:
+        attrs = specialise(names, signature, values, consts)
     return ASTSource(fn=kernel, signature=signature,
-                     constexprs={(names.index(k),): v for k, v in consts.items() if k in names})
+                     constexprs={(names.index(k),): v for k, v in consts.items() if k in names}, attrs=attrs)
+
+
+def specialise(names: list[str], signature: dict[str, Any], values: dict[str, int],
+               consts: dict[str, Any]) -> dict[tuple[int, ...], Any]:
+    """Specialise ``signature`` in place as Triton's JIT does a launch on a GPU (``native_specialize_impl``): an i32
+    argument whose value (``values``) is 1 becomes a constexpr (added to ``consts``); the attributes it returns mark
+    every pointer 16-byte aligned (torch's allocations are) and every i32 of a 16-divisible value so. Arguments
+    ``values`` does not name stay as typed."""
+    attrs: dict[tuple[int, ...], Any] = {}
+    for index, name in enumerate(names):
+        kind = signature[name]
+        if not isinstance(kind, str) or kind == "constexpr":
+            continue
+        if kind.startswith("*"):
+            attrs[(index,)] = CUDABackend.parse_attr("D")
+        elif kind == "i32" and name in values:
+            if values[name] == 1:
+                signature[name], consts[name] = "constexpr", 1
+            elif values[name] % 16 == 0:
+                attrs[(index,)] = CUDABackend.parse_attr("D")
+    return attrs
 
 
 def resources(cubin: bytes) -> dict[str, int]:
@@ -116,24 +173,51 @@ CLEAN_PATH_EDITS = (
 )
 
 
-@functools.lru_cache(maxsize=1)
+# A tile with no masked element (under is_causal every tile below the diagonal, and every tile of a call without a
+# mask but the last rows' and keys'): the per-element mask's branch made never-taken.
+INTERIOR_EDITS = (
+    ("            if edge:\n                z = tl.where(valid, z, float(\"-inf\"))",
+     "            if NEVER:\n                z = tl.where(valid, z, float(\"-inf\"))", 1),
+    ("        BY_DOT: tl.constexpr,\n    ):\n        pid_m = tl.program_id(0)",
+     "        BY_DOT: tl.constexpr, NEVER: tl.constexpr = False,\n    ):\n        pid_m = tl.program_id(0)", 1),
+)
+
+
 def clean_path_kernel() -> Any:
     """triton_attention's kernel with CLEAN_PATH_EDITS applied: the loop a tile that does not flag executes. For the
     instruction count only (a flagged tile would go unrecorded)."""
-    src = Path(ta.__file__).read_text()
-    for old, new, count in CLEAN_PATH_EDITS:
+    return edited_kernel("clean", CLEAN_PATH_EDITS)
+
+
+def interior_kernel(clean: bool = False) -> Any:
+    """triton_attention's kernel with INTERIOR_EDITS applied (and with ``clean`` CLEAN_PATH_EDITS too): the loop a
+    tile with no masked element executes. For the instruction count only."""
+    return edited_kernel("interior_clean" if clean else "interior",
+                         (CLEAN_PATH_EDITS if clean else ()) + INTERIOR_EDITS)
+
+
+def edited_kernel(name: str, edits: tuple[tuple[str, str, int], ...]) -> Any:
+    """triton_attention's kernel with its source edited in memory (``edited_module``)."""
+    return edited_module(ta, name, edits)._attention
+
+
+@functools.cache
+def edited_module(module: types.ModuleType, name: str, edits: tuple[tuple[str, str, int], ...]) -> types.ModuleType:
+    """A kernels module with its source edited in memory and loaded under another name; raises if an edit no longer
+    matches the source (each (old, new, how many times old occurs))."""
+    src = Path(str(module.__file__)).read_text()
+    for old, new, count in edits:
         if src.count(old) != count:
-            raise RuntimeError(f"triton_resources: the kernel's source changed, update CLEAN_PATH_EDITS "
-                               f"({old.strip()!r})")
+            raise RuntimeError(f"the kernel's source changed, update its edits ({old.strip()!r})")
         src = src.replace(old, new)
-    name = "attnchecker.kernels._triton_attention_clean_path"
-    filename = f"<{name}>"
+    module_name = f"{module.__name__.rsplit('.', 1)[0]}._{module.__name__.rsplit('.', 1)[1]}_{name}"
+    filename = f"<{module_name}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # triton.jit reads its source
-    module = types.ModuleType(name)
-    module.__package__ = "attnchecker.kernels"
-    sys.modules[name] = module
-    exec(compile(src, filename, "exec"), module.__dict__)
-    return module._attention
+    edited = types.ModuleType(module_name)
+    edited.__package__ = module.__package__
+    sys.modules[module_name] = edited
+    exec(compile(src, filename, "exec"), edited.__dict__)
+    return edited
 
 
 def loop_mix(cubin: bytes) -> dict[str, Any]:
@@ -177,43 +261,59 @@ def main() -> None:
     parser.add_argument("--by-dot", choices=("auto", "on", "off"), default="auto",
                         help="the bf16/fp16 variants' row references on the tensor cores (BY_DOT): as the launcher "
                              "picks for the arch's tiles (auto), or forced, to weigh the two forms on the same tiles")
+    parser.add_argument("--warps", type=int, default=None,
+                        help="compile every variant on this many warps instead of the launcher's choice")
+    parser.add_argument("--types-only", action="store_true",
+                        help="compile from the argument types alone, not specialised as a GPU launch is")
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     args = parser.parse_args()
     d = args.head_dim
-    # The tiles the launcher picks on that arch (gpu_blocks with its shared memory per block): 64 × 32 past head dim
-    # 64 and 16 × 16 past 128 on the 99 KB GPUs.
+    # The tiles the launcher picks on that arch (gpu_blocks with its shared memory per block, per dtype): 64 × 32
+    # past head dim 64 and 16 × 16 past 128 on the 99 KB GPUs; 4 warps or 8.
     from triton_compile_matrix import SHARED_MEMORY_PER_BLOCK
 
-    tiles = ta.gpu_blocks(d, SHARED_MEMORY_PER_BLOCK.get(args.arch))
+    limit = SHARED_MEMORY_PER_BLOCK.get(args.arch)
+    launched = not args.types_only
+
+    def build(kernel: Any, dtype: str, blocks: ta.Blocks, spec: dict[str, Any]) -> Any:
+        return triton.compile(source(dtype, blocks, kernel, launched=launched, **spec),
+                              target=GPUTarget("cuda", args.arch, 32),
+                              options={"num_warps": blocks.warps, "num_stages": blocks.stages})
+
     rows = []
     for name, spec in VARIANTS.items():
         t0 = time.perf_counter()
         spec = dict(spec)
         dtype = spec.pop("dtype")
-        blocks = tiles
+        blocks = ta.gpu_blocks(d, limit, TORCH_DTYPES[dtype], full=spec.get("MODE") == 2)
+        if spec.get("REPAIR") or args.warps:
+            blocks = dataclasses.replace(blocks, warps=args.warps or ta.REPAIR_WARPS)
         if args.by_dot != "auto" and dtype != "fp32":
             spec["BY_DOT"] = args.by_dot == "on"
-        compiled = triton.compile(source(dtype, blocks, **spec), target=GPUTarget("cuda", args.arch, 32),
-                                  options={"num_warps": blocks.warps, "num_stages": blocks.stages})
+        compiled = build(None, dtype, blocks, spec)
         row = {"variant": name, "dtype": dtype, "head_dim": d, "block_m": blocks.m, "block_n": blocks.n,
-               "warps": blocks.warps, "stages": blocks.stages, **resources(compiled.asm["cubin"])}
+               "warps": blocks.warps, "stages": blocks.stages, "launched": launched,
+               **resources(compiled.asm["cubin"]), "shared_launch": compiled.metadata.shared}
         if args.mix:
-            row.update(loop_mix(compiled.asm["cubin"]))
-            if spec.get("MODE") == 2 and not spec.get("REPAIR"):
-                lean = triton.compile(source(dtype, blocks, clean_path_kernel(), **spec),
-                                      target=GPUTarget("cuda", args.arch, 32),
-                                      options={"num_warps": blocks.warps, "num_stages": blocks.stages})
-                row["clean_path"] = {**resources(lean.asm["cubin"]), **loop_mix(lean.asm["cubin"])}
+            row.update(_per_scores(loop_mix(compiled.asm["cubin"]), blocks))
+            checked = spec.get("MODE") == 2 and not spec.get("REPAIR")
+            if checked:
+                lean = build(clean_path_kernel(), dtype, blocks, spec)
+                row["clean_path"] = {**resources(lean.asm["cubin"]), **_per_scores(loop_mix(lean.asm["cubin"]), blocks)}
+            if not spec.get("REPAIR"):
+                inner = build(interior_kernel(clean=checked), dtype, blocks, spec)
+                row["interior"] = {**resources(inner.asm["cubin"]),
+                                   **_per_scores(loop_mix(inner.asm["cubin"]), blocks)}
         rows.append(row)
         print(f"{name:45s} {dtype:5s} {blocks.m}x{blocks.n} warps {blocks.warps}: {row['reg']} registers, "
-              f"{row['stack']} B stack (spills), {row['shared']} B shared ({time.perf_counter() - t0:.0f} s)",
+              f"{row['stack']} B stack (spills), {row['shared_launch']} B shared ({time.perf_counter() - t0:.0f} s)",
               flush=True)
     # Tier 1 over the vendor's forward: one pass over its output and log-sum-exp, no key loop (so no mix).
     given = []
     for dtype in ("bf16", "fp16", "fp32"):
-        blocks = tiles
-        compiled = triton.compile(source(dtype, blocks, ta._trip_given), target=GPUTarget("cuda", args.arch, 32),
-                                  options={"num_warps": blocks.warps})
+        blocks = ta.gpu_blocks(d, limit, TORCH_DTYPES[dtype], full=False)
+        compiled = triton.compile(source(dtype, blocks, ta._trip_given, launched=launched),
+                                  target=GPUTarget("cuda", args.arch, 32), options={"num_warps": blocks.warps})
         given.append({"kernel": "_trip_given", "dtype": dtype, "head_dim": d, "block_m": blocks.m,
                       "warps": blocks.warps, **resources(compiled.asm["cubin"])})
         print(f"{'tier 1 over the vendor forward (_trip_given)':45s} {dtype:5s} {blocks.m} rows warps "
@@ -223,24 +323,35 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"arch": f"sm_{args.arch}", "triton": triton.__version__, "by_dot": args.by_dot,
-                                        "rows": rows,
+                                        "launch": LAUNCH if launched else None, "warps": args.warps, "rows": rows,
                                         "given_pass": given}, indent=2) + "\n")
 
 
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _per_scores(mix: dict[str, Any], blocks: ta.Blocks) -> dict[str, Any]:
+    """The loop mix with per_1k_scores: its instructions over the program's warps per 1,000 scores of its tile."""
+    return {**mix, "per_1k_scores": round(1000 * mix["loop_instructions"] * blocks.warps / (blocks.m * blocks.n), 1)}
+
+
 def print_mix(rows: list[dict[str, Any]]) -> None:
-    """One line per variant: the loop's instructions, its ratio to the plain kernel's, and the classes."""
-    plain = rows[0]["loop_instructions"]
+    """One line per variant and path: the loop's instructions per warp, per 1,000 scores over the warps, its ratio
+    to the plain kernel's, and the classes."""
+    plain = rows[0]["per_1k_scores"]
     classes = sorted({c for r in rows for c in r["loop_mix"]},
                      key=lambda c: -max(r["loop_mix"].get(c, 0) for r in rows))
-    print("\nkey-tile loop, instructions per iteration (per warp); 'clean path': without the branches only a "
-          "flagged tile takes")
-    print(f"{'variant':58s} {'total':>6s} {'× plain':>7s} {'stack':>6s}  "
+    print("\nkey-tile loop, instructions per iteration per warp, and per 1,000 scores over the program's warps; "
+          "'clean path': without the branches only a flagged tile takes; 'interior': a tile with no masked element")
+    print(f"{'variant':62s} {'warp':>6s} {'/1k':>6s} {'× plain':>7s} {'stack':>6s}  "
           + "  ".join(f"{c[:14]:>14s}" for c in classes))
     for r in rows:
-        for label, m in ((r["variant"], r), (r["variant"] + ", clean path", r.get("clean_path"))):
+        for label, m in ((r["variant"], r), (r["variant"] + ", clean path", r.get("clean_path")),
+                         (r["variant"] + ", interior", r.get("interior"))):
             if m is not None:
-                print(f"{label:58s} {m['loop_instructions']:6d} {m['loop_instructions'] / plain:7.1f} "
-                      f"{m['stack']:6d}  " + "  ".join(f"{m['loop_mix'].get(c, 0):14d}" for c in classes))
+                print(f"{label:62s} {m['loop_instructions']:6d} {m['per_1k_scores']:6.0f} "
+                      f"{m['per_1k_scores'] / plain:7.2f} {m['stack']:6d}  "
+                      + "  ".join(f"{m['loop_mix'].get(c, 0):14d}" for c in classes))
 
 
 if __name__ == "__main__":

@@ -357,25 +357,31 @@ def test_attached_bench_measures_the_protected_copy_against_its_own_bare_control
 
 
 def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() -> None:
-    """bench/triton_resources.py's --mix (docs/performance.md §8): the loop it counts is the key-tile loop, the one
+    """bench/triton_resources.py's --mix (docs/performance.md §7, §9): the loop it counts is the key-tile loop, the one
     holding the tile products on the tensor cores, and a variant that checks more issues more there. Compiled
-    offline (Triton's compiler, its bundled ptxas and cuobjdump), no GPU; in a fresh process, outside the
-    interpreter the agent tests switch on."""
+    offline as an H100's JIT specialises the launch (Triton's compiler, its bundled ptxas and cuobjdump), no GPU; in
+    a fresh process, outside the interpreter the agent tests switch on. And what the launcher's tiles rest on: on
+    one warpgroup a 64-row tile issues fewer instructions per score than on two (which compute QKᵀ and the softmax
+    twice, or reduce each row across the warpgroups), and a tile with no masked element skips the mask's, in the
+    forward and in the backward's query pass."""
     code = (
-        "import json, sys; sys.path.insert(0, 'bench'); import triton, triton_resources as tr\n"
+        "import json, sys, dataclasses; sys.path.insert(0, 'bench'); import torch, triton, triton_resources as tr\n"
         "from triton.backends.compiler import GPUTarget\n"
-        "blk = tr.ta.gpu_blocks(64)\n"
-        "def mix(**kw):\n"
-        "    c = triton.compile(tr.source('bf16', blk, **kw), target=GPUTarget('cuda', 90, 32),\n"
-        "                       options={'num_warps': blk.warps, 'num_stages': blk.stages})\n"
-        "    return tr.loop_mix(c.asm['cubin'])\n"
-        "def lean(**kw):\n"
-        "    c = triton.compile(tr.source('bf16', blk, tr.clean_path_kernel(), **kw),\n"
-        "                       target=GPUTarget('cuda', 90, 32),\n"
-        "                       options={'num_warps': blk.warps, 'num_stages': blk.stages})\n"
-        "    return tr.loop_mix(c.asm['cubin'])\n"
-        "print(json.dumps({'plain': mix(MODE=0), 'tier1': mix(MODE=1, K_MAX_GIVEN=True), 'full': mix(MODE=2),\n"
-        "                  'clean': lean(MODE=2)}))\n"
+        "blk = tr.ta.gpu_blocks(64, 232448, torch.bfloat16)\n"
+        "def mix(kernel=None, blocks=blk, **kw):\n"
+        "    c = triton.compile(tr.source('bf16', blocks, kernel, **kw), target=GPUTarget('cuda', 90, 32),\n"
+        "                       options={'num_warps': blocks.warps, 'num_stages': blocks.stages})\n"
+        "    return tr._per_scores(tr.loop_mix(c.asm['cubin']), blocks)\n"
+        "eight = dataclasses.replace(blk, warps=8)\n"
+        "print(json.dumps({'warps': blk.warps, 'plain': mix(MODE=0), 'tier1': mix(MODE=1, K_MAX_GIVEN=True),\n"
+        "                  'full': mix(MODE=2), 'clean': mix(tr.clean_path_kernel(), MODE=2),\n"
+        "                  'interior': mix(tr.interior_kernel(), MODE=0),\n"
+        "                  'interior8': mix(tr.interior_kernel(), blocks=eight, MODE=0),\n"
+        "                  'clean_interior': mix(tr.interior_kernel(clean=True), MODE=2),\n"
+        "                  'clean_interior8': mix(tr.interior_kernel(clean=True), blocks=eight, MODE=2),\n"
+        "                  'backward': {k: v for k, v in __import__('triton_kernels').compile_one(\n"
+        "                      __import__('triton_kernels').kernels._query_pass, d=64, check=0, block=32, warps=4,\n"
+        "                      mix=True).items() if k in ('loop_instructions', 'interior')}}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=540,
@@ -385,6 +391,7 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     plain, tier1 = got["plain"], got["tier1"]
+    assert got["warps"] == 4  # bf16 at head dim 64 on an H100: one warpgroup a tile
     # QKᵀ and P̃V on the tensor cores, inside the loop; nothing spilled without checks.
     assert plain["loop_mix"]["tensor core"] > 0
     assert "local memory (spills)" not in plain["loop_mix"]
@@ -402,6 +409,15 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
     # A flag costs the first pass a kept row only (locating and the columns' check are the repair kernel's): its whole
     # loop is within half its clean path again. With them in it, it was 5.2 times the clean path and spilled 1.7 KB.
     assert full["loop_instructions"] <= 1.5 * clean["loop_instructions"]
+    # A tile below the diagonal skips the per-element mask: under a fifth of the loop at least (584 -> 388).
+    assert got["interior"]["loop_instructions"] < 0.8 * plain["loop_instructions"]
+    assert got["clean_interior"]["loop_instructions"] < clean["loop_instructions"]
+    # There, per score, one warpgroup a tile issues under three quarters of what two do, with and without the checks.
+    assert got["interior"]["per_1k_scores"] < 0.75 * got["interior8"]["per_1k_scores"]
+    assert got["clean_interior"]["per_1k_scores"] < 0.75 * got["clean_interior8"]["per_1k_scores"]
+    # The backward's query pass skips it too on such a tile (225 -> 158 per warp, unchecked, D = 64).
+    backward = got["backward"]
+    assert 0 < backward["interior"]["loop_instructions"] < 0.85 * backward["loop_instructions"]
 
 
 def test_host_ops_bench_counts_a_protected_step_on_the_gpu_route_against_the_unprotected_one(tmp_path: Path) -> None:
