@@ -350,7 +350,8 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
     where 64 × 64 spill 8.9 KB, compiled for sm_89 and sm_90). bf16, causal; the forward's and the backward's
     bench_checks at each choice, and each again at the other warp count (4 where the launcher took 8, 8 where it
     took 4; ``gpu_blocks`` for the forward, ``warps_for`` for the backward): whether fewer warps, which hold a tile
-    fewer times over, pay on the GPU as they do in the compiler's counts."""
+    fewer times over, pay on the GPU as they do in the compiler's counts; and at head dim 64 the backward on 64 × 64
+    tiles, 4 warps, which issue fewer instructions per score than 32 × 32 but spill."""
     import torch
 
     from attnchecker.kernels import triton_attention, triton_attention_bwd
@@ -381,6 +382,13 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
             # The other warp count at the same tiles, timed beside it (warps_for chose from the compiler's counts).
             other = 8 if tile.warps != 8 else 4
             backward_choices.setdefault((tile.block, tile.stages, other), [])
+            if d_tiles <= 64:
+                # And 64 × 64 tiles on 4 warps, 2 stages: compiled as launched for sm_90 (bench/triton_kernels.py
+                # --mix --block 64) the checked key pass issues 1,983 instructions per 1,000 scores on a tile with
+                # no masked element against 4,914 on 32 × 32 (the query pass 3,938 against 5,027), but spills 1.1
+                # and 1.6 KB: whether that pays is the GPU's to say. At 128 they spill 2.2 to 3.3 KB and one
+                # program holds an SM's shared memory.
+                backward_choices.setdefault((64, 2, 4), [])
         for (m, n, warps, stages), names in forward_choices.items():
             if time.monotonic() > deadline:
                 rows.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
@@ -391,7 +399,7 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
             rows.append({"kernel": "forward", "shape": [b, h, t, d], "tiles": [m, n], "warps": warps,
                          "stages": stages, "taken_by": names, **got})
             print(f"tiles: forward B={b} H={h} T={t} D={d} {m}x{n} stages {stages} warps {warps} "
-                  f"({', '.join(names) or 'none: the other warp count'}): "
+                  f"({', '.join(names) or 'none: timed beside the chosen'}): "
                   f"off {got['off_ms']:.3f} ms, full {got['full_ms']:.3f} ms")
         for (block, stages, warps), names in backward_choices.items():
             if time.monotonic() > deadline:
@@ -402,7 +410,7 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
             rows.append({"kernel": "backward", "shape": [b, h, t, d], "tiles": [block, block], "stages": stages,
                          "warps": warps, "taken_by": names, **got})
             print(f"tiles: backward B={b} H={h} T={t} D={d} {block}x{block} stages {stages} warps {warps} "
-                  f"({', '.join(names) or 'none: the other warp count'}): off {got['off_ms']:.3f} ms, "
+                  f"({', '.join(names) or 'none: timed beside the chosen'}): off {got['off_ms']:.3f} ms, "
                   f"abft {got['abft_ms']:.3f} ms")
     return {"shared_per_block_here": here, "rows": rows}
 

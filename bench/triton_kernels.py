@@ -9,9 +9,9 @@ reads them and the two repair launches.
 Needs triton, not a GPU; TRITON_INTERPRET must be unset.
 
     python bench/triton_kernels.py [--out docs/perf/triton_backward_kernels.json]
-    python bench/triton_kernels.py --mix [--out docs/perf/triton_backward_kernels_mix.json]
+    python bench/triton_kernels.py --mix [--block 64] [--out docs/perf/triton_backward_kernels_mix.json]
 
---mix: BLOCK only, and each pass's loop (over the other side's tiles) counted by instruction class, as
+--mix: BLOCK (or --block) only, and each pass's loop (over the other side's tiles) counted by instruction class, as
 bench/triton_resources.py --mix counts the forward's; ``per_tile`` is the loop times the program's warps, the
 instructions one tile costs the whole program (a tile smaller than the warps' layout is held several times over);
 ``interior``: the same for a tile with no masked element (under is_causal every tile off the diagonal), which skips
@@ -150,6 +150,8 @@ def main() -> None:
     ap.add_argument("--by-dot", choices=("auto", "off"), default="auto",
                     help="the checked passes' references on the tensor cores as the launcher picks them for bf16 "
                          "(kernels.by_dot), or all fp32 sums (off), to weigh the two on the same code")
+    ap.add_argument("--block", type=int, default=None,
+                    help="with --mix, count the passes at this tile size instead of the launcher's (kernels.BLOCK)")
     ap.add_argument("--types-only", action="store_true",
                     help="compile from the argument types alone, not specialised as a GPU launch is")
     ap.add_argument("--out", default=None)
@@ -161,7 +163,8 @@ def main() -> None:
     for fn in (kernels._query_pass, kernels._key_pass):
         for d in (64, 128):
             launched = kernels.gpu_tiles(d).warps
-            configs = [(kernels.BLOCK, launched)] + [(kernels.BLOCK, w) for w in (8, 4) if w != launched]
+            block = args.block or kernels.BLOCK
+            configs = [(block, launched)] + [(block, w) for w in (8, 4) if w != launched]
             configs += [] if args.mix else [(64, 8), (64, 4)]
             for block, warps in configs:
                 for check, name in enumerate(kernels.CHECKS):
