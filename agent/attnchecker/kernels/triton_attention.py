@@ -1306,7 +1306,7 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
             if r:  # the first round compiles
                 times[name].append((time.perf_counter() - t0) * 1e3)
     med = {name: statistics.median(xs) for name, xs in times.items()}
-    got = {f"{name}_ms": ms for name, ms in med.items()} | {
+    got: dict[str, Any] = {f"{name}_ms": ms for name, ms in med.items()} | {
         f"{name}_over_off": med[name] / med["off"] for name in names if name != "off"}
     # The warps each form ran on (block_sizes: the full checks' may differ from the others').
     dev = torch.device(device)
