@@ -101,8 +101,9 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
     if module == "triton_attention":
         import torch
 
-        operand = {"*bf16": torch.bfloat16, "*fp16": torch.float16}.get(launch["signature"].get(
-            "Q", launch["signature"].get("K")), torch.float32)
+        signature = launch.get("signature", {})
+        operand = {"*bf16": torch.bfloat16, "*fp16": torch.float16}.get(signature.get("Q", signature.get("K")),
+                                                                         torch.float32)
         # The full checks' tiles for _kv_tiles (made for them only) and for a first pass of mode 2; tier 1's for
         # _trip_given and mode 0 and 1 (gpu_blocks' full).
         full = launch["kernel"] == "_kv_tiles" or consts.get("MODE") == 2
