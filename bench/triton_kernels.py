@@ -91,7 +91,7 @@ def _values(d: int) -> dict[str, int]:
 
 # The per-element mask of _scores_to_probs made never-taken: the loop a tile with no masked element runs.
 INTERIOR_EDITS = (
-    ("        if edge:\n            p = tl.where(seen, p, 0.0)",
+    ("        if edge | (MASK_KIND == 2):\n            p = tl.where(seen, p, 0.0)",
      "        if NEVER:\n            p = tl.where(seen, p, 0.0)", 1),
     ("                         DROPOUT: tl.constexpr):\n        \"\"\"(AP, Z,",
      "                         DROPOUT: tl.constexpr, NEVER: tl.constexpr = False):\n        \"\"\"(AP, Z,", 1),

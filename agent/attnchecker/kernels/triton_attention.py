@@ -1085,17 +1085,14 @@ if triton is not None:
 
             # The online softmax (abft.tiled.fold_scores) in base 2, as a GPU's exp is (ex2): z = log2(e)·(scale·AS +
             # mask), P̃ = 2^(z - m_new) in [0, 1], the log-sum-exp back in base e after the loop. Masked keys -INF,
-            # on the tiles that hold any (under is_causal the diagonal's, a window's edge, the last rows and keys):
-            # the rest skip the per-element test, a third of the plain loop on 4 warps (bench/triton_resources.py).
+            # on the tiles that may hold any (tc.holds_masked); the rest skip the per-element test.
             z = s * (scale * tc.LOG2E)
             valid = key_ok[None, :] & row_ok[:, None]
-            edge = (start_n + BLOCK_N > S) | ((pid_m + 1) * BLOCK_M > T)
             if IS_CAUSAL:
                 valid = valid & (offs_n[None, :] <= offs_m[:, None])
-                edge = edge | (start_n + BLOCK_N - 1 > pid_m * BLOCK_M)
             if WINDOWED:
                 valid = valid & (offs_m[:, None] - offs_n[None, :] < window)
-                edge = edge | (pid_m * BLOCK_M + BLOCK_M - 1 - start_n >= window)
+            edge = tc.holds_masked(pid_m * BLOCK_M, start_n, T, S, window, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOWED)
             if MASK_KIND == 1:
                 # The bool mask read as bytes (0 or 1) and added as 0 or -INF (1 - 1/0, IEEE's division: the fast
                 # one promises no INF): no boolean tile from a load, which the repair kernel could not compile

@@ -704,18 +704,16 @@ if triton is not None:
         exp(scale·S + mask - lse) where the key is seen, 0 elsewhere; Z = keep/(1-p) (ones without dropout). In base
         2, as a GPU's exp is (ex2): 2^(log2(e)·(scale·S + mask) - log2(e)·lse), the rounding of log2(e)·lse within
         the bound's lse term (vector_rules.softmax_grad_rule: 8 units of |lse|). The unseen keys are zeroed on the
-        tiles that hold any (under is_causal the diagonal's, a window's edge, the last rows and keys, and wherever a
-        bool mask may drop a key): the rest skip the per-element test."""
+        tiles that may hold any (tc.holds_masked, and every tile under a bool mask, which may drop any key): the rest
+        skip the per-element test."""
         block_m: tl.constexpr = q_rows.shape[0]
         block_n: tl.constexpr = k_cols.shape[0]
         seen = (q_rows[:, None] < T) & (k_cols[None, :] < S)
-        edge = (r0 + block_m > T) | (c0 + block_n > S)
         if CAUSAL:
             seen = seen & (k_cols[None, :] <= q_rows[:, None])
-            edge = edge | (c0 + block_n - 1 > r0)
         if WINDOW:
             seen = seen & (q_rows[:, None] - k_cols[None, :] < window)
-            edge = edge | (r0 + block_m - 1 - c0 >= window)
+        edge = tc.holds_masked(r0, c0, T, S, window, block_m, block_n, CAUSAL, WINDOW)
         z = s * (scale * tc.LOG2E)
         live = tl.zeros(q_rows.shape, tl.float32)
         if MASK_KIND == 1:
@@ -727,11 +725,10 @@ if triton is not None:
             keep_key = tl.load(MASK + bb * sm_b + hh * sm_h + q_rows[:, None] * sm_t + k_cols[None, :] * sm_s,
                                mask=seen, other=0)
             seen = seen & (keep_key != 0)
-            edge = edge | True
         # A row with every key masked has lse = +INF (the tiled paths' convention; -INF is read the same way).
         lse = tl.where(lse == float("-inf"), float("inf"), lse)
         p = tl.math.exp2(z - (lse * tc.LOG2E)[:, None])
-        if edge:
+        if edge | (MASK_KIND == 2):
             p = tl.where(seen, p, 0.0)
         if DROPOUT:
             kept = _keep(seed, n, T, S, q_rows[:, None], k_cols[None, :], p_drop)
