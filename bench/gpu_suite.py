@@ -343,15 +343,22 @@ SMALL_GPU_SHARED = 101376
 """sm_86 and sm_89's shared memory per block (99 KB): the tiles section times the tiles such a GPU takes."""
 
 
+TILE_FORMS = (("off", "tier1", "full"), ("off", "tripwire", "abft"))
+"""The forms the tiles section times at each choice, forward and backward: the kernel, tier 1 and the full checks.
+The kernel and backward_kernel sections split the full checks' cost and time SDPA beside them at the launcher's
+tiles; here every form would run 8 calls a round forward and 6 backward, where these run 3, for nothing the choice of
+tiles turns on."""
+
+
 def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:
     """The attention kernels at the tiles each GPU class takes (kernels' ``gpu_blocks`` and ``gpu_tiles`` for 99 KB,
     163 KB and this GPU's shared memory per block), each timed here against the others: what the smaller tiles of a
     99 KB GPU cost, and whether they would pay on this one (at head dim 128 the 64 × 32 forward tiles spill 2.6 KB
     where 64 × 64 spill 8.9 KB, compiled for sm_89 and sm_90). bf16, causal; the forward's and the backward's
     bench_checks at each choice, and each again at the other warp count (4 where the launcher took 8, 8 where it
-    took 4; ``gpu_blocks`` for the forward, ``warps_for`` for the backward): whether fewer warps, which hold a tile
-    fewer times over, pay on the GPU as they do in the compiler's counts; and at head dim 64 the backward on 64 × 64
-    tiles, 4 warps, which issue fewer instructions per score than 32 × 32 but spill."""
+    took 4; ``gpu_blocks`` for the forward, ``warps_for`` for the backward), the forms of TILE_FORMS each: whether
+    fewer warps, which hold a tile fewer times over, pay on the GPU as they do in the compiler's counts; and at head
+    dim 64 the backward on 64 × 64 tiles, 4 warps, which issue fewer instructions per score than 32 × 32 but spill."""
     import torch
 
     from attnchecker.kernels import triton_attention, triton_attention_bwd
@@ -395,7 +402,7 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
                 continue
             blocks = triton_attention.Blocks(m, n, max(16, d), warps, stages)
             got = triton_attention.bench_checks(b=b, h=h, t=t, d=d, device=device, causal=True,
-                                                reps=1 if args.dry_run else 10, blocks=blocks)
+                                                reps=1 if args.dry_run else 10, blocks=blocks, forms=TILE_FORMS[0])
             rows.append({"kernel": "forward", "shape": [b, h, t, d], "tiles": [m, n], "warps": warps,
                          "stages": stages, "taken_by": names, **got})
             print(f"tiles: forward B={b} H={h} T={t} D={d} {m}x{n} stages {stages} warps {warps} "
@@ -406,7 +413,8 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
                 rows.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
                 continue
             got = triton_attention_bwd.bench_checks(b=b, h=h, t=t, d=d, device=device, reps=1 if args.dry_run else 5,
-                                                    tile=triton_attention_bwd.Tiles(block, stages, warps))
+                                                    tile=triton_attention_bwd.Tiles(block, stages, warps),
+                                                    forms=TILE_FORMS[1])
             rows.append({"kernel": "backward", "shape": [b, h, t, d], "tiles": [block, block], "stages": stages,
                          "warps": warps, "taken_by": names, **got})
             print(f"tiles: backward B={b} H={h} T={t} D={d} {block}x{block} stages {stages} warps {warps} "

@@ -239,6 +239,10 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
     warps = {(tuple(r["tiles"]), r["stages"], r["warps"]) for r in doc["tiles"]["rows"] if r["kernel"] == "backward"}
     assert {((32, 32), 2, 4), ((32, 32), 2, 8)} <= warps
     assert all(positive(r["off_ms"]) for r in tiles.values())
+    # Each choice in the forms of TILE_FORMS only: the kernel, tier 1, the full checks.
+    for r in tiles.values():
+        timed = {key[:-3] for key in r if key.endswith("_ms")}
+        assert timed == ({"off", "tier1", "full"} if r["kernel"] == "forward" else {"off", "tripwire", "abft"}), r
     # Where a step's time goes: every variant profiled, against the unprotected step; and what a call costs the host.
     assert all(positive(v) for v in doc["attribution"]["host_us_per_call"].values())
     assert set(doc["attribution"]["host_us_per_call"]) == {"gemm_tier1", "aten_add"}
@@ -454,3 +458,19 @@ def test_gemm_rule_terms_bench_weighs_both_forms_of_the_rule_on_clean_products(t
         assert 0 < nrm["median_bound_over_rms"] <= tri["median_bound_over_rms"] * (1 + 1e-6)
         assert set(r["median_variance_w1"]) == {"product", "reference_triangle", "reference_with_norm",
                                                 "checksum_and_output"}
+
+
+def test_the_kernel_benches_refuse_a_form_they_cannot_time_before_timing_anything() -> None:
+    """bench_checks(forms=...) of either kernel: a name not in its BENCH_FORMS, or the vendor's forms without a
+    vendor, is a ValueError that names what to choose from, raised before any kernel runs."""
+    from attnchecker.kernels import triton_attention, triton_attention_bwd
+
+    shape = {"b": 1, "h": 1, "t": 16, "d": 16, "device": "cpu", "reps": 1}
+    with pytest.raises(ValueError, match="choose from") as forward:
+        triton_attention.bench_checks(**shape, forms=("off", "abft"))  # the backward's name
+    assert "'abft'" in str(forward.value)
+    with pytest.raises(ValueError, match="need vendor="):
+        triton_attention.bench_checks(**shape, forms=("tier1_given",))
+    with pytest.raises(ValueError, match="choose from") as backward:
+        triton_attention_bwd.bench_checks(**shape, forms=("full",))  # the forward's name
+    assert "'full'" in str(backward.value)

@@ -1249,9 +1249,14 @@ if triton is not None:
         _publish(Records + (pid_n * N_BLOCKS + pid_m).to(tl.int64) * (2 * 16), rec_s, rec_c, Status)
 
 
+BENCH_FORMS: tuple[str, ...] = ("off", "tier1", "full", "full_scores", "full_context", "full_no_repair",
+                                 "full_fp32_refs", "sdpa", "vendor", "tier1_given")
+"""What ``bench_checks`` can time (the last two need ``vendor``)."""
+
+
 def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = True, reps: int = 20,
-                 dtype: torch.dtype = torch.bfloat16, vendor: Any = None, blocks: Blocks | None = None
-                 ) -> dict[str, Any]:
+                 dtype: torch.dtype = torch.bfloat16, vendor: Any = None, blocks: Blocks | None = None,
+                 forms: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The cost of the checks inside the kernel (bench/gpu_suite.py): one forward with checks off, with tier 1 and
     with the full checks (its repair launch included, which returns at once on clean data), interleaved over ``reps``
     rounds, milliseconds per call (device-synchronised: a benchmark, not the fast path) and each over checks off.
@@ -1265,7 +1270,8 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
 
     vendor: attention/vendor.forward, to time tier 1 as a default step runs it where the vendor takes the
     call: the vendor's forward alone ("vendor") and with the pass over it and the repair launch ("tier1_given"),
-    each also over SDPA's forward. blocks: the kernel's tiles (default ``block_sizes`` for the device)."""
+    each also over SDPA's forward. blocks: the kernel's tiles (default ``block_sizes`` for the device). forms: time
+    only these of BENCH_FORMS ("off" always: the others are over it); None, all (the vendor's where it is given)."""
     import statistics
     import time
 
@@ -1279,6 +1285,12 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
         "sdpa": "sdpa"}
     if vendor is not None:
         variants |= {"vendor": "vendor", "tier1_given": "tier1_given"}
+    if forms is not None:
+        unknown = set(forms) - set(BENCH_FORMS)
+        if unknown or (vendor is None and {"vendor", "tier1_given"} & set(forms)):
+            raise ValueError(f"bench_checks: forms {sorted(forms)} name {sorted(unknown) or 'a vendor form'} it "
+                             f"cannot time here; choose from {BENCH_FORMS} (the vendor's two need vendor=)")
+        variants = {name: form for name, form in variants.items() if name == "off" or name in forms}
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
@@ -1309,11 +1321,11 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     dev = torch.device(device)
     got["warps_by_form"] = {form: (blocks or block_sizes(d, dev, dtype, full=form == "full")).warps
                             for form in ("off", "full")}
-    for name, by_dot in (("full", None), ("full_fp32_refs", False)):
+    for name, by_dot in ((n, by) for n, by in (("full", None), ("full_fp32_refs", False)) if n in variants):
         status = forward(q, k, v, scale=scale, checks=Checks(mode="full", repair=False, refs_by_dot=by_dot),
                          is_causal=causal, blocks=blocks).status.tolist()  # syncs: read once, after the timing
         got |= {f"{name}_flagged": bool(status[0] or status[1]), f"{name}_worst_ratio": max(status[2], status[3])}
-    if vendor is not None:
+    if {"vendor", "tier1_given", "tier1", "sdpa"} <= set(variants):
         got |= {"tier1_given_over_vendor": med["tier1_given"] / med["vendor"],
                 "tier1_given_over_sdpa": med["tier1_given"] / med["sdpa"],
                 "tier1_over_sdpa": med["tier1"] / med["sdpa"]}

@@ -1229,8 +1229,13 @@ if triton is not None:
         _store_status(STATUS, pid, flags, bad_in, False)
 
 
+BENCH_FORMS: tuple[str, ...] = (*CHECKS, "abft_fp32_refs", "sdpa", "tripwire_given")
+"""What ``bench_checks`` can time."""
+
+
 def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = True, reps: int = 20,
-                 dtype: torch.dtype = torch.bfloat16, tile: Tiles | None = None) -> dict[str, Any]:
+                 dtype: torch.dtype = torch.bfloat16, tile: Tiles | None = None,
+                 forms: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The cost of the checks inside the kernels (bench/gpu_suite.py): one backward with check "off", "tripwire"
     and "abft" (with its repair launch, which returns at once on clean data), interleaved over ``reps`` rounds,
     milliseconds per call (device-synchronised: a benchmark, not the fast path) and each variant over "off"; "sdpa",
@@ -1238,11 +1243,15 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     "tripwire_given", what a tier-1 step without dropout runs (attention.backward.fused.sdpa_tier1_on_device): SDPA's
     forward again and its backward, then the tier-1 pass over its gradients and the two repair launches, also over
     "sdpa"; and "abft_fp32_refs", "abft" with every reference an fp32 sum (``run(refs_by_dot=False)``), to weigh the
-    tensor-core references on the GPU. tile: the kernels' tiles (default ``tiles`` for the head dim and device)."""
+    tensor-core references on the GPU. tile: the kernels' tiles (default ``tiles`` for the head dim and device).
+    forms: time only these of BENCH_FORMS ("off" always: the others are over it); None, all."""
     import statistics
     import time
 
     from ..abft.tolerance import Tolerance
+    if forms is not None and set(forms) - set(BENCH_FORMS):
+        raise ValueError(f"bench_checks: forms {sorted(set(forms) - set(BENCH_FORMS))} are not timed here; choose "
+                         f"from {BENCH_FORMS}")
     from ..abft.vector_rules import product_rule, softmax_grad_rule
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -1262,7 +1271,7 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
                   product_rule(d, t, tol).scalars(), softmax_grad_rule(t=t, s=t, d=d, dtype=dtype, tol=tol).scalars())
     # (SDPA's forward keeps its scores in fp32: scores_dtype None.)
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
-    names = (*CHECKS, "abft_fp32_refs", "sdpa", "tripwire_given")
+    names = tuple(c for c in BENCH_FORMS if forms is None or c == "off" or c in forms)
     times: dict[str, list[float]] = {c: [] for c in names}
     for r in range(reps + 1):
         turn = r % len(names)
@@ -1290,7 +1299,8 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
             sync()
             if r:  # the first round compiles
                 times[c].append((time.perf_counter() - t0) * 1e3)
-    off = statistics.median(times["off"])
-    return {f"{c}_ms": statistics.median(times[c]) for c in names} | {
-        f"{c}_over_off": statistics.median(times[c]) / off for c in names if c != "off"} | {
-        "tripwire_given_over_sdpa": statistics.median(times["tripwire_given"]) / statistics.median(times["sdpa"])}
+    med = {c: statistics.median(times[c]) for c in names}
+    got = {f"{c}_ms": med[c] for c in names} | {f"{c}_over_off": med[c] / med["off"] for c in names if c != "off"}
+    if "tripwire_given" in med and "sdpa" in med:
+        got["tripwire_given_over_sdpa"] = med["tripwire_given"] / med["sdpa"]
+    return got
