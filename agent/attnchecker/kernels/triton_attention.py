@@ -1286,10 +1286,12 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     if vendor is not None:
         variants |= {"vendor": "vendor", "tier1_given": "tier1_given"}
     if forms is not None:
-        unknown = set(forms) - set(BENCH_FORMS)
-        if unknown or (vendor is None and {"vendor", "tier1_given"} & set(forms)):
-            raise ValueError(f"bench_checks: forms {sorted(forms)} name {sorted(unknown) or 'a vendor form'} it "
-                             f"cannot time here; choose from {BENCH_FORMS} (the vendor's two need vendor=)")
+        bad = sorted(set(forms) - set(BENCH_FORMS))
+        if vendor is None:
+            bad += sorted({"vendor", "tier1_given"} & set(forms))
+        if bad:
+            raise ValueError(f"bench_checks: cannot time {bad} here; choose from {BENCH_FORMS} (the vendor's two need "
+                             f"vendor=)")
         variants = {name: form for name, form in variants.items() if name == "off" or name in forms}
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in variants}

@@ -1249,10 +1249,11 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     import time
 
     from ..abft.tolerance import Tolerance
-    if forms is not None and set(forms) - set(BENCH_FORMS):
-        raise ValueError(f"bench_checks: forms {sorted(set(forms) - set(BENCH_FORMS))} are not timed here; choose "
-                         f"from {BENCH_FORMS}")
     from ..abft.vector_rules import product_rule, softmax_grad_rule
+
+    if forms is not None and set(forms) - set(BENCH_FORMS):
+        raise ValueError(f"bench_checks: cannot time {sorted(set(forms) - set(BENCH_FORMS))}; choose from "
+                         f"{BENCH_FORMS}")
 
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v, do = (torch.randn(b, h, t, d, generator=g, device=device).to(dtype) for _ in range(4))
