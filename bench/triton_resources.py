@@ -76,6 +76,8 @@ CLASSES: dict[str, str] = {
     "CALL": "call (a slow-path subroutine)",
 }
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[A-Z0-9_.]*([^;]*);")
+_SPECIAL = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?MUFU\.([A-Z0-9_]+)")
+"""A special-function instruction and its function (EX2, SQRT, RCP, RSQ, LG2, ...)."""
 
 
 LAUNCH = {"batch": 1, "heads": 32, "length": 4096}
@@ -225,7 +227,8 @@ def loop_mix(cubin: bytes) -> dict[str, Any]:
     forward) by class, and the kernel's total. Static counts, from the disassembly: what one iteration issues per
     warp, not a time. The tile loop is the longest loop that makes tensor-core products and holds no other loop that
     does (so not the backward key pass's loop over a GQA group's heads around it, nor a flagged program's loop over
-    its inputs); the longest loop where none makes them."""
+    its inputs); the longest loop where none makes them. loop_special: its special-function instructions by
+    function (MUFU.EX2, .SQRT, .RCP, ...)."""
     text = _cuobjdump(cubin, "-sass")
     code = [(int(a, 16), op, rest) for a, op, rest in _INSTRUCTION.findall(text)]
     back = [(int(t.group(1), 16), addr) for addr, op, rest in code if op == "BRA"
@@ -239,8 +242,14 @@ def loop_mix(cubin: bytes) -> dict[str, Any]:
         if lo <= addr <= hi:
             name = CLASSES.get(op, "integer, move, control")
             mix[name] = mix.get(name, 0) + 1
+    # The special functions by function: the softmax's ex2 against the checks' square roots and reciprocals.
+    special: dict[str, int] = {}
+    for addr, function in _SPECIAL.findall(text):
+        if lo <= int(addr, 16) <= hi:
+            special[function] = special.get(function, 0) + 1
     return {"instructions": len(code), "loop_instructions": sum(mix.values()),
-            "loop_mix": dict(sorted(mix.items(), key=lambda kv: -kv[1]))}
+            "loop_mix": dict(sorted(mix.items(), key=lambda kv: -kv[1])),
+            "loop_special": dict(sorted(special.items(), key=lambda kv: -kv[1]))}
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:

@@ -385,7 +385,7 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
         "                  'clean_interior8': mix(tr.interior_kernel(clean=True), blocks=eight, MODE=2),\n"
         "                  'backward': {k: v for k, v in __import__('triton_kernels').compile_one(\n"
         "                      __import__('triton_kernels').kernels._query_pass, d=64, check=0, block=32, warps=4,\n"
-        "                      mix=True).items() if k in ('loop_instructions', 'interior')}}))\n"
+        "                      mix=True).items() if k in ('loop_instructions', 'loop_special', 'interior')}}))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=540,
@@ -400,6 +400,9 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
     assert plain["loop_mix"]["tensor core"] > 0
     assert "local memory (spills)" not in plain["loop_mix"]
     assert 0 < plain["loop_instructions"] < plain["instructions"]
+    # Its special-function unit does the softmax's ex2 only (a root or a reciprocal per tile is a check's).
+    assert set(plain["loop_special"]) == {"EX2"} == set(got["backward"]["loop_special"])
+    assert {"SQRT", "RCP"} <= set(got["full"]["loop_special"])
     # Tier 1 takes its key norms' running max from forward(), once per call: its loop is the plain one's within a
     # tenth (with every key's norm in it, it was half as long again).
     assert plain["loop_instructions"] <= tier1["loop_instructions"] <= 1.1 * plain["loop_instructions"]
