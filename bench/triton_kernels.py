@@ -9,13 +9,14 @@ reads them and the two repair launches.
 Needs triton, not a GPU; TRITON_INTERPRET must be unset.
 
     python bench/triton_kernels.py [--out docs/perf/triton_backward_kernels.json]
-    python bench/triton_kernels.py --mix [--block 64] [--out docs/perf/triton_backward_kernels_mix.json]
+    python bench/triton_kernels.py --mix [--block 64] [--lines 20] [--out docs/perf/triton_backward_kernels_mix.json]
 
 --mix: BLOCK (or --block) only, and each pass's loop (over the other side's tiles) counted by instruction class, as
 bench/triton_resources.py --mix counts the forward's; ``per_tile`` is the loop times the program's warps, the
 instructions one tile costs the whole program (a tile smaller than the warps' layout is held several times over);
 ``interior``: the same for a tile with no masked element (under is_causal every tile off the diagonal), which skips
-the per-element mask.
+the per-element mask. ``--lines N``: that interior loop's N costliest source lines (``loop_lines``), where a change to
+the checks would save.
 
 Each kernel is compiled as Triton's JIT specialises a launch on a GPU (a contiguous (1, 32, 4096, d) call: unit
 strides constants, 16-divisible sizes and aligned pointers marked; triton_resources.specialise);
@@ -105,10 +106,11 @@ def interior_module() -> Any:
 
 
 def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int, mix: bool = False, by_dot: int | None = None,
-                repair: bool = False, launched: bool = True) -> dict[str, Any]:
+                repair: bool = False, launched: bool = True, lines: int = 0) -> dict[str, Any]:
     """ptxas's registers, spill and shared memory of one kernel (and with mix its tile loop's instructions by class,
     and the interior path's for the passes). by_dot: the passes' BY_DOT; None for what the launcher picks for bf16 at
-    this head dim (kernels.by_dot). launched: specialised as a GPU's JIT launches it."""
+    this head dim (kernels.by_dot). launched: specialised as a GPU's JIT launches it. lines: with mix, the interior
+    loop's ``lines`` costliest source lines too (triton_resources.loop_lines)."""
     if by_dot is None:
         by_dot = kernels.by_dot(torch.bfloat16, d)[fn.__name__ == "_key_pass"]
     const = {"BLOCK_M": block, "BLOCK_N": block, "BLOCK_D": d, "CAUSAL": True, "WINDOW": False, "MASK_KIND": 0,
@@ -131,8 +133,8 @@ def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int, mix: boo
     os.unlink(f.name)
     regs = re.findall(r"Used (\d+) registers", report)
     spills = re.findall(r"(\d+) bytes spill stores", report)
-    got = {"registers": int(regs[-1]), "spill_store_bytes": int(spills[-1]) if spills else 0,
-           "shared_bytes": int(compiled.metadata.shared), "by_dot": by_dot if check == 2 else 0}
+    got: dict[str, Any] = {"registers": int(regs[-1]), "spill_store_bytes": int(spills[-1]) if spills else 0,
+                           "shared_bytes": int(compiled.metadata.shared), "by_dot": by_dot if check == 2 else 0}
     if mix:
         got.update(triton_resources.loop_mix(compiled.asm["cubin"]))
         if fn.__name__ in ("_query_pass", "_key_pass") and not repair:
@@ -140,6 +142,8 @@ def compile_one(fn: Any, *, d: int, check: int, block: int, warps: int, mix: boo
                                 by_dot=by_dot, launched=launched)
             got["interior"] = {"registers": inner["registers"], "spill_store_bytes": inner["spill_store_bytes"],
                                **triton_resources.loop_mix(inner["cubin"])}
+            if lines:
+                got["interior"].update(triton_resources.loop_lines(inner["cubin"], top=lines))
     got["cubin"] = compiled.asm["cubin"]
     return got
 
@@ -154,6 +158,9 @@ def main() -> None:
                     help="with --mix, count the passes at this tile size instead of the launcher's (kernels.BLOCK)")
     ap.add_argument("--types-only", action="store_true",
                     help="compile from the argument types alone, not specialised as a GPU launch is")
+    ap.add_argument("--lines", type=int, default=0, metavar="N",
+                    help="with --mix, each pass's interior loop by source line: its N costliest lines, printed and "
+                         "in the JSON (triton_resources.loop_lines)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     as_launched = not args.types_only
@@ -169,7 +176,8 @@ def main() -> None:
             for block, warps in configs:
                 for check, name in enumerate(kernels.CHECKS):
                     got = compile_one(fn, d=d, check=check, block=block, warps=warps, mix=args.mix,
-                                      by_dot=None if args.by_dot == "auto" else 0, launched=as_launched)
+                                      by_dot=None if args.by_dot == "auto" else 0, launched=as_launched,
+                                      lines=args.lines)
                     got.pop("cubin")
                     rows.append({"kernel": fn.__name__.strip("_"), "head_dim": d, "block": block, "warps": warps,
                                  "launched": (block, warps) == (kernels.BLOCK, launched), "check": name,
@@ -178,6 +186,8 @@ def main() -> None:
                         rows[-1]["per_tile"] = warps * got["loop_instructions"]
                         rows[-1]["interior"]["per_tile"] = warps * got["interior"]["loop_instructions"]
                     print({k: v for k, v in rows[-1].items() if k not in ("loop_mix", "interior")}, flush=True)
+                    if args.mix and args.lines:
+                        print(triton_resources.lines_table(got["interior"]), flush=True)
     # Tier 1 over SDPA's gradients (run(given=...)): the pass that reads them, and the repair it gates.
     for d in (64, 128):
         for fn, check, repair in ((kernels._trip_given, 1, False), (kernels._query_pass, 1, True),

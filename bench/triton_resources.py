@@ -5,7 +5,7 @@ measures the time (bench/gpu_suite.py); this says which variants spill, and what
 executes: its machine instructions by class (``--mix``: tensor-core products, fp32, fp64, special functions,
 shuffles, barriers, spill loads and stores), which a change to the checks can be weighed by before a GPU is at hand.
 
-    .venv/bin/python bench/triton_resources.py [--arch 90] [--head-dim 64] [--mix] [--by-dot auto|on|off]
+    .venv/bin/python bench/triton_resources.py [--arch 90] [--head-dim 64] [--mix [--lines N]] [--by-dot auto|on|off]
         [--warps 4|8] [--types-only] [--out docs/perf/triton_resources.json]
 
 The tiles and warps are those the launcher picks on that arch for each variant's dtype (``gpu_blocks`` with its
@@ -17,7 +17,8 @@ before (and docs/perf's earlier JSONs hold), which overstates the loop's memory 
 which compares tiles and warp counts. The loop is counted on three paths where it has them: as compiled (every
 branch), the clean path (``clean_path``: the full checks' flag-only branches never taken) and the interior path
 (``interior``: a tile with no masked element, under is_causal every tile below the diagonal, which skips the
-per-element mask).
+per-element mask). ``--lines N`` attributes the interior loop's instructions to the source lines they were
+compiled from and keeps the N costliest (``loop_lines``): where a change to the checks would save.
 
 Compiling a full-check variant takes about a minute on one CPU core (the repair variant two), the first time: Triton
 caches what it compiled.
@@ -39,7 +40,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "agent"))
-
+sys.path.insert(0, str(ROOT / "bench"))
+import _common
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -222,6 +224,18 @@ def edited_module(module: types.ModuleType, name: str, edits: tuple[tuple[str, s
     return edited
 
 
+def _loop_range(code: list[tuple[int, str, str]]) -> tuple[int, int]:
+    """The tile loop's first and last address in a disassembly's (address, opcode, operands): the longest loop that
+    makes tensor-core products and holds no other loop that does; the longest loop where none makes them; (0, -1)
+    where there is no loop."""
+    back = [(int(t.group(1), 16), addr) for addr, op, rest in code if op == "BRA"
+            if (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) < addr]
+    mma = [addr for addr, op, _ in code if CLASSES.get(op) == "tensor core"]
+    making = [(a, b) for a, b in back if any(a <= m <= b for m in mma)]
+    innermost = [(a, b) for a, b in making if not any((c, d) != (a, b) and a <= c and d <= b for c, d in making)]
+    return max(innermost or back, key=lambda r: r[1] - r[0]) if back else (0, -1)
+
+
 def loop_mix(cubin: bytes) -> dict[str, Any]:
     """The instructions of the kernel's tile loop (one iteration per tile of the other side: BLOCK_N keys in the
     forward) by class, and the kernel's total. Static counts, from the disassembly: what one iteration issues per
@@ -231,12 +245,7 @@ def loop_mix(cubin: bytes) -> dict[str, Any]:
     function (MUFU.EX2, .SQRT, .RCP, ...)."""
     text = _cuobjdump(cubin, "-sass")
     code = [(int(a, 16), op, rest) for a, op, rest in _INSTRUCTION.findall(text)]
-    back = [(int(t.group(1), 16), addr) for addr, op, rest in code if op == "BRA"
-            if (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) < addr]
-    mma = [addr for addr, op, _ in code if CLASSES.get(op) == "tensor core"]
-    making = [(a, b) for a, b in back if any(a <= m <= b for m in mma)]
-    innermost = [(a, b) for a, b in making if not any((c, d) != (a, b) and a <= c and d <= b for c, d in making)]
-    lo, hi = max(innermost or back, key=lambda r: r[1] - r[0]) if back else (0, -1)
+    lo, hi = _loop_range(code)
     mix: dict[str, int] = {}
     for addr, op, _ in code:
         if lo <= addr <= hi:
@@ -250,6 +259,84 @@ def loop_mix(cubin: bytes) -> dict[str, Any]:
     return {"instructions": len(code), "loop_instructions": sum(mix.values()),
             "loop_mix": dict(sorted(mix.items(), key=lambda kv: -kv[1])),
             "loop_special": dict(sorted(special.items(), key=lambda kv: -kv[1]))}
+
+
+_LINE_INFO = re.compile(r'//## File "([^"]+)", line (\d+)(?: inlined at "([^"]+)", line (\d+))?')
+_LIBRARY = str(Path(triton.__file__).parent / "language")
+"""Triton's own device functions (tl.sum's combine, tl.max, ...): their instructions count at the line that called
+them."""
+
+
+def loop_lines(cubin: bytes, top: int = 20) -> dict[str, Any]:
+    """The tile loop's instructions (``loop_mix``'s loop) by the source line they were compiled from: what a change
+    to the checks would save, line by line. From nvdisasm's line table (Triton compiles with line info); an inlined
+    device function's instructions count at its own line, Triton's library functions (tl.sum's combine, ...) at the
+    line that called them. loop_lines: the ``top`` lines by instructions, each with "at" (file:line), "via" (the line
+    that called it, for a device function), its source text (a kernel edited in memory by ``edited_module`` keeps
+    its lines' numbers) and its count; loop_lines_rest: every other line's instructions. The two add up to
+    ``loop_mix``'s loop_instructions."""
+    text = _disassemble(cubin, ["-gi", "-c"])
+    code: list[tuple[int, str, str]] = []
+    at: tuple[tuple[str, int], tuple[str, int] | None] | None = None
+    where: dict[int, Any] = {}
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    frames: list[tuple[str, int]] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if (m := _LINE_INFO.search(line)) is not None:
+            # An inlined location is printed innermost first, one line per caller: the line is the first frame
+            # outside Triton's library.
+            if not frames:
+                frames = [(m.group(1), int(m.group(2)))]
+            if m.group(3):
+                frames.append((m.group(3), int(m.group(4))))
+            ours = [f for f in frames if not f[0].startswith(_LIBRARY)] or frames[-1:]
+            at = (ours[0], ours[1] if len(ours) > 1 else None)
+            continue
+        frames = []
+        if (m := re.match(r"\.L_x_(\d+):", line)) is not None:
+            pending.append(m.group(1))
+        elif (m := _INSTRUCTION.match(line)) is not None:
+            addr = int(m.group(1), 16)
+            for label in pending:
+                labels[label] = addr
+            pending = []
+            code.append((addr, m.group(2), m.group(3)))
+            where[addr] = at
+    # nvdisasm names branch targets by label (.L_x_N), cuobjdump by address: the same loop either way.
+    code = [(a, op, re.sub(r"\.L_x_(\d+)", lambda t: hex(labels.get(t.group(1), -1)), rest)) for a, op, rest in code]
+    lo, hi = _loop_range(code)
+    counts: dict[Any, int] = {}
+    for addr, _, _ in code:
+        if lo <= addr <= hi:
+            counts[where[addr]] = counts.get(where[addr], 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+
+    def frame(f: tuple[str, int] | None) -> str:
+        return f"{Path(f[0]).name}:{f[1]}" if f else ""
+
+    lines = [{"at": frame(key[0]) if key else "?", "via": frame(key[1]) if key else "",
+              "source": linecache.getline(*key[0]).strip() if key else "", "instructions": count}
+             for key, count in ranked[:top]]
+    return {"loop_lines": lines, "loop_lines_rest": sum(c for _, c in ranked[top:])}
+
+
+def lines_table(mix: dict[str, Any]) -> str:
+    """``loop_lines`` as a table: instructions, line, the line that called it, source."""
+    rows = [[x["instructions"], x["at"], x["via"], x["source"][:90]] for x in mix["loop_lines"]]
+    rows.append([mix["loop_lines_rest"], "(every other line)", "", ""])
+    return _common.table(rows, ["instructions", "line", "called from", "source"])
+
+
+def _disassemble(cubin: bytes, flags: list[str]) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    path = Path("/tmp") / f"attnchecker_{time.time_ns()}.cubin"
+    path.write_bytes(cubin)
+    try:
+        return subprocess.run([str(tool), *flags, str(path)], capture_output=True, text=True, check=True).stdout
+    finally:
+        path.unlink()
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:
@@ -267,6 +354,9 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90: H100/H200)")
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--mix", action="store_true", help="also the key-tile loop's instructions by class")
+    parser.add_argument("--lines", type=int, default=0, metavar="N",
+                        help="with --mix, each variant's interior loop by source line: its N costliest lines, "
+                             "printed and in the JSON (loop_lines)")
     parser.add_argument("--by-dot", choices=("auto", "on", "off"), default="auto",
                         help="the bf16/fp16 variants' row references on the tensor cores (BY_DOT): as the launcher "
                              "picks for the arch's tiles (auto), or forced, to weigh the two forms on the same tiles")
@@ -313,6 +403,9 @@ def main() -> None:
                 inner = build(interior_kernel(clean=checked), dtype, blocks, spec)
                 row["interior"] = {**resources(inner.asm["cubin"]),
                                    **_per_scores(loop_mix(inner.asm["cubin"]), blocks)}
+                if args.lines:
+                    row["interior"].update(loop_lines(inner.asm["cubin"], top=args.lines))
+                    print(f"{name}, interior loop by source line:\n{lines_table(row['interior'])}", flush=True)
         rows.append(row)
         print(f"{name:45s} {dtype:5s} {blocks.m}x{blocks.n} warps {blocks.warps}: {row['reg']} registers, "
               f"{row['stack']} B stack (spills), {row['shared_launch']} B shared ({time.perf_counter() - t0:.0f} s)",

@@ -367,7 +367,8 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
     a fresh process, outside the interpreter the agent tests switch on. And what the launcher's tiles rest on: on
     one warpgroup a 64-row tile issues fewer instructions per score than on two (which compute QKᵀ and the softmax
     twice, or reduce each row across the warpgroups), and a tile with no masked element skips the mask's, in the
-    forward and in the backward's query pass."""
+    forward and in the backward's query pass. And the loop by source line (loop_lines), which must account for every
+    instruction of it."""
     code = (
         "import json, sys, dataclasses; sys.path.insert(0, 'bench'); import torch, triton, triton_resources as tr\n"
         "from triton.backends.compiler import GPUTarget\n"
@@ -375,7 +376,7 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
         "def mix(kernel=None, blocks=blk, **kw):\n"
         "    c = triton.compile(tr.source('bf16', blocks, kernel, **kw), target=GPUTarget('cuda', 90, 32),\n"
         "                       options={'num_warps': blocks.warps, 'num_stages': blocks.stages})\n"
-        "    return tr._per_scores(tr.loop_mix(c.asm['cubin']), blocks)\n"
+        "    return {**tr._per_scores(tr.loop_mix(c.asm['cubin']), blocks), **tr.loop_lines(c.asm['cubin'], 10**4)}\n"
         "eight = dataclasses.replace(blk, warps=8)\n"
         "print(json.dumps({'warps': blk.warps, 'plain': mix(MODE=0), 'tier1': mix(MODE=1, K_MAX_GIVEN=True),\n"
         "                  'full': mix(MODE=2), 'clean': mix(tr.clean_path_kernel(), MODE=2),\n"
@@ -425,6 +426,17 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
     # The backward's query pass skips it too on such a tile (225 -> 158 per warp, unchecked, D = 64).
     backward = got["backward"]
     assert 0 < backward["interior"]["loop_instructions"] < 0.85 * backward["loop_instructions"]
+    # By source line (--lines): every instruction of the loop is counted once, all but a few (a function's closing
+    # line) on a line of the kernels' source, read back (the edited kernels' too); what the full checks add over the
+    # plain loop is on the checks' own lines, the device functions of kernels/triton_checks.py.
+    def on_checks(m: dict) -> int:
+        return sum(x["instructions"] for x in m["loop_lines"] if x["at"].startswith("triton_checks.py:"))
+
+    for m in (plain, full, clean, got["interior"], got["clean_interior"]):
+        assert sum(x["instructions"] for x in m["loop_lines"]) + m["loop_lines_rest"] == m["loop_instructions"]
+        assert sum(x["instructions"] for x in m["loop_lines"] if x["source"]) >= 0.99 * m["loop_instructions"]
+    assert on_checks(clean) - on_checks(plain) > 0.5 * (clean["loop_instructions"] - plain["loop_instructions"])
+    assert any("tl.dot(" in x["source"] for x in plain["loop_lines"])
 
 
 def test_host_ops_bench_counts_a_protected_step_on_the_gpu_route_against_the_unprotected_one(tmp_path: Path) -> None:
