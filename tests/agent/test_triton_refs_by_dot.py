@@ -61,6 +61,22 @@ if triton is not None:
         tl.store(Refs + R + rows, ref2)
 
 
+    @triton.jit
+    def _refs_as_rows_kernel(A, E, W, Refs, R: tl.constexpr, L: tl.constexpr, AS_FP32: tl.constexpr):
+        """The backward query pass's form: parts_of (E, W) as the rows of a (16, L) operand, its product with Aᵀ
+        (L, R) folded along the columns (fold_rows): Refs (2, R) fp32."""
+        rows = tl.arange(0, R)
+        cols = tl.arange(0, L)
+        a = tl.load(A + rows[:, None] * L + cols[None, :])
+        parts, scale_e, scale_w = tc.parts_of(tl.load(E + cols), tl.load(W + cols), A.dtype.element_ty, 16)
+        parts_t = tl.trans(parts)
+        if AS_FP32:
+            a, parts_t = a.to(tl.float32), parts_t.to(tl.float32)
+        ref1, ref2 = tc.fold_rows(tl.dot(parts_t, tl.trans(a), input_precision="ieee"), scale_e, scale_w)
+        tl.store(Refs + rows, ref1)
+        tl.store(Refs + R + rows, ref2)
+
+
 def _refs(a_RL: torch.Tensor, e_L: torch.Tensor, w_L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(refs (2, R), parts (L, SPLIT_COLUMNS) as stored, scales (2,)) from the kernel."""
     r, n = a_RL.shape
@@ -102,13 +118,17 @@ def test_the_parts_carry_an_fp32_vector_at_any_magnitude(dtype, n, exponent, spr
 def test_the_references_are_the_fp64_product_s_within_the_bound_s_reference_term(dtype, r, n, exponent, spread,
                                                                                 cancel, seed) -> None:
     """A (R, L) as the kernel's tiles hold it (bf16 or fp16 values; P̃ in [0, 1] or Q); the sums at any magnitude,
-    with cancellation (w = e - mean: its products cancel to far below their own size) or without."""
+    with cancellation (w = e - mean: its products cancel to far below their own size) or without. Both forms: A·parts
+    folded along its rows (refs_by_dot, the forward), and partsᵀ·Aᵀ folded along its columns (fold_rows, the
+    backward's query pass)."""
     a = torch.randn(r, n, generator=torch.Generator().manual_seed(seed)).to(dtype)
     e = _vector(n, seed + 1, 10.0**exponent, spread)
     w = e - e.mean() if cancel else _vector(n, seed + 2, 10.0**exponent, spread)
     refs, _, _ = _refs(a, e, w)
+    as_rows = torch.empty(2, r)
+    _refs_as_rows_kernel[(1,)](a, e, w, as_rows, R=r, L=n, AS_FP32=ta.dot_mode(dtype, None) == 2)
     a64 = a.double()
-    for got, x in zip(refs, (e, w), strict=True):
+    for got, x in [*zip(refs, (e, w), strict=True), *zip(as_rows, (e, w), strict=True)]:
         exact = a64 @ x.double()
         # fp32 accumulation in any order, and the parts' representation error (2⁻²⁵·max|x| per element).
         allowed = 2 * n * U * (a64.abs() @ x.double().abs()) + U / 2 * a64.abs().sum(-1) * float(x.abs().max())

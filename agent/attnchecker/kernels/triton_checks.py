@@ -224,6 +224,15 @@ if triton is not None:
                 rsum(tl.where((col >= 3) & (col < 6), r, 0.0), 1) * scale_w)
 
     @_jit
+    def fold_rows(r, scale_e, scale_w):
+        """``fold_parts`` of a product made the other way round, r (16, C) = partsᵀ·B: the references (C,) each, its
+        part rows added back and scaled. Its vectors lie along r's columns, as the column sums of a tile with the same
+        B do, so the two meet in one layout."""
+        row = tl.arange(0, r.shape[0])[:, None]
+        return (rsum(tl.where(row < 3, r, 0.0), 0) * scale_e,
+                rsum(tl.where((row >= 3) & (row < 6), r, 0.0), 0) * scale_w)
+
+    @_jit
     def refs_by_dot(a, Parts, scale_e, scale_w):
         """``refs`` on the tensor cores: (R,) references (A·(B e), A·(B w)) of a tile A·B from A (R, K) as its GEMM
         takes it (bf16 or fp16; fp32 holding bf16 values under the interpreter) and B's weighted sums stored as
