@@ -377,7 +377,7 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
     rows: list[dict[str, Any]] = []
     for b, h, t, d_tiles, d in shapes:
         forward_choices: dict[tuple[int, ...], list[str]] = {}
-        backward_choices: dict[tuple[int, int, int], list[str]] = {}
+        backward_choices: dict[Any, list[str]] = {}
         for name, limit in limits.items():
             blk = triton_attention.gpu_blocks(d_tiles, limit, torch.bfloat16)
             forward_choices.setdefault((blk.m, blk.n, blk.warps, blk.stages), []).append(name)
@@ -385,17 +385,20 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
             # over the warps that 8 issue (sm_90 and sm_80 offline, bf16; kernels/triton_attention._four_warps).
             forward_choices.setdefault((blk.m, blk.n, 8 if blk.warps == 4 else 4, blk.stages), [])
             tile = triton_attention_bwd.gpu_tiles(d_tiles, limit)
-            backward_choices.setdefault((tile.block, tile.stages, tile.warps), []).append(name)
+            backward_choices.setdefault(tile, []).append(name)
             # The other warp count at the same tiles, timed beside it (warps_for chose from the compiler's counts).
             other = 8 if tile.warps != 8 else 4
-            backward_choices.setdefault((tile.block, tile.stages, other), [])
+            backward_choices.setdefault(triton_attention_bwd.Tiles(tile.block, tile.stages, other), [])
+            if tile.checked_key_warps is not None:
+                # The checked key pass on the passes' own warps too (KEY_PASS_CHECKED_WARPS: from the counts).
+                backward_choices.setdefault(triton_attention_bwd.Tiles(tile.block, tile.stages, tile.warps), [])
             if d_tiles <= 64:
                 # And 64 × 64 tiles on 4 warps, 2 stages: compiled as launched for sm_90 (bench/triton_kernels.py
                 # --mix --block 64) the checked key pass issues 1,983 instructions per 1,000 scores on a tile with
                 # no masked element against 4,914 on 32 × 32 (the query pass 3,938 against 5,027), but spills 1.1
                 # and 1.6 KB: whether that pays is the GPU's to say. At 128 they spill 2.2 to 3.3 KB and one
                 # program holds an SM's shared memory.
-                backward_choices.setdefault((64, 2, 4), [])
+                backward_choices.setdefault(triton_attention_bwd.Tiles(64, 2, 4), [])
         for (m, n, warps, stages), names in forward_choices.items():
             if time.monotonic() > deadline:
                 rows.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
@@ -408,16 +411,17 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
             print(f"tiles: forward B={b} H={h} T={t} D={d} {m}x{n} stages {stages} warps {warps} "
                   f"({', '.join(names) or 'none: timed beside the chosen'}): "
                   f"off {got['off_ms']:.3f} ms, full {got['full_ms']:.3f} ms")
-        for (block, stages, warps), names in backward_choices.items():
+        for tile, names in backward_choices.items():
+            block, stages, warps = tile.block, tile.stages, tile.warps
             if time.monotonic() > deadline:
                 rows.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
                 continue
             got = triton_attention_bwd.bench_checks(b=b, h=h, t=t, d=d, device=device, reps=1 if args.dry_run else 5,
-                                                    tile=triton_attention_bwd.Tiles(block, stages, warps),
-                                                    forms=TILE_FORMS[1])
+                                                    tile=tile, forms=TILE_FORMS[1])
             rows.append({"kernel": "backward", "shape": [b, h, t, d], "tiles": [block, block], "stages": stages,
-                         "warps": warps, "taken_by": names, **got})
+                         "warps": warps, "checked_key_warps": tile.checked_key_warps, "taken_by": names, **got})
             print(f"tiles: backward B={b} H={h} T={t} D={d} {block}x{block} stages {stages} warps {warps} "
+                  f"(checked key pass {tile.checked_key_warps or warps}) "
                   f"({', '.join(names) or 'none: timed beside the chosen'}): off {got['off_ms']:.3f} ms, "
                   f"abft {got['abft_ms']:.3f} ms")
     return {"shared_per_block_here": here, "rows": rows}

@@ -126,14 +126,15 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
         consts.update({k: tile.block for k in ("BLOCK_M", "BLOCK_N") if k in consts})
         if "INTERPRET" in consts:
             consts["INTERPRET"] = False
-        if launch["kernel"] in ("_query_pass", "_key_pass"):
-            options["num_stages"] = tile.stages
-            options["num_warps"] = tile.warps
         if "BY_DOT" in consts:
             # The interpreter takes every tensor-core form (bits 1 and 3); a GPU those ``by_dot`` picks for the
             # pass at this head dim.
             picked = tab.by_dot(operand, consts.get("BLOCK_D", 64))
             consts["BY_DOT"] = picked[launch["kernel"] != "_query_pass"] if consts["BY_DOT"] else 0
+        if launch["kernel"] in ("_query_pass", "_key_pass"):
+            options["num_stages"] = tile.stages
+            options["num_warps"] = tab.pass_warps(tile, launch["kernel"], tab.CHECKS[consts.get("CHECK", 0)],
+                                                  consts.get("BY_DOT", 0))
     elif module == "triton_gemm_kernels":
         import torch
 

@@ -3,9 +3,9 @@
 run should look at before it times anything: a kernel that spills to local memory is slow whatever its checks cost.
 
 Variants: the query pass and the key pass, bf16, causal, head dim 64 and 128, check off / tripwire / abft, at the
-tile size and warps kernels/triton_attention_bwd.py launches with (BLOCK, ``warps_for``), at BLOCK with 8 warps, and
-(without --mix) at 64×64 tiles with 8 and 4 warps for comparison; and tier 1 over SDPA's gradients: the pass that
-reads them and the two repair launches.
+tile size and warps kernels/triton_attention_bwd.py launches with (BLOCK, ``pass_warps``), at BLOCK with 8 and 4
+warps, and (without --mix) at 64×64 tiles with 8 and 4 warps for comparison; and tier 1 over SDPA's gradients: the
+pass that reads them and the two repair launches.
 Needs triton, not a GPU; TRITON_INTERPRET must be unset.
 
     python bench/triton_kernels.py [--out docs/perf/triton_backward_kernels.json]
@@ -169,9 +169,12 @@ def main() -> None:
     rows = []
     for fn in (kernels._query_pass, kernels._key_pass):
         for d in (64, 128):
-            launched = kernels.gpu_tiles(d).warps
+            tile = kernels.gpu_tiles(d)
             block = args.block or kernels.BLOCK
-            configs = [(block, launched)] + [(block, w) for w in (8, 4) if w != launched]
+            # Each pass and check at the warps run() launches it on (pass_warps), and at the other counts.
+            picked = kernels.by_dot(torch.bfloat16, d)[fn is kernels._key_pass]
+            counts = sorted({tile.warps, 8, 4, kernels.pass_warps(tile, fn.__name__, "abft", picked)}, reverse=True)
+            configs = [(block, w) for w in counts]
             configs += [] if args.mix else [(64, 8), (64, 4)]
             for block, warps in configs:
                 for check, name in enumerate(kernels.CHECKS):
@@ -179,9 +182,10 @@ def main() -> None:
                                       by_dot=None if args.by_dot == "auto" else 0, launched=as_launched,
                                       lines=args.lines)
                     got.pop("cubin")
+                    by_dot = (picked if args.by_dot == "auto" else 0) if name == "abft" else 0
+                    launched = (block, warps) == (kernels.BLOCK, kernels.pass_warps(tile, fn.__name__, name, by_dot))
                     rows.append({"kernel": fn.__name__.strip("_"), "head_dim": d, "block": block, "warps": warps,
-                                 "launched": (block, warps) == (kernels.BLOCK, launched), "check": name,
-                                 "specialised": as_launched, **got})
+                                 "launched": launched, "check": name, "specialised": as_launched, **got})
                     if args.mix:
                         rows[-1]["per_tile"] = warps * got["loop_instructions"]
                         rows[-1]["interior"]["per_tile"] = warps * got["interior"]["loop_instructions"]
@@ -192,8 +196,9 @@ def main() -> None:
     for d in (64, 128):
         for fn, check, repair in ((kernels._trip_given, 1, False), (kernels._query_pass, 1, True),
                                   (kernels._key_pass, 1, True)):
-            # _trip_given launches on TRIP_WARPS; the repairs on the passes' warps (gpu_tiles).
-            warps = kernels.TRIP_WARPS if fn is kernels._trip_given else kernels.gpu_tiles(d).warps
+            # _trip_given launches on TRIP_WARPS; the repairs on the passes' warps (gpu_tiles, pass_warps).
+            warps = kernels.TRIP_WARPS if fn is kernels._trip_given else \
+                kernels.pass_warps(kernels.gpu_tiles(d), fn.__name__, "tripwire", 0)
             got = compile_one(fn, d=d, check=check, block=kernels.BLOCK, warps=warps, mix=args.mix, repair=repair,
                               launched=as_launched)
             got.pop("cubin")

@@ -317,6 +317,51 @@ def test_the_gpu_tiles_fit_each_gpus_shared_memory() -> None:
     assert all(kernels.gpu_tiles(d, limits[arch], torch.float32).warps == 8 for d, arch in want)
     assert kernels.gpu_tiles(256) == kernels.Tiles(kernels.BLOCK, 3)
     assert kernels.tiles(256, torch.device("cpu")) == kernels.Tiles(kernels.BLOCK, 3)
+    # The key pass's checked programs on 2 warps up to head dim 64 in bf16 and fp16 (KEY_PASS_CHECKED_WARPS: on 4, two
+    # warps check its tile's rows again); everything else on the tile's warps.
+    for dtype in (torch.bfloat16, torch.float16):
+        for d, arch in ((64, "sm_89"), (64, "sm_90"), (32, "sm_80")):
+            tile = kernels.gpu_tiles(d, limits[arch], dtype)
+            assert kernels.pass_warps(tile, "_key_pass", "abft", kernels.by_dot(dtype, 64)[1]) == 2
+            # With its references as fp32 sums it would spill 932 bytes on 2: it keeps 4, as the other passes do.
+            assert kernels.pass_warps(tile, "_key_pass", "abft", 0) == tile.warps == 4
+            others = [("_key_pass", "tripwire", 0), ("_key_pass", "off", 0), ("_query_pass", "abft", 1)]
+            assert {kernels.pass_warps(tile, *other) for other in others} == {4}
+        for d, arch in ((128, "sm_90"), (128, "sm_89"), (256, "sm_89")):
+            tile = kernels.gpu_tiles(d, limits[arch], dtype)
+            assert kernels.pass_warps(tile, "_key_pass", "abft", 3) == tile.warps
+    assert kernels.pass_warps(kernels.gpu_tiles(64, limits["sm_90"], torch.float32), "_key_pass", "abft", 0) == 8
+
+
+@pytest.mark.skipif(not kernels.interpreting(), reason="reads the launches through the interpreter")
+@pytest.mark.parametrize("check", ["abft", "tripwire"])
+def test_the_checked_key_pass_launches_on_its_own_warps_and_gives_the_same_gradients(make_ctx: Any, check: str
+                                                                                      ) -> None:
+    """What run() hands Triton: the key pass's checked launches (the first run and its repair) on
+    KEY_PASS_CHECKED_WARPS at head dim 64 in bf16, every other launch on the tile's warps. And the gradients are
+    autograd's, flagging nothing (the interpreter runs a program whatever its warps; the compile matrix compiles the
+    launches as recorded)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    a = make(torch.bfloat16, t=32, s=32, d=64)
+    warps: dict[str, set[int]] = {}
+    run = InterpretedFunction.run
+
+    def seen(self: Any, *args: Any, **kwargs: Any) -> Any:
+        warps.setdefault(self.fn.__name__, set()).add(kwargs.get("num_warps"))
+        return run(self, *args, **kwargs)
+
+    ctx, rec = make_ctx()
+    InterpretedFunction.run = seen
+    try:
+        got = backward(a, ctx, check=check)
+    finally:
+        InterpretedFunction.run = run
+    drain(ctx.runtime.deferred)
+    assert not rec.detections
+    assert close(got, a, 1e-2)
+    tile = kernels.tiles(64, torch.device("cpu"), torch.bfloat16)
+    assert warps["_key_pass"] == ({2} if check == "abft" else {tile.warps}) and warps["_query_pass"] == {tile.warps}
 
 
 def test_a_fault_that_repeats_in_the_recompute_is_uncorrectable(make_ctx: Any, faulty_call: dict[str, Any]) -> None:

@@ -55,7 +55,7 @@ if triton is not None:
     import triton.language as tl
 
 __all__ = ["CHECKS", "FIELDS", "OPS", "KernelFault", "Launch", "Rules", "Tiles", "available", "bench_checks",
-           "by_dot", "gpu_tiles", "interpreting", "not_supported_reasons", "run", "tiles", "warps_for"]
+           "by_dot", "gpu_tiles", "interpreting", "not_supported_reasons", "pass_warps", "run", "tiles", "warps_for"]
 
 OPS: tuple[str, ...] = ("scores_bwd", "grad_probs", "grad_v", "grad_k", "grad_q")
 """The checked products, in the order of an Outcome's per-op fields and of a status word's bits."""
@@ -93,6 +93,28 @@ class Tiles:
     """Software-pipeline stages of the passes' loops (Triton's num_stages; its default is 3)."""
     warps: int = NUM_WARPS
     """Warps per program (Triton's num_warps; ``warps_for``)."""
+    checked_key_warps: int | None = None
+    """Warps of the key pass's programs under check "abft" with every reference on the tensor cores (BY_DOT 3) and its
+    repair, where not ``warps`` (``pass_warps``)."""
+
+
+KEY_PASS_CHECKED_WARPS = 2
+"""Warps of the key pass's checked programs on 32 × 32 tiles up to head dim 64 in bf16 and fp16 (``gpu_tiles``). Its
+products share one tensor-core layout that splits a tile's 32 rows across the warps, 16 rows an instruction: on 4
+warps two of them hold and check the same rows again. On 2 the checked loop issues about half the instructions a
+tile, at the same 8 warps resident per SM (four programs of 2 at up to 255 registers) and a spill stack as small
+(sm_90, bf16, as launched, bench/triton_kernels.py --mix: 5,032 → 2,576 a tile at D 64, spilling 32 and 56 bytes;
+its repair 5,164 → 2,636). With its references as fp32 sums (refs_by_dot off) it would spill 932 bytes, and at D 128
+1.6 KB: those keep 4. So do the unchecked and tier-1 passes: they shorten too (784 → 606), but at fewer registers a
+program 4 warps keep 12 warps resident against 8. Not timed on a GPU."""
+
+
+def pass_warps(tile: Tiles, kernel: str, check: str, by_dot: int) -> int:
+    """The warps a pass's programs launch on: ``tile.warps``, or ``tile.checked_key_warps`` for the key pass under check
+    "abft" with both its BY_DOT bits (by_dot: the BY_DOT it launches with)."""
+    if kernel == "_key_pass" and check == "abft" and by_dot == 3 and tile.checked_key_warps is not None:
+        return tile.checked_key_warps
+    return tile.warps
 
 
 def warps_for(block: int, block_d: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -146,10 +168,12 @@ def gpu_tiles(d: int, shared_per_block: int | None = None, dtype: torch.dtype = 
     """The first of 32 × 32 on 3 stages, on 2, and 16 × 16 on 2 whose shared memory (SHARED_NEEDED) fits
     ``shared_per_block``. What it gives: BLOCK on 3 stages up to D = 64 everywhere, and past it on H100 and H200
     (227 KB); 2 stages at D = 128 on sm_86 and sm_89 (99 KB: 3 stages needed 104 KB) and at D = 256 on A100
-    (163 KB); 16 × 16 at D = 256 on a 99 KB GPU; each with ``warps_for``'s warps."""
+    (163 KB); 16 × 16 at D = 256 on a 99 KB GPU; each with ``warps_for``'s warps, and up to D = 64 the key pass's
+    checked programs on KEY_PASS_CHECKED_WARPS where those are 4."""
     block_d = max(16, triton.next_power_of_2(d)) if triton is not None else d
     if shared_per_block is None or block_d <= 64:
-        return Tiles(BLOCK, 3, warps_for(BLOCK, block_d, dtype))
+        warps = warps_for(BLOCK, block_d, dtype)
+        return Tiles(BLOCK, 3, warps, KEY_PASS_CHECKED_WARPS if block_d <= 64 and warps == FEW_WARPS else None)
     for block, stages in ((BLOCK, 3), (BLOCK, 2), (16, 2)):
         need = SHARED_NEEDED.get((block_d, block, stages))
         if need is not None and need <= shared_per_block:
@@ -390,8 +414,9 @@ def run(
         _key_pass[(n_kb, b * hk)](*inputs, dk, dv, written, summary, table, seed if on_device else dq, q_rows, q_tile,
                                   q_parts, *sizes, 0,
                                   r.tile, r.keys,
-                                  FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None, num_warps=tile.warps,
-                                  num_stages=tile.stages, BY_DOT=dot_k, **common)
+                                  FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None,
+                                  num_warps=pass_warps(tile, "_key_pass", check, dot_k), num_stages=tile.stages,
+                                  BY_DOT=dot_k, **common)
     if not mode:
         return dq, dk, dv, None
     return dq, dk, dv, Launch(b, h, hk, n_kb, n_qb, status, summary, repaired)
