@@ -329,24 +329,19 @@ def lines_table(mix: dict[str, Any]) -> str:
     return _common.table(rows, ["instructions", "line", "called from", "source"])
 
 
-def _disassemble(cubin: bytes, flags: list[str]) -> str:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+def _disassemble(cubin: bytes, flags: list[str], tool: str = "nvdisasm") -> str:
+    """The output of one of the CUDA binary tools bundled with Triton (nvdisasm, cuobjdump) on a cubin."""
     path = Path("/tmp") / f"attnchecker_{time.time_ns()}.cubin"
     path.write_bytes(cubin)
     try:
-        return subprocess.run([str(tool), *flags, str(path)], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool), *flags,
+                               str(path)], capture_output=True, text=True, check=True).stdout
     finally:
         path.unlink()
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    path = Path("/tmp") / f"attnchecker_{time.time_ns()}.cubin"
-    path.write_bytes(cubin)
-    try:
-        return subprocess.run([str(tool), flag, str(path)], capture_output=True, text=True, check=True).stdout
-    finally:
-        path.unlink()
+    return _disassemble(cubin, [flag], "cuobjdump")
 
 
 def main() -> None:
