@@ -18,33 +18,28 @@ from attnchecker.kernels import triton_attention
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def checked_backward_matches(make_ctx, dtype: torch.dtype, d: int, device: torch.device) -> None:
-    """The Triton backward with its full checks on ``device``, at the launcher's tiles and warps, on a clean causal
-    GQA call over 8 blocks of queries and of keys: autograd's gradients (fp32, through the math) within the dtype's
-    tolerance of test_triton_attention_backward, and nothing flagged."""
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
+def test_gpu_checked_backward_gives_autograds_gradients_and_flags_nothing(make_ctx, dtype, d) -> None:
+    """The Triton backward with its full checks compiled for this GPU, at the launcher's tiles and warps, on a clean
+    causal GQA call over 8 blocks of queries and of keys: autograd's gradients (fp32, through the math) within the
+    dtype's tolerance of test_triton_attention_backward, and nothing flagged. At head dim 64 the key pass's checked
+    programs run on 2 warps (kernels/triton_attention_bwd.pass_warps), at 128 on 4. The interpreter runs every launch
+    whatever its warps, so only a GPU shows that the 2-warp build computes what the 4-warp one does. Marked slow: its
+    first run compiles the checked passes and their repairs (minutes on one core), which bench/gpu_suite.py's budgeted
+    tests section leaves to `pytest -m "gpu and slow"`."""
     from test_triton_attention_backward import REL, backward, close, make
 
     from attnchecker.checks.deferred import drain
 
     a = make(dtype, h=4, hk=2, t=256, s=256, d=d, seed=3)
-    on = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in a.items() if k != "want"}
+    on = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in a.items() if k != "want"}
     ctx, rec = make_ctx()
     got = backward(on, ctx, check="abft")
     drain(ctx.runtime.deferred)
     assert rec.detections == []
     assert close(tuple(g.cpu() for g in got), a, REL[dtype])
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=str)
-def test_gpu_checked_backward_gives_autograds_gradients_and_flags_nothing(make_ctx, dtype, d) -> None:
-    """Compiled for this GPU: at head dim 64 the key pass's checked programs run on 2 warps
-    (kernels/triton_attention_bwd.pass_warps), at 128 on 4. The interpreter runs every launch whatever its warps, so
-    only a GPU shows that the 2-warp build computes what the 4-warp one does. Marked slow: its first run compiles the
-    checked passes and their repairs (minutes on one core), which bench/gpu_suite.py's budgeted tests section leaves
-    to `pytest -m "gpu and slow"`."""
-    checked_backward_matches(make_ctx, dtype, d, torch.device("cuda"))
 
 
 @pytest.mark.parametrize("tier1", [False, True], ids=["full_check", "tier1"])
