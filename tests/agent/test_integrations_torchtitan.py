@@ -320,3 +320,45 @@ def test_fsdp2_and_compile_per_block_in_either_order(gloo: Any, order: tuple[str
     finally:
         guard.close()
         torch._dynamo.reset()
+
+
+def test_under_fsdp2_the_step_boundary_reads_the_flags_and_the_sharded_gradients_finiteness_at_once(gloo: Any
+                                                                                                     ) -> None:
+    """FSDP2's gradients are DTensors, which cannot be read with tolist. The optimizer's step boundary reads the
+    step's deferred flags (plain device tensors, as the GPU route leaves them) and the sharded gradients' finiteness
+    in one read: a clean step steps; a NaN in a gradient's shard skips the step with a detection at the optimizer."""
+    from sync_counter import SyncCounter
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from attnchecker.checks.deferred import defer
+
+    model = build(layers=1)
+    for block in model.layers.values():
+        fully_shard(block, mesh=gloo)
+    fully_shard(model, mesh=gloo)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    guard = attnchecker.protect(model, optimizer=opt)
+    try:
+        ctx = next(iter(guard._binder.contexts.values()))
+        attention_masks = masks(model, False)
+        for poisoned in (False, True):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(TOKENS[:, :-1], POSITIONS, attention_masks).flatten(0, 1),
+                            TOKENS[:, 1:].flatten()).backward()
+            params = [p for p in model.parameters() if p.grad is not None]
+            assert all(isinstance(p.grad, DTensor) for p in params)
+            if poisoned:
+                with torch.no_grad():
+                    params[0].grad.to_local().view(-1)[0] = float("nan")
+            before = [p.detach().to_local().clone() for p in params]
+            defer(ctx, "scores", torch.tensor(False), list)
+            with SyncCounter() as reads:
+                opt.step()
+            if not poisoned:
+                assert reads.calls == ["tolist"]
+            stepped = [not torch.equal(b, p.detach().to_local()) for b, p in zip(before, params, strict=True)]
+            assert all(stepped) if not poisoned else not any(stepped)
+        assert [(d.op, d.tier) for d in guard.detections] == [("grad", "optimizer")]
+    finally:
+        guard.close()

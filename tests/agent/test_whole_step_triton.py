@@ -421,16 +421,20 @@ def test_a_step_on_the_device_path_adds_no_host_sync(arch: str, scope: str, monk
     host wait for the device no more often than the unprotected step does (BERT's mask building waits once, in
     transformers, either way): on the first step every op's full check, the projections' included, on the steps
     after it tier 1 of every projection, Linear GEMM and attention output; their outcomes stay on the device until
-    the step boundary."""
+    the step boundary. There the optimizer's step reads them, with the last net's finiteness of the gradients, in
+    one sync."""
     monkeypatch.setenv(device.GEMM_ENV, "triton")
     monkeypatch.setenv(BACKEND_ENV, "triton")
     monkeypatch.setattr(fused, "cpu_kernel", False)
+    boundaries: list[list[str]] = []
 
     def syncs_of_a_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
         opt.zero_grad(set_to_none=True)
         with SyncCounter() as syncs:
             loss_of(arch, model, batch(arch, 0)).backward()
-        opt.step()
+        with SyncCounter() as boundary:
+            opt.step()
+        boundaries.append(boundary.calls)
         return syncs.calls
 
     plain = model_of(arch)
@@ -446,6 +450,7 @@ def test_a_step_on_the_device_path_adds_no_host_sync(arch: str, scope: str, monk
         quiet = [syncs_of_a_step(model, opt) for _ in range(2)]
         assert not guard.check_config.checks("q") and guard.check_config.trips("q")
         assert [checked, *quiet] == [unprotected] * 3, (checked, quiet, unprotected)
+        assert boundaries == [[], ["tolist"], ["tolist"], ["tolist"]], boundaries
         assert guard.report().tier_checks["tripwire"] > 0 and not guard.detections
         assert all("triton" in line for line in guard.coverage.backend_lines())
     finally:

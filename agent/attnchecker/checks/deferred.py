@@ -2,7 +2,8 @@
 per flagged tile, repairs on the device what it can, and nothing on the training thread waits for it. At the step
 boundary (``Guard.step()``, or the optimizer's pre-step hook, so an uncorrectable fault can still skip the step)
 ``drain`` reads every deferred record of the step in one host-device sync and emits the detections of the flagged
-ones, as the CPU backends emit theirs at once.
+ones, as the CPU backends emit theirs at once. The optimizer's last net (runtime/response.py) hands its gradients'
+finiteness to the same read, so a step boundary waits for the device once.
 
 What it costs: a detection reaches the log, the collector and ``on_uncorrectable`` at the end of its step instead of
 inside its layer's call; "raise" raises at the step boundary, not in the forward that met the fault.
@@ -17,7 +18,7 @@ from ..abft.repair import MatrixReport
 from .context import Deferred, LayerContext
 from .records import _emit, _record_ratio
 
-__all__ = ["Deferred", "defer", "drain"]
+__all__ = ["Deferred", "defer", "drain", "read_bools"]
 
 
 def defer(ctx: LayerContext, op: str, flagged: torch.Tensor, reports: Callable[[], list[MatrixReport]], *,
@@ -28,23 +29,23 @@ def defer(ctx: LayerContext, op: str, flagged: torch.Tensor, reports: Callable[[
                                          heads=heads, ratio=ratio))
 
 
-def drain(records: list[Deferred]) -> int:
-    """Emit the detections of every flagged record and empty the list; returns how many were emitted. One sync per
-    device (and flag dtype) for all of a step's records (none when there are none)."""
+def drain(records: list[Deferred], also: torch.Tensor | None = None) -> tuple[int, list[bool] | None]:
+    """Emit the detections of every flagged record and empty the list. ``also``: a 1-D bool tensor the caller needs
+    on the host at the same boundary, read in the same sync. Returns how many detections were emitted and ``also``'s
+    values (None without it). One sync per device among the records and ``also`` (none when there is nothing)."""
     pending = list(records)
     records.clear()
-    if not pending:
-        return 0
     _record_ratios(pending)
-    # Grouped by device and dtype, so that a step's flags are one stack and one comparison per group, whatever the
-    # number of records (a GEMM check leaves one per checked product).
+    # A step's flags are one stack and one comparison per device and flag dtype, whatever the number of records (a
+    # GEMM check leaves one per checked product), then one read per device.
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, rec in enumerate(pending):
         groups.setdefault((rec.flagged.device, rec.flagged.dtype), []).append(i)
+    vectors = [torch.stack([pending[i].flagged.reshape(()) for i in idx]) != 0 for idx in groups.values()]
+    values = read_bools([*vectors, *([] if also is None else [also])])
     flagged = [False] * len(pending)
-    for idx in groups.values():
-        flags = torch.stack([pending[i].flagged.reshape(()) for i in idx]) != 0
-        for i, f in zip(idx, flags.tolist(), strict=True):  # sync: once per step, device and dtype, at the boundary
+    for idx, got in zip(groups.values(), values[:len(groups)], strict=True):
+        for i, f in zip(idx, got, strict=True):
             flagged[i] = f
     emitted = 0
     for rec, f in zip(pending, flagged, strict=True):
@@ -53,7 +54,23 @@ def drain(records: list[Deferred]) -> int:
         reports = rec.reports()
         _emit(rec.ctx, rec.op, reports, heads=rec.heads, tier=rec.tier, step=rec.step)
         emitted += len(reports)
-    return emitted
+    return emitted, None if also is None else values[-1]
+
+
+def read_bools(vectors: list[torch.Tensor]) -> list[list[bool]]:
+    """1-D bool tensors' values on the host: one sync per device among them (the tensors of a device concatenated
+    and read at once), none for an empty list."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, vec in enumerate(vectors):
+        by_device.setdefault(vec.device, []).append(i)
+    values: list[list[bool]] = [[] for _ in vectors]
+    for idx in by_device.values():
+        together = torch.cat([vectors[i] for i in idx]) if len(idx) > 1 else vectors[idx[0]]
+        read = together.tolist()  # sync: once per step and device, at the boundary
+        at = 0
+        for i in idx:
+            values[i], at = read[at:at + vectors[i].numel()], at + vectors[i].numel()
+    return values
 
 
 def _record_ratios(records: list[Deferred]) -> None:
