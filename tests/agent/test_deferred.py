@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
 import attnchecker
+from attnchecker import Fault, FaultPlan
 from attnchecker.abft.repair import MatrixReport
 from attnchecker.checks.deferred import defer, drain
 
@@ -111,3 +113,80 @@ def test_the_optimizers_boundary_reads_the_flags_and_the_gradients_finiteness_at
         assert [(d.op, d.tier) for d in guard.detections] == [("scores", "abft"), ("grad", "optimizer")]
     finally:
         guard.close()
+
+
+def _device_route(monkeypatch: Any) -> None:
+    """The route a CUDA model takes, on CPU tensors under Triton's interpreter: the Triton attention and GEMM checks,
+    whose outcomes stay on the device, and the attention backward off the CPU-only kernel."""
+    from attnchecker.attention.backends import BACKEND_ENV
+    from attnchecker.attention.backward import fused
+    from attnchecker.gemm import device
+    from attnchecker.kernels import triton_gemm_check as tg
+
+    if not (tg.available() and tg.interpreted()):
+        pytest.skip("the device route on CPU tensors needs Triton's interpreter")
+    monkeypatch.setenv(device.GEMM_ENV, "triton")
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    monkeypatch.setattr(fused, "cpu_kernel", False)
+
+
+def _nano() -> Any:
+    from model_zoo import NanoGPT
+
+    torch.manual_seed(0)
+    return NanoGPT(vocab=32, n_embd=32, n_head=2, n_layer=1, block=16).train()
+
+
+def test_on_the_device_route_report_and_close_read_the_step_in_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault the Triton kernel corrected in a step that has not ended: the detection waits on the device, report()
+    counts it (its read is the step's), and close() reads what is left, so a run's last forward (an evaluation after
+    the last step) loses nothing."""
+    _device_route(monkeypatch)
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+    for read_by in ("report", "close"):
+        model = _nano()
+        fault = Fault(op="scores", layer=0, step=0, kind="inf", batch=1, head=0, row=9, col=3)
+        guard = attnchecker.protect(model, policy=attnchecker.Policy.full(), faults=FaultPlan([fault]))
+        try:
+            with torch.no_grad():
+                model(ids)
+            assert guard.coverage.backend_lines() and all("triton" in line
+                                                          for line in guard.coverage.backend_lines())
+            assert guard.detections == []  # on the device until something reads it
+            if read_by == "report":
+                assert guard.report().detected == 1
+        finally:
+            guard.close()
+        assert [(d.op, d.step, d.batch, d.row, d.action) for d in guard.detections] == [
+            ("scores", 0, 1, 9, "recomputed")], read_by
+        assert guard.report().detected == 1
+
+
+def test_a_loop_with_no_step_boundary_holds_a_bounded_number_of_outcomes(monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """protect(model) and forwards, but neither guard.step() nor an optimizer: on the device route every checked
+    call leaves an outcome for a step boundary that never comes. Past MAX_PENDING they are read at once, with one
+    warning that says what to call, and a fault among them is reported then."""
+    from attnchecker.checks import deferred
+
+    _device_route(monkeypatch)
+    monkeypatch.setattr(deferred, "MAX_PENDING", 5)
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = _nano()
+    fault = Fault(op="scores", layer=0, step=0, kind="inf", batch=0, head=1, row=4, col=2)
+    guard = attnchecker.protect(model, policy=attnchecker.Policy.full(), faults=FaultPlan([fault]))
+    runtime = guard._runtime
+    try:
+        held = []
+        with caplog.at_level("INFO", logger="attnchecker"), torch.no_grad():
+            for _ in range(12):
+                model(ids)
+                held.append(len(runtime.deferred))
+        assert max(held) < 5 and runtime.early_reads >= 2
+        warned = [r for r in caplog.records if "wait for a step boundary" in r.getMessage()]
+        assert len(warned) == 1 and warned[0].levelname == "WARNING" and "guard.step()" in warned[0].getMessage()
+        # The first forward's fault, reported by an early read before anything closed.
+        assert [(d.op, d.row, d.action) for d in guard.detections] == [("scores", 4, "recomputed")]
+    finally:
+        guard.close()
+    assert len(guard.detections) == 1 and guard.report().checks["scores"] == 12

@@ -136,6 +136,8 @@ class Runtime:
     calls: CallLog = field(default_factory=CallLog)
     deferred: list[Deferred] = field(default_factory=list)
     """Device-side outcomes of this step's checks, emitted at the step boundary (checks/deferred.py)."""
+    early_reads: int = 0
+    """Times the deferred outcomes were read before a step boundary because ``deferred.MAX_PENDING`` piled up."""
     device_spans: list[Any] = field(default_factory=list)
     """CUDA checks' start and end events (checks/device_time.DeviceSpan), timed at the step boundary."""
 

@@ -6,10 +6,14 @@ ones, as the CPU backends emit theirs at once. The optimizer's last net (runtime
 finiteness to the same read, so a step boundary waits for the device once.
 
 What it costs: a detection reaches the log, the collector and ``on_uncorrectable`` at the end of its step instead of
-inside its layer's call; "raise" raises at the step boundary, not in the forward that met the fault.
+inside its layer's call; "raise" raises at the step boundary, not in the forward that met the fault. ``Guard.report()``
+and ``Guard.close()`` read what is pending too (one sync), so a step in progress is counted and nothing is lost at the
+end of a run. A loop with no step boundary at all (neither ``Guard.step()`` nor an attached optimizer) would keep its
+outcomes, and the device memory they hold, for ever: past ``MAX_PENDING`` records they are read at once.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -18,15 +22,32 @@ from ..abft.repair import MatrixReport
 from .context import Deferred, LayerContext
 from .records import _emit, _record_ratio
 
-__all__ = ["Deferred", "defer", "drain", "read_bools"]
+__all__ = ["MAX_PENDING", "Deferred", "defer", "drain", "read_bools"]
+
+log = logging.getLogger("attnchecker")
+
+MAX_PENDING = 8192
+"""Deferred records kept for the step boundary before they are read at once (one sync). A step of a 32-layer model
+under scope="all" full checks leaves about a thousand (one per checked product); each holds a few device buffers,
+8 bytes a checked row the largest (64 KB at 8,192 tokens)."""
 
 
 def defer(ctx: LayerContext, op: str, flagged: torch.Tensor, reports: Callable[[], list[MatrixReport]], *,
           tier: str = "abft", heads: bool = True, ratio: torch.Tensor | None = None) -> None:
     """Keep a call's device-side outcome for the step boundary (``ratio``: its worst clean residual/bound ratio, for
-    the histogram). No sync."""
-    ctx.runtime.deferred.append(Deferred(ctx=ctx, step=ctx.step, op=op, tier=tier, flagged=flagged, reports=reports,
-                                         heads=heads, ratio=ratio))
+    the histogram). No sync, but for the read of every ``MAX_PENDING`` records that no step boundary read."""
+    runtime = ctx.runtime
+    runtime.deferred.append(Deferred(ctx=ctx, step=ctx.step, op=op, tier=tier, flagged=flagged, reports=reports,
+                                     heads=heads, ratio=ratio))
+    if len(runtime.deferred) >= MAX_PENDING:
+        runtime.early_reads += 1
+        if runtime.early_reads == 1:
+            log.log(logging.WARNING if runtime.step == 0 else logging.INFO,
+                    "attnchecker: %d device-side check outcomes wait for a step boundary%s; reading them now (one "
+                    "sync), and again every %d", len(runtime.deferred),
+                    " and none came yet: call guard.step() after each training step, or pass optimizer= to "
+                    "protect()" if runtime.step == 0 else "", MAX_PENDING)
+        drain(runtime.deferred)  # sync: once per MAX_PENDING records, where no step boundary read them
 
 
 def drain(records: list[Deferred], also: torch.Tensor | None = None) -> tuple[int, list[bool] | None]:

@@ -29,7 +29,7 @@ from ..checks.context import OPS, CheckConfig, OpStats, Runtime
 from ..checks.deferred import drain
 from ..checks.device_time import settle
 from ..coverage import Coverage
-from ..errors import AlreadyProtectedError, NoProtectableAttentionError
+from ..errors import AlreadyProtectedError, NoProtectableAttentionError, UncorrectableFault
 from ..events import Detection
 from ..integrations._common import Binder, Site
 from ..policy import Policy, PolicyError, Scheduler
@@ -306,7 +306,10 @@ class Guard:
                                 periods=self._scheduler.periods(), force=changed)
 
     def report(self) -> Report:
-        """Counts since ``protect()``, including the step in progress."""
+        """Counts since ``protect()``, including the step in progress: on a GPU its device-side outcomes are read
+        first (one sync when any are pending; under on_uncorrectable="raise" an uncorrectable one raises here)."""
+        if not self._closed:
+            drain(self._runtime.deferred)
         return self._totals.report(in_progress=self._runtime.stats, steps=self._steps,
                                    skipped_steps=self._response.skipped_steps,
                                    coverage=self._binder.coverage(self._current()))
@@ -330,6 +333,14 @@ class Guard:
         if self._closed:
             return
         self._closed = True
+        # The step in progress's device-side outcomes (a forward after the last step boundary, or a loop that never
+        # had one): read before its stats are folded and sent, or its detections would be lost. An uncorrectable
+        # one under on_uncorrectable="raise" raises once the model is restored.
+        uncorrectable: UncorrectableFault | None = None
+        try:
+            drain(self._runtime.deferred)
+        except UncorrectableFault as exc:
+            uncorrectable = exc
         try:
             last_step = self._final_interval()
         except Exception:  # the model is restored whatever happens to telemetry
@@ -351,6 +362,8 @@ class Guard:
                 engine_caches.clear()
             if self._link is not None:
                 self._link.close(flush_timeout_s, last_step=last_step)
+        if uncorrectable is not None:
+            raise uncorrectable
 
     def __enter__(self) -> Guard:
         return self
