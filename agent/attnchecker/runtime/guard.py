@@ -194,7 +194,9 @@ class Guard:
 
     @property
     def detections(self) -> list[Detection]:
-        """The most recent detections, oldest first (bounded: ``max_detections``)."""
+        """The most recent detections, oldest first (bounded: ``max_detections``). A plain view, which syncs nothing:
+        on a GPU the device-side outcomes of the step in progress join it at the step boundary, or when ``report()``
+        or ``close()`` reads them."""
         return list(self._response.detections)
 
     @property
