@@ -86,8 +86,8 @@ def test_an_uncorrectable_fault_found_on_the_device_still_skips_the_optimizer_st
 
 def test_the_optimizers_boundary_reads_the_flags_and_the_gradients_finiteness_at_once() -> None:
     """Records whose flags have two dtypes (as the GEMM checks' and the attention's do) and the last net's check of
-    the gradients: the optimizer's pre-step hook reads them all in one host read (the unprotected step makes none),
-    and each still acts: a flagged record reports, a non-finite gradient skips the step."""
+    the gradients: the optimizer's pre-step hook reads them all in one host read, and each still acts: a flagged
+    record reports, a non-finite gradient skips the step."""
     from model_zoo import NanoGPT
 
     torch.manual_seed(0)
@@ -190,3 +190,26 @@ def test_a_loop_with_no_step_boundary_holds_a_bounded_number_of_outcomes(monkeyp
     finally:
         guard.close()
     assert len(guard.detections) == 1 and guard.report().checks["scores"] == 12
+
+
+def test_a_read_that_fails_at_close_is_logged_and_the_model_is_restored(caplog: pytest.LogCaptureFixture) -> None:
+    """close() reads the step in progress; a read that raises (as a device error would surface there) is logged
+    and the model comes back as it was, its forward the unprotected one."""
+    model = _nano().eval()
+    ids = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids)
+    guard = attnchecker.protect(model)
+    ctx = next(iter(guard._binder.contexts.values()))
+
+    def broken() -> list[MatrixReport]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    defer(ctx, "scores", torch.tensor(True), broken)
+    with caplog.at_level("ERROR", logger="attnchecker"):
+        guard.close()
+    assert guard.closed and any("could not read" in r.getMessage() for r in caplog.records)
+    assert guard._runtime.deferred == []
+    with torch.no_grad():
+        assert torch.equal(model(ids), want)
+    attnchecker.protect(model).close()  # a second guard: nothing of the first is left to refuse it

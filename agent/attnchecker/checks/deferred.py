@@ -87,7 +87,7 @@ def read_bools(vectors: list[torch.Tensor]) -> list[list[bool]]:
     values: list[list[bool]] = [[] for _ in vectors]
     for idx in by_device.values():
         together = torch.cat([vectors[i] for i in idx]) if len(idx) > 1 else vectors[idx[0]]
-        read = together.tolist()  # sync: once per step and device, at the boundary
+        read = together.tolist()  # sync: once per device, at a step boundary (or a report, close, MAX_PENDING)
         at = 0
         for i in idx:
             values[i], at = read[at:at + vectors[i].numel()], at + vectors[i].numel()

@@ -337,12 +337,16 @@ class Guard:
         self._closed = True
         # The step in progress's device-side outcomes (a forward after the last step boundary, or a loop that never
         # had one): read before its stats are folded and sent, or its detections would be lost. An uncorrectable
-        # one under on_uncorrectable="raise" raises once the model is restored.
+        # one under on_uncorrectable="raise" raises once the model is restored; a read that fails (a device error)
+        # is logged, and the model restored all the same.
         uncorrectable: UncorrectableFault | None = None
         try:
             drain(self._runtime.deferred)
         except UncorrectableFault as exc:
             uncorrectable = exc
+        except Exception:
+            self._runtime.deferred.clear()
+            log.exception("attnchecker: could not read the last step's device-side check outcomes")
         try:
             last_step = self._final_interval()
         except Exception:  # the model is restored whatever happens to telemetry
