@@ -39,15 +39,18 @@ def defer(ctx: LayerContext, op: str, flagged: torch.Tensor, reports: Callable[[
     runtime = ctx.runtime
     runtime.deferred.append(Deferred(ctx=ctx, step=ctx.step, op=op, tier=tier, flagged=flagged, reports=reports,
                                      heads=heads, ratio=ratio))
-    if len(runtime.deferred) >= MAX_PENDING:
-        runtime.early_reads += 1
-        if runtime.early_reads == 1:
-            log.log(logging.WARNING if runtime.step == 0 else logging.INFO,
-                    "attnchecker: %d device-side check outcomes wait for a step boundary%s; reading them now (one "
-                    "sync), and again every %d", len(runtime.deferred),
-                    " and none came yet: call guard.step() after each training step, or pass optimizer= to "
-                    "protect()" if runtime.step == 0 else "", MAX_PENDING)
-        drain(runtime.deferred)  # sync: once per MAX_PENDING records, where no step boundary read them
+    if len(runtime.deferred) < MAX_PENDING:
+        return
+    runtime.early_reads += 1
+    if runtime.early_reads == 1 and runtime.step == 0:
+        log.warning("attnchecker: %d device-side check outcomes wait for a step boundary and none came yet: call "
+                    "guard.step() after each training step, or pass optimizer= to protect(); reading them now (one "
+                    "sync), and again every %d", MAX_PENDING, MAX_PENDING)
+    elif runtime.early_reads == 1:
+        # Between two boundaries (an evaluation loop between optimizer steps): expected, not the user's mistake.
+        log.info("attnchecker: %d device-side check outcomes wait for the step boundary; reading them now (one "
+                 "sync), and again every %d", MAX_PENDING, MAX_PENDING)
+    drain(runtime.deferred)  # sync: once per MAX_PENDING records, where no step boundary read them
 
 
 def drain(records: list[Deferred], also: torch.Tensor | None = None) -> tuple[int, list[bool] | None]:
