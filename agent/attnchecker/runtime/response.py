@@ -170,8 +170,15 @@ def _finite_norms(grads: list[torch.Tensor]) -> torch.Tensor:
 
     Under FSDP2 the gradients are DTensors, their norms partial: isfinite reduces them first (one collective, so
     every rank decides alike) and replicates the result, which comes back as the plain local tensor that the step
-    boundary's read takes (a DTensor has no tolist)."""
-    finite = torch.isfinite(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+    boundary's read takes (a DTensor has no tolist).
+
+    A model split over several devices of one process (``device_map="auto"``, CPU offload) has gradients on each:
+    their norms go to one accelerator before they are stacked (a scalar copy each, enqueued in stream order, no
+    sync), so the read stays one a step. Never to the CPU: a copy from a device to the host without a sync could be
+    read before it lands. Not run on two devices here: the suite's machines have none."""
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    home = next((n.device for n in norms if n.device.type != "cpu"), norms[0].device)
+    finite = torch.isfinite(torch.stack([n if n.device == home else n.to(home, non_blocking=True) for n in norms]))
     if torch.distributed.is_available():
         from torch.distributed.tensor import DTensor
 
