@@ -17,7 +17,10 @@ It also times what one GEMM check call costs the host besides its launches (``ho
 replaced by launches that do nothing, against one aten op): a time, of this machine's CPU, not a count.
 
 Counts are exact and deterministic (one run says it all). Ops are the profiler's leaf aten ops outside the Triton
-kernels' interpreted bodies; "by source" attributes torch calls (TorchFunctionMode: one per torch function or method
+kernels' interpreted bodies, a foreach op (``torch._foreach_norm``: the optimizer net's gradient norms) counted as
+one op, as every other op that launches a kernel or more on CUDA: there a list of one dtype takes the fused
+multi-tensor kernel (a launch per 110 tensors or so), its partial norms' reduction and a memset, where the CPU falls
+back to one norm per tensor, and to a copy of each bf16 gradient in fp32 before it; "by source" attributes torch calls (TorchFunctionMode: one per torch function or method
 call, which may dispatch several aten ops) to the innermost attnchecker module that made them.
 """
 from __future__ import annotations
@@ -116,6 +119,21 @@ def _inside_kernel(event: Any) -> bool:
     return False
 
 
+def _foreach(event: Any) -> bool:
+    return bool(event.name.startswith("aten::_foreach_"))
+
+
+def _inside_foreach(event: Any) -> bool:
+    """Below a foreach op: on the CPU its fallback runs one op per tensor (and a dtype's copy of each), where CUDA's
+    fused multi-tensor kernel takes the whole list: the foreach op is counted as one, what it runs under it not."""
+    event = event.cpu_parent
+    while event is not None:
+        if _foreach(event):
+            return True
+        event = event.cpu_parent
+    return False
+
+
 def count_step(step: Callable[[], None], kernels: _Kernels) -> dict[str, Any]:
     """One step's counts (its job warmed up before)."""
     kernels.by_kernel.clear()
@@ -123,14 +141,15 @@ def count_step(step: Callable[[], None], kernels: _Kernels) -> dict[str, Any]:
         step()
     ops: collections.Counter[str] = collections.Counter()
     for e in prof.events():
-        if (e.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in e.cpu_children)
-                and not _inside_kernel(e)):
+        leaf = _foreach(e) or not any(c.name.startswith("aten::") for c in e.cpu_children)
+        if e.name.startswith("aten::") and leaf and not _inside_kernel(e) and not _inside_foreach(e):
             ops[e.name[len("aten::"):]] += 1
     launching = {k: n for k, n in ops.items() if k not in VIEWS}
     return {"aten_ops_launching": sum(launching.values()), "aten_ops_views_and_allocs": sum(ops.values())
             - sum(launching.values()), "triton_launches": sum(kernels.by_kernel.values()),
             "syncs": sum(calls.syncs.values()), "syncs_by_call": dict(calls.syncs),
             "triton_by_kernel": dict(sorted(kernels.by_kernel.items())),
+            "foreach_ops": {k: n for k, n in sorted(launching.items()) if k.startswith("_foreach_")},
             "top_ops": dict(collections.Counter(launching).most_common(12)),
             "torch_calls_by_source": dict(calls.by_source.most_common(12))}
 
