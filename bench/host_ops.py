@@ -20,8 +20,9 @@ Counts are exact and deterministic (one run says it all). Ops are the profiler's
 kernels' interpreted bodies, a foreach op (``torch._foreach_norm``: the optimizer net's gradient norms) counted as
 one op, as every other op that launches a kernel or more on CUDA: there a list of one dtype takes the fused
 multi-tensor kernel (a launch per 110 tensors or so), its partial norms' reduction and a memset, where the CPU falls
-back to one norm per tensor, and to a copy of each bf16 gradient in fp32 before it; "by source" attributes torch calls (TorchFunctionMode: one per torch function or method
-call, which may dispatch several aten ops) to the innermost attnchecker module that made them.
+back to one norm per tensor, and to a copy of each bf16 gradient in fp32 before it. "By source" attributes torch
+calls (TorchFunctionMode: one per torch function or method call, which may dispatch several aten ops) to the
+innermost attnchecker module that made them.
 """
 from __future__ import annotations
 
