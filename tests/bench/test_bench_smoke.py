@@ -443,8 +443,9 @@ def test_host_ops_bench_counts_a_protected_step_on_the_gpu_route_against_the_unp
     """bench/host_ops.py: what a step asks of the host on a GPU's route (Triton's interpreter here). The unprotected
     step launches no Triton kernel and waits for nothing; each protected one launches its checks as Triton kernels,
     waits only at the step boundary (the deferred outcomes and the gradients' finiteness: one read), and dispatches
-    fewer than 40 aten ops beyond the unprotected step's on a default step between full checks, fewer than 80 under
-    scope="all" (2,237 more for full checks when the projections' full check ran as PyTorch ops). The optimizer net's
+    fewer than 40 aten ops beyond the unprotected step's on a default step between full checks, fewer than 80 on the
+    full-check and scope="all" steps (2,237 more for full checks when the projections' full check ran as PyTorch
+    ops). The optimizer net's
     norms of every gradient are one foreach op, as CUDA runs them, not the CPU fallback's copy and norm per
     gradient."""
     pytest.importorskip("triton")
