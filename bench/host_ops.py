@@ -112,27 +112,22 @@ class _Calls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _inside_kernel(event: Any) -> bool:
-    while event is not None:
-        if event.name == _KERNEL_EVENT:
-            return True
-        event = event.cpu_parent
-    return False
-
-
 def _foreach(event: Any) -> bool:
     return bool(event.name.startswith("aten::_foreach_"))
 
 
-def _inside_foreach(event: Any) -> bool:
-    """Below a foreach op: on the CPU its fallback runs one op per tensor (and a dtype's copy of each), where CUDA's
-    fused multi-tensor kernel takes the whole list: the foreach op is counted as one, what it runs under it not."""
+def _below(event: Any, outer: Callable[[Any], bool]) -> bool:
+    """Whether an event that encloses this one (its parent, or theirs) is ``outer``."""
     event = event.cpu_parent
     while event is not None:
-        if _foreach(event):
+        if outer(event):
             return True
         event = event.cpu_parent
     return False
+
+
+def _in_kernel(event: Any) -> bool:
+    return bool(event.name == _KERNEL_EVENT)
 
 
 def count_step(step: Callable[[], None], kernels: _Kernels) -> dict[str, Any]:
@@ -142,8 +137,10 @@ def count_step(step: Callable[[], None], kernels: _Kernels) -> dict[str, Any]:
         step()
     ops: collections.Counter[str] = collections.Counter()
     for e in prof.events():
+        # A foreach op counts as one, what runs under it not: on the CPU its fallback runs one op per tensor (and a
+        # dtype's copy of each), where CUDA's fused multi-tensor kernel takes the whole list.
         leaf = _foreach(e) or not any(c.name.startswith("aten::") for c in e.cpu_children)
-        if e.name.startswith("aten::") and leaf and not _inside_kernel(e) and not _inside_foreach(e):
+        if e.name.startswith("aten::") and leaf and not _below(e, _in_kernel) and not _below(e, _foreach):
             ops[e.name[len("aten::"):]] += 1
     launching = {k: n for k, n in ops.items() if k not in VIEWS}
     return {"aten_ops_launching": sum(launching.values()), "aten_ops_views_and_allocs": sum(ops.values())
