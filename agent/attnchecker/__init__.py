@@ -12,6 +12,7 @@ from .coverage import Coverage
 from .errors import (
     AlreadyProtectedError,
     AttnCheckerError,
+    GuardStateError,
     NoProtectableAttentionError,
     QuarantinedDeviceError,
     QuarantinedDeviceWarning,
@@ -49,6 +50,7 @@ __all__ = [
     "FaultCounts",
     "FaultPlan",
     "Guard",
+    "GuardStateError",
     "NoProtectableAttentionError",
     "Policy",
     "PolicyError",

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 __all__ = [
     "AlreadyProtectedError",
     "AttnCheckerError",
+    "GuardStateError",
     "NoProtectableAttentionError",
     "QuarantinedDeviceError",
     "QuarantinedDeviceWarning",
@@ -32,6 +33,10 @@ class NoProtectableAttentionError(AttnCheckerError, TypeError):
 
 class AlreadyProtectedError(AttnCheckerError, RuntimeError):
     """The model, or one of its attention modules, already belongs to a live guard."""
+
+
+class GuardStateError(AttnCheckerError, ValueError):
+    """``Guard.load_state_dict`` was given something that is not a guard's state, or was called inside a step."""
 
 
 class UnsupportedDtypeError(AttnCheckerError, TypeError):

@@ -300,6 +300,57 @@ class Scheduler:
         if overhead_ratio is not None and adapting:
             self._observe_overhead(overhead_ratio)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The schedule as plain data (ints, bools, floats, None): per op its adaptive period, last checked step,
+        quiet checks since the period last changed and whether it is recovering from a fault; and the overhead
+        window's ratios so far. ``load_state_dict`` takes it back."""
+        return {
+            "ops": {op: {"period": st.period, "last_checked": st.last_checked, "quiet": st.quiet, "hot": st.hot}
+                    for op, st in self._state.items()},
+            "overhead": list(self._overhead),
+        }
+
+    def load_state_dict(self, state: object, *, step: int) -> None:
+        """Go on from ``state`` (``state_dict()``), the run being at ``step``. All of it is validated before any of it
+        is taken: a bad state raises ``ValueError`` saying which field and leaves the schedule as it was.
+
+        Periods are clamped into the current policy's ``[min_period, max_period]``, as ``set_policy`` does, since a
+        resumed run may have been given other bounds. An op the state does not name starts afresh (due at once)."""
+        if not isinstance(state, Mapping) or not isinstance(state.get("ops"), Mapping):
+            raise ValueError("a schedule state is a mapping with an 'ops' mapping (Scheduler.state_dict())")
+        unknown = set(state["ops"]) - set(OPS)
+        if unknown:
+            raise ValueError(f"unknown op(s) {', '.join(sorted(map(str, unknown)))} in the schedule state; ops are "
+                             f"{', '.join(OPS)} (a state from a newer attnchecker?)")
+        loaded: dict[str, _OpState] = {}
+        for op, row in state["ops"].items():
+            if not isinstance(row, Mapping):
+                raise ValueError(f"schedule state of op {op!r}: a mapping of period, last_checked, quiet, hot, "
+                                 f"got {type(row).__name__}")
+            fields: list[Any] = [row.get(k) for k in ("period", "last_checked", "quiet", "hot")]
+            period, last, quiet, hot = fields
+            if not _is_int(period) or period < 1:
+                raise ValueError(f"schedule state of op {op!r}: period must be an int >= 1, got {period!r}")
+            if last is not None and (not _is_int(last) or not 0 <= last < step):
+                raise ValueError(f"schedule state of op {op!r}: last_checked must be None or an int in [0, {step}) "
+                                 f"(the state's step is {step}), got {last!r}")
+            if not _is_int(quiet) or quiet < 0:
+                raise ValueError(f"schedule state of op {op!r}: quiet must be an int >= 0, got {quiet!r}")
+            if not isinstance(hot, bool):
+                raise ValueError(f"schedule state of op {op!r}: hot must be a bool, got {hot!r}")
+            loaded[op] = _OpState(period=period, last_checked=last, quiet=quiet, hot=hot)
+        overhead: Any = state.get("overhead", [])
+        if (not isinstance(overhead, list) or len(overhead) >= self.overhead_window
+                or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r >= 0
+                           for r in overhead)):
+            raise ValueError(f"schedule state: overhead must be a list of fewer than {self.overhead_window} finite "
+                             f"ratios >= 0, got {overhead!r}")
+        pol = self._policy
+        for st in loaded.values():
+            st.period = min(max(st.period, pol.min_period), pol.max_period)
+        self._state = {op: loaded.get(op, _OpState(period=self._start_period(pol))) for op in OPS}
+        self._overhead = [float(r) for r in overhead]
+
     def snap_all(self) -> None:
         """A fault the ops' own checks did not catch (the optimizer net saw non-finite gradients): every unpinned op
         goes to ``min_period``, as after a detection in it, since nobody can tell which op let it through."""

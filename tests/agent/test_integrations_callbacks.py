@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -133,8 +134,8 @@ def test_hf_callback_warns_when_the_trainer_would_hide_a_nan_loss(tmp_path: Path
         assert warned == []
 
 
-def test_lightning_callback_protects_the_module() -> None:
-    lightning = pytest.importorskip("lightning")
+def lit_nano(lightning: Any) -> Any:
+    """A LightningModule around the zoo's nanoGPT (AdamW, next-token loss)."""
 
     class LitNano(lightning.LightningModule):
         def __init__(self) -> None:
@@ -148,8 +149,13 @@ def test_lightning_callback_protects_the_module() -> None:
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
+    return LitNano()
+
+
+def test_lightning_callback_protects_the_module() -> None:
+    lightning = pytest.importorskip("lightning")
     data = torch.utils.data.DataLoader([batch("nanogpt", i)["ids"][0] for i in range(16)], batch_size=2)
-    module = LitNano()
+    module = lit_nano(lightning)
     plan = FaultPlan.random(steps=STEPS, layers=2, per_step=1, seed=6)
     cb = AttnCheckerLightningCallback(policy=Policy.full(), faults=plan)
     trainer = lightning.Trainer(
@@ -169,3 +175,72 @@ def test_lightning_callback_protects_the_module() -> None:
     assert len(guard.injector.injected) == STEPS
     assert guard.report().corrected == guard.report().detected >= STEPS
     assert not attnchecker.is_protected(module)
+
+
+def _hf_train(tmp_path: Path, max_steps: int, callback: Any, resume: str | None = None) -> Any:
+    tf = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers.Trainer needs accelerate")
+    args = tf.TrainingArguments(output_dir=str(tmp_path), max_steps=max_steps, per_device_train_batch_size=2,
+                                learning_rate=1e-3, report_to=[], use_cpu=True, save_strategy="steps", save_steps=10,
+                                logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
+    trainer = tf.Trainer(model=build("gpt2"), args=args, train_dataset=_Batches(), callbacks=[callback])
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_the_hf_callback_saves_the_guard_in_the_checkpoint_and_a_resumed_trainer_takes_it(tmp_path: Path) -> None:
+    """docs/adaptive.md, "Resuming". Trainer saves checkpoint-10; the callback writes the rank's guard state beside
+    it. Trainer resumed from it: the guard starts at step 10 with the saved schedule (not every op due) and ends at
+    14. The same checkpoint without the guard's file (written before attnchecker, say): the guard still counts
+    Trainer's steps, from 10, and checks every op in full until the schedule relaxes."""
+    first = AttnCheckerCallback()
+    _hf_train(tmp_path, 10, first)
+    path = tmp_path / "checkpoint-10" / "attnchecker_guard_rank0.json"
+    saved = json.loads(path.read_text())
+    assert saved["step"] == 10 and saved == first.guard.state_dict()
+
+    def resume(max_steps: int) -> tuple[AttnCheckerCallback, tuple[int, frozenset[str]]]:
+        """Trainer resumed from checkpoint-10 up to ``max_steps``: the callback, and the guard's step and due ops
+        when the first resumed step began."""
+        cb = AttnCheckerCallback()
+        began: list[tuple[int, frozenset[str]]] = []
+
+        def note_begin(args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            began.append((cb.guard.step_count, cb.guard.check_config.checked_ops))
+
+        cb.on_step_begin = note_begin  # type: ignore[method-assign]
+        _hf_train(tmp_path, max_steps, cb, resume=str(tmp_path / "checkpoint-10"))
+        return cb, began[0]
+
+    resumed, began = resume(14)
+    assert began == (10, frozenset()), began  # the default policy's quiet step 10, as the first run would have had
+    assert resumed.guard.report().steps == 4 and resumed.guard.step_count == 14
+
+    path.unlink()
+    without, began = resume(12)
+    assert began == (10, frozenset(attnchecker.policy.OPS))
+    assert without.guard.step_count == 12
+
+
+def test_the_lightning_callback_keeps_the_guard_state_in_its_checkpoint(tmp_path: Path) -> None:
+    """Lightning saves the callback's state_dict in the checkpoint and restores it before fit starts: the resumed fit's
+    guard starts where the saved one was (docs/adaptive.md, "Resuming")."""
+    lightning = pytest.importorskip("lightning")
+    data = torch.utils.data.DataLoader([batch("nanogpt", i)["ids"][0] for i in range(32)], batch_size=2)
+
+    def fit(steps: int, cb: AttnCheckerLightningCallback, ckpt: Path | None) -> Any:
+        trainer = lightning.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
+        trainer.fit(lit_nano(lightning), data, ckpt_path=ckpt)
+        return trainer
+
+    first = AttnCheckerLightningCallback()
+    fit(10, first, None).save_checkpoint(tmp_path / "ten.ckpt")
+    saved = torch.load(tmp_path / "ten.ckpt", weights_only=False)["callbacks"]
+    (state,) = [s["guard"] for s in saved.values() if "guard" in s]
+    assert state["step"] == 10
+
+    resumed = AttnCheckerLightningCallback()
+    fit(13, resumed, tmp_path / "ten.ckpt")
+    assert resumed.guard is not None
+    assert resumed.guard.step_count == 13 and resumed.guard.report().steps == 3

@@ -362,3 +362,47 @@ def test_under_fsdp2_the_step_boundary_reads_the_flags_and_the_sharded_gradients
         assert [(d.op, d.tier) for d in guard.detections] == [("grad", "optimizer")]
     finally:
         guard.close()
+
+
+@pytest.mark.usefixtures("gloo")
+def test_torchtitans_checkpointer_saves_and_loads_the_guard_state(tmp_path: Any) -> None:
+    """docs/adaptive.md, "Resuming": the guard in torchtitan's CheckpointManager's states (DCP, one process). The
+    run is saved at step 10 of the default policy (a quiet step) and a fresh model, optimizers and guard load it:
+    the guard goes on at step 10 with the saved schedule, not every op due."""
+    from torchtitan.components.checkpointer.dcp import CheckpointManager
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+
+    def trainer_parts() -> tuple[Any, Any, Any, attnchecker.Guard, Any]:
+        model = build(layers=1, sdpa=True)
+        opts = OptimizersContainer(OptimizersContainer.Config(implementation="for-loop", param_groups=[
+            ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-4})]),
+            model_parts=[model])
+        scheds = LRSchedulersContainer.Config().build(optimizers=opts, training_steps=100)
+        guard = attnchecker.protect(model, optimizer=opts, scope="all")
+        checkpointer = CheckpointManager(CheckpointManager.Config(enable=True, folder="ckpt", interval=1),
+                                         dataloader=None, model_parts=[model], optimizers=opts, lr_schedulers=scheds,
+                                         states={}, sd_adapter=None, base_folder=str(tmp_path))
+        checkpointer.states["attnchecker"] = guard
+        return model, opts, scheds, guard, checkpointer
+
+    model, opts, scheds, guard, checkpointer = trainer_parts()
+    try:
+        for _ in range(10):
+            opts.zero_grad()
+            model(TOKENS[:, :-1]).float().logsumexp(-1).mean().backward()
+            opts.step()
+            scheds.step()
+        assert guard.check_config.checked_ops == frozenset()
+        checkpointer.save(curr_step=10)
+        saved = guard.state_dict()
+    finally:
+        guard.close()
+    _, _, _, resumed, checkpointer = trainer_parts()
+    try:
+        assert resumed.check_config.checked_ops == frozenset(OPS)
+        checkpointer.load(step=10)
+        assert resumed.state_dict() == saved and resumed.step_count == 10
+        assert resumed.check_config.checked_ops == frozenset()
+    finally:
+        resumed.close()

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnchecker.policy import OPS, Policy, Scheduler
 
@@ -180,3 +182,37 @@ def test_scheduler_follows_the_example_in_docs_adaptive():
     assert found == 103
     assert checked == [*range(8), *range(9, 24, 2), *range(27, 56, 4), 63, 71, 79, 87, 95, 103,
                        *range(104, 112), *range(113, 120, 2)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    split=st.integers(0, 60),
+    faults=st.dictionaries(st.integers(0, 99), st.sampled_from(OPS), max_size=6),
+    overheads=st.lists(st.floats(0.0, 0.5), min_size=100, max_size=100),
+    budget=st.sampled_from([0.02, 0.2]),
+)
+def test_a_schedule_saved_and_loaded_anywhere_decides_as_the_one_that_kept_going(split, faults, overheads, budget):
+    """Run A goes 100 steps (faults in due ops, measured overheads, the overhead window filling and doubling periods);
+    run B stops at ``split``, its state goes through JSON into a fresh scheduler, which goes on with the same outcomes:
+    every later step due and every period are A's."""
+    import json
+
+    policy = Policy(overhead_budget=budget)
+
+    def drive(sched, steps):
+        seen = []
+        for s in steps:
+            due = sched.due(s)
+            hit = faults.get(s)
+            sched.observe(s, checked=due, faults={hit: 1} if hit in due else {}, overhead_ratio=overheads[s])
+            seen.append((due, sched.periods()))
+        return seen
+
+    kept = Scheduler(policy)
+    whole = drive(kept, range(100))
+    first = Scheduler(policy)
+    drive(first, range(split))
+    resumed = Scheduler(policy)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())), step=split)
+    assert drive(resumed, range(split, 100)) == whole[split:]
+    assert resumed.state_dict() == kept.state_dict()

@@ -29,7 +29,7 @@ from ..checks.context import OPS, CheckConfig, OpStats, Runtime
 from ..checks.deferred import drain
 from ..checks.device_time import settle
 from ..coverage import Coverage
-from ..errors import AlreadyProtectedError, NoProtectableAttentionError, UncorrectableFault
+from ..errors import AlreadyProtectedError, GuardStateError, NoProtectableAttentionError, UncorrectableFault
 from ..events import Detection
 from ..integrations._common import Binder, Site
 from ..policy import Policy, PolicyError, Scheduler
@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 __all__ = ["FaultCounts", "Guard", "Report", "is_protected", "protect", "unprotect"]
 
 log = logging.getLogger("attnchecker")
+
+STATE_FORMAT = 1
+"""The layout of ``Guard.state_dict()``; ``load_state_dict`` refuses any other."""
 
 # Live guards by the model they protect, and by every attention module they own (to refuse protecting a model, or
 # a part of one, twice). Weak, so a model that is dropped without close() does not stay alive because of us.
@@ -307,6 +310,41 @@ class Guard:
             self._link.end_step(finished, stats, step_s, policy_version=self._policy.version,
                                 periods=self._scheduler.periods(), force=changed)
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a run resumed from a checkpoint needs to go on where this one stopped: the step number (events and
+        stats keep counting from it) and the adaptive schedule (each op's period, last check and recovery state), as
+        plain ints, floats, bools and None. Save it with the model and optimizer at a step boundary:
+        ``torch.save`` (``weights_only`` loads it), ``torch.distributed.checkpoint`` (the guard is ``Stateful``) or
+        JSON. Without it a resumed run starts at step 0, checking every op in full until the schedule relaxes again.
+        The policy is not in it: ``protect(policy=...)`` or the run's policy on the collector governs the resumed run,
+        and the periods are clamped into its bounds (docs/adaptive.md, "Resuming")."""
+        return {"format": STATE_FORMAT, "step": self._runtime.step, "schedule": self._scheduler.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Go on from ``state_dict()``'s output, at a step boundary: after ``protect()`` and before the first forward,
+        or right after a step. The next step is the saved one, with the ops it had due. A state that is not one raises
+        ``GuardStateError`` saying which field, and the guard is left as it was."""
+        if self._closed:
+            raise GuardStateError("load_state_dict on a closed guard: protect() the model again and load into that")
+        if _began(self._runtime.stats) or self._runtime.deferred:
+            raise GuardStateError(
+                "load_state_dict inside a step: a forward has already run since the last step boundary. Load it "
+                "right after protect() (before the first forward), as with the optimizer's state.")
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            got = state.get("format") if isinstance(state, Mapping) else type(state).__name__
+            raise GuardStateError(f"not a guard state of format {STATE_FORMAT} (Guard.state_dict()): format {got!r}")
+        step = state.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise GuardStateError(f"guard state: step must be an int >= 0, got {step!r}")
+        try:
+            self._scheduler.load_state_dict(state.get("schedule"), step=step)  # validates all before it takes any
+        except ValueError as e:
+            raise GuardStateError(f"guard state: {e}") from None
+        self._runtime.step = step
+        self._last_overhead = None
+        self._step_started = time.perf_counter()
+        self._configure_step()
+
     def report(self) -> Report:
         """Counts since ``protect()``, including the step in progress: on a GPU its device-side outcomes are read
         first (one sync when any are pending; under on_uncorrectable="raise" an uncorrectable one raises here)."""
@@ -405,8 +443,7 @@ class Guard:
         """At close: fold a step in progress (a forward after the last ``step()``) into the last interval, so the
         stats count every event that was sent, and send it. Returns the last step for the finish record."""
         stats, self._runtime.stats = self._runtime.stats, None
-        partial = stats is not None and (any(stats.checks.values()) or bool(stats.faults)
-                                         or any(stats.trip_checks.values()) or stats.grad_checks > 0)
+        partial = _began(stats)
         if partial:
             assert stats is not None
             self._totals.add(stats)  # report() keeps counting it after close
@@ -432,6 +469,12 @@ class Guard:
 
     def _optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.step()
+
+
+def _began(stats: OpStats | None) -> bool:
+    """The step in progress has run something the guard counts (a check, a trip test, a fault, the gradients' test)."""
+    return stats is not None and (any(stats.checks.values()) or bool(stats.faults)
+                                  or any(stats.trip_checks.values()) or stats.grad_checks > 0)
 
 
 def protect(
