@@ -24,6 +24,8 @@ Sections, in order (each records its own wall time; one that would pass the budg
 3. kernel: the Triton checked-attention forward with its checks against the same kernel with checks off (the cost of
    the checks inside the kernel), where the Triton backend is installed; the scores' and the context's checks each
    alone and both without the repair launch (where the full checks' cost lies), and SDPA's forward.
+   vendor_residuals: bench/vendor_residuals.py, the vendor kernels' clean outputs against the identities a full check
+   over them would test, in fp64 (no timing; tens of seconds).
    backward_kernel: the same for the Triton backward (kernels/triton_attention_bwd.py): check "abft" (its repair
    launch included), "abft_fp32_refs" (the same with every reference an fp32 sum) and "tripwire" against "off",
    SDPA's backward, and what a tier-1 step without dropout runs (SDPA's forward again and its backward, the tier-1
@@ -558,6 +560,15 @@ def _attribution(events: Any, steps: int, ours: set[str]) -> dict[str, Any]:
     }
 
 
+def vendor_residuals_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:
+    """bench/vendor_residuals.py on this device's vendor kernels (FlashAttention, memory-efficient attention, cuDNN):
+    how far their clean outputs are, in fp64, from the identities a full check over them would test (issue 32)."""
+    import vendor_residuals
+
+    got: dict[str, Any] = vendor_residuals.run(device=device, dry_run=args.dry_run, deadline=deadline)
+    return got
+
+
 def coverage_section(args: argparse.Namespace, device: str) -> dict[str, Any]:
     """FLOPs of one unprotected training step by GEMM class: what scope="attention" and scope="all" check."""
     import torch
@@ -709,8 +720,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=460.0, help="wall-time budget of the whole suite")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--sections", default=None,
-                    help="comma-separated subset of tests,steps,kernel,backward_kernel,gemm_check,attribution,"
-                    "coverage,tiles,profile (default all)")
+                    help="comma-separated subset of tests,steps,kernel,vendor_residuals,backward_kernel,gemm_check,"
+                    "attribution,coverage,tiles,profile (default all)")
     ap.add_argument("--out", default=None, help="JSON path (default docs/perf/gpu_suite[_dry_run].json)")
     ap.add_argument("--profile-target", action="store_true", help=argparse.SUPPRESS)  # what ncu runs (profile)
     args = ap.parse_args(argv)
@@ -745,6 +756,7 @@ def main(argv: list[str] | None = None) -> int:
         ("tests", lambda: {"skipped": "--skip-tests"} if args.skip_tests else tests_section(args.budget_s / 4)),
         ("steps", lambda: steps_section(args, device, deadline, step_rows, save)),
         ("kernel", lambda: kernel_section(args, device, deadline)),
+        ("vendor_residuals", lambda: vendor_residuals_section(args, device, deadline)),
         ("backward_kernel", lambda: backward_kernel_section(args, device, deadline)),
         ("gemm_check", lambda: gemm_check_section(args, device, deadline)),
         ("attribution", lambda: attribution_section(args, device, deadline)),

@@ -210,8 +210,10 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["dry_run"] and doc["device"] == "cpu"
-    for section in ("steps", "kernel", "backward_kernel", "gemm_check", "attribution", "coverage", "tiles"):
+    for section in ("steps", "kernel", "vendor_residuals", "backward_kernel", "gemm_check", "attribution",
+                    "coverage", "tiles"):
         assert "error" not in doc[section] and "skipped" not in doc[section], (section, doc[section])
+    assert [r["backend"] for r in doc["vendor_residuals"]["rows"] if "error" not in r] == ["cpu_flash"] * 12
     steps = {(r["model"], r["seq"]): r for r in doc["steps"]}
     assert set(steps) == {("gpt2_small", 32), ("llama_7b", 32)}
     for row in steps.values():
@@ -496,3 +498,34 @@ def test_the_kernel_benches_refuse_a_form_they_cannot_time_before_timing_anythin
     with pytest.raises(ValueError, match="choose from") as backward:
         triton_attention_bwd.bench_checks(**shape, forms=("full",))  # the forward's name
     assert "'full'" in str(backward.value)
+
+
+def test_vendor_residuals_measures_a_clean_vendor_forward_and_sees_one_wrong_output_element(tmp_path: Path) -> None:
+    """bench/vendor_residuals.py on the CPU's flash kernel: every configuration measured, the context identity's
+    residual under both forms of its bound on every clean row (what any bound of a full check over the vendor's
+    forward must allow), the random-walk form catching smaller errors than the rigorous one. The same measurement
+    with one output element moved by 5 times the output's RMS puts that row far past the bound: the measure is of O."""
+    out = tmp_path / "vendor_residuals.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "vendor_residuals.py"), "--dry-run", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert len(rows) == 12 and all("error" not in r for r in rows)
+    for r in rows:
+        for form in ("rB_ones_over_worst", "rB_ones_over_walk", "rB_ramp_over_worst", "rB_ramp_over_walk"):
+            assert 0 <= r[form]["p100"] < 1, (form, r)
+        assert r["catches_walk_rms"]["p50"] <= r["catches_worst_rms"]["p50"]
+    sys.path.insert(0, str(BENCH))
+    import torch
+    import vendor_residuals as vr
+
+    q, k, v = vr.inputs("randn", 1, 2, 96, 32, torch.bfloat16, "cpu", seed=0)
+    o, lse = vr.vendor_forward("cpu_flash", q, k, v, is_causal=True, scale=32 ** -0.5)
+    rows_R = torch.tensor([40])
+    clean = vr.measure(q, k, v, o, lse, is_causal=True, scale=32 ** -0.5, rows=rows_R, heads=(0,))
+    bad = o.clone()
+    bad[0, 0, 40, 7] += 5 * float(o[0, 0, 40].float().pow(2).mean().sqrt())
+    hit = vr.measure(q, k, v, bad, lse, is_causal=True, scale=32 ** -0.5, rows=rows_R, heads=(0,))
+    assert clean["rB_ones_over_walk"]["p100"] < 1 < 5 < hit["rB_ones_over_walk"]["p100"]
+    assert hit["rA"] == clean["rA"]  # the log-sum-exp's identity does not read O
