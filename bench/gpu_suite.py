@@ -42,7 +42,8 @@ Sections, in order (each records its own wall time; one that would pass the budg
 4. coverage: the share of a step's GEMM FLOPs each scope checks (torch.utils.flop_counter over one unprotected
    step: the attention core's products against the projections', the MLP's and the LM head's).
    tiles: the attention kernels (forward and backward, checks off and on) at head dims 128 and 256, at the tiles
-   each GPU class takes (99 KB of shared memory a block, an A100's 163 KB, this GPU's), timed against each other.
+   each GPU class takes (99 KB of shared memory a block, an A100's 163 KB, this GPU's), timed against each other,
+   and the forward on 128-row tiles too (FORWARD_TILES_TRIED), which no launcher choice takes yet.
 5. profile: Nsight Compute on the checked forward kernel (off, tier 1, full checks, each with its repair launch) at
    B, H, T, D = 1, 32, 8192, 128: occupancy, issue stalls, instructions executed, spill traffic, where ncu can read
    the GPU's counters (not in every virtual machine: the section then records ncu's error). The raw CSV lands beside
@@ -346,6 +347,8 @@ SMALL_GPU_SHARED = 101376
 
 
 TILE_FORMS = (("off", "tier1", "full"), ("off", "tripwire", "abft"))
+FORWARD_TILES_TRIED = ((128, 64, 8, 3), (128, 128, 8, 2))
+"""Forward tiles (query rows, keys, warps, stages) the tiles section times beside the launcher's choices."""
 """The forms the tiles section times at each choice, forward and backward: the kernel, tier 1 and the full checks.
 The kernel and backward_kernel sections split the full checks' cost and time SDPA beside them at the launcher's
 tiles; here every form would run 8 calls a round forward and 6 backward, where these run 3, for nothing the choice of
@@ -401,13 +404,30 @@ def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dic
                 # and 1.6 KB: whether that pays is the GPU's to say. At 128 they spill 2.2 to 3.3 KB and one
                 # program holds an SM's shared memory.
                 backward_choices.setdefault(triton_attention_bwd.Tiles(64, 2, 4), [])
+        if d_tiles <= 128 or args.dry_run:
+            # 128 query rows on 8 warps, the tiles Triton's own attention tutorial takes on Hopper, never timed here:
+            # the kernel with its checks off is 2.3 to 3.6 times SDPA's forward on 64 × 64 (docs/performance.md §9).
+            # Offline (sm_90, bf16, checks off) 128 × 64 issues 7 to 9 % fewer instructions per score and 128 × 128
+            # a quarter fewer, without spilling; with the full checks at head dim 128, 128 × 64 issues 43 % fewer
+            # than the launcher's 64 rows on 8 warps, whose two warpgroups each compute the whole tile (docs/
+            # performance.md §9). What the GPU makes of them only it can say. A choice whose shared memory a form
+            # exceeds records the launch's error and the next one runs.
+            for extra in FORWARD_TILES_TRIED:
+                forward_choices.setdefault(extra, [])
         for (m, n, warps, stages), names in forward_choices.items():
             if time.monotonic() > deadline:
                 rows.append({"shape": [b, h, t, d], "skipped": "over the time budget"})
                 continue
             blocks = triton_attention.Blocks(m, n, max(16, d), warps, stages)
-            got = triton_attention.bench_checks(b=b, h=h, t=t, d=d, device=device, causal=True,
-                                                reps=1 if args.dry_run else 10, blocks=blocks, forms=TILE_FORMS[0])
+            try:
+                got = triton_attention.bench_checks(b=b, h=h, t=t, d=d, device=device, causal=True,
+                                                    reps=1 if args.dry_run else 10, blocks=blocks,
+                                                    forms=TILE_FORMS[0])
+            except Exception as e:  # e.g. out of shared memory at these tiles: the other choices still run
+                rows.append({"kernel": "forward", "shape": [b, h, t, d], "tiles": [m, n], "warps": warps,
+                             "stages": stages, "taken_by": names, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                print(f"tiles: forward {m}x{n} warps {warps} stages {stages} failed: {e}", file=sys.stderr)
+                continue
             rows.append({"kernel": "forward", "shape": [b, h, t, d], "tiles": [m, n], "warps": warps,
                          "stages": stages, "taken_by": names, **got})
             print(f"tiles: forward B={b} H={h} T={t} D={d} {m}x{n} stages {stages} warps {warps} "

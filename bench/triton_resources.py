@@ -6,7 +6,7 @@ executes: its machine instructions by class (``--mix``: tensor-core products, fp
 shuffles, barriers, spill loads and stores), which a change to the checks can be weighed by before a GPU is at hand.
 
     .venv/bin/python bench/triton_resources.py [--arch 90] [--head-dim 64] [--mix [--lines N]] [--by-dot auto|on|off]
-        [--warps 4|8] [--types-only] [--out docs/perf/triton_resources.json]
+        [--warps 4|8] [--tiles M,N,WARPS,STAGES] [--types-only] [--out docs/perf/triton_resources.json]
 
 The tiles and warps are those the launcher picks on that arch for each variant's dtype (``gpu_blocks`` with its
 shared memory per block). Each kernel is compiled as Triton's JIT specialises a launch on a GPU (``source``): a
@@ -357,6 +357,9 @@ def main() -> None:
                              "picks for the arch's tiles (auto), or forced, to weigh the two forms on the same tiles")
     parser.add_argument("--warps", type=int, default=None,
                         help="compile every variant on this many warps instead of the launcher's choice")
+    parser.add_argument("--tiles", default=None, metavar="M,N,WARPS,STAGES",
+                        help="compile every variant on these tiles (query rows, keys, warps, stages) instead of the "
+                             "launcher's choice, e.g. 128,64,8,3 (gpu_suite.py's FORWARD_TILES_TRIED)")
     parser.add_argument("--types-only", action="store_true",
                         help="compile from the argument types alone, not specialised as a GPU launch is")
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
@@ -382,6 +385,9 @@ def main() -> None:
         blocks = ta.gpu_blocks(d, limit, TORCH_DTYPES[dtype], full=spec.get("MODE") == 2)
         if spec.get("REPAIR") or args.warps:
             blocks = dataclasses.replace(blocks, warps=args.warps or ta.REPAIR_WARPS)
+        if args.tiles:
+            m, n, warps, stages = (int(x) for x in args.tiles.split(","))
+            blocks = dataclasses.replace(blocks, m=m, n=n, warps=warps, stages=stages)
         if args.by_dot != "auto" and dtype != "fp32":
             spec["BY_DOT"] = args.by_dot == "on"
         compiled = build(None, dtype, blocks, spec)
@@ -420,7 +426,8 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"arch": f"sm_{args.arch}", "triton": triton.__version__, "by_dot": args.by_dot,
-                                        "launch": LAUNCH if launched else None, "warps": args.warps, "rows": rows,
+                                        "launch": LAUNCH if launched else None, "warps": args.warps,
+                                        "tiles": args.tiles, "rows": rows,
                                         "given_pass": given}, indent=2) + "\n")
 
 

@@ -237,6 +237,8 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
     # Each GPU class's tiles timed side by side, a 99 KB GPU's smallest among them.
     tiles = {(r["kernel"], tuple(r["tiles"]), r["stages"]): r for r in doc["tiles"]["rows"]}
     assert {("forward", (16, 16), 2), ("backward", (16, 16), 2), ("backward", (32, 32), 2)} <= set(tiles)
+    # And the 128-row forward tiles, the launcher's choice nowhere yet (gpu_suite.FORWARD_TILES_TRIED).
+    assert {("forward", (128, 64), 3), ("forward", (128, 128), 2)} <= set(tiles)
     # The backward at its chosen warps and at the other count, side by side (kernels.warps_for).
     warps = {(tuple(r["tiles"]), r["stages"], r["warps"]) for r in doc["tiles"]["rows"] if r["kernel"] == "backward"}
     assert {((32, 32), 2, 4), ((32, 32), 2, 8)} <= warps
