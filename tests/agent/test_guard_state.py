@@ -71,15 +71,20 @@ def test_a_resumed_run_goes_on_with_the_saved_step_numbers_and_schedule(tmp_path
         resumed.close()
 
 
-def test_a_fault_after_the_resume_is_reported_at_the_run_s_step() -> None:
-    """An INF in a checked product on the resumed run's first step: corrected, and its event names step 10, not 0."""
+def test_a_fault_after_the_resume_is_reported_at_the_run_s_step(tmp_path: Path) -> None:
+    """An INF in a checked product on the resumed run's first step: corrected, and its event names step 10, not 0;
+    the stats intervals streamed (offline, to the spool) cover steps 10 and 11."""
     state = saved_after(10, Policy.full())
-    resumed, model, opt = protected(Policy.full())
+    model = build("gpt2")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    resumed = attnchecker.protect(model, optimizer=opt, scope="all", policy=Policy.full(), collector="offline",
+                                  spool_dir=tmp_path, run="resumed", stats_interval_steps=1)
     try:
         resumed.load_state_dict(state)
         resumed.injector = attnchecker.FaultPlan([attnchecker.Fault(step=10, layer=0, op="scores", kind="inf")])
-        train(resumed, model, opt, 1)
+        train(resumed, model, opt, 2)
         assert [(d.step, d.op, d.action) for d in resumed.detections] == [(10, "scores", "corrected")]
+        assert [(iv["step_start"], iv["step_end"]) for iv in resumed.intervals] == [(10, 10), (11, 11)]
     finally:
         resumed.close()
 
