@@ -93,7 +93,13 @@ class AttnCheckerCallback(_HFCallbackBase):
         if global_step > 0:
             # Resumed from checkpoint-{global_step}: its guard state if on_save wrote one there; otherwise the step
             # number alone, so that events and stats count Trainer's steps (the schedule starts afresh).
-            saved = _read_state(_state_path(args, global_step, self._rank()))
+            # Trainer does not tell its callbacks which folder it resumed from: its output_dir's checkpoint-N is
+            # where resume_from_checkpoint=True, and on_save, put it.
+            path = _state_path(args, global_step, self._rank())
+            saved = _read_state(path)
+            if saved is None:
+                log.info("attnchecker: resumed at step %d without a guard state at %s; the schedule starts afresh",
+                         global_step, path)
             self._owner.resume_state = saved or {"format": STATE_FORMAT, "step": global_step,
                                                  "schedule": {"ops": {}}}
         self._owner._begin(model, kwargs.get("optimizer"))

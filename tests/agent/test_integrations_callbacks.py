@@ -188,11 +188,12 @@ def _hf_train(tmp_path: Path, max_steps: int, callback: Any, resume: str | None 
     return trainer
 
 
-def test_the_hf_callback_saves_the_guard_in_the_checkpoint_and_a_resumed_trainer_takes_it(tmp_path: Path) -> None:
+def test_the_hf_callback_saves_the_guard_in_the_checkpoint_and_a_resumed_trainer_takes_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """docs/adaptive.md, "Resuming". Trainer saves checkpoint-10; the callback writes the rank's guard state beside
     it. Trainer resumed from it: the guard starts at step 10 with the saved schedule (not every op due) and ends at
     14. The same checkpoint without the guard's file (written before attnchecker, say): the guard still counts
-    Trainer's steps, from 10, and checks every op in full until the schedule relaxes."""
+    Trainer's steps, from 10, checks every op in full until the schedule relaxes, and the log says where it looked."""
     first = AttnCheckerCallback()
     _hf_train(tmp_path, 10, first)
     path = tmp_path / "checkpoint-10" / "attnchecker_guard_rank0.json"
@@ -217,9 +218,11 @@ def test_the_hf_callback_saves_the_guard_in_the_checkpoint_and_a_resumed_trainer
     assert resumed.guard.report().steps == 4 and resumed.guard.step_count == 14
 
     path.unlink()
-    without, began = resume(12)
+    with caplog.at_level("INFO", "attnchecker"):
+        without, began = resume(12)
     assert began == (10, frozenset(attnchecker.policy.OPS))
     assert without.guard.step_count == 12
+    assert any("without a guard state at" in r.getMessage() and str(path) in r.getMessage() for r in caplog.records)
 
 
 def test_the_lightning_callback_keeps_the_guard_state_in_its_checkpoint(tmp_path: Path) -> None:
