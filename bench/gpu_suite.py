@@ -637,19 +637,24 @@ def _checkout_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
-def tests_section(budget_s: float) -> dict[str, Any]:
+def marked_tests_section(budget_s: float, files: list[str] | None = None) -> dict[str, Any]:
+    """pytest -m "gpu and not slow" over ``files`` (default: the agent's test modules holding gpu-marked tests) under
+    ``budget_s``: its outcome, or what it printed before the budget stopped it."""
     # Only the modules that hold gpu-marked tests: collecting all of tests/agent would import what a bare GPU image
     # may lack (the collector's server stack, integrations), and one collection error stops the whole run.
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "agent").glob("test_*.py")
-                   if "pytest.mark.gpu" in p.read_text())
+    if files is None:
+        files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests" / "agent").glob("test_*.py")
+                       if "pytest.mark.gpu" in p.read_text())
     # A per-test limit, so that one slow test cannot keep the run from its end, where pytest prints the failures.
     # The slow gpu tests run a bench end to end in a subprocess (a minute or more, with its kernels' compiles): under
     # that limit they can only time out (test_gpu_overhead_bench_runs failed on the H100 at its 26 s limit, its
     # traceback not captured; docs/performance.md §9), so they are left to `pytest -m "gpu and slow"`, and this
     # section's time goes to the tests that can finish in it.
+    # _instafail: each failure's traceback as it happens, so that a run the budget stops still has it.
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu and not slow", "-v", "--tb=short", "--durations=10", "-p",
-           "no:cacheprovider", f"--timeout={max(10, int(budget_s / 4))}", *files]
+           "no:cacheprovider", "-p", "_instafail", f"--timeout={max(10, int(budget_s / 4))}", *files]
     env = _checkout_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), env["PYTHONPATH"]])
     t0 = time.monotonic()
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s, check=False, env=env)
@@ -779,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
 
     step_rows: list[dict[str, Any]] = []
     sections: list[tuple[str, Callable[[], Any]]] = [
-        ("tests", lambda: {"skipped": "--skip-tests"} if args.skip_tests else tests_section(args.budget_s / 4)),
+        ("tests", lambda: {"skipped": "--skip-tests"} if args.skip_tests else marked_tests_section(args.budget_s / 4)),
         ("steps", lambda: steps_section(args, device, deadline, step_rows, save)),
         ("kernel", lambda: kernel_section(args, device, deadline)),
         ("vendor_residuals", lambda: vendor_residuals_section(args, device, deadline)),

@@ -531,3 +531,29 @@ def test_vendor_residuals_measures_a_clean_vendor_forward_and_sees_one_wrong_out
     hit = vr.measure(q, k, v, bad, lse, is_causal=True, scale=32 ** -0.5, rows=rows_R, heads=(0,))
     assert clean["rB_ones_over_walk"]["p100"] < 1 < 5 < hit["rB_ones_over_walk"]["p100"]
     assert hit["rA"] == clean["rA"]  # the log-sum-exp's identity does not read O
+
+
+def test_the_device_scripts_tests_section_keeps_a_failures_traceback_when_its_budget_stops_it(tmp_path: Path) -> None:
+    """gpu_suite's tests section runs pytest under a time budget; the H100 run lost two failures' tracebacks when the
+    budget stopped it before pytest's summary. A gpu-marked test that fails, then one that outlasts the budget: the
+    section reports the stop, and what pytest printed before it holds the failure's traceback (bench/_instafail.py).
+    8 s: under the per-test limit the section sets (10 s at least), so the section's budget is what stops it."""
+    tests = tmp_path / "test_device_like.py"
+    tests.write_text(
+        "import time\n"
+        "import pytest\n\n"
+        "@pytest.mark.gpu\n"
+        "def test_fails_first():\n"
+        "    assert 1 + 1 == 3, 'the arithmetic of a broken kernel'\n\n"
+        "@pytest.mark.gpu\n"
+        "def test_outlasts_the_budget():\n"
+        "    time.sleep(60)\n")
+    code = ("import json, sys; sys.path.insert(0, 'bench'); import gpu_suite\n"
+            f"print(json.dumps(gpu_suite.marked_tests_section(8.0, files=[{str(tests)!r}])))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          check=False, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["timed_out_after_s"] == 8.0
+    assert "_instafail: " in got["output_tail"] and "test_fails_first failed (call)" in got["output_tail"]
+    assert "the arithmetic of a broken kernel" in got["output_tail"]
