@@ -347,12 +347,12 @@ SMALL_GPU_SHARED = 101376
 
 
 TILE_FORMS = (("off", "tier1", "full"), ("off", "tripwire", "abft"))
-FORWARD_TILES_TRIED = ((128, 64, 8, 3), (128, 128, 8, 2))
-"""Forward tiles (query rows, keys, warps, stages) the tiles section times beside the launcher's choices."""
 """The forms the tiles section times at each choice, forward and backward: the kernel, tier 1 and the full checks.
 The kernel and backward_kernel sections split the full checks' cost and time SDPA beside them at the launcher's
 tiles; here every form would run 8 calls a round forward and 6 backward, where these run 3, for nothing the choice of
 tiles turns on."""
+FORWARD_TILES_TRIED = ((128, 64, 8, 3), (128, 128, 8, 2))
+"""Forward tiles (query rows, keys, warps, stages) the tiles section times beside the launcher's choices."""
 
 
 def tiles_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:

@@ -65,7 +65,9 @@ def quiet_step(arch: str, mode: TorchDispatchMode, policy: Policy | None = None,
 
 
 _REACHED: dict[tuple[str, bool, bool], dict[str, Any]] = {}
-"""The guard's state on the step quiet_step runs, per (arch, checkpointing, scheduled), once a run has trained there."""
+"""The guard's state on the step quiet_step runs, per (arch, checkpointing, scheduled), once a run has trained there.
+The policy is not in the key: clean steps move the schedule alike under any policy the callers pass (the control's
+tripwire=False changes what a step tests, not when the whole step is checked)."""
 
 
 def _train_to(arch: str, model: torch.nn.Module, opt: torch.optim.Optimizer, guard: attnchecker.Guard, *,
