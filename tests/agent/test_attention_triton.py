@@ -57,8 +57,10 @@ pytestmark = pytest.mark.skipif(not triton_attention.available("cpu"), reason="n
 
 @pytest.fixture(autouse=True, scope="module")
 def force_triton() -> Iterator[None]:
-    """Module scope (hypothesis refuses function-scoped fixtures): set for this module's tests, restored after."""
-    with scoped_env({BACKEND_ENV: "triton", TILE_ENV: None}):
+    """Module scope (hypothesis refuses function-scoped fixtures): set for this module's tests, restored after. The
+    full checks in our kernel, as a planned fault puts them (its fault-free twins too, so that both run the same
+    arithmetic): test_attention_full_over_vendor.py runs them over the vendor's forward."""
+    with scoped_env({BACKEND_ENV: "triton", TILE_ENV: None, triton_backend.FULL_ENV: "kernel"}):
         yield
 
 

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 
 from attnchecker.abft import Tolerance, direction_bounds, verify_direction
 from attnchecker.abft.checksum import col_norms, group_sums_rows, weighted_cols
+from attnchecker.abft.given_forward import given_rule, identity_residuals
 from attnchecker.abft.operand_moments import context_moments, scores_moments
 from attnchecker.abft.repair import MatrixReport
 from attnchecker.abft.tolerance import TF32_OPERAND_ROUNDOFF
@@ -637,18 +638,122 @@ def test_tier1_over_a_given_forward_recomputes_only_the_block_a_fault_is_in(dtyp
     torch.testing.assert_close(got.lse_BHT[0, n, block].double(), want_lse[0, n, block], rtol=1e-4, atol=1e-4)
 
 
-def test_tier1_over_a_given_forward_takes_only_what_it_can_check() -> None:
-    """forward(given=...) is tier 1 over a forward computed elsewhere: a full check, a mask or a log-sum-exp in
-    another layout is refused with what was wrong, before any launch."""
+def test_a_given_forward_is_taken_only_where_it_can_be_checked() -> None:
+    """forward(given=...) checks a forward computed elsewhere: fp32 inputs with the full checks (their bounds are
+    our kernel's exact ones), one op alone, the extreme tolerance, a mask or a log-sum-exp in another layout are
+    refused with what was wrong, before any launch."""
     q, k, v = _qkv(3)
     out, lse = _vendor(q, k, v, True)
-    with pytest.raises(ValueError, match=r"checks\.mode 'tier1'"):
+    with pytest.raises(ValueError, match="bfloat16 or float16 inputs"):
         run(q, k, v, checks=ta.Checks(mode="full"), given=(out, lse))
+    qh, kh, vh = (x.to(torch.bfloat16) for x in (q, k, v))
+    out_h, lse_h = _vendor(qh, kh, vh, True)
+    with pytest.raises(ValueError, match="both ops"):
+        run(qh, kh, vh, checks=ta.Checks(mode="full", scores=False), given=(out_h, lse_h))
+    with pytest.raises(ValueError, match="round-off tolerance"):
+        run(qh, kh, vh, checks=ta.Checks(mode="full", tol=Tolerance(mode="extreme")), given=(out_h, lse_h))
     with pytest.raises(ValueError, match="no mask"):
         run(q, k, v, checks=ta.Checks(mode="tier1"), attn_mask=torch.ones(32, 32, dtype=torch.bool, device=DEVICE),
             given=(out, lse))
     with pytest.raises(ValueError, match="contiguous float32 lse"):
         run(q, k, v, checks=ta.Checks(mode="tier1"), given=(out, lse.mT.contiguous().mT))
+
+
+# ------------------------------------------------------------ the full checks over the vendor's forward (given=...)
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+@settings(max_examples=12)
+@given(dtype=st.sampled_from(HALF), causal=st.booleans(), group=st.sampled_from([1, 2]), t=st.integers(1, 40),
+       scale_q=st.sampled_from([1.0, 4.0]), v_mean=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2**20))
+def test_full_checks_over_a_clean_given_forward_flag_nothing_and_return_it_as_it_is(dtype, causal, group, t, scale_q,
+                                                                                   v_mean, seed) -> None:
+    """The identities over the vendor's clean forward (peaky scores, values of a common sign included): nothing
+    flags, the repair recomputes nothing, the call returns the vendor's tensors bit for bit, and the worst clean
+    ratio of each op is the float64 reference's (abft/given_forward.identity_residuals) within fp32's reach."""
+    q, k, v = _vendor_qkv(dtype, group, t, seed)
+    q, v = (q.float() * scale_q).to(dtype), (v.float() + v_mean).to(dtype)
+    out, lse = _vendor(q, k, v, causal)
+    want_out, want_lse = out.clone(), lse.clone()
+    got = run(q, k, v, scale=0.25, is_causal=causal, checks=ta.Checks(mode="full"), given=(out, lse))
+    assert got.status[:2].tolist() == [0.0, 0.0]
+    assert got.out_BHTD is out and got.lse_BHT is lse
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    ref = identity_residuals(q, k, v, out, lse, scale=0.25, is_causal=causal, rule=given_rule(dtype, Tolerance()))
+    assert not ref["flag_a"].any() and not ref["flag_b"].any()
+    ratio_a = float((ref["r_a"] / ref["b_a"]).max())
+    ratio_b = float((ref["d_c"].abs() / ref["b_c"]).max())
+    assert float(got.status[2]) == pytest.approx(ratio_a, abs=0.05)
+    assert float(got.status[3]) == pytest.approx(ratio_b, abs=0.05)
+
+
+@settings(max_examples=14)
+@given(dtype=st.sampled_from(HALF), causal=st.booleans(), group=st.sampled_from([1, 2]), t=st.integers(17, 40),
+       kind=st.sampled_from(GIVEN_KINDS + ("add",)), at=st.floats(0, 1), col=st.integers(0, 15),
+       seed=st.integers(0, 2**20))
+def test_full_checks_over_a_given_forward_place_an_output_fault_and_recompute_its_block(dtype, causal, group, t, kind,
+                                                                                       at, col, seed) -> None:
+    """One wrong element of the vendor's output, extreme or finite (4 × the row's RMS added): identity B flags its
+    row in "context" and places it at its column (a single point), the repair recomputes that block ("recomputed")
+    to the reference, and every other block is the vendor's, bit for bit."""
+    q, k, v = _vendor_qkv(dtype, group, t, seed)
+    out, lse = _vendor(q, k, v, causal)
+    clean_out, clean_lse = out.clone(), lse.clone()
+    n = int(at * (q.shape[1] - 1) + 0.5)
+    row = int(at * (t - 1))
+    x = out[0, n, row, col]
+    if kind == "add":
+        out[0, n, row, col] = x + 4.0 * out[0, n, row].float().square().mean().sqrt().clamp_min(0.05)
+    elif kind == "bitflip" and dtype == torch.float16:
+        out[0, n, row, col] = _corrupted(x, "near_inf")  # fp16's top exponent bit: |x| < 2 goes to at most 2^16
+    else:
+        out[0, n, row, col] = _corrupted(x, kind)
+    got = run(q, k, v, scale=0.25, is_causal=causal, checks=ta.Checks(mode="full"), given=(out, lse))
+    assert _flagged(got, "context") == [[n, row // BM]]
+    assert _field(got, "context", n, row // BM, "flag") == 1.0
+    assert _field(got, "context", n, row // BM, "row") == row
+    assert (_field(got, "context", n, row // BM, "n_cols"), _field(got, "context", n, row // BM, "col")) == (1.0, col)
+    assert ta.OUTCOMES[int(_field(got, "context", n, row // BM, "outcome"))] == "recomputed"
+    block = slice(row // BM * BM, (row // BM + 1) * BM)
+    untouched = torch.ones(t, dtype=torch.bool, device=DEVICE)
+    untouched[block] = False
+    others = (slice(None), slice(None), untouched)
+    assert torch.equal(got.out_BHTD[others], clean_out[others]) and torch.equal(got.lse_BHT[others], clean_lse[others])
+    want_out, _ = reference(q, k, v, scale=0.25, is_causal=causal)
+    scale_v = float(v.double().abs().max())
+    assert float((got.out_BHTD[0, n, block].double() - want_out[0, n, block]).abs().max()) <= OUT_TOL[dtype] * scale_v
+
+
+@settings(max_examples=10)
+@given(dtype=st.sampled_from(HALF), causal=st.booleans(), t=st.integers(17, 40),
+       kind=st.sampled_from(GIVEN_KINDS + ("add",)), at=st.floats(0, 1), seed=st.integers(0, 2**20))
+def test_full_checks_over_a_given_forward_catch_a_log_sum_exp_fault(dtype, causal, t, kind, at, seed) -> None:
+    """A wrong log-sum-exp, extreme or off by 0.01 (every P of the row 1 % off, which the output never shows):
+    identity A flags its row in "scores", and the repair recomputes the block to the reference."""
+    q, k, v = _vendor_qkv(dtype, 1, t, seed)
+    out, lse = _vendor(q, k, v, causal)
+    n = int(at * (q.shape[1] - 1) + 0.5)
+    row = int(at * (t - 1))
+    lse[0, n, row] = lse[0, n, row] + 0.01 if kind == "add" else _corrupted(lse[0, n, row], kind)
+    got = run(q, k, v, scale=0.25, is_causal=causal, checks=ta.Checks(mode="full"), given=(out, lse))
+    assert [n, row // BM] in _flagged(got, "scores")
+    assert _field(got, "scores", n, row // BM, "row") == row
+    assert ta.OUTCOMES[int(_field(got, "scores", n, row // BM, "outcome"))] == "recomputed"
+    _, want_lse = reference(q, k, v, scale=0.25, is_causal=causal)
+    torch.testing.assert_close(got.lse_BHT.double(), want_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_full_checks_over_a_given_forward_detect_mode_reports_and_keeps_it() -> None:
+    """Detect mode (no repair launch): the flagged block is reported with outcome "none", and the vendor's output
+    is left as it was, fault included."""
+    q, k, v = _vendor_qkv(torch.bfloat16, 1, 32, 7)
+    out, lse = _vendor(q, k, v, False)
+    out[0, 1, 20, 3] = math.inf
+    got = run(q, k, v, scale=0.25, checks=ta.Checks(mode="full", repair=False), given=(out, lse))
+    assert _flagged(got, "context") == [[1, 1]]
+    assert ta.OUTCOMES[int(_field(got, "context", 1, 1, "outcome"))] == "none"
+    assert math.isinf(float(out[0, 1, 20, 3]))
 
 
 def test_tf32_products_stay_clean_under_their_bound_and_flag_under_the_ieee_one(monkeypatch) -> None:

@@ -56,11 +56,13 @@ from typing import Any
 import torch
 
 from ..abft.checksum import checksum_weights
+from ..abft.given_forward import GIVEN_DTYPES, given_rule
 from ..abft.repair import locate_and_fix
 from ..abft.tile_terms import TileTerms, tile_terms
 from ..abft.tolerance import NEAR_INF, Tolerance
 from . import triton_checks as tc
 from . import triton_dropout
+from .triton_attention_tiles import dot, operand, publish, query_block, rows
 from .triton_common import SMALL_SHARED_MEMORY, device_function, host_table, interpreting, shared_per_block, triton
 
 if triton is not None:
@@ -308,19 +310,25 @@ def forward(
     (faults, a test feature, copy their table to the device).
 
     given: (out (B, H, T, D) any strides, lse (B, H, T) fp32 contiguous), a forward another kernel computed at these
-    operands (the vendor's fused attention: attention/vendor.py), for tier 1 only, without a mask, window,
-    dropout or faults. In place of the first pass, ``_trip_given`` reads them once and writes the records tier 1's
-    pass writes; the repair kernel then recomputes a tripped block into them, as after that pass."""
+    operands (the vendor's fused attention: attention/vendor.py), without a mask, window, dropout or faults. In place
+    of the first pass: for tier 1, ``_trip_given`` reads them once and writes the records tier 1's pass writes; for
+    the full checks (bf16 and fp16, both ops, a round-off tolerance), kernels/triton_given_check.py tests the
+    identities of abft/given_forward.py and writes the records the first pass writes. The repair kernel then
+    recomputes a flagged block into them, as after that pass."""
     b, h, t, d = q_BHTD.shape
     hk, s = k_BHSD.shape[1], k_BHSD.shape[2]
     blk = blocks or block_sizes(d, q_BHTD.device, q_BHTD.dtype, full=checks.mode == "full")
     n_blocks = triton.cdiv(t, blk.m)
     dev = q_BHTD.device
     if given is not None:
-        if checks.mode != "tier1" or attn_mask is not None or window is not None or dropout_p > 0.0 or faults \
-                or debug:
-            raise ValueError("forward(given=...) is tier 1 over another kernel's result: checks.mode 'tier1', with "
-                             "no mask, window, dropout, faults or debug")
+        if checks.mode is None or attn_mask is not None or window is not None or dropout_p > 0.0 or faults \
+                or debug or checks.cols:
+            raise ValueError("forward(given=...) checks another kernel's result: checks.mode 'tier1' or 'full', with "
+                             "no mask, window, dropout, faults, debug or cols")
+        if checks.mode == "full" and not given_full_takes(q_BHTD.dtype, checks):
+            raise ValueError(f"forward(given=...) with the full checks takes bfloat16 or float16 inputs, both ops and "
+                             f"a round-off tolerance (abft/given_forward.py), got {q_BHTD.dtype}, scores="
+                             f"{checks.scores}, context={checks.context}, tolerance {checks.tol.mode!r}")
         out, lse = given
         if out.shape != q_BHTD.shape or lse.shape != (b, h, t) or lse.dtype != torch.float32 \
                 or not lse.is_contiguous():
@@ -335,7 +343,8 @@ def forward(
     records = torch.empty((b * h, n_blocks, 2, RECORD), dtype=torch.float32, device=dev) if checking else None
     # The fast pass keeps a flagged block's first flagged row where it checks rows only (_note_rows).
     saved = torch.empty((b * h, n_blocks, 2, len(SAVED_FIELDS) + max(blk.m, blk.n, blk.d)), dtype=torch.float32,
-                        device=dev) if checking and checks.mode == "full" and not (checks.cols or debug) else None
+                        device=dev) if checking and checks.mode == "full" and not (checks.cols or debug or given) \
+        else None
     mask_kind, mask, mask_strides = _mask_layout(attn_mask, (b, h, t, s))
     terms = _terms(checks, blk, d)
     table = values = seen = None
@@ -351,7 +360,7 @@ def forward(
     operand_roundoff = checks.operand_roundoff if q_BHTD.dtype == torch.float32 else None
     mode = {None: 0, "tier1": 1, "full": 2}[checks.mode if checking else None]
     k_max_BHkS = None
-    if mode == 1 and window is None:
+    if (mode == 1 and window is None) or (given is not None and mode == 2):
         # Tier 1's log-sum-exp bound takes the largest norm of the keys a block visits: a prefix of them, causal or
         # not (a window's start moves: that case keeps the norms in the loop). Two reductions over K once per call,
         # instead of every query block's key loop computing every key's norm again, which was most of what tier 1
@@ -366,7 +375,7 @@ def forward(
         checks.refs_by_dot and q_BHTD.dtype in (torch.bfloat16, torch.float16)
     key_tiles = key_norms = key_parts = value_tiles = value_norms = value_parts = None
     tiles_of = (b * hk, n_key_tiles)
-    if mode == 2 and operand_roundoff is None and (checks.scores or checks.context):
+    if mode == 2 and operand_roundoff is None and (checks.scores or checks.context) and given is None:
         if checks.scores:
             key_tiles = torch.empty((*tiles_of, 2 * blk.d + blk.n + 1), dtype=torch.float32, device=dev)
             key_norms = torch.empty((*tiles_of, TILE_NORMS), dtype=torch.float32, device=dev)
@@ -414,6 +423,10 @@ def forward(
     with _ieee_quietly():
         if given is None:
             launch(MODE=mode, REPAIR=False)
+        elif checking and mode == 2:
+            assert records is not None and k_max_BHkS is not None
+            _check_given(q_BHTD, k_BHSD, v_BHSD, out, lse, k_max_BHkS, status, records, scale=scale, checks=checks,
+                         blk=blk, n_blocks=n_blocks, is_causal=is_causal)
         elif checking:
             assert records is not None and k_max_BHkS is not None
             _trip_given[(n_blocks, b * h)](
@@ -423,6 +436,33 @@ def forward(
         if checking and checks.repair:
             launch(MODE=2, REPAIR=True, num_warps=REPAIR_WARPS)
     return Result(out, lse, status, records, blk.m, seen, saved, dbg)
+
+
+def given_full_takes(dtype: torch.dtype, checks: Checks) -> bool:
+    """Whether ``forward(given=...)`` runs the full checks over another kernel's result (abft/given_forward.py):
+    bf16 or fp16 inputs, both ops, a round-off tolerance (its bounds have no absolute threshold)."""
+    return dtype in GIVEN_DTYPES and checks.scores and checks.context and checks.tol.mode == "roundoff"
+
+
+def _check_given(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 k_max_BHkS: torch.Tensor, status: torch.Tensor, records: torch.Tensor, *, scale: float,
+                 checks: Checks, blk: Blocks, n_blocks: int, is_causal: bool) -> None:
+    """The full checks' first pass over a given forward: v·[e, w] per key (one launch), then the identities per
+    query block (one launch) into ``records`` and ``status``, as ``_attention``'s first pass writes them."""
+    from . import triton_given_check as given
+
+    b, h, t, d = q.shape
+    hk, s = k.shape[1], k.shape[2]
+    vc_BHkS2 = torch.empty((b * hk, s, 2), dtype=torch.float32, device=q.device)
+    given._value_sums[(triton.cdiv(s, blk.n), b * hk)](
+        v, vc_BHkS2, *v.stride(), hk, s, d, BLOCK_N=blk.n, BLOCK_D=blk.d, num_warps=blk.warps)
+    tau_u, kappa_u32, kappa_a_u32, a_floor_u = given_rule(q.dtype, checks.tol).scalars()
+    given._check_given[(n_blocks, b * h)](
+        q, k, out, lse, vc_BHkS2, k_max_BHkS, status, records, *q.stride(), *k.stride(), *out.stride(),
+        *k_max_BHkS.stride()[:2], h, h // hk, t, s, d, n_blocks, scale, tau_u, kappa_u32, kappa_a_u32, a_floor_u,
+        checks.tol.near_inf,
+        BLOCK_M=blk.m, BLOCK_N=blk.n, BLOCK_D=blk.d, IS_CAUSAL=is_causal, DOT=dot_mode(q.dtype, None),
+        num_warps=blk.warps)
 
 
 @contextlib.contextmanager
@@ -536,22 +576,6 @@ if triton is not None:
     _F32_MAX: Any = tl.constexpr(3.4028234663852886e38)
     SAVED_HEAD: Any = tl.constexpr(len(SAVED_FIELDS))
     N_TILE_NORMS: Any = tl.constexpr(TILE_NORMS)
-
-    @_jit
-    def _operand(x, DOT: tl.constexpr):
-        """A tile as a tl.dot operand (dot_mode)."""
-        if DOT == 2:
-            return x.to(tl.float32)
-        if DOT == 3:
-            bits = x.to(tl.int32, bitcast=True) & -8192  # keep 10 mantissa bits (0xFFFFE000), as TF32 truncates
-            return tl.where(tl.abs(x) <= _F32_MAX, bits.to(tl.float32, bitcast=True), x)
-        return x
-
-    @_jit
-    def _dot(a, b, DOT: tl.constexpr):
-        if DOT == 1:
-            return tl.dot(a, b, input_precision="tf32")
-        return tl.dot(a, b, input_precision="ieee")
 
     @_jit
     def _inject(x, Faults, Values, Seen, n_faults, pid_n, rows, cols, OP: tl.constexpr, ATTEMPT: tl.constexpr):
@@ -871,32 +895,6 @@ if triton is not None:
                ratio, bad, mom1, mom2, VMAX)
 
     @_jit
-    def _query_block(pid_m, pid_n, H, GROUP, T, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-        """A program's place: (batch, query head, its key head, its query rows, the head dim's columns, which rows
-        and columns exist), program (pid_m, pid_n) being query block pid_m of matrix n = batch·H + head."""
-        h = pid_n % H
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        return pid_n // H, h, h // GROUP, offs_m, offs_d, offs_m < T, offs_d < D
-
-    @_jit
-    def _rows(X, b, h, offs_m, offs_d, sb, sh, st, sd, row_ok, d_ok):
-        """A block's rows of a (B, H, T, D) tensor at any strides, 0 outside it."""
-        return tl.load(X + b.to(tl.int64) * sb + h.to(tl.int64) * sh + offs_m[:, None] * st + offs_d[None, :] * sd,
-                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-
-    @_jit
-    def _publish(rec_at, rec_s, rec_c, Status):
-        """A block's two records (scores, context) stored, and the call's flag per op raised where one flagged."""
-        fi = tl.arange(0, 16)
-        tl.store(rec_at + fi, rec_s)
-        tl.store(rec_at + 16 + fi, rec_c)
-        if tc.pick(rec_s, 0) != 0.0:
-            tl.atomic_max(Status, 1.0)
-        if tc.pick(rec_c, 0) != 0.0:
-            tl.atomic_max(Status + 1, 1.0)
-
-    @_jit
     def _lse_bound(q_norm, k_max, scale, n_keys):
         """tripwire.lse_over_bound's bound without the mask's largest value (added only after a trip, by the repair)."""
         return tl.abs(scale) * q_norm * k_max * 1.01 + tl.log(tl.maximum(n_keys, 1).to(tl.float32)) + 1.0
@@ -986,10 +984,10 @@ if triton is not None:
         SAVED: tl.constexpr = VMAX + SAVED_HEAD
         # The fast pass's kept row per op (_note_rows): scores at saved_at, the context at saved_at + SAVED.
         saved_at = Saved + (pid_n * N_BLOCKS + pid_m).to(tl.int64) * (2 * SAVED)
-        b, h, hk, offs_m, offs_d, row_ok, d_ok = _query_block(pid_m, pid_n, H, GROUP, T, D, BLOCK_M, BLOCK_D)
-        q = _rows(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, sqd, row_ok, d_ok)
+        b, h, hk, offs_m, offs_d, row_ok, d_ok = query_block(pid_m, pid_n, H, GROUP, T, D, BLOCK_M, BLOCK_D)
+        q = rows(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, sqd, row_ok, d_ok)
         qf = q.to(tl.float32)
-        q_op = _operand(q, DOT)
+        q_op = operand(q, DOT)
         q_norm = tl.sqrt(tc.rsum(qf * qf, 1))
         k_at = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
         v_at = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
@@ -1033,7 +1031,7 @@ if triton is not None:
             v = tl.load(v_at + offs_n[:, None] * svs + offs_d[None, :] * svd, mask=key_ok[:, None] & d_ok[None, :],
                         other=0.0)
             kf = k.to(tl.float32)
-            s = _dot(q_op, tl.trans(_operand(k, DOT)), DOT)
+            s = dot(q_op, tl.trans(operand(k, DOT)), DOT)
             if FAULTS:
                 s = _inject(s, Faults, FaultValues, FaultSeen, n_faults, pid_n, offs_m, offs_n, 0, REPAIR)
             if KEY_TILES or VALUE_TILES:
@@ -1121,7 +1119,7 @@ if triton is not None:
                                                   inv_keep)
             # P̃ rounded to V's dtype, as the GEMM takes it: the context's references use the same values.
             p_c = p.to(v.dtype)
-            cl = _dot(_operand(p_c, DOT), _operand(v, DOT), DOT)
+            cl = dot(operand(p_c, DOT), operand(v, DOT), DOT)
             if FAULTS:
                 # A context fault lands in the first partial product its block folds in (as the PyTorch tile loop).
                 cl = _inject(cl, Faults, FaultValues, FaultSeen, n_faults, pid_n,
@@ -1135,7 +1133,7 @@ if triton is not None:
                     vt_at = ValueTiles + kt_at * (2 * BLOCK_N + BLOCK_D + 1)
                     v_col = tl.load(vt_at + 2 * BLOCK_N + tl.arange(0, BLOCK_D))
                     bad, d1, b1, ratio, ref1, ref2, mom1, mom2 = _rows_of_tile(
-                        cl, pcf, _operand(p_c, DOT), a_c, vt_at, ValueNorms + kt_at * N_TILE_NORMS,
+                        cl, pcf, operand(p_c, DOT), a_c, vt_at, ValueNorms + kt_at * N_TILE_NORMS,
                         ValueParts + kt_at * (BLOCK_N * tc.PARTS), c_row, CALIBRATED, BLOCK_N, BLOCK_D, ROWS_BY_DOT)
                 else:
                     v_col = tl.sqrt(tc.rsum(vf * vf, 0))
@@ -1204,7 +1202,7 @@ if triton is not None:
                  o.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
         tl.store(lse_at, lse, mask=row_ok)
         if MODE != 0:
-            _publish(rec_at, rec_s, rec_c, Status)
+            publish(rec_at, rec_s, rec_c, Status)
             if FULL and not REPAIR:
                 # A non-finite ratio is a check whose inputs already carried a fault reported elsewhere: left out.
                 block_s = tc.rmax(worst_s, 0)
@@ -1231,9 +1229,9 @@ if triton is not None:
         log S)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        b, h, hk, offs_m, offs_d, row_ok, d_ok = _query_block(pid_m, pid_n, H, GROUP, T, D, BLOCK_M, BLOCK_D)
-        q = _rows(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, sqd, row_ok, d_ok).to(tl.float32)
-        o = _rows(Out, b, h, offs_m, offs_d, sob, soh, sot, sod, row_ok, d_ok).to(tl.float32)
+        b, h, hk, offs_m, offs_d, row_ok, d_ok = query_block(pid_m, pid_n, H, GROUP, T, D, BLOCK_M, BLOCK_D)
+        q = rows(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, sqd, row_ok, d_ok).to(tl.float32)
+        o = rows(Out, b, h, offs_m, offs_d, sob, soh, sot, sod, row_ok, d_ok).to(tl.float32)
         lse = tl.load(Lse + pid_n.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
         q_norm = tl.sqrt(tc.rsum(q * q, 1))
         hi = S
@@ -1246,7 +1244,7 @@ if triton is not None:
         # Under the floor (a fault in the stored lse itself) tests as over the bound; the record keeps the value.
         lse_test = tl.where(lse < _lse_floor(q_norm, k_max, scale), float("inf"), lse)
         rec_s, rec_c = _tripwire(o, lse_test, lse, dead, row_ok, q_norm, k_max, scale, hi, pid_m * BLOCK_M)
-        _publish(Records + (pid_n * N_BLOCKS + pid_m).to(tl.int64) * (2 * 16), rec_s, rec_c, Status)
+        publish(Records + (pid_n * N_BLOCKS + pid_m).to(tl.int64) * (2 * 16), rec_s, rec_c, Status)
 
 
 BENCH_FORMS: tuple[str, ...] = ("off", "tier1", "full", "full_scores", "full_context", "full_no_repair",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -52,7 +53,7 @@ from ..backward.replay import Replay, replay_backward
 from . import AttentionCall, BackendOutput
 from .tiled_torch import mods_reasons
 
-__all__ = ["MAX_HEAD_DIM", "KernelFailed", "TritonBackend", "reports_of"]
+__all__ = ["FULL_ENV", "MAX_HEAD_DIM", "KernelFailed", "TritonBackend", "full_requested", "reports_of"]
 
 log = logging.getLogger("attnchecker")
 
@@ -87,7 +88,8 @@ class TritonBackend:
         if q.device.type == "cpu" and call.requested != self.name:
             reasons.append("CPU tensors under Triton's interpreter: taken only when ATTNCHECKER_ATTENTION=triton asks "
                            "(the interpreter is for tests)")
-        if _get_current_dispatch_mode() is not None and not (tier1 and _vendor_takes(call)):
+        if _get_current_dispatch_mode() is not None and not (_vendor_takes(call) and (tier1 or _full_over_vendor(
+                call, _tiers(call)))):
             reasons.append("a TorchDispatchMode is active, and it expects to see the products as aten ops (the "
                            "kernel's are not)")
         if any(type(x) is not torch.Tensor for x in (q, k, v)):
@@ -122,10 +124,9 @@ class TritonBackend:
 
     def run(self, call: AttentionCall) -> BackendOutput:
         """Every op the step verifies, traps (tier 1) or forces, verified in full in the kernel (as the tiled path
-        does: per tile the checks cost about what the tripwire would)."""
-        cfg = call.ctx.config
-        tiers = {op: "abft" if cfg.checks(op) and op not in call.force else "tripwire"
-                 for op in kernel.OPS if cfg.checks(op) or op in call.force or cfg.trips(op)}
+        does: per tile the checks cost about what the tripwire would), or, where both ops are due and the vendor's
+        fused attention takes the call, over the vendor's forward (``_full_over_vendor``)."""
+        tiers = _tiers(call)
         return _run(call, "full" if tiers else None, tiers)
 
     def tier1(self, call: AttentionCall) -> torch.Tensor:
@@ -134,6 +135,38 @@ class TritonBackend:
         takes the call and no fault is planned in the kernel's products, read by one Triton pass; else the kernel's
         tripwire variant."""
         return _run(call, "tier1", dict.fromkeys(kernel.OPS, "tripwire")).out_BHTD
+
+
+FULL_ENV = "ATTNCHECKER_ATTENTION_FULL"
+"""Where a full check of the attention forward runs. vendor (default): over the vendor's fused forward where it takes
+the call (bf16 and fp16, no mask, dropout or window; abft/given_forward.py), whose products are aten ops that
+profilers and fault injectors below autograd see; kernel: always in our checked kernel, which computes the products
+itself and checks them tile by tile."""
+_FULL_CHOICES = ("vendor", "kernel")
+
+
+def full_requested() -> str:
+    """ATTNCHECKER_ATTENTION_FULL: vendor or kernel. Raises ValueError on anything else."""
+    mode = os.environ.get(FULL_ENV, "vendor").strip().lower() or "vendor"
+    if mode not in _FULL_CHOICES:
+        raise ValueError(f"{FULL_ENV}={mode!r}: use one of {', '.join(_FULL_CHOICES)}")
+    return mode
+
+
+def _tiers(call: AttentionCall) -> dict[str, str]:
+    """Each op the step verifies ("abft"), forces or traps ("tripwire")."""
+    cfg = call.ctx.config
+    return {op: "abft" if cfg.checks(op) and op not in call.force else "tripwire"
+            for op in kernel.OPS if cfg.checks(op) or op in call.force or cfg.trips(op)}
+
+
+def _full_over_vendor(call: AttentionCall, tiers: dict[str, str]) -> bool:
+    """The full checks over the vendor's forward (kernels/triton_given_check.py) rather than in our kernel: both ops
+    verified, inputs and tolerance the identities' bounds take (kernel.given_full_takes), ATTNCHECKER_ATTENTION_FULL
+    not "kernel"; ``_vendor_takes`` besides."""
+    checks = kernel.Checks(mode="full", tol=_tolerance(call.ctx))
+    return (tiers == {"scores": "abft", "context": "abft"} and kernel.given_full_takes(call.q_BHTD.dtype, checks)
+            and full_requested() == "vendor")
 
 
 def _vendor_takes(call: AttentionCall) -> bool:
@@ -160,7 +193,8 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
     hits, faults = _faults(ctx, q, v.shape[-1], k.shape[-2])
     with torch.no_grad():
         made = None
-        if mode == "tier1" and not faults and _vendor_takes(call):
+        over_vendor = mode == "tier1" or (mode == "full" and _full_over_vendor(call, tiers))
+        if over_vendor and not faults and _vendor_takes(call):
             made = vendor.forward(q.detach(), k.detach(), v.detach(), is_causal=call.is_causal, scale=call.scale)
         # A full check's device time (its checks are inside the attention it computes: both timed); tier 1's host
         # time, after the vendor's attention where it ran (what the unprotected model runs too).
