@@ -267,8 +267,9 @@ def _print_steps(row: dict[str, Any]) -> None:
 
 def kernel_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:
     """The Triton forward (kernels/triton_attention.py) with tier 1 and with its full checks (and its repair launch)
-    against the same kernel with checks off, and tier 1 over the vendor's forward (the default's tier-1 steps
-    without a mask) against that forward and SDPA's, bf16, causal, per shape."""
+    against the same kernel with checks off, and tier 1 and the full checks over the vendor's forward (what a step
+    without a mask runs: abft/given_forward.py for the full checks) against that forward, SDPA's and the kernel's
+    full checks, bf16, causal, per shape."""
     import torch
 
     from attnchecker.attention import vendor

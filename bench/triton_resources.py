@@ -6,7 +6,8 @@ executes: its machine instructions by class (``--mix``: tensor-core products, fp
 shuffles, barriers, spill loads and stores), which a change to the checks can be weighed by before a GPU is at hand.
 
     .venv/bin/python bench/triton_resources.py [--arch 90] [--head-dim 64] [--mix [--lines N]] [--by-dot auto|on|off]
-        [--warps 4|8] [--tiles M,N,WARPS,STAGES] [--types-only] [--out docs/perf/triton_resources.json]
+        [--warps 4|8] [--tiles M,N,WARPS,STAGES] [--types-only] [--only VARIANT[;VARIANT]]
+        [--out docs/perf/triton_resources.json]
 
 The tiles and warps are those the launcher picks on that arch for each variant's dtype (``gpu_blocks`` with its
 shared memory per block). Each kernel is compiled as Triton's JIT specialises a launch on a GPU (``source``): a
@@ -50,6 +51,7 @@ from triton.compiler import ASTSource
 
 from attnchecker.abft import Tolerance
 from attnchecker.kernels import triton_attention as ta
+from attnchecker.kernels import triton_given_check
 
 VARIANTS: dict[str, dict[str, Any]] = {
     # name: (dtype, MODE, REPAIR, extra constexprs)
@@ -109,7 +111,7 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, *, launched: bool 
               **{f"s{x}{a}": v for x in "kvo" for a, v in zip("bhtd" if x == "o" else "bhsd", (h * t * d, t * d, d, 1),
                                                                strict=True)},
               **dict(zip(("smb", "smh", "smt", "sms"), mask_strides, strict=True)),
-              "skmb": h * t, "skmh": t, "H": h, "GROUP": 1, "T": t, "S": t, "D": d, "HK": h,
+              "skmb": h * t, "skmh": t, "H": h, "GROUP": 1, "T": t, "S": t, "S_PAD": t, "D": d, "HK": h,
               "N_BLOCKS": t // blocks.m, "N_TILES": t // blocks.n, "N_KEY_TILES": t // blocks.n, "window": 0,
               "n_faults": 0}
     signature: dict[str, Any] = {}
@@ -124,9 +126,9 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, *, launched: bool 
         elif name in ("Seed", "Faults"):
             signature[name] = "*i64"
         elif name in ("Lse", "Status", "Records", "Saved", "FaultValues", "FaultSeen", "Debug", "KMax", "KeyTiles",
-                      "KeyNorms", "ValueTiles", "ValueNorms"):
+                      "KeyNorms", "ValueTiles", "ValueNorms", "VC", "VCMax"):
             signature[name] = "*fp32"
-        elif name in ("scale", "dropout_p"):
+        elif name in ("scale", "dropout_p", "tau_u", "kappa_u32", "kappa_a_u32", "a_floor_u", "near_inf"):
             signature[name] = "fp32"
         elif name in ("s_row", "s_col", "c_row", "c_col"):
             signature[name] = ("fp32",) * len(ta._terms_of(Tolerance(), None, blocks.m, blocks.n, blocks.d)[0])
@@ -184,6 +186,15 @@ INTERIOR_EDITS = (
      "            if NEVER:\n                z = tl.where(valid, z, float(\"-inf\"))", 1),
     ("        BY_DOT: tl.constexpr,\n    ):\n        pid_m = tl.program_id(0)",
      "        BY_DOT: tl.constexpr, NEVER: tl.constexpr = False,\n    ):\n        pid_m = tl.program_id(0)", 1),
+)
+
+
+# The same for the full checks over the vendor's forward (kernels/triton_given_check.py).
+GIVEN_INTERIOR_EDITS = (
+    ("            if tc.holds_masked(pid_m * BLOCK_M, start_n, T, S, 0, BLOCK_M, BLOCK_N, IS_CAUSAL, False):",
+     "            if NEVER:", 1),
+    ("        DOT: tl.constexpr,\n    ):\n        \"\"\"Identities A and B",
+     "        DOT: tl.constexpr, NEVER: tl.constexpr = False,\n    ):\n        \"\"\"Identities A and B", 1),
 )
 
 
@@ -362,8 +373,14 @@ def main() -> None:
                              "launcher's choice, e.g. 128,64,8,3 (gpu_suite.py's FORWARD_TILES_TRIED)")
     parser.add_argument("--types-only", action="store_true",
                         help="compile from the argument types alone, not specialised as a GPU launch is")
+    parser.add_argument("--only", default=None, metavar="VARIANT[;VARIANT]",
+                        help="compile only these of the kernel's variants (names as printed, ';'-separated); the "
+                             "full checks over the vendor's forward are always compiled")
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     args = parser.parse_args()
+    only = None if args.only is None else [x.strip() for x in args.only.split(";")]
+    if only is not None and (unknown := sorted(set(only) - set(VARIANTS))):
+        parser.error(f"--only: unknown variants {unknown}; choose from {list(VARIANTS)}")
     d = args.head_dim
     # The tiles the launcher picks on that arch (gpu_blocks with its shared memory per block, per dtype): 64 × 32
     # past head dim 64 and 16 × 16 past 128 on the 99 KB GPUs; 4 warps or 8.
@@ -379,6 +396,8 @@ def main() -> None:
 
     rows = []
     for name, spec in VARIANTS.items():
+        if only is not None and name not in only:
+            continue
         t0 = time.perf_counter()
         spec = dict(spec)
         dtype = spec.pop("dtype")
@@ -421,6 +440,32 @@ def main() -> None:
                       "warps": blocks.warps, **resources(compiled.asm["cubin"])})
         print(f"{'tier 1 over the vendor forward (_trip_given)':45s} {dtype:5s} {blocks.m} rows warps "
               f"{blocks.warps}: {given[-1]['reg']} registers, {given[-1]['stack']} B stack (spills)", flush=True)
+    # The full checks over the vendor's forward (kernels/triton_given_check.py): its key-tile loop, on the tiles the
+    # launcher gives the full checks, against the plain kernel's loop above.
+    for dtype in ("bf16", "fp16"):
+        t0 = time.perf_counter()
+        blocks = ta.given_check_blocks(ta.gpu_blocks(d, limit, TORCH_DTYPES[dtype], full=True))
+        if args.warps:
+            blocks = dataclasses.replace(blocks, warps=args.warps)
+        if args.tiles:
+            m, n, warps, stages = (int(x) for x in args.tiles.split(","))
+            blocks = dataclasses.replace(blocks, m=m, n=n, warps=warps, stages=stages)
+        compiled = build(triton_given_check._check_given, dtype, blocks, {})
+        row = {"variant": f"full checks over the vendor's forward (_check_given), {dtype}", "dtype": dtype,
+               "head_dim": d, "block_m": blocks.m, "block_n": blocks.n, "warps": blocks.warps, "stages": blocks.stages,
+               "launched": launched, **resources(compiled.asm["cubin"]), "shared_launch": compiled.metadata.shared}
+        if args.mix:
+            row.update(_per_scores(loop_mix(compiled.asm["cubin"]), blocks))
+            inner = build(edited_module(triton_given_check, "interior", GIVEN_INTERIOR_EDITS)._check_given, dtype,
+                          blocks, {})
+            row["interior"] = {**resources(inner.asm["cubin"]), **_per_scores(loop_mix(inner.asm["cubin"]), blocks)}
+            if args.lines:
+                row["interior"].update(loop_lines(inner.asm["cubin"], top=args.lines))
+                print(f"{row['variant']}, interior loop by source line:\n{lines_table(row['interior'])}", flush=True)
+        rows.append(row)
+        print(f"{row['variant']:45s} {blocks.m}x{blocks.n} warps {blocks.warps}: {row['reg']} registers, "
+              f"{row['stack']} B stack (spills), {row['shared_launch']} B shared ({time.perf_counter() - t0:.0f} s)",
+              flush=True)
     if args.mix:
         print_mix(rows)
     if args.out is not None:

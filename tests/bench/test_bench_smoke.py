@@ -263,8 +263,12 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
             "sdpa_ms", "vendor_ms", "tier1_given_ms", "tier1_given_over_vendor", "tier1_given_over_sdpa"} \
         <= set(doc["kernel"]["rows"][0])
     assert set(doc["kernel"]["rows"][0]["warps_by_form"]) == {"off", "full"}  # what each ran on (block_sizes)
-    # A clean call with either form of the row references flags nothing, and its worst ratio sits under the bound.
-    for form in ("full", "full_fp32_refs"):
+    # The full checks over the vendor's forward, timed beside the vendor's, SDPA's and the kernel's full checks.
+    assert {"full_given_ms", "full_given_over_vendor", "full_given_over_sdpa", "full_given_over_full"} \
+        <= set(doc["kernel"]["rows"][0])
+    # A clean call with either form of the row references, or over the vendor's forward, flags nothing, and its
+    # worst ratio sits under the bound.
+    for form in ("full", "full_fp32_refs", "full_given"):
         assert doc["kernel"]["rows"][0][f"{form}_flagged"] is False
         assert 0.0 < doc["kernel"]["rows"][0][f"{form}_worst_ratio"] < 1.0
     # The backward's two forms of the references, timed side by side (run(refs_by_dot=False)).
@@ -489,6 +493,8 @@ def test_gemm_rule_terms_bench_weighs_both_forms_of_the_rule_on_clean_products(t
 def test_the_kernel_benches_refuse_a_form_they_cannot_time_before_timing_anything() -> None:
     """bench_checks(forms=...) of either kernel: a name not in its BENCH_FORMS, or the vendor's forms without a
     vendor, is a ValueError that names what to choose from, raised before any kernel runs."""
+    import torch
+
     from attnchecker.kernels import triton_attention, triton_attention_bwd
 
     shape = {"b": 1, "h": 1, "t": 16, "d": 16, "device": "cpu", "reps": 1}
@@ -497,6 +503,9 @@ def test_the_kernel_benches_refuse_a_form_they_cannot_time_before_timing_anythin
     assert "'abft'" in str(forward.value)
     with pytest.raises(ValueError, match="need vendor="):
         triton_attention.bench_checks(**shape, forms=("tier1_given",))
+    with pytest.raises(ValueError, match="full_given bf16 or fp16"):
+        triton_attention.bench_checks(**shape, forms=("full_given",), dtype=torch.float32,
+                                      vendor=lambda *_a, **_k: None)
     with pytest.raises(ValueError, match="choose from") as backward:
         triton_attention_bwd.bench_checks(**shape, forms=("full",))  # the forward's name
     assert "'full'" in str(backward.value)

@@ -47,6 +47,7 @@ Legend: B batch, H query heads, Hk key/value heads, T queries, S keys, D head di
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator
@@ -338,8 +339,11 @@ def forward(
         out = torch.empty((b, h, t, d), dtype=q_BHTD.dtype, device=dev)
         lse = torch.empty((b, h, t), dtype=torch.float32, device=dev)
     checking = checks.mode is not None and (checks.scores or checks.context)
-    # The one device op besides the kernels: the call's status, which the programs raise with atomics.
-    status = torch.zeros(4, dtype=torch.float32, device=dev) if checking else out
+    # The one device op besides the kernels: the call's status, which the programs raise with atomics; over a given
+    # forward's full checks, each key head's largest |v·e| and |v·w| after it (_value_sums raises them too).
+    given_full = given is not None and checks.mode == "full"
+    zeros = torch.zeros(4 + (2 * b * hk if given_full else 0), dtype=torch.float32, device=dev) if checking else out
+    status = zeros[:4]
     records = torch.empty((b * h, n_blocks, 2, RECORD), dtype=torch.float32, device=dev) if checking else None
     # The fast pass keeps a flagged block's first flagged row where it checks rows only (_note_rows).
     saved = torch.empty((b * h, n_blocks, 2, len(SAVED_FIELDS) + max(blk.m, blk.n, blk.d)), dtype=torch.float32,
@@ -425,8 +429,8 @@ def forward(
             launch(MODE=mode, REPAIR=False)
         elif checking and mode == 2:
             assert records is not None and k_max_BHkS is not None
-            _check_given(q_BHTD, k_BHSD, v_BHSD, out, lse, k_max_BHkS, status, records, scale=scale, checks=checks,
-                         blk=blk, n_blocks=n_blocks, is_causal=is_causal)
+            _check_given(q_BHTD, k_BHSD, v_BHSD, out, lse, k_max_BHkS, status, zeros[4:].view(b * hk, 2), records,
+                         scale=scale, checks=checks, blk=blk, n_blocks=n_blocks, is_causal=is_causal)
         elif checking:
             assert records is not None and k_max_BHkS is not None
             _trip_given[(n_blocks, b * h)](
@@ -444,25 +448,43 @@ def given_full_takes(dtype: torch.dtype, checks: Checks) -> bool:
     return dtype in GIVEN_DTYPES and checks.scores and checks.context and checks.tol.mode == "roundoff"
 
 
+GIVEN_CHECK_WARPS = 4
+"""The warps of a ``_check_given`` program on a GPU's tiles, whatever the full checks' kernel takes: it holds no
+value tile and no context (24 KB of shared memory at D = 64, 48 KB at 128), so two programs fit an SM on 4 warps
+where our checked kernel's one holds it on 8. Compiled offline for sm_90 at D = 128 (bf16, bench/triton_resources.py
+--mix [--warps 8]), its key-tile loop issues 742 instructions per 1,000 scores of a tile with no masked element on 8
+warps, which compute the tile twice (``_four_warps``), and 511 on 4 (a 40 B spill stack)."""
+
+
+def given_check_blocks(blk: Blocks) -> Blocks:
+    """The tiles of the full checks' pass over a given forward: the call's (its repair launch recomputes those
+    blocks), on GIVEN_CHECK_WARPS warps where the tile has 64 rows (a GPU's; the interpreter's 16 × 16 keep theirs)."""
+    return dataclasses.replace(blk, warps=GIVEN_CHECK_WARPS) if blk.m >= 64 else blk
+
+
 def _check_given(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                 k_max_BHkS: torch.Tensor, status: torch.Tensor, records: torch.Tensor, *, scale: float,
-                 checks: Checks, blk: Blocks, n_blocks: int, is_causal: bool) -> None:
-    """The full checks' first pass over a given forward: v·[e, w] per key (one launch), then the identities per
-    query block (one launch) into ``records`` and ``status``, as ``_attention``'s first pass writes them."""
+                 k_max_BHkS: torch.Tensor, status: torch.Tensor, vc_max_BHk2: torch.Tensor, records: torch.Tensor, *,
+                 scale: float, checks: Checks, blk: Blocks, n_blocks: int, is_causal: bool) -> None:
+    """The full checks' first pass over a given forward: v·[e, w] per key and their largest magnitudes per key head
+    (one launch; vc_max_BHk2 zeroed by the caller), then the identities per query block (one launch) into
+    ``records`` and ``status``, as ``_attention``'s first pass writes them."""
     from . import triton_given_check as given
 
     b, h, t, d = q.shape
     hk, s = k.shape[1], k.shape[2]
-    vc_BHkS2 = torch.empty((b * hk, s, 2), dtype=torch.float32, device=q.device)
-    given._value_sums[(triton.cdiv(s, blk.n), b * hk)](
-        v, vc_BHkS2, *v.stride(), hk, s, d, BLOCK_N=blk.n, BLOCK_D=blk.d, num_warps=blk.warps)
+    warps = given_check_blocks(blk).warps
+    n_key_tiles = triton.cdiv(s, blk.n)
+    vc_BHk2S = torch.empty((b * hk, 2, n_key_tiles * blk.n), dtype=torch.float32, device=q.device)
+    given._value_sums[(n_key_tiles, b * hk)](
+        v, vc_BHk2S, vc_max_BHk2, *v.stride(), hk, s, n_key_tiles * blk.n, d, BLOCK_N=blk.n, BLOCK_D=blk.d,
+        num_warps=warps)
     tau_u, kappa_u32, kappa_a_u32, a_floor_u = given_rule(q.dtype, checks.tol).scalars()
     given._check_given[(n_blocks, b * h)](
-        q, k, out, lse, vc_BHkS2, k_max_BHkS, status, records, *q.stride(), *k.stride(), *out.stride(),
-        *k_max_BHkS.stride()[:2], h, h // hk, t, s, d, n_blocks, scale, tau_u, kappa_u32, kappa_a_u32, a_floor_u,
-        checks.tol.near_inf,
+        q, k, out, lse, vc_BHk2S, vc_max_BHk2, k_max_BHkS, status, records, *q.stride(), *k.stride(), *out.stride(),
+        *k_max_BHkS.stride()[:2], h, h // hk, t, s, n_key_tiles * blk.n, d, n_blocks, scale, tau_u, kappa_u32,
+        kappa_a_u32, a_floor_u, checks.tol.near_inf,
         BLOCK_M=blk.m, BLOCK_N=blk.n, BLOCK_D=blk.d, IS_CAUSAL=is_causal, DOT=dot_mode(q.dtype, None),
-        num_warps=blk.warps)
+        num_warps=warps)
 
 
 @contextlib.contextmanager
@@ -1248,8 +1270,8 @@ if triton is not None:
 
 
 BENCH_FORMS: tuple[str, ...] = ("off", "tier1", "full", "full_scores", "full_context", "full_no_repair",
-                                 "full_fp32_refs", "sdpa", "vendor", "tier1_given")
-"""What ``bench_checks`` can time (the last two need ``vendor``)."""
+                                 "full_fp32_refs", "sdpa", "vendor", "tier1_given", "full_given")
+"""What ``bench_checks`` can time (the last three need ``vendor``)."""
 
 
 def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = True, reps: int = 20,
@@ -1268,7 +1290,9 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
 
     vendor: attention/vendor.forward, to time tier 1 as a default step runs it where the vendor takes the
     call: the vendor's forward alone ("vendor") and with the pass over it and the repair launch ("tier1_given"),
-    each also over SDPA's forward. blocks: the kernel's tiles (default ``block_sizes`` for the device). forms: time
+    each also over SDPA's forward; and the full checks over the vendor's forward, as a full step runs them there
+    (abft/given_forward.py: "full_given", over the vendor's and SDPA's forwards and over ``full``), with its worst
+    clean ratio and whether it flagged. blocks: the kernel's tiles (default ``block_sizes`` for the device). forms: time
     only these of BENCH_FORMS ("off" always: the others are over it); None, all (the vendor's where it is given)."""
     import statistics
     import time
@@ -1283,13 +1307,13 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
         "sdpa": "sdpa"}
     if vendor is not None:
         variants |= {"vendor": "vendor", "tier1_given": "tier1_given"}
+        if given_full_takes(dtype, Checks(mode="full")):
+            variants["full_given"] = "full_given"
     if forms is not None:
-        bad = sorted(set(forms) - set(BENCH_FORMS))
-        if vendor is None:
-            bad += sorted({"vendor", "tier1_given"} & set(forms))
+        bad = sorted(set(forms) - set(variants))  # unknown, or the vendor's without one
         if bad:
-            raise ValueError(f"bench_checks: cannot time {bad} here; choose from {BENCH_FORMS} (the vendor's two need "
-                             f"vendor=)")
+            raise ValueError(f"bench_checks: cannot time {bad} here; choose from {BENCH_FORMS} (the vendor's three "
+                             f"need vendor=, full_given bf16 or fp16)")
         variants = {name: form for name, form in variants.items() if name == "off" or name in forms}
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -1304,10 +1328,10 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
                 torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
             elif checks == "vendor":
                 vendor(q, k, v, is_causal=causal, scale=scale)
-            elif checks == "tier1_given":
+            elif checks in ("tier1_given", "full_given"):
                 made = vendor(q, k, v, is_causal=causal, scale=scale)
-                forward(q, k, v, scale=scale, checks=Checks(mode="tier1"), is_causal=causal,
-                        given=(made.out_BHTD, made.lse_BHT), blocks=blocks)
+                forward(q, k, v, scale=scale, checks=Checks(mode="tier1" if checks == "tier1_given" else "full"),
+                        is_causal=causal, given=(made.out_BHTD, made.lse_BHT), blocks=blocks)
             else:
                 assert isinstance(checks, Checks)
                 forward(q, k, v, scale=scale, checks=checks, is_causal=causal, blocks=blocks)
@@ -1325,6 +1349,14 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
         status = forward(q, k, v, scale=scale, checks=Checks(mode="full", repair=False, refs_by_dot=by_dot),
                          is_causal=causal, blocks=blocks).status.tolist()  # syncs: read once, after the timing
         got |= {f"{name}_flagged": bool(status[0] or status[1]), f"{name}_worst_ratio": max(status[2], status[3])}
+    if "full_given" in variants:
+        made = vendor(q, k, v, is_causal=causal, scale=scale)
+        status = forward(q, k, v, scale=scale, checks=Checks(mode="full", repair=False), is_causal=causal,
+                         given=(made.out_BHTD, made.lse_BHT), blocks=blocks).status.tolist()  # syncs: as above
+        got |= {"full_given_flagged": bool(status[0] or status[1]), "full_given_worst_ratio": max(status[2:4])}
+        for over in ("vendor", "sdpa", "full"):
+            if over in variants:
+                got[f"full_given_over_{over}"] = med["full_given"] / med[over]
     if {"vendor", "tier1_given", "tier1", "sdpa"} <= set(variants):
         got |= {"tier1_given_over_vendor": med["tier1_given"] / med["vendor"],
                 "tier1_given_over_sdpa": med["tier1_given"] / med["sdpa"],

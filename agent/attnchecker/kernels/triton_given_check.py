@@ -2,11 +2,12 @@
 CPU tensors under Triton's interpreter (tests).
 
 1. ``_value_sums``, one program per key tile of a (batch, key head): v_j·e and v_j·w (w = 1..D) per key, fp32,
-   (B·Hk, S, 2). Every query block reads them instead of V: 8 bytes a key where V's tile is 2·D.
+   (B·Hk, 2, S rounded up to whole key tiles), and their largest magnitudes per key head. Every query block reads
+   them instead of V: 8 bytes a key where V's tile is 2·D.
 2. ``_check_given``, one program per block of BLOCK_M queries of a (batch, head), over the key tiles the block sees:
    the scores again (tl.dot, as our forward computes them), P' = 2^(log2(e)·(scale·S − lse)) against the vendor's
-   lse (no running max: lse is the row's), and per row Σ_j P', Σ_j P'(v_j·c), Σ_j P'²(v_j·c)² and the keys' largest
-   |v_j·c|, for c = e, w. After the loop, identities A and B with their bounds (abft/given_forward.py), in fp32.
+   lse (no running max: lse is the row's), and per row Σ_j P', Σ_j P'(v_j·c) and Σ_j P'²(v_j·c)² for c = e, w.
+   After the loop, identities A and B with their bounds (abft/given_forward.py), in fp32.
    A flagged row writes the block's record as our forward's first pass does (kernels/triton_attention.FIELDS: A's in
    "scores", B's in "context"), and the call's status: any flag per op, and the worst clean ratio per op. A single
    wrong output element is placed by its two residuals (d_w / d_e = its column + 1, abft.repair's rule), or by being
@@ -16,7 +17,7 @@ The repair launch that follows (triton_attention.forward) recomputes every flagg
 full checks, into the vendor's out and lse, on the device. No host-device sync.
 
 Compared with our checked forward on a clean call: no P·V product, no running max or rescaling, no checksum tallies
-over score or context tiles; one tile GEMM (the scores), one exp2 and six fp32 multiply-adds and reductions a score.
+over score or context tiles; one tile GEMM (the scores), one exp2 and five row sums a score.
 Legend: B batch, H query heads, Hk key/value heads, T queries, S keys, D head dim; n = batch·H + head.
 """
 from __future__ import annotations
@@ -37,10 +38,13 @@ if triton is not None:
 
     @triton.jit
     def _value_sums(
-        V, VC, svb, svh, svs, svd, HK, S, D,
+        V, VC, VCMax, svb, svh, svs, svd, HK, S, S_PAD, D,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        """VC (B·Hk, S, 2) fp32: per key j, v_j·e and v_j·w, w = 1..D."""
+        """VC (B·Hk, 2, S_PAD) fp32: per key j, v_j·e and v_j·w, w = 1..D, 0 past S (S_PAD: S rounded up to whole
+        key tiles, so the check's loop loads them unmasked and contiguous); VCMax (B·Hk, 2), zeroed before: their
+        largest magnitudes over the key head's keys (the bound's accumulation term: an upper bound for every row,
+        without a reduction across the block in the check's loop)."""
         pid_s = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_n = pid_s * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -51,9 +55,14 @@ if triton is not None:
         v = tl.load(v_at + offs_n[:, None] * svs + offs_d[None, :] * svd, mask=key_ok[:, None] & d_ok[None, :],
                     other=0.0).to(tl.float32)
         w_d = tl.where(d_ok, tc.weights(BLOCK_D), 0.0)
-        at = VC + pid_n.to(tl.int64) * S * 2 + offs_n * 2
-        tl.store(at, tc.rsum(v, 1), mask=key_ok)
-        tl.store(at + 1, tc.rsum(v * w_d[None, :], 1), mask=key_ok)
+        at = VC + pid_n.to(tl.int64) * S_PAD * 2 + offs_n
+        vc_e = tc.rsum(v, 1)
+        vc_w = tc.rsum(v * w_d[None, :], 1)
+        tl.store(at, vc_e)
+        tl.store(at + S_PAD, vc_w)
+        # A NaN value makes its key's sums NaN, and the identities flag every row that sees it; the max skips it.
+        tl.atomic_max(VCMax + pid_n.to(tl.int64) * 2, tc.rmax(tl.where(key_ok, tl.abs(vc_e), 0.0), 0))
+        tl.atomic_max(VCMax + pid_n.to(tl.int64) * 2 + 1, tc.rmax(tl.where(key_ok, tl.abs(vc_w), 0.0), 0))
 
     @_jit
     def _place(o, d_e, d_w, bad_b, D, near_inf):
@@ -95,9 +104,9 @@ if triton is not None:
 
     @triton.jit
     def _check_given(
-        Q, K, Out, Lse, VC, KMax, Status, Records,
+        Q, K, Out, Lse, VC, VCMax, KMax, Status, Records,
         sqb, sqh, sqt, sqd, skb, skh, sks, skd, sob, soh, sot, sod, skmb, skmh,
-        H, GROUP, T, S, D, N_BLOCKS, scale, tau_u, kappa_u32, kappa_a_u32, a_floor_u, near_inf,
+        H, GROUP, T, S, S_PAD, D, N_BLOCKS, scale, tau_u, kappa_u32, kappa_a_u32, a_floor_u, near_inf,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
         DOT: tl.constexpr,
     ):
@@ -108,18 +117,16 @@ if triton is not None:
         q = rows(Q, b, h, offs_m, offs_d, sqb, sqh, sqt, sqd, row_ok, d_ok)
         q_op = operand(q, DOT)
         qf = q.to(tl.float32)
-        o = rows(Out, b, h, offs_m, offs_d, sob, soh, sot, sod, row_ok, d_ok).to(tl.float32)
+        q_norm = tl.sqrt(tc.rsum(qf * qf, 1))
         lse = tl.load(Lse + pid_n.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
         lse2 = lse * tc.LOG2E
         k_at = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
-        vc_at = VC + (b * (H // GROUP) + hk).to(tl.int64) * S * 2
+        vc_at = VC + (b * (H // GROUP) + hk).to(tl.int64) * S_PAD * 2
         a = tl.full([BLOCK_M], 0, tl.float32)
         ref_e = tl.full([BLOCK_M], 0, tl.float32)
         ref_w = tl.full([BLOCK_M], 0, tl.float32)
         sq_e = tl.full([BLOCK_M], 0, tl.float32)
         sq_w = tl.full([BLOCK_M], 0, tl.float32)
-        vc_max_e = tl.full([], 0, tl.float32)
-        vc_max_w = tl.full([], 0, tl.float32)
         hi = S
         if IS_CAUSAL:
             hi = tl.minimum(hi, (pid_m + 1) * BLOCK_M)
@@ -129,12 +136,15 @@ if triton is not None:
             k = tl.load(k_at + offs_n[:, None] * sks + offs_d[None, :] * skd, mask=key_ok[:, None] & d_ok[None, :],
                         other=0.0)
             s = dot(q_op, tl.trans(operand(k, DOT)), DOT)
-            valid = key_ok[None, :] & row_ok[:, None]
-            if IS_CAUSAL:
-                valid = valid & (offs_n[None, :] <= offs_m[:, None])
-            p = tl.where(valid, tl.math.exp2(s * (scale * tc.LOG2E) - lse2[:, None]), 0.0)
-            vc_e = tl.load(vc_at + offs_n * 2, mask=key_ok, other=0.0)
-            vc_w = tl.load(vc_at + offs_n * 2 + 1, mask=key_ok, other=0.0)
+            p = tl.math.exp2(s * (scale * tc.LOG2E) - lse2[:, None])
+            # The per-element mask only on a tile that may hold a masked key (tc.holds_masked).
+            if tc.holds_masked(pid_m * BLOCK_M, start_n, T, S, 0, BLOCK_M, BLOCK_N, IS_CAUSAL, False):
+                valid = key_ok[None, :] & row_ok[:, None]
+                if IS_CAUSAL:
+                    valid = valid & (offs_n[None, :] <= offs_m[:, None])
+                p = tl.where(valid, p, 0.0)
+            vc_e = tl.load(vc_at + offs_n)
+            vc_w = tl.load(vc_at + S_PAD + offs_n)
             pe = p * vc_e[None, :]
             pw = p * vc_w[None, :]
             a += tc.rsum(p, 1)
@@ -142,10 +152,12 @@ if triton is not None:
             ref_w += tc.rsum(pw, 1)
             sq_e += tc.rsum(pe * pe, 1)
             sq_w += tc.rsum(pw * pw, 1)
-            vc_max_e = tl.maximum(vc_max_e, tc.rmax(tl.abs(vc_e), 0))
-            vc_max_w = tl.maximum(vc_max_w, tc.rmax(tl.abs(vc_w), 0))
 
-        # The bounds' per-row terms (abft/given_forward.py): n keys seen, sigma the largest score allowed.
+        # The bounds' per-row terms (abft/given_forward.py): n keys seen, sigma the largest score allowed, the key
+        # head's largest |v·c| (over all its keys: an upper bound of the row's).
+        kv = (b * (H // GROUP) + hk).to(tl.int64) * 2
+        vc_max_e = tl.load(VCMax + kv)
+        vc_max_w = tl.load(VCMax + kv + 1)
         n_keys = tl.full([BLOCK_M], S, tl.int32)
         if IS_CAUSAL:
             n_keys = tl.minimum(offs_m + 1, S)
@@ -153,7 +165,9 @@ if triton is not None:
         seen = tl.minimum(S, tl.cdiv(hi, BLOCK_N) * BLOCK_N)
         k_max = tl.load(KMax + b.to(tl.int64) * skmb + hk.to(tl.int64) * skmh + tl.maximum(seen - 1, 0),
                         mask=seen > 0, other=0.0)
-        sigma = tl.abs(scale) * tl.sqrt(tc.rsum(qf * qf, 1)) * k_max
+        sigma = tl.abs(scale) * q_norm * k_max
+        # The vendor's output rows only now: held through the loop they would take a register per element a thread.
+        o = rows(Out, b, h, offs_m, offs_d, sob, soh, sot, sod, row_ok, d_ok).to(tl.float32)
         w_d = tl.where(d_ok, tc.weights(BLOCK_D), 0.0)
         oa = tl.abs(o)
         d_e = a * tc.rsum(o, 1) - ref_e
