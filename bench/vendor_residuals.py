@@ -22,11 +22,13 @@ from the kernel's own inputs, O and lse:
 - what each form could catch: its bound in units of the row's output RMS, the smallest single output element error
   (c = ones) it flags.
 
-``rB / (u·(w2 + w3))`` and ``rB / (u·(w2 + w3_walk))`` over every clean row are the constants a random-walk bound
-needs; the sensitivity columns say what that buys over the rigorous form, whose reach falls as a row sees more keys
-(docs/performance.md §11). Inputs: Gaussian q, k, v ("randn"), scores four times larger ("peaky"), values with a
-mean of 1 (``v_mean``: the P roundings then add up along the values' common sign). On a GPU: FlashAttention,
-memory-efficient attention and cuDNN, where this PyTorch build has them; on the CPU its flash kernel.
+``given_a_ratio`` and ``given_b_ratio``: each clean row's residual over its bound in the check as built
+(abft/given_forward.py, with B normalised), which must stay under 1 on every vendor, and ``given_catches_rms`` what
+its B catches. ``rB / (u·(w2 + w3))`` and ``rB / (u·(w2 + w3_walk))`` over every clean row are the constants a
+random-walk bound needs; the sensitivity columns say what that buys over the rigorous form, whose reach falls as a
+row sees more keys (docs/performance.md §11). Inputs: Gaussian q, k, v ("randn"), scores four times larger
+("peaky"), values with a mean of 1 (``v_mean``: the P roundings then add up along the values' common sign). On a GPU:
+FlashAttention, memory-efficient attention and cuDNN, where this PyTorch build has them; on the CPU its flash kernel.
 
     python bench/vendor_residuals.py [--dry-run] [--out docs/perf/vendor_residuals.json]
 
@@ -51,6 +53,9 @@ import _common
 
 _common.setup_path()
 import torch
+
+from attnchecker.abft import Tolerance
+from attnchecker.abft.given_forward import given_rule, identity_residuals
 
 UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
 """Unit roundoff of round-to-nearest in each dtype (half an ulp of 1)."""
@@ -145,6 +150,15 @@ def measure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
                 add("catches_worst_rms", u * (w1 + w3) / rms_R)
                 add("catches_walk_rms", u * (w2 + w3) / rms_R)
                 add("catches_walks_rms", u * (w2 + w3_walk) / rms_R)
+    # The check as built (abft/given_forward.py, the constants a protected step runs): each clean row's residual over
+    # its bound, A and B (the worse of c = e, w), and what B catches in one output element, in RMS units.
+    hs = list(heads)
+    built = identity_residuals(q[:1, hs], k[:1, hs], v[:1, hs], out[:1, hs], lse[:1, hs], scale=scale,
+                               is_causal=is_causal, rule=given_rule(v.dtype, Tolerance()), rows=rows)
+    add("given_a_ratio", (built["r_a"] / built["b_a"]).flatten())
+    add("given_b_ratio", (built["d_c"].abs() / built["b_c"]).amax(-1).flatten())
+    rms_HR = out[0, hs][:, rows].double().pow(2).mean(-1).sqrt()
+    add("given_catches_rms", (built["b_c"][0, :, :, 0] / built["a"][0] / rms_HR).flatten())
     return {name: _pcts(torch.cat(xs)) for name, xs in got.items()}
 
 
@@ -207,16 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     lines = [[r["backend"], r["dtype"], r["t"], r["d"], r["causal"], r["inputs"], r["rB_ones_over_worst"]["p100"],
               r["rB_ones_over_walk"]["p100"], r["rB_ones_over_walks"]["p100"], r["rB_ramp_over_walks"]["p100"],
               r["rA_over_walk"]["p100"], r["catches_worst_rms"]["p50"], r["catches_walk_rms"]["p50"],
-              r["catches_walks_rms"]["p50"]] for r in ok]
+              r["catches_walks_rms"]["p50"], r["given_a_ratio"]["p100"], r["given_b_ratio"]["p100"],
+              r["given_catches_rms"]["p50"]] for r in ok]
     print(_common.table(lines, ["backend", "dtype", "T", "D", "causal", "inputs", "B/worst max", "B/walk max",
                                 "B/walks max", "B ramp/walks max", "A/walk max", "catches (RMS), worst p50",
-                                "walk p50", "walks p50"]))
+                                "walk p50", "walks p50", "built: A max", "built: B max", "built: catches p50"]))
     for r in got["rows"]:
         if "error" in r:
             print(f"{r['backend']} {r['dtype']} T={r['t']} D={r['d']}: {r['error']}")
     got["worst"] = {key: worst(ok, key) for key in ("rB_ones_over_worst", "rB_ones_over_walk", "rB_ramp_over_walk",
                                                     "rB_ones_over_walks", "rB_ramp_over_walks", "rA_over_walk",
-                                                    "rA_over_worst", "rA_over_input_scores")}
+                                                    "rA_over_worst", "rA_over_input_scores", "given_a_ratio",
+                                                    "given_b_ratio")}
     path = _common.write_result("vendor_residuals", got, args.out)
     print(f"\nworst over every row: {got['worst']}\nwrote {path}")
     return 0

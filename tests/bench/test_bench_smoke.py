@@ -515,7 +515,8 @@ def test_vendor_residuals_measures_a_clean_vendor_forward_and_sees_one_wrong_out
     """bench/vendor_residuals.py on the CPU's flash kernel: every configuration measured, the context identity's
     residual under both forms of its bound on every clean row (what any bound of a full check over the vendor's
     forward must allow), the random-walk form catching smaller errors than the rigorous one. The same measurement
-    with one output element moved by 5 times the output's RMS puts that row far past the bound: the measure is of O."""
+    with one output element moved by 5 times the output's RMS puts that row far past the bound: the measure is of O.
+    The check as built (abft/given_forward.py) holds every clean row under its bounds and flags the moved one."""
     out = tmp_path / "vendor_residuals.json"
     proc = subprocess.run([sys.executable, str(BENCH / "vendor_residuals.py"), "--dry-run", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
@@ -524,7 +525,8 @@ def test_vendor_residuals_measures_a_clean_vendor_forward_and_sees_one_wrong_out
     rows = doc["rows"]
     assert len(rows) == 12 and all("error" not in r for r in rows)
     for r in rows:
-        for form in ("rB_ones_over_worst", "rB_ones_over_walk", "rB_ramp_over_worst", "rB_ramp_over_walk"):
+        for form in ("rB_ones_over_worst", "rB_ones_over_walk", "rB_ramp_over_worst", "rB_ramp_over_walk",
+                     "given_a_ratio", "given_b_ratio"):
             assert 0 <= r[form]["p100"] < 1, (form, r)
         assert r["catches_walks_rms"]["p50"] <= r["catches_walk_rms"]["p50"] <= r["catches_worst_rms"]["p50"]
     sys.path.insert(0, str(BENCH))
@@ -540,6 +542,9 @@ def test_vendor_residuals_measures_a_clean_vendor_forward_and_sees_one_wrong_out
     hit = vr.measure(q, k, v, bad, lse, is_causal=True, scale=32 ** -0.5, rows=rows_R, heads=(0,))
     assert clean["rB_ones_over_walk"]["p100"] < 1 < 5 < hit["rB_ones_over_walk"]["p100"]
     assert hit["rA"] == clean["rA"]  # the log-sum-exp's identity does not read O
+    # The check as built flags that row too, by B alone.
+    assert clean["given_b_ratio"]["p100"] < 1 < 5 < hit["given_b_ratio"]["p100"]
+    assert hit["given_a_ratio"] == clean["given_a_ratio"]
 
 
 def test_the_device_scripts_tests_section_keeps_a_failures_traceback_when_its_budget_stops_it(tmp_path: Path) -> None:

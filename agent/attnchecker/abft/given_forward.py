@@ -83,20 +83,22 @@ def given_rule(dtype: torch.dtype, tol: Tolerance) -> GivenRule:
 
 
 def identity_residuals(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, out_BHTD: torch.Tensor,
-                       lse_BHT: torch.Tensor, *, scale: float, is_causal: bool, rule: GivenRule
-                       ) -> dict[str, torch.Tensor]:
+                       lse_BHT: torch.Tensor, *, scale: float, is_causal: bool, rule: GivenRule,
+                       rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per row, in float64: ``a`` (B, H, T), A's residual ``r_a`` and bound ``b_a``; B's signed residuals
     ``d_c`` = a·(O·c) − Σ_j P'(v·c) and bounds ``b_c`` (B, H, T, 2) for c = e, w; ``flag_a``, ``flag_b`` (a NaN or
-    INF anywhere flags). k, v on Hk heads dividing H (GQA); causal top-left, as SDPA's."""
+    INF anywhere flags). k, v on Hk heads dividing H (GQA); causal top-left, as SDPA's. rows: only these query rows
+    (indices into T; T becomes their count), for long sequences."""
     h, hk = q_BHTD.shape[1], k_BHSD.shape[1]
-    q = q_BHTD.double()
+    at_T = torch.arange(q_BHTD.shape[-2], device=q_BHTD.device) if rows is None else rows
+    q = q_BHTD[:, :, at_T].double()
     k, v = (x.double().repeat_interleave(h // hk, dim=1) for x in (k_BHSD, v_BHSD))
-    o, lse = out_BHTD.double(), lse_BHT.double()
+    o, lse = out_BHTD[:, :, at_T].double(), lse_BHT[:, :, at_T].double()
     t, s, d = q.shape[-2], k.shape[-2], q.shape[-1]
     z_BHTS = scale * q @ k.mT
     keys = torch.ones(t, s, dtype=torch.bool, device=q.device)
     if is_causal:
-        keys = torch.arange(s, device=q.device)[None, :] <= torch.arange(t, device=q.device)[:, None]
+        keys = torch.arange(s, device=q.device)[None, :] <= at_T[:, None]
     p_BHTS = torch.where(keys, torch.exp(z_BHTS - lse[..., None]), 0.0)
     c_D2 = torch.stack([torch.ones(d, dtype=torch.float64, device=q.device),
                         torch.arange(1, d + 1, dtype=torch.float64, device=q.device)], 1)
