@@ -237,3 +237,29 @@ def test_attnchecker_attention_full_kernel_keeps_the_check_in_our_kernel(make_ct
     with scoped_env({triton_backend.FULL_ENV: "sometimes"}), pytest.raises(ValueError,
                                                                            match="ATTNCHECKER_ATTENTION_FULL"):
         triton_backend.full_requested()
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu_backward", "gpu_route_backward"])
+def test_under_scope_all_a_full_step_keeps_our_kernel_and_flags_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                                        cpu_kernel: bool) -> None:
+    """protect(scope="all", Policy.full()): the step checks the attention backward in full, whose identities take
+    the forward's lse as exact to our kernel's fp32 roundings, which the vendor's is not. The forward stays in our
+    kernel there (the vendor's op never runs), and clean bf16 steps flag nothing, on the CPU's encoded backward and
+    on the Triton backward a GPU runs (with the vendor's lse it flagged clean blocks)."""
+    from attnchecker.attention.backward import fused
+
+    monkeypatch.setattr(fused, "cpu_kernel", cpu_kernel)
+    model = build("gpt2", **ZOO_ONE_LAYER["gpt2"]).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with attnchecker.protect(model, optimizer=opt, policy=attnchecker.Policy.full(), scope="all") as guard:
+        for s in range(2):
+            counted = VendorForwardFault(call=-1, which=0, kind="nan", element=0)
+            opt.zero_grad(set_to_none=True)
+            with counted:
+                loss = loss_of("gpt2", model, batch("gpt2", s))
+            loss.backward()
+            opt.step()
+            assert counted.seen == 0
+        report = guard.report()
+        assert report.checks["scores"] == 4 and report.checks["grad_q"] == 4
+        assert guard.detections == [] and report.detected == 0

@@ -63,11 +63,12 @@ from ..abft.tile_terms import TileTerms, tile_terms
 from ..abft.tolerance import NEAR_INF, Tolerance
 from . import triton_checks as tc
 from . import triton_dropout
-from .triton_attention_tiles import dot, operand, publish, query_block, rows
 from .triton_common import SMALL_SHARED_MEMORY, device_function, host_table, interpreting, shared_per_block, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from .triton_attention_tiles import dot, operand, publish, query_block, rows
 
 __all__ = ["BY_DOT_MIN_ROWS", "FIELDS", "OPS", "OUTCOMES", "SAVED_FIELDS", "TILE_NORMS", "Checks", "Fault", "Result",
            "available", "emulated_faults", "forward", "interpreting", "located", "not_available_reason", "refs_by_dot",

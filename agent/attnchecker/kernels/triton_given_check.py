@@ -25,11 +25,12 @@ from __future__ import annotations
 from typing import Any
 
 from . import triton_checks as tc
-from .triton_attention_tiles import dot, operand, publish, query_block, rows
 from .triton_common import device_function, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from .triton_attention_tiles import dot, operand, publish, query_block, rows
 
 __all__: list[str] = []
 
