@@ -129,6 +129,54 @@ def test_gpu_tier1_over_the_vendor_forward_never_syncs_and_recomputes_a_fault(dt
     torch.testing.assert_close(fixed.lse_BHT, clean[1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_gpu_full_checks_over_flash_attention_flag_nothing_and_recompute_a_fault(dtype, gqa: bool, d: int) -> None:
+    """The full checks over FlashAttention's forward (abft/given_forward.py) on this GPU: a clean causal call of 1,024
+    queries flags nothing, its worst clean ratio stays under the bound, and the output is FlashAttention's own; one
+    output element moved by 4 times its row's RMS and an lse off by 0.01 are flagged and recomputed to SDPA's; all
+    under CUDA's sync detector. The bounds' constants come from the CPU flash kernel: this is where FlashAttention's
+    own rounding meets them."""
+    from attnchecker.attention import vendor
+
+    dev = torch.device("cuda")
+    q = seeded((2, 8, 1024, d), 0, dtype).to(dev)
+    k, v = (seeded((2, 2 if gqa else 8, 1024, d), i, dtype).to(dev) for i in (1, 2))
+    assert not vendor.not_supported_reasons(q, k, v, attn_mask=None, is_causal=True, dropout_p=0.0)
+    scale = d ** -0.5
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    checks = triton_attention.Checks(mode="full")
+    first = vendor.forward(q, k, v, is_causal=True, scale=scale)
+    assert first is not None
+    triton_attention.forward(q, k, v, scale=scale, checks=checks, is_causal=True,
+                             given=(first.out_BHTD, first.lse_BHT))  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        made = vendor.forward(q, k, v, is_causal=True, scale=scale)
+        assert made is not None
+        clean = (made.out_BHTD, made.lse_BHT)
+        kept = clean[0].clone()
+        got = triton_attention.forward(q, k, v, scale=scale, checks=checks, is_causal=True, given=clean)
+        made = vendor.forward(q, k, v, is_causal=True, scale=scale)
+        assert made is not None
+        faulty = (made.out_BHTD, made.lse_BHT)
+        rms = faulty[0][1, 5, 700].float().square().mean().sqrt()
+        faulty[0][1, 5, 700, 3] += (4 * rms).to(dtype)
+        faulty[1][0, 2, 100] += 0.01
+        fixed = triton_attention.forward(q, k, v, scale=scale, checks=checks, is_causal=True, given=faulty)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    status = got.status.tolist()
+    assert status[:2] == [0.0, 0.0] and max(status[2:]) < 1.0, status
+    assert torch.equal(got.out_BHTD, kept)
+    torch.testing.assert_close(got.out_BHTD, want, **TOL[dtype])
+    assert fixed.status[:2].tolist() == [1.0, 1.0]
+    torch.testing.assert_close(fixed.out_BHTD, want, **TOL[dtype])
+    torch.testing.assert_close(fixed.lse_BHT, clean[1], rtol=1e-4, atol=1e-4)
+
+
 def test_gpu_a_checked_call_s_time_is_its_device_time_at_the_step_boundary(make_ctx) -> None:
     """A full-check call on CUDA leaves its start and end events on the runtime (the host's clock around its
     launches would miss the kernels); the step boundary adds the time between them to its ops' check time."""
