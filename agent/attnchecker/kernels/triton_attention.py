@@ -62,7 +62,7 @@ from ..abft.repair import locate_and_fix
 from ..abft.tile_terms import TileTerms, tile_terms
 from ..abft.tolerance import NEAR_INF, Tolerance
 from . import triton_checks as tc
-from . import triton_dropout
+from . import triton_dropout, triton_given_check
 from .triton_common import SMALL_SHARED_MEMORY, device_function, host_table, interpreting, shared_per_block, triton
 
 if triton is not None:
@@ -469,18 +469,16 @@ def _check_given(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     """The full checks' first pass over a given forward: v·[e, w] per key and their largest magnitudes per key head
     (one launch; vc_max_BHk2 zeroed by the caller), then the identities per query block (one launch) into
     ``records`` and ``status``, as ``_attention``'s first pass writes them."""
-    from . import triton_given_check as given
-
     b, h, t, d = q.shape
     hk, s = k.shape[1], k.shape[2]
     warps = given_check_blocks(blk).warps
     n_key_tiles = triton.cdiv(s, blk.n)
     vc_BHk2S = torch.empty((b * hk, 2, n_key_tiles * blk.n), dtype=torch.float32, device=q.device)
-    given._value_sums[(n_key_tiles, b * hk)](
+    triton_given_check._value_sums[(n_key_tiles, b * hk)](
         v, vc_BHk2S, vc_max_BHk2, *v.stride(), hk, s, n_key_tiles * blk.n, d, BLOCK_N=blk.n, BLOCK_D=blk.d,
         num_warps=warps)
     tau_u, kappa_u32, kappa_a_u32, a_floor_u = given_rule(q.dtype, checks.tol).scalars()
-    given._check_given[(n_blocks, b * h)](
+    triton_given_check._check_given[(n_blocks, b * h)](
         q, k, out, lse, vc_BHk2S, vc_max_BHk2, k_max_BHkS, status, records, *q.stride(), *k.stride(), *out.stride(),
         *k_max_BHkS.stride()[:2], h, h // hk, t, s, n_key_tiles * blk.n, d, n_blocks, scale, tau_u, kappa_u32,
         kappa_a_u32, a_floor_u, checks.tol.near_inf,
