@@ -74,3 +74,25 @@ def kernel_everywhere(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
 
     return lower
 
+
+@pytest.fixture
+def triton_launches(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Triton kernel launches by kernel name (a collections.Counter), counted where the interpreter runs a grid
+    (GridExecutor). Skips where kernels are not interpreted (a GPU launches them)."""
+    import collections
+
+    from attnchecker.kernels import triton_attention
+
+    if not triton_attention.interpreting():
+        pytest.skip("counts the interpreter's launches")
+    import triton.runtime.interpreter as interpreter
+
+    counter: collections.Counter[str] = collections.Counter()
+    run = interpreter.GridExecutor.__call__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counter[self.fn.__name__] += 1
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    return counter

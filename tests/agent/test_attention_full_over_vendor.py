@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-import triton.runtime.interpreter as interpreter
 from gemm_injector import FUSED_FORWARD, FusedBackwardFault, worst_rel
 from model_zoo import batch, build, loss_of
 from scoped_env import scoped_env
@@ -73,19 +72,6 @@ class VendorForwardFault(FusedBackwardFault):
         self.hit = True
         self.seen += 1
         return out
-
-
-@pytest.fixture
-def triton_launches(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
-    counter: collections.Counter[str] = collections.Counter()
-    run = interpreter.GridExecutor.__call__
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        counter[self.fn.__name__] += 1
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
-    return counter
 
 
 def _qkv(dtype: torch.dtype, t: int = 32) -> tuple[torch.Tensor, ...]:

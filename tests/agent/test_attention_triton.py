@@ -554,22 +554,6 @@ class TorchCalls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture
-def triton_launches(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
-    """Kernel launches by kernel name, counted where the interpreter runs a grid (GridExecutor)."""
-    if not triton_attention.interpreting():
-        pytest.skip("counts the interpreter's launches")
-    counter: collections.Counter[str] = collections.Counter()
-    run = interpreter.GridExecutor.__call__
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        counter[self.fn.__name__] += 1
-        return run(self, *args, **kwargs)
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
-    return counter
-
-
 DEVICE_WORK = ("zeros", "randint", "isfinite", "where", "bucketize", "index_add_", "double", "sum", "add_", "maximum",
                "to", "float", "linalg_vector_norm", "vector_norm", "nan_to_num_", "cummax", "norm", "amax",
                "contiguous", "reshape")
