@@ -13,7 +13,8 @@ scan is issue-bound past ~0.6 instructions an element (``issue_vs_hbm`` > 1: the
     .venv/bin/python bench/triton_gemm_resources.py [--shape llama_7b|gpt2] [--dtype bf16|fp16|fp32]
         [--kernels operand_pass,...] [--operand-tiles BR,BC,WARPS] [--out docs/perf/triton_gemm_resources.json]
 
-Compiling the check pass and the repair kernel takes a minute or two on one core the first time (Triton caches them).
+Compiling the check pass and the repair kernel takes a minute or two on one core the first time (cached in the
+checkout, as bench/triton_resources.py caches).
 """
 from __future__ import annotations
 

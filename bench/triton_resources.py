@@ -21,17 +21,20 @@ branch), the clean path (``clean_path``: the full checks' flag-only branches nev
 per-element mask). ``--lines N`` attributes the interior loop's instructions to the source lines they were
 compiled from and keeps the N costliest (``loop_lines``): where a change to the checks would save.
 
-Compiling a full-check variant takes about a minute on one CPU core (the repair variant two), the first time: Triton
-caches what it compiled.
+Compiling a full-check variant takes about a minute on one CPU core (the repair variant two), the first time: the
+tool caches what it compiled in .cache/triton-resources/ of the checkout, one cache per version of the kernels'
+sources (``own_cache``), not in Triton's shared cache.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import linecache
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -52,6 +55,30 @@ from triton.compiler import ASTSource
 from attnchecker.abft import Tolerance
 from attnchecker.kernels import triton_attention as ta
 from attnchecker.kernels import triton_given_check
+
+KERNELS = Path(ta.__file__).parent
+CACHE = ROOT / ".cache" / "triton-resources"
+
+
+def own_cache() -> Path:
+    """Point Triton's cache, for this process, at one of this checkout's own, keyed by the kernels' sources, and
+    return it. Triton's cache key is a kernel's source and its first line, not its file: a cubin that another
+    checkout compiled (a worktree since removed, say) carries that checkout's paths in its line table, and a device
+    function moved within its file keeps its old lines there. ``loop_lines`` reads the lines back from the files
+    named, so they must be these files as they are now. Caches of earlier versions are removed."""
+    digest = hashlib.sha256()
+    for path in sorted(KERNELS.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    here = CACHE / digest.hexdigest()[:16]
+    here.mkdir(parents=True, exist_ok=True)
+    for old in CACHE.iterdir():
+        if old != here:
+            shutil.rmtree(old, ignore_errors=True)
+    triton.knobs.cache.dir = str(here)
+    return here
+
+
+own_cache()
 
 VARIANTS: dict[str, dict[str, Any]] = {
     # name: (dtype, MODE, REPAIR, extra constexprs)

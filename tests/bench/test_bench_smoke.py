@@ -368,7 +368,7 @@ def test_attached_bench_measures_the_protected_copy_against_its_own_bare_control
     assert bare["corrected_ratio"]["cpu"] == pytest.approx(measured / own)
 
 
-def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() -> None:
+def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build(tmp_path: Path) -> None:
     """bench/triton_resources.py's --mix (docs/performance.md §7, §9): the loop it counts is the key-tile loop, the one
     holding the tile products on the tensor cores, and a variant that checks more issues more there. Compiled
     offline as an H100's JIT specialises the launch (Triton's compiler, its bundled ptxas and cuobjdump), no GPU; in
@@ -376,7 +376,8 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
     one warpgroup a 64-row tile issues fewer instructions per score than on two (which compute QKᵀ and the softmax
     twice, or reduce each row across the warpgroups), and a tile with no masked element skips the mask's, in the
     forward and in the backward's query pass. And the loop by source line (loop_lines), which must account for every
-    instruction of it."""
+    instruction of it, read from this checkout's files: Triton's shared cache (here an empty one) is neither read nor
+    written, since a cubin in it may name another checkout's files."""
     code = (
         "import json, sys, dataclasses; sys.path.insert(0, 'bench'); import torch, triton, triton_resources as tr\n"
         "from triton.backends.compiler import GPUTarget\n"
@@ -396,12 +397,15 @@ def test_triton_resources_counts_the_key_tile_loop_of_an_offline_sm90_build() ->
         "                      __import__('triton_kernels').kernels._query_pass, d=64, check=0, block=32, warps=4,\n"
         "                      mix=True).items() if k in ('loop_instructions', 'loop_special', 'interior')}}))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    shared = tmp_path / "triton-cache"
+    shared.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "TRITON_CACHE_DIR": str(shared)}
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=540,
                           check=False, env=env)
     if proc.returncode != 0 and "No module named 'triton'" in proc.stderr:
         pytest.skip("triton is not installed")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not any(shared.iterdir())
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     plain, tier1 = got["plain"], got["tier1"]
     assert got["warps"] == 4  # bf16 at head dim 64 on an H100: one warpgroup a tile
