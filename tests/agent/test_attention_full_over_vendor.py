@@ -10,7 +10,8 @@ and the repair kernel recomputes a flagged block.
   the clean one's.
 - Through protect(): GPT-2 and Llama (grouped key/value heads) in bf16 under Policy.full(): the vendor's op is the
   attention of every layer, a fault in it is corrected and the step's loss and gradients are the clean step's within
-  the repaired block's rounding, 0 false positives over clean steps in bf16 and fp16.
+  the repaired block's rounding, 0 false positives over clean steps in bf16 and fp16. And the default policy: its
+  first full check after a quiet period, and the step after a fault, which verifies the faulty op alone.
 - ATTNCHECKER_ATTENTION_FULL=kernel keeps the full check in our kernel; anything else is refused.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 import torch
 from gemm_injector import FUSED_FORWARD, FusedBackwardFault, worst_rel
 from model_zoo import batch, build, loss_of
+from quiet_period import step_until_due_after_quiet
 from scoped_env import scoped_env
 from sync_counter import SyncCounter
 from test_attention_layer import seeded
@@ -249,3 +251,44 @@ def test_under_scope_all_a_full_step_keeps_our_kernel_and_flags_nothing(monkeypa
         report = guard.report()
         assert report.checks["scores"] == 4 and report.checks["grad_q"] == 4
         assert guard.detections == [] and report.detected == 0
+
+
+def test_the_default_policy_after_a_quiet_period_checks_over_the_vendor_forward(triton_launches) -> None:
+    """protect(model, optimizer=opt) with the default policy, bf16 GPT-2: after the schedule has gone quiet (scores
+    not checked in full for 7 steps or more, each step's attention the vendor's under the tripwire), the next full
+    check runs over the vendor's forward and corrects NaN written below autograd into its output. That fault drops
+    the context check's period to 1 while the scores check's stays: on the next step context alone is verified and
+    scores trapped, and that step's full check runs over the vendor's forward too (one identities launch and one
+    repair launch per layer, no first pass of our kernel), flags nothing clean, and corrects the same fault."""
+    arch = "gpt2"
+    model = build(arch, **ZOO_ONE_LAYER[arch]).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every step the same computation
+    with attnchecker.protect(model, optimizer=opt) as guard:
+        def step(fault: VendorForwardFault) -> collections.Counter[str]:
+            before = collections.Counter(triton_launches)
+            opt.zero_grad(set_to_none=True)
+            with fault:
+                loss = loss_of(arch, model, batch(arch, 0))
+            loss.backward()
+            opt.step()  # the guard's step boundary too
+            assert fault.seen == 2  # the vendor's op is each layer's attention
+            return collections.Counter(triton_launches) - before
+
+        def quiet_step(due: bool) -> None:
+            launched = step(VendorForwardFault(call=-1, which=0, kind="nan", element=0))
+            assert launched["_check_given"] == (2 if due else 0)
+
+        step_until_due_after_quiet(guard, quiet_step)
+        assert guard.detections == []
+        launched = step(VendorForwardFault(call=0, which=0, kind="nan", element=77))
+        assert [(d.op, d.action, d.tier) for d in guard.detections] == [("context", "recomputed", "abft")]
+        assert launched["_check_given"] == 2
+
+        assert guard.check_config.checks("context") and not guard.check_config.checks("scores")
+        launched = step(VendorForwardFault(call=-1, which=0, kind="nan", element=0))
+        assert launched == collections.Counter({"_value_sums": 2, "_check_given": 2, "_attention": 2})
+        assert len(guard.detections) == 1
+        assert guard.check_config.checks("context") and not guard.check_config.checks("scores")
+        step(VendorForwardFault(call=1, which=0, kind="nan", element=77))
+        assert [(d.op, d.action, d.tier) for d in guard.detections[1:]] == [("context", "recomputed", "abft")]
+        assert all(torch.isfinite(p).all() for p in model.parameters())
