@@ -2,7 +2,8 @@
 the schedule changes which ops are checked, and how, from step to step inside the ops' bodies, so it costs no
 recompilation; every injected extreme fault is corrected, and the losses and the trained weights are the fault-free
 ones, on the CPU's GEMM check path and on the Triton path a GPU takes. One tiny Llama, 20 steps: Inductor builds C++
-here, tens of seconds per graph."""
+here, tens of seconds per graph. And in bf16 on the Triton attention route, whose checks run over the vendor's fused
+forward inside the compiled graphs' attention op."""
 from __future__ import annotations
 
 import math
@@ -104,3 +105,68 @@ def test_inductor_training_corrects_every_fault_without_recompiling(gemm: str, m
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
     assert kept_count() == 0  # every graph a checked op kept for its backward was used and dropped
     assert (tg.LAUNCHES.by_kernel.get("check_pass", 0) > 0) == (gemm == "triton")
+
+
+def test_inductor_bf16_attention_is_checked_over_the_vendor_forward_without_recompiling(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 Llama under Inductor on the Triton attention route a GPU takes (its kernels under Triton's interpreter
+    here), every other step checked in full: the compiled graphs call the checked attention op, inside which the
+    vendor's fused forward computes each call and our passes test it, in full on the even steps and by tier 1 on the
+    odd ones, never our kernel's first pass. The check changes from step to step inside one graph: no recompilation,
+    nothing flagged, and the losses are the unprotected compiled model's within bf16 rounding. (A fault planned with
+    attnchecker.inject goes into our kernel's products, so its runs take our kernel: the test above.)"""
+    from torch._inductor.compile_fx import compile_fx
+
+    from attnchecker.attention.backends import BACKEND_ENV
+    from attnchecker.kernels import triton_attention
+
+    if not triton_attention.available("cpu"):
+        pytest.skip("the Triton attention on CPU tensors needs Triton's interpreter")
+    import triton.runtime.interpreter as interpreter
+
+    steps = 6
+    launches: dict[str, int] = {}
+    run = interpreter.GridExecutor.__call__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        launches[self.fn.__name__] = launches.get(self.fn.__name__, 0) + 1
+        return run(self, *args, **kwargs)
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, backend: Any) -> list[float]:
+        compiled = torch.compile(model, backend=backend)
+        losses = []
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_of(ARCH, compiled, batch(ARCH, step))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    torch._dynamo.reset()
+    want_model = build(ARCH).to(torch.bfloat16)
+    backend, unprotected_graphs = _counting(None)
+    want = train(want_model, torch.optim.SGD(want_model.parameters(), lr=1e-2), backend)
+
+    torch._dynamo.reset()
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
+    model = build(ARCH).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    backend, graphs = _counting(compile_fx)
+    try:
+        with attnchecker.protect(model, optimizer=opt, policy=attnchecker.Policy(period=2, adaptive=False)) as guard:
+            got = train(model, opt, backend)
+            detections = list(guard.detections)
+            backends = {name for _, name in guard.coverage.backends}
+    finally:
+        torch._dynamo.reset()
+
+    assert graphs[0] <= unprotected_graphs[0] + 2, (graphs, unprotected_graphs)
+    assert backends == {"triton"}
+    # Per layer, on each of the 3 full steps: v·[e, w] and the identities; on each of the 3 tier-1 steps, the pass
+    # over the vendor's output and lse; on all 6, the repair launch (which returns at once on a clean block).
+    assert launches == {"_value_sums": 6, "_check_given": 6, "_trip_given": 6, "_attention": 12}, launches
+    assert detections == []
+    assert all(math.isfinite(x) for x in got)
+    assert max(rel_diff(a, b) for a, b in zip(got, want, strict=True)) <= 2e-2, (got, want)
