@@ -47,6 +47,50 @@ print(json.dumps({"file": attnchecker.__file__, "available": available, "backend
 """
 
 
+_TRITON_CHECK = """
+import json, torch
+import triton.runtime.interpreter as interpreter
+import attnchecker
+from attnchecker import Policy
+from attnchecker.inject import Fault, FaultPlan
+from attnchecker.kernels import triton_attention, triton_attention_tiles, triton_checks, triton_given_check
+
+launches = {}
+run = interpreter.GridExecutor.__call__
+def counted(self, *args, **kwargs):
+    launches[self.fn.__name__] = launches.get(self.fn.__name__, 0) + 1
+    return run(self, *args, **kwargs)
+interpreter.GridExecutor.__call__ = counted
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+    def forward(self, x):
+        q, k, v = (t.view(1, 64, 2, 16).transpose(1, 2) for t in self.qkv(x).split(32, -1))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(1, 64, 32))
+
+torch.manual_seed(0)
+model = Attention().to(torch.bfloat16)
+x = torch.randn(1, 64, 32).to(torch.bfloat16)
+plan = FaultPlan([Fault(op="scores", layer=0, step=1, kind="inf", seed=1)])
+with attnchecker.protect(model, policy=Policy.full(), faults=plan) as guard:
+    per_step = []
+    for _ in range(2):
+        before = dict(launches)
+        out = model(x)
+        guard.step()
+        per_step.append({n: c - before.get(n, 0) for n, c in launches.items() if c > before.get(n, 0)})
+    detections = [(d.op, d.step, d.action) for d in guard.detections]
+    backends = sorted({name for _, name in guard.coverage.backends})
+print(json.dumps({"files": [m.__file__ for m in (triton_attention, triton_attention_tiles, triton_checks,
+                                                  triton_given_check)],
+                  "per_step": per_step, "detections": detections, "backends": backends,
+                  "finite": bool(torch.isfinite(out).all())}))
+"""
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The wheel, built once from a copy of agent/ (a build writes build/ and egg-info beside its sources)."""
@@ -105,6 +149,38 @@ def test_a_fresh_venv_without_a_compiler_gets_the_native_kernels_from_the_wheel(
         assert Path(path).name == f"{Path(name).stem}-{best}.so"
     assert not cache.exists()  # nothing was compiled
     assert "not available" not in done.stderr, done.stderr
+
+
+def test_the_wheel_carries_every_module_of_the_package(wheel: Path) -> None:
+    """Every module of the source tree is in the wheel: the Triton kernels' too, which only a GPU (or the interpreter)
+    imports, so a run on CPU would not notice one missing."""
+    names = set(zipfile.ZipFile(wheel).namelist())
+    tree = {str(p.relative_to(AGENT)) for p in (AGENT / "attnchecker").rglob("*.py") if "__pycache__" not in p.parts}
+    assert tree and tree <= names, sorted(tree - names)
+
+
+def test_an_installed_wheel_runs_the_triton_attention_over_the_vendor_forward_and_in_its_kernel(
+        fresh_venv: Path, tmp_path: Path) -> None:
+    """From the installed wheel, under Triton's interpreter (ATTNCHECKER_ATTENTION=triton, the route a GPU takes): a
+    clean bf16 call under Policy.full() is checked over the vendor's forward (v·[e, w], the identities, the repair
+    launch), and INF planned in the next step's scores runs the call in our checked kernel, which corrects it. Triton
+    reads each kernel's source from its file, so the kernels must be installed as source."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1",
+           "ATTNCHECKER_ATTENTION": "triton"}
+    done = subprocess.run([str(fresh_venv), "-c", _TRITON_CHECK], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, check=False)
+    if done.returncode != 0 and "No module named 'triton'" in done.stderr:
+        pytest.skip("triton is not installed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    venv = fresh_venv.parent.parent
+    assert all(Path(f).is_relative_to(venv) for f in got["files"]), got["files"]
+    assert got["backends"] == ["triton"]
+    assert got["per_step"][0] == {"_value_sums": 1, "_check_given": 1, "_attention": 1}
+    assert got["per_step"][1]["_attention"] == 2  # our kernel's first pass and its repair
+    (op, step, action), = got["detections"]
+    assert (op, step) == ("scores", 1) and action in ("corrected", "recomputed"), got["detections"]
+    assert got["finite"]
 
 
 def test_no_kernel_to_be_had_is_a_warning_that_says_what_is_lost_and_how_to_get_it(
