@@ -127,7 +127,7 @@ def source(dtype: str, blocks: ta.Blocks, kernel: Any = None, *, launched: bool 
     consts = {"BLOCK_M": blocks.m, "BLOCK_N": blocks.n, "BLOCK_D": blocks.d, "IS_CAUSAL": True, "WINDOWED": False,
               "MASK_KIND": 0, "DROPOUT": False, "MODE": 2, "CHECK_SCORES": True, "CHECK_CONTEXT": True,
               "CALIBRATED": True, "TF32": False, "DOT": 0, "COLS": False, "REPAIR": False, "FAULTS": False,
-              "DEBUG": False, "K_MAX_GIVEN": False, "KEY_TILES": False, "VALUE_TILES": False,
+              "DEBUG": False, "K_MAX_GIVEN": False, "KEY_TILES": False, "VALUE_TILES": False, "NORMALISE_LSE": False,
               "BY_DOT": dtype in ("bf16", "fp16") and blocks.m >= ta.BY_DOT_MIN_ROWS, **constexprs}
     if "NEVER" in names:
         consts["NEVER"] = False  # interior_kernel's never-taken branch

@@ -228,12 +228,13 @@ def test_attnchecker_attention_full_kernel_keeps_the_check_in_our_kernel(make_ct
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu_backward", "gpu_route_backward"])
-def test_under_scope_all_a_full_step_keeps_our_kernel_and_flags_nothing(monkeypatch: pytest.MonkeyPatch,
-                                                                        cpu_kernel: bool) -> None:
+def test_under_scope_all_a_full_step_checks_over_the_vendor_and_flags_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                                              cpu_kernel: bool) -> None:
     """protect(scope="all", Policy.full()): the step checks the attention backward in full, whose identities take
-    the forward's lse as exact to our kernel's fp32 roundings, which the vendor's is not. The forward stays in our
-    kernel there (the vendor's op never runs), and clean bf16 steps flag nothing, on the CPU's encoded backward and
-    on the Triton backward a GPU runs (with the vendor's lse it flagged clean blocks)."""
+    the forward's lse as exact to fp32's rounding of the row's exp-sum, which the vendor's is not. The forward is
+    the vendor's op, checked over, and its lse normalised by the check; clean bf16 steps flag nothing, on the CPU's
+    encoded backward and on the Triton backward a GPU runs (with the vendor's lse as it came, the Triton backward
+    flagged 16 clean blocks)."""
     from attnchecker.attention.backward import fused
 
     monkeypatch.setattr(fused, "cpu_kernel", cpu_kernel)
@@ -247,7 +248,7 @@ def test_under_scope_all_a_full_step_keeps_our_kernel_and_flags_nothing(monkeypa
                 loss = loss_of("gpt2", model, batch("gpt2", s))
             loss.backward()
             opt.step()
-            assert counted.seen == 0
+            assert counted.seen == 2
         report = guard.report()
         assert report.checks["scores"] == 4 and report.checks["grad_q"] == 4
         assert guard.detections == [] and report.detected == 0
@@ -292,3 +293,33 @@ def test_the_default_policy_after_a_quiet_period_checks_over_the_vendor_forward(
         step(VendorForwardFault(call=1, which=0, kind="nan", element=77))
         assert [(d.op, d.action, d.tier) for d in guard.detections[1:]] == [("context", "recomputed", "abft")]
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(("op", "side"), [("scores_bwd", "keys"), ("grad_q", "queries"), ("grad_v", "keys")])
+def test_under_scope_all_a_backward_fault_after_the_vendor_forward_is_corrected(monkeypatch: pytest.MonkeyPatch,
+                                                                             op: str, side: str) -> None:
+    """protect(scope="all", Policy.full()), bf16 GPT-2, the Triton backward a GPU runs: on the second step, INF
+    emulated in a product of the first backward call (the last layer's). Every forward is the vendor's, checked over
+    with its lse normalised for the backward, and the backward's check recomputes the flagged blocks: events at that
+    layer and step, the faulty product's among them (an S fault is also seen in the dK and dV made from it), and the
+    step's gradients are the clean step's, bit for bit."""
+    from attnchecker.attention.backward import fused, triton_backward
+
+    monkeypatch.setattr(fused, "cpu_kernel", False)
+    model = build("gpt2", **ZOO_ONE_LAYER["gpt2"]).to(torch.bfloat16)
+    with attnchecker.protect(model, policy=attnchecker.Policy.full(), scope="all") as guard:
+        grads = []
+        for step in range(2):
+            counted = VendorForwardFault(call=-1, which=0, kind="nan", element=0)
+            model.zero_grad(set_to_none=True)
+            with counted:
+                loss = loss_of("gpt2", model, batch("gpt2", 0))
+            assert counted.seen == 2
+            faults = [triton_backward.KernelFault(op=op, n=1, row=9, col=3, side=side)] if step == 1 else []
+            with triton_backward.emulated_faults(faults):
+                loss.backward()
+            guard.step()
+            grads.append(_grads(model))
+        got = [(d.op, d.layer, d.step, d.action) for d in guard.detections]
+    assert (op, 1, 1, "recomputed") in got and all(g[1:] == (1, 1, "recomputed") for g in got), got
+    assert worst_rel(grads[1], grads[0]) == 0.0

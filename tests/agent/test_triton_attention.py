@@ -34,6 +34,7 @@ from attnchecker.abft.given_forward import given_rule, identity_residuals
 from attnchecker.abft.operand_moments import context_moments, scores_moments
 from attnchecker.abft.repair import MatrixReport
 from attnchecker.abft.tolerance import TF32_OPERAND_ROUNDOFF
+from attnchecker.abft.vector_rules import softmax_grad_rule
 from attnchecker.attention import vendor
 from attnchecker.attention.backends.triton import reports_of
 from attnchecker.checks.product import _verify
@@ -744,6 +745,47 @@ def test_full_checks_over_a_given_forward_catch_a_log_sum_exp_fault(dtype, causa
     assert ta.OUTCOMES[int(_field(got, "scores", n, row // BM, "outcome"))] == "recomputed"
     _, want_lse = reference(q, k, v, scale=0.25, is_causal=causal)
     torch.testing.assert_close(got.lse_BHT.double(), want_lse, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=12)
+@given(dtype=st.sampled_from(HALF), causal=st.booleans(), group=st.sampled_from([1, 2]), t=st.integers(1, 40),
+       scale_q=st.sampled_from([1.0, 4.0]), seed=st.integers(0, 2**20))
+def test_normalising_a_clean_given_lse_brings_it_inside_the_checked_backwards_allowance(dtype, causal, group, t,
+                                                                                      scale_q, seed) -> None:
+    """normalise_lse (a step whose attention backward is checked in full): over a clean vendor forward nothing
+    flags, the output stays the vendor's bit for bit, and every row's lse comes back within a third of what the
+    backward's identities allow the forward's lse and scores to differ by from the exact ones (ε_i of
+    abft.vector_rules.softmax_grad_rule: our own forward's rounding), from float64's log-sum-exp of the inputs."""
+    q, k, v = _vendor_qkv(dtype, group, t, seed)
+    q = (q.float() * scale_q).to(dtype)
+    out, lse = _vendor(q, k, v, causal)
+    want_out = out.clone()
+    got = run(q, k, v, scale=0.25, is_causal=causal, checks=ta.Checks(mode="full"), given=(out, lse),
+              normalise_lse=True)
+    assert got.status[:2].tolist() == [0.0, 0.0]
+    assert got.out_BHTD is out and got.lse_BHT is lse and torch.equal(out, want_out)
+    _, want_lse = reference(q, k, v, scale=0.25, is_causal=causal)
+    rule = softmax_grad_rule(t=t, s=t, d=16, dtype=dtype, tol=Tolerance())
+    k_norm = torch.linalg.vector_norm(k.repeat_interleave(group, dim=1).double(), dim=-1)  # (B, H, S)
+    k_max = k_norm.cummax(-1).values if causal else k_norm.amax(-1, keepdim=True)  # over the keys each row sees
+    sigma = 0.25 * torch.linalg.vector_norm(q.double(), dim=-1) * k_max
+    allowed = rule.eps_coef * sigma + rule.lse_coef * (1 + want_lse.abs())
+    assert float(((lse.double() - want_lse).abs() / allowed).max()) <= 1 / 3
+
+
+def test_normalising_the_given_lse_leaves_a_flagged_row_to_the_repair() -> None:
+    """normalise_lse with a wrong lse (off by 0.01, within no bound): identity A flags the row, which the
+    normalisation leaves alone, and the repair recomputes its block to the reference."""
+    q, k, v = _vendor_qkv(torch.bfloat16, 1, 32, 11)
+    out, lse = _vendor(q, k, v, False)
+    lse[0, 1, 20] += 0.01
+    got = run(q, k, v, scale=0.25, checks=ta.Checks(mode="full"), given=(out, lse), normalise_lse=True)
+    assert _flagged(got, "scores") == [[1, 1]]
+    assert ta.OUTCOMES[int(_field(got, "scores", 1, 1, "outcome"))] == "recomputed"
+    _, want_lse = reference(q, k, v, scale=0.25)
+    torch.testing.assert_close(got.lse_BHT.double(), want_lse, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="normalise_lse"):
+        run(q, k, v, checks=ta.Checks(mode="tier1"), given=(out, lse), normalise_lse=True)
 
 
 def test_full_checks_over_a_given_forward_detect_mode_reports_and_keeps_it() -> None:

@@ -304,6 +304,7 @@ def forward(
     blocks: Blocks | None = None,
     debug: bool = False,
     given: tuple[torch.Tensor, torch.Tensor] | None = None,
+    normalise_lse: bool = False,
 ) -> Result:
     """One checked attention forward: the kernel, then (checks.repair, and checks on) the repair kernel. q (B, H, T, D),
     k/v (B, Hk, S, D) with Hk dividing H (GQA: no copy), any strides; attn_mask bool (True = attend) or additive,
@@ -316,7 +317,8 @@ def forward(
     of the first pass: for tier 1, ``_trip_given`` reads them once and writes the records tier 1's pass writes; for
     the full checks (bf16 and fp16, both ops, a round-off tolerance), kernels/triton_given_check.py tests the
     identities of abft/given_forward.py and writes the records the first pass writes. The repair kernel then
-    recomputes a flagged block into them, as after that pass."""
+    recomputes a flagged block into them, as after that pass. normalise_lse (full checks over a given forward): the
+    given lse made exact to fp32's rounding in place, for a backward checked in full (kernels/triton_given_check.py)."""
     b, h, t, d = q_BHTD.shape
     hk, s = k_BHSD.shape[1], k_BHSD.shape[2]
     blk = blocks or block_sizes(d, q_BHTD.device, q_BHTD.dtype, full=checks.mode == "full")
@@ -331,6 +333,8 @@ def forward(
             raise ValueError(f"forward(given=...) with the full checks takes bfloat16 or float16 inputs, both ops and "
                              f"a round-off tolerance (abft/given_forward.py), got {q_BHTD.dtype}, scores="
                              f"{checks.scores}, context={checks.context}, tolerance {checks.tol.mode!r}")
+        if normalise_lse and checks.mode != "full":
+            raise ValueError("forward(normalise_lse=True) needs the full checks over a given forward")
         out, lse = given
         if out.shape != q_BHTD.shape or lse.shape != (b, h, t) or lse.dtype != torch.float32 \
                 or not lse.is_contiguous():
@@ -431,7 +435,8 @@ def forward(
         elif checking and mode == 2:
             assert records is not None and k_max_BHkS is not None
             _check_given(q_BHTD, k_BHSD, v_BHSD, out, lse, k_max_BHkS, status, zeros[4:].view(b * hk, 2), records,
-                         scale=scale, checks=checks, blk=blk, n_blocks=n_blocks, is_causal=is_causal)
+                         scale=scale, checks=checks, blk=blk, n_blocks=n_blocks, is_causal=is_causal,
+                         normalise_lse=normalise_lse)
         elif checking:
             assert records is not None and k_max_BHkS is not None
             _trip_given[(n_blocks, b * h)](
@@ -465,10 +470,12 @@ def given_check_blocks(blk: Blocks) -> Blocks:
 
 def _check_given(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  k_max_BHkS: torch.Tensor, status: torch.Tensor, vc_max_BHk2: torch.Tensor, records: torch.Tensor, *,
-                 scale: float, checks: Checks, blk: Blocks, n_blocks: int, is_causal: bool) -> None:
+                 scale: float, checks: Checks, blk: Blocks, n_blocks: int, is_causal: bool,
+                 normalise_lse: bool = False) -> None:
     """The full checks' first pass over a given forward: v·[e, w] per key and their largest magnitudes per key head
     (one launch; vc_max_BHk2 zeroed by the caller), then the identities per query block (one launch) into
-    ``records`` and ``status``, as ``_attention``'s first pass writes them."""
+    ``records`` and ``status``, as ``_attention``'s first pass writes them; normalise_lse: and the rows within A's
+    bound their lse + ln Σ_j P', in place."""
     b, h, t, d = q.shape
     hk, s = k.shape[1], k.shape[2]
     warps = given_check_blocks(blk).warps
@@ -483,7 +490,7 @@ def _check_given(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         *k_max_BHkS.stride()[:2], h, h // hk, t, s, n_key_tiles * blk.n, d, n_blocks, scale, tau_u, kappa_u32,
         kappa_a_u32, a_floor_u, checks.tol.near_inf,
         BLOCK_M=blk.m, BLOCK_N=blk.n, BLOCK_D=blk.d, IS_CAUSAL=is_causal, DOT=dot_mode(q.dtype, None),
-        num_warps=warps)
+        NORMALISE_LSE=normalise_lse, num_warps=warps)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,13 @@ CPU tensors under Triton's interpreter (tests).
 The repair launch that follows (triton_attention.forward) recomputes every flagged block in our own kernel, with its
 full checks, into the vendor's out and lse, on the device. No host-device sync.
 
+Where the attention backward is checked in full this step, ``_check_given`` also normalises the vendor's lse in place
+(``NORMALISE_LSE``): each row within A's bound gets lse + ln Σ_j P'. The backward's identities take the forward's lse
+as exact to fp32's roundings of the row's exp-sum (abft/vector_rules.softmax_grad_rule), as our forward's is; a
+vendor's lse within A's bound may be off by more (the CPU's flash kernel by about 6·10⁻⁵ in bf16 and fp16, three
+times the backward's allowance): with it the backward's checks flagged clean blocks. After the correction the row's
+probabilities sum to 1 to the rounding of this kernel's own sum, which is what our forward's lse gives.
+
 Compared with our checked forward on a clean call: no P·V product, no running max or rescaling, no checksum tallies
 over score or context tiles; one tile GEMM (the scores), one exp2 and five row sums a score.
 Legend: B batch, H query heads, Hk key/value heads, T queries, S keys, D head dim; n = batch·H + head.
@@ -109,9 +116,10 @@ if triton is not None:
         sqb, sqh, sqt, sqd, skb, skh, sks, skd, sob, soh, sot, sod, skmb, skmh,
         H, GROUP, T, S, S_PAD, D, N_BLOCKS, scale, tau_u, kappa_u32, kappa_a_u32, a_floor_u, near_inf,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-        DOT: tl.constexpr,
+        DOT: tl.constexpr, NORMALISE_LSE: tl.constexpr,
     ):
-        """Identities A and B of one query block over the vendor's out and lse (module doc)."""
+        """Identities A and B of one query block over the vendor's out and lse (module doc); NORMALISE_LSE: each row
+        within A's bound gets lse + ln Σ_j P' in place (module doc)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         b, h, hk, offs_m, offs_d, row_ok, d_ok = query_block(pid_m, pid_n, H, GROUP, T, D, BLOCK_M, BLOCK_D)
@@ -202,3 +210,7 @@ if triton is not None:
         clean_b = tc.rmax(tl.where(row_ok & ok_e & ok_w, ratio_b, 0.0), 0)
         tl.atomic_max(Status + 2, clean_a)
         tl.atomic_max(Status + 3, clean_b)
+        if NORMALISE_LSE:
+            # Only this program reads these rows' lse, and it has: the rows' own, now Σ_j P' = 1 to fp32's rounding
+            # of this sum. A flagged row keeps the vendor's; the repair launch rewrites its block.
+            tl.store(Lse + pid_n.to(tl.int64) * T + offs_m, lse + tl.log(a), mask=row_ok & ok_a)

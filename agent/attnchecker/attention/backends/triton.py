@@ -163,19 +163,15 @@ def _tiers(call: AttentionCall) -> dict[str, str]:
 def _full_over_vendor(call: AttentionCall, tiers: dict[str, str]) -> bool:
     """The full checks over the vendor's forward (kernels/triton_given_check.py) rather than in our kernel: an op
     verified and the other verified or trapped, inputs and tolerance the identities' bounds take
-    (kernel.given_full_takes), ATTNCHECKER_ATTENTION_FULL not "kernel", the backward not checked in full this step;
-    ``_vendor_takes`` besides."""
+    (kernel.given_full_takes), ATTNCHECKER_ATTENTION_FULL not "kernel"; ``_vendor_takes`` besides. Where the
+    backward is checked in full this step, the check normalises the vendor's lse for it (``_run``)."""
     checks = kernel.Checks(mode="full", tol=_tolerance(call.ctx))
     # One op verified and the other trapped is the default schedule's step after a fault (the faulty op's period
     # drops to min_period, the other's stays): our kernel checks both ops in full on such a step too and reports the
     # trapped one under tier "tripwire" (``_run``), so the identities, which test both, change nothing but the cost.
-    # Not where this step checks the attention backward in full (protect(scope="all")): its identities take the
-    # forward's lse as exact to fp32's roundings of our own kernel (abft.vector_rules.softmax_grad_rule), which the
-    # vendor's lse is not: with it the Triton backward's checks reported 16 clean blocks of two GPT-2 steps as
-    # uncorrectable (tests/agent/test_attention_full_over_vendor.py, the scope="all" test).
     return (set(tiers) == set(kernel.OPS) and "abft" in tiers.values()
             and kernel.given_full_takes(call.q_BHTD.dtype, checks)
-            and full_requested() == "vendor" and triton_backward.check_mode(call.ctx.runtime) != "abft")
+            and full_requested() == "vendor")
 
 
 def _vendor_takes(call: AttentionCall) -> bool:
@@ -212,7 +208,11 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
             got = kernel.forward(q.detach(), k.detach(), v.detach(), scale=call.scale, checks=checks,
                                  is_causal=call.is_causal, attn_mask=call.attn_mask, dropout_p=call.dropout_p,
                                  seed=seed, faults=faults, given=None if made is None else (made.out_BHTD,
-                                                                                            made.lse_BHT))
+                                                                                            made.lse_BHT),
+                                 # The backward's identities take the lse as exact to fp32's rounding (its full
+                                 # check this step): the vendor's is made so (kernels/triton_given_check.py).
+                                 normalise_lse=made is not None and mode == "full"
+                                 and triton_backward.check_mode(ctx.runtime) == "abft")
         except torch.OutOfMemoryError:
             raise  # the next backend needs more memory, not less
         except Exception as exc:
