@@ -25,7 +25,9 @@ Sections, in order (each records its own wall time; one that would pass the budg
    the checks inside the kernel), where the Triton backend is installed; the scores' and the context's checks each
    alone and both without the repair launch (where the full checks' cost lies), and SDPA's forward.
    vendor_residuals: bench/vendor_residuals.py, the vendor kernels' clean outputs against the identities a full check
-   over them would test, in fp64 (no timing; at most VENDOR_RESIDUALS_S of the budget).
+   over them would test, in fp64 (no timing; at most VENDOR_RESIDUALS_S of the budget); under "backward",
+   bench/vendor_backward_residuals.py, their clean gradients against a check over their backward's (at most
+   VENDOR_BACKWARD_RESIDUALS_S more).
    backward_kernel: the same for the Triton backward (kernels/triton_attention_bwd.py): check "abft" (its repair
    launch included), "abft_fp32_refs" (the same with every reference an fp32 sum) and "tripwire" against "off",
    SDPA's backward, and what a tier-1 step without dropout runs (SDPA's forward again and its backward, the tier-1
@@ -583,16 +585,23 @@ def _attribution(events: Any, steps: int, ours: set[str]) -> dict[str, Any]:
 
 VENDOR_RESIDUALS_S = 60.0
 """The vendor_residuals section's own time limit."""
+VENDOR_BACKWARD_RESIDUALS_S = 45.0
+"""Its backward part's, after it."""
 
 
 def vendor_residuals_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:
     """bench/vendor_residuals.py on this device's vendor kernels (FlashAttention, memory-efficient attention, cuDNN):
     how far their clean outputs are, in fp64, from the identities a full check over them would test (issue 32)."""
+    import vendor_backward_residuals
     import vendor_residuals
 
     # At most a minute of the suite's budget: its rows are data for a design, the timings after it are the targets'.
     got: dict[str, Any] = vendor_residuals.run(device=device, dry_run=args.dry_run,
                                                deadline=min(deadline, time.monotonic() + VENDOR_RESIDUALS_S))
+    # The backward's identities (abft/given_backward.py), not yet a check: whether their bounds hold on this GPU's
+    # vendors, before one is built.
+    got["backward"] = vendor_backward_residuals.run(
+        device=device, dry_run=args.dry_run, deadline=min(deadline, time.monotonic() + VENDOR_BACKWARD_RESIDUALS_S))
     return got
 
 

@@ -214,6 +214,8 @@ def test_gpu_suite_dry_run_runs_every_section_on_the_cpu(tmp_path: Path) -> None
                     "coverage", "tiles"):
         assert "error" not in doc[section] and "skipped" not in doc[section], (section, doc[section])
     assert [r["backend"] for r in doc["vendor_residuals"]["rows"] if "error" not in r] == ["cpu_flash"] * 12
+    backward = doc["vendor_residuals"]["backward"]["rows"]
+    assert [r["backend"] for r in backward if "error" not in r] == ["cpu_flash"] * 12
     steps = {(r["model"], r["seq"]): r for r in doc["steps"]}
     assert set(steps) == {("gpt2_small", 32), ("llama_7b", 32)}
     for row in steps.values():
@@ -549,6 +551,39 @@ def test_vendor_residuals_measures_a_clean_vendor_forward_and_sees_one_wrong_out
     # The check as built flags that row too, by B alone.
     assert clean["given_b_ratio"]["p100"] < 1 < 5 < hit["given_b_ratio"]["p100"]
     assert hit["given_a_ratio"] == clean["given_a_ratio"]
+
+
+def test_vendor_backward_residuals_measures_a_clean_vendor_backward_and_sees_one_wrong_gradient(tmp_path: Path
+                                                                                                  ) -> None:
+    """bench/vendor_backward_residuals.py on the CPU's flash kernel: every configuration measured, every clean row of
+    the three identities (abft/given_backward.py) under its bound and none flagged, the catches reported. The same
+    measurement with one dK element moved by 5 times its row's RMS puts that key far past the bound in K alone."""
+    out = tmp_path / "vendor_backward_residuals.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "vendor_backward_residuals.py"), "--dry-run", "--out",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 12 and all("error" not in r for r in rows)
+    for r in rows:
+        for name in "vkq":
+            assert 0 <= r[f"{name}_ratio"]["p100"] < 1 and r[f"{name}_flagged"] == 0, (name, r)
+            assert 0 < r[f"{name}_catches_rms"]["p50"] < 1, (name, r)
+    sys.path.insert(0, str(BENCH))
+    import torch
+    import vendor_backward_residuals as vbr
+    import vendor_residuals as vr
+
+    q, k, v = vr.inputs("randn", 1, 2, 96, 32, torch.bfloat16, "cpu", seed=0)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got = vbr.vendor_backward("cpu_flash", q, k, v, do, is_causal=True, scale=32 ** -0.5)
+    rows_R = torch.tensor([40])
+    clean = vbr.measure(q, k, v, do, got, is_causal=True, scale=32 ** -0.5, rows=rows_R, heads=(0,))
+    dk = got[3].clone()
+    dk[0, 0, 40, 7] += 5 * float(dk[0, 0, 40].float().pow(2).mean().sqrt())
+    hit = vbr.measure(q, k, v, do, (*got[:3], dk, got[4]), is_causal=True, scale=32 ** -0.5, rows=rows_R,
+                      heads=(0,))
+    assert clean["k_ratio"]["p100"] < 1 < 5 < hit["k_ratio"]["p100"] and hit["k_flagged"] == 1
+    assert hit["v_ratio"] == clean["v_ratio"] and hit["q_ratio"] == clean["q_ratio"]
 
 
 def test_the_device_scripts_tests_section_keeps_a_failures_traceback_when_its_budget_stops_it(tmp_path: Path) -> None:

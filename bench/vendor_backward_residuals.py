@@ -1,0 +1,148 @@
+"""How far a vendor's fused attention backward is from the identities a check over its gradients would test
+(abft/given_backward.py), measured in fp64: whether their bounds hold and what they catch at the shapes models use,
+before such a check is built (issue 32).
+
+Per configuration (dtype × T × D × causal × inputs, the forward's vendor_residuals.py inputs: Gaussian, scores four
+times larger, values with a mean of 1; dO Gaussian) the vendor runs the forward and the backward through its aten
+ops, and per sampled key (identities V and K) and query (Q) of two heads:
+
+- ``{v,k,q}_ratio``: each clean row's residual over its bound (the larger of c = e and c = w), which must stay under
+  1 on every vendor;
+- ``{v,k,q}_catches_rms``: the c = e bound in units of the row's gradient RMS: the smallest single wrong element it
+  flags (over the rows whose gradient is not 0).
+
+    python bench/vendor_backward_residuals.py [--dry-run] [--out docs/perf/vendor_backward_residuals.json]
+
+On a machine without a GPU it measures the CPU's flash kernel (a few minutes at T = 2048 and 8192); on a GPU,
+FlashAttention and memory-efficient attention where this build has them. ``--dry-run``: T = 96, head dims 16 and 32.
+Deterministic for a device and build; nothing here is a time.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common
+
+_common.setup_path()
+import torch
+from vendor_residuals import INPUTS, _pcts, inputs, sample_rows
+
+from attnchecker.abft import Tolerance
+from attnchecker.abft.given_backward import backward_identity_residuals, given_backward_rule
+
+
+def vendor_backward(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,
+                    is_causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """(out, lse, dq, dk, dv) of one vendor kernel's forward and backward through its aten ops."""
+    aten = torch.ops.aten
+    t = q.shape[-2]
+    if backend == "cpu_flash":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(do, q, k, v, out, lse, 0.0, is_causal,
+                                                                                scale=scale)
+    elif backend == "flash":
+        got = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset = got[:8]
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(do, q, k, v, out, lse, cum_q, cum_k, max_q,
+                                                                       max_k, 0.0, is_causal, seed, offset,
+                                                                       scale=scale)
+    elif backend == "efficient":
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal,
+                                                                              scale=scale)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(do, q, k, v, None, out, lse, seed,
+                                                                              offset, 0.0, [True, True, True, False],
+                                                                              is_causal, scale=scale)
+        lse = lse[..., :t]
+    else:
+        raise ValueError(f"unknown backend {backend!r}: cpu_flash, flash or efficient")
+    return out, lse.float(), dq, dk, dv
+
+
+def measure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, got: tuple[torch.Tensor, ...], *,
+            is_causal: bool, scale: float, rows: torch.Tensor, heads: tuple[int, ...]) -> dict[str, Any]:
+    """Percentiles over the sampled rows (as queries for Q, as keys for V and K) of ``heads`` of batch 0."""
+    out, lse, dq, dk, dv = got
+    hs = list(heads)
+
+    def pick(x: torch.Tensor) -> torch.Tensor:
+        return x[:1, hs]
+
+    r = backward_identity_residuals(pick(q), pick(k), pick(v), pick(out), pick(lse), pick(do), pick(dq), pick(dk),
+                                    pick(dv), scale=scale, is_causal=is_causal,
+                                    rule=given_backward_rule(q.dtype, Tolerance()), rows=rows, keys=rows)
+    found: dict[str, Any] = {}
+    for name, grad in (("v", dv), ("k", dk), ("q", dq)):
+        ratio = (r[f"d_{name}"].abs() / r[f"b_{name}"]).amax(-1)
+        rms = pick(grad)[:, :, rows].double().square().mean(-1).sqrt()
+        found[f"{name}_ratio"] = _pcts(ratio)
+        # A row whose gradient is 0 (a causal first query's dQ: its one probability is 1, so dS = 0) has no RMS.
+        found[f"{name}_catches_rms"] = _pcts((r[f"b_{name}"][..., 0] / rms)[rms > 0])
+        found[f"{name}_flagged"] = int(r[f"flag_{name}"].sum())
+    return found
+
+
+def backends_for(device: str) -> list[str]:
+    return ["cpu_flash"] if device == "cpu" else ["flash", "efficient"]
+
+
+def run(*, device: str, dry_run: bool, deadline: float | None = None) -> dict[str, Any]:
+    """Every configuration (module doc); a backend that cannot take one records its error and the next runs."""
+    import time
+
+    if dry_run:
+        seqs, dims, dtypes, n_rows, heads = (96,), (16, 32), (torch.bfloat16,), 24, (0, 1)
+    else:
+        seqs, dims, dtypes, n_rows, heads = (2048, 8192), (64, 128), (torch.bfloat16, torch.float16), 128, (0, 3)
+    rows_out = []
+    for dtype, t, d, causal, kind, backend in itertools.product(dtypes, seqs, dims, (True, False), INPUTS,
+                                                                backends_for(device)):
+        if deadline is not None and time.monotonic() > deadline:
+            rows_out.append({"skipped": "over the time budget"})
+            break
+        row: dict[str, Any] = {"backend": backend, "dtype": str(dtype).removeprefix("torch."), "t": t, "d": d,
+                               "causal": causal, "inputs": kind}
+        q, k, v = inputs(kind, 1, 4, t, d, dtype, device, seed=t + d)
+        do = torch.randn(q.shape, generator=torch.Generator().manual_seed(t + d + 1)).to(device=device, dtype=dtype)
+        scale = d ** -0.5
+        try:
+            with torch.no_grad():
+                got = vendor_backward(backend, q, k, v, do, is_causal=causal, scale=scale)
+                row.update(measure(q, k, v, do, got, is_causal=causal, scale=scale,
+                                   rows=sample_rows(t, n_rows, t, device), heads=heads))
+        except Exception as e:  # a kernel this build or GPU lacks: say so, go on
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            row["traceback"] = traceback.format_exc()[-1500:]
+        rows_out.append(row)
+    return {"rows": rows_out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="the CPU's flash kernel at tiny sizes")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
+    got = run(device=device, dry_run=args.dry_run)
+    ok = [r for r in got["rows"] if "v_ratio" in r]
+    lines = [[r["backend"], r["dtype"], r["t"], r["d"], r["causal"], r["inputs"],
+              *(r[f"{n}_ratio"]["p100"] for n in "vkq"), *(r[f"{n}_catches_rms"]["p50"] for n in "vkq"),
+              sum(r[f"{n}_flagged"] for n in "vkq")] for r in ok]
+    print(_common.table(lines, ["backend", "dtype", "T", "D", "causal", "inputs", "V max", "K max", "Q max",
+                                "V catches p50", "K catches p50", "Q catches p50", "clean rows flagged"]))
+    for r in got["rows"]:
+        if "error" in r:
+            print(f"{r['backend']} {r['dtype']} T={r['t']} D={r['d']}: {r['error']}")
+    got["worst"] = {f"{n}_ratio": max((r[f"{n}_ratio"]["p100"] for r in ok), default=None) for n in "vkq"}
+    path = _common.write_result("vendor_backward_residuals", got, args.out)
+    print(f"\nworst over every row: {got['worst']}\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
