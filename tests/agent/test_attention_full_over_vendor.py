@@ -323,3 +323,33 @@ def test_under_scope_all_a_backward_fault_after_the_vendor_forward_is_corrected(
         got = [(d.op, d.layer, d.step, d.action) for d in guard.detections]
     assert (op, 1, 1, "recomputed") in got and all(g[1:] == (1, 1, "recomputed") for g in got), got
     assert worst_rel(grads[1], grads[0]) == 0.0
+
+
+def test_scope_all_default_policy_in_fp16_flags_nothing_through_a_quiet_period(monkeypatch: pytest.MonkeyPatch,
+                                                                                triton_launches) -> None:
+    """protect(model, optimizer=opt, scope="all") with the default policy, fp16 GPT-2, the Triton backward a GPU
+    runs: every step's attention forward is the vendor's (tier 1 over it, or the full check over it with the lse
+    normalised for the checked backward), through the schedule's quiet period to its next full check, and no clean
+    step flags anything."""
+    from attnchecker.attention.backward import fused
+
+    monkeypatch.setattr(fused, "cpu_kernel", False)
+    model = build("gpt2", **ZOO_ONE_LAYER["gpt2"]).to(torch.float16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with attnchecker.protect(model, optimizer=opt, scope="all") as guard:
+        def step(due: bool) -> None:
+            before = triton_launches["_check_given"]
+            counted = VendorForwardFault(call=-1, which=0, kind="nan", element=0)
+            opt.zero_grad(set_to_none=True)
+            with counted:
+                loss = loss_of("gpt2", model, batch("gpt2", 0))
+            loss.backward()
+            opt.step()
+            assert counted.seen == 2
+            assert triton_launches["_check_given"] - before == (2 if due else 0)
+            assert guard.detections == []
+
+        step_until_due_after_quiet(guard, step)
+        step(True)
+        assert guard.report().checks["grad_q"] > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
