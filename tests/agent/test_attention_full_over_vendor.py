@@ -149,6 +149,19 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _opt_step(arch: str, model: torch.nn.Module, opt: torch.optim.Optimizer, s: int = 0,
+              fault: VendorForwardFault | None = None) -> VendorForwardFault:
+    """One training step on batch ``s``, the optimizer's step being the guard's step boundary, its forward under
+    ``fault`` (default: one that only counts the vendor's op); returns it."""
+    mode = fault if fault is not None else VendorForwardFault(call=-1, which=0, kind="nan", element=0)
+    opt.zero_grad(set_to_none=True)
+    with mode:
+        loss = loss_of(arch, model, batch(arch, s))
+    loss.backward()
+    opt.step()
+    return mode
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_protect_full_policy_corrects_a_vendor_fault_and_leaves_the_clean_step(arch: str) -> None:
     """protect(model, policy=Policy.full()), bf16: every layer's attention is the vendor's forward (seen once per
@@ -188,13 +201,7 @@ def test_clean_full_steps_over_the_vendor_forward_flag_nothing(dtype: torch.dtyp
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with attnchecker.protect(model, optimizer=opt, policy=attnchecker.Policy.full()) as guard:
         for s in range(3):
-            counted = VendorForwardFault(call=-1, which=0, kind="nan", element=0)
-            opt.zero_grad(set_to_none=True)
-            with counted:
-                loss = loss_of("llama", model, batch("llama", s))
-            loss.backward()
-            opt.step()  # the guard's step boundary too
-            assert counted.seen == 2
+            assert _opt_step("llama", model, opt, s).seen == 2
         report = guard.report()
         assert report.steps == 3 and report.checks["scores"] == 6 and report.checks["context"] == 6
         assert guard.detections == [] and report.detected == 0
@@ -242,13 +249,7 @@ def test_under_scope_all_a_full_step_checks_over_the_vendor_and_flags_nothing(mo
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with attnchecker.protect(model, optimizer=opt, policy=attnchecker.Policy.full(), scope="all") as guard:
         for s in range(2):
-            counted = VendorForwardFault(call=-1, which=0, kind="nan", element=0)
-            opt.zero_grad(set_to_none=True)
-            with counted:
-                loss = loss_of("gpt2", model, batch("gpt2", s))
-            loss.backward()
-            opt.step()
-            assert counted.seen == 2
+            assert _opt_step("gpt2", model, opt, s).seen == 2
         report = guard.report()
         assert report.checks["scores"] == 4 and report.checks["grad_q"] == 4
         assert guard.detections == [] and report.detected == 0
@@ -267,12 +268,7 @@ def test_the_default_policy_after_a_quiet_period_checks_over_the_vendor_forward(
     with attnchecker.protect(model, optimizer=opt) as guard:
         def step(fault: VendorForwardFault) -> collections.Counter[str]:
             before = collections.Counter(triton_launches)
-            opt.zero_grad(set_to_none=True)
-            with fault:
-                loss = loss_of(arch, model, batch(arch, 0))
-            loss.backward()
-            opt.step()  # the guard's step boundary too
-            assert fault.seen == 2  # the vendor's op is each layer's attention
+            assert _opt_step(arch, model, opt, fault=fault).seen == 2  # the vendor's op is each layer's attention
             return collections.Counter(triton_launches) - before
 
         def quiet_step(due: bool) -> None:
@@ -339,13 +335,7 @@ def test_scope_all_default_policy_in_fp16_flags_nothing_through_a_quiet_period(m
     with attnchecker.protect(model, optimizer=opt, scope="all") as guard:
         def step(due: bool) -> None:
             before = triton_launches["_check_given"]
-            counted = VendorForwardFault(call=-1, which=0, kind="nan", element=0)
-            opt.zero_grad(set_to_none=True)
-            with counted:
-                loss = loss_of("gpt2", model, batch("gpt2", 0))
-            loss.backward()
-            opt.step()
-            assert counted.seen == 2
+            assert _opt_step("gpt2", model, opt).seen == 2
             assert triton_launches["_check_given"] - before == (2 if due else 0)
             assert guard.detections == []
 

@@ -48,10 +48,10 @@ def _counting(compile_fx: Callable[..., Any] | None) -> tuple[Callable[..., Any]
     return backend, count
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, backend: Any) -> list[float]:
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, backend: Any, steps: int = STEPS) -> list[float]:
     compiled = torch.compile(model, backend=backend)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         opt.zero_grad(set_to_none=True)
         loss = loss_of(ARCH, compiled, batch(ARCH, step))
         loss.backward()
@@ -108,7 +108,7 @@ def test_inductor_training_corrects_every_fault_without_recompiling(gemm: str, m
 
 
 def test_inductor_bf16_attention_is_checked_over_the_vendor_forward_without_recompiling(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, triton_launches: Any) -> None:
     """A bf16 Llama under Inductor on the Triton attention route a GPU takes (its kernels under Triton's interpreter
     here), every other step checked in full: the compiled graphs call the checked attention op, inside which the
     vendor's fused forward computes each call and our passes test it, in full on the even steps and by tier 1 on the
@@ -122,41 +122,22 @@ def test_inductor_bf16_attention_is_checked_over_the_vendor_forward_without_reco
 
     if not triton_attention.available("cpu"):
         pytest.skip("the Triton attention on CPU tensors needs Triton's interpreter")
-    import triton.runtime.interpreter as interpreter
 
     steps = 6
-    launches: dict[str, int] = {}
-    run = interpreter.GridExecutor.__call__
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        launches[self.fn.__name__] = launches.get(self.fn.__name__, 0) + 1
-        return run(self, *args, **kwargs)
-
-    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, backend: Any) -> list[float]:
-        compiled = torch.compile(model, backend=backend)
-        losses = []
-        for step in range(steps):
-            opt.zero_grad(set_to_none=True)
-            loss = loss_of(ARCH, compiled, batch(ARCH, step))
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
-
     torch._dynamo.reset()
     want_model = build(ARCH).to(torch.bfloat16)
     backend, unprotected_graphs = _counting(None)
-    want = train(want_model, torch.optim.SGD(want_model.parameters(), lr=1e-2), backend)
+    want = _train(want_model, torch.optim.SGD(want_model.parameters(), lr=1e-2), backend, steps)
+    assert not triton_launches  # the unprotected model's attention is SDPA's
 
     torch._dynamo.reset()
     monkeypatch.setenv(BACKEND_ENV, "triton")
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted)
     model = build(ARCH).to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     backend, graphs = _counting(compile_fx)
     try:
         with attnchecker.protect(model, optimizer=opt, policy=attnchecker.Policy(period=2, adaptive=False)) as guard:
-            got = train(model, opt, backend)
+            got = _train(model, opt, backend, steps)
             detections = list(guard.detections)
             backends = {name for _, name in guard.coverage.backends}
     finally:
@@ -166,7 +147,8 @@ def test_inductor_bf16_attention_is_checked_over_the_vendor_forward_without_reco
     assert backends == {"triton"}
     # Per layer, on each of the 3 full steps: v·[e, w] and the identities; on each of the 3 tier-1 steps, the pass
     # over the vendor's output and lse; on all 6, the repair launch (which returns at once on a clean block).
-    assert launches == {"_value_sums": 6, "_check_given": 6, "_trip_given": 6, "_attention": 12}, launches
+    assert triton_launches == {"_value_sums": 6, "_check_given": 6, "_trip_given": 6, "_attention": 12}, \
+        triton_launches
     assert detections == []
     assert all(math.isfinite(x) for x in got)
     assert max(rel_diff(a, b) for a, b in zip(got, want, strict=True)) <= 2e-2, (got, want)
