@@ -11,7 +11,8 @@ ops, and per sampled key (identities V and K) and query (Q) of two heads:
 - ``{v,k,q}_catches_rms``: the c = e bound in units of the row's gradient RMS: the smallest single wrong element it
   flags (over the rows whose gradient is not 0).
 
-    python bench/vendor_backward_residuals.py [--dry-run] [--out docs/perf/vendor_backward_residuals.json]
+    python bench/vendor_backward_residuals.py [--dry-run] [--seqs 2048,8192] [--inputs randn,peaky,v_mean]
+                                              [--out docs/perf/vendor_backward_residuals.json]
 
 On a machine without a GPU it measures the CPU's flash kernel (a few minutes at T = 2048 and 8192); on a GPU,
 FlashAttention and memory-efficient attention where this build has them. ``--dry-run``: T = 96, head dims 16 and 32.
@@ -91,16 +92,18 @@ def backends_for(device: str) -> list[str]:
     return ["cpu_flash"] if device == "cpu" else ["flash", "efficient"]
 
 
-def run(*, device: str, dry_run: bool, deadline: float | None = None) -> dict[str, Any]:
-    """Every configuration (module doc); a backend that cannot take one records its error and the next runs."""
+def run(*, device: str, dry_run: bool, deadline: float | None = None, seqs: tuple[int, ...] | None = None,
+        kinds: tuple[str, ...] = INPUTS) -> dict[str, Any]:
+    """Every configuration (module doc); a backend that cannot take one records its error and the next runs. seqs:
+    the sequence lengths in place of the default ones."""
     import time
 
     if dry_run:
-        seqs, dims, dtypes, n_rows, heads = (96,), (16, 32), (torch.bfloat16,), 24, (0, 1)
+        lengths, dims, dtypes, n_rows, heads = (96,), (16, 32), (torch.bfloat16,), 24, (0, 1)
     else:
-        seqs, dims, dtypes, n_rows, heads = (2048, 8192), (64, 128), (torch.bfloat16, torch.float16), 128, (0, 3)
+        lengths, dims, dtypes, n_rows, heads = (2048, 8192), (64, 128), (torch.bfloat16, torch.float16), 128, (0, 3)
     rows_out = []
-    for dtype, t, d, causal, kind, backend in itertools.product(dtypes, seqs, dims, (True, False), INPUTS,
+    for dtype, t, d, causal, kind, backend in itertools.product(dtypes, seqs or lengths, dims, (True, False), kinds,
                                                                 backends_for(device)):
         if deadline is not None and time.monotonic() > deadline:
             rows_out.append({"skipped": "over the time budget"})
@@ -125,10 +128,16 @@ def run(*, device: str, dry_run: bool, deadline: float | None = None) -> dict[st
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="the CPU's flash kernel at tiny sizes")
+    ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 2048,8192)")
+    ap.add_argument("--inputs", default=",".join(INPUTS), help=f"comma-separated subset of {','.join(INPUTS)}")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    kinds = tuple(args.inputs.split(","))
+    if not set(kinds) <= set(INPUTS):
+        ap.error(f"--inputs {args.inputs!r}: choose among {', '.join(INPUTS)}")
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"
-    got = run(device=device, dry_run=args.dry_run)
+    got = run(device=device, dry_run=args.dry_run, seqs=tuple(int(x) for x in args.seqs.split(",")) if args.seqs
+              else None, kinds=kinds)
     ok = [r for r in got["rows"] if "v_ratio" in r]
     lines = [[r["backend"], r["dtype"], r["t"], r["d"], r["causal"], r["inputs"],
               *(r[f"{n}_ratio"]["p100"] for n in "vkq"), *(r[f"{n}_catches_rms"]["p50"] for n in "vkq"),
