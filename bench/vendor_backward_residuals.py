@@ -21,9 +21,7 @@ Deterministic for a device and build; nothing here is a time.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ import _common
 
 _common.setup_path()
 import torch
-from vendor_residuals import INPUTS, _pcts, inputs, sample_rows
+from vendor_residuals import INPUTS, _pcts, sweep
 
 from attnchecker.abft import Tolerance
 from attnchecker.abft.given_backward import backward_identity_residuals, given_backward_rule
@@ -94,35 +92,18 @@ def backends_for(device: str) -> list[str]:
 
 def run(*, device: str, dry_run: bool, deadline: float | None = None, seqs: tuple[int, ...] | None = None,
         kinds: tuple[str, ...] = INPUTS) -> dict[str, Any]:
-    """Every configuration (module doc); a backend that cannot take one records its error and the next runs. seqs:
-    the sequence lengths in place of the default ones."""
-    import time
+    """Every configuration (vendor_residuals.sweep), 128 keys and queries sampled of each, dO Gaussian; seqs: the
+    sequence lengths in place of the default ones."""
 
-    if dry_run:
-        lengths, dims, dtypes, n_rows, heads = (96,), (16, 32), (torch.bfloat16,), 24, (0, 1)
-    else:
-        lengths, dims, dtypes, n_rows, heads = (2048, 8192), (64, 128), (torch.bfloat16, torch.float16), 128, (0, 3)
-    rows_out = []
-    for dtype, t, d, causal, kind, backend in itertools.product(dtypes, seqs or lengths, dims, (True, False), kinds,
-                                                                backends_for(device)):
-        if deadline is not None and time.monotonic() > deadline:
-            rows_out.append({"skipped": "over the time budget"})
-            break
-        row: dict[str, Any] = {"backend": backend, "dtype": str(dtype).removeprefix("torch."), "t": t, "d": d,
-                               "causal": causal, "inputs": kind}
-        q, k, v = inputs(kind, 1, 4, t, d, dtype, device, seed=t + d)
-        do = torch.randn(q.shape, generator=torch.Generator().manual_seed(t + d + 1)).to(device=device, dtype=dtype)
-        scale = d ** -0.5
-        try:
-            with torch.no_grad():
-                got = vendor_backward(backend, q, k, v, do, is_causal=causal, scale=scale)
-                row.update(measure(q, k, v, do, got, is_causal=causal, scale=scale,
-                                   rows=sample_rows(t, n_rows, t, device), heads=heads))
-        except Exception as e:  # a kernel this build or GPU lacks: say so, go on
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            row["traceback"] = traceback.format_exc()[-1500:]
-        rows_out.append(row)
-    return {"rows": rows_out}
+    def one(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float,
+            **at: Any) -> dict[str, Any]:
+        t, d = q.shape[-2:]
+        do = torch.randn(q.shape, generator=torch.Generator().manual_seed(t + d + 1)).to(device=q.device,
+                                                                                        dtype=q.dtype)
+        got = vendor_backward(backend, q, k, v, do, is_causal=is_causal, scale=scale)
+        return measure(q, k, v, do, got, is_causal=is_causal, scale=scale, **at)
+
+    return {"rows": sweep(device, dry_run, one, n_rows=128, deadline=deadline, seqs=seqs, kinds=kinds)}
 
 
 def main(argv: list[str] | None = None) -> int:

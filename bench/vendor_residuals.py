@@ -45,6 +45,7 @@ import itertools
 import math
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,18 +174,22 @@ def backends_for(device: str) -> list[str]:
     return ["cpu_flash"] if device == "cpu" else ["flash", "efficient", "cudnn"]
 
 
-def run(*, device: str, dry_run: bool, deadline: float | None = None) -> dict[str, Any]:
-    """Every configuration: backend x dtype x T x D x causal x inputs (module doc). A backend that cannot take a
-    configuration (not in this build, this GPU, this dtype) records its error and the next runs."""
+def sweep(device: str, dry_run: bool, one: Callable[..., dict[str, Any]], *, n_rows: int,
+          deadline: float | None = None, seqs: tuple[int, ...] | None = None,
+          kinds: tuple[str, ...] = INPUTS) -> list[dict[str, Any]]:
+    """One row per configuration, backend x dtype x T x D x causal x inputs (at --dry-run's sizes, or the models'):
+    ``one(backend, q, k, v, is_causal=, scale=, rows=, heads=)`` measures it on Gaussian-seeded inputs. A backend
+    that cannot take a configuration (not in this build, this GPU, this dtype) records its error and the next runs.
+    seqs: the sequence lengths in place of the default ones."""
     import time
 
     if dry_run:
-        seqs, dims, dtypes, n_rows, heads = (96,), (16, 32), (torch.bfloat16,), 24, (0, 1)
+        lengths, dims, dtypes, n_rows, heads = (96,), (16, 32), (torch.bfloat16,), 24, (0, 1)
     else:
-        seqs, dims, dtypes, n_rows, heads = (2048, 8192), (64, 128), (torch.bfloat16, torch.float16), 256, (0, 3)
+        lengths, dims, dtypes, heads = (2048, 8192), (64, 128), (torch.bfloat16, torch.float16), (0, 3)
     rows_out = []
     # Each backend innermost: a run cut by its deadline still has every backend's rows of the shapes it reached.
-    for dtype, t, d, causal, kind, backend in itertools.product(dtypes, seqs, dims, (True, False), INPUTS,
+    for dtype, t, d, causal, kind, backend in itertools.product(dtypes, seqs or lengths, dims, (True, False), kinds,
                                                                 backends_for(device)):
         if deadline is not None and time.monotonic() > deadline:
             rows_out.append({"skipped": "over the time budget"})
@@ -192,17 +197,27 @@ def run(*, device: str, dry_run: bool, deadline: float | None = None) -> dict[st
         row: dict[str, Any] = {"backend": backend, "dtype": str(dtype).removeprefix("torch."), "t": t, "d": d,
                                "causal": causal, "inputs": kind}
         q, k, v = inputs(kind, 1, 4, t, d, dtype, device, seed=t + d)
-        scale = d ** -0.5
         try:
             with torch.no_grad():
-                out, lse = vendor_forward(backend, q, k, v, is_causal=causal, scale=scale)
-                row.update(measure(q, k, v, out, lse, is_causal=causal, scale=scale,
-                                   rows=sample_rows(t, n_rows, t, device), heads=heads))
+                row.update(one(backend, q, k, v, is_causal=causal, scale=d ** -0.5,
+                               rows=sample_rows(t, n_rows, t, device), heads=heads))
         except Exception as e:  # a kernel this build or GPU lacks: say so, go on
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             row["traceback"] = traceback.format_exc()[-1500:]
         rows_out.append(row)
-    return {"unit_roundoff": {str(k).removeprefix("torch."): v for k, v in UNIT.items()}, "rows": rows_out}
+    return rows_out
+
+
+def run(*, device: str, dry_run: bool, deadline: float | None = None) -> dict[str, Any]:
+    """Every configuration (``sweep``), 256 rows sampled of each."""
+
+    def one(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool, scale: float,
+            **at: Any) -> dict[str, Any]:
+        out, lse = vendor_forward(backend, q, k, v, is_causal=is_causal, scale=scale)
+        return measure(q, k, v, out, lse, is_causal=is_causal, scale=scale, **at)
+
+    return {"unit_roundoff": {str(k).removeprefix("torch."): v for k, v in UNIT.items()},
+            "rows": sweep(device, dry_run, one, n_rows=256, deadline=deadline)}
 
 
 def worst(rows: list[dict[str, Any]], key: str) -> float | None:

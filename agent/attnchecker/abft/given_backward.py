@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .given_forward import GIVEN_DTYPES, U32
+from .given_forward import U32, require_half_roundoff
 from .tolerance import Tolerance
 
 __all__ = ["GivenBackwardRule", "backward_identity_residuals", "given_backward_rule"]
@@ -71,11 +71,7 @@ class GivenBackwardRule:
 
 def given_backward_rule(dtype: torch.dtype, tol: Tolerance) -> GivenBackwardRule:
     """The rule for half-precision inputs under a round-off tolerance; its factor scales every term."""
-    if dtype not in GIVEN_DTYPES:
-        raise ValueError(f"a check over the vendor's backward takes bfloat16 or float16 inputs, got {dtype}")
-    if tol.mode != "roundoff":
-        raise ValueError(f"a check over the vendor's backward has round-off bounds only, got tolerance mode "
-                         f"{tol.mode!r}")
+    require_half_roundoff(dtype, tol, "the vendor's backward")
     info = torch.finfo(dtype)
     return GivenBackwardRule(u=info.eps / 2, tau=2.0 * tol.factor, kappa=4.0 * tol.factor,
                              tiny=info.smallest_normal * info.eps / 2)

@@ -43,7 +43,7 @@ import torch
 
 from .tolerance import Tolerance
 
-__all__ = ["GIVEN_DTYPES", "GivenRule", "given_rule", "identity_residuals"]
+__all__ = ["GIVEN_DTYPES", "GivenRule", "given_rule", "identity_residuals", "require_half_roundoff"]
 
 U32 = 2.0 ** -24
 GIVEN_DTYPES = (torch.bfloat16, torch.float16)
@@ -70,13 +70,18 @@ class GivenRule:
         return self.tau * self.u, self.kappa * U32, self.kappa_a * U32, self.a_floor * self.u
 
 
+def require_half_roundoff(dtype: torch.dtype, tol: Tolerance, what: str) -> None:
+    """Raise ValueError unless ``dtype`` and ``tol`` are what a check over a vendor's result (``what``) has bounds
+    for: half-precision inputs, a round-off tolerance."""
+    if dtype not in GIVEN_DTYPES:
+        raise ValueError(f"a check over {what} takes bfloat16 or float16 inputs, got {dtype}")
+    if tol.mode != "roundoff":
+        raise ValueError(f"a check over {what} has round-off bounds only, got tolerance mode {tol.mode!r}")
+
+
 def given_rule(dtype: torch.dtype, tol: Tolerance) -> GivenRule:
     """The rule for half-precision inputs under a round-off tolerance; its factor scales every term."""
-    if dtype not in GIVEN_DTYPES:
-        raise ValueError(f"a full check over the vendor's forward takes bfloat16 or float16 inputs, got {dtype}")
-    if tol.mode != "roundoff":
-        raise ValueError(f"a full check over the vendor's forward has round-off bounds only, got tolerance mode "
-                         f"{tol.mode!r}")
+    require_half_roundoff(dtype, tol, "the vendor's forward")
     u = torch.finfo(dtype).eps / 2
     f = tol.factor
     return GivenRule(u=u, tau=2.0 * f, kappa=4.0 * f, kappa_a=8.0 * f, a_floor=0.25 * f)
