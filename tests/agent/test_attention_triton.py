@@ -45,7 +45,7 @@ from attnchecker.attention.backward import fused, triton_backward
 from attnchecker.attention.backward.replay import Replay, replay_backward
 from attnchecker.attention.pipeline import protected_sdpa
 from attnchecker.checks.deferred import drain
-from attnchecker.inject import Fault, FaultPlan
+from attnchecker.inject import Fault, FaultPlan, Injector
 from attnchecker.kernels import triton_attention, triton_dropout
 from attnchecker.kernels.triton_attention_bwd import KernelFault
 
@@ -238,6 +238,35 @@ def test_an_emulated_fault_on_a_tier1_step_runs_the_kernel_that_writes_it(make_c
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
                                rtol=1e-5, atol=1e-6)
     assert [(d.op, d.action, d.tier) for d in rec.detections] == [("context", "recomputed", "tripwire")]
+
+
+def test_with_inject_attached_only_the_call_a_fault_is_planned_for_leaves_the_vendor_forward(
+        make_ctx, triton_launches) -> None:
+    """attnchecker.inject attached, one fault planned in layer 1's context, on a step where neither op is due: layer
+    0 runs as it would without the injector (the vendor's forward, the tier-1 pass over it and the repair launch,
+    which finds nothing), and only layer 1 runs our kernel, which writes the fault into its tile, trips on it and
+    recomputes the block. A drill costs what training costs, but for the call it plants a fault in."""
+    q, k, v = (seeded((1, 2, 32, 16), i, torch.bfloat16) for i in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    injector = Injector(FaultPlan([Fault(op="context", layer=1, step=3, kind="nan", head=1, row=20, col=2)]))
+    # Layer 0, its vendor calls counted below autograd (a dispatch mode our kernel declines under: layer 0 only).
+    ctx, rec = make_ctx(injector, layer=0, step=3, checked_ops=frozenset({"q", "k", "v", "out"}))
+    counted = VendorForwardFault(call=-1, which=0, kind="nan", element=0)
+    with counted:
+        out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+    drain(ctx.runtime.deferred)  # the step boundary
+    assert counted.seen == 1
+    assert dict(triton_launches) == {"_trip_given": 1, "_attention": 1}
+    assert torch.equal(out, want) and rec.detections == [] and injector.injected == []
+    triton_launches.clear()
+    ctx, rec = make_ctx(injector, layer=1, step=3, checked_ops=frozenset({"q", "k", "v", "out"}))
+    out = protected_sdpa(q, k, v, ctx=ctx, is_causal=True)
+    drain(ctx.runtime.deferred)
+    assert dict(triton_launches) == {"_kv_tiles": 1, "_attention": 2}
+    assert [(d.op, d.action, d.tier, d.head, d.row) for d in rec.detections] == [
+        ("context", "recomputed", "tripwire", 1, 20)]
+    assert len(injector.injected) == 1
+    torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)
 
 
 def test_a_vendor_op_that_fails_hands_tier1_to_the_kernel_for_good(make_ctx, monkeypatch: pytest.MonkeyPatch,
@@ -463,13 +492,15 @@ def test_a_kernel_that_fails_hands_its_calls_to_the_next_backend_and_the_step_go
         loss.backward()
         guard.step()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        lines = guard.coverage.backend_lines()
         assert guard.detections == []
         model.zero_grad(set_to_none=True)
         if policy == "tier1":
             guard.tripwire_only_this_step()
         loss_of("gpt2", model, batch("gpt2", 1)).backward()
         guard.step()
+        # The call the fault is planned in takes the full path (a tier-1 step's others run SDPA's tier 1 after the
+        # kernel failed there): the coverage names the backend that took it over, and why.
+        lines = guard.coverage.backend_lines()
         dets = [(d.op, d.layer, d.kind) for d in guard.detections]
     assert len(tried) == 1
     assert len([r for r in caplog.records if "failed and is off" in r.message]) == 1

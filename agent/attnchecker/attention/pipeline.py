@@ -92,16 +92,18 @@ def protected_sdpa(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     cfg = ctx.config
     injector = ctx.runtime.injector
+    # Only a fault planned for this call's products keeps it off the vendor's kernel: with attnchecker.inject
+    # attached, the other layers and steps run as they would without it, so a drill costs what training does.
+    injected = injector is not None and any(injector.fires(op=op, layer=ctx.layer, step=ctx.step)
+                                            for op in ("scores", "context"))
 
     def call_with(force: frozenset[str]) -> AttentionCall:
         return AttentionCall(
             q_BHTD=q_BHTD, k_BHSD=k_BHSD, v_BHSD=v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal,
             scale=scale, dropout_p=dropout_p, return_probs=return_probs, paper=not cfg.source_repair and use_passed,
-            force=force, injected=injector is not None and any(injector.fires(op=op, layer=ctx.layer, step=ctx.step)
-                                                               for op in ("scores", "context")),
-            requested=requested(), caught=[0])
+            force=force, injected=injected, requested=requested(), caught=[0])
 
-    if (not (cfg.checks("scores") or cfg.checks("context")) and injector is None and not return_probs
+    if (not (cfg.checks("scores") or cfg.checks("context")) and not injected and not return_probs
             and not (is_causal and attn_mask is not None) and not _unfused_tier1(q_BHTD, dropout_p, attn_mask, ctx)):
         # Nothing to verify or inject in this call (an adaptive step that skips both ops, or mode off): the fused
         # kernel, exactly what the unprotected model runs. Passed checksums of this layer are dropped unused.
