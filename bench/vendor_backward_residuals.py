@@ -9,7 +9,9 @@ ops, and per sampled key (identities V and K) and query (Q) of two heads:
 - ``{v,k,q}_ratio``: each clean row's residual over its bound (the larger of c = e and c = w), which must stay under
   1 on every vendor;
 - ``{v,k,q}_catches_rms``: the c = e bound in units of the row's gradient RMS: the smallest single wrong element it
-  flags (over the rows whose gradient is not 0).
+  flags (over the rows whose gradient is not 0);
+- ``{v,k,q}_ratio_one_rounding`` (the CPU flash kernel, which rounds its running sums once per block of queries or
+  keys): the same ratios under a bound that assumes one rounding, as FlashAttention's does.
 
     python bench/vendor_backward_residuals.py [--dry-run] [--seqs 2048,8192] [--inputs randn,peaky,v_mean]
                                               [--out docs/perf/vendor_backward_residuals.json]
@@ -33,7 +35,13 @@ import torch
 from vendor_residuals import INPUTS, _pcts, sweep
 
 from attnchecker.abft import Tolerance
-from attnchecker.abft.given_backward import backward_identity_residuals, given_backward_rule
+from attnchecker.abft.given_backward import (
+    CPU_FLASH,
+    FP32_ACCUMULATION,
+    GradientAccumulation,
+    backward_identity_residuals,
+    given_backward_rule,
+)
 
 
 def vendor_backward(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,
@@ -63,18 +71,31 @@ def vendor_backward(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     return out, lse.float(), dq, dk, dv
 
 
+def accumulation_for(backend: str, t: int) -> GradientAccumulation:
+    """How the vendor rounds its gradient sums (abft/given_backward.py): the CPU flash kernel per block of queries or
+    keys; FlashAttention and memory-efficient attention in fp32 to the end, which their rows here test."""
+    return CPU_FLASH(t) if backend == "cpu_flash" else FP32_ACCUMULATION
+
+
 def measure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, got: tuple[torch.Tensor, ...], *,
-            is_causal: bool, scale: float, rows: torch.Tensor, heads: tuple[int, ...]) -> dict[str, Any]:
-    """Percentiles over the sampled rows (as queries for Q, as keys for V and K) of ``heads`` of batch 0."""
+            is_causal: bool, scale: float, rows: torch.Tensor, heads: tuple[int, ...],
+            accumulation: GradientAccumulation) -> dict[str, Any]:
+    """Percentiles over the sampled rows (as queries for Q, as keys for V and K) of ``heads`` of batch 0; where the
+    vendor rounds its sums more than once, also ``{v,k,q}_ratio_one_rounding``: the ratios under a bound that
+    assumes it rounds once (what the block roundings cost)."""
     out, lse, dq, dk, dv = got
     hs = list(heads)
 
     def pick(x: torch.Tensor) -> torch.Tensor:
         return x[:1, hs]
 
-    r = backward_identity_residuals(pick(q), pick(k), pick(v), pick(out), pick(lse), pick(do), pick(dq), pick(dk),
-                                    pick(dv), scale=scale, is_causal=is_causal,
-                                    rule=given_backward_rule(q.dtype, Tolerance()), rows=rows, keys=rows)
+    def residuals(acc: GradientAccumulation) -> dict[str, torch.Tensor]:
+        return backward_identity_residuals(pick(q), pick(k), pick(v), pick(out), pick(lse), pick(do), pick(dq),
+                                           pick(dk), pick(dv), scale=scale, is_causal=is_causal,
+                                           rule=given_backward_rule(q.dtype, Tolerance()), accumulation=acc,
+                                           rows=rows, keys=rows)
+
+    r = residuals(accumulation)
     found: dict[str, Any] = {}
     for name, grad in (("v", dv), ("k", dk), ("q", dq)):
         ratio = (r[f"d_{name}"].abs() / r[f"b_{name}"]).amax(-1)
@@ -83,6 +104,10 @@ def measure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
         # A row whose gradient is 0 (a causal first query's dQ: its one probability is 1, so dS = 0) has no RMS.
         found[f"{name}_catches_rms"] = _pcts((r[f"b_{name}"][..., 0] / rms)[rms > 0])
         found[f"{name}_flagged"] = int(r[f"flag_{name}"].sum())
+    if accumulation != FP32_ACCUMULATION:
+        once = residuals(FP32_ACCUMULATION)
+        for name in "vkq":
+            found[f"{name}_ratio_one_rounding"] = _pcts((once[f"d_{name}"].abs() / once[f"b_{name}"]).amax(-1))
     return found
 
 
@@ -101,7 +126,8 @@ def run(*, device: str, dry_run: bool, deadline: float | None = None, seqs: tupl
         do = torch.randn(q.shape, generator=torch.Generator().manual_seed(t + d + 1)).to(device=q.device,
                                                                                         dtype=q.dtype)
         got = vendor_backward(backend, q, k, v, do, is_causal=is_causal, scale=scale)
-        return measure(q, k, v, do, got, is_causal=is_causal, scale=scale, **at)
+        return measure(q, k, v, do, got, is_causal=is_causal, scale=scale,
+                       accumulation=accumulation_for(backend, q.shape[-2]), **at)
 
     return {"rows": sweep(device, dry_run, one, n_rows=128, deadline=deadline, seqs=seqs, kinds=kinds)}
 
@@ -122,9 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     ok = [r for r in got["rows"] if "v_ratio" in r]
     lines = [[r["backend"], r["dtype"], r["t"], r["d"], r["causal"], r["inputs"],
               *(r[f"{n}_ratio"]["p100"] for n in "vkq"), *(r[f"{n}_catches_rms"]["p50"] for n in "vkq"),
-              sum(r[f"{n}_flagged"] for n in "vkq")] for r in ok]
+              sum(r[f"{n}_flagged"] for n in "vkq"),
+              max((r[f"{n}_ratio_one_rounding"]["p100"] for n in "vkq" if f"{n}_ratio_one_rounding" in r),
+                  default="-")] for r in ok]
     print(_common.table(lines, ["backend", "dtype", "T", "D", "causal", "inputs", "V max", "K max", "Q max",
-                                "V catches p50", "K catches p50", "Q catches p50", "clean rows flagged"]))
+                                "V catches p50", "K catches p50", "Q catches p50", "clean rows flagged",
+                                "max if rounded once"]))
     for r in got["rows"]:
         if "error" in r:
             print(f"{r['backend']} {r['dtype']} T={r['t']} D={r['d']}: {r['error']}")

@@ -5,6 +5,8 @@ flash backward in bf16 and fp16, in float64:
   row under half its bound;
 - one wrong element of dV, dK or dQ, extreme or finite (4 × its row's RMS), flags its row in its own identity, and
   d_w / d_e places a finite one at its column;
+- the kernel rounds its running sums once per block of queries (dK, dV) or keys (dQ), as the bound's model of it
+  says;
 - an error in the forward's stored lse, which the backward reads, moves no residual: the identities test the backward
   against its own inputs; the forward's check tests the lse.
 """
@@ -18,7 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnchecker.abft import Tolerance
-from attnchecker.abft.given_backward import backward_identity_residuals, given_backward_rule
+from attnchecker.abft.given_backward import (
+    CPU_FLASH,
+    FP32_ACCUMULATION,
+    backward_identity_residuals,
+    given_backward_rule,
+)
 
 FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -49,7 +56,8 @@ def _vendor(dtype: torch.dtype, *, t: int, d: int, group: int, causal: bool, see
 def _residuals(a: dict[str, torch.Tensor], causal: bool) -> dict[str, torch.Tensor]:
     return backward_identity_residuals(a["q"], a["k"], a["v"], a["out"], a["lse"], a["do"], a["dq"], a["dk"], a["dv"],
                                        scale=float(a["scale"]), is_causal=causal,
-                                       rule=given_backward_rule(a["q"].dtype, Tolerance()))
+                                       rule=given_backward_rule(a["q"].dtype, Tolerance()),
+                                       accumulation=CPU_FLASH(a["q"].shape[-2]))
 
 
 @settings(max_examples=16, deadline=None)
@@ -90,6 +98,48 @@ def test_one_wrong_gradient_element_flags_its_row_and_a_finite_one_is_placed(dty
     if kind == "add":
         d_e, d_w = (float(x) for x in r[f"d_{name}"][0, n, row])
         assert round(d_w / d_e) - 1 == col
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_the_cpu_flash_backward_rounds_its_sums_once_per_block_where_its_model_says(dtype: torch.dtype,
+                                                                                      causal: bool) -> None:
+    """The bound's r (CPU_FLASH): at T = 1024 the kernel adds 4 blocks of 256 queries into dK and dV and 2 blocks of
+    512 keys into dQ, rounding each time. Emulated so, from its fp32 P and dS, its gradients come out bit for bit
+    (a handful of elements apart, where fp32 sums differ in order); rounded once, a quarter or more differ. And the
+    rounds the bound counts per key and query are the blocks that hold a query or key it sees."""
+    t = 1024
+    acc = CPU_FLASH(t)
+    a = _vendor(dtype, t=t, d=16, group=1, causal=causal, seed=3)
+    q, k, v, o, do = (a[x].float() for x in ("q", "k", "v", "out", "do"))
+    scale = float(a["scale"])
+    live_TS = torch.ones(t, t, dtype=torch.bool).tril() if causal else torch.ones(t, t, dtype=torch.bool)
+    p = torch.where(live_TS, torch.exp(scale * q @ k.mT - a["lse"][..., None]), 0.0)
+    ds = p * (do @ v.mT - (do * o).sum(-1, keepdim=True))
+    p_r, ds_r = p.to(dtype).float(), ds.to(dtype).float()
+
+    def rounded_per_block(parts: list[torch.Tensor]) -> torch.Tensor:
+        run = torch.zeros_like(parts[0])
+        for part in parts:
+            run = (run + part).to(dtype).float()
+        return run
+
+    qb, kb = acc.query_block, acc.key_block
+    assert (qb, kb) == (256, 512)
+    blocks = {"dv": rounded_per_block([p_r[..., m:m + qb, :].mT @ do[..., m:m + qb, :] for m in range(0, t, qb)]),
+              "dk": rounded_per_block([scale * ds_r[..., m:m + qb, :].mT @ q[..., m:m + qb, :]
+                                       for m in range(0, t, qb)]),
+              "dq": rounded_per_block([scale * ds_r[..., n:n + kb] @ k[..., n:n + kb, :] for n in range(0, t, kb)])}
+    once = {"dv": p_r.double().mT @ do.double(), "dk": scale * ds_r.double().mT @ q.double(),
+            "dq": scale * ds_r.double() @ k.double()}
+    for name in ("dv", "dk", "dq"):
+        got = a[name].float()
+        assert float((got == blocks[name]).double().mean()) >= 0.99, name
+        assert float((got == once[name].to(dtype).float()).double().mean()) <= 0.9, name
+    at = torch.arange(t)
+    assert torch.equal(acc.key_rounds(t, at, causal), live_TS.reshape(t // qb, qb, t).any(1).sum(0).double())
+    assert torch.equal(acc.query_rounds(t, at, causal), live_TS.reshape(t, t // kb, kb).any(2).sum(1).double())
+    assert torch.equal(FP32_ACCUMULATION.key_rounds(t, at, causal), torch.ones(t, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)

@@ -577,11 +577,12 @@ def test_vendor_backward_residuals_measures_a_clean_vendor_backward_and_sees_one
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     got = vbr.vendor_backward("cpu_flash", q, k, v, do, is_causal=True, scale=32 ** -0.5)
     rows_R = torch.tensor([40])
-    clean = vbr.measure(q, k, v, do, got, is_causal=True, scale=32 ** -0.5, rows=rows_R, heads=(0,))
+    acc = vbr.accumulation_for("cpu_flash", 96)
+    clean = vbr.measure(q, k, v, do, got, is_causal=True, scale=32 ** -0.5, rows=rows_R, heads=(0,), accumulation=acc)
     dk = got[3].clone()
     dk[0, 0, 40, 7] += 5 * float(dk[0, 0, 40].float().pow(2).mean().sqrt())
     hit = vbr.measure(q, k, v, do, (*got[:3], dk, got[4]), is_causal=True, scale=32 ** -0.5, rows=rows_R,
-                      heads=(0,))
+                      heads=(0,), accumulation=acc)
     assert clean["k_ratio"]["p100"] < 1 < 5 < hit["k_ratio"]["p100"] and hit["k_flagged"] == 1
     assert hit["v_ratio"] == clean["v_ratio"] and hit["q_ratio"] == clean["q_ratio"]
 
