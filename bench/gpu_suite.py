@@ -328,8 +328,9 @@ def _kernel_shapes(args: argparse.Namespace) -> list[tuple[int, int, int, int]]:
 
 def backward_kernel_section(args: argparse.Namespace, device: str, deadline: float) -> dict[str, Any]:
     """The Triton checked-attention backward (kernels/triton_attention_bwd.py) with check "abft" (and its repair
-    launch) and "tripwire" against the same kernels with checks off, and tier 1 over SDPA's gradients against
-    SDPA's backward, bf16, causal, per shape."""
+    launch) and "tripwire" against the same kernels with checks off, and tier 1 and the full check over SDPA's
+    gradients (the identities of kernels/triton_given_backward_check.py) against SDPA's backward, bf16, causal, per
+    shape."""
     from attnchecker.kernels import triton_attention_bwd
 
     if not triton_attention_bwd.available():

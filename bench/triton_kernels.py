@@ -5,7 +5,9 @@ run should look at before it times anything: a kernel that spills to local memor
 Variants: the query pass and the key pass, bf16, causal, head dim 64 and 128, check off / tripwire / abft, at the
 tile size and warps kernels/triton_attention_bwd.py launches with (BLOCK, ``pass_warps``), at BLOCK with 8 and 4
 warps, and (without --mix) at 64×64 tiles with 8 and 4 warps for comparison; and tier 1 over SDPA's gradients: the
-pass that reads them and the two repair launches.
+pass that reads them and the two repair launches; and the full check over them (the identities,
+kernels/triton_given_backward_check.py) and its two repair launches, which check in full (``--given``: these
+only).
 Needs triton, not a GPU; TRITON_INTERPRET must be unset.
 
     python bench/triton_kernels.py [--out docs/perf/triton_backward_kernels.json]
@@ -49,6 +51,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from attnchecker.kernels import triton_attention_bwd as kernels
+from attnchecker.kernels import triton_given_backward_check as given_check
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -57,12 +60,12 @@ def _signature(fn: Any, dtype: str) -> dict[str, Any]:
     pointers = {"Q": dtype, "K": dtype, "V": dtype, "DO": dtype, "DQ": dtype, "DK": dtype, "DV": dtype,
                 "LSE": "fp32", "DELTA": "fp32", "SUMMARY": "fp32", "FAULTS": "fp32", "MASK": "fp32", "STATUS": "i32",
                 "FIRST": "i32", "SEED": "i64", "KROWS": "fp32", "KTILE": "fp32", "QROWS": "fp32",
-                "QTILE": "fp32", "QPARTS": dtype}
+                "QTILE": "fp32", "QPARTS": dtype, "ONORM": "fp32"}
     sig: dict[str, Any] = {}
     for name in fn.arg_names:
         if name in pointers:
             sig[name] = "*" + pointers[name]
-        elif name in ("scale", "p_drop"):
+        elif name in ("scale", "p_drop", "tau_u", "kappa_u32", "tau_tiny"):
             sig[name] = "fp32"
         elif name in ("R_TILE", "R_Q", "R_KV"):
             sig[name] = ("fp32",) * 12
@@ -161,13 +164,16 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=0, metavar="N",
                     help="with --mix, each pass's interior loop by source line: its N costliest lines, printed and "
                          "in the JSON (triton_resources.loop_lines)")
+    ap.add_argument("--given", action="store_true",
+                    help="only the kernels over another backward's gradients: tier 1's pass, the full check's "
+                         "identities (kernels/triton_given_backward_check.py) and the repairs they gate")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     as_launched = not args.types_only
     if kernels.interpreting():
         raise SystemExit("TRITON_INTERPRET was set when the kernels were built: unset it")
     rows = []
-    for fn in (kernels._query_pass, kernels._key_pass):
+    for fn in () if args.given else (kernels._query_pass, kernels._key_pass):
         for d in (64, 128):
             tile = kernels.gpu_tiles(d)
             block = args.block or kernels.BLOCK
@@ -192,19 +198,24 @@ def main() -> None:
                     print({k: v for k, v in rows[-1].items() if k not in ("loop_mix", "interior")}, flush=True)
                     if args.mix and args.lines:
                         print(triton_resources.lines_table(got["interior"]), flush=True)
-    # Tier 1 over SDPA's gradients (run(given=...)): the pass that reads them, and the repair it gates.
+    # Over another backward's gradients (run(given=...)): tier 1's pass and the full check's identities, and the
+    # repairs they gate (with tier 1's checks, or the full ones).
+    given = given_check._check_given_bwd
     for d in (64, 128):
         for fn, check, repair in ((kernels._trip_given, 1, False), (kernels._query_pass, 1, True),
-                                  (kernels._key_pass, 1, True)):
-            # _trip_given launches on TRIP_WARPS; the repairs on the passes' warps (gpu_tiles, pass_warps).
-            warps = kernels.TRIP_WARPS if fn is kernels._trip_given else \
-                kernels.pass_warps(kernels.gpu_tiles(d), fn.__name__, "tripwire", 0)
+                                  (kernels._key_pass, 1, True), (given, 2, False), (kernels._query_pass, 2, True),
+                                  (kernels._key_pass, 2, True)):
+            # _trip_given and the identities launch on their own warps; the repairs on the passes' (gpu_tiles,
+            # pass_warps).
+            picked = kernels.by_dot(torch.bfloat16, d)[fn is kernels._key_pass] if check == 2 else 0
+            warps = {kernels._trip_given: kernels.TRIP_WARPS, given: kernels.GIVEN_WARPS}.get(fn) or \
+                kernels.pass_warps(kernels.gpu_tiles(d), fn.__name__, kernels.CHECKS[check], picked)
             got = compile_one(fn, d=d, check=check, block=kernels.BLOCK, warps=warps, mix=args.mix, repair=repair,
                               launched=as_launched)
             got.pop("cubin")
             name = fn.__name__.strip("_") + (" (repair, given)" if repair else "")
             rows.append({"kernel": name, "head_dim": d, "block": kernels.BLOCK, "warps": warps, "launched": True,
-                         "check": "tripwire", "specialised": as_launched, **got})
+                         "check": kernels.CHECKS[check], "specialised": as_launched, **got})
             print({k: v for k, v in rows[-1].items() if k != "loop_mix"}, flush=True)
     for r in rows:
         if "interior" in r:

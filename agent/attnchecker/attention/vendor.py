@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..abft.given_backward import CPU_FLASH, FP32_ACCUMULATION, GradientAccumulation
 from .backward.fused import _expand_heads, sum_groups
 
 __all__ = ["Forward", "forward", "not_supported_reasons"]
@@ -56,6 +57,9 @@ class Forward:
     backward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Grads] | None
     """backward(grad_out, q, k, v) -> (dq, dk, dv), k, v and their gradients on k's own heads: the vendor's backward
     at this forward's out_BHTD and lse_BHT. None where only SDPA's recompute differentiates it."""
+    accumulation: GradientAccumulation | None = None
+    """How that backward rounds its gradient sums (abft/given_backward.py), for the full check over its gradients:
+    the CPU kernel per block of queries and keys; FlashAttention in fp32 to the end."""
 
 
 def not_supported_reasons(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, *,
@@ -85,7 +89,8 @@ def forward(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, *,
             out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q_BHTD, k, v, 0.0, is_causal, scale=scale)
             lse = lse.contiguous()
-            return Forward(out, lse, _cpu_backward(out, lse, is_causal=is_causal, scale=scale))
+            return Forward(out, lse, _cpu_backward(out, lse, is_causal=is_causal, scale=scale),
+                           CPU_FLASH(q_BHTD.shape[-2]))
         op = _cuda_op(q_BHTD, k, v, is_causal)
         if op == "flash_expanded" or op == "efficient":
             k, v = _expand_heads(k, q_BHTD.shape[1]), _expand_heads(v, q_BHTD.shape[1])
@@ -94,7 +99,7 @@ def forward(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, *,
                                                                      scale=scale)
             out, lse = got[0], got[1].contiguous()
             return Forward(out, lse, _flash_backward(out, lse, tuple(got[2:8]), is_causal=is_causal, scale=scale,
-                                                     expand=op == "flash_expanded"))
+                                                     expand=op == "flash_expanded"), FP32_ACCUMULATION)
         got = torch.ops.aten._scaled_dot_product_efficient_attention(q_BHTD, k, v, None, True, 0.0, is_causal,
                                                                      scale=scale)
         # Padded along T to the kernel's alignment: the first T are the rows'.

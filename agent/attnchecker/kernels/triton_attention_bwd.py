@@ -16,7 +16,10 @@ Launches (each a constant, whatever T and S):
      came back clean. Each program owns its outputs (dQ rows, or dK and dV rows), so a recompute touches nothing else.
 Dropout: Z = keep/(1-p) regenerated from the forward's counter-based mask (kernels/triton_dropout.py).
 Tier 1 over given gradients (``run(given=...)``: SDPA's, on a tier-1 step without dropout): ``_delta``, then
-``_trip_given`` in place of launches 2 and 3 (one read of dQ, dK, dV), then 4 and 5 as above.
+``_trip_given`` in place of launches 2 and 3 (one read of dQ, dK, dV), then 4 and 5 as above. The full check over
+given gradients (``run(check="abft", given=...)``: the vendor's, on a full step whose forward it made): ``_delta``
+(with ‖O_i‖) and ``_key_terms``, then the identities (kernels/triton_given_backward_check.py) in place of launches 2
+and 3, then 4 and 5 with their full checks, recomputing only what the identities flagged.
 
 Checks (``check="abft"``), every product, one direction each (a repair recomputes, so a flag need not locate):
   scores_bwd  S = Q Kᵀ per tile: by rows (over the tile's keys) in the key pass, by columns (over its queries) in
@@ -49,16 +52,34 @@ import torch
 
 from . import triton_checks as tc
 from . import triton_dropout
+from . import triton_given_backward_check as given_check
 from .triton_common import device_function, host_table, interpreting, shared_per_block, triton
 
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["CHECKS", "FIELDS", "OPS", "KernelFault", "Launch", "Rules", "Tiles", "available", "bench_checks",
+    from .triton_attention_bwd_parts import (
+        _clear_summary,
+        _dot,
+        _keep_worst,
+        _key_block,
+        _keys_nonfinite,
+        _nonfinite,
+        _queries_nonfinite,
+        _query_block,
+        _rows_nonfinite,
+        _store_status,
+    )
+
+__all__ = ["CHECKS", "FIELDS", "GIVEN_OPS", "OPS", "GivenIdentities", "KernelFault", "Launch", "Rules", "Tiles",
+           "available", "bench_checks",
            "by_dot", "gpu_tiles", "interpreting", "not_supported_reasons", "pass_warps", "run", "tiles", "warps_for"]
 
 OPS: tuple[str, ...] = ("scores_bwd", "grad_probs", "grad_v", "grad_k", "grad_q")
 """The checked products, in the order of an Outcome's per-op fields and of a status word's bits."""
+GIVEN_OPS: tuple[str, ...] = ("grad_v", "grad_k", "grad_q")
+"""What the check over given gradients verifies (``GivenIdentities``): the three outputs. A fault inside the other
+backward's S or dP shows in the gradients made from it."""
 FIELDS: tuple[str, ...] = ("ratio", "head", "index", "error", "bound", "column")
 """Per program and op, the worst vector of its first run: |d|/bound (INF for NaN), its head, its row (or its column
 when ``column`` is 1), d1 = checksum - reference (abft: the error as the checksum sees it), the bound."""
@@ -77,6 +98,10 @@ FEW_WARPS = 4
 TRIP_WARPS = 8
 """Warps of ``_trip_given``, one read of a block's gradients: on Triton's default 4 it needs 255 registers and spills
 56 bytes at head dim 128, on 8 it takes 159 and none (sm_90, bench/triton_kernels.py)."""
+GIVEN_WARPS = 8
+"""Warps of the full check over given gradients (triton_given_backward_check._check_given_bwd), whose key programs
+keep 21 running sums per key besides the tiles: on 4 it needs 255 registers and spills 444 bytes at head dim 64 and
+708 at 128, on 8 it takes 255 and spills 36 and 172 (sm_90, bench/triton_kernels.py --given)."""
 MAX_HEAD_DIM = 256
 
 
@@ -250,6 +275,19 @@ class Rules:
 
 
 @dataclass(frozen=True, slots=True)
+class GivenIdentities:
+    """The scalars of the full check over gradients another backward made (``run(check="abft", given=...)``;
+    abft/given_backward.py): its rule's tau·u, kappa·u32 and tau·tiny, and how that backward rounds its running sums
+    into its outputs (GradientAccumulation's query and key blocks; 0: fp32 to the end, one rounding)."""
+
+    tau_u: float
+    kappa_u32: float
+    tau_tiny: float
+    query_block: int
+    key_block: int
+
+
+@dataclass(frozen=True, slots=True)
 class Launch:
     """One call's geometry and what its first run found, on the device."""
 
@@ -316,6 +354,7 @@ def run(
     tile: Tiles | None = None,
     given: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     refs_by_dot: bool = True,
+    identities: GivenIdentities | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Launch | None]:
     """(dq (B, H, T, D), dk, dv (B, HK, S, D) summed over each KV head's query heads, and what the checks found, None
     for check "off"). window: keys more than window - 1 before a query are masked (GPT-Neo's local attention: key j
@@ -325,9 +364,11 @@ def run(
     "tripwire", which ignores them). repair: launch the recompute of flagged programs. tf32: fp32 products with TF32
     operands (the rules must say so). tile: tile size and stages (default ``tiles`` for the head dim and device: the
     rules' tile vectors must be as long). given: (dq, dk, dv) an unchecked backward
-    made (SDPA's), for check "tripwire": the first pass only reads them (``_trip_given``) and the repair recomputes
-    the flagged blocks into them; returned (made contiguous where they were not). refs_by_dot: False makes every
-    reference an fp32 sum whatever the dtype (``by_dot`` (0, 0): bench_checks' A/B on a GPU).
+    made (SDPA's, the vendor's), for check "tripwire": the first pass only reads them (``_trip_given``), and for
+    check "abft" (no mask, dropout or window) it tests them against ``identities`` (kernels/
+    triton_given_backward_check.py); the repair recomputes the flagged blocks into them, with the check's own full
+    checks; returned (made contiguous where they were not). refs_by_dot: False makes every reference an fp32 sum
+    whatever the dtype (``by_dot`` (0, 0): bench_checks' A/B on a GPU).
     Launches 3 kernels, 5 with repair, one more each for check "abft" (``_key_terms``); no host-device sync."""
     if triton is None:
         raise RuntimeError("the Triton attention backward needs triton (pip install triton)")
@@ -345,8 +386,14 @@ def run(
     n_kb, n_qb = triton.cdiv(s, blk), triton.cdiv(t, blk)
     p_keys, p_queries = b * hk * n_kb, b * h * n_qb
     mode = CHECKS.index(check)
-    if given is not None and check != "tripwire":
-        raise ValueError(f"given gradients take check 'tripwire' (tier 1), not {check!r}")
+    if given is not None and check == "off":
+        raise ValueError("given gradients take check 'tripwire' (tier 1) or 'abft' (the identities), not 'off'")
+    given_full = given is not None and check == "abft"
+    if given_full and identities is None:
+        raise ValueError("a full check of given gradients needs their identities' scalars (GivenIdentities)")
+    if given_full and (attn_mask is not None or dropout_p > 0.0 or window is not None):
+        raise ValueError("a full check of given gradients takes no mask, dropout or window (the vendors' backwards "
+                         "that make them take none either)")
 
     delta_BHT = torch.empty((b, h, t), dtype=torch.float32, device=device)
     # check "abft": what each pass's checks take from the other pass's blocks alone, made once per call (_delta,
@@ -357,9 +404,10 @@ def run(
     dot_q, dot_k = by_dot(q_BHTD.dtype, block_d) if terms and refs_by_dot else (0, 0)
     q_parts = (torch.empty((b * h, n_qb, 2, blk, tc.SPLIT_COLUMNS), dtype=q_BHTD.dtype, device=device) if dot_k >= 2
                else q_BHTD)
-    _delta[(n_qb, b * h)](out_BHTD, dout_BHTD, delta_BHT, q_BHTD, q_rows, q_tile, q_parts, *_strides(out_BHTD),
-                          *_strides(dout_BHTD), *_strides(q_BHTD), h, t, d, BLOCK_M=blk, BLOCK_D=block_d,
-                          TERMS=terms, BY_DOT=dot_k)
+    o_norm = torch.empty((b * h, t), dtype=torch.float32, device=device) if given_full else delta_BHT
+    _delta[(n_qb, b * h)](out_BHTD, dout_BHTD, delta_BHT, q_BHTD, q_rows, q_tile, q_parts, o_norm,
+                          *_strides(out_BHTD), *_strides(dout_BHTD), *_strides(q_BHTD), h, t, d, BLOCK_M=blk,
+                          BLOCK_D=block_d, TERMS=terms, BY_DOT=dot_k, O_NORM=given_full)
     k_rows, k_tile = delta_BHT, delta_BHT
     if terms:
         k_rows = torch.empty((b * hk, 4, s), dtype=torch.float32, device=device)
@@ -395,6 +443,15 @@ def run(
              *mask_strides, h, hk, t, s, d, scale, window or 0, dropout_p, 0 if on_device else seed, len(fault_rows))
     repaired = None
     for attempt in (0, 1) if mode and repair else (0,):
+        if given_full and not attempt:
+            assert identities is not None
+            given_check._check_given_bwd[(p_keys + p_queries,)](
+                *inputs[:6], o_norm, q_rows, k_rows, dq, dk, dv, status, summary, *_strides(q_BHTD),
+                *_strides(k_BHSD), *_strides(v_BHSD), *_strides(dout_BHTD), *_strides(lse_BHT), h, hk, t, s, d, scale,
+                n_kb, n_qb, p_keys, identities.tau_u, identities.kappa_u32, identities.tau_tiny,
+                identities.query_block, identities.key_block, BLOCK_M=blk, BLOCK_N=blk, BLOCK_D=block_d,
+                CAUSAL=is_causal, INTERPRET=interp, num_warps=GIVEN_WARPS)
+            continue
         if given is not None and not attempt:
             _trip_given[(p_keys + p_queries,)](
                 *inputs[:6], dq, dk, dv, status, summary, *_strides(q_BHTD), *_strides(k_BHSD), *_strides(v_BHSD),
@@ -426,16 +483,17 @@ if triton is not None:
     _keep = triton_dropout.keep
 
     @triton.jit
-    def _delta(OUT, DO, DELTA, Q, QROWS, QTILE, QPARTS, so_b, so_h, so_t, so_d, sdo_b, sdo_h, sdo_t, sdo_d, sq_b,
-               sq_h, sq_t, sq_d, H, T, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TERMS: tl.constexpr,
-               BY_DOT: tl.constexpr):
+    def _delta(OUT, DO, DELTA, Q, QROWS, QTILE, QPARTS, ONORM, so_b, so_h, so_t, so_d, sdo_b, sdo_h, sdo_t, sdo_d,
+               sq_b, sq_h, sq_t, sq_d, H, T, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, TERMS: tl.constexpr,
+               BY_DOT: tl.constexpr, O_NORM: tl.constexpr = False):
         """δ = rowsum(dO ∘ O) in fp32 (the forward's output, as it was verified). TERMS (check "abft"): also what the
         key pass's checks take from this query block alone, made once per call here rather than again by every key
         program that visits the block: ``_block_terms`` of q (QROWS rows 0-2; QTILE's first BLOCK_D and scalars 0, 1)
         and of dO (rows 3-5; the next BLOCK_D, scalars 2, 3). QROWS (B·H, 6, T), QTILE (B·H, query blocks, 2·BLOCK_D
         + 8), fp32. BY_DOT (its bit 2): also the block's q·e, q·w and dO·e, dO·w as ``triton_checks.store_parts``
         (QPARTS (B·H, query blocks, 2, BLOCK_M, PARTS) of q's dtype; the scales are QTILE's scalars 4-7), which the key
-        pass's dK and dV references take on the tensor cores."""
+        pass's dK and dV references take on the tensor cores. O_NORM: also ‖O_i‖ per row into ONORM (B·H, T), the
+        check over given gradients' term for δ (kernels/triton_given_backward_check.py)."""
         n = tl.program_id(1)
         bb, hh = n // H, n % H
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -445,6 +503,9 @@ if triton is not None:
         do = tl.load(DO + bb * sdo_b + hh * sdo_h + rows[:, None] * sdo_t + cols[None, :] * sdo_d, mask=inside,
                      other=0.0)
         tl.store(DELTA + n * T + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < T)
+        if O_NORM:
+            o32 = o.to(tl.float32)
+            tl.store(ONORM + n * T + rows, tl.sqrt(tl.sum(o32 * o32, 1)), mask=rows < T)
         if TERMS:
             q = tl.load(Q + bb * sq_b + hh * sq_h + rows[:, None] * sq_t + cols[None, :] * sq_d, mask=inside,
                         other=0.0)
@@ -502,16 +563,6 @@ if triton is not None:
         return x1, x2
 
     @device_function
-    def _dot(a, b, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-        # The interpreter's tl.dot mishandles bf16 operands: fp32 there (bf16 and fp16 products are exact in fp32,
-        # as a tensor core's are).
-        if INTERPRET:
-            c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            c = tl.dot(a, b, input_precision=PRECISION)
-        return c
-
-    @device_function
     def _hypot2(x, y):
         """sqrt(x² + y²) of non-negative terms, scaled by a power of 2 near the larger (triton_checks.pow2_scale: two
         multiplies, where a division by the larger was): no square of a small norm underflows, nor of a large one
@@ -546,79 +597,6 @@ if triton is not None:
         """max(|d1|/b1, |d2|/b2); INF where it is NaN (a NaN residual flags)."""
         r = tl.maximum(tl.abs(d1) / tl.maximum(b1, 1e-30), tl.abs(d2) / tl.maximum(b2, 1e-30))
         return tl.where(r == r, r, float("inf"))
-
-    @device_function
-    def _nonfinite(x):
-        """1 where some element of x is INF or NaN."""
-        x = x.to(tl.float32)
-        return tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32))
-
-    @device_function
-    def _rows_nonfinite(q, do, delta, lse):
-        """1 where a query block's inputs hold INF or NaN (lse: NaN or -INF; +INF is a row with every key masked)."""
-        return tl.maximum(tl.maximum(_nonfinite(q), _nonfinite(do)), tl.maximum(
-            _nonfinite(delta), tl.max(((lse != lse) | (lse == float("-inf"))).to(tl.int32))))
-
-    @device_function
-    def _keys_nonfinite(K, V, bb, hk, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, lo, hi, S, feats, feat_in,
-                        BLOCK_N: tl.constexpr):
-        """1 where a key or value row in [lo, hi) of KV head hk holds INF or NaN: what a query program that flagged
-        reads again (its dQ is then its inputs' doing)."""
-        bad = tl.full((), 0, tl.int32)
-        for start_k in range(lo, hi, BLOCK_N):
-            keys = start_k + tl.arange(0, BLOCK_N)
-            io = (keys < S)[:, None] & feat_in[None, :]
-            k = tl.load(K + bb * sk_b + hk * sk_h + keys[:, None] * sk_s + feats[None, :] * sk_d, mask=io, other=0.0)
-            v = tl.load(V + bb * sv_b + hk * sv_h + keys[:, None] * sv_s + feats[None, :] * sv_d, mask=io, other=0.0)
-            bad = tl.maximum(bad, tl.maximum(_nonfinite(k), _nonfinite(v)))
-        return bad
-
-    @device_function
-    def _queries_nonfinite(Q, DO, LSE, DELTA, bb, hk, group, H, T, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t,
-                           sdo_d, sl_b, sl_h, sl_t, lo, hi, feats, feat_in, BLOCK_M: tl.constexpr):
-        """1 where a query row in [lo, hi) of any query head of KV head hk's group has non-finite inputs (q, dO, δ,
-        the lse: ``_rows_nonfinite``): what a key program that flagged reads again."""
-        bad = tl.full((), 0, tl.int32)
-        for g in range(0, group):
-            hh = hk * group + g
-            for start_m in range(lo, hi, BLOCK_M):
-                _rows, _row_in, q, do, lse, delta = _query_block(
-                    Q, DO, LSE, DELTA, bb, hh, H, T, start_m, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d,
-                    sl_b, sl_h, sl_t, feats, feat_in, BLOCK_M)
-                bad = tl.maximum(bad, _rows_nonfinite(q, do, delta, lse))
-        return bad
-
-    @device_function
-    def _query_block(Q, DO, LSE, DELTA, bb, hh, H, T, start_m, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d,
-                     sl_b, sl_h, sl_t, feats, feat_in, BLOCK_M: tl.constexpr):
-        """The query block at start_m of head hh as a key program streams it: (rows, which exist, q and dO as
-        stored, lse and δ in fp32)."""
-        rows = start_m + tl.arange(0, BLOCK_M)
-        row_in = rows < T
-        io = row_in[:, None] & feat_in[None, :]
-        q = tl.load(Q + bb * sq_b + hh * sq_h + rows[:, None] * sq_t + feats[None, :] * sq_d, mask=io, other=0.0)
-        do = tl.load(DO + bb * sdo_b + hh * sdo_h + rows[:, None] * sdo_t + feats[None, :] * sdo_d, mask=io,
-                     other=0.0)
-        lse = tl.load(LSE + bb * sl_b + hh * sl_h + rows * sl_t, mask=row_in, other=0.0).to(tl.float32)
-        delta = tl.load(DELTA + (bb * H + hh) * T + rows, mask=row_in, other=0.0)
-        return rows, row_in, q, do, lse, delta
-
-    @device_function
-    def _clear_summary(SUMMARY, slot):
-        """A first run's summary starts at 0 for every op (a pass checks some of them only)."""
-        for o in range(5):
-            for f in range(6):
-                tl.store(SUMMARY + (slot + o) * 6 + f, 0.0)
-
-    @device_function
-    def _store_status(STATUS, pid, flags, bad_in, REPAIR: tl.constexpr, spilled=0):
-        """The program's status word: the flagged ops' bits (first run), or 1 clean / 2 flagged again / 3 the dtype's
-        range (repair, tier 1: ``spilled``, Launch.repaired_P). Nothing is flagged for non-finite inputs (bad_in):
-        their producer's check reports them."""
-        flags = tl.where(bad_in > 0, 0, flags)
-        if REPAIR:
-            flags = tl.where(spilled > 0, 3, tl.where(flags != 0, 2, 1))
-        tl.store(STATUS + pid, flags)
 
     @device_function
     def _overflowed(x, x_c):
@@ -661,29 +639,6 @@ if triton is not None:
             flipped = (bits ^ tl.where(tl.abs(x) < 2.0, 1 << 30, 1 << 29)).to(tl.float32, bitcast=True)
             x = tl.where(at, tl.where(kind == 0, value, tl.where(kind == 1, x + value, flipped)), x)
         return x
-
-    @device_function
-    def _keep_worst(best, ratio_V, index_V, error_V, bound_V, valid_V, head, COLUMN: tl.constexpr, SUMMARY, slot,
-                    WRITE: tl.constexpr, SECONDARY: tl.constexpr = False):
-        """Fold one set of vectors into an op's worst: written to SUMMARY[slot] (FIELDS) when it is worse. Returns
-        the new worst ratio. SECONDARY: an identity downstream of the op's products (Σ_j AP_ij, Σ_j dS_ij), whose
-        vector is reported only where no product check of the op flagged: a fault's own product locates it best."""
-        r = tl.where(valid_V, ratio_V, 0.0)
-        top = tl.max(r, 0)
-        if WRITE:
-            worse = top > best
-            if SECONDARY:
-                worse = worse & (best <= 1.0)
-            if worse:
-                at = tl.min(tl.where(valid_V & (r == top), index_V, 2147483647), 0)
-                pick = index_V == at
-                tl.store(SUMMARY + slot * 6, top)
-                tl.store(SUMMARY + slot * 6 + 1, tl.sum(tl.where(pick, head, 0), 0).to(tl.float32))
-                tl.store(SUMMARY + slot * 6 + 2, at.to(tl.float32))
-                tl.store(SUMMARY + slot * 6 + 3, tl.sum(tl.where(pick, error_V, 0.0), 0))
-                tl.store(SUMMARY + slot * 6 + 4, tl.sum(tl.where(pick, bound_V, 0.0), 0))
-                tl.store(SUMMARY + slot * 6 + 5, COLUMN * 1.0)
-        return tl.maximum(best, top)
 
     @device_function
     def _fold(kept, ratio_V, at_V, error_V, bound_V, valid_V):
@@ -854,13 +809,8 @@ if triton is not None:
         if WINDOW:
             lo = tl.maximum(0, start_m - window + 1) // BLOCK_N * BLOCK_N
         for start_n in range(lo, hi, BLOCK_N):
-            keys = start_n + tl.arange(0, BLOCK_N)
-            key_in = keys < S
-            kv_io = key_in[:, None] & feat_in[None, :]
-            k = tl.load(K + bb * sk_b + hk * sk_h + keys[:, None] * sk_s + feats[None, :] * sk_d, mask=kv_io,
-                        other=0.0)
-            v = tl.load(V + bb * sv_b + hk * sv_h + keys[:, None] * sv_s + feats[None, :] * sv_d, mask=kv_io,
-                        other=0.0)
+            keys, key_in, _kv_io, k, v = _key_block(K, V, bb, hk, start_n, S, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h,
+                                                    sv_s, sv_d, feats, feat_in, BLOCK_N)
             s = _dot(q, tl.trans(k), PRECISION, INTERPRET)
             if FAULTS_ON:
                 s = _emulate(s, FAULTS, n_faults, 0, 1, n, rows, keys, REPAIR, None)
@@ -989,12 +939,10 @@ if triton is not None:
         if SEED_ON_DEVICE:
             seed = tl.load(SEED)
         start_n = tl.program_id(0) * BLOCK_N
-        keys = start_n + tl.arange(0, BLOCK_N)
         feats = tl.arange(0, BLOCK_D)
-        key_in, feat_in = keys < S, feats < D
-        kv_io = key_in[:, None] & feat_in[None, :]
-        k = tl.load(K + bb * sk_b + hk * sk_h + keys[:, None] * sk_s + feats[None, :] * sk_d, mask=kv_io, other=0.0)
-        v = tl.load(V + bb * sv_b + hk * sv_h + keys[:, None] * sv_s + feats[None, :] * sv_d, mask=kv_io, other=0.0)
+        feat_in = feats < D
+        keys, key_in, kv_io, k, v = _key_block(K, V, bb, hk, start_n, S, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s,
+                                               sv_d, feats, feat_in, BLOCK_N)
         dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
         # Non-finite inputs: nothing flagged for them (the query pass says why).
@@ -1259,7 +1207,7 @@ if triton is not None:
         _store_status(STATUS, pid, flags, bad_in, False)
 
 
-BENCH_FORMS: tuple[str, ...] = (*CHECKS, "abft_fp32_refs", "sdpa", "tripwire_given")
+BENCH_FORMS: tuple[str, ...] = (*CHECKS, "abft_fp32_refs", "sdpa", "tripwire_given", "abft_given")
 """What ``bench_checks`` can time."""
 
 
@@ -1272,12 +1220,17 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     SDPA's own backward on the same inputs (its forward run before the timer), the unprotected step's; and
     "tripwire_given", what a tier-1 step without dropout runs (attention.backward.fused.sdpa_tier1_on_device): SDPA's
     forward again and its backward, then the tier-1 pass over its gradients and the two repair launches, also over
-    "sdpa"; and "abft_fp32_refs", "abft" with every reference an fp32 sum (``run(refs_by_dot=False)``), to weigh the
-    tensor-core references on the GPU. tile: the kernels' tiles (default ``tiles`` for the head dim and device).
-    forms: time only these of BENCH_FORMS ("off" always: the others are over it); None, all."""
+    "sdpa"; "abft_given", a full check's step where the vendor made the forward (half precision): SDPA's forward again
+    and its backward, then the identities over its gradients (kernels/triton_given_backward_check.py) and the two
+    repair launches, also over "sdpa" (the route itself calls the vendor's backward at its forward's results, without
+    the forward again); and "abft_fp32_refs", "abft" with every reference an fp32 sum (``run(refs_by_dot=False)``), to
+    weigh the tensor-core references on the GPU. tile: the kernels' tiles (default ``tiles`` for the head dim and
+    device). forms: time only these of BENCH_FORMS ("off" always: the others are over it); None, all."""
     import statistics
     import time
 
+    from ..abft.given_backward import CPU_FLASH, FP32_ACCUMULATION, given_backward_rule
+    from ..abft.given_forward import U32
     from ..abft.tolerance import Tolerance
     from ..abft.vector_rules import product_rule, softmax_grad_rule
 
@@ -1301,13 +1254,18 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     rules = Rules(product_rule(blk, d, tol).scalars(), product_rule(d, t, tol).scalars(),
                   product_rule(d, t, tol).scalars(), softmax_grad_rule(t=t, s=t, d=d, dtype=dtype, tol=tol).scalars())
     # (SDPA's forward keeps its scores in fp32: scores_dtype None.)
+    identities = None
+    if "abft_given" in (forms or BENCH_FORMS):
+        rule, acc = given_backward_rule(dtype, tol), CPU_FLASH(t) if device == "cpu" else FP32_ACCUMULATION
+        identities = GivenIdentities(rule.tau * rule.u, rule.kappa * U32, rule.tau * rule.tiny, acc.query_block or 0,
+                                     acc.key_block or 0)
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
     names = tuple(c for c in BENCH_FORMS if forms is None or c == "off" or c in forms)
     times: dict[str, list[float]] = {c: [] for c in names}
     for r in range(reps + 1):
         turn = r % len(names)
         for c in names[turn:] + names[:turn]:
-            if c in ("sdpa", "tripwire_given"):
+            if c in ("sdpa", "tripwire_given", "abft_given"):
                 lq, lk, lv = (x.detach().requires_grad_() for x in (q, k, v))
                 leaves = (lq, lk, lv)
             if c == "sdpa":
@@ -1316,12 +1274,14 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
             t0 = time.perf_counter()
             if c == "sdpa":
                 torch.autograd.grad(graph, leaves, do)
-            elif c == "tripwire_given":
+            elif c in ("tripwire_given", "abft_given"):
                 with torch.enable_grad():
                     again = torch.nn.functional.scaled_dot_product_attention(lq, lk, lv, is_causal=causal, scale=scale)
                     grads = torch.autograd.grad(again, leaves, do)
+                full = c == "abft_given"
                 run(q, k, v, out, lse, do, scale=scale, is_causal=causal, window=None, attn_mask=None, dropout_p=0.0,
-                    seed=0, check="tripwire", rules=None, tile=tile, given=(grads[0], grads[1], grads[2]))
+                    seed=0, check="abft" if full else "tripwire", rules=rules if full else None, tile=tile,
+                    given=(grads[0], grads[1], grads[2]), identities=identities)
             else:
                 full = c.startswith("abft")
                 run(q, k, v, out, lse, do, scale=scale, is_causal=causal, window=None, attn_mask=None, dropout_p=0.0,
@@ -1332,6 +1292,7 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
                 times[c].append((time.perf_counter() - t0) * 1e3)
     med = {c: statistics.median(times[c]) for c in names}
     got = {f"{c}_ms": med[c] for c in names} | {f"{c}_over_off": med[c] / med["off"] for c in names if c != "off"}
-    if "tripwire_given" in med and "sdpa" in med:
-        got["tripwire_given_over_sdpa"] = med["tripwire_given"] / med["sdpa"]
+    for c in ("tripwire_given", "abft_given"):
+        if c in med and "sdpa" in med:
+            got[f"{c}_over_sdpa"] = med[c] / med["sdpa"]
     return got

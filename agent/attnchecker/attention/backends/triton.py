@@ -138,10 +138,10 @@ class TritonBackend:
 
 
 FULL_ENV = "ATTNCHECKER_ATTENTION_FULL"
-"""Where a full check of the attention forward runs. vendor (default): over the vendor's fused forward where it takes
-the call (bf16 and fp16, no mask, dropout or window; abft/given_forward.py), whose products are aten ops that
-profilers and fault injectors below autograd see; kernel: always in our checked kernel, which computes the products
-itself and checks them tile by tile."""
+"""Where a full check of the attention runs. vendor (default): over the vendor's fused forward where it takes the
+call (bf16 and fp16, no mask, dropout or window; abft/given_forward.py), and over its backward where the step checks
+that in full (abft/given_backward.py), whose products are aten ops that profilers and fault injectors below autograd
+see; kernel: always in our checked kernels, which compute the products themselves and check them tile by tile."""
 _FULL_CHOICES = ("vendor", "kernel")
 
 
@@ -172,6 +172,24 @@ def _full_over_vendor(call: AttentionCall, tiers: dict[str, str]) -> bool:
     return (set(tiers) == set(kernel.OPS) and "abft" in tiers.values()
             and kernel.given_full_takes(call.q_BHTD.dtype, checks)
             and full_requested() == "vendor")
+
+
+def _backward_over_vendor(call: AttentionCall, made: vendor.Forward) -> bool:
+    """Whether this call's backward, where the step checks it in full, is the vendor's backward checked by the
+    identities over its gradients (kernels/triton_given_backward_check.py) rather than our checked backward: the
+    vendor made the forward and has a backward at its results, the call takes the Triton backward's route
+    (``_KernelBackward``: not the fused CPU kernel's), and the identities take its dtype and tolerance.
+    ATTNCHECKER_ATTENTION_FULL=kernel keeps both directions in our kernels."""
+    q = call.q_BHTD
+    return (made.backward is not None and made.accumulation is not None and call.needs_grad
+            and full_requested() == "vendor" and not _fused_cpu_backward(call)
+            and triton_backward.given_full_takes(q.dtype, call.ctx)
+            and not triton_backward.not_supported_reasons(q, call.k_BHSD, call.v_BHSD, call.attn_mask))
+
+
+def _fused_cpu_backward(call: AttentionCall) -> bool:
+    """The backward ``_with_grad`` gives a CPU call without dropout: the fused CPU kernel's (``_VerifiedAttention``)."""
+    return call.dropout_p == 0.0 and call.q_BHTD.device.type == "cpu" and fused.cpu_kernel
 
 
 def _vendor_takes(call: AttentionCall) -> bool:
@@ -209,8 +227,10 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
                                  is_causal=call.is_causal, attn_mask=call.attn_mask, dropout_p=call.dropout_p,
                                  seed=seed, faults=faults, given=None if made is None else (made.out_BHTD,
                                                                                             made.lse_BHT),
-                                 # The backward's identities take the lse as exact to fp32's rounding (its full
-                                 # check this step): the vendor's is made so (kernels/triton_given_check.py).
+                                 # Our checked backward's identities take the lse as exact to fp32's rounding
+                                 # (its full check this step): the vendor's is made so (kernels/
+                                 # triton_given_check.py). The check over the vendor's backward needs no such thing,
+                                 # but our backward is its fallback (a kernel's emulated faults, a failure).
                                  normalise_lse=made is not None and mode == "full"
                                  and triton_backward.check_mode(ctx.runtime) == "abft")
         except torch.OutOfMemoryError:
@@ -234,7 +254,7 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
                   ratio=got.status[2 + i] if mode == "full" else None)
     out = got.out_BHTD
     if call.needs_grad:
-        out = _with_grad(call, got, seed, None if made is None else made.backward)
+        out = _with_grad(call, got, seed, made, check_vendor=made is not None and _backward_over_vendor(call, made))
     for op in ops:
         if mode == "tier1":
             continue
@@ -248,16 +268,15 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
 
 
 def _with_grad(call: AttentionCall, got: kernel.Result, seed: torch.Tensor | None,
-               vendor_backward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                                         tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-               ) -> torch.Tensor:
+               made: vendor.Forward | None = None, *, check_vendor: bool = False) -> torch.Tensor:
     """The kernel's output with autograd attached. On the CPU without dropout, the fused CPU kernel's backward at
     the verified output and lse (under protect(scope="all") its checked encoded form), as the tiled backend's.
     Elsewhere (and on the CPU with fused.cpu_kernel off, as tests take the other devices' branch)
-    ``_KernelBackward``; vendor_backward: the vendor's own backward at the forward's results, where the vendor's
-    forward made them (attention/vendor.py)."""
+    ``_KernelBackward``; made: the vendor's forward, where it made the results (attention/vendor.py), whose backward
+    is then the one at them; check_vendor (``_backward_over_vendor``): a full check of the backward tests the
+    vendor's gradients, not our kernel's."""
     q, k, v = call.q_BHTD, call.k_BHSD, call.v_BHSD
-    if call.dropout_p == 0.0 and q.device.type == "cpu" and fused.cpu_kernel:
+    if _fused_cpu_backward(call):
         h = q.shape[1]
         out: torch.Tensor = _VerifiedAttention.apply(q, _expand_heads(k, h), _expand_heads(v, h), _Forward(
             out_BHTD=got.out_BHTD, lse_BHT=got.lse_BHT, mask_add=_additive_mask(call.attn_mask, q.dtype),
@@ -265,7 +284,9 @@ def _with_grad(call: AttentionCall, got: kernel.Result, seed: torch.Tensor | Non
             block_q=got.block_m))
         return out
     how = Replay(out_BHTD=got.out_BHTD, lse_BHT=got.lse_BHT, attn_mask=call.attn_mask, is_causal=call.is_causal,
-                 scale=call.scale, dropout_p=call.dropout_p, seed=seed, vendor_backward=vendor_backward)
+                 scale=call.scale, dropout_p=call.dropout_p, seed=seed,
+                 vendor_backward=None if made is None else made.backward,
+                 vendor_accumulation=made.accumulation if made is not None and check_vendor else None)
     grad: torch.Tensor = _KernelBackward.apply(q, k, v, how, call.ctx)
     return grad
 
@@ -273,12 +294,14 @@ def _with_grad(call: AttentionCall, got: kernel.Result, seed: torch.Tensor | Non
 class _KernelBackward(torch.autograd.Function):
     """The backward of a Triton forward off the fused CPU kernel's reach (CUDA, or attention dropout): the Triton
     backward (attention/backward/triton_backward.py) with the step's check (protect(scope="all")) and the forward's
-    dropout seed, its scores in fp32 as this kernel kept them; tier 1 without dropout, SDPA's gradient read by the
-    kernels' tier-1 pass (fused.sdpa_tier1_on_device); unchecked without dropout, the vendor's backward at its own
-    forward's results where the vendor's forward made them (tier-1 steps: attention/vendor.py), else SDPA's
-    recomputed gradient (flash). Where the Triton backward declines (ATTNCHECKER_ATTENTION_BACKWARD=torch) or failed
-    in this process: the checked PyTorch products, or with dropout the PyTorch replay of the kernel's keep mask
-    (attention/backward/replay.py, unchecked)."""
+    dropout seed, its scores in fp32 as this kernel kept them. Where the vendor made the forward and the step checks
+    the backward in full (``Replay.vendor_accumulation``): the vendor's backward, tested by the identities over its
+    gradients, a flagged block recomputed by our kernels (unless emulated faults wait for our kernels). Tier 1
+    without dropout: SDPA's gradient read by the kernels' tier-1 pass (fused.sdpa_tier1_on_device); unchecked without
+    dropout, the vendor's backward at its own forward's results where the vendor's forward made them (tier-1 steps:
+    attention/vendor.py), else SDPA's recomputed gradient (flash). Where the Triton backward declines
+    (ATTNCHECKER_ATTENTION_BACKWARD=torch) or failed in this process: the checked PyTorch products, or with dropout
+    the PyTorch replay of the kernel's keep mask (attention/backward/replay.py, unchecked)."""
 
     @staticmethod
     def forward(ctx, q, k, v, how, layer):  # type: ignore[no-untyped-def]
@@ -293,6 +316,15 @@ class _KernelBackward(torch.autograd.Function):
         layer: LayerContext = ctx.layer
         mode = triton_backward.check_mode(layer.runtime)
         if not triton_backward.not_supported_reasons(q, k, v, how.attn_mask):
+            if (mode == "abft" and how.vendor_backward is not None and how.vendor_accumulation is not None
+                    and not triton_backward.faults_pending()):
+                # The vendor's backward, what an unprotected step runs, tested by the identities over its gradients;
+                # a block that flags is recomputed into them by our checked backward, on the device.
+                given = how.vendor_backward(dout, q, k, v)
+                dq, dk, dv = triton_backward.backward(q, k, v, out, lse, dout, scale=how.scale,
+                                                      is_causal=how.is_causal, check="abft", ctx=layer, given=given,
+                                                      accumulation=how.vendor_accumulation)
+                return dq, dk, dv, None, None
             if mode == "tripwire" and how.dropout_p == 0.0:
                 dq, dk, dv = sdpa_tier1_on_device(layer, dout, q, k, v, out, lse, how.attn_mask, scale=how.scale,
                                                   is_causal=how.is_causal, vendor_backward=how.vendor_backward)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...abft.given_backward import GradientAccumulation
 from ...abft.tiled import TILE_BUDGET
 from ...kernels import triton_dropout
 from .fused import _expand_heads
@@ -40,6 +41,9 @@ class Replay:
     """Where the vendor's fused forward made out and lse (attention/vendor.py): its backward at them,
     (grad_out, q, k, v) -> (dq, dk, dv) with k, v and their gradients on the query heads. None: SDPA differentiates
     its recompute."""
+    vendor_accumulation: GradientAccumulation | None = None
+    """Set where a full check of this backward tests the vendor's gradients (backends/triton._backward_over_vendor):
+    how the vendor's backward rounds its sums (abft/given_backward.py). None: our checked backward checks it."""
 
 
 def replay_backward(

@@ -18,6 +18,8 @@ import os
 
 import torch
 
+from ...abft.given_backward import GradientAccumulation, given_backward_rule
+from ...abft.given_forward import U32
 from ...abft.repair import MatrixReport
 from ...abft.tolerance import NEAR_INF, TF32_OPERAND_ROUNDOFF, Tolerance
 from ...abft.vector_rules import product_rule, softmax_grad_rule
@@ -32,7 +34,7 @@ from ...kernels import triton_attention_bwd as kernels
 from ...matmul_precision import current_fp32_precision, fp32_matmul_operand_roundoff
 
 __all__ = ["BACKWARD_ENV", "KernelFailed", "KernelFault", "backward", "check_mode", "emulated_faults",
-           "not_supported_reasons", "requested", "take_faults"]
+           "faults_pending", "given_full_takes", "not_supported_reasons", "requested", "take_faults"]
 
 log = logging.getLogger("attnchecker")
 
@@ -97,6 +99,12 @@ class _Pending:
         _pending.clear()
 
 
+def faults_pending() -> bool:
+    """Whether emulated faults wait for the next backward (tests): only our kernels can write them, so that backward
+    runs in them, not the vendor's checked over."""
+    return bool(_pending)
+
+
 def take_faults() -> list[KernelFault] | None:
     """The pending emulated faults, now consumed (None: none)."""
     if not _pending:
@@ -125,6 +133,7 @@ def backward(
     ctx: LayerContext | None,
     scores_dtype: torch.dtype | None = None,
     given: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    accumulation: GradientAccumulation | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq (B, H, T, D), dk, dv (B, HK, S, D), dk and dv summed over each KV head's query heads) of
     softmax(scale·QKᵀ + mask)·V with dropout (kernels/triton_dropout.py's mask for ``seed``, an int or the forward's
@@ -134,9 +143,10 @@ def backward(
     repair. faults: emulated faults (tests; None: those of ``emulated_faults``). ctx: where the records go (None:
     check "off" only). scores_dtype: the dtype the forward rounded its scores to (the PyTorch tile loop's
     half-precision products), None where it kept them in fp32 (a fused kernel): the row-sum identities' bounds
-    (abft.vector_rules.softmax_grad_rule). given: (dq, dk, dv) an unchecked backward made, for check "tripwire":
-    tier 1 reads them, and the blocks holding an extreme value are recomputed by the kernels into them
-    (``kernels.run``); returned. Window, mask and causal: kernels.run. No host-device sync."""
+    (abft.vector_rules.softmax_grad_rule). given: (dq, dk, dv) an unchecked backward made: for check "tripwire"
+    tier 1 reads them, for check "abft" (``given_full_takes``) the identities of abft/given_backward.py test them,
+    with ``accumulation``, how that backward rounds its sums; the blocks that flag are recomputed by the kernels into
+    them, checked in full (``kernels.run``); returned. Window, mask and causal: kernels.run. No host-device sync."""
     if check not in kernels.CHECKS:
         raise ValueError(f"check must be one of {kernels.CHECKS}, got {check!r}")
     if ctx is None or ctx.config.mode == "off":
@@ -147,6 +157,7 @@ def backward(
     faults = take_faults() if faults is None else faults
     tf32 = q_BHTD.dtype == torch.float32 and current_fp32_precision(q_BHTD.device.type) == "tf32"
     rules = None
+    identities = None
     tile = kernels.tiles(q_BHTD.shape[-1], q_BHTD.device, q_BHTD.dtype)
     if check == "abft":
         assert ctx is not None
@@ -155,12 +166,17 @@ def backward(
         u_fwd = fp32_matmul_operand_roundoff(q_BHTD.device) if q_BHTD.dtype == torch.float32 else None
         rules = _rules(tile.block, t, k_BHSD.shape[-2], d, h // k_BHSD.shape[1], q_BHTD.dtype,
                        _tolerance(ctx), tf32, u_fwd or 0.0, scores_dtype)
+        if given is not None:
+            if accumulation is None:
+                raise ValueError("a full check of given gradients needs how their backward rounds its sums "
+                                 "(accumulation: abft.given_backward.CPU_FLASH(t) or FP32_ACCUMULATION)")
+            identities = _identities(q_BHTD.dtype, _tolerance(ctx), accumulation)
     repair = ctx is not None and ctx.config.mode == "correct"
     try:
         dq, dk, dv, launch = kernels.run(
             q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, dout_BHTD, scale=scale, is_causal=is_causal, window=window,
             attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, check=check, rules=rules, faults=faults,
-            repair=repair, tf32=tf32, tile=tile, given=given)
+            repair=repair, tf32=tf32, tile=tile, given=given, identities=identities)
     except torch.OutOfMemoryError:
         raise
     except Exception as exc:
@@ -173,11 +189,12 @@ def backward(
         raise KernelFailed(_failed[-1]) from exc
     if launch is not None:
         assert ctx is not None
-        _defer(ctx, launch, check)
+        ops = kernels.GIVEN_OPS if identities is not None else kernels.OPS
+        _defer(ctx, launch, check, ops)
         # On CUDA the kernels' time, on the device, is added at the step boundary (checks/device_time.py).
         if check == "abft":
-            seconds = clock.seconds(ctx, kernels.OPS) / len(kernels.OPS)
-            for op in kernels.OPS:
+            seconds = clock.seconds(ctx, ops) / len(ops)
+            for op in ops:
                 _count(ctx, op, seconds)
         else:
             _count_trips(ctx, TRIP_OPS, clock.seconds(ctx))
@@ -202,6 +219,24 @@ def _rules(block: int, t: int, s: int, d: int, group: int, dtype: torch.dtype, t
                                   scores_dtype=scores_dtype).scalars())
 
 
+def given_full_takes(dtype: torch.dtype, ctx: LayerContext) -> bool:
+    """Whether the identities over given gradients can check this call in full: half-precision inputs and a
+    round-off tolerance (abft.given_backward.given_backward_rule)."""
+    try:
+        given_backward_rule(dtype, _tolerance(ctx))
+    except ValueError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=16)
+def _identities(dtype: torch.dtype, tol: Tolerance, acc: GradientAccumulation) -> kernels.GivenIdentities:
+    """The identities' scalars for the kernel (abft.given_backward)."""
+    rule = given_backward_rule(dtype, tol)
+    return kernels.GivenIdentities(tau_u=rule.tau * rule.u, kappa_u32=rule.kappa * U32, tau_tiny=rule.tau * rule.tiny,
+                                   query_block=acc.query_block or 0, key_block=acc.key_block or 0)
+
+
 @functools.lru_cache(maxsize=8)
 def _op_bits(device: torch.device) -> torch.Tensor:
     """(O,) the status word's bit of each op."""
@@ -211,10 +246,10 @@ def _op_bits(device: torch.device) -> torch.Tensor:
 engine_caches.register(_op_bits)
 
 
-def _defer(ctx: LayerContext, launch: kernels.Launch, check: str) -> None:
-    """One deferred record per op: flagged (some program's bit, on the device), and for check "abft" the worst ratio
-    of the vectors that passed (a flagged one is reported, not a margin), which the step boundary adds to the
-    histogram."""
+def _defer(ctx: LayerContext, launch: kernels.Launch, check: str, ops: tuple[str, ...]) -> None:
+    """One deferred record per op of ``ops``: flagged (some program's bit, on the device), and for check "abft" the
+    worst ratio of the vectors that passed (a flagged one is reported, not a margin), which the step boundary adds to
+    the histogram."""
     flags_PO = (launch.status_P[:, None] >> _op_bits(launch.status_P.device)) & 1
     flagged_O = flags_PO.amax(0)
     worst_O = None
@@ -223,7 +258,7 @@ def _defer(ctx: LayerContext, launch: kernels.Launch, check: str) -> None:
         worst_O = torch.where(ratio_PO <= 1.0, ratio_PO, 0.0).amax(0)
     tier = "abft" if check == "abft" else "tripwire"
     for o, op in enumerate(kernels.OPS):
-        if check == "tripwire" and op not in TRIP_OPS:
+        if op not in ops or (check == "tripwire" and op not in TRIP_OPS):
             continue
         defer(ctx, op, flagged_O[o], functools.partial(_reports, launch, o, check), tier=tier,
               ratio=None if worst_O is None else worst_O[o])

@@ -1,0 +1,260 @@
+"""The full check over an attention backward another kernel computed (the vendor's: FlashAttention's, the CPU flash
+kernel's), from its gradients: abft/given_backward.py's identities and bounds, in one Triton launch, for CUDA; on CPU
+tensors under Triton's interpreter (tests).
+
+``_check_given_bwd`` takes the place of our checked backward's two passes in kernels/triton_attention_bwd.run
+(``check="abft"`` with ``given``), one program per block of the passes' layout, so that their repair launches
+recompute exactly the blocks it flags, into the vendor's gradients, with their own full checks:
+
+- a key program (BLOCK_N keys of a batch and key head) loops over the query blocks that see its keys, of every
+  query head of its group: S = Q Kᵀ and dP = dO Vᵀ again (tl.dot, as our backward computes them), P from the stored
+  lse, dS = P ∘ (dP − δ), and per key the sums of identities V (Σ_i P_ij (dO_i·c)) and K (scale·Σ_i dS_ij (q_i·c))
+  with their bounds' terms, for c = e and w. Then it reads its rows of dV and dK once and compares;
+- a query program (BLOCK_M queries of a batch and head) loops over the key blocks its queries see: identity Q
+  (scale·Σ_j dS_ij (k_j·c)), then its rows of dQ.
+
+The per-token factors (q·c, dO·c, k·c and the norms) are the ones ``_delta`` and ``_key_terms`` make once per call
+for the passes' own checks (QROWS, KROWS), and ‖O_i‖ (ONORM) for δ's term. A program writes the status word and the
+summary the passes write (triton_attention_bwd.FIELDS), under ops grad_v (bit 2), grad_k (3) and grad_q (4): a fault
+inside the vendor's S or dP shows in the gradients made from it, so it is reported as theirs. What the bounds allow
+for the vendor's own rounding of its sums (``q_block``, ``k_block``: abft/given_backward.GradientAccumulation, 0 for
+fp32 to the end) is set per vendor by the caller.
+
+Compared with our checked backward's passes: two tile GEMMs (S, dP) of the five, one exp per score, no dS·K, dSᵀ·Q
+or Pᵀ·dO product, and each key program's sums against vectors in place of the products' checksum tallies.
+Legend: B batch, H query heads, HK key/value heads (G = H/HK), T queries, S keys, D head dim; n = batch·H + head,
+nk = batch·HK + key head.
+"""
+from __future__ import annotations
+
+from .triton_common import device_function, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from . import triton_attention_bwd_parts as bwd
+
+__all__: list[str] = []
+
+if triton is not None:
+    LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+    @triton.jit
+    def _check_given_bwd(Q, K, V, DO, LSE, DELTA, ONORM, QROWS, KROWS, DQ, DK, DV, STATUS, SUMMARY,
+                         sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                         sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t,
+                         H, HK, T, S, D, scale, n_kb, n_qb, p_keys, tau_u, kappa_u32, tau_tiny, q_block, k_block,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+        """Program p checks the gradients program p of the passes writes (module doc). dq (B·H, T, D), dk, dv
+        (B·HK, S, D) contiguous, as the passes write them; DELTA, ONORM (B·H, T); QROWS (B·H, 6, T): ‖q‖, q·e, q·w,
+        ‖dO‖, dO·e, dO·w; KROWS (B·HK, 4, S): ‖k‖, k·e, k·w, ‖v‖. tau_u, kappa_u32, tau_tiny: the rule's scalars
+        (abft/given_backward.GivenBackwardRule)."""
+        pid = tl.program_id(0)
+        feats = tl.arange(0, BLOCK_D)
+        feat_in = feats < D
+        w_d = tl.where(feat_in, (feats + 1).to(tl.float32), 0.0)
+        sum_e = D * 1.0
+        sum_w = D * (D + 1) * 0.5
+        root_d = tl.sqrt(D * 1.0)
+        abs_scale = tl.abs(scale)
+        slot = pid * 5
+        bwd._clear_summary(SUMMARY, slot)
+        flags = tl.full((), 0, tl.int32)
+        bad_in = tl.full((), 0, tl.int32)
+        group = H // HK
+        if pid < p_keys:
+            nk = pid // n_kb
+            bb, hk = nk // HK, nk % HK
+            start_n = (pid % n_kb) * BLOCK_N
+            keys, key_in, kv_io, k, v = bwd._key_block(K, V, bb, hk, start_n, S, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h,
+                                                       sv_s, sv_d, feats, feat_in, BLOCK_N)
+            k_norm = tl.load(KROWS + nk * 4 * S + keys, mask=key_in, other=0.0)
+            v_norm = tl.load(KROWS + (nk * 4 + 3) * S + keys, mask=key_in, other=0.0)
+            zero = tl.zeros((BLOCK_N,), tl.float32)
+            # Per key, c = e then w: V's sum, its squares' sum, its magnitudes' sum, the largest |dO_i·c| (below the
+            # normal range); the same for K over q_i·c, and δ's term; the live queries; the largest ‖q_i‖.
+            v1e, v1w, v2e, v2w, vae, vaw, vxe, vxw = zero, zero, zero, zero, zero, zero, zero, zero
+            k1e, k1w, k2e, k2w, kae, kaw, kxe, kxw = zero, zero, zero, zero, zero, zero, zero, zero
+            kde, kdw, count = zero, zero, zero
+            q_max = tl.full((), 0.0, tl.float32)
+            lo = 0
+            if CAUSAL:
+                lo = start_n // BLOCK_M * BLOCK_M
+            for g in range(0, group):
+                hh = hk * group + g
+                n = bb * H + hh
+                for start_m in range(lo, T, BLOCK_M):
+                    rows, row_in, q, do, lse, delta = bwd._query_block(
+                        Q, DO, LSE, DELTA, bb, hh, H, T, start_m, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d,
+                        sl_b, sl_h, sl_t, feats, feat_in, BLOCK_M)
+                    at = QROWS + n * 6 * T + rows
+                    q_n = tl.load(at, mask=row_in, other=0.0)
+                    q_e = tl.load(at + T, mask=row_in, other=0.0)
+                    q_w = tl.load(at + 2 * T, mask=row_in, other=0.0)
+                    do_n = tl.load(at + 3 * T, mask=row_in, other=0.0)
+                    do_e = tl.load(at + 4 * T, mask=row_in, other=0.0)
+                    do_w = tl.load(at + 5 * T, mask=row_in, other=0.0)
+                    o_n = tl.load(ONORM + n * T + rows, mask=row_in, other=0.0)
+                    live, p, ds = _probs(q, k, v, do, lse, delta, rows, row_in, keys, key_in, scale, CAUSAL,
+                                         INTERPRET)
+                    a1, a2, a3, a4, a5, a6 = _moments(p * do_e[:, None], p * do_w[:, None], 0)
+                    v1e, v1w, v2e, v2w, vae, vaw = v1e + a1, v1w + a2, v2e + a3, v2w + a4, vae + a5, vaw + a6
+                    a1, a2, a3, a4, a5, a6 = _moments(ds * q_e[:, None], ds * q_w[:, None], 0)
+                    k1e, k1w, k2e, k2w, kae, kaw = k1e + a1, k1w + a2, k2e + a3, k2w + a4, kae + a5, kaw + a6
+                    # δ's fp32 dot product over D: P_ij·‖dO_i‖(‖v_j‖ + ‖O_i‖) per term.
+                    pd = p * do_n[:, None] * (v_norm[None, :] + o_n[:, None])
+                    kde += tl.sum(pd * tl.abs(q_e)[:, None], 0)
+                    kdw += tl.sum(pd * tl.abs(q_w)[:, None], 0)
+                    count += tl.sum(live.to(tl.float32), 0)
+                    vxe = tl.maximum(vxe, tl.max(tl.where(live, tl.abs(do_e)[:, None], 0.0), 0))
+                    vxw = tl.maximum(vxw, tl.max(tl.where(live, tl.abs(do_w)[:, None], 0.0), 0))
+                    kxe = tl.maximum(kxe, tl.max(tl.where(live, tl.abs(q_e)[:, None], 0.0), 0))
+                    kxw = tl.maximum(kxw, tl.max(tl.where(live, tl.abs(q_w)[:, None], 0.0), 0))
+                    q_max = tl.maximum(q_max, tl.max(tl.where(row_in, q_n, 0.0), 0))
+            # The vendor's roundings of each key's running sums (GradientAccumulation.key_rounds).
+            blocks = tl.full((BLOCK_N,), 1, tl.int32)
+            if q_block > 0:
+                first = tl.zeros((BLOCK_N,), tl.int32)
+                if CAUSAL:
+                    first = keys // q_block
+                blocks = tl.maximum((T + q_block - 1) // q_block - first, 1)
+            rounds = group * blocks.to(tl.float32) + tl.where(group > 1, 1.0, 0.0)
+            root_r = tl.sqrt(rounds)
+            root_partial = tl.sqrt(rounds - 1.0)
+            walk = kappa_u32 * (tl.sqrt(count) + root_d * abs_scale * k_norm * q_max)
+            root_n = tl.sqrt(count)
+            at = nk * S * D + keys[:, None] * D + feats[None, :]
+            dv = tl.load(DV + at, mask=kv_io, other=0.0).to(tl.float32)
+            dk = tl.load(DK + at, mask=kv_io, other=0.0).to(tl.float32)
+            d_ve = tl.sum(dv, 1) - v1e
+            d_vw = tl.sum(dv * w_d[None, :], 1) - v1w
+            b_ve = (tau_u * (tl.sqrt(v2e) + _rounded(dv, root_partial)) + walk * vae
+                    + tau_tiny * (root_n * vxe + root_r * sum_e))
+            b_vw = (tau_u * (tl.sqrt(v2w) + _rounded(dv * w_d[None, :], root_partial)) + walk * vaw
+                    + tau_tiny * (root_n * vxw + root_r * sum_w))
+            d_ke = tl.sum(dk, 1) - scale * k1e
+            d_kw = tl.sum(dk * w_d[None, :], 1) - scale * k1w
+            fp32_dp = kappa_u32 * root_d * abs_scale
+            b_ke = (tau_u * (abs_scale * tl.sqrt(k2e) + _rounded(dk, root_partial)) + walk * abs_scale * kae
+                    + fp32_dp * kde + tau_tiny * (abs_scale * root_n * kxe + root_r * sum_e))
+            b_kw = (tau_u * (abs_scale * tl.sqrt(k2w) + _rounded(dk * w_d[None, :], root_partial))
+                    + walk * abs_scale * kaw + fp32_dp * kdw + tau_tiny * (abs_scale * root_n * kxw + root_r * sum_w))
+            worst_v = bwd._keep_worst(tl.full((), 0.0, tl.float32), _ratio(d_ve, b_ve, d_vw, b_vw), keys, d_ve,
+                                      b_ve, key_in, hk, 0, SUMMARY, slot + 2, True)
+            worst_k = bwd._keep_worst(tl.full((), 0.0, tl.float32), _ratio(d_ke, b_ke, d_kw, b_kw), keys, d_ke,
+                                      b_ke, key_in, hk, 0, SUMMARY, slot + 3, True)
+            flags = ((worst_v > 1.0).to(tl.int32) << 2) | ((worst_k > 1.0).to(tl.int32) << 3)
+            if flags != 0:
+                # As the passes: a program that flagged asks whether what it read was finite (its producer's check
+                # reports what was not).
+                bad_in = tl.maximum(bwd._nonfinite(k), bwd._nonfinite(v))
+                bad_in = tl.maximum(bad_in, bwd._queries_nonfinite(
+                    Q, DO, LSE, DELTA, bb, hk, group, H, T, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d, sl_b,
+                    sl_h, sl_t, lo, T, feats, feat_in, BLOCK_M))
+        else:
+            n = (pid - p_keys) // n_qb
+            bb, hh = n // H, n % H
+            hk = hh // group
+            nk = bb * HK + hk
+            start_m = ((pid - p_keys) % n_qb) * BLOCK_M
+            rows, row_in, q, do, lse, delta = bwd._query_block(
+                Q, DO, LSE, DELTA, bb, hh, H, T, start_m, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d, sl_b,
+                sl_h, sl_t, feats, feat_in, BLOCK_M)
+            io = row_in[:, None] & feat_in[None, :]
+            q_n = tl.load(QROWS + n * 6 * T + rows, mask=row_in, other=0.0)
+            do_n = tl.load(QROWS + (n * 6 + 3) * T + rows, mask=row_in, other=0.0)
+            o_n = tl.load(ONORM + n * T + rows, mask=row_in, other=0.0)
+            zero = tl.zeros((BLOCK_M,), tl.float32)
+            q1e, q1w, q2e, q2w, qae, qaw, qxe, qxw, qde, qdw, count = (zero, zero, zero, zero, zero, zero, zero, zero,
+                                                                      zero, zero, zero)
+            k_max = tl.full((), 0.0, tl.float32)
+            hi = S
+            if CAUSAL:
+                hi = tl.minimum(S, start_m + BLOCK_M)
+            for start_n in range(0, hi, BLOCK_N):
+                keys, key_in, _kv_io, k, v = bwd._key_block(K, V, bb, hk, start_n, S, sk_b, sk_h, sk_s, sk_d, sv_b,
+                                                            sv_h, sv_s, sv_d, feats, feat_in, BLOCK_N)
+                at = KROWS + nk * 4 * S + keys
+                k_n = tl.load(at, mask=key_in, other=0.0)
+                k_e = tl.load(at + S, mask=key_in, other=0.0)
+                k_w = tl.load(at + 2 * S, mask=key_in, other=0.0)
+                v_n = tl.load(at + 3 * S, mask=key_in, other=0.0)
+                live, p, ds = _probs(q, k, v, do, lse, delta, rows, row_in, keys, key_in, scale, CAUSAL, INTERPRET)
+                a1, a2, a3, a4, a5, a6 = _moments(ds * k_e[None, :], ds * k_w[None, :], 1)
+                q1e, q1w, q2e, q2w, qae, qaw = q1e + a1, q1w + a2, q2e + a3, q2w + a4, qae + a5, qaw + a6
+                pd = p * (v_n[None, :] + o_n[:, None])
+                qde += tl.sum(pd * tl.abs(k_e)[None, :], 1)
+                qdw += tl.sum(pd * tl.abs(k_w)[None, :], 1)
+                count += tl.sum(live.to(tl.float32), 1)
+                qxe = tl.maximum(qxe, tl.max(tl.where(live, tl.abs(k_e)[None, :], 0.0), 1))
+                qxw = tl.maximum(qxw, tl.max(tl.where(live, tl.abs(k_w)[None, :], 0.0), 1))
+                k_max = tl.maximum(k_max, tl.max(tl.where(key_in, k_n, 0.0), 0))
+            # The vendor's roundings of each query's running dQ (GradientAccumulation.query_rounds).
+            blocks = tl.full((BLOCK_M,), 1, tl.int32)
+            if k_block > 0:
+                if CAUSAL:
+                    blocks = tl.minimum(rows, S - 1) // k_block + 1
+                else:
+                    blocks = blocks * ((S + k_block - 1) // k_block)
+            root_r = tl.sqrt(blocks.to(tl.float32))
+            root_partial = tl.sqrt(blocks.to(tl.float32) - 1.0)
+            root_n = tl.sqrt(count)
+            walk = kappa_u32 * (root_n + root_d * abs_scale * q_n * k_max)
+            # (Per query: δ's term carries the row's own ‖dO_i‖.)
+            fp32_dq = kappa_u32 * root_d * abs_scale * do_n
+            dq = tl.load(DQ + n * T * D + rows[:, None] * D + feats[None, :], mask=io, other=0.0).to(tl.float32)
+            d_qe = tl.sum(dq, 1) - scale * q1e
+            d_qw = tl.sum(dq * w_d[None, :], 1) - scale * q1w
+            b_qe = (tau_u * (abs_scale * tl.sqrt(q2e) + _rounded(dq, root_partial)) + walk * abs_scale * qae
+                    + fp32_dq * qde + tau_tiny * (abs_scale * root_n * qxe + root_r * sum_e))
+            b_qw = (tau_u * (abs_scale * tl.sqrt(q2w) + _rounded(dq * w_d[None, :], root_partial))
+                    + walk * abs_scale * qaw + fp32_dq * qdw + tau_tiny * (abs_scale * root_n * qxw + root_r * sum_w))
+            worst_q = bwd._keep_worst(tl.full((), 0.0, tl.float32), _ratio(d_qe, b_qe, d_qw, b_qw), rows, d_qe,
+                                      b_qe, row_in, hh, 0, SUMMARY, slot + 4, True)
+            flags = (worst_q > 1.0).to(tl.int32) << 4
+            if flags != 0:
+                bad_in = bwd._rows_nonfinite(q, do, delta, lse)
+                bad_in = tl.maximum(bad_in, bwd._keys_nonfinite(K, V, bb, hk, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h,
+                                                                sv_s, sv_d, 0, hi, S, feats, feat_in, BLOCK_N))
+        bwd._store_status(STATUS, pid, flags, bad_in, False)
+
+    @device_function
+    def _probs(q, k, v, do, lse, delta, rows, row_in, keys, key_in, scale, CAUSAL: tl.constexpr,
+               INTERPRET: tl.constexpr):
+        """One tile, recomputed from the inputs as stored: (which (query, key) pairs are live, P from the stored lse,
+        dS = P ∘ (dO Vᵀ − δ)), fp32. S and dP on the tensor cores, as our backward computes them; P in base 2, as a
+        GPU's exp is."""
+        live = row_in[:, None] & key_in[None, :]
+        if CAUSAL:
+            live = live & (keys[None, :] <= rows[:, None])
+        s = bwd._dot(q, tl.trans(k), "ieee", INTERPRET)
+        p = tl.where(live, tl.exp2(s * (scale * LOG2E) - lse[:, None] * LOG2E), 0.0)
+        ds = p * (bwd._dot(do, tl.trans(v), "ieee", INTERPRET) - delta[:, None])
+        return live, p, ds
+
+    @device_function
+    def _moments(t_e, t_w, AXIS: tl.constexpr):
+        """Per column (AXIS 0: a key) or row (1: a query) of a tile's terms for c = e and w: their sums (the
+        identity's reference), their squares' sums and their magnitudes' sums (two of its bound's terms)."""
+        return (tl.sum(t_e, AXIS), tl.sum(t_w, AXIS), tl.sum(t_e * t_e, AXIS), tl.sum(t_w * t_w, AXIS),
+                tl.sum(tl.abs(t_e), AXIS), tl.sum(tl.abs(t_w), AXIS))
+
+    @device_function
+    def _rounded(xc, root_partial):
+        """Per gradient row (xc: its elements times c), what the vendor's roundings of it allow, in units of u: the
+        last one at its worst, Σ_d |X_d c_d|, and the r − 1 of the running sums before it as a walk,
+        √(r − 1)·‖X ∘ c‖ (abft/given_backward.py). The norm scaled by the row's largest element: a bf16 gradient
+        element past 2⁶⁴ (an exponent flip) would square to INF and make the bound INF, and the row pass."""
+        mag = tl.abs(xc)
+        top = tl.max(mag, 1)
+        unit = tl.where(top > 0, top, 1.0)
+        scaled = mag / unit[:, None]
+        return tl.sum(mag, 1) + root_partial * top * tl.sqrt(tl.sum(scaled * scaled, 1))
+
+    @device_function
+    def _ratio(d_e, b_e, d_w, b_w):
+        """Per row, the larger of |d|/bound over c = e, w; INF where either residual is NaN (or INF)."""
+        r = tl.maximum(tl.abs(d_e) / b_e, tl.abs(d_w) / b_w)
+        finite = (tl.abs(d_e) < float("inf")) & (tl.abs(d_w) < float("inf"))
+        return tl.where(finite & (r == r), r, float("inf"))
