@@ -71,13 +71,17 @@ if triton is not None:
                                                        sv_s, sv_d, feats, feat_in, BLOCK_N)
             k_norm = tl.load(KROWS + nk * 4 * S + keys, mask=key_in, other=0.0)
             v_norm = tl.load(KROWS + (nk * 4 + 3) * S + keys, mask=key_in, other=0.0)
-            zero = tl.zeros((BLOCK_N,), tl.float32)
-            # Per key, c = e then w: V's sum, its squares' sum, its magnitudes' sum, the largest |dO_i·c| (below the
-            # normal range); the same for K over q_i·c, and δ's term; the live queries; the largest ‖q_i‖.
-            v1e, v1w, v2e, v2w, vae, vaw, vxe, vxw = zero, zero, zero, zero, zero, zero, zero, zero
-            k1e, k1w, k2e, k2w, kae, kaw, kxe, kxw = zero, zero, zero, zero, zero, zero, zero, zero
-            kde, kdw, count = zero, zero, zero
-            q_max = tl.full((), 0.0, tl.float32)
+            # Per key, the sums over its queries as products with per-query factors (``_factors``), on the dot
+            # rather than a reduction across the tile's lanes per sum: Pᵀ·[dO·e, dO·w, |dO·e|, |dO·w|, δ's two terms
+            # for c = e, w] (V's sums, their magnitudes, δ's term), (P²)ᵀ·[(dO·c)²] (V's squares), dSᵀ·[q·c] (K's
+            # sums), (dS²)ᵀ·[(q·c)²] and |dS|ᵀ·[|q·c|] (its squares and magnitudes).
+            acc = tl.zeros((BLOCK_N, 16), tl.float32)
+            acc_p, acc_p2, acc_ds, acc_ds2, acc_ads = acc, acc, acc, acc, acc
+            # Scalars over every query read (a superset of each key's live ones, as the bound's reference takes
+            # them): the largest |dO_i·c|, |q_i·c| and ‖q_i‖.
+            vxe, vxw, kxe, kxw, q_max = (tl.full((), 0.0, tl.float32), tl.full((), 0.0, tl.float32),
+                                         tl.full((), 0.0, tl.float32), tl.full((), 0.0, tl.float32),
+                                         tl.full((), 0.0, tl.float32))
             lo = 0
             if CAUSAL:
                 lo = start_n // BLOCK_M * BLOCK_M
@@ -96,22 +100,29 @@ if triton is not None:
                     do_e = tl.load(at + 4 * T, mask=row_in, other=0.0)
                     do_w = tl.load(at + 5 * T, mask=row_in, other=0.0)
                     o_n = tl.load(ONORM + n * T + rows, mask=row_in, other=0.0)
-                    live, p, ds = _probs(q, k, v, do, lse, delta, rows, row_in, keys, key_in, scale, CAUSAL,
-                                         INTERPRET)
-                    a1, a2, a3, a4, a5, a6 = _moments(p * do_e[:, None], p * do_w[:, None], 0)
-                    v1e, v1w, v2e, v2w, vae, vaw = v1e + a1, v1w + a2, v2e + a3, v2w + a4, vae + a5, vaw + a6
-                    a1, a2, a3, a4, a5, a6 = _moments(ds * q_e[:, None], ds * q_w[:, None], 0)
-                    k1e, k1w, k2e, k2w, kae, kaw = k1e + a1, k1w + a2, k2e + a3, k2w + a4, kae + a5, kaw + a6
-                    # δ's fp32 dot product over D: P_ij·‖dO_i‖(‖v_j‖ + ‖O_i‖) per term.
-                    pd = p * do_n[:, None] * (v_norm[None, :] + o_n[:, None])
-                    kde += tl.sum(pd * tl.abs(q_e)[:, None], 0)
-                    kdw += tl.sum(pd * tl.abs(q_w)[:, None], 0)
-                    count += tl.sum(live.to(tl.float32), 0)
-                    vxe = tl.maximum(vxe, tl.max(tl.where(live, tl.abs(do_e)[:, None], 0.0), 0))
-                    vxw = tl.maximum(vxw, tl.max(tl.where(live, tl.abs(do_w)[:, None], 0.0), 0))
-                    kxe = tl.maximum(kxe, tl.max(tl.where(live, tl.abs(q_e)[:, None], 0.0), 0))
-                    kxw = tl.maximum(kxw, tl.max(tl.where(live, tl.abs(q_w)[:, None], 0.0), 0))
-                    q_max = tl.maximum(q_max, tl.max(tl.where(row_in, q_n, 0.0), 0))
+                    p, ds = _probs(q, k, v, do, lse, delta, rows, row_in, keys, key_in, scale, CAUSAL, INTERPRET)
+                    # δ's fp32 dot product over D: P_ij·‖dO_i‖(‖v_j‖ + ‖O_i‖)·|q_i·c| per term, as ‖v_j‖ times the
+                    # sum of P_ij·‖dO_i‖·|q_i·c|, plus the sum of P_ij·‖dO_i‖·‖O_i‖·|q_i·c|.
+                    dq_e, dq_w = do_n * tl.abs(q_e), do_n * tl.abs(q_w)
+                    p_t, ds_t = tl.trans(p), tl.trans(ds)
+                    acc_p += bwd._dot(p_t, _factors(do_e, do_w, tl.abs(do_e), tl.abs(do_w), dq_e, dq_w, dq_e * o_n,
+                                                    dq_w * o_n), "ieee", INTERPRET)
+                    acc_p2 += bwd._dot(p_t * p_t, _factors2(do_e * do_e, do_w * do_w), "ieee", INTERPRET)
+                    acc_ds += bwd._dot(ds_t, _factors2(q_e, q_w), "ieee", INTERPRET)
+                    acc_ds2 += bwd._dot(ds_t * ds_t, _factors2(q_e * q_e, q_w * q_w), "ieee", INTERPRET)
+                    acc_ads += bwd._dot(tl.abs(ds_t), _factors2(tl.abs(q_e), tl.abs(q_w)), "ieee", INTERPRET)
+                    # (Rows past T were loaded as 0.)
+                    vxe = tl.maximum(vxe, tl.max(tl.abs(do_e), 0))
+                    vxw = tl.maximum(vxw, tl.max(tl.abs(do_w), 0))
+                    kxe = tl.maximum(kxe, tl.max(tl.abs(q_e), 0))
+                    kxw = tl.maximum(kxw, tl.max(tl.abs(q_w), 0))
+                    q_max = tl.maximum(q_max, tl.max(q_n, 0))
+            v1e, v1w, vae, vaw = _column(acc_p, 0), _column(acc_p, 1), _column(acc_p, 2), _column(acc_p, 3)
+            kde = v_norm * _column(acc_p, 4) + _column(acc_p, 6)
+            kdw = v_norm * _column(acc_p, 5) + _column(acc_p, 7)
+            v2e, v2w = _column(acc_p2, 0), _column(acc_p2, 1)
+            k1e, k1w, k2e, k2w = _column(acc_ds, 0), _column(acc_ds, 1), _column(acc_ds2, 0), _column(acc_ds2, 1)
+            kae, kaw = _column(acc_ads, 0), _column(acc_ads, 1)
             # The vendor's roundings of each key's running sums (GradientAccumulation.key_rounds).
             blocks = tl.full((BLOCK_N,), 1, tl.int32)
             if q_block > 0:
@@ -120,6 +131,10 @@ if triton is not None:
                     first = keys // q_block
                 blocks = tl.maximum((T + q_block - 1) // q_block - first, 1)
             rounds = group * blocks.to(tl.float32) + tl.where(group > 1, 1.0, 0.0)
+            # The live (query, key) pairs of each key, over the group's heads: causal, the queries at or after it.
+            count = tl.zeros((BLOCK_N,), tl.float32) + group * T * 1.0
+            if CAUSAL:
+                count = group * tl.maximum(T - keys, 0).to(tl.float32)
             root_r = tl.sqrt(rounds)
             root_partial = tl.sqrt(rounds - 1.0)
             walk = kappa_u32 * (tl.sqrt(count) + root_d * abs_scale * k_norm * q_max)
@@ -165,10 +180,12 @@ if triton is not None:
             q_n = tl.load(QROWS + n * 6 * T + rows, mask=row_in, other=0.0)
             do_n = tl.load(QROWS + (n * 6 + 3) * T + rows, mask=row_in, other=0.0)
             o_n = tl.load(ONORM + n * T + rows, mask=row_in, other=0.0)
-            zero = tl.zeros((BLOCK_M,), tl.float32)
-            q1e, q1w, q2e, q2w, qae, qaw, qxe, qxw, qde, qdw, count = (zero, zero, zero, zero, zero, zero, zero, zero,
-                                                                      zero, zero, zero)
-            k_max = tl.full((), 0.0, tl.float32)
+            # Per query, its sums over keys on the dot, as the key programs' (above): P·[‖v_j‖·|k_j·c|, |k_j·c|]
+            # (δ's term), dS·[k·c], dS²·[(k·c)²], |dS|·[|k·c|].
+            acc = tl.zeros((BLOCK_M, 16), tl.float32)
+            acc_p, acc_ds, acc_ds2, acc_ads = acc, acc, acc, acc
+            # Scalars over every key read: the largest |k_j·c| and ‖k_j‖.
+            qxe, qxw, k_max = tl.full((), 0.0, tl.float32), tl.full((), 0.0, tl.float32), tl.full((), 0.0, tl.float32)
             hi = S
             if CAUSAL:
                 hi = tl.minimum(S, start_m + BLOCK_M)
@@ -180,16 +197,21 @@ if triton is not None:
                 k_e = tl.load(at + S, mask=key_in, other=0.0)
                 k_w = tl.load(at + 2 * S, mask=key_in, other=0.0)
                 v_n = tl.load(at + 3 * S, mask=key_in, other=0.0)
-                live, p, ds = _probs(q, k, v, do, lse, delta, rows, row_in, keys, key_in, scale, CAUSAL, INTERPRET)
-                a1, a2, a3, a4, a5, a6 = _moments(ds * k_e[None, :], ds * k_w[None, :], 1)
-                q1e, q1w, q2e, q2w, qae, qaw = q1e + a1, q1w + a2, q2e + a3, q2w + a4, qae + a5, qaw + a6
-                pd = p * (v_n[None, :] + o_n[:, None])
-                qde += tl.sum(pd * tl.abs(k_e)[None, :], 1)
-                qdw += tl.sum(pd * tl.abs(k_w)[None, :], 1)
-                count += tl.sum(live.to(tl.float32), 1)
-                qxe = tl.maximum(qxe, tl.max(tl.where(live, tl.abs(k_e)[None, :], 0.0), 1))
-                qxw = tl.maximum(qxw, tl.max(tl.where(live, tl.abs(k_w)[None, :], 0.0), 1))
-                k_max = tl.maximum(k_max, tl.max(tl.where(key_in, k_n, 0.0), 0))
+                p, ds = _probs(q, k, v, do, lse, delta, rows, row_in, keys, key_in, scale, CAUSAL, INTERPRET)
+                ak_e, ak_w = tl.abs(k_e), tl.abs(k_w)
+                zero_n = tl.zeros((BLOCK_N,), tl.float32)
+                acc_p += bwd._dot(p, _factors(v_n * ak_e, v_n * ak_w, ak_e, ak_w, zero_n, zero_n, zero_n, zero_n),
+                                  "ieee", INTERPRET)
+                acc_ds += bwd._dot(ds, _factors2(k_e, k_w), "ieee", INTERPRET)
+                acc_ds2 += bwd._dot(ds * ds, _factors2(k_e * k_e, k_w * k_w), "ieee", INTERPRET)
+                acc_ads += bwd._dot(tl.abs(ds), _factors2(ak_e, ak_w), "ieee", INTERPRET)
+                qxe = tl.maximum(qxe, tl.max(tl.abs(k_e), 0))
+                qxw = tl.maximum(qxw, tl.max(tl.abs(k_w), 0))
+                k_max = tl.maximum(k_max, tl.max(k_n, 0))
+            qde = _column(acc_p, 0) + o_n * _column(acc_p, 2)
+            qdw = _column(acc_p, 1) + o_n * _column(acc_p, 3)
+            q1e, q1w, q2e, q2w = _column(acc_ds, 0), _column(acc_ds, 1), _column(acc_ds2, 0), _column(acc_ds2, 1)
+            qae, qaw = _column(acc_ads, 0), _column(acc_ads, 1)
             # The vendor's roundings of each query's running dQ (GradientAccumulation.query_rounds).
             blocks = tl.full((BLOCK_M,), 1, tl.int32)
             if k_block > 0:
@@ -199,6 +221,10 @@ if triton is not None:
                     blocks = blocks * ((S + k_block - 1) // k_block)
             root_r = tl.sqrt(blocks.to(tl.float32))
             root_partial = tl.sqrt(blocks.to(tl.float32) - 1.0)
+            # The keys each query sees: causal, those up to its own.
+            count = tl.zeros((BLOCK_M,), tl.float32) + S * 1.0
+            if CAUSAL:
+                count = tl.minimum(rows + 1, S).to(tl.float32)
             root_n = tl.sqrt(count)
             walk = kappa_u32 * (root_n + root_d * abs_scale * q_n * k_max)
             # (Per query: δ's term carries the row's own ‖dO_i‖.)
@@ -222,7 +248,7 @@ if triton is not None:
     @device_function
     def _probs(q, k, v, do, lse, delta, rows, row_in, keys, key_in, scale, CAUSAL: tl.constexpr,
                INTERPRET: tl.constexpr):
-        """One tile, recomputed from the inputs as stored: (which (query, key) pairs are live, P from the stored lse,
+        """One tile, recomputed from the inputs as stored: (P from the stored lse, 0 where the key is not seen,
         dS = P ∘ (dO Vᵀ − δ)), fp32. S and dP on the tensor cores, as our backward computes them; P in base 2, as a
         GPU's exp is."""
         live = row_in[:, None] & key_in[None, :]
@@ -231,14 +257,32 @@ if triton is not None:
         s = bwd._dot(q, tl.trans(k), "ieee", INTERPRET)
         p = tl.where(live, tl.exp2(s * (scale * LOG2E) - lse[:, None] * LOG2E), 0.0)
         ds = p * (bwd._dot(do, tl.trans(v), "ieee", INTERPRET) - delta[:, None])
-        return live, p, ds
+        return p, ds
 
     @device_function
-    def _moments(t_e, t_w, AXIS: tl.constexpr):
-        """Per column (AXIS 0: a key) or row (1: a query) of a tile's terms for c = e and w: their sums (the
-        identity's reference), their squares' sums and their magnitudes' sums (two of its bound's terms)."""
-        return (tl.sum(t_e, AXIS), tl.sum(t_w, AXIS), tl.sum(t_e * t_e, AXIS), tl.sum(t_w * t_w, AXIS),
-                tl.sum(tl.abs(t_e), AXIS), tl.sum(tl.abs(t_w), AXIS))
+    def _factors(x0, x1, x2, x3, x4, x5, x6, x7):
+        """(len, 16) fp32: eight per-token vectors as its first columns, zeros after: the right side of a tile's sums
+        on the dot (16: the fewest columns tl.dot takes)."""
+        cols = tl.arange(0, 16)[None, :]
+        f = tl.where(cols == 0, x0[:, None], 0.0)
+        f = tl.where(cols == 1, x1[:, None], f)
+        f = tl.where(cols == 2, x2[:, None], f)
+        f = tl.where(cols == 3, x3[:, None], f)
+        f = tl.where(cols == 4, x4[:, None], f)
+        f = tl.where(cols == 5, x5[:, None], f)
+        f = tl.where(cols == 6, x6[:, None], f)
+        return tl.where(cols == 7, x7[:, None], f)
+
+    @device_function
+    def _factors2(x0, x1):
+        """``_factors`` of two vectors."""
+        cols = tl.arange(0, 16)[None, :]
+        return tl.where(cols == 0, x0[:, None], tl.where(cols == 1, x1[:, None], 0.0))
+
+    @device_function
+    def _column(acc, j: tl.constexpr):
+        """Column j of a (rows, 16) accumulator, per row."""
+        return tl.sum(tl.where(tl.arange(0, 16)[None, :] == j, acc, 0.0), 1)
 
     @device_function
     def _rounded(xc, root_partial):
