@@ -50,8 +50,9 @@ HALF = (torch.bfloat16, torch.float16)
 @pytest.fixture(autouse=True)
 def force_triton() -> Iterator[None]:
     """The Triton route on CPU tensors, under the interpreter (as a GPU takes it), the vendor's forward for full
-    checks."""
-    with scoped_env({BACKEND_ENV: "triton", TILE_ENV: None, triton_backend.FULL_ENV: None}):
+    checks, and its backward checked over (ATTNCHECKER_ATTENTION_BACKWARD_FULL=vendor: opt-in)."""
+    with scoped_env({BACKEND_ENV: "triton", TILE_ENV: None, triton_backend.FULL_ENV: None,
+                     triton_backward.FULL_ENV: "vendor"}):
         yield
 
 
@@ -223,15 +224,17 @@ def test_protect_scope_all_checks_the_vendor_backward_and_corrects_a_fault_below
         torch.testing.assert_close(g.float(), grads[0][name].float(), rtol=2e-2, atol=2e-3, msg=name)
 
 
-def test_attnchecker_attention_full_kernel_keeps_the_backward_check_in_our_kernels(
-        monkeypatch: pytest.MonkeyPatch, triton_launches) -> None:
-    """ATTNCHECKER_ATTENTION_FULL=kernel: a scope="all" full step checks both directions in our kernels; the vendor's
-    backward op never runs, nor the check over it."""
+@pytest.mark.parametrize("env", [None, "kernel"], ids=["default", "kernel"])
+def test_by_default_our_kernels_check_the_backward(monkeypatch: pytest.MonkeyPatch, triton_launches,
+                                                   env: str | None) -> None:
+    """ATTNCHECKER_ATTENTION_BACKWARD_FULL unset or "kernel": a scope="all" full step whose forward the vendor made
+    checks the backward in our kernels (the vendor's stays opt-in until a GPU run times the two); the vendor's
+    backward op never runs, nor the check over it. Anything else is refused, naming the variable."""
     from attnchecker.attention.backward import fused
 
     monkeypatch.setattr(fused, "cpu_kernel", False)
     model = build("gpt2", **ZOO["gpt2"]).to(torch.bfloat16)
-    with scoped_env({triton_backend.FULL_ENV: "kernel"}), \
+    with scoped_env({triton_backward.FULL_ENV: env}), \
             attnchecker.protect(model, policy=attnchecker.Policy.full(), scope="all") as guard:
         loss = loss_of("gpt2", model, batch("gpt2", 0))
         counted = FusedBackwardFault(call=-1, which=0, kind="nan", element=0)
@@ -241,3 +244,6 @@ def test_attnchecker_attention_full_kernel_keeps_the_backward_check_in_our_kerne
         assert guard.detections == []
     assert counted.seen == 0
     assert "_check_given_bwd" not in triton_launches and triton_launches["_key_pass"] == 2 * 2
+    with scoped_env({triton_backward.FULL_ENV: "flash"}), pytest.raises(ValueError,
+                                                                     match="ATTNCHECKER_ATTENTION_BACKWARD_FULL"):
+        triton_backward.full_requested()

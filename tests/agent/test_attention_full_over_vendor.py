@@ -294,16 +294,14 @@ def test_the_default_policy_after_a_quiet_period_checks_over_the_vendor_forward(
 @pytest.mark.parametrize(("op", "side"), [("scores_bwd", "keys"), ("grad_q", "queries"), ("grad_v", "keys")])
 def test_under_scope_all_a_backward_fault_after_the_vendor_forward_is_corrected(monkeypatch: pytest.MonkeyPatch,
                                                                              op: str, side: str) -> None:
-    """protect(scope="all", Policy.full()), bf16 GPT-2, our checked Triton backward (what a full step runs where
-    emulated faults wait for it, or where the vendor's backward cannot be checked over; both steps here): on the
-    second step, INF emulated in a product of the first backward call (the last layer's). Every forward is the
-    vendor's, checked over with its lse normalised for our backward, and its check recomputes the flagged blocks:
-    events at that layer and step, the faulty product's among them (an S fault is also seen in the dK and dV made from
-    it), and the step's gradients are the clean step's, bit for bit."""
+    """protect(scope="all", Policy.full()), bf16 GPT-2, the Triton backward a GPU runs: on the second step, INF
+    emulated in a product of the first backward call (the last layer's). Every forward is the vendor's, checked over
+    with its lse normalised for the backward, and the backward's check recomputes the flagged blocks: events at that
+    layer and step, the faulty product's among them (an S fault is also seen in the dK and dV made from it), and the
+    step's gradients are the clean step's, bit for bit."""
     from attnchecker.attention.backward import fused, triton_backward
 
     monkeypatch.setattr(fused, "cpu_kernel", False)
-    monkeypatch.setattr(triton_backward, "faults_pending", lambda: True)
     model = build("gpt2", **ZOO_ONE_LAYER["gpt2"]).to(torch.bfloat16)
     with attnchecker.protect(model, policy=attnchecker.Policy.full(), scope="all") as guard:
         grads = []

@@ -99,9 +99,9 @@ TRIP_WARPS = 8
 """Warps of ``_trip_given``, one read of a block's gradients: on Triton's default 4 it needs 255 registers and spills
 56 bytes at head dim 128, on 8 it takes 159 and none (sm_90, bench/triton_kernels.py)."""
 GIVEN_WARPS = 8
-"""Warps of the full check over given gradients (triton_given_backward_check._check_given_bwd), whose key programs
-keep 21 running sums per key besides the tiles: on 4 it needs 255 registers and spills 444 bytes at head dim 64 and
-708 at 128, on 8 it takes 255 and spills 36 and 172 (sm_90, bench/triton_kernels.py --given)."""
+"""Warps of the full check over given gradients (triton_given_backward_check._check_given_bwd): on 8 it takes 255
+registers and spills 40 bytes at head dim 64 and 52 at 128, on 4 it spills 140 at 64, though its loop then issues
+6,312 instructions a tile against 9,728 (sm_90, bench/triton_kernels.py --given --mix): a GPU run should time both."""
 MAX_HEAD_DIM = 256
 
 

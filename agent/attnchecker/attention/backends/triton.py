@@ -138,10 +138,10 @@ class TritonBackend:
 
 
 FULL_ENV = "ATTNCHECKER_ATTENTION_FULL"
-"""Where a full check of the attention runs. vendor (default): over the vendor's fused forward where it takes the
-call (bf16 and fp16, no mask, dropout or window; abft/given_forward.py), and over its backward where the step checks
-that in full (abft/given_backward.py), whose products are aten ops that profilers and fault injectors below autograd
-see; kernel: always in our checked kernels, which compute the products themselves and check them tile by tile."""
+"""Where a full check of the attention forward runs. vendor (default): over the vendor's fused forward where it takes
+the call (bf16 and fp16, no mask, dropout or window; abft/given_forward.py), whose products are aten ops that
+profilers and fault injectors below autograd see; kernel: always in our checked kernel, which computes the products
+itself and checks them tile by tile (and then the backward is ours too). The backward's: triton_backward.FULL_ENV."""
 _FULL_CHOICES = ("vendor", "kernel")
 
 
@@ -178,11 +178,11 @@ def _backward_over_vendor(call: AttentionCall, made: vendor.Forward) -> bool:
     """Whether this call's backward, where the step checks it in full, is the vendor's backward checked by the
     identities over its gradients (kernels/triton_given_backward_check.py) rather than our checked backward: the
     vendor made the forward and has a backward at its results, the call takes the Triton backward's route
-    (``_KernelBackward``: not the fused CPU kernel's), and the identities take its dtype and tolerance.
-    ATTNCHECKER_ATTENTION_FULL=kernel keeps both directions in our kernels."""
+    (``_KernelBackward``: not the fused CPU kernel's), the identities take its dtype and tolerance, and
+    ATTNCHECKER_ATTENTION_BACKWARD_FULL=vendor asks for it (triton_backward.FULL_ENV: opt-in until timed on a GPU)."""
     q = call.q_BHTD
     return (made.backward is not None and made.accumulation is not None and call.needs_grad
-            and full_requested() == "vendor" and not _fused_cpu_backward(call)
+            and triton_backward.full_requested() == "vendor" and not _fused_cpu_backward(call)
             and triton_backward.given_full_takes(q.dtype, call.ctx)
             and not triton_backward.not_supported_reasons(q, call.k_BHSD, call.v_BHSD, call.attn_mask))
 
@@ -294,9 +294,10 @@ def _with_grad(call: AttentionCall, got: kernel.Result, seed: torch.Tensor | Non
 class _KernelBackward(torch.autograd.Function):
     """The backward of a Triton forward off the fused CPU kernel's reach (CUDA, or attention dropout): the Triton
     backward (attention/backward/triton_backward.py) with the step's check (protect(scope="all")) and the forward's
-    dropout seed, its scores in fp32 as this kernel kept them. Where the vendor made the forward and the step checks
-    the backward in full (``Replay.vendor_accumulation``): the vendor's backward, tested by the identities over its
-    gradients, a flagged block recomputed by our kernels (unless emulated faults wait for our kernels). Tier 1
+    dropout seed, its scores in fp32 as this kernel kept them. Where the vendor made the forward, the step checks
+    the backward in full and ATTNCHECKER_ATTENTION_BACKWARD_FULL=vendor (``Replay.vendor_accumulation``): the
+    vendor's backward, tested by the identities over its gradients, a flagged block recomputed by our kernels (unless
+    emulated faults wait for our kernels). Tier 1
     without dropout: SDPA's gradient read by the kernels' tier-1 pass (fused.sdpa_tier1_on_device); unchecked without
     dropout, the vendor's backward at its own forward's results where the vendor's forward made them (tier-1 steps:
     attention/vendor.py), else SDPA's recomputed gradient (flash). Where the Triton backward declines

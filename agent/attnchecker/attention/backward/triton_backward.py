@@ -33,8 +33,8 @@ from ...gemm.schedule import whole_step_due, whole_step_trips
 from ...kernels import triton_attention_bwd as kernels
 from ...matmul_precision import current_fp32_precision, fp32_matmul_operand_roundoff
 
-__all__ = ["BACKWARD_ENV", "KernelFailed", "KernelFault", "backward", "check_mode", "emulated_faults",
-           "faults_pending", "given_full_takes", "not_supported_reasons", "requested", "take_faults"]
+__all__ = ["BACKWARD_ENV", "FULL_ENV", "KernelFailed", "KernelFault", "backward", "check_mode", "emulated_faults",
+           "faults_pending", "full_requested", "given_full_takes", "not_supported_reasons", "requested", "take_faults"]
 
 log = logging.getLogger("attnchecker")
 
@@ -45,6 +45,15 @@ BACKWARD_ENV = "ATTNCHECKER_ATTENTION_BACKWARD"
 (a call they cannot take gets the products, with a warning); torch: always the products, whose GEMMs are aten ops
 that profilers and fault injectors below autograd see (attention/backward/checked.py)."""
 _CHOICES = ("auto", "triton", "torch")
+
+FULL_ENV = "ATTNCHECKER_ATTENTION_BACKWARD_FULL"
+"""Where a step that checks the attention backward in full checks it, when the vendor made the forward. kernel
+(default): our checked backward, which computes and checks every product itself. vendor: the vendor's backward,
+what an unprotected step runs, tested by the identities over its gradients (kernels/triton_given_backward_check.py),
+a flagged block recomputed by our kernels. Compiled for sm_90 the identities' loop issues more instructions per tile
+than our checked passes' two loops together (docs/performance.md §12), so the vendor's stays opt-in until a GPU run
+(bench/gpu_suite.py's "abft_given" against "abft") says which is faster."""
+_FULL_CHOICES = ("kernel", "vendor")
 
 _pending: list[KernelFault] = []
 
@@ -62,6 +71,14 @@ def requested() -> str:
     mode = os.environ.get(BACKWARD_ENV, "auto").strip().lower() or "auto"
     if mode not in _CHOICES:
         raise ValueError(f"{BACKWARD_ENV}={mode!r}: use one of {', '.join(_CHOICES)}")
+    return mode
+
+
+def full_requested() -> str:
+    """ATTNCHECKER_ATTENTION_BACKWARD_FULL: kernel or vendor. Raises ValueError on anything else."""
+    mode = os.environ.get(FULL_ENV, "kernel").strip().lower() or "kernel"
+    if mode not in _FULL_CHOICES:
+        raise ValueError(f"{FULL_ENV}={mode!r}: use one of {', '.join(_FULL_CHOICES)}")
     return mode
 
 
