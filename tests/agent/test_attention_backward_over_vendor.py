@@ -29,8 +29,7 @@ from sync_counter import SyncCounter
 
 import attnchecker
 from attnchecker.abft import Tolerance
-from attnchecker.abft.given_backward import CPU_FLASH, given_backward_rule
-from attnchecker.abft.given_forward import U32
+from attnchecker.abft.given_backward import CPU_FLASH
 from attnchecker.attention.backends import BACKEND_ENV
 from attnchecker.attention.backends import triton as triton_backend
 from attnchecker.attention.backends.tiled_torch import TILE_ENV
@@ -82,9 +81,7 @@ def _check(a: dict[str, Any], ctx: Any, given: tuple[torch.Tensor, ...]) -> tupl
 
 
 def _identities(dtype: torch.dtype, t: int) -> kernels.GivenIdentities:
-    rule, acc = given_backward_rule(dtype, Tolerance()), CPU_FLASH(t)
-    return kernels.GivenIdentities(tau_u=rule.tau * rule.u, kappa_u32=rule.kappa * U32, tau_tiny=rule.tau * rule.tiny,
-                                   query_block=acc.query_block or 0, key_block=acc.key_block or 0)
+    return kernels.GivenIdentities.of(dtype, Tolerance(), CPU_FLASH(t))
 
 
 @settings(max_examples=12, deadline=None)

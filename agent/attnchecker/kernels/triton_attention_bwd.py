@@ -50,6 +50,9 @@ from typing import Any
 
 import torch
 
+from ..abft.given_backward import GradientAccumulation, given_backward_rule
+from ..abft.given_forward import U32
+from ..abft.tolerance import Tolerance
 from . import triton_checks as tc
 from . import triton_dropout
 from . import triton_given_backward_check as given_check
@@ -285,6 +288,14 @@ class GivenIdentities:
     tau_tiny: float
     query_block: int
     key_block: int
+
+    @classmethod
+    def of(cls, dtype: torch.dtype, tol: Tolerance, acc: GradientAccumulation) -> GivenIdentities:
+        """The scalars for half-precision gradients under a round-off tolerance (given_backward_rule raises for
+        others), from a backward that rounds its sums as ``acc`` says."""
+        rule = given_backward_rule(dtype, tol)
+        return cls(tau_u=rule.tau * rule.u, kappa_u32=rule.kappa * U32, tau_tiny=rule.tau * rule.tiny,
+                   query_block=acc.query_block or 0, key_block=acc.key_block or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1229,9 +1240,7 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     import statistics
     import time
 
-    from ..abft.given_backward import CPU_FLASH, FP32_ACCUMULATION, given_backward_rule
-    from ..abft.given_forward import U32
-    from ..abft.tolerance import Tolerance
+    from ..abft.given_backward import CPU_FLASH, FP32_ACCUMULATION
     from ..abft.vector_rules import product_rule, softmax_grad_rule
 
     if forms is not None and set(forms) - set(BENCH_FORMS):
@@ -1256,9 +1265,7 @@ def bench_checks(*, b: int, h: int, t: int, d: int, device: str, causal: bool = 
     # (SDPA's forward keeps its scores in fp32: scores_dtype None.)
     identities = None
     if "abft_given" in (forms or BENCH_FORMS):
-        rule, acc = given_backward_rule(dtype, tol), CPU_FLASH(t) if device == "cpu" else FP32_ACCUMULATION
-        identities = GivenIdentities(rule.tau * rule.u, rule.kappa * U32, rule.tau * rule.tiny, acc.query_block or 0,
-                                     acc.key_block or 0)
+        identities = GivenIdentities.of(dtype, tol, CPU_FLASH(t) if device == "cpu" else FP32_ACCUMULATION)
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
     names = tuple(c for c in BENCH_FORMS if forms is None or c == "off" or c in forms)
     times: dict[str, list[float]] = {c: [] for c in names}

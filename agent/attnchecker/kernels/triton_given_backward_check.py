@@ -137,24 +137,17 @@ if triton is not None:
                 count = group * tl.maximum(T - keys, 0).to(tl.float32)
             root_r = tl.sqrt(rounds)
             root_partial = tl.sqrt(rounds - 1.0)
-            walk = kappa_u32 * (tl.sqrt(count) + root_d * abs_scale * k_norm * q_max)
             root_n = tl.sqrt(count)
+            walk = kappa_u32 * (root_n + root_d * abs_scale * k_norm * q_max)
             at = nk * S * D + keys[:, None] * D + feats[None, :]
             dv = tl.load(DV + at, mask=kv_io, other=0.0).to(tl.float32)
             dk = tl.load(DK + at, mask=kv_io, other=0.0).to(tl.float32)
-            d_ve = tl.sum(dv, 1) - v1e
-            d_vw = tl.sum(dv * w_d[None, :], 1) - v1w
-            b_ve = (tau_u * (tl.sqrt(v2e) + _rounded(dv, root_partial)) + walk * vae
-                    + tau_tiny * (root_n * vxe + root_r * sum_e))
-            b_vw = (tau_u * (tl.sqrt(v2w) + _rounded(dv * w_d[None, :], root_partial)) + walk * vaw
-                    + tau_tiny * (root_n * vxw + root_r * sum_w))
-            d_ke = tl.sum(dk, 1) - scale * k1e
-            d_kw = tl.sum(dk * w_d[None, :], 1) - scale * k1w
+            rows_at = (walk, root_n, root_r, root_partial, tau_u, tau_tiny)
+            d_ve, b_ve = _bounded(dv, v1e, 1.0, v2e, vae, 0.0, vxe, sum_e, *rows_at)
+            d_vw, b_vw = _bounded(dv * w_d[None, :], v1w, 1.0, v2w, vaw, 0.0, vxw, sum_w, *rows_at)
             fp32_dp = kappa_u32 * root_d * abs_scale
-            b_ke = (tau_u * (abs_scale * tl.sqrt(k2e) + _rounded(dk, root_partial)) + walk * abs_scale * kae
-                    + fp32_dp * kde + tau_tiny * (abs_scale * root_n * kxe + root_r * sum_e))
-            b_kw = (tau_u * (abs_scale * tl.sqrt(k2w) + _rounded(dk * w_d[None, :], root_partial))
-                    + walk * abs_scale * kaw + fp32_dp * kdw + tau_tiny * (abs_scale * root_n * kxw + root_r * sum_w))
+            d_ke, b_ke = _bounded(dk, k1e, scale, k2e, kae, fp32_dp * kde, kxe, sum_e, *rows_at)
+            d_kw, b_kw = _bounded(dk * w_d[None, :], k1w, scale, k2w, kaw, fp32_dp * kdw, kxw, sum_w, *rows_at)
             worst_v = bwd._keep_worst(tl.full((), 0.0, tl.float32), _ratio(d_ve, b_ve, d_vw, b_vw), keys, d_ve,
                                       b_ve, key_in, hk, 0, SUMMARY, slot + 2, True)
             worst_k = bwd._keep_worst(tl.full((), 0.0, tl.float32), _ratio(d_ke, b_ke, d_kw, b_kw), keys, d_ke,
@@ -230,12 +223,9 @@ if triton is not None:
             # (Per query: δ's term carries the row's own ‖dO_i‖.)
             fp32_dq = kappa_u32 * root_d * abs_scale * do_n
             dq = tl.load(DQ + n * T * D + rows[:, None] * D + feats[None, :], mask=io, other=0.0).to(tl.float32)
-            d_qe = tl.sum(dq, 1) - scale * q1e
-            d_qw = tl.sum(dq * w_d[None, :], 1) - scale * q1w
-            b_qe = (tau_u * (abs_scale * tl.sqrt(q2e) + _rounded(dq, root_partial)) + walk * abs_scale * qae
-                    + fp32_dq * qde + tau_tiny * (abs_scale * root_n * qxe + root_r * sum_e))
-            b_qw = (tau_u * (abs_scale * tl.sqrt(q2w) + _rounded(dq * w_d[None, :], root_partial))
-                    + walk * abs_scale * qaw + fp32_dq * qdw + tau_tiny * (abs_scale * root_n * qxw + root_r * sum_w))
+            rows_at = (walk, root_n, root_r, root_partial, tau_u, tau_tiny)
+            d_qe, b_qe = _bounded(dq, q1e, scale, q2e, qae, fp32_dq * qde, qxe, sum_e, *rows_at)
+            d_qw, b_qw = _bounded(dq * w_d[None, :], q1w, scale, q2w, qaw, fp32_dq * qdw, qxw, sum_w, *rows_at)
             worst_q = bwd._keep_worst(tl.full((), 0.0, tl.float32), _ratio(d_qe, b_qe, d_qw, b_qw), rows, d_qe,
                                       b_qe, row_in, hh, 0, SUMMARY, slot + 4, True)
             flags = (worst_q > 1.0).to(tl.int32) << 4
@@ -283,6 +273,16 @@ if triton is not None:
     def _column(acc, j: tl.constexpr):
         """Column j of a (rows, 16) accumulator, per row."""
         return tl.sum(tl.where(tl.arange(0, 16)[None, :] == j, acc, 0.0), 1)
+
+    @device_function
+    def _bounded(xc, ref, f, sq, mag, fp32_term, x_max, sum_c, walk, root_n, root_r, root_partial, tau_u, tau_tiny):
+        """One identity for one weighting c, per gradient row (abft/given_backward.py): (X·c − f·ref, its bound).
+        xc: the row's elements times c; ref, sq, mag: the sums of the terms (the factor f = 1 or scale aside), of their
+        squares and of their magnitudes; fp32_term: δ's (0 for V); x_max: the largest per-token factor |x·c|."""
+        g = tl.abs(f)
+        bound = (tau_u * (g * tl.sqrt(sq) + _rounded(xc, root_partial)) + walk * g * mag + fp32_term
+                 + tau_tiny * (g * root_n * x_max + root_r * sum_c))
+        return tl.sum(xc, 1) - f * ref, bound
 
     @device_function
     def _rounded(xc, root_partial):

@@ -19,7 +19,6 @@ import os
 import torch
 
 from ...abft.given_backward import GradientAccumulation, given_backward_rule
-from ...abft.given_forward import U32
 from ...abft.repair import MatrixReport
 from ...abft.tolerance import NEAR_INF, TF32_OPERAND_ROUNDOFF, Tolerance
 from ...abft.vector_rules import product_rule, softmax_grad_rule
@@ -248,10 +247,8 @@ def given_full_takes(dtype: torch.dtype, ctx: LayerContext) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _identities(dtype: torch.dtype, tol: Tolerance, acc: GradientAccumulation) -> kernels.GivenIdentities:
-    """The identities' scalars for the kernel (abft.given_backward)."""
-    rule = given_backward_rule(dtype, tol)
-    return kernels.GivenIdentities(tau_u=rule.tau * rule.u, kappa_u32=rule.kappa * U32, tau_tiny=rule.tau * rule.tiny,
-                                   query_block=acc.query_block or 0, key_block=acc.key_block or 0)
+    """The identities' scalars for the kernel (abft.given_backward), one per call shape's dtype and tolerance."""
+    return kernels.GivenIdentities.of(dtype, tol, acc)
 
 
 @functools.lru_cache(maxsize=8)
