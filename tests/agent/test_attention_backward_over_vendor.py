@@ -10,7 +10,9 @@ backward; FlashAttention's on a GPU), then our kernels' repair of what it flags:
   element the vendor's, and the gradients those of the clean backward within the dtype's rounding;
 - through protect(scope="all", Policy.full()), GPT-2 and Llama (grouped key heads) in bf16, the backward a GPU runs:
   every layer's backward is the vendor's op, seen below autograd, checked in one launch per layer; a fault written
-  below autograd into its output is corrected, the step's gradients the clean step's within bf16.
+  below autograd into its output is corrected, the step's gradients the clean step's within bf16; and under the
+  default policy, on its first whole-step check after a quiet period;
+- opt-in (ATTNCHECKER_ATTENTION_BACKWARD_FULL=vendor, set here): by default our kernels check the backward.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from gemm_injector import FUSED_BACKWARD, FusedBackwardFault
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_zoo import batch, build, loss_of
+from quiet_period import step_until_due_after_quiet
 from scoped_env import scoped_env
 from sync_counter import SyncCounter
 
@@ -244,3 +247,39 @@ def test_by_default_our_kernels_check_the_backward(monkeypatch: pytest.MonkeyPat
     with scoped_env({triton_backward.FULL_ENV: "flash"}), pytest.raises(ValueError,
                                                                      match="ATTNCHECKER_ATTENTION_BACKWARD_FULL"):
         triton_backward.full_requested()
+
+
+def test_the_default_policy_after_a_quiet_period_checks_the_vendor_backward_and_corrects_it(
+        monkeypatch: pytest.MonkeyPatch, triton_launches) -> None:
+    """protect(model, optimizer=opt, scope="all") with the default policy, bf16 GPT-2, opted in: through the
+    schedule's ramp and quiet period no clean step flags anything, and the identities run on exactly the steps whose
+    whole-step checks are due (one launch a layer). On the first such step after the quiet period, NaN written below
+    autograd into the vendor's dK of the last layer is reported as recomputed by the full check, and the weights stay
+    finite."""
+    from attnchecker.attention.backward import fused
+
+    monkeypatch.setattr(fused, "cpu_kernel", False)
+    model = build("gpt2", **ZOO["gpt2"]).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with attnchecker.protect(model, optimizer=opt, scope="all") as guard:
+        def step(due: bool, fault: FusedBackwardFault | None = None) -> FusedBackwardFault:
+            before = triton_launches["_check_given_bwd"]
+            mode = fault or FusedBackwardFault(call=-1, which=0, kind="nan", element=0)
+            opt.zero_grad(set_to_none=True)
+            loss = loss_of("gpt2", model, batch("gpt2", 0))
+            with mode:
+                loss.backward()
+            opt.step()
+            assert triton_launches["_check_given_bwd"] - before == (2 if due else 0)
+            assert mode.seen == 2
+            return mode
+
+        def clean(due: bool) -> None:
+            step(due)
+            assert guard.detections == []
+
+        step_until_due_after_quiet(guard, clean, op="out")
+        assert step(True, FusedBackwardFault(call=0, which=1, kind="nan", element=1000)).hit
+        got = [(d.op, d.layer, d.action, d.tier) for d in guard.detections]
+    assert got == [("grad_k", 1, "recomputed", "abft")], got
+    assert all(torch.isfinite(p).all() for p in model.parameters())
