@@ -79,15 +79,16 @@ def _signature(fn: Any, dtype: str) -> dict[str, Any]:
 
 
 LAUNCH = {"heads": 32, "length": 4096}
-"""The call a launched compile specialises for: contiguous (1, H, T, D) q, k, v, dO, T = S, no GQA or mask."""
+"""The call a launched compile specialises for: contiguous (1, H, T, D) q, k, v, dO and gradients, T = S, no GQA or
+mask."""
 
 
 def _values(d: int) -> dict[str, int]:
     """The launch's integer arguments that Triton's JIT specialises on (triton_resources.specialise)."""
     h, t = LAUNCH["heads"], LAUNCH["length"]
     strides = (h * t * d, t * d, d, 1)
-    values = {f"s{x}_{a}": v for x in ("q", "do") for a, v in zip("bhtd", strides, strict=True)}
-    values.update({f"s{x}_{a}": v for x in "kv" for a, v in zip("bhsd", strides, strict=True)})
+    values = {f"s{x}_{a}": v for x in ("q", "do", "dq") for a, v in zip("bhtd", strides, strict=True)}
+    values.update({f"s{x}_{a}": v for x in ("k", "v", "dk", "dv") for a, v in zip("bhsd", strides, strict=True)})
     values.update({"sl_b": h * t, "sl_h": t, "sl_t": 1, "sm_b": 0, "sm_h": 0, "sm_t": 0, "sm_s": 0, "H": h, "HK": h,
                    "T": t, "S": t, "D": d, "window": 0, "n_faults": 0})
     return values

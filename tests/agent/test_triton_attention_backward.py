@@ -467,21 +467,42 @@ def two_blocks() -> dict[str, Any]:
     return a
 
 
+def in_layout(g_BHTD: torch.Tensor, layout: str) -> torch.Tensor:
+    """g's values in a vendor's layout: "contiguous" (B, H, T, D); "vendor", a (B, H, T, D) view of a (B, T, H, D)
+    buffer (FlashAttention's and the CPU flash kernel's gradients, in their inputs' layout); "packed", that view of
+    one half of a (B, T, H, 2·D) buffer (rows not adjacent)."""
+    if layout == "contiguous":
+        return g_BHTD.clone()
+    b, h, t, d = g_BHTD.shape
+    buf = torch.full((b, t, h, d if layout == "vendor" else 2 * d), 7.0, dtype=g_BHTD.dtype)
+    view = buf[..., :d].transpose(1, 2)
+    view.copy_(g_BHTD)
+    return view
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "vendor", "packed"])
 @pytest.mark.parametrize(("which", "at", "kind"), [(0, (0, 1, 40, 3), "inf"), (1, (0, 0, 9, 5), "nan"),
                                                    (2, (0, 0, 50, 0), "near_inf"), (1, (0, 0, 33, 7), "bitflip")])
 def test_tier_one_over_given_gradients_recomputes_only_the_tripped_block(
-        make_ctx: Any, two_blocks: dict[str, Any], which: int, at: tuple[int, ...], kind: str) -> None:
+        make_ctx: Any, two_blocks: dict[str, Any], which: int, at: tuple[int, ...], kind: str, layout: str) -> None:
     """An extreme value in the given dQ, dK or dV (below autograd, in SDPA's output on a GPU) trips the block that
     holds it: that block is recomputed by the kernels (dK and dV together: one key program owns both), reported at
-    the step boundary as recomputed by tier 1, and every other element is the given gradient, bit for bit."""
+    the step boundary as recomputed by tier 1, and every other element is the given gradient, bit for bit. In the
+    vendor's own layout the repair writes into its tensors in place (no copy) and nowhere else in their buffers."""
     a = two_blocks
-    given = [g.clone() for g in a["given"]]
+    given = [in_layout(g, layout) for g in a["given"]]
+    bases = [g._base if g._base is not None else g for g in given]
+    before = [b.clone() for b in bases]
     value = given[which][at]
     given[which][at] = {"inf": math.inf, "nan": math.nan, "near_inf": 3e20,
                         "bitflip": (value.view(torch.int32) ^ (1 << 30)).view(torch.float32)}[kind]
     assert not abs(float(given[which][at])) <= 1e10
     ctx, rec = make_ctx()
     got = given_backward(a, ctx, tuple(given))
+    assert all(g is w for g, w in zip(got, given, strict=True))
+    if layout == "packed":  # the other half of each row, and the fault's own buffer elsewhere, untouched
+        for i, (base, old) in enumerate(zip(bases, before, strict=True)):
+            assert torch.equal(base[..., a["given"][i].shape[-1]:], old[..., a["given"][i].shape[-1]:])
     assert not rec.detections
     drain(ctx.runtime.deferred)
     op = ("grad_q", "grad_k", "grad_v")[which]

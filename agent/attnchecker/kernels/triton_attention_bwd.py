@@ -334,6 +334,21 @@ def _strides(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(x.stride())
 
 
+def _writable(x: torch.Tensor) -> torch.Tensor:
+    """x itself where the kernels can write its rows in place through its strides: its elements distinct and each
+    row's features adjacent (a vendor's gradient in its inputs' layout, a slice of a larger buffer); else a contiguous
+    copy (an expanded, stride-0 view: a write through it would land in several elements)."""
+    if x.stride(-1) != 1 and x.shape[-1] > 1:
+        return x.contiguous()
+    dims = sorted((st, n) for st, n in zip(x.stride(), x.shape, strict=True) if n > 1)
+    span = 1
+    for st, n in dims:
+        if st < span:
+            return x.contiguous()
+        span = st * n
+    return x
+
+
 def _mask_4d(attn_mask: torch.Tensor | None, shape: tuple[int, int, int, int]) -> tuple[Any, tuple[int, ...], int]:
     """(the mask as the kernels read it, its (B, H, T, S) strides (0 where it broadcasts), kind: 0 none, 1 additive,
     2 bool)."""
@@ -378,8 +393,9 @@ def run(
     made (SDPA's, the vendor's), for check "tripwire": the first pass only reads them (``_trip_given``), and for
     check "abft" (no mask, dropout or window) it tests them against ``identities`` (kernels/
     triton_given_backward_check.py); the repair recomputes the flagged blocks into them, with the check's own full
-    checks; returned (made contiguous where they were not). refs_by_dot: False makes every reference an fp32 sum
-    whatever the dtype (``by_dot`` (0, 0): bench_checks' A/B on a GPU).
+    checks; returned, written in place in their own layout (``_writable``: a copy only of one whose rows overlap or
+    whose features are not adjacent). refs_by_dot: False makes every reference an fp32 sum whatever the dtype
+    (``by_dot`` (0, 0): bench_checks' A/B on a GPU).
     Launches 3 kernels, 5 with repair, one more each for check "abft" (``_key_terms``); no host-device sync."""
     if triton is None:
         raise RuntimeError("the Triton attention backward needs triton (pip install triton)")
@@ -430,8 +446,9 @@ def run(
         dk = torch.empty((b, hk, s, d), dtype=k_BHSD.dtype, device=device)
         dv = torch.empty((b, hk, s, d), dtype=v_BHSD.dtype, device=device)
     else:
-        # The passes write (B·H, T, D) and (B·HK, S, D) row-major, and their repair writes into these.
-        dq, dk, dv = (x.contiguous() for x in given)
+        # The repair writes the flagged blocks' rows into these, through their strides: no copy of FlashAttention's
+        # gradients, which come in the (B, T, H, D) layout of its inputs.
+        dq, dk, dv = (_writable(x) for x in given)
         if dq.shape != (b, h, t, d) or dk.shape != (b, hk, s, d) or dv.shape != (b, hk, s, d):
             raise ValueError(f"given gradients of shapes {tuple(dq.shape)}, {tuple(dk.shape)}, {tuple(dv.shape)}: "
                              f"want q's {(b, h, t, d)} and k's {(b, hk, s, d)}")
@@ -452,12 +469,13 @@ def run(
     common["SEED_ON_DEVICE"] = on_device
     sizes = (*_strides(q_BHTD), *_strides(k_BHSD), *_strides(v_BHSD), *_strides(dout_BHTD), *_strides(lse_BHT),
              *mask_strides, h, hk, t, s, d, scale, window or 0, dropout_p, 0 if on_device else seed, len(fault_rows))
+    grad_strides = (*_strides(dq), *_strides(dk), *_strides(dv))
     repaired = None
     for attempt in (0, 1) if mode and repair else (0,):
         if given_full and not attempt:
             assert identities is not None
             given_check._check_given_bwd[(p_keys + p_queries,)](
-                *inputs[:6], o_norm, q_rows, k_rows, dq, dk, dv, status, summary, *_strides(q_BHTD),
+                *inputs[:6], o_norm, q_rows, k_rows, dq, dk, dv, status, summary, *grad_strides, *_strides(q_BHTD),
                 *_strides(k_BHSD), *_strides(v_BHSD), *_strides(dout_BHTD), *_strides(lse_BHT), h, hk, t, s, d, scale,
                 n_kb, n_qb, p_keys, identities.tau_u, identities.kappa_u32, identities.tau_tiny,
                 identities.query_block, identities.key_block, BLOCK_M=blk, BLOCK_N=blk, BLOCK_D=block_d,
@@ -465,7 +483,8 @@ def run(
             continue
         if given is not None and not attempt:
             _trip_given[(p_keys + p_queries,)](
-                *inputs[:6], dq, dk, dv, status, summary, *_strides(q_BHTD), *_strides(k_BHSD), *_strides(v_BHSD),
+                *inputs[:6], dq, dk, dv, status, summary, *grad_strides, *_strides(q_BHTD), *_strides(k_BHSD),
+                *_strides(v_BHSD),
                 *_strides(dout_BHTD), *_strides(lse_BHT), h, hk, t, s, d, window or 0, n_kb, n_qb, p_keys,
                 BLOCK_M=blk, BLOCK_N=blk, BLOCK_D=block_d, CAUSAL=is_causal, WINDOW=window is not None,
                 num_warps=TRIP_WARPS)
@@ -475,12 +494,12 @@ def run(
             repaired = torch.empty_like(status)
         written = repaired if attempt else status
         _query_pass[(n_qb, b * h)](*inputs, dq, written, summary, table, seed if on_device else dq, k_rows, k_tile,
-                                   *sizes, p_keys,
+                                   *grad_strides[:4], *sizes, p_keys,
                                    r.tile, r.queries,
                                    r.softmax, FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None,
                                    num_warps=tile.warps, num_stages=tile.stages, BY_DOT=dot_q, **common)
         _key_pass[(n_kb, b * hk)](*inputs, dk, dv, written, summary, table, seed if on_device else dq, q_rows, q_tile,
-                                  q_parts, *sizes, 0,
+                                  q_parts, *grad_strides[4:], *sizes, 0,
                                   r.tile, r.keys,
                                   FIRST=status, REPAIR=bool(attempt), GIVEN=given is not None,
                                   num_warps=pass_warps(tile, "_key_pass", check, dot_k), num_stages=tile.stages,
@@ -730,7 +749,7 @@ if triton is not None:
 
     @triton.jit
     def _query_pass(Q, K, V, DO, LSE, DELTA, MASK, DQ, STATUS, SUMMARY, FAULTS, SEED, KROWS, KTILE,
-                    sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
+                    sdq_b, sdq_h, sdq_t, sdq_d, sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                     sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t, sm_b, sm_h, sm_t, sm_s,
                     H, HK, T, S, D, scale, window, p_drop, seed, n_faults, P0, R_TILE, R_Q, R_SM, FIRST,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -915,7 +934,8 @@ if triton is not None:
                 if GIVEN:
                     spilled = tl.maximum(spilled, _overflowed(tl.where(io, dq * scale, 0.0),
                                                               (dq * scale).to(DQ.dtype.element_ty)))
-        tl.store(DQ + n * T * D + rows[:, None] * D + feats[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=io)
+        tl.store(DQ + bb * sdq_b + hh * sdq_h + rows[:, None] * sdq_t + feats[None, :] * sdq_d,
+                 (dq * scale).to(DQ.dtype.element_ty), mask=io)
         if CHECK > 0:
             if flags != 0:
                 # Whether the keys and values it read were finite matters only to a program that flagged: it reads
@@ -927,6 +947,7 @@ if triton is not None:
 
     @triton.jit
     def _key_pass(Q, K, V, DO, LSE, DELTA, MASK, DK, DV, STATUS, SUMMARY, FAULTS, SEED, QROWS, QTILE, QPARTS,
+                  sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
                   sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                   sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t, sm_b, sm_h, sm_t, sm_s,
                   H, HK, T, S, D, scale, window, p_drop, seed, n_faults, P0, R_TILE, R_KV, FIRST,
@@ -1127,9 +1148,10 @@ if triton is not None:
                     spilled = tl.maximum(spilled, tl.maximum(
                         _overflowed(tl.where(kv_io, dv, 0.0), dv.to(DV.dtype.element_ty)),
                         _overflowed(dks, dks.to(DK.dtype.element_ty))))
-        at = nk * S * D + keys[:, None] * D + feats[None, :]
-        tl.store(DK + at, (dk * scale).to(DK.dtype.element_ty), mask=kv_io)
-        tl.store(DV + at, dv.to(DV.dtype.element_ty), mask=kv_io)
+        tl.store(DK + bb * sdk_b + hk * sdk_h + keys[:, None] * sdk_s + feats[None, :] * sdk_d,
+                 (dk * scale).to(DK.dtype.element_ty), mask=kv_io)
+        tl.store(DV + bb * sdv_b + hk * sdv_h + keys[:, None] * sdv_s + feats[None, :] * sdv_d,
+                 dv.to(DV.dtype.element_ty), mask=kv_io)
         if CHECK > 0:
             if flags != 0:
                 # As in the query pass: only a program that flagged reads its query blocks' inputs again to ask
@@ -1142,6 +1164,7 @@ if triton is not None:
 
     @triton.jit
     def _trip_given(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, STATUS, SUMMARY,
+                    sdq_b, sdq_h, sdq_t, sdq_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
                     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                     sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t,
                     H, HK, T, S, D, window, n_kb, n_qb, p_keys,
@@ -1152,7 +1175,7 @@ if triton is not None:
         query block), as their check "tripwire" looks at it (``_trip``: INF, NaN, |x| > NEAR_INF), and writes the
         same status word and summary, so the passes' repair launches recompute exactly the flagged blocks. Each
         gradient is read once; the inputs (for their finiteness) only by a program that flagged, as in the passes.
-        dq (B·H, T, D) and dk, dv (B·HK, S, D) contiguous, as the passes write them. The values are read as stored:
+        dq (B, H, T, D) and dk, dv (B, HK, S, D) in any layout (their strides). The values are read as stored:
         a half-precision gradient rounded past its range is INF here, where the passes see their fp32 sums; the
         repair tells the two apart (``_store_status``'s 3)."""
         pid = tl.program_id(0)
@@ -1169,9 +1192,10 @@ if triton is not None:
             start_n = (pid % n_kb) * BLOCK_N
             keys = start_n + tl.arange(0, BLOCK_N)
             kv_io = (keys < S)[:, None] & feat_in[None, :]
-            at = nk * S * D + keys[:, None] * D + feats[None, :]
-            dv = tl.load(DV + at, mask=kv_io, other=0.0).to(tl.float32)
-            dk = tl.load(DK + at, mask=kv_io, other=0.0).to(tl.float32)
+            dv = tl.load(DV + bb * sdv_b + hk * sdv_h + keys[:, None] * sdv_s + feats[None, :] * sdv_d, mask=kv_io,
+                         other=0.0).to(tl.float32)
+            dk = tl.load(DK + bb * sdk_b + hk * sdk_h + keys[:, None] * sdk_s + feats[None, :] * sdk_d, mask=kv_io,
+                         other=0.0).to(tl.float32)
             worst_v = _trip(dv, keys, kv_io, hk, tl.full((), 0.0, tl.float32), SUMMARY, slot + 2, True)
             worst_k = _trip(dk, keys, kv_io, hk, tl.full((), 0.0, tl.float32), SUMMARY, slot + 3, True)
             flags = ((worst_v > 1.0).to(tl.int32) << 2) | ((worst_k > 1.0).to(tl.int32) << 3)
@@ -1197,7 +1221,8 @@ if triton is not None:
             rows = start_m + tl.arange(0, BLOCK_M)
             row_in = rows < T
             io = row_in[:, None] & feat_in[None, :]
-            dq = tl.load(DQ + n * T * D + rows[:, None] * D + feats[None, :], mask=io, other=0.0).to(tl.float32)
+            dq = tl.load(DQ + bb * sdq_b + hh * sdq_h + rows[:, None] * sdq_t + feats[None, :] * sdq_d, mask=io,
+                         other=0.0).to(tl.float32)
             worst_q = _trip(dq, rows, io, hh, tl.full((), 0.0, tl.float32), SUMMARY, slot + 4, True)
             flags = (worst_q > 1.0).to(tl.int32) << 4
             if flags != 0:

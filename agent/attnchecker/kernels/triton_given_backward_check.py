@@ -41,13 +41,14 @@ if triton is not None:
 
     @triton.jit
     def _check_given_bwd(Q, K, V, DO, LSE, DELTA, ONORM, QROWS, KROWS, DQ, DK, DV, STATUS, SUMMARY,
+                         sdq_b, sdq_h, sdq_t, sdq_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
                          sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
                          sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t,
                          H, HK, T, S, D, scale, n_kb, n_qb, p_keys, tau_u, kappa_u32, tau_tiny, q_block, k_block,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                          INTERPRET: tl.constexpr):
-        """Program p checks the gradients program p of the passes writes (module doc). dq (B·H, T, D), dk, dv
-        (B·HK, S, D) contiguous, as the passes write them; DELTA, ONORM (B·H, T); QROWS (B·H, 6, T): ‖q‖, q·e, q·w,
+        """Program p checks the gradients program p of the passes writes (module doc). dq (B, H, T, D), dk, dv
+        (B, HK, S, D) in any layout (their strides); DELTA, ONORM (B·H, T); QROWS (B·H, 6, T): ‖q‖, q·e, q·w,
         ‖dO‖, dO·e, dO·w; KROWS (B·HK, 4, S): ‖k‖, k·e, k·w, ‖v‖. tau_u, kappa_u32, tau_tiny: the rule's scalars
         (abft/given_backward.GivenBackwardRule)."""
         pid = tl.program_id(0)
@@ -139,9 +140,10 @@ if triton is not None:
             root_partial = tl.sqrt(rounds - 1.0)
             root_n = tl.sqrt(count)
             walk = kappa_u32 * (root_n + root_d * abs_scale * k_norm * q_max)
-            at = nk * S * D + keys[:, None] * D + feats[None, :]
-            dv = tl.load(DV + at, mask=kv_io, other=0.0).to(tl.float32)
-            dk = tl.load(DK + at, mask=kv_io, other=0.0).to(tl.float32)
+            dv = tl.load(DV + bb * sdv_b + hk * sdv_h + keys[:, None] * sdv_s + feats[None, :] * sdv_d, mask=kv_io,
+                         other=0.0).to(tl.float32)
+            dk = tl.load(DK + bb * sdk_b + hk * sdk_h + keys[:, None] * sdk_s + feats[None, :] * sdk_d, mask=kv_io,
+                         other=0.0).to(tl.float32)
             rows_at = (walk, root_n, root_r, root_partial, tau_u, tau_tiny)
             d_ve, b_ve = _bounded(dv, v1e, 1.0, v2e, vae, 0.0, vxe, sum_e, *rows_at)
             d_vw, b_vw = _bounded(dv * w_d[None, :], v1w, 1.0, v2w, vaw, 0.0, vxw, sum_w, *rows_at)
@@ -222,7 +224,8 @@ if triton is not None:
             walk = kappa_u32 * (root_n + root_d * abs_scale * q_n * k_max)
             # (Per query: δ's term carries the row's own ‖dO_i‖.)
             fp32_dq = kappa_u32 * root_d * abs_scale * do_n
-            dq = tl.load(DQ + n * T * D + rows[:, None] * D + feats[None, :], mask=io, other=0.0).to(tl.float32)
+            dq = tl.load(DQ + bb * sdq_b + hh * sdq_h + rows[:, None] * sdq_t + feats[None, :] * sdq_d, mask=io,
+                         other=0.0).to(tl.float32)
             rows_at = (walk, root_n, root_r, root_partial, tau_u, tau_tiny)
             d_qe, b_qe = _bounded(dq, q1e, scale, q2e, qae, fp32_dq * qde, qxe, sum_e, *rows_at)
             d_qw, b_qw = _bounded(dq * w_d[None, :], q1w, scale, q2w, qaw, fp32_dq * qdw, qxw, sum_w, *rows_at)
