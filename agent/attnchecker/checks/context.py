@@ -16,6 +16,7 @@ import torch
 from ..policy import MODES, OPS, TIERS, TOLERANCES
 from .passed import PassedChecksums
 from .ratio_histogram import RESIDUAL_RATIO_BUCKETS, RatioHistogram
+from .zeroed import ZeroedArena
 
 if TYPE_CHECKING:
     from ..abft.repair import MatrixReport
@@ -140,6 +141,8 @@ class Runtime:
     """Times the deferred outcomes were read before a step boundary because ``deferred.MAX_PENDING`` piled up."""
     device_spans: list[Any] = field(default_factory=list)
     """CUDA checks' start and end events (checks/device_time.DeviceSpan), timed at the step boundary."""
+    zeroed: ZeroedArena = field(default_factory=ZeroedArena)
+    """Zero-filled device memory for the GPU path's atomics (checks/zeroed.py): a memset a chunk, not a call."""
 
 
 @dataclass(frozen=True, slots=True)

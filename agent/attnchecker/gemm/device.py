@@ -12,10 +12,10 @@ Which path a GEMM check takes is ``ATTNCHECKER_GEMM``'s:
 
 Launches (counted under the interpreter by tests/agent/test_triton_gemm_check.py): a checked GEMM's own are the check
 pass and the repair kernel, which returns at once on a clean call; each operand matrix is read once a step by an operand
-pass (a Linear's W and x in its forward, dY in its backward, for its three checks); each phase allocates one zeroed
-workspace (a memset) for the kernels' atomics. A Linear's three GEMMs: 11 launches in all. A tier-1 GEMM: the tier-1
-pass alone, which recomputes the rows holding an extreme element in the program that found them (a tier-1 Linear: 3
-launches and 2 memsets); one memset per call.
+pass (a Linear's W and x in its forward, dY in its backward, for its three checks); each phase takes one zeroed
+workspace for the kernels' atomics, a slice of the guard's arena (checks/zeroed.py: one memset a 1 MiB chunk, not one a
+call). A Linear's three GEMMs: 9 launches in all. A tier-1 GEMM: the tier-1 pass alone, which recomputes the rows
+holding an extreme element in the program that found them (a tier-1 Linear: 3 launches).
 
 Host time: on a small model a GPU step is launch-bound, and every tier-1 call (each Linear output, every step) spends
 host time before its one launch. No torch product runs on this path (its sums are the kernels'), so autocast and the
@@ -180,7 +180,7 @@ def check_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Te
     clock, call = Clock(todo[0].c.device, full=tier == "abft"), _Launches()
     try:
         with call, torch.no_grad():
-            ws = tg.Workspace(todo[0].c.device, sum(_side_floats(g, tol) + tg.STATE_SIZE for g in todo))
+            ws = _workspace(ctx, todo[0].c.device, sum(_side_floats(g, tol) + tg.STATE_SIZE for g in todo))
             for g, side in zip(todo, _row_sides(todo, ws, tol), strict=True):
                 _check(ctx, g, side, ws, tol, tier=tier)
                 call.done += 1
@@ -200,20 +200,25 @@ def trip_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Ten
 
 def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
     """Per GEMM the tier-1 pass, which finds the rows holding an extreme element and recomputes them in the program
-    that found them: one launch a GEMM, one memset a call. A tripped row is recomputed rather than checked by its
+    that found them: one launch a GEMM, no memset (the arena's). A tripped row is recomputed rather than checked by its
     checksums: that needs no operand pass on the steps where nothing trips, and recomputing gives the exact row
     whatever the fault. Counted as tier 1 of the GEMMs done, on the host's clock."""
     tol = _tolerance(ctx)
     clock, call = Clock(todo[0].c.device, full=False), _Launches()
     try:
         with call, torch.no_grad():
-            ws = tg.Workspace(todo[0].c.device, len(todo) * tg.STATE_SIZE)
+            ws = _workspace(ctx, todo[0].c.device, len(todo) * tg.STATE_SIZE)
             for g in todo:
                 chk = _trip_launch(g, ws, tol, correct=ctx.config.mode == "correct", faults=_planned(ctx, g))
                 _defer(ctx, g, chk, tier="tripwire")
                 call.done += 1
     finally:
         _count_trips(ctx, [g.op for g in todo[:call.done]], clock.seconds(ctx))
+
+
+def _workspace(ctx: LayerContext, device: torch.device, floats: int) -> tg.Workspace:
+    """A call's zeroed workspace, a slice of the guard's arena (checks/zeroed.py): no memset of its own."""
+    return tg.Workspace(device, floats, zeroed=ctx.runtime.zeroed.take(device, floats))
 
 
 def runs(n: int, tol: Tolerance) -> int:
@@ -500,8 +505,8 @@ def linear_forward(ctx: LayerContext, tier: str, y_MO: torch.Tensor, x_MI: torch
     runs_i = runs(x_MI.shape[-1], tol)
     cast = _casts(y_MO.dtype, x_MI, weight)
     with _Launches(), torch.no_grad():
-        ws = tg.Workspace(y_MO.device, _weight_floats(weight, layout, runs_o=runs_o, runs_i=runs_i)
-                          + tg.operand_floats(x_MI, right=2 * runs_o, col_sq=True) + tg.STATE_SIZE)
+        ws = _workspace(ctx, y_MO.device, _weight_floats(weight, layout, runs_o=runs_o, runs_i=runs_i)
+                        + tg.operand_floats(x_MI, right=2 * runs_o, col_sq=True) + tg.STATE_SIZE)
         fwd, fwd_sq, ww, w_sq = _weight_pass(weight, layout, ws, runs_o=runs_o, runs_i=runs_i, cast=cast)
         xo = tg.operand_pass(x_MI, ws, right=fwd if check_forward else None, right_w=runs_i, row_sq=check_forward,
                              col_sq=True, cast=cast)
@@ -548,7 +553,7 @@ def linear_backward(ctx: LayerContext, tier: str, dy_MO: torch.Tensor, x_MI: tor
     call = _Launches()
     try:
         with call, torch.no_grad():
-            ws = tg.Workspace(dy_MO.device, floats)
+            ws = _workspace(ctx, dy_MO.device, floats)
             _check_backward(ctx, gemms, call, ws, tol, dy_MO, x_MI, weight, layout, dx_MI is not None,
                             dw is not None, sides)
     finally:

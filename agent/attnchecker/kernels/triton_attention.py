@@ -50,7 +50,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -305,6 +305,7 @@ def forward(
     debug: bool = False,
     given: tuple[torch.Tensor, torch.Tensor] | None = None,
     normalise_lse: bool = False,
+    zeros: Callable[[int], torch.Tensor] | None = None,
 ) -> Result:
     """One checked attention forward: the kernel, then (checks.repair, and checks on) the repair kernel. q (B, H, T, D),
     k/v (B, Hk, S, D) with Hk dividing H (GQA: no copy), any strides; attn_mask bool (True = attend) or additive,
@@ -318,7 +319,9 @@ def forward(
     the full checks (bf16 and fp16, both ops, a round-off tolerance), kernels/triton_given_check.py tests the
     identities of abft/given_forward.py and writes the records the first pass writes. The repair kernel then
     recomputes a flagged block into them, as after that pass. normalise_lse (full checks over a given forward): the
-    given lse made exact to fp32's rounding in place, for a backward checked in full (kernels/triton_given_check.py)."""
+    given lse made exact to fp32's rounding in place, for a backward checked in full (kernels/triton_given_check.py).
+    zeros: n -> (n,) fp32 zeros on the device that nothing else holds (a guard's arena, checks/zeroed.py) for the
+    call's status; None: a memset here."""
     b, h, t, d = q_BHTD.shape
     hk, s = k_BHSD.shape[1], k_BHSD.shape[2]
     blk = blocks or block_sizes(d, q_BHTD.device, q_BHTD.dtype, full=checks.mode == "full")
@@ -347,8 +350,14 @@ def forward(
     # The one device op besides the kernels: the call's status, which the programs raise with atomics; over a given
     # forward's full checks, each key head's largest |v·e| and |v·w| after it (_value_sums raises them too).
     given_full = given is not None and checks.mode == "full"
-    zeros = torch.zeros(4 + (2 * b * hk if given_full else 0), dtype=torch.float32, device=dev) if checking else out
-    status = zeros[:4]
+    n_zeros = 4 + (2 * b * hk if given_full else 0)
+    if not checking:
+        zeroed = out
+    elif zeros is not None:
+        zeroed = zeros(n_zeros)
+    else:
+        zeroed = torch.zeros(n_zeros, dtype=torch.float32, device=dev)
+    status = zeroed[:4]
     records = torch.empty((b * h, n_blocks, 2, RECORD), dtype=torch.float32, device=dev) if checking else None
     # The fast pass keeps a flagged block's first flagged row where it checks rows only (_note_rows).
     saved = torch.empty((b * h, n_blocks, 2, len(SAVED_FIELDS) + max(blk.m, blk.n, blk.d)), dtype=torch.float32,
@@ -434,7 +443,7 @@ def forward(
             launch(MODE=mode, REPAIR=False)
         elif checking and mode == 2:
             assert records is not None and k_max_BHkS is not None
-            _check_given(q_BHTD, k_BHSD, v_BHSD, out, lse, k_max_BHkS, status, zeros[4:].view(b * hk, 2), records,
+            _check_given(q_BHTD, k_BHSD, v_BHSD, out, lse, k_max_BHkS, status, zeroed[4:].view(b * hk, 2), records,
                          scale=scale, checks=checks, blk=blk, n_blocks=n_blocks, is_causal=is_causal,
                          normalise_lse=normalise_lse)
         elif checking:

@@ -159,8 +159,13 @@ class Workspace:
     """One zero-filled fp32 buffer (one memset) carved into the outputs the kernels accumulate into with atomics:
     operand passes' column sums and checks' ``state``. Sized by the caller (``operand_floats``, ``STATE_SIZE``)."""
 
-    def __init__(self, device: torch.device, floats: int) -> None:
-        self.buf = torch.zeros(max(floats, 1), device=device, dtype=torch.float32)
+    def __init__(self, device: torch.device, floats: int, *, zeroed: torch.Tensor | None = None) -> None:
+        """zeroed: (floats,) fp32 zeros the caller has (a slice of its step's arena, checks/zeroed.py) in place of
+        the memset here."""
+        if zeroed is not None and (zeroed.numel() < floats or zeroed.dtype != torch.float32):
+            raise ValueError(f"Workspace: zeroed holds {zeroed.numel()} {zeroed.dtype} elements, {floats} float32 "
+                             f"asked")
+        self.buf = zeroed if zeroed is not None else torch.zeros(max(floats, 1), device=device, dtype=torch.float32)
         self.used = 0
 
     def take(self, n: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ keep mask from its seed and checks its own products under protect(scope="all") (
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -232,7 +233,8 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
                                  # triton_given_check.py). The check over the vendor's backward needs no such thing,
                                  # but our backward is its fallback (a kernel's emulated faults, a failure).
                                  normalise_lse=made is not None and mode == "full"
-                                 and triton_backward.check_mode(ctx.runtime) == "abft")
+                                 and triton_backward.check_mode(ctx.runtime) == "abft",
+                                 zeros=functools.partial(ctx.runtime.zeroed.take, q.device))
         except torch.OutOfMemoryError:
             raise  # the next backend needs more memory, not less
         except Exception as exc:
