@@ -16,13 +16,13 @@ checked steps check what the full variants do.
 It also times what one GEMM check call costs the host besides its launches (``host_us_per_call``: the kernels
 replaced by launches that do nothing, against one aten op): a time, of this machine's CPU, not a count.
 
-Counts are exact and deterministic (one run says it all). Ops are the profiler's leaf aten ops outside the Triton
-kernels' interpreted bodies, a foreach op (``torch._foreach_norm``: the optimizer net's gradient norms) counted as
-one op, as every other op that launches a kernel or more on CUDA: there a list of one dtype takes the fused
-multi-tensor kernel (a launch per 110 tensors or so), its partial norms' reduction and a memset, where the CPU falls
-back to one norm per tensor, and to a copy of each bf16 gradient in fp32 before it. "By source" attributes torch
-calls (TorchFunctionMode: one per torch function or method call, which may dispatch several aten ops) to the
-innermost attnchecker module that made them.
+Counts are exact and deterministic (one run says it all). Ops are the profiler's leaf aten ops (nothing under them
+but allocations) outside the Triton kernels' interpreted bodies, a foreach op (``torch._foreach_norm``:
+the optimizer net's gradient norms) counted as one op, as every other op that launches a kernel or more on CUDA:
+there a list of one dtype takes the fused multi-tensor kernel (a launch per 110 tensors or so), its partial norms'
+reduction and a memset, where the CPU falls back to one norm per tensor, and to a copy of each bf16 gradient in fp32
+before it. "By source" attributes torch calls (TorchFunctionMode: one per torch function or method call, which may
+dispatch several aten ops) to the innermost attnchecker module that made them.
 """
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ VIEWS = frozenset({
     "expand_as", "contiguous", "result_type", "empty", "empty_strided", "empty_like", "is_nonzero",
 })
 """Ops that launch no kernel on CUDA: views and metadata, and allocations (the caching allocator's, host-side)."""
+ALLOCS = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
+"""Allocations: an op with nothing but these under it runs its own kernel."""
 SYNCS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.cpu,
                    torch.Tensor.numpy, torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__,
                    torch.Tensor.nonzero})
@@ -139,7 +141,10 @@ def count_step(step: Callable[[], None], kernels: _Kernels) -> dict[str, Any]:
     for e in prof.events():
         # A foreach op counts as one, what runs under it not: on the CPU its fallback runs one op per tensor (and a
         # dtype's copy of each), where CUDA's fused multi-tensor kernel takes the whole list.
-        leaf = _foreach(e) or not any(c.name.startswith("aten::") for c in e.cpu_children)
+        # A leaf: no aten op under it but allocations (``__rshift__`` runs its kernel after an ``empty``; a view
+        # such as ``numpy_T`` has its ``permute`` under it, itself a view).
+        leaf = _foreach(e) or not any(c.name.startswith("aten::") and c.name[len("aten::"):] not in ALLOCS
+                                      for c in e.cpu_children)
         if e.name.startswith("aten::") and leaf and not _below(e, _in_kernel) and not _below(e, _foreach):
             ops[e.name[len("aten::"):]] += 1
     launching = {k: n for k, n in ops.items() if k not in VIEWS}
