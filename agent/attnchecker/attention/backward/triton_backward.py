@@ -22,7 +22,6 @@ from ...abft.given_backward import GradientAccumulation, given_backward_rule
 from ...abft.repair import MatrixReport
 from ...abft.tolerance import NEAR_INF, TF32_OPERAND_ROUNDOFF, Tolerance
 from ...abft.vector_rules import product_rule, softmax_grad_rule
-from ...checks.caches import engine_caches
 from ...checks.context import LayerContext, Runtime
 from ...checks.deferred import defer
 from ...checks.device_time import Clock
@@ -251,21 +250,12 @@ def _identities(dtype: torch.dtype, tol: Tolerance, acc: GradientAccumulation) -
     return kernels.GivenIdentities.of(dtype, tol, acc)
 
 
-@functools.lru_cache(maxsize=8)
-def _op_bits(device: torch.device) -> torch.Tensor:
-    """(O,) the status word's bit of each op."""
-    return torch.arange(len(kernels.OPS), dtype=torch.int32, device=device)
-
-
-engine_caches.register(_op_bits)
-
-
 def _defer(ctx: LayerContext, launch: kernels.Launch, check: str, ops: tuple[str, ...]) -> None:
-    """One deferred record per op of ``ops``: flagged (some program's bit, on the device), and for check "abft" the
+    """One deferred record per op of ``ops``, all with one flag: whether any program's status word has a bit set
+    (one device op; an op's reports look for its own bit, after the step boundary's read), and for check "abft" the
     worst ratio of the vectors that passed (a flagged one is reported, not a margin), which the step boundary adds to
     the histogram."""
-    flags_PO = (launch.status_P[:, None] >> _op_bits(launch.status_P.device)) & 1
-    flagged_O = flags_PO.amax(0)
+    any_flagged = launch.status_P.amax()  # the words are ≥ 0: nonzero where some program flagged some op
     worst_O = None
     if check == "abft":
         ratio_PO = launch.summary_PO6[..., 0]
@@ -274,7 +264,7 @@ def _defer(ctx: LayerContext, launch: kernels.Launch, check: str, ops: tuple[str
     for o, op in enumerate(kernels.OPS):
         if op not in ops or (check == "tripwire" and op not in TRIP_OPS):
             continue
-        defer(ctx, op, flagged_O[o], functools.partial(_reports, launch, o, check), tier=tier,
+        defer(ctx, op, any_flagged, functools.partial(_reports, launch, o, check), tier=tier,
               ratio=None if worst_O is None else worst_O[o])
 
 
