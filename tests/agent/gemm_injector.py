@@ -103,13 +103,20 @@ class FusedBackwardFault(TorchDispatchMode):
 
     op: Any = FUSED_BACKWARD
 
-    def __init__(self, *, call: int, which: int, kind: str, element: int, head_dims: int | None = None) -> None:
+    def __init__(self, *, call: int, which: int, kind: str, element: int, head_dims: int | None = None,
+                 into_custom_ops: bool = False) -> None:
         super().__init__()
         self.call, self.which, self.kind, self.element, self.head_dims = call, which, kind, element, head_dims
+        self.into_custom_ops = into_custom_ops
         self.seen = 0
         self.hit = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if self.into_custom_ops and func.namespace != "aten":
+            # A mode is off while it handles an op, so the aten ops inside a custom op (a compiled graph's opaque
+            # ops) would pass unseen: run its CPU kernel with the mode on again, as a fault in any kernel would hit.
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CPU), *args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if func is self.op:
             if self.seen == self.call:

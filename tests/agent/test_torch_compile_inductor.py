@@ -152,3 +152,67 @@ def test_inductor_bf16_attention_is_checked_over_the_vendor_forward_without_reco
     assert detections == []
     assert all(math.isfinite(x) for x in got)
     assert max(rel_diff(a, b) for a, b in zip(got, want, strict=True)) <= 2e-2, (got, want)
+
+
+def test_inductor_scope_all_checks_the_vendor_backward_over_and_corrects_it_below_autograd(
+        monkeypatch: pytest.MonkeyPatch, triton_launches: Any) -> None:
+    """The opt-in check over the vendor's attention backward (ATTNCHECKER_ATTENTION_BACKWARD_FULL=vendor) under
+    Inductor: a bf16 Llama, scope="all", every other step checked in full, the backward a GPU runs (the fused CPU
+    kernel off).
+    Inside the compiled graphs' attention backward op the vendor's backward runs and the identities test it on the
+    full steps (one launch a layer), tier 1 reads it on the others; no recompilation. NaN written by a dispatch mode
+    that knows nothing of attnchecker (it enters every custom op, to see the aten ops inside) into the vendor's dK
+    of the last layer on a full step is reported as recomputed by the full check, and the losses stay the
+    unprotected compiled model's within bf16 rounding."""
+    from gemm_injector import FusedBackwardFault
+    from torch._inductor.compile_fx import compile_fx
+
+    from attnchecker.attention.backends import BACKEND_ENV
+    from attnchecker.attention.backward import fused, triton_backward
+    from attnchecker.kernels import triton_attention
+
+    if not triton_attention.available("cpu"):
+        pytest.skip("the Triton attention on CPU tensors needs Triton's interpreter")
+    monkeypatch.setattr(fused, "cpu_kernel", False)
+    steps, layers = 6, 2
+    torch._dynamo.reset()
+    want_model = build(ARCH).to(torch.bfloat16)
+    backend, unprotected_graphs = _counting(None)
+    want = _train(want_model, torch.optim.SGD(want_model.parameters(), lr=1e-2), backend, steps)
+
+    torch._dynamo.reset()
+    monkeypatch.setenv(BACKEND_ENV, "triton")
+    monkeypatch.setenv(triton_backward.FULL_ENV, "vendor")
+    model = build(ARCH).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    backend, graphs = _counting(compile_fx)
+    compiled = torch.compile(model, backend=backend)
+    got, checked, faulted = [], [], None
+    try:
+        with attnchecker.protect(model, optimizer=opt, scope="all",
+                                 policy=attnchecker.Policy(period=2, adaptive=False)) as guard:
+            for step in range(steps):
+                due = guard.check_config.checks("out")
+                if due and step >= 2 and faulted is None:
+                    faulted = step
+                before = triton_launches.get("_check_given_bwd", 0)
+                fault = FusedBackwardFault(call=0 if step == faulted else -1, which=1, kind="nan", element=1000,
+                                           into_custom_ops=True)
+                opt.zero_grad(set_to_none=True)
+                loss = loss_of(ARCH, compiled, batch(ARCH, step))
+                with fault:
+                    loss.backward()
+                opt.step()
+                got.append(loss.item())
+                assert fault.seen == layers and fault.hit == (step == faulted)
+                checked.append(triton_launches.get("_check_given_bwd", 0) - before)
+            detections = [(d.op, d.layer, d.step, d.action, d.tier) for d in guard.detections]
+    finally:
+        torch._dynamo.reset()
+
+    assert graphs[0] <= unprotected_graphs[0] + 2, (graphs, unprotected_graphs)
+    assert sorted(checked) == [0] * (steps // 2) + [layers] * (steps // 2), checked
+    assert faulted is not None and checked[faulted] == layers
+    assert detections == [("grad_k", layers - 1, faulted, "recomputed", "abft")], detections
+    assert all(math.isfinite(x) for x in got)
+    assert max(rel_diff(a, b) for a, b in zip(got, want, strict=True)) <= 2e-2, (got, want)
