@@ -17,25 +17,27 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def test_slices_are_zero_distinct_and_never_handed_out_twice() -> None:
-    """Each slice is zeros when taken, whatever was written into the ones before it; no two overlap; a chunk is made
-    only when the current one cannot hold the request."""
+    """Each slice is zeros when taken, whatever was written into the ones before it; no two overlap; each starts on a
+    16-byte boundary, as an allocation of its own would (Triton specialises a kernel on it); a chunk is made only when
+    the current one cannot hold the request."""
     arena = ZeroedArena(chunk_floats=64)
     taken = []
     for n in (16, 16, 0, 15, 16, 2):
         got = arena.take(CPU, n)
         assert got.shape == (n,) and got.dtype == torch.float32 and bool((got == 0).all())
+        assert got.data_ptr() % 16 == 0
         got.fill_(3.0)  # a kernel's atomics
         taken.append(got)
     spans = sorted(_span(t) for t in taken if t.numel())
     assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
-    assert arena.chunks_made == 2  # 16 + 16 + 15 + 16 = 63 fit the first; 2 more do not
+    assert arena.chunks_made == 2  # 16 + 16 + 15 (+ 1 to align) + 16 = 64 fill the first
 
 
 def test_a_large_request_gets_its_own_memory_and_leaves_the_chunk_alone() -> None:
     """Past a quarter chunk (a full check's operand sums on a wide layer) a request is its own allocation, so it
     does not keep a chunk alive; the chunk's next slice follows the last small one."""
     arena = ZeroedArena(chunk_floats=64)
-    small = arena.take(CPU, 8)
+    small = arena.take(CPU, 7)
     big = arena.take(CPU, 17)
     nxt = arena.take(CPU, 8)
     assert bool((big == 0).all()) and big.numel() == 17

@@ -18,11 +18,16 @@ import threading
 
 import torch
 
-__all__ = ["CHUNK_FLOATS", "ZeroedArena"]
+__all__ = ["ALIGN_FLOATS", "CHUNK_FLOATS", "ZeroedArena"]
 
 CHUNK_FLOATS = 1 << 18
 """Floats a chunk holds (1 MiB): a tier-1 GEMM call takes 16 to 48 (its state), so a chunk serves a Llama-7B step
 between full checks (32 layers, 7 Linears, about 10,000 floats) some twenty times over."""
+
+
+ALIGN_FLOATS = 4
+"""Each slice starts on a 16-byte boundary, as an allocation of its own does: Triton specialises a kernel on its pointer
+arguments' 16-byte alignment, so a slice off it would compile (and run) another variant of the same kernel."""
 
 
 class ZeroedArena:
@@ -38,13 +43,14 @@ class ZeroedArena:
         """Chunks allocated (memsets), over all devices: what a test or a count of launches reads."""
 
     def take(self, device: torch.device, n: int) -> torch.Tensor:
-        """(n,) fp32 zeros on ``device``, never handed out before."""
+        """(n,) fp32 zeros on ``device``, never handed out before, 16-byte aligned."""
         if n < 0:
             raise ValueError(f"ZeroedArena.take: n must be at least 0, got {n}")
         if n > self.chunk_floats // 4:
             return torch.zeros(n, device=device, dtype=torch.float32)
         with self._lock:
             buf, used = self._chunks.get(device, (None, 0))
+            used = -(-used // ALIGN_FLOATS) * ALIGN_FLOATS
             if buf is None or used + n > buf.numel():
                 buf, used = torch.zeros(self.chunk_floats, device=device, dtype=torch.float32), 0
                 self.chunks_made += 1
