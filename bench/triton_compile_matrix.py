@@ -139,7 +139,7 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
         import torch
 
         blk = tgc._blocks(torch.device("cuda"))
-        scan = launch["kernel"] == "trip_pass"
+        scan = launch["kernel"] in ("trip_pass", "trip_pass_pair")
         operand = {"*fp32": torch.float32}.get(launch["signature"].get("x_ptr"), torch.bfloat16)
         br, bc = blk.operand_tiles(operand)
         sizes = {"BM": blk.rows, "BN": blk.cols, "BR": br, "BC": bc,
@@ -147,10 +147,13 @@ def gpu_config(launch: dict[str, Any], arch: int = 90) -> dict[str, Any]:
         consts.update({k: v for k, v in sizes.items() if k in consts})
         if consts.get("CAST") == 3:  # bf16 rounded on the bits: the interpreter's form; a GPU converts natively
             consts["CAST"] = 1
-        a, b = launch["signature"].get("a_ptr"), launch["signature"].get("b_ptr")
-        if "DOT_FP32" in consts and a is not None and b is not None:
-            consts["DOT_FP32"] = a != b
-            consts["IEEE"] = a != b or a == "*fp32"
+        # Each GEMM's operand mode as a GPU takes it (trip_pass_pair: the second GEMM's with its own names).
+        for a_arg, b_arg, dot, ieee in (("a_ptr", "b_ptr", "DOT_FP32", "IEEE"),
+                                        ("a2_ptr", "b2_ptr", "DOT_FP32_2", "IEEE2")):
+            a, b = launch["signature"].get(a_arg), launch["signature"].get(b_arg)
+            if dot in consts and a is not None and b is not None:
+                consts[dot] = a != b
+                consts[ieee] = a != b or a == "*fp32"
     return {**launch, "constexprs": consts, "options": options}
 
 

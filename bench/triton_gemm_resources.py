@@ -77,7 +77,8 @@ def captured_as_on_cuda() -> Iterator[list[dict[str, Any]]]:
     """The launchers' calls recorded instead of made, with the tiles and operand modes they take on a CUDA device."""
     launches: list[dict[str, Any]] = []
     stand_in = types.SimpleNamespace(**{name: _Captured(name, launches)
-                                        for name in ("operand_pass", "check_pass", "repair_rows", "trip_pass")})
+                                        for name in ("operand_pass", "check_pass", "repair_rows", "trip_pass",
+                                                     "trip_pass_pair")})
     saved = tg._kernels, tg._compiled
     tg._kernels, tg._compiled = (lambda: stand_in), (lambda _device: True)  # type: ignore[assignment]
     try:
@@ -88,7 +89,8 @@ def captured_as_on_cuda() -> Iterator[list[dict[str, Any]]]:
 
 def linear_launches(shape: str, dtype: torch.dtype, autocast: bool = False) -> list[dict[str, Any]]:
     """A Linear's launches on a full-check step at this shape (its forward: the weight pass, the x pass, y's check
-    pass and repair; its backward: the dY pass, dX's and dW's check passes and repairs), and y's tier-1 pass."""
+    pass and repair; its backward: the dY pass, dX's and dW's check passes and repairs), y's tier-1 pass and dX's and
+    dW's in one launch."""
     m, i, o, layout, has_bias, _ = SHAPES[shape]
     tol = Tolerance()
     operand = torch.float32 if autocast else dtype
@@ -120,8 +122,12 @@ def linear_launches(shape: str, dtype: torch.dtype, autocast: bool = False) -> l
                        tg.RowSide(ref=do.lx, a_sq=do.csq, b_sq=xo.csq, ref_sq=do.lsq, runs=runs_i), ws, tol,
                        correct=True)
         device._trip_launch(fwd_gemm, ws, tol, correct=True)
+        tg.trip_pass_pair(*(tg.TripGemm(g.c, g.a, g.b, None, device._rule(g, tol, 1))
+                            for g in (device.DeviceGemm("linear_dx", dx, dy, w_oi, None),
+                                      device.DeviceGemm("linear_dw", dw_oi, dy.T, x, None))), ws, correct=True)
     names = ["operand_pass (W)", "operand_pass (x)", "check_pass (y)", "repair_rows (y)", "operand_pass (dY)",
-             "check_pass (dX)", "repair_rows (dX)", "check_pass (dW)", "repair_rows (dW)", "trip_pass (y)"]
+             "check_pass (dX)", "repair_rows (dX)", "check_pass (dW)", "repair_rows (dW)", "trip_pass (y)",
+             "trip_pass_pair (dX, dW)"]
     for launch, name in zip(launches, names, strict=True):
         launch["role"] = name
     return launches

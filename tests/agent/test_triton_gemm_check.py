@@ -368,6 +368,58 @@ def test_tier1_on_the_device_recomputes_a_trip_and_reports_an_input_fault(make_c
     assert detections(ctx, rec) == [] and torch.equal(c16.isinf(), before.isinf())
 
 
+def _tripped(m: int, k: int, n: int, dtype: torch.dtype, *, seed: int, bias: bool, cast: bool, kind: str | None,
+             transposed: bool) -> tg.TripGemm:
+    """A GEMM for a tier-1 pass: C as the GEMM computes it, ``kind`` written into one element (None: clean; "input":
+    an INF in A, which C inherits), C a transposed view where ``transposed`` (a Conv1D's dW as the check sees it)."""
+    c, a, b, beta = product(m, k, n, dtype, seed=seed, bias=bias, cast=cast)
+    i, j = seed % m, (seed // 7) % n
+    if kind == "input":
+        a = a.clone()
+        a[i, seed % k] = float("inf")
+        c = (a.float() @ b.float() + (0 if beta is None else beta.float())).to(dtype)
+    elif kind is not None:  # past-range: 3e20, which fp16 holds as -INF
+        c[i, j] = {"nan": float("nan"), "inf": float("inf"),
+                   "near_inf": float("-inf") if dtype == torch.float16 else 3e20}[kind]
+    if transposed:
+        c = c.T.contiguous().T
+    rule = device._rule(device.DeviceGemm("linear", c, a, b, beta), Tolerance(), 1)
+    return tg.TripGemm(c, a, b, beta, rule)
+
+
+@settings(max_examples=20, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(1, 70), st.integers(1, 40), st.integers(1, 300)), min_size=2,
+                       max_size=2),
+       dtypes=st.lists(st.sampled_from(DTYPES), min_size=2, max_size=2), bias=st.lists(st.booleans(), min_size=2,
+                                                                                      max_size=2),
+       cast=st.booleans(), kinds=st.lists(st.sampled_from([None, None, "nan", "inf", "near_inf", "input"]),
+                                          min_size=2, max_size=2),
+       transposed=st.booleans(), correct=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_two_gemms_in_one_tier1_launch_come_out_as_two_launches_would(
+        shapes: list[tuple[int, int, int]], dtypes: list[torch.dtype], bias: list[bool], cast: bool,
+        kinds: list[str | None], transposed: bool, correct: bool, seed: int) -> None:
+    """trip_pass_pair (a Linear's dX and dW in one launch) against trip_pass on each GEMM alone: across shapes (one
+    row block or several, up to 300 columns), dtypes, bias, fp32 operands of a half output, a transposed C and a
+    fault (NaN, INF, past-range, an INF that came in with A) in either, in detect and correct modes, each GEMM's
+    counts, row codes and summaries, and C itself afterwards, bit for bit."""
+    gemms = []
+    for i, ((m, k, n), dtype, b, kind) in enumerate(zip(shapes, dtypes, bias, kinds, strict=True)):
+        gemms.append(_tripped(m, k, n, dtype, seed=seed + i, bias=b, cast=cast and dtype != torch.float32,
+                              kind=kind, transposed=transposed and i == 1))
+    alone = [tg.TripGemm(g.c.clone(), g.a, g.b, g.bias, g.rule) for g in gemms]
+    ws = tg.Workspace(torch.device("cpu"), 4 * tg.STATE_SIZE)
+    want = [tg.trip_pass(g.c, g.a, g.b, g.bias, g.rule, ws, correct=correct) for g in alone]
+    got = tg.trip_pass_pair(*gemms, ws, correct=correct)
+    for g, w, chk, one in zip(gemms, want, got, alone, strict=True):
+        assert torch.equal(chk.state, w.state) and torch.equal(chk.code, w.code)
+        kept = min(int((w.code != 0).sum()), tg.SLOTS)  # the tripped rows' summaries; the rest never written
+        assert torch.equal(chk.slot_i[:kept], w.slot_i[:kept])
+        # value, d1, bound (the fourth field is never written)
+        assert torch.equal(chk.slot_f[:kept, :3].view(torch.int32), w.slot_f[:kept, :3].view(torch.int32))
+        assert torch.equal(g.c.contiguous().view(torch.uint8), one.c.contiguous().view(torch.uint8))
+    assert any(int(w.state[tg.STATE["extreme"]]) > 0 for w in want) == any(k is not None for k in kinds)
+
+
 VIEWS_AND_ALLOCATIONS = frozenset({"empty", "view", "slice", "select", "t", "permute", "expand", "detach", "transpose",
                                    "as_strided", "alias"})
 """Ops that launch nothing on a GPU. new_empty, set_ and copy_ are the interpreter's own host copies of the kernels'
@@ -414,9 +466,10 @@ def test_a_checked_linear_launches_a_fixed_number_of_kernels_and_never_syncs(tie
                                                                             make_ctx) -> None:
     """One nn.Linear forward and backward, its three GEMMs checked (abft) or given tier 1: the histogram gets the same
     ratios on both paths; on the Triton path, 0 host syncs and a fixed set of launches: abft 3 operand passes (W, x,
-    dY), 3 check passes and 3 repair kernels (9); tier 1, per GEMM the tier-1 pass, which recomputes a tripped row
-    itself (3). Their atomics' zeroed memory comes from the guard's arena: one memset for the first call, none for
-    the next. The CPU path syncs (its slow-path decision), so the count can fail."""
+    dY), 3 check passes and 3 repair kernels (9); tier 1, the tier-1 pass of y and one launch for dX's and dW's
+    together, each recomputing a tripped row itself (2). Their atomics' zeroed memory comes from the guard's arena:
+    one memset for the first call, none for the next. The CPU path syncs (its slow-path decision), so the count can
+    fail."""
     ctx, rec = make_ctx()
     lin = torch.nn.Linear(64, 96)
     x = torch.randn(48, 64, requires_grad=True)
@@ -441,7 +494,7 @@ def test_a_checked_linear_launches_a_fixed_number_of_kernels_and_never_syncs(tie
     if tier == "abft":
         assert launches == {"operand_pass": 3, "check_pass": 3, "repair_rows": 3}
     else:
-        assert launches == {"trip_pass": 3}
+        assert launches == {"trip_pass": 1, "trip_pass_pair": 1}
     assert dict(ops.ops) == {}
     assert memsets == [1, 0] and ctx.runtime.zeroed.chunks_made == 1
 

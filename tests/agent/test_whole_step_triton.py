@@ -473,17 +473,18 @@ class _OutputRecorder(GemmInjector):
 
 
 @pytest.mark.parametrize(("kernel", "fail_at"), [("check_pass", 2), ("check_pass", 5), ("trip_pass", 2),
-                                                 ("trip_pass", 9)])
+                                                 ("trip_pass_pair", 1), ("trip_pass_pair", 2)])
 def test_a_gemm_check_kernel_that_fails_hands_its_gemms_to_the_cpu_path_and_training_goes_on(
         kernel: str, fail_at: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A GEMM check kernel the GPU's Triton cannot compile (the interpreter never compiles one) or whose launch
-    raises, on the ``fail_at``-th launch of a step: on a full-check step (``check_pass``: an MLP Linear's forward,
-    where nothing of the call was checked yet; the LM head's dW, after its dX was) and on a tier-1 step
-    (``trip_pass``: GPT-2's fused q/k/v projection after q; the LM head's dW). The GEMM whose kernel failed, and the
-    rest of that call, are checked on the CPU path at once: a NaN written below autograd into that very GEMM's output
-    is corrected or recomputed and reported once, and the gradients are the clean step's. Every GEMM of the step is
-    counted once, as on a step where nothing failed. The failure is logged once, and the path is never tried again
-    in the process: the next step runs on the CPU path, checked."""
+    """A GEMM check kernel the GPU's Triton cannot compile (the interpreter never compiles one) or whose launch raises,
+    on the ``fail_at``-th launch of a step: on a full-check step (``check_pass``: an MLP Linear's forward, where nothing
+    of the call was checked yet; the LM head's dW, after its dX was) and on a tier-1 step (``trip_pass``: the
+    attention's out projection, after the fused q/k/v projection's v; ``trip_pass_pair``, which takes two GEMMs: q and
+    k, the first of the step; the LM head's dX and dW, the first of the backward). The GEMM whose kernel failed, and the
+    rest of that call, are checked on the CPU path at once: a NaN written below autograd into that very GEMM's output is
+    corrected or recomputed and reported once, and the gradients are the clean step's. Every GEMM of the step is counted
+    once, as on a step where nothing failed. The failure is logged once, and the path is never tried again in the
+    process: the next step runs on the CPU path, checked."""
     monkeypatch.setenv(device.GEMM_ENV, "triton")
     monkeypatch.setattr(device, "_failed", [])
     real = getattr(tg, kernel)
@@ -491,15 +492,16 @@ def test_a_gemm_check_kernel_that_fails_hands_its_gemms_to_the_cpu_path_and_trai
     failed_on: list[int] = []
     armed = [False]
 
-    def launcher(c: torch.Tensor, *args: object, **kwargs: object) -> object:
+    def launcher(first: torch.Tensor | tg.TripGemm, *args: object, **kwargs: object) -> object:
+        c = first.c if isinstance(first, tg.TripGemm) else first  # a pair: its first GEMM's output
         launches.append(c)
         if armed[0] and len(launches) == fail_at:
             failed_on.append(c.untyped_storage().data_ptr())
             raise RuntimeError("PassManager::run failed")
-        return real(c, *args, **kwargs)
+        return real(first, *args, **kwargs)
 
     monkeypatch.setattr(tg, kernel, launcher)
-    tier1 = kernel == "trip_pass"
+    tier1 = kernel.startswith("trip_pass")
 
     def run(injector: GemmInjector, *, sabotage: bool, steps: int = 1) -> tuple[dict[str, torch.Tensor], list, dict]:
         """``steps`` steps of a fresh one-layer GPT-2 under scope="all" (lr 0), the first under ``injector``: the

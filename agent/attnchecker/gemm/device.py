@@ -15,7 +15,8 @@ pass and the repair kernel, which returns at once on a clean call; each operand 
 pass (a Linear's W and x in its forward, dY in its backward, for its three checks); each phase takes one zeroed
 workspace for the kernels' atomics, a slice of the guard's arena (checks/zeroed.py: one memset a 1 MiB chunk, not one a
 call). A Linear's three GEMMs: 9 launches in all. A tier-1 GEMM: the tier-1 pass alone, which recomputes the rows
-holding an extreme element in the program that found them (a tier-1 Linear: 3 launches).
+holding an extreme element in the program that found them, two GEMMs of a call to a launch (``trip_pass_pair``: a
+Linear's dX and dW; a fused projection's slices): a tier-1 Linear is 2 launches.
 
 Host time: on a small model a GPU step is launch-bound, and every tier-1 call (each Linear output, every step) spends
 host time before its one launch. No torch product runs on this path (its sums are the kernels'), so autocast and the
@@ -200,18 +201,28 @@ def trip_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Ten
 
 def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
     """Per GEMM the tier-1 pass, which finds the rows holding an extreme element and recomputes them in the program
-    that found them: one launch a GEMM, no memset (the arena's). A tripped row is recomputed rather than checked by its
-    checksums: that needs no operand pass on the steps where nothing trips, and recomputing gives the exact row
-    whatever the fault. Counted as tier 1 of the GEMMs done, on the host's clock."""
+    that found them, two GEMMs a launch (a Linear's dX and dW; a fused projection's slices), no memset (the arena's).
+    A tripped row is recomputed rather than checked by its checksums: that needs no operand pass on the steps where
+    nothing trips, and recomputing gives the exact row whatever the fault. Counted as tier 1 of the GEMMs done, on
+    the host's clock."""
     tol = _tolerance(ctx)
+    correct = ctx.config.mode == "correct"
     clock, call = Clock(todo[0].c.device, full=False), _Launches()
     try:
         with call, torch.no_grad():
             ws = _workspace(ctx, todo[0].c.device, len(todo) * tg.STATE_SIZE)
-            for g in todo:
-                chk = _trip_launch(g, ws, tol, correct=ctx.config.mode == "correct", faults=_planned(ctx, g))
-                _defer(ctx, g, chk, tier="tripwire")
-                call.done += 1
+            while call.done < len(todo):
+                group = todo[call.done : call.done + 2]
+                chks: tuple[tg.Check, ...]
+                if len(group) == 2:
+                    first, second = (tg.TripGemm(g.c, g.a, g.b, g.bias, _rule(g, tol, 1), _planned(ctx, g))
+                                     for g in group)
+                    chks = tg.trip_pass_pair(first, second, ws, correct=correct)
+                else:
+                    chks = (_trip_launch(group[0], ws, tol, correct=correct, faults=_planned(ctx, group[0])),)
+                for g, chk in zip(group, chks, strict=True):
+                    _defer(ctx, g, chk, tier="tripwire")
+                call.done += len(group)
     finally:
         _count_trips(ctx, [g.op for g in todo[:call.done]], clock.seconds(ctx))
 

@@ -30,8 +30,8 @@ from ..abft.checksum import GROUP_MIN
 from ..abft.gemm_rule import GemmRowRule
 
 __all__ = ["LAUNCHES", "MAX_RUNS", "OUTCOMES", "SLOTS", "STATE", "STATE_SIZE", "Check", "EmulatedFault", "OperandOut",
-           "RowSide", "Workspace", "available", "check_pass", "fault_kind", "interpreted", "new_state",
-           "operand_floats", "operand_pass", "repair_rows", "runs", "takes", "trip_pass"]
+           "RowSide", "TripGemm", "Workspace", "available", "check_pass", "fault_kind", "interpreted", "new_state",
+           "operand_floats", "operand_pass", "repair_rows", "runs", "takes", "trip_pass", "trip_pass_pair"]
 
 SLOTS = 16
 """Flagged rows per check whose summary (batch, row, column, outcome, value, residual, bound) is kept for its report;
@@ -456,20 +456,61 @@ def trip_pass(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Ten
     (no references: the recomputation judged by what the operands allow); one read of C, more only of the tripped
     rows. faults: planned faults the recomputation meets (as ``repair_rows``'). No sync."""
     k = _kernels()
-    nb0, nb1, sc0, sc1 = _lead(c)
-    nb = nb0 * nb1
-    m, n = c.shape[-2:]
-    dev = c.device
-    state, code, slot, slot_i, slot_f = _outcomes(ws, nb * m, dev)
-    blk = _blocks(dev)
-    a_args, b_args = _operand_args(a, b)
-    k.trip_pass[(triton_cdiv(m, blk.rows), nb)](
-        c, m, n, nb1, sc0, sc1, c.stride(-2), c.stride(-1), bias if bias is not None else state, *a_args, *b_args,
-        state, code, slot, slot_i, slot_f, SLOTS, _fault_table(faults, c.device, state), rule.near_inf,
-        torch.finfo(c.dtype).max, CORRECT=correct, HAS_BIAS=bias is not None, NF=len(faults), BM=blk.rows,
-        BN=blk.cols, BK=blk.recompute_k, RBN=blk.recompute_cols, **_dot_flags(c, a, b))
+    blk = _blocks(c.device)
+    args, consts, chk, _ = _trip_args(TripGemm(c, a, b, bias, rule, faults), ws)
+    nb0, nb1 = chk.lead
+    # trip_pass's arguments: the GEMM's, then SLOTS before its last three (fault table, near_inf, c_max).
+    k.trip_pass[(triton_cdiv(c.shape[-2], blk.rows), nb0 * nb1)](
+        *args[:-3], SLOTS, *args[-3:], CORRECT=correct, **consts, BM=blk.rows, BN=blk.cols, BK=blk.recompute_k,
+        RBN=blk.recompute_cols)
     LAUNCHES.count("trip_pass")
-    return Check(state=state, code=code, slot=slot, slot_i=slot_i, slot_f=slot_f, lead=(nb0, nb1), args=None)
+    return chk
+
+
+@dataclasses.dataclass(frozen=True)
+class TripGemm:
+    """One GEMM C = A·B (+ bias) for a tier-1 pass: its rule (for near_inf) and the planned faults its recompute
+    meets."""
+
+    c: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    bias: torch.Tensor | None
+    rule: GemmRowRule
+    faults: tuple[EmulatedFault, ...] = ()
+
+
+def _trip_args(g: TripGemm, ws: Workspace) -> tuple[tuple[Any, ...], dict[str, Any], Check, int]:
+    """A tier-1 pass's arguments for one GEMM (``trip_pass``'s, SLOTS aside), its per-GEMM constexprs, its Check and
+    its programs."""
+    nb0, nb1, sc0, sc1 = _lead(g.c)
+    m, n = g.c.shape[-2:]
+    state, code, slot, slot_i, slot_f = _outcomes(ws, nb0 * nb1 * m, g.c.device)
+    a_args, b_args = _operand_args(g.a, g.b)
+    args = (g.c, m, n, nb1, sc0, sc1, g.c.stride(-2), g.c.stride(-1), g.bias if g.bias is not None else state,
+            *a_args, *b_args, state, code, slot, slot_i, slot_f, _fault_table(g.faults, g.c.device, state),
+            g.rule.near_inf, torch.finfo(g.c.dtype).max)
+    consts = {"HAS_BIAS": g.bias is not None, "NF": len(g.faults), **_dot_flags(g.c, g.a, g.b)}
+    chk = Check(state=state, code=code, slot=slot, slot_i=slot_i, slot_f=slot_f, lead=(nb0, nb1), args=None)
+    return args, consts, chk, triton_cdiv(m, _blocks(g.c.device).rows) * nb0 * nb1
+
+
+def trip_pass_pair(first: TripGemm, second: TripGemm, ws: Workspace, *, correct: bool) -> tuple[Check, Check]:
+    """``trip_pass`` of two GEMMs in one launch (a Linear's dX and dW): the same programs, the same outcomes, one
+    launch fewer. No sync."""
+    k = _kernels()
+    blk = _blocks(first.c.device)
+    args1, consts1, chk1, programs1 = _trip_args(first, ws)
+    args2, consts2, chk2, programs2 = _trip_args(second, ws)
+    k.trip_pass_pair[(programs1 + programs2,)](
+        *args1, *args2, SLOTS, programs1, CORRECT=correct, **consts1, **{_SECOND[c]: v for c, v in consts2.items()},
+        BM=blk.rows, BN=blk.cols, BK=blk.recompute_k, RBN=blk.recompute_cols)
+    LAUNCHES.count("trip_pass_pair")
+    return chk1, chk2
+
+
+_SECOND = {"HAS_BIAS": "HAS_BIAS2", "NF": "NF2", "DOT_FP32": "DOT_FP32_2", "IEEE": "IEEE2", "IS_F32": "IS_F32_2"}
+"""trip_pass_pair's names of the second GEMM's constexprs."""
 
 
 def _fault_table(faults: tuple[EmulatedFault, ...], device: torch.device, empty: torch.Tensor) -> torch.Tensor:

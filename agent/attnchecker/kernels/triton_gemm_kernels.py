@@ -11,7 +11,7 @@ there, once triton is known to be importable). Four kernels, each one pass:
   read runs only in programs that hold a flagged row.
 - ``trip_pass``: tier 1: the extreme-value test alone (INF, NaN, |x| > near_inf), one read of C; a program whose rows
   hold an extreme element recomputes them itself (a tl.dot over K per tile) and judges them by what the operands
-  allow, without references. One launch per tier-1 GEMM.
+  allow, without references. One launch per tier-1 GEMM; ``trip_pass_pair``, one for two (a Linear's dX and dW).
 - ``repair_rows``: recomputes the rows the check pass marked (a tl.dot over K per tile), re-verifies them and writes
   them back; every program returns at once on a clean call.
 
@@ -604,14 +604,51 @@ def trip_pass(c_ptr, M, N, nb1, sc0, sc1, scm, scn, bias_ptr, a_ptr, sA0, sA1, s
               CORRECT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
               IS_F32: tl.constexpr, NF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               RBN: tl.constexpr):
-    """Tier 1 of C = A·B (+ bias) in one launch: count C's extreme elements (INF, NaN, |x| > near_inf) into
-    state[S_EXTREME] in one read of C, and in a program whose rows hold one, recompute those rows there
-    (``_recompute_tripped``) and keep their summaries (the first SLOTS flagged rows: batch, row, the first extreme
-    element's column, outcome; its value, NaN, near_inf). A clean program reads its rows once and writes their code.
-    RBN, BK: the recompute's tile width and depth (triton_gemm_check._Blocks: small on a GPU, so that the rarely taken
-    recompute does not set the registers of the scan every call runs)."""
-    pid_m = tl.program_id(0)
-    pid_b = tl.program_id(1)
+    """Tier 1 of C = A·B (+ bias) in one launch (``_trip_rows``): grid (row blocks of C, matrices)."""
+    _trip_rows(tl.program_id(0), tl.program_id(1), c_ptr, M, N, nb1, sc0, sc1, scm, scn, bias_ptr, a_ptr, sA0, sA1,
+               sAm, sAk, b_ptr, sB0, sB1, sBk, sBn, K, state_ptr, code_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS,
+               fault_ptr, near_inf, c_max, CORRECT, HAS_BIAS, DOT_FP32, IEEE, IS_F32, NF, BM, BN, BK, RBN)
+
+
+@triton.jit
+def trip_pass_pair(c_ptr, M, N, nb1, sc0, sc1, scm, scn, bias_ptr, a_ptr, sA0, sA1, sAm, sAk, b_ptr, sB0, sB1, sBk,
+                   sBn, K, state_ptr, code_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, fault_ptr, near_inf, c_max,
+                   c2_ptr, M2, N2, nb1_2, sc0_2, sc1_2, scm2, scn2, bias2_ptr, a2_ptr, sA0_2, sA1_2, sAm2, sAk2,
+                   b2_ptr, sB0_2, sB1_2, sBk2, sBn2, K2, state2_ptr, code2_ptr, slot2_ptr, slot_i2_ptr, slot_f2_ptr,
+                   fault2_ptr, near_inf2, c_max2, SLOTS, G,
+                   CORRECT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+                   IS_F32: tl.constexpr, NF: tl.constexpr, HAS_BIAS2: tl.constexpr, DOT_FP32_2: tl.constexpr,
+                   IEEE2: tl.constexpr, IS_F32_2: tl.constexpr, NF2: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, RBN: tl.constexpr):
+    """Tier 1 of two GEMMs in one launch (a Linear's dX and dW, made together by its backward): a 1-D grid, its
+    first G programs the first GEMM's, the rest the second's (``2`` names its arguments), row blocks first.
+    Each program is ``trip_pass``'s; a launch saved per Linear backward, no work shared."""
+    pid = tl.program_id(0)
+    if pid < G:
+        mb = tl.cdiv(M, BM)
+        _trip_rows(pid % mb, pid // mb, c_ptr, M, N, nb1, sc0, sc1, scm, scn, bias_ptr, a_ptr, sA0, sA1, sAm, sAk,
+                   b_ptr, sB0, sB1, sBk, sBn, K, state_ptr, code_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS,
+                   fault_ptr, near_inf, c_max, CORRECT, HAS_BIAS, DOT_FP32, IEEE, IS_F32, NF, BM, BN, BK, RBN)
+    else:
+        mb2 = tl.cdiv(M2, BM)
+        _trip_rows((pid - G) % mb2, (pid - G) // mb2, c2_ptr, M2, N2, nb1_2, sc0_2, sc1_2, scm2, scn2, bias2_ptr,
+                   a2_ptr, sA0_2, sA1_2, sAm2, sAk2, b2_ptr, sB0_2, sB1_2, sBk2, sBn2, K2, state2_ptr, code2_ptr,
+                   slot2_ptr, slot_i2_ptr, slot_f2_ptr, SLOTS, fault2_ptr, near_inf2, c_max2, CORRECT, HAS_BIAS2,
+                   DOT_FP32_2, IEEE2, IS_F32_2, NF2, BM, BN, BK, RBN)
+
+
+@triton.jit
+def _trip_rows(pid_m, pid_b, c_ptr, M, N, nb1, sc0, sc1, scm, scn, bias_ptr, a_ptr, sA0, sA1, sAm, sAk, b_ptr, sB0,
+               sB1, sBk, sBn, K, state_ptr, code_ptr, slot_ptr, slot_i_ptr, slot_f_ptr, SLOTS, fault_ptr, near_inf,
+               c_max, CORRECT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+               IS_F32: tl.constexpr, NF: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               RBN: tl.constexpr):
+    """Tier 1 of C = A·B (+ bias), rows block pid_m of matrix pid_b: count C's extreme elements (INF, NaN,
+    |x| > near_inf) into state[S_EXTREME] in one read of C, and in a program whose rows hold one, recompute those rows
+    there (``_recompute_tripped``) and keep their summaries (the first SLOTS flagged rows: batch, row, the first
+    extreme element's column, outcome; its value, NaN, near_inf). A clean program reads its rows once and writes their
+    code. RBN, BK: the recompute's tile width and depth (triton_gemm_check._Blocks: small on a GPU, so that the rarely
+    taken recompute does not set the registers of the scan every call runs)."""
     # Matrix pid_b of the (nb0, nb1) leading dims, each with its own strides.
     bi0 = (pid_b // nb1).to(tl.int64)
     bi1 = (pid_b % nb1).to(tl.int64)
