@@ -69,3 +69,19 @@ def test_threads_taking_at_once_never_share_a_slice() -> None:
 def test_bad_sizes_are_clear_errors(chunk: int, n: int, what: str) -> None:
     with pytest.raises(ValueError, match=what):
         ZeroedArena(chunk_floats=chunk).take(CPU, n)
+
+
+def test_a_full_chunk_is_freed_once_its_slices_are() -> None:
+    """The arena keeps only its current chunk: an earlier one lives as long as the records holding its slices (until
+    the step boundary reads them), then its memory goes back, so a long run holds a chunk and what is pending."""
+    import gc
+    import weakref
+
+    arena = ZeroedArena(chunk_floats=64)
+    pending = [arena.take(CPU, 16) for _ in range(4)]
+    first = weakref.ref(pending[0]._base)
+    pending.append(arena.take(CPU, 16))  # a second chunk
+    assert arena.chunks_made == 2 and first() is not None
+    pending.clear()
+    gc.collect()
+    assert first() is None
