@@ -60,7 +60,7 @@ def _signature(fn: Any, dtype: str) -> dict[str, Any]:
     pointers = {"Q": dtype, "K": dtype, "V": dtype, "DO": dtype, "DQ": dtype, "DK": dtype, "DV": dtype,
                 "LSE": "fp32", "DELTA": "fp32", "SUMMARY": "fp32", "FAULTS": "fp32", "MASK": "fp32", "STATUS": "i32",
                 "FIRST": "i32", "SEED": "i64", "KROWS": "fp32", "KTILE": "fp32", "QROWS": "fp32",
-                "QTILE": "fp32", "QPARTS": dtype, "ONORM": "fp32"}
+                "QTILE": "fp32", "QPARTS": dtype, "ONORM": "fp32", "OUT": dtype}
     sig: dict[str, Any] = {}
     for name in fn.arg_names:
         if name in pointers:
@@ -87,7 +87,7 @@ def _values(d: int) -> dict[str, int]:
     """The launch's integer arguments that Triton's JIT specialises on (triton_resources.specialise)."""
     h, t = LAUNCH["heads"], LAUNCH["length"]
     strides = (h * t * d, t * d, d, 1)
-    values = {f"s{x}_{a}": v for x in ("q", "do", "dq") for a, v in zip("bhtd", strides, strict=True)}
+    values = {f"s{x}_{a}": v for x in ("q", "do", "dq", "o") for a, v in zip("bhtd", strides, strict=True)}
     values.update({f"s{x}_{a}": v for x in ("k", "v", "dk", "dv") for a, v in zip("bhsd", strides, strict=True)})
     values.update({"sl_b": h * t, "sl_h": t, "sl_t": 1, "sm_b": 0, "sm_h": 0, "sm_t": 0, "sm_s": 0, "H": h, "HK": h,
                    "T": t, "S": t, "D": d, "window": 0, "n_faults": 0})

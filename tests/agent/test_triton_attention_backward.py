@@ -521,18 +521,18 @@ def test_tier_one_over_given_gradients_recomputes_only_the_tripped_block(
             assert torch.equal(here[rest], want_given[0, h][rest])
 
 
-def test_tier_one_over_clean_given_gradients_returns_them_in_four_launches_without_a_sync(
+def test_tier_one_over_clean_given_gradients_returns_them_in_three_launches_without_a_sync(
         make_ctx: Any, two_blocks: dict[str, Any]) -> None:
     """Clean: the given gradients come back untouched, nothing is reported, tier 1 is counted for the three outputs.
-    The launches: δ, the tier-1 pass over the gradients, and the two repair launches (whose programs return at
-    once); no host-device sync."""
+    The launches: the tier-1 pass over the gradients, which makes δ too for the repair (no launch of its own), and
+    the two repair launches (whose programs return at once); no host-device sync."""
     a = two_blocks
     ctx, rec = make_ctx()
     with SyncCounter() as syncs, launches() as count:
         got = given_backward(a, ctx, a["given"])
     assert syncs.calls == [], syncs.calls
     if kernels.interpreting():
-        assert count.triton == 4
+        assert count.triton == 3
     drain(ctx.runtime.deferred)
     assert not rec.detections
     assert all(torch.equal(g, w) for g, w in zip(got, a["given"], strict=True))
@@ -567,6 +567,29 @@ def test_given_gradients_of_a_non_finite_key_are_its_producers_to_report(make_ct
     given_backward(a, ctx, given)
     drain(ctx.runtime.deferred)
     assert not rec.detections, rec.detections[:2]
+
+
+def test_given_gradients_of_a_non_finite_output_are_its_producers_to_report(make_ctx: Any) -> None:
+    """O holding a NaN in query row 9 (the forward's output, which its own check reports) makes that row's δ, so its
+    dQ and the dK of the keys it sees, non-finite. The tier-1 pass makes δ itself for the repair: the query program
+    that trips on dQ sees its NaN δ, the key program that trips on dK asks whether O was finite (its launch is still
+    making δ); both report nothing, and the gradients come back as given."""
+    a = make(torch.float32, t=64, s=64, d=16, seed=6)
+    a = {**a, "out": a["out"].clone()}
+    a["out"][0, 0, 9, 4] = float("nan")
+    given = [g.to(torch.float32).clone() for g in a["want"]]
+    given[0][0, 0, 9, :] = float("nan")
+    given[1][0, 0, 3, :] = float("nan")
+    ctx, rec = make_ctx()
+    got = given_backward(a, ctx, tuple(given))
+    drain(ctx.runtime.deferred)
+    assert not rec.detections, rec.detections[:2]
+    assert bool(got[0][0, 0, 9].isnan().all()) and bool(got[1][0, 0, 3].isnan().all())
+    a["out"][0, 0, 9, 4] = a["out"][0, 0, 9, 5]  # the same faults with a finite O: both reported, as recomputed
+    ctx, rec = make_ctx()
+    given_backward(a, ctx, tuple(g.clone() for g in given))
+    drain(ctx.runtime.deferred)
+    assert sorted(d.op for d in rec.detections) == ["grad_k", "grad_q"], rec.detections
 
 
 def test_a_given_half_precision_gradient_past_its_range_is_not_a_fault(make_ctx: Any) -> None:

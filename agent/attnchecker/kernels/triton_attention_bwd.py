@@ -432,9 +432,11 @@ def run(
     q_parts = (torch.empty((b * h, n_qb, 2, blk, tc.SPLIT_COLUMNS), dtype=q_BHTD.dtype, device=device) if dot_k >= 2
                else q_BHTD)
     o_norm = torch.empty((b * h, t), dtype=torch.float32, device=device) if given_full else delta_BHT
-    _delta[(n_qb, b * h)](out_BHTD, dout_BHTD, delta_BHT, q_BHTD, q_rows, q_tile, q_parts, o_norm,
-                          *_strides(out_BHTD), *_strides(dout_BHTD), *_strides(q_BHTD), h, t, d, BLOCK_M=blk,
-                          BLOCK_D=block_d, TERMS=terms, BY_DOT=dot_k, O_NORM=given_full)
+    if given is None or given_full:
+        # (Tier 1 over given gradients: _trip_given makes δ, one launch fewer.)
+        _delta[(n_qb, b * h)](out_BHTD, dout_BHTD, delta_BHT, q_BHTD, q_rows, q_tile, q_parts, o_norm,
+                              *_strides(out_BHTD), *_strides(dout_BHTD), *_strides(q_BHTD), h, t, d, BLOCK_M=blk,
+                              BLOCK_D=block_d, TERMS=terms, BY_DOT=dot_k, O_NORM=given_full)
     k_rows, k_tile = delta_BHT, delta_BHT
     if terms:
         k_rows = torch.empty((b * hk, 4, s), dtype=torch.float32, device=device)
@@ -483,10 +485,10 @@ def run(
             continue
         if given is not None and not attempt:
             _trip_given[(p_keys + p_queries,)](
-                *inputs[:6], dq, dk, dv, status, summary, *grad_strides, *_strides(q_BHTD), *_strides(k_BHSD),
-                *_strides(v_BHSD),
-                *_strides(dout_BHTD), *_strides(lse_BHT), h, hk, t, s, d, window or 0, n_kb, n_qb, p_keys,
-                BLOCK_M=blk, BLOCK_N=blk, BLOCK_D=block_d, CAUSAL=is_causal, WINDOW=window is not None,
+                *inputs[:6], out_BHTD, dq, dk, dv, status, summary, *grad_strides, *_strides(q_BHTD),
+                *_strides(k_BHSD), *_strides(v_BHSD),
+                *_strides(dout_BHTD), *_strides(lse_BHT), *_strides(out_BHTD), h, hk, t, s, d, window or 0, n_kb,
+                n_qb, p_keys, BLOCK_M=blk, BLOCK_N=blk, BLOCK_D=block_d, CAUSAL=is_causal, WINDOW=window is not None,
                 num_warps=TRIP_WARPS)
             continue
         # The repair: the same launches, whose programs read their first run's status and return when it is 0.
@@ -1163,10 +1165,10 @@ if triton is not None:
 
 
     @triton.jit
-    def _trip_given(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, STATUS, SUMMARY,
+    def _trip_given(Q, K, V, DO, LSE, DELTA, OUT, DQ, DK, DV, STATUS, SUMMARY,
                     sdq_b, sdq_h, sdq_t, sdq_d, sdk_b, sdk_h, sdk_s, sdk_d, sdv_b, sdv_h, sdv_s, sdv_d,
                     sq_b, sq_h, sq_t, sq_d, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d,
-                    sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t,
+                    sdo_b, sdo_h, sdo_t, sdo_d, sl_b, sl_h, sl_t, so_b, so_h, so_t, so_d,
                     H, HK, T, S, D, window, n_kb, n_qb, p_keys,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                     WINDOW: tl.constexpr):
@@ -1177,7 +1179,9 @@ if triton is not None:
         gradient is read once; the inputs (for their finiteness) only by a program that flagged, as in the passes.
         dq (B, H, T, D) and dk, dv (B, HK, S, D) in any layout (their strides). The values are read as stored:
         a half-precision gradient rounded past its range is INF here, where the passes see their fp32 sums; the
-        repair tells the two apart (``_store_status``'s 3)."""
+        repair tells the two apart (``_store_status``'s 3). A query program also makes its rows' δ = rowsum(dO ∘ O)
+        into DELTA (B·H, T), for the repair launches after it: ``_delta``'s launch is not needed. A key program that
+        flagged asks whether O was finite where the passes ask of δ (another program of this launch makes it)."""
         pid = tl.program_id(0)
         feats = tl.arange(0, BLOCK_D)
         feat_in = feats < D
@@ -1212,7 +1216,7 @@ if triton is not None:
                     hi = tl.minimum(T, start_n + BLOCK_N - 1 + window)
                 bad_in = tl.maximum(bad_in, _queries_nonfinite(
                     Q, DO, LSE, DELTA, bb, hk, group, H, T, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d, sl_b,
-                    sl_h, sl_t, lo, hi, feats, feat_in, BLOCK_M))
+                    sl_h, sl_t, lo, hi, feats, feat_in, BLOCK_M, OUT, so_b, so_h, so_t, so_d, True))
         else:
             n = (pid - p_keys) // n_qb
             bb, hh = n // H, n % H
@@ -1223,15 +1227,17 @@ if triton is not None:
             io = row_in[:, None] & feat_in[None, :]
             dq = tl.load(DQ + bb * sdq_b + hh * sdq_h + rows[:, None] * sdq_t + feats[None, :] * sdq_d, mask=io,
                          other=0.0).to(tl.float32)
+            o = tl.load(OUT + bb * so_b + hh * so_h + rows[:, None] * so_t + feats[None, :] * so_d, mask=io, other=0.0)
+            do = tl.load(DO + bb * sdo_b + hh * sdo_h + rows[:, None] * sdo_t + feats[None, :] * sdo_d, mask=io,
+                         other=0.0)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+            tl.store(DELTA + n * T + rows, delta, mask=row_in)
             worst_q = _trip(dq, rows, io, hh, tl.full((), 0.0, tl.float32), SUMMARY, slot + 4, True)
             flags = (worst_q > 1.0).to(tl.int32) << 4
             if flags != 0:
                 q = tl.load(Q + bb * sq_b + hh * sq_h + rows[:, None] * sq_t + feats[None, :] * sq_d, mask=io,
                             other=0.0)
-                do = tl.load(DO + bb * sdo_b + hh * sdo_h + rows[:, None] * sdo_t + feats[None, :] * sdo_d, mask=io,
-                             other=0.0)
                 lse = tl.load(LSE + bb * sl_b + hh * sl_h + rows * sl_t, mask=row_in, other=0.0).to(tl.float32)
-                delta = tl.load(DELTA + n * T + rows, mask=row_in, other=0.0)
                 bad_in = _rows_nonfinite(q, do, delta, lse)
                 lo, hi = 0, S
                 if CAUSAL:

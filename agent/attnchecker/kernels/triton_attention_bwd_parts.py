@@ -52,24 +52,30 @@ if triton is not None:
 
     @device_function
     def _queries_nonfinite(Q, DO, LSE, DELTA, bb, hk, group, H, T, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t,
-                           sdo_d, sl_b, sl_h, sl_t, lo, hi, feats, feat_in, BLOCK_M: tl.constexpr):
+                           sdo_d, sl_b, sl_h, sl_t, lo, hi, feats, feat_in, BLOCK_M: tl.constexpr, OUT=None, so_b=0,
+                           so_h=0, so_t=0, so_d=0, O_FOR_DELTA: tl.constexpr = False):
         """1 where a query row in [lo, hi) of any query head of KV head hk's group has non-finite inputs (q, dO, δ,
-        the lse: ``_rows_nonfinite``): what a key program that flagged reads again."""
+        the lse: ``_rows_nonfinite``): what a key program that flagged reads again. O_FOR_DELTA: O (OUT, its
+        strides) in place of δ, where δ is being made in the same launch (``_trip_given``)."""
         bad = tl.full((), 0, tl.int32)
         for g in range(0, group):
             hh = hk * group + g
             for start_m in range(lo, hi, BLOCK_M):
-                _rows, _row_in, q, do, lse, delta = _query_block(
+                rows, row_in, q, do, lse, delta = _query_block(
                     Q, DO, LSE, DELTA, bb, hh, H, T, start_m, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d,
-                    sl_b, sl_h, sl_t, feats, feat_in, BLOCK_M)
+                    sl_b, sl_h, sl_t, feats, feat_in, BLOCK_M, not O_FOR_DELTA)
+                if O_FOR_DELTA:
+                    io = row_in[:, None] & feat_in[None, :]
+                    delta = tl.load(OUT + bb * so_b + hh * so_h + rows[:, None] * so_t + feats[None, :] * so_d,
+                                    mask=io, other=0.0)
                 bad = tl.maximum(bad, _rows_nonfinite(q, do, delta, lse))
         return bad
 
     @device_function
     def _query_block(Q, DO, LSE, DELTA, bb, hh, H, T, start_m, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d,
-                     sl_b, sl_h, sl_t, feats, feat_in, BLOCK_M: tl.constexpr):
+                     sl_b, sl_h, sl_t, feats, feat_in, BLOCK_M: tl.constexpr, READ_DELTA: tl.constexpr = True):
         """The query block at start_m of head hh as a key program streams it: (rows, which exist, q and dO as
-        stored, lse and δ in fp32)."""
+        stored, lse and δ in fp32; δ zeros without READ_DELTA)."""
         rows = start_m + tl.arange(0, BLOCK_M)
         row_in = rows < T
         io = row_in[:, None] & feat_in[None, :]
@@ -77,7 +83,9 @@ if triton is not None:
         do = tl.load(DO + bb * sdo_b + hh * sdo_h + rows[:, None] * sdo_t + feats[None, :] * sdo_d, mask=io,
                      other=0.0)
         lse = tl.load(LSE + bb * sl_b + hh * sl_h + rows * sl_t, mask=row_in, other=0.0).to(tl.float32)
-        delta = tl.load(DELTA + (bb * H + hh) * T + rows, mask=row_in, other=0.0)
+        delta = tl.zeros((BLOCK_M,), tl.float32)
+        if READ_DELTA:
+            delta = tl.load(DELTA + (bb * H + hh) * T + rows, mask=row_in, other=0.0)
         return rows, row_in, q, do, lse, delta
 
     @device_function
