@@ -1,13 +1,14 @@
 """Zero-filled fp32 device memory for the checks' atomics, handed out in slices of larger chunks: one memset a chunk
 instead of one a checked call.
 
-The GPU path's kernels accumulate their outcome (a check's ``state``: counts, flags, the worst ratio) and some sums
-with atomics, so each call needs memory that is zero when its first kernel starts. Allocated per call, that is a
-memset per call: on a scope="all" step between full checks two a Linear, as many as its tier-1 launches (three), in a
-step that a small model leaves launch-bound on a GPU (docs/performance.md §10). Here a chunk is zeroed once and each
-slice handed out once: no slice is reused, so nothing has to be zeroed again or ordered against the kernels that still
-write or read an earlier slice. A chunk lives as long as any of its slices does (a deferred record keeps its state
-slice until the step boundary reads it), so memory is returned as the slices' holders let go, chunk by chunk.
+The GPU path's kernels accumulate their outcome (a check's ``state``: counts, flags, the worst ratio) and some sums with
+atomics, so each call needs memory that is zero when its first kernel starts. Allocated per call, that is a memset per
+call: on a scope="all" step between full checks two a Linear (its forward's, its backward's), as many as its tier-1
+launches, in a step that a small model leaves launch-bound on a GPU (docs/performance.md §10). Here a chunk is zeroed
+once and each slice handed out once: no slice is reused, so nothing has to be zeroed again or ordered against the
+kernels that still write or read an earlier slice. A chunk lives as long as any of its slices does (a deferred record
+keeps its state slice until the step boundary reads it), so memory is returned as the slices' holders let go, chunk by
+chunk.
 
 Requests larger than a quarter chunk (a full check's operand sums on a wide layer) get their own allocation, as
 before: they would otherwise keep a chunk, and every slice in it, alive for as long as they live.
@@ -21,8 +22,8 @@ import torch
 __all__ = ["ALIGN_FLOATS", "CHUNK_FLOATS", "ZeroedArena"]
 
 CHUNK_FLOATS = 1 << 18
-"""Floats a chunk holds (1 MiB): a tier-1 GEMM call takes 16 to 48 (its state), so a chunk serves a Llama-7B step
-between full checks (32 layers, 7 Linears, about 10,000 floats) some twenty times over."""
+"""Floats a chunk holds (1 MiB): a tier-1 call takes 16 a GEMM (its state), so a chunk serves a Llama-7B step between
+full checks (32 layers, 7 Linears: about 11,000 floats with the attention's) some twenty times over."""
 
 
 ALIGN_FLOATS = 4

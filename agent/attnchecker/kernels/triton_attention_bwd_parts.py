@@ -64,7 +64,7 @@ if triton is not None:
                 rows, row_in, q, do, lse, delta = _query_block(
                     Q, DO, LSE, DELTA, bb, hh, H, T, start_m, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d,
                     sl_b, sl_h, sl_t, feats, feat_in, BLOCK_M, not O_FOR_DELTA)
-                if O_FOR_DELTA:
+                if O_FOR_DELTA:  # O's finiteness stands for δ's (δ = rowsum(dO ∘ O); dO is tested already)
                     io = row_in[:, None] & feat_in[None, :]
                     delta = tl.load(OUT + bb * so_b + hh * so_h + rows[:, None] * so_t + feats[None, :] * so_d,
                                     mask=io, other=0.0)

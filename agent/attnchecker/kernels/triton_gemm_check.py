@@ -156,8 +156,9 @@ def _lead(t: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 class Workspace:
-    """One zero-filled fp32 buffer (one memset) carved into the outputs the kernels accumulate into with atomics:
-    operand passes' column sums and checks' ``state``. Sized by the caller (``operand_floats``, ``STATE_SIZE``)."""
+    """One zero-filled fp32 buffer (a memset here, or the caller's zeroed slice) carved into the outputs the kernels
+    accumulate into with atomics: operand passes' column sums and checks' ``state``. Sized by the caller
+    (``operand_floats``, ``STATE_SIZE``)."""
 
     def __init__(self, device: torch.device, floats: int, *, zeroed: torch.Tensor | None = None) -> None:
         """zeroed: (floats,) fp32 zeros the caller has (a slice of its step's arena, checks/zeroed.py) in place of

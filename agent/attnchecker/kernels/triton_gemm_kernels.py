@@ -1,5 +1,5 @@
 """The Triton kernels of the GEMM checks (launched by ``triton_gemm_check``, which says when and how; imported only
-there, once triton is known to be importable). Four kernels, each one pass:
+there, once triton is known to be importable). Four kernels, each one pass (the third also as a pair):
 
 - ``operand_pass``: one read of an operand X (..., R, C): X·V and X·w (w the checksum weights ones and 1..C), Xᵀ·L and
   Xᵀ·w, and X's squared row and column sums; the references and norms of a row check come from one such pass per
