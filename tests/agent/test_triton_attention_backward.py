@@ -480,6 +480,20 @@ def in_layout(g_BHTD: torch.Tensor, layout: str) -> torch.Tensor:
     return view
 
 
+def test_a_given_gradient_is_written_in_place_only_where_its_elements_are_distinct() -> None:
+    """kernels._writable: the repair writes a given gradient through its strides where every element is its own and a
+    row's features are adjacent (contiguous, the vendor's (B, T, H, D) layout, one half of a wider buffer); an
+    expanded view (a write through it would land in several elements) or features a stride apart are copied first."""
+    g = torch.randn(1, 2, 8, 4)
+    vendor = g.transpose(1, 2).contiguous().transpose(1, 2)
+    half = torch.randn(1, 8, 2, 8)[..., :4].transpose(1, 2)
+    for kept in (g, vendor, half):
+        assert kernels._writable(kept) is kept
+    for copied in (g[:, :1].expand(1, 2, 8, 4), torch.randn(1, 2, 8, 8)[..., ::2]):
+        got = kernels._writable(copied)
+        assert got is not copied and got.is_contiguous() and torch.equal(got, copied)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "vendor", "packed"])
 @pytest.mark.parametrize(("which", "at", "kind"), [(0, (0, 1, 40, 3), "inf"), (1, (0, 0, 9, 5), "nan"),
                                                    (2, (0, 0, 50, 0), "near_inf"), (1, (0, 0, 33, 7), "bitflip")])
