@@ -63,7 +63,16 @@ from ..abft.tile_terms import TileTerms, tile_terms
 from ..abft.tolerance import NEAR_INF, Tolerance
 from . import triton_checks as tc
 from . import triton_dropout, triton_given_check
-from .triton_common import SMALL_SHARED_MEMORY, device_function, host_table, interpreting, shared_per_block, triton
+from .triton_common import (
+    SMALL_SHARED_MEMORY,
+    cdiv,
+    device_function,
+    host_table,
+    interpreting,
+    next_power_of_2,
+    shared_per_block,
+    triton,
+)
 
 if triton is not None:
     import triton.language as tl
@@ -203,7 +212,7 @@ def block_sizes(d: int, device: torch.device | None = None, dtype: torch.dtype =
     on a GPU ``gpu_blocks`` for that device's shared memory per block, the inputs' dtype and whether the call runs
     the full checks."""
     if interpreting():
-        return Blocks(16, 16, max(16, triton.next_power_of_2(d)), 4, 1)
+        return Blocks(16, 16, max(16, next_power_of_2(d)), 4, 1)
     return gpu_blocks(d, None if device is None else shared_per_block(device), dtype, full)
 
 
@@ -230,7 +239,7 @@ def gpu_blocks(d: int, shared_per_block: int | None = None, dtype: torch.dtype =
     The full-size tiles stay where they fit, as they were timed on the H200.
     TODO(triton-fwd): tune on a GPU. Untuned, on the first H200 run the kernel with its checks off reached 33 to
     132 TFLOP/s in bf16 (docs/performance.md §8)."""
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     warps = 4 if _four_warps(d, shared_per_block, dtype, full) else 8
     if d > 128:
         if shared_per_block is not None and shared_per_block < WIDE_TILES_SHARED:
@@ -325,7 +334,7 @@ def forward(
     b, h, t, d = q_BHTD.shape
     hk, s = k_BHSD.shape[1], k_BHSD.shape[2]
     blk = blocks or block_sizes(d, q_BHTD.device, q_BHTD.dtype, full=checks.mode == "full")
-    n_blocks = triton.cdiv(t, blk.m)
+    n_blocks = cdiv(t, blk.m)
     dev = q_BHTD.device
     if given is not None:
         if checks.mode is None or attn_mask is not None or window is not None or dropout_p > 0.0 or faults \
@@ -372,7 +381,7 @@ def forward(
                            torch.int64, dev)
         values = host_table([v for *_, v, _ in faults], torch.float32, dev)
         seen = torch.zeros((len(faults), 2, 3), dtype=torch.float32, device=dev)
-    n_tiles = triton.cdiv(s, blk.n)
+    n_tiles = cdiv(s, blk.n)
     dbg = torch.full((b * h, n_blocks, n_tiles, 4, max(blk.m, blk.n, blk.d), 16), math.nan, device=dev) if debug \
         else None
     operand_roundoff = checks.operand_roundoff if q_BHTD.dtype == torch.float32 else None
@@ -388,7 +397,7 @@ def forward(
     # What the row checks take from a key tile alone (scores) and from a value tile alone (context), made once per
     # call by one launch (_kv_tiles) rather than again by every query block that visits the tile. The TF32 path's
     # operand moments still need the tiles themselves: it keeps making them in the loop.
-    n_key_tiles = triton.cdiv(s, blk.n)
+    n_key_tiles = cdiv(s, blk.n)
     by_dot = refs_by_dot(q_BHTD.dtype, blk.m) if checks.refs_by_dot is None else \
         checks.refs_by_dot and q_BHTD.dtype in (torch.bfloat16, torch.float16)
     key_tiles = key_norms = key_parts = value_tiles = value_norms = value_parts = None
@@ -488,7 +497,7 @@ def _check_given(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     b, h, t, d = q.shape
     hk, s = k.shape[1], k.shape[2]
     warps = given_check_blocks(blk).warps
-    n_key_tiles = triton.cdiv(s, blk.n)
+    n_key_tiles = cdiv(s, blk.n)
     vc_BHk2S = torch.empty((b * hk, 2, n_key_tiles * blk.n), dtype=torch.float32, device=q.device)
     triton_given_check._value_sums[(n_key_tiles, b * hk)](
         v, vc_BHk2S, vc_max_BHk2, *v.stride(), hk, s, n_key_tiles * blk.n, d, BLOCK_N=blk.n, BLOCK_D=blk.d,

@@ -56,7 +56,7 @@ from ..abft.tolerance import Tolerance
 from . import triton_checks as tc
 from . import triton_dropout
 from . import triton_given_backward_check as given_check
-from .triton_common import device_function, host_table, interpreting, shared_per_block, triton
+from .triton_common import cdiv, device_function, host_table, interpreting, next_power_of_2, shared_per_block, triton
 
 if triton is not None:
     import triton.language as tl
@@ -198,7 +198,7 @@ def gpu_tiles(d: int, shared_per_block: int | None = None, dtype: torch.dtype = 
     (227 KB); 2 stages at D = 128 on sm_86 and sm_89 (99 KB: 3 stages needed 104 KB) and at D = 256 on A100
     (163 KB); 16 × 16 at D = 256 on a 99 KB GPU; each with ``warps_for``'s warps, and up to D = 64 the key pass's
     checked programs on KEY_PASS_CHECKED_WARPS where those are 4."""
-    block_d = max(16, triton.next_power_of_2(d)) if triton is not None else d
+    block_d = max(16, next_power_of_2(d)) if triton is not None else d
     if shared_per_block is None or block_d <= 64:
         warps = warps_for(BLOCK, block_d, dtype)
         return Tiles(BLOCK, 3, warps, KEY_PASS_CHECKED_WARPS if block_d <= 64 and warps == FEW_WARPS else None)
@@ -409,8 +409,8 @@ def run(
     interp = interpreting()
     tile = tile or tiles(d, device, q_BHTD.dtype)
     blk = tile.block
-    block_d = max(16, triton.next_power_of_2(d))
-    n_kb, n_qb = triton.cdiv(s, blk), triton.cdiv(t, blk)
+    block_d = max(16, next_power_of_2(d))
+    n_kb, n_qb = cdiv(s, blk), cdiv(t, blk)
     p_keys, p_queries = b * hk * n_kb, b * h * n_qb
     mode = CHECKS.index(check)
     if given is not None and check == "off":

@@ -27,7 +27,8 @@ except ImportError:  # no triton: available() says so, and nothing here is calle
 # interpreted, whatever the environment says later.
 _INTERPRET = knobs is not None and bool(knobs.runtime.interpret)
 
-__all__ = ["SMALL_SHARED_MEMORY", "device_function", "host_table", "interpreting", "shared_per_block", "triton"]
+__all__ = ["SMALL_SHARED_MEMORY", "cdiv", "device_function", "host_table", "interpreting", "next_power_of_2",
+           "shared_per_block", "triton"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,6 +36,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 def interpreting() -> bool:
     """TRITON_INTERPRET=1 was set when the kernels were built (this module imported): they run on CPU tensors."""
     return _INTERPRET
+
+
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ for the launchers' grids and tiles, on the host. ``triton.cdiv`` is a ConstexprFunction, which costs
+    about 2 µs a call from Python against a few dozen nanoseconds here, several times a launch."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of 2 ≥ n ≥ 1, on the host: ``triton.next_power_of_2`` is a ConstexprFunction too."""
+    return 1 << (n - 1).bit_length()
 
 
 SMALL_SHARED_MEMORY = 160 * 1024

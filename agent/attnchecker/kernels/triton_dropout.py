@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .triton_common import device_function, triton
+from .triton_common import cdiv, device_function, triton
 
 if triton is not None:
     import triton.language as tl
@@ -65,6 +65,6 @@ def keep_mask(seed: int, shape: tuple[int, int, int, int], p: float, device: tor
     b, h, t, s = shape
     out = torch.empty((b, h, t, s), dtype=torch.int8, device=device)
     block_t, block_s = 16, 64
-    grid: Any = (triton.cdiv(t, block_t), triton.cdiv(s, block_s), b * h)
+    grid: Any = (cdiv(t, block_t), cdiv(s, block_s), b * h)
     _keep_mask_kernel[grid](out, seed, t, s, p, BLOCK_T=block_t, BLOCK_S=block_s)
     return out.bool()

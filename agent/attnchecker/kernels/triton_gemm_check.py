@@ -138,12 +138,14 @@ def _compiled(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+# On a GPU: tiles a program streams through registers (the check pass is memory-bound; 32 rows × 128 columns of bf16
+# is 8 KB a step). Under the interpreter each op is a numpy call, whatever its size: big tiles, few ops.
+_GPU_BLOCKS = _Blocks(32, 128, 32, 16, 16, 64, 64, 32)
+_INTERPRETER_BLOCKS = _Blocks(64, 256, 64, 256, 64, 64, 256, 256)
+
+
 def _blocks(device: torch.device) -> _Blocks:
-    # On a GPU: tiles a program streams through registers (the check pass is memory-bound; 32 rows × 128 columns of
-    # bf16 is 8 KB a step). Under the interpreter each op is a numpy call, whatever its size: big tiles, few ops.
-    if _compiled(device):
-        return _Blocks(32, 128, 32, 16, 16, 64, 64, 32)
-    return _Blocks(64, 256, 64, 256, 64, 64, 256, 256)
+    return _GPU_BLOCKS if _compiled(device) else _INTERPRETER_BLOCKS
 
 
 def _lead(t: torch.Tensor) -> tuple[int, int, int, int]:
