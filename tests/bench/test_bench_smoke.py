@@ -482,6 +482,32 @@ def test_host_ops_bench_counts_a_protected_step_on_the_gpu_route_against_the_unp
     assert all(positive(us) for us in doc["host_us_per_call"].values())
 
 
+def test_host_time_bench_times_a_replayed_step_on_the_gpu_route_against_the_unprotected_one(tmp_path: Path) -> None:
+    """bench/host_time.py: the host's time a step on the GPU route spends outside its kernels. Each variant's launches
+    are recorded once under the interpreter and replayed in the timed steps, which the bench checks are the recorded
+    ones (the same launches in order, a finite loss, no detection: it exits non-zero otherwise). The unprotected step
+    launches nothing and binds nothing; each protected one binds every launch it recorded, kernel by kernel."""
+    pytest.importorskip("triton")
+    doc = run_bench("host_time", tmp_path, "--profile", "default_tier1")
+    assert doc["replay_target"] == ["cuda", 90, 32]
+    (model,) = doc["models"]
+    steps = model["steps"]
+    assert set(steps) == {"baseline", "full", "default_tier1", "all_full", "all_default_tier1"}
+    assert steps["baseline"]["triton_launches"] == 0 and steps["baseline"]["by_kernel"] == {}
+    assert steps["baseline"]["triton_binding_us"]["max"] == 0
+    for name, step in steps.items():
+        check_summary(step["host_us"])
+        assert positive(step["host_us"]["median"])
+        if name != "baseline":
+            kernels = step["by_kernel"]
+            assert sum(k["launches"] for k in kernels.values()) == step["triton_launches"] > 0
+            assert all(positive(k["binding_us"]) for k in kernels.values()), (name, kernels)
+            assert positive(step["triton_binding_us"]["median"])
+    assert {"trip_pass", "_trip_given"} <= set(steps["default_tier1"]["by_kernel"])
+    assert {"check_pass", "repair_rows", "_query_pass"} <= set(steps["all_full"]["by_kernel"])
+    assert model["profile"]["variant"] == "default_tier1" and "attnchecker" in model["profile"]["top"]
+
+
 def test_gemm_rule_terms_bench_weighs_both_forms_of_the_rule_on_clean_products(tmp_path: Path) -> None:
     """bench/gemm_rule_terms.py: per op and dtype the rule's bound on the same clean product with the reference's norm
     and with the triangle bound, neither flagging it (worst clean ratio under 1), the first never looser (‖B w‖ is at
