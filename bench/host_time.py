@@ -12,8 +12,11 @@ is not timed. Everything else (the model, autograd, the optimizer, the checks' h
 and is timed as it is, but for the attention forward's guard against numpy's warnings, which only the interpreter
 needs. The garbage collector runs before each timed step, not in it.
 
-    python bench/host_time.py [--models gpt2_small,llama_7b] [--seq 32] [--rounds 30] [--tiny]
+    python bench/host_time.py [--models gpt2_small,llama_7b] [--seq 32] [--layers 2] [--rounds 30] [--tiny]
                               [--profile all_default_tier1] [--out docs/perf/host_time.json]
+
+--layers sets the models' depth (gpu_suite's 2 by default): two depths tell a step's host time per layer from
+what it spends once a step (the optimizer's hooks, the step boundary, the LM head).
 
 What it leaves out: on CUDA every aten op outside a view is also a launch (a few microseconds of the driver's),
 where here it runs its tiny computation on the CPU; and Triton's C launcher (the driver call) after the binding. A
@@ -268,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt2_small,llama_7b")
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=gpu_suite.LAYERS)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--tiny", action="store_true", help="GPT-2 alone, 3 rounds (the smoke test)")
     parser.add_argument("--profile", default=None, help=f"a variant ({', '.join(host_ops.STEPS)}) whose replayed "
@@ -282,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("bench/host_time.py needs triton installed and TRITON_INTERPRET=1 before triton is imported")
     if args.profile is not None and args.profile not in host_ops.STEPS:
         raise SystemExit(f"--profile takes one of {', '.join(host_ops.STEPS)}, got {args.profile!r}")
+    if args.layers < 1:
+        raise SystemExit(f"--layers takes a depth of at least 1, got {args.layers}")
+    gpu_suite.LAYERS = args.layers
     torch.set_num_threads(1)  # the host's own thread, as a GPU step's; the CPU's tiny ops gain nothing from more
     replayer = Replayer()
     results = []
