@@ -16,7 +16,10 @@ needs. The garbage collector runs before each timed step, not in it.
                               [--profile all_default_tier1] [--out docs/perf/host_time.json]
 
 --layers sets the models' depth (gpu_suite's 2 by default): two depths tell a step's host time per layer from
-what it spends once a step (the optimizer's hooks, the step boundary, the LM head).
+what it spends once a step (the optimizer's hooks, the step boundary, the LM head). --profile times one variant's
+replayed steps by function (SECTIONS): each one's own time, less the sections it calls; the wrappers' own few
+microseconds a call land in their callers', and the vendor's attention ops (what the unprotected step runs) in
+``attention.vendor.forward`` and ``_KernelBackward.backward``.
 
 What it leaves out: on CUDA every aten op outside a view is also a launch (a few microseconds of the driver's),
 where here it runs its tiny computation on the CPU; and Triton's C launcher (the driver call) after the binding. A
@@ -29,11 +32,9 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import cProfile
+import functools
 import gc
-import io
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -197,7 +198,8 @@ class _Variant:
                                f"launches, loss {self.loss}, {len(detections)} detections: {detections[:2]})")
 
 
-def run_model(kind: str, seq: int, rounds: int, replayer: Replayer, profile: str | None) -> dict[str, Any]:
+def run_model(kind: str, seq: int, rounds: int, replayer: Replayer, sections: Sections | None,
+              profile: str | None) -> dict[str, Any]:
     from attnchecker.attention.backward import fused
 
     fused.cpu_kernel = False  # the CPU-only backward kernel is not on a GPU's route
@@ -228,9 +230,9 @@ def run_model(kind: str, seq: int, rounds: int, replayer: Replayer, profile: str
                        "triton_launches": len(variants[name].log),
                        "by_kernel": _kernels(variants[name].log, by_kernel[name][warmup:])}
                 for name, xs in samples.items()}
-        hot = _profile(variants[profile]) if profile in variants else None
         return {"model": kind, "seq": seq, "shape": gpu_suite.DRY_SHAPES[kind], "layers": gpu_suite.LAYERS,
-                "rounds": rounds, "steps": rows, "profile": {"variant": profile, "top": hot} if hot else None}
+                "rounds": rounds, "steps": rows,
+                "profile": sections.profile(variants[profile]) if sections and profile else None}
     finally:
         for v in variants.values():
             v.job.close()
@@ -248,23 +250,93 @@ def _us(s: dict[str, float]) -> dict[str, float]:
     return {k: (v * 1e6 if k != "n" else v) for k, v in s.items()}
 
 
-def _profile(v: _Variant, steps: int = 10) -> str:
-    """The functions with the most time of their own outside the kernels over ``steps`` replayed steps (cProfile: its
-    own overhead inflates every figure; for ranking only)."""
-    prof = cProfile.Profile()
-    for _ in range(steps):
-        r = v.replayer
-        r.mode, r.log, r.at = "replay", v.log, 0
-        prof.enable()
+SECTIONS = (
+    ("attnchecker.integrations._common", "checked_attention"),
+    ("attnchecker.attention.backends.triton", "_run"),
+    ("attnchecker.attention.vendor", "forward"),
+    ("attnchecker.kernels.triton_attention", "forward"),
+    ("attnchecker.attention.backends.triton", "_with_grad"),
+    ("attnchecker.attention.backends.triton", "_KernelBackward.backward"),
+    ("attnchecker.integrations._common", "_check_projection_eagerly"),
+    ("attnchecker.attention.pipeline", "check_linear"),
+    ("attnchecker.gemm.projection", "_device_gemms"),
+    ("attnchecker.gemm.linear", "_CheckedLinear.forward"),
+    ("attnchecker.gemm.linear", "_CheckedLinear.backward"),
+    ("attnchecker.gemm.device", "_trip"),
+    ("attnchecker.gemm.device", "_check"),
+    ("attnchecker.kernels.triton_gemm_check", "trip_pass"),
+    ("attnchecker.kernels.triton_gemm_check", "trip_pass_pair"),
+    ("attnchecker.runtime.response", "FaultResponse.optimizer_pre_hook"),
+)
+"""The functions ``--profile`` times in a replayed step, each where the code calling it looks it up (a module's or a
+class's attribute), so a wrapper set before the guard is attached sees every call."""
+
+
+class Sections:
+    """Each SECTIONS function's own host time in replayed steps: its time less that of the sections it calls and
+    of the replays' writes. Wrapped once, before any guard is attached; counting only while ``on``."""
+
+    def __init__(self, replayer: Replayer) -> None:
+        import importlib
+
+        self.replayer, self.on = replayer, False
+        self.own: collections.defaultdict[str, float] = collections.defaultdict(float)
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._inside: list[float] = []
+        for module, name in SECTIONS:
+            owner: Any = importlib.import_module(module)
+            *path, attr = name.split(".")
+            for part in path:
+                owner = getattr(owner, part)
+            raw = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+            fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+            wrapped = self._wrap(fn, f"{module.removeprefix('attnchecker.')}.{name}")
+            setattr(owner, attr, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
+
+    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        sections = self
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not sections.on:
+                return fn(*args, **kwargs)
+            r = sections.replayer
+            t0, untimed0 = time.perf_counter(), r.untimed_s
+            sections._inside.append(0.0)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                below = sections._inside.pop()
+                spent = time.perf_counter() - t0 - (r.untimed_s - untimed0)
+                sections.own[label] += spent - below
+                sections.calls[label] += 1
+                if sections._inside:
+                    sections._inside[-1] += spent
+
+        return timed
+
+    def profile(self, v: _Variant, steps: int = 20) -> dict[str, Any]:
+        """Per section its median own microseconds a step over ``steps`` replayed steps and its calls a step; "rest":
+        the step's time outside them (the model, autograd, the optimizer, and our code no section names)."""
+        per: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
+        totals = []
+        self.on = True
         try:
-            v.step()
+            for _ in range(steps):
+                self.own.clear()
+                self.calls.clear()
+                seconds, _, _ = v.timed()
+                totals.append(seconds)
+                for label in self.own:
+                    per[label].append(self.own[label])
+                per["rest"].append(seconds - sum(self.own.values()))
+            calls = dict(self.calls)
         finally:
-            prof.disable()
-            r.mode = "run"
-        v.check(r.at)
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
-    return out.getvalue()
+            self.on = False
+        rows = {label: {"own_us": statistics.median(xs) * 1e6, "calls": calls.get(label, 0)}
+                for label, xs in per.items()}
+        return {"variant": v.name, "steps": steps, "step_us": statistics.median(totals) * 1e6,
+                "sections": dict(sorted(rows.items(), key=lambda kv: -kv[1]["own_us"]))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--tiny", action="store_true", help="GPT-2 alone, 3 rounds (the smoke test)")
     parser.add_argument("--profile", default=None, help=f"a variant ({', '.join(host_ops.STEPS)}) whose replayed "
-                        "steps cProfile ranks by each function's own time")
+                        "steps are timed by function (SECTIONS), each function's own time")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.tiny:
@@ -291,9 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     gpu_suite.LAYERS = args.layers
     torch.set_num_threads(1)  # the host's own thread, as a GPU step's; the CPU's tiny ops gain nothing from more
     replayer = Replayer()
+    sections = Sections(replayer) if args.profile else None
     results = []
     for kind in args.models.split(","):
-        got = run_model(kind, args.seq, args.rounds, replayer, args.profile)
+        got = run_model(kind, args.seq, args.rounds, replayer, sections, args.profile)
         results.append(got)
         lines = [[name, r["host_us"]["median"], r["over_baseline_us"]["median"],
                   f"[{r['over_baseline_us']['p25']:.0f}, {r['over_baseline_us']['p75']:.0f}]",
@@ -304,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         print(_common.table(lines, ["step", "host us", "over baseline", "[IQR]", "ratio", "Triton launches",
                                     "of which binding"]))
         if got["profile"]:
-            print(got["profile"]["top"])
+            prof = got["profile"]
+            print(f"\n{prof['variant']}: own host time a step by function (us, median of {prof['steps']} replayed "
+                  f"steps; the step {prof['step_us']:.0f} us)")
+            print(_common.table([[label, row["own_us"], row["calls"]] for label, row in prof["sections"].items()],
+                                ["function", "own us a step", "calls a step"]))
     path = _common.write_result("host_time", {"models": results, "environment": {
         k: os.environ[k] for k in ("TRITON_INTERPRET", "ATTNCHECKER_ATTENTION", "ATTNCHECKER_GEMM")},
         "replay_target": list(SM90)}, args.out)

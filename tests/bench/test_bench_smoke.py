@@ -486,7 +486,8 @@ def test_host_time_bench_times_a_replayed_step_on_the_gpu_route_against_the_unpr
     """bench/host_time.py: the host's time a step on the GPU route spends outside its kernels. Each variant's launches
     are recorded once under the interpreter and replayed in the timed steps, which the bench checks are the recorded
     ones (the same launches in order, a finite loss, no detection: it exits non-zero otherwise). The unprotected step
-    launches nothing and binds nothing; each protected one binds every launch it recorded, kernel by kernel."""
+    launches nothing and binds nothing; each protected one binds every launch it recorded, kernel by kernel. The
+    profile times the step's functions where the engine calls them, each call seen."""
     pytest.importorskip("triton")
     doc = run_bench("host_time", tmp_path, "--profile", "default_tier1")
     assert doc["replay_target"] == ["cuda", 90, 32]
@@ -505,7 +506,13 @@ def test_host_time_bench_times_a_replayed_step_on_the_gpu_route_against_the_unpr
             assert positive(step["triton_binding_us"]["median"])
     assert {"trip_pass", "_trip_given"} <= set(steps["default_tier1"]["by_kernel"])
     assert {"check_pass", "repair_rows", "_query_pass"} <= set(steps["all_full"]["by_kernel"])
-    assert model["profile"]["variant"] == "default_tier1" and "attnchecker" in model["profile"]["top"]
+    prof = model["profile"]
+    assert prof["variant"] == "default_tier1" and positive(prof["step_us"])
+    sections = prof["sections"]
+    # Two layers: one checked attention forward and backward each, and the GEMM checks' tier 1 on their projections.
+    assert sections["kernels.triton_attention.forward"]["calls"] == 2
+    assert sections["attention.backends.triton._KernelBackward.backward"]["calls"] == 2
+    assert sections["gemm.device._trip"]["calls"] > 0 and "rest" in sections
 
 
 def test_gemm_rule_terms_bench_weighs_both_forms_of_the_rule_on_clean_products(tmp_path: Path) -> None:
