@@ -13,13 +13,15 @@ and is timed as it is, but for the attention forward's guard against numpy's war
 needs. The garbage collector runs before each timed step, not in it.
 
     python bench/host_time.py [--models gpt2_small,llama_7b] [--seq 32] [--layers 2] [--rounds 30] [--tiny]
-                              [--profile all_default_tier1] [--out docs/perf/host_time.json]
+                              [--profile all_default_tier1] [--compile] [--out docs/perf/host_time.json]
 
 --layers sets the models' depth (gpu_suite's 2 by default): two depths tell a step's host time per layer from
 what it spends once a step (the optimizer's hooks, the step boundary, the LM head). --profile times one variant's
 replayed steps by function (SECTIONS): each one's own time, less the sections it calls; the wrappers' own few
 microseconds a call land in their callers', and the vendor's attention ops (what the unprotected step runs) in
-``attention.vendor.forward`` and ``_KernelBackward.backward``.
+``attention.vendor.forward`` and ``_KernelBackward.backward``. --compile puts every variant's model through
+torch.compile (Inductor, here the CPU's) after protect(): the unprotected step's host time is then a compiled
+graph's, the checks' their opaque ops' (attnchecker/compiled/).
 
 What it leaves out: on CUDA every aten op outside a view is also a launch (a few microseconds of the driver's),
 where here it runs its tiny computation on the CPU; and Triton's C launcher (the driver call) after the binding. A
@@ -146,9 +148,13 @@ def _write(t: torch.Tensor, after: torch.Tensor) -> None:
 
 
 class _Variant:
-    def __init__(self, name: str, base: Any, ids: torch.Tensor, replayer: Replayer) -> None:
+    def __init__(self, name: str, base: Any, ids: torch.Tensor, replayer: Replayer, *, compiled: bool = False
+                 ) -> None:
         self.name, self.ids, self.replayer = name, ids, replayer
         self.job = gpu_suite._Job(name.removesuffix("_tier1"), base, "cpu", torch.bfloat16)
+        if compiled:
+            # Protected, then compiled (tests/agent/test_torch_compile_inductor.py): the checks run as opaque ops.
+            self.job.model = torch.compile(self.job.model)
         self.log: list[tuple[str, list[torch.Tensor | None]]] = []
         self.loss = float("nan")
 
@@ -199,13 +205,13 @@ class _Variant:
 
 
 def run_model(kind: str, seq: int, rounds: int, replayer: Replayer, sections: Sections | None,
-              profile: str | None) -> dict[str, Any]:
+              profile: str | None, compiled: bool = False) -> dict[str, Any]:
     from attnchecker.attention.backward import fused
 
     fused.cpu_kernel = False  # the CPU-only backward kernel is not on a GPU's route
     base = gpu_suite._model(kind, gpu_suite.DRY_SHAPES[kind], seq, 256)
     ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
-    variants = {name: _Variant(name, base, ids, replayer) for name in host_ops.STEPS}
+    variants = {name: _Variant(name, base, ids, replayer, compiled=compiled) for name in host_ops.STEPS}
     try:
         for v in variants.values():
             v.record()
@@ -231,7 +237,7 @@ def run_model(kind: str, seq: int, rounds: int, replayer: Replayer, sections: Se
                        "by_kernel": _kernels(variants[name].log, by_kernel[name][warmup:])}
                 for name, xs in samples.items()}
         return {"model": kind, "seq": seq, "shape": gpu_suite.DRY_SHAPES[kind], "layers": gpu_suite.LAYERS,
-                "rounds": rounds, "steps": rows,
+                "rounds": rounds, "compiled": compiled, "steps": rows,
                 "profile": sections.profile(variants[profile]) if sections and profile else None}
     finally:
         for v in variants.values():
@@ -348,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="GPT-2 alone, 3 rounds (the smoke test)")
     parser.add_argument("--profile", default=None, help=f"a variant ({', '.join(host_ops.STEPS)}) whose replayed "
                         "steps are timed by function (SECTIONS), each function's own time")
+    parser.add_argument("--compile", action="store_true",
+                        help="every variant's model through torch.compile (Inductor) after protect()")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.tiny:
@@ -366,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = Sections(replayer) if args.profile else None
     results = []
     for kind in args.models.split(","):
-        got = run_model(kind, args.seq, args.rounds, replayer, sections, args.profile)
+        got = run_model(kind, args.seq, args.rounds, replayer, sections, args.profile, args.compile)
         results.append(got)
         lines = [[name, r["host_us"]["median"], r["over_baseline_us"]["median"],
                   f"[{r['over_baseline_us']['p25']:.0f}, {r['over_baseline_us']['p75']:.0f}]",
