@@ -61,8 +61,9 @@ SM90 = ("cuda", 90, 32)
 
 
 class Replayer:
-    """Takes over Triton's interpreted launches: ``run`` interprets them, ``record`` interprets them and keeps what
-    each wrote, ``replay`` binds the arguments as a GPU launch would and writes back what was recorded."""
+    """Takes over Triton's interpreted launches: ``run`` interprets them, ``record`` interprets them and keeps every
+    argument as each left it, ``replay`` binds the arguments as a GPU launch would and writes back what was
+    recorded."""
 
     def __init__(self) -> None:
         from triton.backends.compiler import GPUTarget
@@ -74,7 +75,7 @@ class Replayer:
         self.backend = make_backend(GPUTarget(*SM90))
         self.binders: dict[Any, tuple[Callable[..., Any], dict[Any, Any]]] = {}
         self.mode = "run"
-        self.log: list[tuple[str, list[torch.Tensor | None]]] = []
+        self.log: list[tuple[str, list[torch.Tensor]]] = []
         self.at = 0
         self.untimed_s = 0.0
         """Seconds of the replays' writes (and the binders' first build) this step: taken out of its time."""
@@ -155,8 +156,8 @@ class _Variant:
         if compiled:
             # Protected, then compiled (tests/agent/test_torch_compile_inductor.py): the checks run as opaque ops.
             self.job.model = torch.compile(self.job.model)
-        self.log: list[tuple[str, list[torch.Tensor | None]]] = []
-        self.loss = float("nan")
+        self.log: list[tuple[str, list[torch.Tensor]]] = []
+        self.loss = torch.tensor(float("nan"))
 
     def step(self) -> None:
         """bench/gpu_suite's step; a default variant's on a step between full checks (host_ops.STEPS)."""
@@ -167,7 +168,7 @@ class _Variant:
         loss = job.model(input_ids=self.ids, labels=self.ids).loss
         loss.backward()
         job.opt.step()
-        self.loss = float(loss.detach())
+        self.loss = loss.detach()  # read in check(), outside the timed step
 
     def record(self) -> None:
         r = self.replayer
@@ -199,9 +200,9 @@ class _Variant:
 
     def check(self, launched: int) -> None:
         detections = [] if self.job.guard is None else self.job.guard.detections
-        if launched != len(self.log) or not torch.isfinite(torch.tensor(self.loss)) or detections:
+        if launched != len(self.log) or not torch.isfinite(self.loss) or detections:
             raise RuntimeError(f"{self.name}: the replayed step is not the recorded one ({launched} of {len(self.log)} "
-                               f"launches, loss {self.loss}, {len(detections)} detections: {detections[:2]})")
+                               f"launches, loss {float(self.loss)}, {len(detections)} detections: {detections[:2]})")
 
 
 def run_model(kind: str, seq: int, rounds: int, replayer: Replayer, sections: Sections | None,
@@ -244,7 +245,7 @@ def run_model(kind: str, seq: int, rounds: int, replayer: Replayer, sections: Se
             v.job.close()
 
 
-def _kernels(log: list[tuple[str, list[torch.Tensor | None]]], steps: list[dict[str, float]]
+def _kernels(log: list[tuple[str, list[torch.Tensor]]], steps: list[dict[str, float]]
              ) -> dict[str, dict[str, float]]:
     """Per kernel: its launches a step and the median microseconds a step spends binding them."""
     launches = collections.Counter(name for name, _ in log)
