@@ -518,3 +518,45 @@ def test_triton_named_without_the_interpreter_falls_back_with_a_warning(monkeypa
     with caplog.at_level("WARNING", logger="attnchecker"):
         assert check_gemms(ctx, [("linear", c, a, b, None)]) == 1  # the CPU path, reporting at once
     assert "TRITON_INTERPRET=1" in caplog.text and len(rec.detections) == 1
+
+
+@pytest.mark.parametrize("tier", ["tripwire", "abft"])
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("op", ["q", "k", "v"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_fused_projection_reports_a_fault_under_the_slice_it_is_in(impl: str, dtype: torch.dtype, op: str,
+                                                                      persistent: bool, tier: str, make_ctx) -> None:
+    """A fused projection (GPT-2's c_attn: y = x·W + b, its columns q, k, v) over two sequences of tokens, on a quiet
+    step (tier 1: on the Triton path the slices' tier-1 passes; on the CPU path its one sum over y) and on a checked
+    step (each slice's full check). An INF planned in one slice
+    (attnchecker.inject, on the output below the check) is reported once, under that slice's op and the tier, at the
+    sequence and token it was planned at, and y comes out as the clean product. A persistent 2-D block of them (which
+    no checksum corrects: the rows are recomputed on both paths) comes back in the recomputation (on the Triton path
+    the kernel's emulated fault, placed at the slice's columns and the tokens the host's recompute meets) and is
+    "uncorrectable"."""
+    from attnchecker.gemm.projection import protected_linear
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 24, 32, generator=g).to(dtype)
+    w = (torch.randn(96, 32, generator=g) * 0.2).to(dtype)
+    b = (torch.randn(96, generator=g) * 0.1).to(dtype)
+    splits = (("q", 32), ("k", 32), ("v", 32))
+    fault = Fault(op=op, layer=0, step=0, kind="inf", pattern="2d" if persistent else "0d", batch=1, row=5, col=11,
+                  persistent=persistent)
+    ctx, rec = make_ctx([fault], **({"checked_ops": frozenset()} if tier == "tripwire" else {}))
+    tg.LAUNCHES.reset()
+    with torch.no_grad():
+        y = protected_linear(x, w, b, ctx=ctx, splits=splits)
+    launches = dict(tg.LAUNCHES.by_kernel)
+    got = [(d.op, d.tier, d.action, d.batch, d.row) for d in detections(ctx, rec)]
+    if tier == "tripwire":
+        assert (sum(launches.values()) > 0) == (impl == "triton")
+    else:
+        assert launches.get("check_pass", 0) == (3 if impl == "triton" else 0)
+    if persistent:
+        assert got == [(op, tier, "uncorrectable", 1, 5)]
+        return
+    assert len(got) == 1 and got[0][:2] == (op, tier) and got[0][2] in ("corrected", "recomputed")
+    assert got[0][3:] == (1, 5)
+    clean = torch.nn.functional.linear(x.float(), w.float(), b.float()).to(dtype)
+    torch.testing.assert_close(y, clean, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)

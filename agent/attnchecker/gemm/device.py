@@ -168,15 +168,20 @@ class DeviceGemm:
     transposed: bool = False
     """C is the transpose of the op's output (a Conv1D weight gradient, checked along its input features): its
     reports and planned faults swap rows and columns."""
+    tokens: int = 0
+    """Where C (M, S) is an output whose leading dims were flattened into its rows (a projection's (N, T, S) output,
+    T = tokens): planned faults are located on that shape, as the host's recompute of it meets them, then placed on
+    C's rows (n·T + t), and reports name sequence n's row t, as the host's check of it does. 0: C's own shape."""
 
 
 def check_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                     torch.Tensor | None]], *, tier: str = "abft") -> None:
+                                                     torch.Tensor | None]], *, tier: str = "abft", tokens: int = 0
+                ) -> None:
     """gemm.check.check_gemms on this path: each GEMM's operand passes, check pass and repair kernel; its reports at
-    the step boundary. No sync."""
+    the step boundary. tokens: ``DeviceGemm.tokens``. No sync."""
     if not gemms or ctx.config.mode == "off":
         return
-    todo = [DeviceGemm(op, c, a, b, bias) for op, c, a, b, bias in gemms]
+    todo = [DeviceGemm(op, c, a, b, bias, tokens=tokens) for op, c, a, b, bias in gemms]
     tol = _tolerance(ctx)
     clock, call = Clock(todo[0].c.device, full=tier == "abft"), _Launches()
     try:
@@ -191,12 +196,12 @@ def check_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Te
 
 
 def trip_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                    torch.Tensor | None]]) -> None:
+                                                    torch.Tensor | None]], *, tokens: int = 0) -> None:
     """gemm.check.trip_gemms on this path: the tier-1 pass over each output, and the recompute of the rows it marked
-    (``_trip``). No sync."""
+    (``_trip``). tokens: ``DeviceGemm.tokens``. No sync."""
     if not gemms or ctx.config.mode == "off":
         return
-    _trip(ctx, [DeviceGemm(op, c, a, b, bias) for op, c, a, b, bias in gemms])
+    _trip(ctx, [DeviceGemm(op, c, a, b, bias, tokens=tokens) for op, c, a, b, bias in gemms])
 
 
 def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
@@ -355,10 +360,10 @@ def _defer(ctx: LayerContext, g: DeviceGemm, chk: tg.Check, *, tier: str) -> Non
     """A check's outcome to the step boundary: its flag now, its reports built there if it flagged."""
     summary = (chk.state, chk.slot_i, chk.slot_f)
     worst = tg.STATE["worst"]
+    flagged = chk.state[tg.STATE["flagged"]]
     # Only a full check's worst clean ratio goes into the histogram of full checks' margins: a tier-1 pass has no
     # references, and a trip's recompute is not a check of the step's values.
-    defer(ctx, g.op, chk.state[tg.STATE["flagged"]],
-          functools.partial(_reports, summary, chk.lead, g.c.dim(), g.transposed, tier),
+    defer(ctx, g.op, flagged, functools.partial(_reports, summary, chk.lead, g.c.dim(), g.transposed, tier, g.tokens),
           tier=tier, heads=g.c.dim() > 2,
           ratio=chk.state[worst : worst + 1].view(torch.float32) if tier == "abft" else None)
 
@@ -381,11 +386,15 @@ def _planned(ctx: LayerContext, g: DeviceGemm) -> tuple[tg.EmulatedFault, ...]:
     if injector is None or not injector.fires(op=g.op, layer=ctx.layer, step=ctx.step):
         return ()
     shape = tuple((g.c.mT if g.transposed else g.c).shape)
+    if g.tokens:
+        shape = (shape[0] // g.tokens, g.tokens, shape[1])
     nb1 = g.c.shape[1] if g.c.dim() == 4 else 1
     faults = []
     for hit in injector.resolve(op=g.op, layer=ctx.layer, step=ctx.step, shape=shape, attempt=1):
         batch = (hit.lead[0] * nb1 + hit.lead[1]) if len(hit.lead) == 2 else (hit.lead[0] if hit.lead else 0)
         rows, cols = (min(hit.rows), max(hit.rows) + 1), (min(hit.cols), max(hit.cols) + 1)
+        if g.tokens:  # the sequence's rows of C
+            batch, rows = 0, (batch * g.tokens + rows[0], batch * g.tokens + rows[1])
         if g.transposed:
             rows, cols = cols, rows
         kind, value = tg.fault_kind(hit.fault.kind, hit.fault.value)
@@ -394,15 +403,18 @@ def _planned(ctx: LayerContext, g: DeviceGemm) -> tuple[tg.EmulatedFault, ...]:
 
 
 def _reports(summary: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lead: tuple[int, int], dims: int,
-             transposed: bool, tier: str) -> list[MatrixReport]:
+             transposed: bool, tier: str, tokens: int = 0) -> list[MatrixReport]:
     """The reports of one flagged check, read back at the drain (after its sync), one per flagged matrix: from the
-    first SLOTS flagged rows' summaries and the counts over all of them."""
+    first SLOTS flagged rows' summaries and the counts over all of them. tokens: C's rows are sequences of that many
+    (``DeviceGemm.tokens``): one report a flagged sequence."""
     state_t, slot_i_t, slot_f_t = summary
     state = state_t.tolist()  # sync: the drain's, for a flagged record only
     n = min(state[tg.STATE["flagged"]], tg.SLOTS)
     slot_i, slot_f = slot_i_t[:n].tolist(), slot_f_t[:n].tolist()  # sync: the drain's, flagged record only
     by_matrix: dict[int, list[tuple[list[int], list[float]]]] = {}
     for si, sf in zip(slot_i, slot_f, strict=True):
+        if tokens:
+            si = [si[1] // tokens, si[1] % tokens, *si[2:]]
         by_matrix.setdefault(si[0], []).append((si, sf))
     overflowed = state[tg.STATE["flagged"]] > tg.SLOTS
     reports = []

@@ -471,7 +471,10 @@ def _on_device(ctx: LayerContext, x_NTI: torch.Tensor, slices: list[_Wired], *, 
     if gemms is None:
         return slices
     try:
-        (device.check_gemms if full else device.trip_gemms)(ctx, gemms)
+        if full:
+            device.check_gemms(ctx, gemms, tokens=x_NTI.shape[-2])
+        else:
+            device.trip_gemms(ctx, gemms, tokens=x_NTI.shape[-2])
     except device.KernelFailed as exc:
         return slices[exc.done:]
     return []

@@ -559,7 +559,7 @@ def repair_rows(check: Check, faults: tuple[EmulatedFault, ...] = ()) -> None:
     k.repair_rows[args["grid"]](
         *args["c"], *args["side"], args["bias"], *args["a"], *args["b"], check.state, check.code, check.slot,
         check.slot_i, SLOTS, _fault_table(faults, c.device, check.state), *_rule_args(rule), rule.elem_ab,
-        rule.elem_abs, *args["runs"], NF=len(faults), BM=blk.rows, BN=blk.cols, BK=blk.k,
+        rule.elem_abs, torch.finfo(c.dtype).max, *args["runs"], NF=len(faults), BM=blk.rows, BN=blk.cols, BK=blk.k,
         **_dot_flags(c, args["a"][0], args["b"][0]), **args["flags"],
     )
     LAUNCHES.count("repair_rows")

@@ -835,17 +835,17 @@ def repair_rows(
     state_ptr, code_ptr, slot_ptr, slot_i_ptr, SLOTS,
     fault_ptr,
     floor_a, floor_b, rig_ab, rig_bias, abs_coef, under0, flush, var_b, var_ref, var_bias, sq_coef, tiny_pad, common,
-    sigmas, near_inf, sqrt_k, elem_ab, elem_abs, G, L,
+    sigmas, near_inf, sqrt_k, elem_ab, elem_abs, c_max, G, L,
     CORRECT: tl.constexpr, USE_ABS: tl.constexpr, HAS_BIAS: tl.constexpr, CALIBRATED: tl.constexpr,
     FLUSH: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr, IS_F32: tl.constexpr, NF: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Recompute the rows the check pass marked NEED_RECOMPUTE (BM rows of one matrix a program), re-verify them with
     the same rule, write them back, and give each its outcome: RECOMPUTED, UNCORRECTABLE (a fault that came back), or
-    CONSISTENT (the recomputation equals the old row to round-off, and that row's checksums overflowed or it held INF
-    or NaN: the product as the dtype holds it, not a fault). Each run of L columns verified as check_pass verifies
-    it (G runs). Returns at once on a clean call. (A tier-1 trip's rows
-    are recomputed in the tier-1 pass itself: ``_recompute_tripped``.)"""
+    CONSISTENT (the recomputation equals the old row to round-off, that row's checksums overflowed or it held INF or
+    NaN, and each extreme element is one the operands can give, as ``_recompute_tripped`` judges it: the product as
+    the dtype holds it, not a fault). Each run of L columns verified as check_pass verifies it (G runs). Returns at
+    once on a clean call. (A tier-1 trip's rows are recomputed in the tier-1 pass itself: ``_recompute_tripped``.)"""
     if tl.load(state_ptr + S_RECOMPUTE) == 0:
         return
     pid_m = tl.program_id(0)
@@ -871,6 +871,9 @@ def repair_rows(
     rq = refsq_ptr + (bi0 * srq0 + bi1 * srq1)
     lf = L * 1.0
     differs = tl.full([BM], 0, tl.int32)
+    # Extreme elements of the recomputation that its operands cannot give: a fault that came back in it, which equals
+    # the old row (a fault that recurs where it struck) and must not pass for an overflow the GEMM made.
+    unexplained = tl.full([BM], 0, tl.int32)
     all_ok = need
     overflowed = tl.full([BM], 0, tl.int32) > 0
     for h in range(0, G):
@@ -882,7 +885,7 @@ def repair_rows(
         o1 = tl.full([BM], 0, tl.float32)
         o2 = tl.full([BM], 0, tl.float32)
         for n0 in range(off, off + L, BN):
-            cols, cmask, m2, _acc, beta, a_sq, _b_sq, fresh = _fresh_tile(
+            cols, cmask, m2, acc, beta, a_sq, _b_sq, fresh = _fresh_tile(
                 ab_, bb_, cb, rows, rows64, need, n0, off + L, K, sAm, sAk, sBk, sBn, bias_ptr, a_sq, pid_b,
                 fault_ptr, DOT_FP32, IEEE, HAS_BIAS, False, IS_F32, NF, BM, BN, BK)
             fresh_f = fresh.to(tl.float32)
@@ -895,6 +898,14 @@ def repair_rows(
             tol = elem_ab * (a[:, None] * bj[None, :]) + elem_abs * (2.0 * tl.abs(fresh_f) + tl.abs(beta)[None, :])
             same = (fresh_f == old) | (tl.abs(fresh_f - old) <= tol)
             differs += tl.reduce((m2 & ~same).to(tl.int32), 1, _add)
+            # _recompute_tripped's judgement of an extreme element: within Cauchy-Schwarz, from a non-finite operand,
+            # or a half-precision product past its dtype's range.
+            cap = 1.01 * a[:, None] * bj[None, :] + tl.abs(beta)[None, :]
+            from_input = ~(a <= FLT_MAX)[:, None] | ~(bj <= FLT_MAX)[None, :]
+            rounded = (tl.abs(acc) > c_max) & (tl.abs(acc) <= cap)
+            ext = m2 & ~(tl.abs(fresh_f) <= near_inf)
+            unexplained += tl.reduce((ext & ~((tl.abs(fresh_f) <= cap) | from_input | rounded)).to(tl.int32), 1,
+                                     _add)
             o1 += tl.reduce(old, 1, _add)
             o2 += tl.reduce(old * w[None, :], 1, _add)
             s1 += tl.reduce(fresh_f, 1, _add)
@@ -910,8 +921,8 @@ def repair_rows(
         b1, b2 = _bound(a, sq, sab, ref1, ref2, terms, rule, lf, USE_ABS, CALIBRATED, FLUSH)
         all_ok = all_ok & (tl.abs(ref1 - s1) <= b1) & (tl.abs(ref2 - s2) <= b2)
         overflowed = overflowed | ~(tl.abs(o1) <= FLT_MAX) | ~(tl.abs(o2) <= FLT_MAX)
-    consistent = (differs == 0) & overflowed
-    code = tl.where(consistent, CONSISTENT, tl.where(all_ok, RECOMPUTED, UNCORRECTABLE))
+    consistent = (differs == 0) & overflowed & (unexplained == 0)
+    code = tl.where(consistent, CONSISTENT, tl.where(all_ok & (unexplained == 0), RECOMPUTED, UNCORRECTABLE))
     _count_outcomes(state_ptr, need, code)
     tl.store(code_ptr + pid_b.to(tl.int64) * M + rows64, code, mask=need)
     slot = tl.load(slot_ptr + pid_b.to(tl.int64) * M + rows64, mask=need, other=SLOTS)
