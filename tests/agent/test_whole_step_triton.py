@@ -472,18 +472,19 @@ class _OutputRecorder(GemmInjector):
         return out
 
 
-@pytest.mark.parametrize(("kernel", "fail_at"), [("check_pass", 2), ("check_pass", 5), ("trip_pass", 2),
-                                                 ("trip_pass_pair", 1), ("trip_pass_pair", 2)])
+@pytest.mark.parametrize(("kernel", "fail_at"), [("check_pass", 2), ("check_pass", 5), ("trip_pass", 1),
+                                                 ("trip_pass", 2), ("trip_pass_pair", 1), ("trip_pass_pair", 2)])
 def test_a_gemm_check_kernel_that_fails_hands_its_gemms_to_the_cpu_path_and_training_goes_on(
         kernel: str, fail_at: int, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A GEMM check kernel the GPU's Triton cannot compile (the interpreter never compiles one) or whose launch raises,
     on the ``fail_at``-th launch of a step: on a full-check step (``check_pass``: an MLP Linear's forward, where nothing
-    of the call was checked yet; the LM head's dW, after its dX was) and on a tier-1 step (``trip_pass``: the
-    attention's out projection, after the fused q/k/v projection's v; ``trip_pass_pair``, which takes two GEMMs: q and
-    k, the first of the step; the LM head's dX and dW, the first of the backward). The GEMM whose kernel failed, and the
-    rest of that call, are checked on the CPU path at once: a NaN written below autograd into that very GEMM's output is
-    corrected or recomputed and reported once, and the gradients are the clean step's. Every GEMM of the step is counted
-    once, as on a step where nothing failed. The failure is logged once, and the path is never tried again in the
+    of the call was checked yet; the LM head's dW, after its dX was) and on a tier-1 step (``trip_pass``: the fused
+    q/k/v projection's one pass over its three slices, and the attention's out projection after it;
+    ``trip_pass_pair``, which takes two GEMMs: the first and second of the backward's Linears, their dX and dW). The
+    GEMM whose kernel failed (all three slices of the fused projection's), and the rest of that call, are checked on
+    the CPU path at once: a NaN written below autograd into that very GEMM's output is corrected or recomputed and
+    reported once, and the gradients are the clean step's. Every GEMM of the step is counted once, as on a step where
+    nothing failed. The failure is logged once, and the path is never tried again in the
     process: the next step runs on the CPU path, checked."""
     monkeypatch.setenv(device.GEMM_ENV, "triton")
     monkeypatch.setattr(device, "_failed", [])

@@ -16,7 +16,8 @@ pass (a Linear's W and x in its forward, dY in its backward, for its three check
 workspace for the kernels' atomics, a slice of the guard's arena (checks/zeroed.py: one memset a 1 MiB chunk, not one a
 call). A Linear's three GEMMs: 9 launches in all. A tier-1 GEMM: the tier-1 pass alone, which recomputes the rows
 holding an extreme element in the program that found them, two GEMMs of a call to a launch (``trip_pass_pair``: a
-Linear's dX and dW; a fused projection's slices): a tier-1 Linear is 2 launches.
+Linear's dX and dW): a tier-1 Linear is 2 launches; a fused projection's output is one GEMM, whatever its slices
+(``trip_columns``).
 
 Host time: on a small model a GPU step is launch-bound, and every tier-1 call (each Linear output, every step) spends
 host time before its one launch. No torch product runs on this path (its sums are the kernels'), so autocast and the
@@ -58,8 +59,8 @@ from ..kernels import triton_gemm_check as tg
 from ..matmul_precision import fp32_matmul_operand_roundoff
 
 __all__ = ["GEMM_ENV", "MODES", "DeviceGemm", "KernelFailed", "LinearSides", "check_gemms", "check_product", "failed",
-           "linear_backward", "linear_forward", "native_allowed", "requested", "runs", "takes", "trip_gemms",
-           "trip_product"]
+           "linear_backward", "linear_forward", "native_allowed", "requested", "runs", "takes", "trip_columns",
+           "trip_gemms", "trip_product"]
 
 log = logging.getLogger("attnchecker")
 
@@ -168,10 +169,27 @@ class DeviceGemm:
     transposed: bool = False
     """C is the transpose of the op's output (a Conv1D weight gradient, checked along its input features): its
     reports and planned faults swap rows and columns."""
+    parts: tuple[tuple[str, int], ...] = ()
+    """C's columns by op where one output holds several ops' (a fused projection's q, k, v: (op, width) in column
+    order, tier 1 only): its reports and planned faults go by the op whose columns they lie in. Empty: all of C is
+    ``op``'s."""
     tokens: int = 0
     """Where C (M, S) is an output whose leading dims were flattened into its rows (a projection's (N, T, S) output,
     T = tokens): planned faults are located on that shape, as the host's recompute of it meets them, then placed on
     C's rows (n·T + t), and reports name sequence n's row t, as the host's check of it does. 0: C's own shape."""
+
+    def ops(self) -> tuple[str, ...]:
+        return tuple(op for op, _ in self.parts) if self.parts else (self.op,)
+
+    def columns(self) -> tuple[tuple[str, int, int], ...]:
+        """(op, first column, end column) of each op's part of C."""
+        if not self.parts:
+            return ((self.op, 0, self.c.shape[-1]),)
+        out, at = [], 0
+        for op, width in self.parts:
+            out.append((op, at, at + width))
+            at += width
+        return tuple(out)
 
 
 def check_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -204,9 +222,24 @@ def trip_gemms(ctx: LayerContext, gemms: list[tuple[str, torch.Tensor, torch.Ten
     _trip(ctx, [DeviceGemm(op, c, a, b, bias, tokens=tokens) for op, c, a, b, bias in gemms])
 
 
+def trip_columns(ctx: LayerContext, parts: tuple[tuple[str, int], ...], c: torch.Tensor, a: torch.Tensor,
+                 b: torch.Tensor, bias: torch.Tensor | None, *, tokens: int = 0) -> None:
+    """Tier 1 of one product whose columns are several ops' outputs, ``parts`` (op, width) in column order (a fused
+    projection: GPT-2's c_attn, y = x·[W_q W_k W_v]): one tier-1 pass over all of C, one launch and its host work,
+    where three parts as GEMMs of their own took two launches (``trip_pass_pair``, ``trip_pass``) and the host work of
+    three. A tripped row is recomputed whole, all parts; it is reported under the op whose columns hold its first
+    extreme element (a row with extreme elements in two parts is one report). tokens: ``DeviceGemm.tokens``. No
+    sync."""
+    if sum(width for _, width in parts) != c.shape[-1] or len(parts) < 1:
+        raise ValueError(f"trip_columns: parts {parts} must cover C's {c.shape[-1]} columns")
+    if ctx.config.mode == "off":
+        return
+    _trip(ctx, [DeviceGemm(parts[0][0], c, a, b, bias, parts=parts, tokens=tokens)])
+
+
 def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
     """Per GEMM the tier-1 pass, which finds the rows holding an extreme element and recomputes them in the program
-    that found them, two GEMMs a launch (a Linear's dX and dW; a fused projection's slices), no memset (the arena's).
+    that found them, two GEMMs a launch (a Linear's dX and dW), no memset (the arena's).
     A tripped row is recomputed rather than checked by its checksums: that needs no operand pass on the steps where
     nothing trips, and recomputing gives the exact row whatever the fault. Counted as tier 1 of the GEMMs done, on
     the host's clock."""
@@ -229,7 +262,7 @@ def _trip(ctx: LayerContext, todo: list[DeviceGemm]) -> None:
                     _defer(ctx, g, chk, tier="tripwire")
                 call.done += len(group)
     finally:
-        _count_trips(ctx, [g.op for g in todo[:call.done]], clock.seconds(ctx))
+        _count_trips(ctx, [op for g in todo[:call.done] for op in g.ops()], clock.seconds(ctx))
 
 
 def _workspace(ctx: LayerContext, device: torch.device, floats: int) -> tg.Workspace:
@@ -361,9 +394,17 @@ def _defer(ctx: LayerContext, g: DeviceGemm, chk: tg.Check, *, tier: str) -> Non
     summary = (chk.state, chk.slot_i, chk.slot_f)
     worst = tg.STATE["worst"]
     flagged = chk.state[tg.STATE["flagged"]]
+    if g.parts:
+        # One record an op, each with the reports of its own columns, all on the one flag.
+        for op, start, end in g.columns():
+            defer(ctx, op, flagged, functools.partial(_reports, summary, chk.lead, g.c.dim(), g.transposed, tier,
+                                                      (start, end), g.tokens),
+                  tier=tier, heads=g.c.dim() > 2)
+        return
     # Only a full check's worst clean ratio goes into the histogram of full checks' margins: a tier-1 pass has no
     # references, and a trip's recompute is not a check of the step's values.
-    defer(ctx, g.op, flagged, functools.partial(_reports, summary, chk.lead, g.c.dim(), g.transposed, tier, g.tokens),
+    defer(ctx, g.op, flagged, functools.partial(_reports, summary, chk.lead, g.c.dim(), g.transposed, tier, None,
+                                                g.tokens),
           tier=tier, heads=g.c.dim() > 2,
           ratio=chk.state[worst : worst + 1].view(torch.float32) if tier == "abft" else None)
 
@@ -381,38 +422,49 @@ def _counted(ctx: LayerContext, ops: list[str], tier: str, clock: Clock) -> None
 
 def _planned(ctx: LayerContext, g: DeviceGemm) -> tuple[tg.EmulatedFault, ...]:
     """The planned faults (attnchecker.inject) a recomputation of this op meets (attempt 1: persistent ones), placed on
-    C as the kernel sees it. Host-side lookups only, none when nothing is planned."""
+    C as the kernel sees it (an op's part of C: at its columns). Host-side lookups only, none when nothing is
+    planned."""
     injector = ctx.runtime.injector
-    if injector is None or not injector.fires(op=g.op, layer=ctx.layer, step=ctx.step):
+    if injector is None:
         return ()
-    shape = tuple((g.c.mT if g.transposed else g.c).shape)
-    if g.tokens:
-        shape = (shape[0] // g.tokens, g.tokens, shape[1])
-    nb1 = g.c.shape[1] if g.c.dim() == 4 else 1
     faults = []
-    for hit in injector.resolve(op=g.op, layer=ctx.layer, step=ctx.step, shape=shape, attempt=1):
-        batch = (hit.lead[0] * nb1 + hit.lead[1]) if len(hit.lead) == 2 else (hit.lead[0] if hit.lead else 0)
-        rows, cols = (min(hit.rows), max(hit.rows) + 1), (min(hit.cols), max(hit.cols) + 1)
-        if g.tokens:  # the sequence's rows of C
-            batch, rows = 0, (batch * g.tokens + rows[0], batch * g.tokens + rows[1])
-        if g.transposed:
-            rows, cols = cols, rows
-        kind, value = tg.fault_kind(hit.fault.kind, hit.fault.value)
-        faults.append(tg.EmulatedFault(batch, *rows, *cols, kind, value))
+    for op, start, end in g.columns():
+        if not injector.fires(op=op, layer=ctx.layer, step=ctx.step):
+            continue
+        c = g.c[..., start:end] if g.parts else g.c
+        shape = tuple((c.mT if g.transposed else c).shape)
+        if g.tokens:
+            shape = (shape[0] // g.tokens, g.tokens, shape[1])
+        nb1 = c.shape[1] if c.dim() == 4 else 1
+        for hit in injector.resolve(op=op, layer=ctx.layer, step=ctx.step, shape=shape, attempt=1):
+            batch = (hit.lead[0] * nb1 + hit.lead[1]) if len(hit.lead) == 2 else (hit.lead[0] if hit.lead else 0)
+            rows, cols = (min(hit.rows), max(hit.rows) + 1), (start + min(hit.cols), start + max(hit.cols) + 1)
+            if g.tokens:  # the sequence's rows of C
+                batch, rows = 0, (batch * g.tokens + rows[0], batch * g.tokens + rows[1])
+            if g.transposed:
+                rows, cols = cols, rows
+            kind, value = tg.fault_kind(hit.fault.kind, hit.fault.value)
+            faults.append(tg.EmulatedFault(batch, *rows, *cols, kind, value))
     return tuple(faults)
 
 
 def _reports(summary: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lead: tuple[int, int], dims: int,
-             transposed: bool, tier: str, tokens: int = 0) -> list[MatrixReport]:
+             transposed: bool, tier: str, columns: tuple[int, int] | None = None, tokens: int = 0
+             ) -> list[MatrixReport]:
     """The reports of one flagged check, read back at the drain (after its sync), one per flagged matrix: from the
-    first SLOTS flagged rows' summaries and the counts over all of them. tokens: C's rows are sequences of that many
-    (``DeviceGemm.tokens``): one report a flagged sequence."""
+    first SLOTS flagged rows' summaries and the counts over all of them. columns: (start, end) of an op's part of C
+    (``DeviceGemm.parts``): only the rows whose first flagged element lies there, their columns counted from start.
+    tokens: C's rows are sequences of that many (``DeviceGemm.tokens``): one report a flagged sequence."""
     state_t, slot_i_t, slot_f_t = summary
     state = state_t.tolist()  # sync: the drain's, for a flagged record only
     n = min(state[tg.STATE["flagged"]], tg.SLOTS)
     slot_i, slot_f = slot_i_t[:n].tolist(), slot_f_t[:n].tolist()  # sync: the drain's, flagged record only
     by_matrix: dict[int, list[tuple[list[int], list[float]]]] = {}
     for si, sf in zip(slot_i, slot_f, strict=True):
+        if columns is not None:
+            if not columns[0] <= si[2] < columns[1]:
+                continue
+            si = [si[0], si[1], si[2] - columns[0], *si[3:]]
         if tokens:
             si = [si[1] // tokens, si[1] % tokens, *si[2:]]
         by_matrix.setdefault(si[0], []).append((si, sf))

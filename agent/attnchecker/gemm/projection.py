@@ -411,7 +411,9 @@ def check_linear(
         both = functools.partial(full_checks, y_s, w_s, b_s)
         pending.append((name, y_s, checks, both, recompute, exact, time.perf_counter() - t0, "abft"))
     if wired:
-        wired = _on_device(ctx, x_NTI, wired, full=False)
+        # All slices given tier 1 (the usual tier-1 step): one pass over y, as the host's sum below.
+        wired = _on_device(ctx, x_NTI, wired, full=False,
+                           whole=(y_NTO, weight_OI, bias_O) if len(wired) == len(splits) > 1 else None)
     flags = [_any_bad(item[2]) for item in pending]
     if not flags and not wired:
         return y
@@ -450,7 +452,8 @@ def check_linear(
     return y
 
 
-def _on_device(ctx: LayerContext, x_NTI: torch.Tensor, slices: list[_Wired], *, full: bool) -> list[_Wired]:
+def _on_device(ctx: LayerContext, x_NTI: torch.Tensor, slices: list[_Wired], *, full: bool,
+               whole: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None) -> list[_Wired]:
     """These slices' full check (``full``) or tier 1 on the GEMM checks' Triton path (gemm/device.py), where it runs
     (CUDA), as every other Linear's there. No sync, where the host's checks wait for the device once per call; what
     flagged or tripped is reported at the step boundary.
@@ -462,11 +465,25 @@ def _on_device(ctx: LayerContext, x_NTI: torch.Tensor, slices: list[_Wired], *, 
     columns: device.runs) under verify_gemm's row rule, as the whole-step GEMMs there: the host's check adds the
     random-walk model (fp32) and the columns (bf16/fp16), and catches more small finite errors
     (docs/fault-coverage.md has both paths' rates; ATTNCHECKER_GEMM=torch keeps the host's check on a GPU). Tier 1:
-    the tier-1 pass marks the rows holding an extreme element and recomputes them.
+    the tier-1 pass marks the rows holding an extreme element and recomputes them; ``whole`` (y (..., T, O), W (O, I),
+    b (O,) or None), where ``slices`` are all of y's columns in order: one tier-1 pass over y (device.trip_columns),
+    each tripped row reported under the slice of its first extreme element.
 
     Returns the slices left for the host: all of them where that path does not take them or a slice is not a (tokens,
     features) view of the output (the repair writes through it), none once done, and those it had not passed over
     where one of its kernels failed."""
+    if whole is not None and not full:
+        y_NTO, w_OI, b_O = whole
+        gemms = _device_gemms(x_NTI, [(slices[0][0], y_NTO, w_OI, b_O)])
+        if gemms is None:
+            return slices
+        (_, y_MO, x_MI, w_IO, b_O), = gemms
+        try:
+            device.trip_columns(ctx, tuple((name, y_s.shape[-1]) for name, y_s, _, _ in slices), y_MO, x_MI, w_IO,
+                                b_O, tokens=y_NTO.shape[-2])
+        except device.KernelFailed:
+            return slices  # one launch: nothing of the call was checked
+        return []
     gemms = _device_gemms(x_NTI, slices)
     if gemms is None:
         return slices
