@@ -309,6 +309,25 @@ def test_an_inf_the_dtype_cannot_avoid_is_no_fault_and_a_planted_one_is(dtype: t
     assert torch.equal(c_big.isinf(), before.isinf()) and torch.equal(c_big.nan_to_num(), before.nan_to_num())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.usefixtures("impl")
+def test_rows_too_large_for_the_rules_own_sums_are_no_fault(dtype: torch.dtype, make_ctx) -> None:
+    """Diverged training's values: a product of finite elements near 1e19 (A's rows near 1e19, B's of order 1), whose
+    rows' squared norms leave fp32's range, so the row rule cannot be evaluated. The check flags those rows, the
+    recomputation gives them again: no event, C the GEMM's (to its dtype's rounding, which the recomputation may
+    redo). Elements past 1e10 on a tier-1 step too: its recompute judges them by what the operands allow."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(48, 64, generator=g) * 3e18).to(dtype), torch.randn(64, 96, generator=g).to(dtype)
+    c = (a.float() @ b.float()).to(dtype)
+    assert not bool(torch.isfinite(c.float().square().sum(-1)).all()) and bool(torch.isfinite(c).all())
+    want = c.clone()
+    for checked_ops in (None, frozenset()):
+        ctx, rec = make_ctx() if checked_ops is None else make_ctx(checked_ops=checked_ops)
+        (check_gemms if checked_ops is None else trip_gemms)(ctx, [("linear_dx", c, a, b, None)])
+        assert detections(ctx, rec) == []
+        torch.testing.assert_close(c, want, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=0.0)
+
+
 @pytest.mark.parametrize("tier", ["abft", "tripwire"])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.usefixtures("impl")

@@ -842,10 +842,11 @@ def repair_rows(
 ):
     """Recompute the rows the check pass marked NEED_RECOMPUTE (BM rows of one matrix a program), re-verify them with
     the same rule, write them back, and give each its outcome: RECOMPUTED, UNCORRECTABLE (a fault that came back), or
-    CONSISTENT (the recomputation equals the old row to round-off, that row's checksums overflowed or it held INF or
-    NaN, and each extreme element is one the operands can give, as ``_recompute_tripped`` judges it: the product as
-    the dtype holds it, not a fault). Each run of L columns verified as check_pass verifies it (G runs). Returns at
-    once on a clean call. (A tier-1 trip's rows are recomputed in the tier-1 pass itself: ``_recompute_tripped``.)"""
+    CONSISTENT (the recomputation equals the old row to round-off, that row's checksums or the rule's terms overflowed
+    or it held INF or NaN, and each extreme element is one the operands can give, as ``_recompute_tripped`` judges it:
+    the product as the dtype holds it, not a fault). Each run of L columns verified as check_pass verifies it (G
+    runs). Returns at once on a clean call. (A tier-1 trip's rows are recomputed in the tier-1 pass itself:
+    ``_recompute_tripped``.)"""
     if tl.load(state_ptr + S_RECOMPUTE) == 0:
         return
     pid_m = tl.program_id(0)
@@ -920,7 +921,10 @@ def repair_rows(
         ref2 = tl.load(rb + rows64 * srm + (2 * h + 1) * srj, mask=need, other=0.0) + terms[7]
         b1, b2 = _bound(a, sq, sab, ref1, ref2, terms, rule, lf, USE_ABS, CALIBRATED, FLUSH)
         all_ok = all_ok & (tl.abs(ref1 - s1) <= b1) & (tl.abs(ref2 - s2) <= b2)
-        overflowed = overflowed | ~(tl.abs(o1) <= FLT_MAX) | ~(tl.abs(o2) <= FLT_MAX)
+        # The old row's sums, or the rule's own terms (its squares, its bound: rows of ~1e19, where ‖A_i‖² leaves
+        # fp32), past fp32's range: the rule cannot judge the row, and a recomputation equal to it is the product.
+        overflowed = (overflowed | ~(tl.abs(o1) <= FLT_MAX) | ~(tl.abs(o2) <= FLT_MAX) | ~(sq <= FLT_MAX)
+                      | ~(b1 <= FLT_MAX) | ~(b2 <= FLT_MAX))
     consistent = (differs == 0) & overflowed & (unexplained == 0)
     code = tl.where(consistent, CONSISTENT, tl.where(all_ok & (unexplained == 0), RECOMPUTED, UNCORRECTABLE))
     _count_outcomes(state_ptr, need, code)
