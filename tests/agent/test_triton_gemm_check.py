@@ -10,8 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
+from scoped_env import scoped_env
 from sync_counter import SyncCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -579,3 +580,56 @@ def test_a_fused_projection_reports_a_fault_under_the_slice_it_is_in(impl: str, 
     assert got[0][3:] == (1, 5)
     clean = torch.nn.functional.linear(x.float(), w.float(), b.float()).to(dtype)
     torch.testing.assert_close(y, clean, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+
+
+
+def _linear_step(path: str, fault: Fault | None, tier: str, dtype: torch.dtype, make_ctx
+                 ) -> tuple[list[torch.Tensor], list[tuple[str, str]]]:
+    """A checked Linear's forward and backward (48 tokens, 64 → 96, bias) on ``path`` under one planned fault, read at
+    the step boundary: (y, dW, db, dX in fp32; the reports' (op, action))."""
+    ctx, rec = make_ctx([] if fault is None else [fault], **({} if tier == "abft" else {"checked_ops": frozenset()}))
+    g = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(64, 96).to(dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 64, generator=g) * 0.1)
+        lin.bias.copy_(torch.randn(96, generator=g) * 0.1)
+    x = torch.randn(48, 64, generator=g).to(dtype).requires_grad_()
+    with scoped_env({device.GEMM_ENV: "auto" if path == "cpu" else "triton"}):
+        y = checked_linear(x, lin.weight, lin.bias, LinearSite(ctx=ctx, layout="out_in", check_forward=True), tier)
+        y.float().square().sum().backward()
+    assert lin.weight.grad is not None and lin.bias.grad is not None and x.grad is not None
+    reports = [(d.op, d.action) for d in detections(ctx, rec)]
+    return [t.detach().float() for t in (y, lin.weight.grad, lin.bias.grad, x.grad)], reports
+
+
+@settings(max_examples=30, deadline=None)
+@example(op="linear", kind="inf", pattern="2d", persistent=True, tier="abft", dtype=torch.float32, seed=5)
+@example(op="linear", kind="near_inf", pattern="2d", persistent=True, tier="abft", dtype=torch.bfloat16, seed=5)
+@given(op=st.sampled_from(["linear", "linear_dx", "linear_dw"]),
+       kind=st.sampled_from(["inf", "neg_inf", "nan", "near_inf", "bitflip"]),
+       pattern=st.sampled_from(["0d", "1d", "2d"]), persistent=st.booleans(),
+       tier=st.sampled_from(["abft", "tripwire"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**20))
+def test_a_planned_fault_anywhere_in_a_linear_is_never_silent_on_either_path(
+        op: str, kind: str, pattern: str, persistent: bool, tier: str, dtype: torch.dtype, seed: int, make_ctx
+) -> None:
+    """Both paths against the same planned fault (attnchecker.inject: any kind and pattern in any of a Linear's three
+    GEMMs, on a checked or a tier-1 step, transient or persistent): the GEMM it struck is reported, and either it is
+    reported uncorrectable (the step is not to be trusted: the policy skips it) or the output and every gradient are
+    the fault-free step's. A persistent 2-D fault comes back in every recomputation: uncorrectable on both paths.
+    Where they may differ: a persistent 0-D or 1-D fault on a tier-1 step, which the CPU path's full check corrects
+    from the checksums and the Triton path's recomputation of the row meets again (uncorrectable there). Tier 1
+    looks for extreme values only: an exponent flip, which can leave a finite value, is a checked step's."""
+    assume(not (tier == "tripwire" and kind == "bitflip"))
+    fault = Fault(op=op, layer=0, step=0, kind=kind, pattern=pattern, persistent=persistent, seed=seed)
+    for path in ("cpu", "triton"):
+        clean, _ = _linear_step(path, None, tier, dtype, make_ctx)
+        got, reports = _linear_step(path, fault, tier, dtype, make_ctx)
+        assert op in {o for o, _ in reports}, (path, reports)
+        if (op, "uncorrectable") in reports:
+            assert persistent, (path, reports)
+            continue
+        assert not (persistent and pattern == "2d"), f"{path}: a persistent 2-D fault passed: {reports}"
+        scale = max(float(w.abs().max()) for w in clean)
+        for t, want in zip(got, clean, strict=True):
+            assert float((t - want).abs().max()) <= 2e-2 * scale, (path, reports)
