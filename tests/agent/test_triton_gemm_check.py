@@ -602,7 +602,7 @@ def _linear_step(path: str, fault: Fault | None, tier: str, dtype: torch.dtype, 
     return [t.detach().float() for t in (y, lin.weight.grad, lin.bias.grad, x.grad)], reports
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @example(op="linear", kind="inf", pattern="2d", persistent=True, tier="abft", dtype=torch.float32, seed=5)
 @example(op="linear", kind="near_inf", pattern="2d", persistent=True, tier="abft", dtype=torch.bfloat16, seed=5)
 @given(op=st.sampled_from(["linear", "linear_dx", "linear_dw"]),
