@@ -709,12 +709,7 @@ def _recompute_tripped(cb, ab_, bb_, rows, rows64, need, pid_b, N, K, scm, scn, 
             DOT_FP32, IEEE, HAS_BIAS, True, IS_F32, NF, BM, BN, BK)
         fresh_f = fresh.to(tl.float32)
         ext = m2 & ~(tl.abs(fresh_f) <= near_inf)
-        cap = 1.01 * tl.sqrt(a_sq)[:, None] * tl.sqrt(b_sq)[None, :] + tl.abs(beta)[None, :]
-        # Non-finite (or overflowing) norms: the element is the input's, not a fault.
-        from_input = ~(a_sq <= FLT_MAX)[:, None] | ~(b_sq <= FLT_MAX)[None, :]
-        # A half-precision product past its dtype's range rounds to INF: what the GEMM gives, not a fault.
-        rounded = (tl.abs(acc) > c_max) & (tl.abs(acc) <= cap)
-        allowed = (tl.abs(fresh_f) <= cap) | from_input | rounded
+        allowed, from_input = _operands_allow(fresh_f, acc, beta, tl.sqrt(a_sq), tl.sqrt(b_sq), c_max)
         unexplained += tl.reduce((ext & ~allowed).to(tl.int32), 1, _add)
         extreme += tl.reduce(ext.to(tl.int32), 1, _add)
         non_finite += tl.reduce((ext & ~(tl.abs(fresh_f) <= FLT_MAX) & from_input).to(tl.int32), 1, _add)
@@ -738,6 +733,19 @@ def _recompute_tripped(cb, ab_, bb_, rows, rows64, need, pid_b, N, K, scm, scn, 
     tl.atomic_add(state_ptr + S_DETECTED, tl.reduce((need & (code == DETECTED)).to(tl.int32), 0, _add))
     tl.atomic_add(state_ptr + S_UPSTREAM, tl.reduce((need & (code == UPSTREAM)).to(tl.int32), 0, _add))
     return code
+
+
+@triton.jit
+def _operands_allow(fresh_f, acc, beta, a_norm, b_norm, c_max):
+    """Whether each element of a recomputed (BM, BN) tile is one its operands can give, and whether it came in with
+    them: (allowed, from_input). Allowed: within Cauchy-Schwarz (‖A_i‖·‖B_j‖ + |b_j|, 1 % over for the norms'
+    rounding); from an operand row or column whose norm is not finite (the input's, not a fault); or a half-precision
+    product past its dtype's range (|acc| > c_max), which rounds to INF: what the GEMM gives. fresh_f the tile as C's
+    dtype holds it, acc its fp32 product with the bias; a_norm (BM,), b_norm and beta (BN,)."""
+    cap = 1.01 * a_norm[:, None] * b_norm[None, :] + tl.abs(beta)[None, :]
+    from_input = ~(a_norm <= FLT_MAX)[:, None] | ~(b_norm <= FLT_MAX)[None, :]
+    rounded = (tl.abs(acc) > c_max) & (tl.abs(acc) <= cap)
+    return (tl.abs(fresh_f) <= cap) | from_input | rounded, from_input
 
 
 @triton.jit
@@ -899,14 +907,9 @@ def repair_rows(
             tol = elem_ab * (a[:, None] * bj[None, :]) + elem_abs * (2.0 * tl.abs(fresh_f) + tl.abs(beta)[None, :])
             same = (fresh_f == old) | (tl.abs(fresh_f - old) <= tol)
             differs += tl.reduce((m2 & ~same).to(tl.int32), 1, _add)
-            # _recompute_tripped's judgement of an extreme element: within Cauchy-Schwarz, from a non-finite operand,
-            # or a half-precision product past its dtype's range.
-            cap = 1.01 * a[:, None] * bj[None, :] + tl.abs(beta)[None, :]
-            from_input = ~(a <= FLT_MAX)[:, None] | ~(bj <= FLT_MAX)[None, :]
-            rounded = (tl.abs(acc) > c_max) & (tl.abs(acc) <= cap)
-            ext = m2 & ~(tl.abs(fresh_f) <= near_inf)
-            unexplained += tl.reduce((ext & ~((tl.abs(fresh_f) <= cap) | from_input | rounded)).to(tl.int32), 1,
-                                     _add)
+            # Judged as a tier-1 trip's recompute judges its extreme elements.
+            allowed, _ = _operands_allow(fresh_f, acc, beta, a, bj, c_max)
+            unexplained += tl.reduce((m2 & ~(tl.abs(fresh_f) <= near_inf) & ~allowed).to(tl.int32), 1, _add)
             o1 += tl.reduce(old, 1, _add)
             o2 += tl.reduce(old * w[None, :], 1, _add)
             s1 += tl.reduce(fresh_f, 1, _add)
