@@ -8,6 +8,7 @@ Whole GPT-2 steps (2 layers, 4 heads of 16, T = 24), a step's detections drained
 from below autograd (gemm_injector, by shape) or, inside the kernels, emulated (triton_backward.emulated_faults)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -133,6 +134,41 @@ def test_the_triton_kernels_check_the_backward_and_repair_a_fault_inside_them() 
     assert [(e.op, e.action, e.batch, e.head, e.row) for e in events] == [
         ("grad_v", "recomputed", BATCH - 1, 1, SEQ // 2)], events
     assert loss == want_loss and worst_rel(grads, want) == 0.0
+    guard.close()
+
+
+@needs_triton
+def test_a_near_inf_that_comes_back_in_a_tier_one_backward_is_uncorrectable_and_the_step_skipped() -> None:
+    """A step whose whole-step checks are not due: SDPA's backward, whose dV a fault below autograd makes 1e20, and
+    the kernels' tier-1 pass trips on it; their repair's recompute writes 1e20 into that block again (a persistent
+    fault, emulated in the kernels, where the table reaches the repair). That is past what the layer's inputs can
+    give dV, so it is reported uncorrectable at the optimizer's step, which on_uncorrectable="skip_step" skips: the
+    weights stay as they were. It used to be taken for diverged training: no event, and SGD stepped on a gradient of
+    1e20 whatever the policy."""
+    model = build("gpt2", **SMALL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = attnchecker.protect(model, optimizer=opt, policy=Policy(adaptive=False, op_periods={"out": 1000},
+                                                                         on_uncorrectable="skip_step"), scope="all")
+
+    def train(injector: Any = None, faults: tuple[Any, ...] = ()) -> None:
+        opt.zero_grad(set_to_none=True)
+        with triton_backward.emulated_faults(list(faults)), injector or contextlib.nullcontext():
+            loss = loss_of("gpt2", model, batch("gpt2", 0))
+            if injector is not None:
+                injector.phase = "backward"
+            loss.backward()
+        opt.step()
+
+    train()  # the first step's whole-step checks are due
+    assert not guard.check_config.checks("out") and not guard.detections
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    injector = FusedBackwardFault(call=0, which=2, kind="near_inf", element=19)  # dV of batch 0, head 0
+    train(injector, (triton_backward.KernelFault(op="grad_v", n=0, row=SEQ // 2, col=3, value=1e20,
+                                                 persistent=True),))
+    assert injector.hit
+    assert [(e.op, e.action, e.tier) for e in guard.detections] == [("grad_v", "uncorrectable", "tripwire")], \
+        guard.detections
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     guard.close()
 
 

@@ -411,6 +411,33 @@ def test_tier_one_sees_extreme_gradients_and_recomputes_them(make_ctx: Any, faul
     assert not rec.detections and not torch.equal(got[2], a["clean"][2])
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tier_one_leaves_gradients_past_1e10_that_the_inputs_give(make_ctx: Any, dtype: torch.dtype) -> None:
+    """Diverged training: dO up to 1e12 makes dQ, dK and dV past 1e10 from finite inputs. Tier 1 trips, the recompute
+    trips again within what the inputs can give: no event, and the gradients are the computed ones."""
+    a = make(dtype, t=32, s=32, do_max=1e12)
+    ctx, rec = make_ctx()
+    got = backward(a, ctx, check="tripwire")
+    drain(ctx.runtime.deferred)
+    assert all(float(g.abs().max()) > 1e10 for g in got)
+    assert not rec.detections, rec.detections[:2]
+    assert close(got, a, REL[dtype])
+
+
+@pytest.mark.parametrize(("op", "side"), [("grad_v", "keys"), ("grad_k", "keys"), ("grad_q", "queries")])
+def test_tier_one_reports_a_near_inf_gradient_that_comes_back_in_the_recompute(
+        make_ctx: Any, faulty_call: dict[str, Any], op: str, side: str) -> None:
+    """A persistent fault (it strikes the recompute as well) writing 1e20 into dV, dK or dQ on a tier-1 call, whose
+    inputs are finite and hold every gradient many orders under 1e10: no input can give that value, so the call says
+    uncorrectable (and the step is skipped). It was taken for diverged training: no event, and a finite 1e20 went to
+    the optimizer, which stepped on it."""
+    ctx, rec = make_ctx()
+    got = backward(faulty_call, ctx, check="tripwire", faults=[fault_at(op, side, "near_inf", 1.0, persistent=True)])
+    drain(ctx.runtime.deferred)
+    assert max(float(g.abs().max()) for g in got) >= 1e19  # the fault is in the gradients the optimizer gets
+    assert [(d.op, d.action, d.tier) for d in rec.detections] == [(op, "uncorrectable", "tripwire")]
+
 @pytest.mark.parametrize("check", ["abft", "tripwire"])
 @pytest.mark.parametrize("where", ["operands", "input"])
 def test_an_fp16_overflow_under_a_loss_scale_is_not_a_fault(make_ctx: Any, where: str, check: str) -> None:
@@ -555,15 +582,17 @@ def test_tier_one_over_clean_given_gradients_returns_them_in_three_launches_with
 
 def test_a_fault_that_comes_back_in_the_recompute_of_a_given_block_is_reported(
         make_ctx: Any, two_blocks: dict[str, Any]) -> None:
-    """A NaN in the given dK, and the kernels' recompute of that block gives INF again (a persistent emulated fault):
-    the block holds what this backward cannot repair, and a non-finite value is reported (detected)."""
+    """A NaN in the given dK, and the kernels' recompute of that block gives INF again (a persistent emulated fault)
+    from finite inputs, which cannot give it: the block holds what this backward cannot repair, reported
+    uncorrectable (before the bound on what the inputs can give: "detected", as if an input had brought it)."""
     a = two_blocks
     given = [g.clone() for g in a["given"]]
     given[1][0, 0, 40, 2] = math.nan
     ctx, rec = make_ctx()
     got = given_backward(a, ctx, tuple(given), faults=[KernelFault(op="grad_k", n=0, row=40, col=2, persistent=True)])
     drain(ctx.runtime.deferred)
-    assert [(d.op, d.action, d.tier) for d in rec.detections] == [("grad_k", "detected", "tripwire")], rec.detections
+    assert [(d.op, d.action, d.tier) for d in rec.detections] == [("grad_k", "uncorrectable", "tripwire")], \
+        rec.detections
     assert not bool(torch.isfinite(got[1]).all())
 
 

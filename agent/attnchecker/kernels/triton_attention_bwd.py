@@ -62,14 +62,18 @@ if triton is not None:
     import triton.language as tl
 
     from .triton_attention_bwd_parts import (
+        _beyond,
         _clear_summary,
         _dot,
         _keep_worst,
         _key_block,
         _keys_nonfinite,
+        _keys_top,
         _nonfinite,
         _queries_nonfinite,
+        _queries_top,
         _query_block,
+        _row_norms,
         _rows_nonfinite,
         _store_status,
     )
@@ -928,6 +932,7 @@ if triton is not None:
             flags = (worst_s > 1.0).to(tl.int32) | ((worst_p > 1.0).to(tl.int32) << 1) | (
                 (worst_q > 1.0).to(tl.int32) << 4)
         spilled = tl.full((), 0, tl.int32)
+        beyond = tl.full((), 0, tl.int32)
         if CHECK == 1:
             worst_q = _trip(dq * scale, rows, io, hh, worst_q, SUMMARY, slot + 4, write)
             flags = (worst_q > 1.0).to(tl.int32) << 4
@@ -936,6 +941,14 @@ if triton is not None:
                 if GIVEN:
                     spilled = tl.maximum(spilled, _overflowed(tl.where(io, dq * scale, 0.0),
                                                               (dq * scale).to(DQ.dtype.element_ty)))
+                if flags != 0:
+                    # A row that trips again is what its inputs give only up to what they can give: |dS_ij| ≤
+                    # AP_ij·(‖dO_i‖‖V_j‖/(1-p) + |δ_i|) and Σ_j AP_ij = 1, so |dQ_id| ≤ scale·(‖dO_i‖·max‖V‖/(1-p) +
+                    # |δ_i|)·max‖K‖. Past it (twice, for rounding), a fault that came back in the recompute.
+                    k_top, v_top = _keys_top(K, V, bb, hk, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, lo, hi, S,
+                                             feats, feat_in, BLOCK_N)
+                    bound_M = scale * (_row_norms(do) * v_top / (1.0 - p_drop) + tl.abs(delta)) * k_top
+                    beyond = _beyond(dq * scale, io, bound_M)
         tl.store(DQ + bb * sdq_b + hh * sdq_h + rows[:, None] * sdq_t + feats[None, :] * sdq_d,
                  (dq * scale).to(DQ.dtype.element_ty), mask=io)
         if CHECK > 0:
@@ -945,7 +958,7 @@ if triton is not None:
                 # reductions across the block's warps per tile, in every query block's loop).
                 bad_in = tl.maximum(bad_in, _keys_nonfinite(K, V, bb, hk, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s,
                                                             sv_d, lo, hi, S, feats, feat_in, BLOCK_N))
-            _store_status(STATUS, pid, flags, bad_in, REPAIR, spilled)
+            _store_status(STATUS, pid, flags, bad_in, REPAIR, spilled, beyond)
 
     @triton.jit
     def _key_pass(Q, K, V, DO, LSE, DELTA, MASK, DK, DV, STATUS, SUMMARY, FAULTS, SEED, QROWS, QTILE, QPARTS,
@@ -1139,6 +1152,7 @@ if triton is not None:
             flags = ((worst_s > 1.0).to(tl.int32) | ((worst_p > 1.0).to(tl.int32) << 1)
                      | ((worst_v > 1.0).to(tl.int32) << 2) | ((worst_k > 1.0).to(tl.int32) << 3))
         spilled = tl.full((), 0, tl.int32)
+        beyond = tl.full((), 0, tl.int32)
         if CHECK == 1:
             worst_v = _trip(dv, keys, kv_io, hk, worst_v, SUMMARY, slot + 2, write)
             worst_k = _trip(dk * scale, keys, kv_io, hk, worst_k, SUMMARY, slot + 3, write)
@@ -1150,6 +1164,18 @@ if triton is not None:
                     spilled = tl.maximum(spilled, tl.maximum(
                         _overflowed(tl.where(kv_io, dv, 0.0), dv.to(DV.dtype.element_ty)),
                         _overflowed(dks, dks.to(DK.dtype.element_ty))))
+                if flags != 0:
+                    # What the inputs can give a key's gradients (the query pass says why): AP_ij ≤ 1 over the
+                    # group's n = group·T query rows, so |dV_jd| ≤ n·max‖dO‖/(1-p) and |dK_jd| ≤ scale·n·(max‖dO‖·
+                    # ‖V_j‖/(1-p) + max|δ|)·max‖Q‖. Past either (twice, for rounding), a fault that came back.
+                    q_top, do_top, delta_top = _queries_top(
+                        Q, DO, LSE, DELTA, bb, hk, group, H, T, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d,
+                        sl_b, sl_h, sl_t, lo, hi, feats, feat_in, BLOCK_M)
+                    rows_n = (group * T) * 1.0
+                    keep = 1.0 / (1.0 - p_drop)
+                    bound_v = tl.zeros((BLOCK_N,), tl.float32) + rows_n * do_top * keep
+                    bound_k = scale * rows_n * (do_top * _row_norms(v) * keep + delta_top) * q_top
+                    beyond = tl.maximum(_beyond(dv, kv_io, bound_v), _beyond(dk * scale, kv_io, bound_k))
         tl.store(DK + bb * sdk_b + hk * sdk_h + keys[:, None] * sdk_s + feats[None, :] * sdk_d,
                  (dk * scale).to(DK.dtype.element_ty), mask=kv_io)
         tl.store(DV + bb * sdv_b + hk * sdv_h + keys[:, None] * sdv_s + feats[None, :] * sdv_d,
@@ -1161,7 +1187,7 @@ if triton is not None:
                 bad_in = tl.maximum(bad_in, _queries_nonfinite(
                     Q, DO, LSE, DELTA, bb, hk, group, H, T, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d, sl_b,
                     sl_h, sl_t, lo, hi, feats, feat_in, BLOCK_M))
-            _store_status(STATUS, pid, flags, bad_in, REPAIR, spilled)
+            _store_status(STATUS, pid, flags, bad_in, REPAIR, spilled, beyond)
 
 
     @triton.jit

@@ -51,6 +51,42 @@ if triton is not None:
         return bad
 
     @device_function
+    def _keys_top(K, V, bb, hk, sk_b, sk_h, sk_s, sk_d, sv_b, sv_h, sv_s, sv_d, lo, hi, S, feats, feat_in,
+                  BLOCK_N: tl.constexpr):
+        """(max ‖K_j‖, max ‖V_j‖) over the key rows in [lo, hi) of KV head hk: what a query program whose repair
+        tripped again reads again, for what its inputs can give dQ (read after the loop, not in it: the loop's
+        registers stay the first pass's)."""
+        k_top = tl.full((), 0.0, tl.float32)
+        v_top = tl.full((), 0.0, tl.float32)
+        for start_k in range(lo, hi, BLOCK_N):
+            keys = start_k + tl.arange(0, BLOCK_N)
+            io = (keys < S)[:, None] & feat_in[None, :]
+            k = tl.load(K + bb * sk_b + hk * sk_h + keys[:, None] * sk_s + feats[None, :] * sk_d, mask=io, other=0.0)
+            v = tl.load(V + bb * sv_b + hk * sv_h + keys[:, None] * sv_s + feats[None, :] * sv_d, mask=io, other=0.0)
+            k_top = tl.maximum(k_top, tl.max(_row_norms(k), 0))
+            v_top = tl.maximum(v_top, tl.max(_row_norms(v), 0))
+        return k_top, v_top
+
+    @device_function
+    def _queries_top(Q, DO, LSE, DELTA, bb, hk, group, H, T, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d,
+                     sl_b, sl_h, sl_t, lo, hi, feats, feat_in, BLOCK_M: tl.constexpr):
+        """(max ‖Q_i‖, max ‖dO_i‖, max |δ_i|) over the query rows in [lo, hi) of KV head hk's group: what a key
+        program whose repair tripped again reads again, for what its inputs can give dK and dV."""
+        q_top = tl.full((), 0.0, tl.float32)
+        do_top = tl.full((), 0.0, tl.float32)
+        delta_top = tl.full((), 0.0, tl.float32)
+        for g in range(0, group):
+            hh = hk * group + g
+            for start_m in range(lo, hi, BLOCK_M):
+                _, _, q, do, _, delta = _query_block(
+                    Q, DO, LSE, DELTA, bb, hh, H, T, start_m, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t, sdo_d,
+                    sl_b, sl_h, sl_t, feats, feat_in, BLOCK_M)
+                q_top = tl.maximum(q_top, tl.max(_row_norms(q), 0))
+                do_top = tl.maximum(do_top, tl.max(_row_norms(do), 0))
+                delta_top = tl.maximum(delta_top, tl.max(tl.abs(delta), 0))
+        return q_top, do_top, delta_top
+
+    @device_function
     def _queries_nonfinite(Q, DO, LSE, DELTA, bb, hk, group, H, T, sq_b, sq_h, sq_t, sq_d, sdo_b, sdo_h, sdo_t,
                            sdo_d, sl_b, sl_h, sl_t, lo, hi, feats, feat_in, BLOCK_M: tl.constexpr, OUT=None, so_b=0,
                            so_h=0, so_t=0, so_d=0, O_FOR_DELTA: tl.constexpr = False):
@@ -108,14 +144,31 @@ if triton is not None:
                 tl.store(SUMMARY + (slot + o) * 6 + f, 0.0)
 
     @device_function
-    def _store_status(STATUS, pid, flags, bad_in, REPAIR: tl.constexpr, spilled=0):
+    def _store_status(STATUS, pid, flags, bad_in, REPAIR: tl.constexpr, spilled=0, beyond=0):
         """The program's status word: the flagged ops' bits (first run), or 1 clean / 2 flagged again / 3 the dtype's
-        range (repair, tier 1: ``spilled``, Launch.repaired_P). Nothing is flagged for non-finite inputs (bad_in):
-        their producer's check reports them."""
+        range (repair, tier 1: ``spilled``, Launch.repaired_P; GradScaler's overflow steps make INF from finite
+        inputs) / 4 flagged again past what the inputs can give (repair, tier 1: ``beyond``, ``_beyond``). Nothing is
+        flagged for non-finite inputs (bad_in): their producer's check reports them."""
         flags = tl.where(bad_in > 0, 0, flags)
         if REPAIR:
-            flags = tl.where(spilled > 0, 3, tl.where(flags != 0, 2, 1))
+            flags = tl.where(spilled > 0, 3, tl.where(flags != 0, tl.where(beyond > 0, 4, 2), 1))
         tl.store(STATUS + pid, flags)
+
+    @device_function
+    def _row_norms(x):
+        """‖x_i‖ per row of a block, in fp32."""
+        xf = x.to(tl.float32)
+        return tl.sqrt(tl.sum(xf * xf, 1))
+
+    @device_function
+    def _beyond(x, valid, bound_R):
+        """1 where a valid element of x (a recomputed gradient block, rows R) is past 2·bound_R of its row, or not
+        finite where that is finite: a value its finite inputs cannot give, so a fault that came back in the
+        recompute. 0 where the bound overflowed (inputs of diverged training can give anything)."""
+        mag = tl.where(valid, tl.abs(x), 0.0)
+        top_R = tl.max(tl.where(mag == mag, mag, float("inf")), 1)
+        past = (top_R > 2.0 * bound_R) & (bound_R < float("inf"))
+        return tl.max(past.to(tl.int32), 0)
 
     @device_function
     def _keep_worst(best, ratio_V, index_V, error_V, bound_V, valid_V, head, COLUMN: tl.constexpr, SUMMARY, slot,

@@ -280,12 +280,13 @@ def _reports(launch: kernels.Launch, o: int, check: str) -> list[MatrixReport]:
         _, batch, _ = launch.program(p)
         outcome = None if repaired is None else repaired[p]
         if check == "tripwire":
-            # Tier 1: a block that trips again after its recompute holds what its inputs give: an event only when
-            # that is not finite (an upstream fault); values past NEAR_INF from finite inputs are diverged training.
-            # Outcome 3: an INF the half-precision range gives from finite values (GradScaler's overflow steps).
+            # Tier 1: a block that trips again after its recompute, within what its inputs can give, holds what
+            # they give: an event only when that is not finite; values past NEAR_INF from finite inputs are diverged
+            # training. Outcome 4: past what they can give, a fault that came back in the recompute. Outcome 3: an
+            # INF the half-precision range gives from finite values (GradScaler's overflow steps).
             if (outcome == 2 and math.isfinite(error)) or outcome == 3:
                 continue
-            action = "recomputed" if outcome == 1 else "detected"
+            action = "recomputed" if outcome == 1 else "uncorrectable" if outcome == 4 else "detected"
             reports.append(MatrixReport(index=(batch, int(head)), pattern="1d", row=int(index), col=None, value=error,
                                         residual=None, bound=NEAR_INF, action=action))
             continue
