@@ -657,6 +657,22 @@ def test_a_given_half_precision_gradient_past_its_range_is_not_a_fault(make_ctx:
     assert [(d.op, d.action) for d in rec.detections] == [("grad_v", "recomputed")], rec.detections
 
 
+
+def test_a_given_half_precision_gradient_that_a_fault_rounds_past_its_range_is_uncorrectable(make_ctx: Any) -> None:
+    """The overflow steps' exemption holds only for values the inputs can give. An INF planted in finite given fp16
+    gradients trips tier 1; the repair's recompute writes 1e20 into that block again (a persistent fault), which
+    rounds to fp16's INF: past what the inputs can give, so uncorrectable, not the dtype's range (no event)."""
+    b = make(torch.float16, t=32, s=32, d=16, seed=4)
+    planted = [g.half() for g in b["want"]]
+    planted[2][0, 0, 7, 1] = math.inf
+    ctx, rec = make_ctx()
+    got = given_backward(b, ctx, tuple(planted), faults=[KernelFault(op="grad_v", n=0, row=7, col=1, value=1e20,
+                                                                     persistent=True)])
+    drain(ctx.runtime.deferred)
+    assert torch.isinf(got[2][0, 0, 7, 1])
+    assert [(d.op, d.action) for d in rec.detections] == [("grad_v", "uncorrectable")], rec.detections
+
+
 # ------------------------------------------------------------------------------------------------- the fast path
 
 

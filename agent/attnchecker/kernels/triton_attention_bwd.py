@@ -938,9 +938,6 @@ if triton is not None:
             flags = (worst_q > 1.0).to(tl.int32) << 4
             if REPAIR:
                 spilled = overflow
-                if GIVEN:
-                    spilled = tl.maximum(spilled, _overflowed(tl.where(io, dq * scale, 0.0),
-                                                              (dq * scale).to(DQ.dtype.element_ty)))
                 if flags != 0:
                     # A row that trips again is what its inputs give only up to what they can give: |dS_ij| ≤
                     # AP_ij·(‖dO_i‖‖V_j‖/(1-p) + |δ_i|) and Σ_j AP_ij = 1, so |dQ_id| ≤ scale·(‖dO_i‖·max‖V‖/(1-p) +
@@ -949,6 +946,11 @@ if triton is not None:
                                              feats, feat_in, BLOCK_N)
                     bound_M = scale * (_row_norms(do) * v_top / (1.0 - p_drop) + tl.abs(delta)) * k_top
                     beyond = _beyond(dq * scale, io, bound_M)
+                if GIVEN:
+                    # dQ rounded past its dtype's range is the dtype's (GradScaler's overflow steps) only where the
+                    # value is one the inputs can give.
+                    spilled = tl.maximum(spilled, tl.where(beyond > 0, 0, _overflowed(
+                        tl.where(io, dq * scale, 0.0), (dq * scale).to(DQ.dtype.element_ty))))
         tl.store(DQ + bb * sdq_b + hh * sdq_h + rows[:, None] * sdq_t + feats[None, :] * sdq_d,
                  (dq * scale).to(DQ.dtype.element_ty), mask=io)
         if CHECK > 0:
@@ -1159,11 +1161,6 @@ if triton is not None:
             flags = ((worst_v > 1.0).to(tl.int32) << 2) | ((worst_k > 1.0).to(tl.int32) << 3)
             if REPAIR:
                 spilled = overflow
-                if GIVEN:
-                    dks = tl.where(kv_io, dk * scale, 0.0)
-                    spilled = tl.maximum(spilled, tl.maximum(
-                        _overflowed(tl.where(kv_io, dv, 0.0), dv.to(DV.dtype.element_ty)),
-                        _overflowed(dks, dks.to(DK.dtype.element_ty))))
                 if flags != 0:
                     # What the inputs can give a key's gradients (the query pass says why): AP_ij ≤ 1 over the
                     # group's n = group·T query rows, so |dV_jd| ≤ n·max‖dO‖/(1-p) and |dK_jd| ≤ scale·n·(max‖dO‖·
@@ -1176,6 +1173,12 @@ if triton is not None:
                     bound_v = tl.zeros((BLOCK_N,), tl.float32) + rows_n * do_top * keep
                     bound_k = scale * rows_n * (do_top * _row_norms(v) * keep + delta_top) * q_top
                     beyond = tl.maximum(_beyond(dv, kv_io, bound_v), _beyond(dk * scale, kv_io, bound_k))
+                if GIVEN:
+                    # As in the query pass: the dtype's range only where the values are ones the inputs can give.
+                    dks = tl.where(kv_io, dk * scale, 0.0)
+                    spilled = tl.maximum(spilled, tl.where(beyond > 0, 0, tl.maximum(
+                        _overflowed(tl.where(kv_io, dv, 0.0), dv.to(DV.dtype.element_ty)),
+                        _overflowed(dks, dks.to(DK.dtype.element_ty)))))
         tl.store(DK + bb * sdk_b + hk * sdk_h + keys[:, None] * sdk_s + feats[None, :] * sdk_d,
                  (dk * scale).to(DK.dtype.element_ty), mask=kv_io)
         tl.store(DV + bb * sdv_b + hk * sdv_h + keys[:, None] * sdv_s + feats[None, :] * sdv_d,
