@@ -7,6 +7,7 @@ plan shows what the same faults do protected and unprotected. Each fault draws i
 """
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -17,15 +18,21 @@ import torch
 from .policy import OPS, WHOLE_STEP_OPS
 
 __all__ = ["FAULT_KINDS", "FAULT_PATTERNS", "INJECTABLE_OPS", "Fault", "FaultPlan", "Injected", "Injector", "WindowHit",
-           "bitflip"]
+           "bitflip", "kernel_write", "record_kernel_hits"]
 
 FAULT_KINDS = ("inf", "neg_inf", "nan", "near_inf", "bitflip", "add")
 """add: a finite error of `value` added to the element (an ordinary silent error)."""
 FAULT_PATTERNS = ("0d", "1d", "2d")
 DEFAULT_NEAR_INF = 1e20
-INJECTABLE_OPS: tuple[str, ...] = (*OPS, *WHOLE_STEP_OPS[:3])
+INJECTABLE_OPS: tuple[str, ...] = (*OPS, *WHOLE_STEP_OPS)
 """The ops a fault can name: the six attention ops and, under protect(scope="all"), a Linear/Conv1D GEMM's output,
-input gradient and weight gradient ("linear", "linear_dx", "linear_dw")."""
+input gradient and weight gradient ("linear", "linear_dx", "linear_dw") and the attention backward's products:
+"scores_bwd" S = Q·Kᵀ again and "grad_probs" dP = dO·Vᵀ (B, H, T, S), "grad_q" dQ (B, H, T, D) before its scale,
+"grad_v" dV and "grad_k" dK (B, H or KV heads, S, D). Where those products run in a fused kernel that keeps them to
+itself (the CPU's, SDPA's, a vendor's), a layer and step with such a fault due runs its backward in products the fault
+reaches instead: the checked PyTorch products, or the Triton kernels, which write it in their tiles (S and dP in the
+pass that makes dK and dV; a gradient's fault in the first tile's share of its sum). FlexAttention's and the varlen
+backward are not among the checked ones: a fault planned there does not fire."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,6 +237,36 @@ class WindowHit:
                     value=float(tile[index].flatten()[0]),  # sync: injection only
                     attempt=self.attempt,
                 ))
+
+
+def kernel_write(fault: Fault) -> tuple[str, float]:
+    """What a kernel that emulates the fault in its own tiles writes (as ``_corrupt``): ("value", v), the element
+    becomes v; ("add", v), v is added; ("bitflip", 0.0), an exponent bit flips (``bitflip``, on the fp32 value)."""
+    if fault.kind in ("inf", "neg_inf", "nan"):
+        return "value", {"inf": math.inf, "neg_inf": -math.inf, "nan": math.nan}[fault.kind]
+    if fault.kind == "near_inf":
+        return "value", DEFAULT_NEAR_INF if fault.value is None else fault.value
+    if fault.kind == "add":
+        return "add", 1.0 if fault.value is None else fault.value
+    return "bitflip", 0.0
+
+
+def record_kernel_hits(hits: Sequence[WindowHit], seen: Sequence[Sequence[Sequence[float]]]) -> None:
+    """The ground truth of faults a kernel wrote in its own tiles, as ``WindowHit.apply`` records it: once per fault
+    and computation (0 the first, 1 the repair's recompute), where the kernel wrote the fault's first element. seen:
+    (applied, value before, value after) per attempt for each element of the hits in order, one element after
+    another (a kernel's fault table, one row per element); a tile the kernel skipped holds none."""
+    for attempt in (0, 1):
+        first = 0
+        for hit in hits:
+            applied, before, after = seen[first][attempt]
+            if applied:
+                f = hit.fault
+                hit.sink.append(Injected(
+                    fault=f, op=f.op, layer=f.layer, step=f.step, kind=f.kind, pattern=f.pattern,
+                    batch=hit.lead[0] if hit.lead else None, head=hit.lead[1] if len(hit.lead) > 1 else None,
+                    rows=tuple(hit.rows), cols=tuple(hit.cols), original=before, value=after, attempt=attempt))
+            first += len(hit.rows) * len(hit.cols)
 
 
 def _draw(gen: torch.Generator, n: int) -> int:

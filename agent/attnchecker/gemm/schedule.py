@@ -6,11 +6,16 @@ from __future__ import annotations
 from ..checks.context import Runtime
 from ..policy import WHOLE_STEP_SCHEDULE
 
-__all__ = ["gemm_due", "gemm_trips", "whole_step_due", "whole_step_trips"]
+__all__ = ["gemm_due", "gemm_trips", "whole_step", "whole_step_due", "whole_step_trips"]
 
 
 # Runtimes (by id) of the guards attached with scope="all": the attention backward asks whether its guard is one.
 _WHOLE_STEP: set[int] = set()
+
+
+def whole_step(runtime: Runtime) -> bool:
+    """Whether this guard protects the whole step (scope="all"), whatever this step checks."""
+    return id(runtime) in _WHOLE_STEP
 
 
 def whole_step_due(runtime: Runtime) -> bool:

@@ -36,8 +36,9 @@ The bounds are abft's calibrated rules (abft/vector_rules.py: direction_bounds f
 vector from norms the programs make of the blocks they load. ``check="tripwire"``: INF, NaN or |x| > NEAR_INF in
 dQ, dK, dV only; ``check="off"``: the plain kernels (to time what the checks cost).
 
-Faults for tests (``KernelFault``): the kernels' products never reach a TorchDispatchMode, so an emulated fault table
-overwrites elements right after the product that made them (inf, nan, 1e20, an exponent bit flip, a finite error).
+Faults (``KernelFault``: attnchecker.inject's plan, tests): the kernels' products never reach a TorchDispatchMode, so
+an emulated fault table overwrites elements right after the product that made them (inf, nan, 1e20, an exponent bit
+flip, a finite error), and says in the table which it wrote (``fault_table``, ``faults_seen``).
 
 Legend: B batch, H query heads, HK key/value heads (G = H/HK per group), T queries, S keys, D head dim; N = B·H a
 matrix; P programs.
@@ -78,9 +79,9 @@ if triton is not None:
         _store_status,
     )
 
-__all__ = ["CHECKS", "FIELDS", "GIVEN_OPS", "OPS", "GivenIdentities", "KernelFault", "Launch", "Rules", "Tiles",
-           "available", "bench_checks",
-           "by_dot", "gpu_tiles", "interpreting", "not_supported_reasons", "pass_warps", "run", "tiles", "warps_for"]
+__all__ = ["CHECKS", "FAULT_ROW", "FIELDS", "GIVEN_OPS", "OPS", "GivenIdentities", "KernelFault", "Launch", "Rules",
+           "Tiles", "available", "bench_checks", "by_dot", "fault_table", "faults_seen", "gpu_tiles", "interpreting",
+           "not_supported_reasons", "pass_warps", "run", "tiles", "warps_for"]
 
 OPS: tuple[str, ...] = ("scores_bwd", "grad_probs", "grad_v", "grad_k", "grad_q")
 """The checked products, in the order of an Outcome's per-op fields and of a status word's bits."""
@@ -93,6 +94,9 @@ when ``column`` is 1), d1 = checksum - reference (abft: the error as the checksu
 CHECKS: tuple[str, ...] = ("off", "tripwire", "abft")
 FAULT_KINDS: tuple[str, ...] = ("value", "add", "bitflip")
 _SIDES = ("keys", "queries")
+FAULT_ROW = 14
+"""Floats per row of the fault table: the fault (``KernelFault.row_values``, 8), then what the kernels saw of it,
+(applied, value before, value after) in the first run and in the repair's recompute (``faults_seen``)."""
 BLOCK = 32
 """Rows and keys per tile, under the interpreter and on a GPU where it fits (``gpu_tiles``). Chosen from the compiler,
 not from timing: ptxas for sm_90 (bench/triton_kernels.py, docs/perf/triton_backward_kernels.json; bf16, causal) had
@@ -269,6 +273,20 @@ class KernelFault:
                 float(self.col), float(FAULT_KINDS.index(self.kind)), self.value, float(self.persistent)]
 
 
+def fault_table(faults: list[KernelFault], device: torch.device) -> torch.Tensor:
+    """(F, FAULT_ROW) fp32 on ``device``: the faults for ``run``, their seen slots zero. Copied without a sync
+    (host_table)."""
+    return host_table([f.row_values() + [0.0] * (FAULT_ROW - 8) for f in faults], torch.float32, device)
+
+
+def faults_seen(table: torch.Tensor) -> list[tuple[tuple[bool, float, float], tuple[bool, float, float]]]:
+    """Per fault of a table ``run`` took: (applied, value before, value after) in the first run and in the repair's
+    recompute. Before: the product's element, or for dV, dK and dQ the first tile's share of its sum. A fault the
+    kernels never wrote (its tile masked out, its program not repaired) is not applied. Syncs: injection only."""
+    seen = table[:, 8:].tolist()  # sync: injection only, never on a call without a planned fault
+    return [((row[0] != 0.0, row[1], row[2]), (row[3] != 0.0, row[4], row[5])) for row in seen]
+
+
 @dataclass(frozen=True, slots=True)
 class Rules:
     """The scalars of each check's bound (abft.vector_rules): ``ProductRule.scalars()`` of the tile products S and dP
@@ -378,7 +396,7 @@ def run(
     seed: int | torch.Tensor,
     check: str,
     rules: Rules | None,
-    faults: list[KernelFault] | None = None,
+    faults: list[KernelFault] | torch.Tensor | None = None,
     repair: bool = True,
     tf32: bool = False,
     tile: Tiles | None = None,
@@ -462,19 +480,22 @@ def run(
     summary = torch.empty((p_keys + p_queries, len(OPS), len(FIELDS)), dtype=torch.float32,
                           device=device) if mode else dq
     mask, mask_strides, mask_kind = _mask_4d(attn_mask, (b, h, t, s))
-    fault_rows = [f.row_values() for f in faults or ()]
-    # Emulated faults only: a test's table, copied without a sync (host_table).
-    table = host_table(fault_rows, torch.float32, device) if fault_rows else dq
+    # Planned or emulated faults only: a table copied without a sync (fault_table), or one the caller made to read
+    # back what the kernels wrote (faults_seen).
+    if isinstance(faults, list):
+        faults = fault_table(faults, device) if faults else None
+    n_faults = 0 if faults is None else faults.shape[0]
+    table = faults if faults is not None and n_faults else dq
     r = rules if rules is not None else Rules((0.0,) * 12, (0.0,) * 12, (0.0,) * 12, (0.0,) * 8)
     common: dict[str, Any] = {
         "BLOCK_M": blk, "BLOCK_N": blk, "BLOCK_D": block_d, "CAUSAL": is_causal, "WINDOW": window is not None,
-        "MASK_KIND": mask_kind, "DROPOUT": dropout_p > 0.0, "CHECK": mode, "FAULTS_ON": bool(fault_rows),
+        "MASK_KIND": mask_kind, "DROPOUT": dropout_p > 0.0, "CHECK": mode, "FAULTS_ON": n_faults > 0,
         "INTERPRET": interp, "PRECISION": "tf32" if tf32 and q_BHTD.dtype == torch.float32 else "ieee"}
     inputs = (q_BHTD, k_BHSD, v_BHSD, dout_BHTD, lse_BHT, delta_BHT, mask if mask is not None else dq)
     on_device = isinstance(seed, torch.Tensor)
     common["SEED_ON_DEVICE"] = on_device
     sizes = (*_strides(q_BHTD), *_strides(k_BHSD), *_strides(v_BHSD), *_strides(dout_BHTD), *_strides(lse_BHT),
-             *mask_strides, h, hk, t, s, d, scale, window or 0, dropout_p, 0 if on_device else seed, len(fault_rows))
+             *mask_strides, h, hk, t, s, d, scale, window or 0, dropout_p, 0 if on_device else seed, n_faults)
     grad_strides = (*_strides(dq), *_strides(dk), *_strides(dv))
     repaired = None
     for attempt in (0, 1) if mode and repair else (0,):
@@ -581,6 +602,7 @@ if triton is not None:
         tl.store(KROWS + (nk * 4 + 3) * S + keys, tl.sqrt(tl.sum(v * v, 1)), mask=keys < S)
 
     N_PARTS: Any = tl.constexpr(tc.SPLIT_COLUMNS)
+    FAULT_ROW_C: Any = tl.constexpr(FAULT_ROW)
 
     @device_function
     def _block_terms(x, w_d, cols, ROWS, L, rows, COLS, SCALARS):
@@ -658,9 +680,10 @@ if triton is not None:
                  first):
         """x with the emulated faults of (OP, SIDE, matrix n) written at (rows, cols) (tile coordinates of the whole
         matrix); first: None, or 1.0 where this tile is the first share of a sum (dV, dK, dQ take faults there), 0.0
-        elsewhere."""
+        elsewhere. A fault written here leaves (1, value before, value after) in its row's seen slots for this run
+        (FAULT_ROW; the first of its elements a tile holds: one, but for a fault of several table rows)."""
         for f in range(n_faults):
-            row = FAULTS + f * 8
+            row = FAULTS + f * FAULT_ROW_C
             # Whether this fault fires here, as 0/1 (the interpreter cannot AND a scalar bool into a block).
             fires = ((tl.load(row) == OP).to(tl.float32) * (tl.load(row + 1) == SIDE).to(tl.float32)
                      * (tl.load(row + 2) == n).to(tl.float32))
@@ -673,7 +696,13 @@ if triton is not None:
             value = tl.load(row + 6)
             bits = x.to(tl.int32, bitcast=True)
             flipped = (bits ^ tl.where(tl.abs(x) < 2.0, 1 << 30, 1 << 29)).to(tl.float32, bitcast=True)
-            x = tl.where(at, tl.where(kind == 0, value, tl.where(kind == 1, x + value, flipped)), x)
+            new = tl.where(kind == 0, value, tl.where(kind == 1, x + value, flipped))
+            if tl.sum(tl.sum(at.to(tl.int32), 1), 0) > 0:
+                seen = row + 8 + REPAIR * 3
+                tl.store(seen, 1.0)
+                tl.store(seen + 1, tl.sum(tl.sum(tl.where(at, x, 0.0), 1), 0))
+                tl.store(seen + 2, tl.sum(tl.sum(tl.where(at, new, 0.0), 1), 0))
+            x = tl.where(at, new, x)
         return x
 
     @device_function

@@ -35,7 +35,7 @@ from ...checks.deferred import defer
 from ...checks.device_time import Clock
 from ...checks.product import _tolerance
 from ...checks.records import _count, _count_trips
-from ...inject import DEFAULT_NEAR_INF, Injected, WindowHit
+from ...inject import WindowHit, kernel_write, record_kernel_hits
 from ...kernels import triton_attention as kernel
 from ...matmul_precision import current_fp32_precision, fp32_matmul_operand_roundoff
 from .. import vendor
@@ -318,9 +318,13 @@ class _KernelBackward(torch.autograd.Function):
         how: Replay = ctx.how
         layer: LayerContext = ctx.layer
         mode = triton_backward.check_mode(layer.runtime)
+        # A fault planned in this backward's products (attnchecker.inject) needs them made where it can reach them,
+        # in our kernels (or the checked products): not in the vendor's backward, nor in SDPA's under tier 1 or
+        # unchecked. (Emulated faults of the tests go to our kernels on a full check, and to the repair elsewhere.)
+        ours = triton_backward.planned(layer)
         if not triton_backward.not_supported_reasons(q, k, v, how.attn_mask):
             if (mode == "abft" and how.vendor_backward is not None and how.vendor_accumulation is not None
-                    and not triton_backward.faults_pending()):
+                    and not ours and not triton_backward.faults_pending()):
                 # The vendor's backward, what an unprotected step runs, tested by the identities over its gradients;
                 # a block that flags is recomputed into them by our checked backward, on the device.
                 given = how.vendor_backward(dout, q, k, v)
@@ -328,11 +332,11 @@ class _KernelBackward(torch.autograd.Function):
                                                       is_causal=how.is_causal, check="abft", ctx=layer, given=given,
                                                       accumulation=how.vendor_accumulation)
                 return dq, dk, dv, None, None
-            if mode == "tripwire" and how.dropout_p == 0.0:
+            if mode == "tripwire" and how.dropout_p == 0.0 and not ours:
                 dq, dk, dv = sdpa_tier1_on_device(layer, dout, q, k, v, out, lse, how.attn_mask, scale=how.scale,
                                                   is_causal=how.is_causal, vendor_backward=how.vendor_backward)
                 return dq, dk, dv, None, None
-            if mode != "off" or how.dropout_p > 0.0:
+            if mode != "off" or how.dropout_p > 0.0 or ours:
                 try:
                     dq, dk, dv = triton_backward.backward(
                         q, k, v, out, lse, dout, scale=how.scale, is_causal=how.is_causal, attn_mask=how.attn_mask,
@@ -343,11 +347,11 @@ class _KernelBackward(torch.autograd.Function):
         if how.dropout_p > 0.0:
             return (*replay_backward(q, k, v, out, lse, dout, how), None, None)
         h = q.shape[1]
-        if mode == "off" and how.vendor_backward is not None:
+        if mode == "off" and how.vendor_backward is not None and not ours:
             # The vendor's backward at its own forward's (repaired) results, dK and dV on k's heads: no forward again.
             return (*how.vendor_backward(dout, q, k, v), None, None)
         k_rep, v_rep = _expand_heads(k, h), _expand_heads(v, h)
-        if mode == "off":
+        if mode == "off" and not ours:
             grads = _sdpa_backward(dout, q, k_rep, v_rep, how.attn_mask, scale=how.scale, is_causal=how.is_causal)
         else:
             grads = _off_cpu_backward(layer, dout, q, k_rep, v_rep, out, lse, how.attn_mask, None, scale=how.scale,
@@ -408,36 +412,16 @@ def _faults(ctx: LayerContext, q: torch.Tensor, d: int, s: int
         for op, shape in (("scores", (b, h, t, s)), ("context", (b, h, t, d))):
             for hit in injector.resolve(op=op, layer=ctx.layer, step=ctx.step, shape=shape):
                 hits.append((op, hit))
-                kind, value = _kind_of(hit.fault.kind, hit.fault.value)
+                kind, value = kernel_write(hit.fault)
+                kind = "set" if kind == "value" else kind
                 n = hit.lead[0] * h + hit.lead[1]
                 table += [(op, n, r, c, kind, value, hit.fault.persistent) for r in hit.rows for c in hit.cols]
     return hits, table + kernel.take_faults()
 
 
-def _kind_of(kind: str, value: float | None) -> tuple[str, float]:
-    """attnchecker.inject's fault kinds in the kernel's terms (inject._corrupt)."""
-    if kind in ("inf", "neg_inf", "nan"):
-        return "set", {"inf": math.inf, "neg_inf": -math.inf, "nan": math.nan}[kind]
-    if kind == "near_inf":
-        return "set", DEFAULT_NEAR_INF if value is None else value
-    if kind == "add":
-        return "add", 1.0 if value is None else value
-    return "bitflip", 0.0
-
-
 def _record_injected(hits: list[tuple[str, WindowHit]], got: kernel.Result) -> None:
-    """The injector's ground truth, as WindowHit.apply records it: once per fault and computation, when the kernel
-    wrote the fault's first element (a causal tile the kernel skipped holds none)."""
+    """The injector's ground truth of the kernel's faults (attnchecker.inject.record_kernel_hits): a causal tile the
+    kernel skipped holds none."""
     assert got.faults_seen is not None
     seen = got.faults_seen.tolist()  # sync: injection only, never on a call without a planned fault
-    for attempt in (0, 1):
-        first = 0
-        for _, hit in hits:
-            f = hit.fault
-            applied, before, after = seen[first][attempt]
-            if applied:
-                hit.sink.append(Injected(
-                    fault=f, op=f.op, layer=f.layer, step=f.step, kind=f.kind, pattern=f.pattern, batch=hit.lead[0],
-                    head=hit.lead[1], rows=tuple(hit.rows), cols=tuple(hit.cols), original=before, value=after,
-                    attempt=attempt))
-            first += len(hit.rows) * len(hit.cols)
+    record_kernel_hits([hit for _, hit in hits], seen)

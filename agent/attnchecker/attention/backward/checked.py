@@ -11,7 +11,9 @@ checksum reaches the intermediate products. On a step the whole-step checks are 
   dQ = scale · dS K  (op ``grad_q``);   dK = scale · dSᵀ Q  (op ``grad_k``)
 
 Same function as the fused kernel's, in another summation order (gradients agree to round-off). Two host-device
-syncs per layer's backward: S and dP are verified before AP and dS are built from them.
+syncs per layer's backward: S and dP are verified before AP and dS are built from them. attnchecker.inject's planned
+faults hit each product right after it is made (``check=False``: the products a tier-1 or unchecked step runs when a
+fault is planned in them, which the fused kernels keep to themselves).
 
 Legend: B batch, H heads (K/V already expanded to H), T query tokens, S key tokens, D head dim.
 """
@@ -25,6 +27,7 @@ from ...abft.tiled import TILE_BUDGET
 from ...checks.caches import fill_future_
 from ...checks.context import LayerContext
 from ...gemm.check import check_gemms
+from ...inject import WindowHit
 
 __all__ = ["BACKWARD_OPS", "checked_backward"]
 
@@ -45,10 +48,15 @@ def checked_backward(
     is_causal: bool,
     tier: str = "abft",
     block_q: int | None = None,
+    check: bool = True,
+    attempt: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(dQ, dK, dV, how many products flagged) of softmax(scale·QKᵀ + mask)·V at the verified forward's q, k, v, out
     and row log-sum-exp. tier: "tripwire" when run to recover from a tier-1 trip on the fused backward
-    (attention.backward.fused._tripwire_backward): its events say so and its time counts as tier 1's.
+    (attention.backward.fused._tripwire_backward): its events say so and its time counts as tier 1's. check: False
+    makes the products and lets planned faults hit them, unchecked (what a tier-1 step's kernel computes, before its
+    tripwire reads dQ, dK and dV). attempt: 1 when this recomputes a backward (the tripwire's recovery): a persistent
+    planned fault hits again, recorded as the recompute's.
 
     block_q: query rows per block (None: as many as the tile budget allows). The products are taken a block of
     query rows at a time, at most TILE_BUDGET elements of (B, H, rows, S) each, so that the backward keeps O(block·S)
@@ -61,11 +69,12 @@ def checked_backward(
     # read them (and the checks would reduce them strided); one copy each, up front, serves all.
     q_BHTD, k_BHSD, v_BHSD = q_BHTD.contiguous(), k_BHSD.contiguous(), v_BHSD.contiguous()
     t, s = q_BHTD.shape[-2], k_BHSD.shape[-2]
+    hits = _planned(layer, q_BHTD.shape, k_BHSD.shape[-2], attempt)
     fit = TILE_BUDGET // max(1, math.prod(q_BHTD.shape[:-2]) * s)  # rows of (B, H, rows, S) within the budget
     rows = max(1, min(t, fit, block_q or t))
     if rows >= t:
         return _block(layer, do_BHTD, q_BHTD, k_BHSD, v_BHSD, lse_BHT, mask_add, scale=scale,
-                      causal_row0=0 if is_causal else None, tier=tier)
+                      causal_row0=0 if is_causal else None, tier=tier, check=check, hits=hits, row0=0)
     # dK and dV add up over the blocks: in fp32, as one GEMM over all rows would accumulate them.
     dq_BHTD = torch.empty_like(q_BHTD)
     dk_BHSD = torch.zeros(k_BHSD.shape, dtype=torch.float32, device=k_BHSD.device)
@@ -79,8 +88,7 @@ def checked_backward(
             mask = mask_add[..., r0:r1, :keys] if mask_add.shape[-2] == t else mask_add[..., :keys]
         dq, dk, dv, n = _block(layer, do_BHTD[..., r0:r1, :], q_BHTD[..., r0:r1, :], k_BHSD[..., :keys, :],
                                v_BHSD[..., :keys, :], lse_BHT[..., r0:r1], mask, scale=scale,
-                               causal_row0=r0 if is_causal else None,
-                               tier=tier)
+                               causal_row0=r0 if is_causal else None, tier=tier, check=check, hits=hits, row0=r0)
         dq_BHTD[..., r0:r1, :] = dq
         dk_BHSD[..., :keys, :] += dk
         dv_BHSD[..., :keys, :] += dv
@@ -100,18 +108,24 @@ def _block(
     scale: float,
     causal_row0: int | None,
     tier: str,
+    check: bool,
+    hits: dict[str, list[WindowHit]],
+    row0: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """``checked_backward`` over one block of query rows (T here: the block's) against S keys: (its dQ rows, its
     contributions to dK and dV, how many products flagged). causal_row0: under a causal mask, the absolute index of
-    the block's first row (its future keys are zeroed in AP); None without one."""
+    the block's first row (its future keys are zeroed in AP); None without one. hits: the planned faults of each
+    product, on its whole shape (``_planned``); row0: the block's first row."""
     # fp16: into fp32, as the forward does (attention._scores_product; not imported: attention imports this module's
     # caller): the unscaled logits pass 65504 well before the scaled ones do, and an fp16 S here was a false
     # "uncorrectable" INF and a skipped step on a finite attention. fp16 values are exact in fp32.
     half = q_BHTD.dtype == torch.float16
     s_BHTS = q_BHTD.float() @ k_BHSD.float().mT if half else q_BHTD @ k_BHSD.mT
     dp_BHTS = do_BHTD @ v_BHSD.mT
+    _hit(hits, "scores_bwd", s_BHTS, row0)
+    _hit(hits, "grad_probs", dp_BHTS, row0)
     flagged = check_gemms(layer, [("scores_bwd", s_BHTS, q_BHTD, k_BHSD.mT, None),
-                                  ("grad_probs", dp_BHTS, do_BHTD, v_BHSD.mT, None)], tier=tier)
+                                  ("grad_probs", dp_BHTS, do_BHTD, v_BHSD.mT, None)], tier=tier) if check else 0
     # In fp32, like the fused kernel: exp(s - lse) of half-precision scores loses the digits the gradient needs.
     # In place on one fp32 buffer: each (B, H, T, S) temporary is a fresh allocation (page faults) and a pass over
     # memory, which is what this elementwise part costs on CPU; same values as the out-of-place form.
@@ -136,11 +150,35 @@ def _block(
     dv_BHSD = p_BHTS.mT @ do_BHTD
     dq_BHTD = ds_BHTS @ k_BHSD
     dk_BHSD = ds_BHTS.mT @ q_BHTD
-    flagged += check_gemms(layer, [("grad_v", dv_BHSD, p_BHTS.mT, do_BHTD, None),
-                                   ("grad_q", dq_BHTD, ds_BHTS, k_BHSD, None),
-                                   ("grad_k", dk_BHSD, ds_BHTS.mT, q_BHTD, None)], tier=tier)
+    _hit(hits, "grad_q", dq_BHTD, row0)
+    if row0 == 0:  # dV and dK are sums over the blocks: a fault lands in the first block's share, once
+        _hit(hits, "grad_v", dv_BHSD, 0)
+        _hit(hits, "grad_k", dk_BHSD, 0)
+    if check:
+        flagged += check_gemms(layer, [("grad_v", dv_BHSD, p_BHTS.mT, do_BHTD, None),
+                                       ("grad_q", dq_BHTD, ds_BHTS, k_BHSD, None),
+                                       ("grad_k", dk_BHSD, ds_BHTS.mT, q_BHTD, None)], tier=tier)
     # Verified fresh tensors, not read again: scaled in place.
     return dq_BHTD.mul_(scale), dk_BHSD.mul_(scale), dv_BHSD, flagged
+
+
+def _planned(layer: LayerContext, q_shape: torch.Size, s: int, attempt: int) -> dict[str, list[WindowHit]]:
+    """attnchecker.inject's faults for this backward's products, located on their whole shapes (Injector.resolve):
+    S and dP (B, H, T, S), dQ (B, H, T, D), dV and dK (B, H, S, D). Host-only when none is planned."""
+    injector = layer.runtime.injector
+    if injector is None:
+        return {}
+    *lead, t, d = q_shape
+    shapes = {"scores_bwd": (*lead, t, s), "grad_probs": (*lead, t, s), "grad_q": (*lead, t, d),
+              "grad_v": (*lead, s, d), "grad_k": (*lead, s, d)}
+    return {op: got for op in BACKWARD_OPS
+            if (got := injector.resolve(op=op, layer=layer.layer, step=layer.step, shape=shapes[op], attempt=attempt))}
+
+
+def _hit(hits: dict[str, list[WindowHit]], op: str, block: torch.Tensor, row0: int) -> None:
+    """Write op's planned faults that fall in this block of its rows (first row row0) right after the product."""
+    for hit in hits.get(op, ()):
+        hit.apply(block, row0, 0)
 
 
 def _add_mask(z_BHTS: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

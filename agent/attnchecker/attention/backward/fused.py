@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ...checks.context import LayerContext
 from ...checks.records import _count_trips, _emit_unplaced_trip
 from ...tripwire import extreme, extreme_each
+from .triton_backward import planned
 
 log = logging.getLogger("attnchecker")
 
@@ -77,21 +78,31 @@ class _VerifiedAttention(torch.autograd.Function):
             dq, dk, dv = _off_cpu_backward(layer, grad_out, q, k, v, out, lse, attn_mask, mask_add, scale=ctx.scale,
                                            is_causal=ctx.is_causal, block_q=ctx.block_q)
             return dq, dk, dv, None
+        # A fault planned in this backward's products (attnchecker.inject) needs them made where it can reach them:
+        # the checked products, checked or (off the full check) not; the fused kernel keeps them to itself.
+        hit = planned(layer)
         if layer is not None:
             from ...gemm.schedule import whole_step_due
             from .checked import checked_backward
             from .encoded import encoded_backward, supports
 
             if whole_step_due(layer.runtime):
-                if supports(q):
+                if supports(q) and not hit:
                     dq, dk, dv = encoded_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
                                                   is_causal=ctx.is_causal, block_q=ctx.block_q)
                 else:
                     dq, dk, dv, _ = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
                                                      is_causal=ctx.is_causal, block_q=ctx.block_q)
                 return dq, dk, dv, None
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask_add, scale=ctx.scale)
+        if hit:
+            from .checked import checked_backward
+
+            assert layer is not None
+            dq, dk, dv, _ = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
+                                             is_causal=ctx.is_causal, block_q=ctx.block_q, check=False)
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask_add, scale=ctx.scale)
         if layer is not None:
             from ...gemm.schedule import whole_step_trips
 
@@ -124,10 +135,13 @@ def _off_cpu_backward(
     from . import triton_backward
 
     mode = "off" if layer is None else triton_backward.check_mode(layer.runtime)
-    if mode != "off":
+    # A fault planned in this backward's products (attnchecker.inject): made where it can reach them, our kernels or
+    # the checked products (checked or not, as this step checks them), not SDPA's.
+    hit = triton_backward.planned(layer)
+    if mode != "off" or hit:
         assert layer is not None
         reasons = triton_backward.not_supported_reasons(q, k, v, attn_mask)
-        if not reasons and mode == "tripwire":
+        if not reasons and mode == "tripwire" and not hit:
             return sdpa_tier1_on_device(layer, grad_out, q, k, v, out, lse, attn_mask, scale=scale,
                                         is_causal=is_causal)
         if not reasons:
@@ -145,13 +159,16 @@ def _off_cpu_backward(
                         "PyTorch products", triton_backward.BACKWARD_ENV, "; ".join(reasons))
         if mask_add is None:
             mask_add = _additive_mask(attn_mask, q.dtype)
-        if mode == "abft":
+        if mode == "abft" or hit:
             from .checked import checked_backward
 
             dq, dk, dv, _ = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=scale,
-                                             is_causal=is_causal, block_q=block_q)
-            return dq, dk, dv
-    grads = _sdpa_backward(grad_out, q, k, v, attn_mask, scale=scale, is_causal=is_causal)
+                                             is_causal=is_causal, block_q=block_q, check=mode == "abft")
+            if mode != "tripwire":
+                return dq, dk, dv
+            grads = dq, dk, dv
+    if not hit:
+        grads = _sdpa_backward(grad_out, q, k, v, attn_mask, scale=scale, is_causal=is_causal)
     if mode == "tripwire":
         assert layer is not None
         grads = _tripwire_backward(layer, grads, grad_out, q, k, v, out, lse, mask_add, scale=scale,
@@ -255,7 +272,7 @@ def _tripwire_backward(
         return grads
     t0 = time.perf_counter()
     fresh = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=scale, is_causal=is_causal,
-                             tier="tripwire", block_q=block_q)
+                             tier="tripwire", block_q=block_q, attempt=1)
     if not fresh[3]:
         for op, grad, new, trip in zip(GRAD_OPS, grads, fresh[:3], tripped, strict=True):
             if not trip:

@@ -27,12 +27,14 @@ from ...checks.deferred import defer
 from ...checks.device_time import Clock
 from ...checks.product import _tolerance
 from ...checks.records import _count, _count_trips
-from ...gemm.schedule import whole_step_due, whole_step_trips
+from ...gemm.schedule import whole_step, whole_step_due, whole_step_trips
+from ...inject import WindowHit, kernel_write, record_kernel_hits
 from ...kernels import triton_attention_bwd as kernels
 from ...matmul_precision import current_fp32_precision, fp32_matmul_operand_roundoff
 
 __all__ = ["BACKWARD_ENV", "FULL_ENV", "KernelFailed", "KernelFault", "backward", "check_mode", "emulated_faults",
-           "faults_pending", "full_requested", "given_full_takes", "not_supported_reasons", "requested", "take_faults"]
+           "faults_pending", "full_requested", "given_full_takes", "not_supported_reasons", "planned", "requested",
+           "take_faults"]
 
 log = logging.getLogger("attnchecker")
 
@@ -170,6 +172,8 @@ def backward(
             return given
     clock = Clock(q_BHTD.device, full=check == "abft")
     faults = take_faults() if faults is None else faults
+    hits, planned = _planned(ctx, q_BHTD.shape, k_BHSD.shape)
+    table = kernels.fault_table(planned + (faults or []), q_BHTD.device) if planned else faults
     tf32 = q_BHTD.dtype == torch.float32 and current_fp32_precision(q_BHTD.device.type) == "tf32"
     rules = None
     identities = None
@@ -190,7 +194,7 @@ def backward(
     try:
         dq, dk, dv, launch = kernels.run(
             q_BHTD, k_BHSD, v_BHSD, out_BHTD, lse_BHT, dout_BHTD, scale=scale, is_causal=is_causal, window=window,
-            attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, check=check, rules=rules, faults=faults,
+            attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, check=check, rules=rules, faults=table,
             repair=repair, tf32=tf32, tile=tile, given=given, identities=identities)
     except torch.OutOfMemoryError:
         raise
@@ -202,6 +206,9 @@ def backward(
         if given is not None:
             return given
         raise KernelFailed(_failed[-1]) from exc
+    if hits:
+        assert isinstance(table, torch.Tensor)
+        record_kernel_hits(hits, kernels.faults_seen(table))
     if launch is not None:
         assert ctx is not None
         ops = kernels.GIVEN_OPS if identities is not None else kernels.OPS
@@ -218,6 +225,47 @@ def backward(
 
 TRIP_OPS: tuple[str, ...] = ("grad_v", "grad_k", "grad_q")
 """What tier 1 looks at: the three outputs."""
+
+
+def planned(ctx: LayerContext | None) -> bool:
+    """Whether attnchecker.inject's plan has a fault due in this layer's attention backward on this step, under
+    protect(scope="all"), the scope that protects that backward (checked in full on this step or by tier 1; the
+    policy's mode "detect" shows what the fault does to the gradients unrepaired; under mode "off" the model runs
+    unprotected, its backward in the vendor's kernels, and the plan does not reach it). Such a backward runs in
+    products a fault can reach, these kernels or the checked PyTorch products (attention/backward/checked.py), not in
+    a fused kernel that keeps them to itself (the CPU's, SDPA's, a vendor's). Host-only dict lookups."""
+    injector = None if ctx is None else ctx.runtime.injector
+    if injector is None or not whole_step(ctx.runtime) or ctx.config.mode == "off":  # type: ignore[union-attr]
+        return False
+    return any(injector.fires(op=op, layer=ctx.layer, step=ctx.step) for op in kernels.OPS)  # type: ignore[union-attr]
+
+
+def _planned(ctx: LayerContext | None, q_shape: torch.Size, k_shape: torch.Size
+             ) -> tuple[list[WindowHit], list[KernelFault]]:
+    """attnchecker.inject's faults for this backward, located on each product's whole shape (Injector.resolve) and
+    written as the kernels' table, one row per element: S and dP (B, H, T, S) in the key pass (whose dK and dV use
+    them), dQ (B, H, T, D), dV and dK (B, HK, S, D) in their first tile's share of the sum."""
+    injector = None if ctx is None else ctx.runtime.injector
+    if injector is None or not planned(ctx):
+        return [], []
+    assert ctx is not None
+    b, h, t, d = q_shape
+    hk, s = k_shape[1], k_shape[2]
+    shapes = {"scores_bwd": (b, h, t, s), "grad_probs": (b, h, t, s), "grad_q": (b, h, t, d), "grad_v": (b, hk, s, d),
+              "grad_k": (b, hk, s, d)}
+    hits: list[WindowHit] = []
+    table: list[KernelFault] = []
+    for op in kernels.OPS:
+        heads = shapes[op][1]
+        for hit in injector.resolve(op=op, layer=ctx.layer, step=ctx.step, shape=shapes[op]):
+            hits.append(hit)
+            kind, value = kernel_write(hit.fault)
+            n = hit.lead[0] * heads + hit.lead[1]
+            side = "queries" if op == "grad_q" else "keys"
+            table += [KernelFault(op=op, n=n, row=r, col=c, kind=kind, value=value, side=side,
+                                  persistent=hit.fault.persistent) for r in hit.rows for c in hit.cols]
+    return hits, table
+
 
 
 @functools.lru_cache(maxsize=64)
