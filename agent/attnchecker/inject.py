@@ -25,14 +25,14 @@ FAULT_KINDS = ("inf", "neg_inf", "nan", "near_inf", "bitflip", "add")
 FAULT_PATTERNS = ("0d", "1d", "2d")
 DEFAULT_NEAR_INF = 1e20
 INJECTABLE_OPS: tuple[str, ...] = (*OPS, *WHOLE_STEP_OPS)
-"""The ops a fault can name: the six attention ops and, under protect(scope="all"), a Linear/Conv1D GEMM's output,
-input gradient and weight gradient ("linear", "linear_dx", "linear_dw") and the attention backward's products:
-"scores_bwd" S = Q·Kᵀ again and "grad_probs" dP = dO·Vᵀ (B, H, T, S), "grad_q" dQ (B, H, T, D) before its scale,
-"grad_v" dV and "grad_k" dK (B, H or KV heads, S, D). Where those products run in a fused kernel that keeps them to
-itself (the CPU's, SDPA's, a vendor's), a layer and step with such a fault due runs its backward in products the fault
-reaches instead: the checked PyTorch products, or the Triton kernels, which write it in their tiles (S and dP in the
-pass that makes dK and dV; a gradient's fault in the first tile's share of its sum). FlexAttention's and the varlen
-backward are not among the checked ones: a fault planned there does not fire."""
+"""The ops a fault can name: the six attention ops and, under protect(scope="all"), a Linear/Conv1D GEMM's output, input
+gradient and weight gradient ("linear", "linear_dx", "linear_dw") and the attention backward's products: "scores_bwd"
+S = Q·Kᵀ again and "grad_probs" dP = dO·Vᵀ (B, H, T, S), "grad_q" dQ (B, H, T, D) before its scale, "grad_v" dV and
+"grad_k" dK (B, KV heads where the backward takes K and V unexpanded, else H, S, D). Where those products run in a
+fused kernel that keeps them to itself (the CPU's, SDPA's, a vendor's), a layer and step with such a fault due runs
+its backward in products the fault reaches instead: the checked PyTorch products, or the Triton kernels, which write
+it in their tiles (S and dP in the pass that makes dK and dV; a gradient's fault in the first tile's share of its
+sum). FlexAttention's and the varlen backward are not among the checked ones: a fault planned there does not fire."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
