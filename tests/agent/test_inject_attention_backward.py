@@ -65,15 +65,16 @@ def _plan(kind_of_tier: str) -> list[Fault]:
     return faults
 
 
-def _steps(policy: Policy, faults: list[Fault], dtype: torch.dtype = torch.float32
+def _steps(policy: Policy, faults: list[Fault], dtype: torch.dtype = torch.float32, device: str = "cpu"
            ) -> tuple[Any, list[dict[str, torch.Tensor]]]:
     """The same batch stepped up to the plan's last step (no optimizer: the weights stay), the gradients of each."""
-    model = build("gpt2", **SMALL).to(dtype)
+    model = build("gpt2", **SMALL).to(device=device, dtype=dtype)
     guard = attnchecker.protect(model, policy=policy, scope="all", faults=FaultPlan(faults))
+    data = {k: v.to(device) for k, v in batch("gpt2", 0).items()}
     grads = []
     for _ in range(max(f.step for f in faults) + 1):
         model.zero_grad(set_to_none=True)
-        loss_of("gpt2", model, batch("gpt2", 0)).backward()
+        loss_of("gpt2", model, data).backward()
         guard.step()
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
     return guard, grads
@@ -90,9 +91,21 @@ def _ruined(grads: dict[str, torch.Tensor], clean: dict[str, torch.Tensor]) -> l
 def test_a_planned_fault_in_each_attention_backward_product_is_corrected_on_every_path(path: str, tier: str) -> None:
     """tier abft: every step checks the whole step in full (Policy.full()); tripwire: only step 0 does, the others
     are tier-1 steps, whose tripwire reads dQ, dK and dV (an INF, NaN or near-INF fault in S or dP reaches them)."""
-    policy = Policy.full() if tier == "abft" else Policy(adaptive=False, op_periods={"out": 1000})
     dtype = torch.bfloat16 if path == VENDOR else torch.float32
-    guard, grads = _steps(policy, _plan(tier), dtype)
+    _corrected_each_step(tier, dtype, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tier", ["abft", "tripwire"])
+def test_on_a_gpu_a_planned_fault_in_each_attention_backward_product_is_corrected(tier: str) -> None:
+    """The same plan on CUDA, bf16: the default backends (the Triton forward over the vendor's, the Triton backward)."""
+    _corrected_each_step(tier, torch.bfloat16, "cuda")
+
+
+def _corrected_each_step(tier: str, dtype: torch.dtype, device: str) -> None:
+    policy = Policy.full() if tier == "abft" else Policy(adaptive=False, op_periods={"out": 1000})
+    guard, grads = _steps(policy, _plan(tier), dtype, device)
     first = {(i.op, i.step) for i in guard.injector.injected if i.attempt == 0}
     assert first == {(op, step) for step, (op, *_) in enumerate(FAULTS, start=1)}, guard.injector.injected
     for step, (op, *_) in enumerate(FAULTS, start=1):
@@ -104,7 +117,7 @@ def test_a_planned_fault_in_each_attention_backward_product_is_corrected_on_ever
             # flowed into: one recompute repairs them all); tier 1 names the gradient it tripped.
             assert op in {d.op for d in events}, events
         # bf16: a repaired block is our kernels' recompute, rounded to bf16, where the clean step's may be the vendor's.
-        assert worst_rel(grads[step], grads[0]) <= (1e-5 if dtype == torch.float32 else 2e-2), (op, path)
+        assert worst_rel(grads[step], grads[0]) <= (1e-5 if dtype == torch.float32 else 2e-2), (op, device)
     assert not [d for d in guard.detections if d.step == 0]
     guard.close()
 
