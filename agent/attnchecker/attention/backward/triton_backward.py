@@ -172,8 +172,8 @@ def backward(
             return given
     clock = Clock(q_BHTD.device, full=check == "abft")
     faults = take_faults() if faults is None else faults
-    hits, planned = _planned(ctx, q_BHTD.shape, k_BHSD.shape)
-    table = kernels.fault_table(planned + (faults or []), q_BHTD.device) if planned else faults
+    hits, rows = _planned(ctx, q_BHTD.shape, k_BHSD.shape)
+    table = kernels.fault_table(rows + (faults or []), q_BHTD.device) if rows else faults
     tf32 = q_BHTD.dtype == torch.float32 and current_fp32_precision(q_BHTD.device.type) == "tf32"
     rules = None
     identities = None
