@@ -32,7 +32,8 @@ S = Q·Kᵀ again and "grad_probs" dP = dO·Vᵀ (B, H, T, S), "grad_q" dQ (B, H
 fused kernel that keeps them to itself (the CPU's, SDPA's, a vendor's), a layer and step with such a fault due runs
 its backward in products the fault reaches instead: the checked PyTorch products, or the Triton kernels, which write
 it in their tiles (S and dP in the pass that makes dK and dV; a gradient's fault in the first tile's share of its
-sum). FlexAttention's and the varlen backward are not among the checked ones: a fault planned there does not fire."""
+sum). FlexAttention's backward and a varlen call's with a sliding window (attention/backward/modded.py) are not
+among the checked ones: a fault planned there does not fire."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
