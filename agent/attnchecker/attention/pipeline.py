@@ -24,7 +24,7 @@ from ..checks.passed import PassedProjection
 from ..checks.product import _verify as _verify  # re-exported: tests and bench/coverage.py verify through it
 from ..gemm.projection import _ProjectionInput as _ProjectionInput  # re-exported, as _verify
 from ..gemm.projection import check_linear, protected_linear
-from ..gemm.schedule import whole_step_trips
+from ..gemm.schedule import whole_step_checked, whole_step_due
 from .backends import AttentionBackend, AttentionCall, choose, requested
 from .backends.native_cpu import NativeBackend
 from .backends.tiled_torch import TiledBackend
@@ -53,13 +53,21 @@ unfused_tier1 = True
 
 
 def _unfused_tier1(q_BHTD: torch.Tensor, dropout_p: float, attn_mask: torch.Tensor | None, ctx: LayerContext) -> bool:
-    """Whether a tier-1 call runs the unfused path rather than SDPA: under protect(scope="all"), on the CPU, a call
-    SDPA itself runs on its math backend (attention dropout, a mask that requires grad). Both materialise AS and AP,
-    but the unfused path gives tier 1 to AS itself and to its backward GEMMs (attention.backward.unfused), where SDPA's
-    own backward runs unseen."""
+    """Whether a call neither of whose ops is due runs the unfused path rather than SDPA: under protect(scope="all"),
+    on the CPU, a call SDPA itself runs on its math backend (attention dropout, a mask that requires grad). Both
+    materialise AS and AP, but the unfused path gives tier 1 to AS itself and the step's check (tier 1, or in full
+    on the ``out`` op's schedule) to its backward GEMMs (attention.backward.unfused), where SDPA's own backward runs
+    unseen."""
     return (unfused_tier1 and q_BHTD.device.type == "cpu"
             and (dropout_p > 0.0 or (attn_mask is not None and attn_mask.requires_grad))
-            and torch.is_grad_enabled() and q_BHTD.requires_grad and whole_step_trips(ctx.runtime))
+            and torch.is_grad_enabled() and q_BHTD.requires_grad and whole_step_checked(ctx.runtime))
+
+
+def _backward_due(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, ctx: LayerContext) -> bool:
+    """Whether this call's backward is checked in full on this step (protect(scope="all"), the ``out`` op's schedule:
+    gemm/schedule.py), which the fused kernel's own backward would not be."""
+    return (torch.is_grad_enabled() and any(x.requires_grad for x in (q_BHTD, k_BHSD, v_BHSD))
+            and whole_step_due(ctx.runtime))
 
 
 def protected_sdpa(
@@ -109,19 +117,23 @@ def protected_sdpa(
         # kernel, exactly what the unprotected model runs. Passed checksums of this layer are dropped unused.
         for name in ("q", "k", "v"):
             ctx.passed.take(name)
-        if not (cfg.trips("scores") or cfg.trips("context")):
+        trips = cfg.trips("scores") or cfg.trips("context")
+        # Under protect(scope="all") the backward follows the ``out`` op's schedule, not these ops': a step can check
+        # it in full while they are off (the policy's tripwire off) or get tier 1 (after a fault in a Linear GEMM
+        # or the backward, ``out``'s period drops and theirs stays). Its products are then ours, not the kernel's.
+        if not trips and not _backward_due(q_BHTD, k_BHSD, v_BHSD, ctx):
             return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=attn_mask, dropout_p=dropout_p,
                                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         # Tier 1 reads no passed checksums: paper-faithful mode does not keep it off the kernel.
         tier1 = dataclasses.replace(call_with(frozenset()), paper=False)
-        if not TRITON.not_supported_reasons(tier1, tier1=True):
+        if not TRITON.not_supported_reasons(tier1, tier1=True, trip=trips):
             # Tier 1 in the Triton kernel: a trip is recovered by its repair kernel, on the device, with no sync.
             try:
-                return TRITON.tier1(tier1)
+                return TRITON.tier1(tier1, trip=trips)
             except KernelFailed:
                 pass  # logged, and the kernel declines from now on: SDPA's tier 1 below
         fused, trip = _tripwire_sdpa(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal,
-                                     scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)
+                                     scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa, trip=trips)
         if trip is None or cfg.mode != "correct":
             if trip is not None:
                 _emit_trip(ctx, trip, action="detected")

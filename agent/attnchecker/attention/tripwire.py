@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..checks.context import LayerContext
 from ..checks.records import _count_trips, _deliver
 from ..events import Detection, kind_of, value_to_wire
-from ..gemm.schedule import whole_step_trips
+from ..gemm.schedule import whole_step_checked
 from ..tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound, tripped
 from .backward.fused import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
 
@@ -38,10 +38,12 @@ def _tripwire_sdpa(
     scale: float,
     dropout_p: float,
     enable_gqa: bool,
+    trip: bool = True,
 ) -> tuple[torch.Tensor, _Trip | None]:
     """Tier 1 on the fused kernel: (out, None), or (out, what tripped). On CPU without dropout the kernel is called
     directly for its row log-sum-exp, checked against the q/k norm bound (tripwire.lse_over_bound); elsewhere the
-    output alone is checked (INF/NaN in AS reach it; a finite near-INF score that does not is left to tier 2)."""
+    output alone is checked (INF/NaN in AS reach it; a finite near-INF score that does not is left to tier 2).
+    trip False: the fused kernel unchecked, (out, None), with the backward protect(scope="all") gives it."""
     h = q_BHTD.shape[1]
     lse_BHT: torch.Tensor | None = None
     mask_add: torch.Tensor | None = None
@@ -54,29 +56,32 @@ def _tripwire_sdpa(
     if flash:
         k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
         mask_add = _additive_mask(attn_mask, q_BHTD.dtype)
-        # Under protect(scope="all") the backward gets tier 1 too (attention.backward.fused._tripwire_backward): the
-        # kernel runs outside autograd and _VerifiedAttention differentiates it with the same backward kernel and
-        # arguments the op's own derivative would use.
-        whole_step = whole_step_trips(ctx.runtime) and torch.is_grad_enabled() and any(
+        # Under protect(scope="all") the backward gets the step's check too, on the ``out`` op's schedule: tier 1
+        # (attention.backward.fused._tripwire_backward) or, where it is due while these ops are not, the full check
+        # (the encoded kernel). The kernel runs outside autograd and _VerifiedAttention differentiates it with the
+        # same backward kernel and arguments the op's own derivative would use.
+        ours = whole_step_checked(ctx.runtime) and torch.is_grad_enabled() and any(
             x.requires_grad for x in (q_BHTD, k_BHSD, v_BHSD))
         # What F.scaled_dot_product_attention runs on CPU for these inputs, with its log-sum-exp kept.
-        with torch.no_grad() if whole_step else contextlib.nullcontext():
+        with torch.no_grad() if ours else contextlib.nullcontext():
             out, lse_BHT = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q_BHTD, k_rep, v_rep, 0.0, is_causal, attn_mask=mask_add, scale=scale)
-        if whole_step:
+        if ours:
             out = _VerifiedAttention.apply(q_BHTD, k_rep, v_rep, _Forward(
                 out_BHTD=out, lse_BHT=lse_BHT, mask_add=mask_add, scale=scale, is_causal=is_causal, layer=ctx))
         t0 = time.perf_counter()  # tier-1 time is the tests, not the attention the unprotected model runs too
         # The mask's largest value joins the bound only after a trip (masks are <= 0 but for ALiBi-style biases):
         # reading it on every call would cost as much as the rest of the tripwire.
-        flags = [lse_over_bound(q_BHTD, k_rep, lse_BHT, scale=scale)]
+        flags = [lse_over_bound(q_BHTD, k_rep, lse_BHT, scale=scale)] if trip else []
     else:
         k_rep = k_BHSD
         out = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=attn_mask, dropout_p=dropout_p,
                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         t0 = time.perf_counter()
         flags = []
-    trip: _Trip | None = None
+    if not trip:
+        return out, None
+    trip_of: _Trip | None = None
     if tripped(flags, out):  # sync: the one per attention call on a tier-1 step
 
         def lse_trips() -> bool:
@@ -84,9 +89,9 @@ def _tripwire_sdpa(
             mask_max = 0.0 if mask_add is None else float(mask_add.amax())  # sync: slow path only
             return bool(lse_over_bound(q_BHTD, k_rep, lse_BHT, scale=scale, mask_max=mask_max))  # sync: slow path
 
-        trip = _which_trip(out, lse_BHT, lse_trips)
+        trip_of = _which_trip(out, lse_BHT, lse_trips)
     _count_trips(ctx, ["scores", "context"], time.perf_counter() - t0)
-    return out, trip
+    return out, trip_of
 
 
 def _which_trip(out_BHTD: torch.Tensor, lse_BHT: torch.Tensor | None, lse_trips: Callable[[], bool]) -> _Trip | None:

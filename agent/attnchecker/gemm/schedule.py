@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..checks.context import Runtime
 from ..policy import WHOLE_STEP_SCHEDULE
 
-__all__ = ["gemm_due", "gemm_trips", "whole_step", "whole_step_due", "whole_step_trips"]
+__all__ = ["gemm_due", "gemm_trips", "whole_step", "whole_step_checked", "whole_step_due", "whole_step_trips"]
 
 
 # Runtimes (by id) of the guards attached with scope="all": the attention backward asks whether its guard is one.
@@ -39,3 +39,9 @@ def gemm_trips(runtime: Runtime) -> bool:
 def whole_step_trips(runtime: Runtime) -> bool:
     """Whether this guard protects the whole step and its GEMMs get tier 1 (not the full check) on this step."""
     return id(runtime) in _WHOLE_STEP and gemm_trips(runtime)
+
+
+def whole_step_checked(runtime: Runtime) -> bool:
+    """Whether this guard protects the whole step and its GEMMs get a check on this step, in full or by tier 1 (not
+    under mode "off", nor with the tripwire off on a step the full check is not due)."""
+    return whole_step_due(runtime) or whole_step_trips(runtime)

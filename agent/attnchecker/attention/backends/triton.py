@@ -78,9 +78,9 @@ class KernelFailed(RuntimeError):
 class TritonBackend:
     name = "triton"
 
-    def not_supported_reasons(self, call: AttentionCall, *, tier1: bool = False) -> list[str]:
-        """Why the backend cannot run ``call`` ([] if it can); tier1: for ``tier1``, whose products are the
-        vendor's aten op where it takes the call (a TorchDispatchMode sees them then)."""
+    def not_supported_reasons(self, call: AttentionCall, *, tier1: bool = False, trip: bool = True) -> list[str]:
+        """Why the backend cannot run ``call`` ([] if it can); tier1: for ``tier1`` (with ``trip``), whose products
+        are the vendor's aten op where it takes the call (a TorchDispatchMode sees them then)."""
         q, k, v, mask = call.q_BHTD, call.k_BHSD, call.v_BHSD, call.attn_mask
         why = kernel.not_available_reason(q.device)
         if why is not None:
@@ -89,8 +89,9 @@ class TritonBackend:
         if q.device.type == "cpu" and call.requested != self.name:
             reasons.append("CPU tensors under Triton's interpreter: taken only when ATTNCHECKER_ATTENTION=triton asks "
                            "(the interpreter is for tests)")
-        if _get_current_dispatch_mode() is not None and not (_vendor_takes(call) and (tier1 or _full_over_vendor(
-                call, _tiers(call)))):
+        if _get_current_dispatch_mode() is not None and not (
+                _tier1_on_vendor(call, trip=trip) if tier1 else _vendor_takes(call) and _full_over_vendor(
+                    call, _tiers(call))):
             reasons.append("a TorchDispatchMode is active, and it expects to see the products as aten ops (the "
                            "kernel's are not)")
         if any(type(x) is not torch.Tensor for x in (q, k, v)):
@@ -130,12 +131,19 @@ class TritonBackend:
         tiers = _tiers(call)
         return _run(call, "full" if tiers else None, tiers)
 
-    def tier1(self, call: AttentionCall) -> torch.Tensor:
+    def tier1(self, call: AttentionCall, *, trip: bool = True) -> torch.Tensor:
         """Tier 1 (attention/pipeline.py, when neither op is due), a trip recovered by the repair kernel with full
         checks, on the device. The products: the vendor's fused attention (attention/vendor.py) where it
         takes the call and no fault is planned in the kernel's products, read by one Triton pass; else the kernel's
-        tripwire variant."""
-        return _run(call, "tier1", dict.fromkeys(kernel.OPS, "tripwire")).out_BHTD
+        tripwire variant. Where this step checks the backward in full (``_backward_takes_exact_lse``) the vendor's
+        lse is not what our checked backward takes: the full checks over the vendor's forward make it so, their
+        events under tier "tripwire", else the kernel's tripwire variant makes the call (``_tier1_on_vendor``).
+        trip False (the policy's tripwire off, the backward checked in full): the kernel, unchecked, for its lse."""
+        on_vendor = _tier1_on_vendor(call, trip=trip)
+        if not trip:
+            return _run(call, None, {}, on_vendor=False).out_BHTD
+        mode = "full" if on_vendor and _backward_takes_exact_lse(call) else "tier1"
+        return _run(call, mode, dict.fromkeys(kernel.OPS, "tripwire"), on_vendor=on_vendor).out_BHTD
 
 
 FULL_ENV = "ATTNCHECKER_ATTENTION_FULL"
@@ -201,7 +209,33 @@ def _vendor_takes(call: AttentionCall) -> bool:
         dropout_p=call.dropout_p) and call.mods is None and not call.return_lse
 
 
-def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> BackendOutput:
+def _backward_takes_exact_lse(call: AttentionCall) -> bool:
+    """Whether this call's backward is our checked Triton backward (not the fused CPU kernel's) checking in full on
+    this step, whose identities take the forward's lse exact to fp32's rounding: the vendor's is not, unless the
+    full checks over its forward normalise it. protect(scope="all") checks the backward on the ``out`` op's schedule
+    (gemm/schedule.py), so a step of tier 1 for the attention ops can check their backward in full: the default
+    schedule's steps after a fault in a Linear GEMM or the backward (``out``'s period drops to min_period, the
+    attention ops' stays)."""
+    return (call.needs_grad and not _fused_cpu_backward(call)
+            and triton_backward.check_mode(call.ctx.runtime) == "abft")
+
+
+def _tier1_on_vendor(call: AttentionCall, *, trip: bool = True) -> bool:
+    """Whether tier 1's call runs over the vendor's forward: the vendor takes it and, where the backward takes an
+    exact lse (``_backward_takes_exact_lse``), the full checks over its forward, which normalise its lse, take it too
+    (the identities its dtype and tolerance, ATTNCHECKER_ATTENTION_FULL not "kernel"). trip False: never (the
+    vendor's forward unchecked has no lse our backward takes)."""
+    if not trip or not _vendor_takes(call):
+        return False
+    return not _backward_takes_exact_lse(call) or (kernel.given_full_takes(call.q_BHTD.dtype, kernel.Checks(
+        mode="full", tol=_tolerance(call.ctx))) and full_requested() == "vendor")
+
+
+def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str], *, on_vendor: bool | None = None
+         ) -> BackendOutput:
+    """The call in our kernel, or over the vendor's forward: mode None (unchecked), "tier1" or "full"; tiers: the
+    tier each op's events and counts take. on_vendor: whether the vendor's forward makes the products (None: tier 1's
+    and ``_full_over_vendor``'s choice)."""
     ctx = call.ctx
     for name in ("q", "k", "v"):
         # The tiles take their references from the operands: a projection's passed checksums go unused.
@@ -217,7 +251,8 @@ def _run(call: AttentionCall, mode: str | None, tiers: dict[str, str]) -> Backen
     hits, faults = _faults(ctx, q, v.shape[-1], k.shape[-2])
     with torch.no_grad():
         made = None
-        over_vendor = mode == "tier1" or (mode == "full" and _full_over_vendor(call, tiers))
+        over_vendor = on_vendor if on_vendor is not None else (
+            mode == "tier1" or (mode == "full" and _full_over_vendor(call, tiers)))
         if over_vendor and not faults and _vendor_takes(call):
             made = vendor.forward(q.detach(), k.detach(), v.detach(), is_causal=call.is_causal, scale=call.scale)
         # A full check's device time (its checks are inside the attention it computes: both timed); tier 1's host

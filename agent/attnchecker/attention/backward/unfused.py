@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ...checks.context import LayerContext
+from ...checks.records import _inject
 from ...gemm.check import check_gemms, trip_gemms
 from ...gemm.schedule import whole_step_due, whole_step_trips
 
@@ -118,6 +119,8 @@ class _CheckedProduct(torch.autograd.Function):
         site: _Site = ctx.site
         grads = _scores_grads if site.product == "scores" else _context_grads
         gemms, da, db = grads(a, b, grad.contiguous(), ctx.needs_input_grad[:2])
+        for op, out, *_ in gemms:
+            _inject(site.layer, op, out)  # attnchecker.inject's plan, right after the product (no scores_bwd here)
         if gemms:
             (check_gemms if site.tier == "abft" else trip_gemms)(site.layer, list(gemms))
         return da, db, None
