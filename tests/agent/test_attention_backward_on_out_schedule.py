@@ -141,6 +141,7 @@ def test_after_a_fault_ends_a_quiet_period_the_attention_backward_is_checked_whi
 
 @pytest.mark.parametrize(("path", "variant"), [
     *[(p, v) for p in ("cpu_kernel", "products") for v in ("tier1", "tripwire_off", "dropout")],
+    ("cpu_kernel", "compiled"),
     # The Triton kernels under the interpreter (seconds a step): the backward after the CPU's forward, and the GPU's
     # route with either forward. (Dropout keeps the vendor out: its keep mask is not ours.)
     ("triton", "tier1"), ("triton_bf16_vendor", "tier1"), ("triton_bf16_vendor", "tripwire_off"),
@@ -148,8 +149,9 @@ def test_after_a_fault_ends_a_quiet_period_the_attention_backward_is_checked_whi
 def test_a_step_that_checks_the_whole_step_but_not_the_attention_forward_checks_its_backward(path: str,
                                                                                              variant: str) -> None:
     """A fixed schedule that checks ``out`` (and with it the whole step) on every step and the attention's ops only
-    on step 0; the forward gets tier 1 from step 1 on (tier1), nothing (the policy's tripwire off) or, with attention
-    dropout 0.1, tier 1 on the unfused path. A planned INF in dV on step 1 and NaN in dQ on step 2 are each reported by
+    on step 0; the forward gets tier 1 from step 1 on (tier1; compiled: the same under torch.compile, whose graphs
+    call the checked attention as a custom op), nothing (the policy's tripwire off) or, with attention dropout 0.1,
+    tier 1 on the unfused path. A planned INF in dV on step 1 and NaN in dQ on step 2 are each reported by
     the backward's full check and repaired, and nothing else is reported (the GPU's route flagged S on every such
     step); the gradients of every step are step 0's (the same dropout mask: the generator is seeded alike before
     each step)."""
@@ -160,17 +162,22 @@ def test_a_step_that_checks_the_whole_step_but_not_the_attention_forward_checks_
     policy = Policy(adaptive=False, op_periods={"scores": 1000, "context": 1000}, tripwire=variant != "tripwire_off")
     plan = FaultPlan([Fault(op="grad_v", layer=0, step=1, kind="inf", row=3, col=5, seed=1),
                       Fault(op="grad_q", layer=0, step=2, kind="nan", row=20, col=5, seed=2)])
-    with attnchecker.protect(model, scope="all", policy=policy, faults=plan) as guard:
-        grads = []
-        for _ in range(3):
-            torch.manual_seed(7)
-            model.zero_grad(set_to_none=True)
-            loss_of("gpt2", model, data).backward()
-            guard.step()
-            grads.append(_grads(model))
-        got = [(d.op, d.step, d.tier) for d in guard.detections]
-        actions = {d.action for d in guard.detections}
-        injected = [(i.op, i.step) for i in guard.injector.injected]
+    torch._dynamo.reset()
+    try:
+        with attnchecker.protect(model, scope="all", policy=policy, faults=plan) as guard:
+            stepped = torch.compile(model, backend="aot_eager") if variant == "compiled" else model
+            grads = []
+            for _ in range(3):
+                torch.manual_seed(7)
+                model.zero_grad(set_to_none=True)
+                loss_of("gpt2", stepped, data).backward()
+                guard.step()
+                grads.append(_grads(model))
+            got = [(d.op, d.step, d.tier) for d in guard.detections]
+            actions = {d.action for d in guard.detections}
+            injected = [(i.op, i.step) for i in guard.injector.injected]
+    finally:
+        torch._dynamo.reset()
     assert injected == [("grad_v", 1), ("grad_q", 2)], injected
     assert got == [("grad_v", 1, "abft"), ("grad_q", 2, "abft")], got
     assert actions <= {"corrected", "recomputed"}, actions

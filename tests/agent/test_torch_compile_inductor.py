@@ -27,6 +27,10 @@ ARCH, STEPS = "llama", 20
 PLAN = FaultPlan([
     Fault(op="scores", layer=0, step=1, kind="inf", seed=1),
     Fault(op="linear", layer=7, step=3, kind="inf", seed=2),
+    # The attention backward, checked in full on every step here (the whole step's ops follow out's schedule, whose
+    # period is back at 1 after the fault above): in S, and in dK on a step whose context gets tier 1 (below).
+    Fault(op="scores_bwd", layer=0, step=6, kind="nan", seed=9),
+    Fault(op="grad_k", layer=0, step=8, kind="inf", seed=10),
     # From step 8 on a quiet op is checked every other step: the even steps give it tier 1 (the tripwire).
     Fault(op="context", layer=1, step=8, kind="nan", seed=3),
     Fault(op="q", layer=1, step=10, kind="inf", seed=4),
