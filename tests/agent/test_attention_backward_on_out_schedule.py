@@ -155,10 +155,24 @@ def test_a_step_that_checks_the_whole_step_but_not_the_attention_forward_checks_
     the backward's full check and repaired, and nothing else is reported (the GPU's route flagged S on every such
     step); the gradients of every step are step 0's (the same dropout mask: the generator is seeded alike before
     each step)."""
-    dtype = _dtype(path)
+    _planned_faults_on_a_tier1_forward_step_are_corrected(variant, _dtype(path), "cpu", _tolerance(path))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("variant", ["tier1", "tripwire_off"])
+def test_on_a_gpu_a_step_that_checks_the_whole_step_but_not_the_attention_forward_checks_its_backward(
+        variant: str) -> None:
+    """The same on CUDA, bf16, the default backends: tier 1 over the vendor's forward (FlashAttention's lse made
+    exact by the full checks over it, for the Triton backward's full check), or our kernel unchecked."""
+    _planned_faults_on_a_tier1_forward_step_are_corrected(variant, torch.bfloat16, "cuda", 2e-2)
+
+
+def _planned_faults_on_a_tier1_forward_step_are_corrected(variant: str, dtype: torch.dtype, device: str,
+                                                          tolerance: float) -> None:
     config = {"attn_pdrop": 0.1} if variant == "dropout" else {}
-    model = build("gpt2", **SMALL, **config).to(dtype)
-    data = batch("gpt2", 0)
+    model = build("gpt2", **SMALL, **config).to(device=device, dtype=dtype)
+    data = {k: v.to(device) for k, v in batch("gpt2", 0).items()}
     policy = Policy(adaptive=False, op_periods={"scores": 1000, "context": 1000}, tripwire=variant != "tripwire_off")
     plan = FaultPlan([Fault(op="grad_v", layer=0, step=1, kind="inf", row=3, col=5, seed=1),
                       Fault(op="grad_q", layer=0, step=2, kind="nan", row=20, col=5, seed=2)])
@@ -182,4 +196,4 @@ def test_a_step_that_checks_the_whole_step_but_not_the_attention_forward_checks_
     assert got == [("grad_v", 1, "abft"), ("grad_q", 2, "abft")], got
     assert actions <= {"corrected", "recomputed"}, actions
     for step, g in enumerate(grads[1:], start=1):
-        assert worst_rel(g, grads[0]) <= _tolerance(path), (step, worst_rel(g, grads[0]))
+        assert worst_rel(g, grads[0]) <= tolerance, (step, worst_rel(g, grads[0]))
