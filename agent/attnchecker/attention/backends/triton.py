@@ -139,9 +139,9 @@ class TritonBackend:
         lse is not what our checked backward takes: the full checks over the vendor's forward make it so, their
         events under tier "tripwire", else the kernel's tripwire variant makes the call (``_tier1_on_vendor``).
         trip False (the policy's tripwire off, the backward checked in full): the kernel, unchecked, for its lse."""
-        on_vendor = _tier1_on_vendor(call, trip=trip)
         if not trip:
             return _run(call, None, {}, on_vendor=False).out_BHTD
+        on_vendor = _tier1_on_vendor(call)
         mode = "full" if on_vendor and _backward_takes_exact_lse(call) else "tier1"
         return _run(call, mode, dict.fromkeys(kernel.OPS, "tripwire"), on_vendor=on_vendor).out_BHTD
 
