@@ -33,7 +33,8 @@ fused kernel that keeps them to itself (the CPU's, SDPA's, a vendor's), a layer 
 its backward in products the fault reaches instead: the checked PyTorch products, or the Triton kernels, which write
 it in their tiles (S and dP in the pass that makes dK and dV; a gradient's fault in the first tile's share of its
 sum). FlexAttention's backward and a varlen call's with a sliding window (attention/backward/modded.py) are not
-among the checked ones: a fault planned there does not fire."""
+among the checked ones: a fault planned there does not fire. Nor does a "scores_bwd" fault in the unfused backward
+(a CPU call with attention dropout: attention/backward/unfused.py), which reuses the forward's AS."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
