@@ -32,7 +32,7 @@ from .backends.triton import KernelFailed, TritonBackend
 from .backends.unfused import UnfusedBackend
 from .backends.unfused import context_checks as context_checks  # re-exported: tests and bench verify through them
 from .backends.unfused import scores_checks as scores_checks
-from .tripwire import _emit_trip, _tripwire_sdpa
+from .tripwire import _emit_trip, _Trip, _tripwire_sdpa, cpu_flash_takes
 
 __all__ = [
     "PassedProjection",
@@ -48,19 +48,22 @@ BACKEND_ORDER: tuple[AttentionBackend, ...] = (TRITON, NativeBackend(), TiledBac
 """The backends auto tries, fastest first (backends.BACKENDS); the unfused one takes every call."""
 
 unfused_tier1 = True
-"""False: tier-1 steps of a dropout attention run SDPA (its math backend on the CPU), as before ``_unfused_tier1``
-(bench/overhead.py's ``all_tier1_sdpa`` prices it side by side)."""
+"""False: tier-1 steps of a dropout attention run SDPA (its math backend on the CPU), its backward unchecked, as before
+``_tier1_loses_backward`` (bench/overhead.py's ``all_tier1_sdpa`` prices it side by side)."""
 
 
-def _unfused_tier1(q_BHTD: torch.Tensor, dropout_p: float, attn_mask: torch.Tensor | None, ctx: LayerContext) -> bool:
-    """Whether a call neither of whose ops is due runs the unfused path rather than SDPA: under protect(scope="all"),
-    on the CPU, a call SDPA itself runs on its math backend (attention dropout, a mask that requires grad). Both
-    materialise AS and AP, but the unfused path gives tier 1 to AS itself and the step's check (tier 1, or in full
-    on the ``out`` op's schedule) to its backward GEMMs (attention.backward.unfused), where SDPA's own backward runs
-    unseen."""
-    return (unfused_tier1 and q_BHTD.device.type == "cpu"
-            and (dropout_p > 0.0 or (attn_mask is not None and attn_mask.requires_grad))
-            and torch.is_grad_enabled() and q_BHTD.requires_grad and whole_step_checked(ctx.runtime))
+def _tier1_loses_backward(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, dropout_p: float,
+                          attn_mask: torch.Tensor | None, ctx: LayerContext) -> bool:
+    """Whether tier 1 on SDPA would leave this call's backward without the step's check, so that the call runs
+    through the checked backends instead. Under protect(scope="all") the backward gets tier 1, or its full check on
+    the ``out`` op's schedule, on every step. Tier 1 gives it that where it runs the CPU flash kernel itself
+    (``tripwire.cpu_flash_takes``: the backward is then ours) or the Triton kernels (tried first); anywhere else it
+    would be SDPA's own backward, unseen: attention dropout, a mask that requires grad, a call the Triton kernels
+    decline off the CPU (a head dim past theirs, a mask they do not take, a TorchDispatchMode, no Triton). The
+    checked backends (the unfused path, or the tile loop) give such a call's forward tier 1 in full and its backward
+    the step's check (attention.backward.unfused, or attention.backward.fused), at their cost."""
+    return (unfused_tier1 and not cpu_flash_takes(q_BHTD, attn_mask, dropout_p) and torch.is_grad_enabled()
+            and any(x.requires_grad for x in (q_BHTD, k_BHSD, v_BHSD)) and whole_step_checked(ctx.runtime))
 
 
 def _backward_due(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, ctx: LayerContext) -> bool:
@@ -112,7 +115,7 @@ def protected_sdpa(
             force=force, injected=injected, requested=requested(), caught=[0])
 
     if (not (cfg.checks("scores") or cfg.checks("context")) and not injected and not return_probs
-            and not (is_causal and attn_mask is not None) and not _unfused_tier1(q_BHTD, dropout_p, attn_mask, ctx)):
+            and not (is_causal and attn_mask is not None)):
         # Nothing to verify or inject in this call (an adaptive step that skips both ops, or mode off): the fused
         # kernel, exactly what the unprotected model runs. Passed checksums of this layer are dropped unused.
         for name in ("q", "k", "v"):
@@ -132,6 +135,10 @@ def protected_sdpa(
                 return TRITON.tier1(tier1, trip=trips)
             except KernelFailed:
                 pass  # logged, and the kernel declines from now on: SDPA's tier 1 below
+        if _tier1_loses_backward(q_BHTD, k_BHSD, v_BHSD, dropout_p, attn_mask, ctx):
+            # The checked backends' tier 1 (tripped ops verified in full there, under tier "tripwire"), with their
+            # references from the operands, as tier 1's.
+            return _checked_call(tier1, None, return_probs)
         fused, trip = _tripwire_sdpa(q_BHTD, k_BHSD, v_BHSD, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal,
                                      scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa, trip=trips)
         if trip is None or cfg.mode != "correct":
@@ -143,7 +150,14 @@ def protected_sdpa(
         force = frozenset(("scores", "context"))
     else:
         trip, force = None, frozenset()
-    call = call_with(force)
+    return _checked_call(call_with(force), trip, return_probs)
+
+
+def _checked_call(call: AttentionCall, trip: _Trip | None, return_probs: bool
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The call through the first checked backend that takes it; trip: what tier 1 saw before (its event, where
+    the backend found nothing left to locate)."""
+    ctx = call.ctx
     choice = choose(call, BACKEND_ORDER)
     try:
         got = choice.backend.run(call)

@@ -15,7 +15,8 @@ from ..checks.records import _count_trips, _deliver
 from ..events import Detection, kind_of, value_to_wire
 from ..gemm.schedule import whole_step_checked
 from ..tripwire import NEAR_INF, extreme, extreme_value, lse_over_bound, tripped
-from .backward.fused import _additive_mask, _expand_heads, _Forward, _VerifiedAttention
+from .backward import fused
+from .backward.fused import _additive_mask, _expand_heads, _Forward, _VerifiedAttention, pad_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,15 +48,10 @@ def _tripwire_sdpa(
     h = q_BHTD.shape[1]
     lse_BHT: torch.Tensor | None = None
     mask_add: torch.Tensor | None = None
-    # The CPU flash kernel takes 2-D or 4-D masks and one head size for q, k and v, and has no gradient for the mask;
-    # F.sdpa falls back to its math path otherwise (a learned bias: a mask that requires grad), and so does tier 1
-    # (output test only).
-    flash = (q_BHTD.device.type == "cpu" and dropout_p == 0.0 and q_BHTD.dim() == 4
-             and (attn_mask is None or (attn_mask.dim() in (2, 4) and not attn_mask.requires_grad))
-             and v_BHSD.shape[-1] == q_BHTD.shape[-1])
-    if flash:
+    if cpu_flash_takes(q_BHTD, attn_mask, dropout_p):
         k_rep, v_rep = _expand_heads(k_BHSD, h), _expand_heads(v_BHSD, h)
         mask_add = _additive_mask(attn_mask, q_BHTD.dtype)
+        d_v, width = v_BHSD.shape[-1], max(q_BHTD.shape[-1], v_BHSD.shape[-1])
         # Under protect(scope="all") the backward gets the step's check too, on the ``out`` op's schedule: tier 1
         # (attention.backward.fused._tripwire_backward) or, where it is due while these ops are not, the full check
         # (the encoded kernel). The kernel runs outside autograd and _VerifiedAttention differentiates it with the
@@ -65,7 +61,9 @@ def _tripwire_sdpa(
         # What F.scaled_dot_product_attention runs on CPU for these inputs, with its log-sum-exp kept.
         with torch.no_grad() if ours else contextlib.nullcontext():
             out, lse_BHT = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q_BHTD, k_rep, v_rep, 0.0, is_causal, attn_mask=mask_add, scale=scale)
+                *(pad_head_dim(x, width) for x in (q_BHTD, k_rep, v_rep)), 0.0, is_causal, attn_mask=mask_add,
+                scale=scale)
+            out = out[..., :d_v]
         if ours:
             out = _VerifiedAttention.apply(q_BHTD, k_rep, v_rep, _Forward(
                 out_BHTD=out, lse_BHT=lse_BHT, mask_add=mask_add, scale=scale, is_causal=is_causal, layer=ctx))
@@ -92,6 +90,17 @@ def _tripwire_sdpa(
         trip_of = _which_trip(out, lse_BHT, lse_trips)
     _count_trips(ctx, ["scores", "context"], time.perf_counter() - t0)
     return out, trip_of
+
+
+def cpu_flash_takes(q_BHTD: torch.Tensor, attn_mask: torch.Tensor | None, dropout_p: float) -> bool:
+    """Whether tier 1 calls the CPU flash kernel itself (``_tripwire_sdpa``), which keeps its row log-sum-exp for
+    the tripwire and, under protect(scope="all"), for the backward we check. That kernel has no gradient for the mask
+    (a learned bias: a mask that requires grad) nor our dropout; F.sdpa falls back to its math path there. It takes
+    one head dim for q, k and v: where V's differs (multi-head latent attention), the narrower side is padded with
+    zeros, which change no product, and the output's padding cut off. Its masks are made 4-D (``_additive_mask``).
+    ``fused.cpu_kernel`` False: never, as on every other device (tests take the branch a GPU call takes)."""
+    return (fused.cpu_kernel and q_BHTD.device.type == "cpu" and dropout_p == 0.0 and q_BHTD.dim() == 4
+            and (attn_mask is None or (attn_mask.dim() <= 4 and not attn_mask.requires_grad)))
 
 
 def _which_trip(out_BHTD: torch.Tensor, lse_BHT: torch.Tensor | None, lse_trips: Callable[[], bool]) -> _Trip | None:

@@ -304,7 +304,7 @@ def _forward(
     call's score_mod and block mask, or a varlen window (attention/tile_mods.py), applied per tile; such a call runs
     the tile loop, which visits only the keys the mask keeps."""
 
-    b, h, t, d = q.shape
+    b, h, t, _ = q.shape
     s = k.shape[-2]
     cfg = ctx.config
     tol = _tolerance(ctx)
@@ -317,7 +317,7 @@ def _forward(
     ops = tuple(tiers)
     injector = ctx.runtime.injector
     hits = {op: [] if injector is None else injector.resolve(op=op, layer=ctx.layer, step=ctx.step, shape=shape)
-            for op, shape in (("scores", (b, h, t, s)), ("context", (b, h, t, d)))}
+            for op, shape in (("scores", (b, h, t, s)), ("context", (b, h, t, v.shape[-1])))}
     # attnchecker.inject writes its faults tile by tile into the PyTorch loop's tensors: a call it targets runs there.
     if kernel and not any(hits.values()):
         done = _kernel_forward(q, k, v, ctx=ctx, attn_mask=attn_mask, is_causal=is_causal, scale=scale, tol=tol,
@@ -335,7 +335,7 @@ def _forward(
         q_norm, k_norm = torch.linalg.vector_norm(q_acc, dim=-1), torch.linalg.vector_norm(k_acc, dim=-1)
         # Grouped checksums (abft/checksum.py) as on the unfused path: CL's rows run over the D features (one group
         # below 2·GROUP_MIN), so V w is made once per call in that layout; a tile's other groups depend on its size.
-        g_v = _groups(tol, d)
+        g_v = _groups(tol, v.shape[-1])
         vw = v_row_checksums(v_acc, g_v)
         v_aug = augment_v(v, vw) if "context" in ops else None
     shared = _Shared(q=q, k=k, v=v, q_acc=q_acc, k_acc=k_acc, v_acc=v_acc, q_norm=q_norm, k_norm=k_norm, vw=vw,
@@ -344,7 +344,7 @@ def _forward(
                      grams=_KeyGrams(k_acc),
                      mask=mask, is_causal=is_causal, scale=scale, tol=tol, plan=plan, ops=ops, tiers=tiers,
                      caught=caught, mods=mods)
-    out = torch.empty_like(q)
+    out = q.new_empty((b, h, t, v.shape[-1]))  # V's head dim: it differs from Q's in latent attention (MLA)
     lse = torch.empty(b, h, t, device=q.device, dtype=torch.promote_types(q.dtype, torch.float32))
     record = _Pass({op: [] for op in ops}, {op: [] for op in ops}, dict.fromkeys(ops), dict.fromkeys(ops, 0.0))
     for i in range(plan.n_q):
@@ -760,7 +760,7 @@ def _slow_path(sh: _Shared, ctx: LayerContext, record: _Pass, out: torch.Tensor,
     b, h, t, s = sh.q.shape[0], sh.q.shape[1], sh.q.shape[2], sh.k.shape[-2]
     hits = {op: [] if injector is None else injector.resolve(op=op, layer=ctx.layer, step=ctx.step, shape=shape,
                                                              attempt=1)
-            for op, shape in (("scores", (b, h, t, s)), ("context", (b, h, t, sh.q.shape[-1])))}
+            for op, shape in (("scores", (b, h, t, s)), ("context", (b, h, t, sh.v.shape[-1])))}
     for i, by_op in sorted(blocks.items()):
         fix = _Repair(ctx, sh.tol, by_op, {op: record.summaries[op][i] for op in sh.ops}, sh)
         _query_block(sh, i, out, lse, hits, fix=fix)

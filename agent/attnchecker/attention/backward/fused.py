@@ -73,43 +73,64 @@ class _VerifiedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, out, lse, mask_add, attn_mask = ctx.saved_tensors
-        layer: LayerContext | None = ctx.layer
-        if q.device.type != "cpu" or not cpu_kernel:
-            dq, dk, dv = _off_cpu_backward(layer, grad_out, q, k, v, out, lse, attn_mask, mask_add, scale=ctx.scale,
-                                           is_causal=ctx.is_causal, block_q=ctx.block_q)
-            return dq, dk, dv, None
-        # A fault planned in this backward's products (attnchecker.inject) needs them made where it can reach them:
-        # the checked products, checked or (off the full check) not; the fused kernel keeps them to itself.
-        hit = planned(layer)
-        if layer is not None:
-            from ...gemm.schedule import whole_step_due
-            from .checked import checked_backward
-            from .encoded import encoded_backward, supports
+        d, d_v = q.shape[-1], v.shape[-1]
+        if d == d_v:
+            return (*_verified_backward(ctx, grad_out, q, k, v, out, lse, mask_add, attn_mask), None)
+        # V's head dim differs from Q's and K's (multi-head latent attention: DeepSeek-V2/V3). Every backward below
+        # takes one head dim (the CPU kernel's, the encoded and checked products', the Triton kernels'), so the
+        # narrower side is padded with zeros: a zero column adds exactly 0 to QKᵀ, to AP·V and to dO·Vᵀ, and its
+        # gradient columns, cut off here, are the only ones it changes. lse and the scale do not depend on it.
+        width = max(d, d_v)
+        grad_out, q, k, v, out = (pad_head_dim(x, width) for x in (grad_out, q, k, v, out))
+        dq, dk, dv = _verified_backward(ctx, grad_out, q, k, v, out, lse, mask_add, attn_mask)
+        return dq[..., :d], dk[..., :d], dv[..., :d_v], None
 
-            if whole_step_due(layer.runtime):
-                if supports(q) and not hit:
-                    dq, dk, dv = encoded_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
-                                                  is_causal=ctx.is_causal, block_q=ctx.block_q)
-                else:
-                    dq, dk, dv, _ = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
-                                                     is_causal=ctx.is_causal, block_q=ctx.block_q)
-                return dq, dk, dv, None
-        if hit:
-            from .checked import checked_backward
 
-            assert layer is not None
-            dq, dk, dv, _ = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
-                                             is_causal=ctx.is_causal, block_q=ctx.block_q, check=False)
-        else:
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask_add, scale=ctx.scale)
-        if layer is not None:
-            from ...gemm.schedule import whole_step_trips
+def pad_head_dim(x_BHTD: torch.Tensor, width: int) -> torch.Tensor:
+    """x with zero columns appended up to head dim ``width`` (x itself where it is that wide)."""
+    return x_BHTD if x_BHTD.shape[-1] == width else F.pad(x_BHTD, (0, width - x_BHTD.shape[-1]))
 
-            if whole_step_trips(layer.runtime):
-                dq, dk, dv = _tripwire_backward(layer, (dq, dk, dv), grad_out, q, k, v, out, lse, mask_add,
-                                                scale=ctx.scale, is_causal=ctx.is_causal, block_q=ctx.block_q)
-        return dq, dk, dv, None
+
+def _verified_backward(ctx: Any, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, mask_add: torch.Tensor | None,
+                       attn_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_VerifiedAttention's backward, q, k, v, out and grad_out of one head dim."""
+    layer: LayerContext | None = ctx.layer
+    if q.device.type != "cpu" or not cpu_kernel:
+        return _off_cpu_backward(layer, grad_out, q, k, v, out, lse, attn_mask, mask_add, scale=ctx.scale,
+                                 is_causal=ctx.is_causal, block_q=ctx.block_q)
+    # A fault planned in this backward's products (attnchecker.inject) needs them made where it can reach them:
+    # the checked products, checked or (off the full check) not; the fused kernel keeps them to itself.
+    hit = planned(layer)
+    if layer is not None:
+        from ...gemm.schedule import whole_step_due
+        from .checked import checked_backward
+        from .encoded import encoded_backward, supports
+
+        if whole_step_due(layer.runtime):
+            if supports(q) and not hit:
+                dq, dk, dv = encoded_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
+                                              is_causal=ctx.is_causal, block_q=ctx.block_q)
+            else:
+                dq, dk, dv, _ = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
+                                                 is_causal=ctx.is_causal, block_q=ctx.block_q)
+            return dq, dk, dv
+    if hit:
+        from .checked import checked_backward
+
+        assert layer is not None
+        dq, dk, dv, _ = checked_backward(layer, grad_out, q, k, v, out, lse, mask_add, scale=ctx.scale,
+                                         is_causal=ctx.is_causal, block_q=ctx.block_q, check=False)
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.contiguous(), q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=mask_add, scale=ctx.scale)
+    if layer is not None:
+        from ...gemm.schedule import whole_step_trips
+
+        if whole_step_trips(layer.runtime):
+            dq, dk, dv = _tripwire_backward(layer, (dq, dk, dv), grad_out, q, k, v, out, lse, mask_add,
+                                            scale=ctx.scale, is_causal=ctx.is_causal, block_q=ctx.block_q)
+    return dq, dk, dv
 
 
 def _off_cpu_backward(
