@@ -224,7 +224,8 @@ SOFTMAX_OPS = ("full_softmax_ops",)
 """Variants whose unfused attention (attention dropout) differentiates softmax and dropout op by op, not through
 attention.backends.unfused._SoftmaxDropout."""
 SDPA_TIER1 = ("all_tier1_sdpa",)
-"""Variants whose tier-1 steps run a dropout attention on SDPA, not on the unfused path (attention._unfused_tier1)."""
+"""Variants whose tier-1 steps run a dropout attention on SDPA, not on the unfused path
+(attention.pipeline._tier1_loses_backward)."""
 TIER1 = ("tier1", "all_tier1", "all_tier1_sdpa")
 """Variants on tier 1 only: attached fresh each step, nothing checked in full."""
 ADAPTIVE = ("adaptive", "all_adaptive")
