@@ -34,6 +34,9 @@ PATHS: Mapping[str, str] = {
               "sequence",
     "torchtitan": "torchtitan's inner attention (FlexAttention, VarlenAttention, ScaledDotProductAttention) "
                   "replaced by the checked one",
+    "linear": "protect(scope=\"all\"): an nn.Linear / HF Conv1D module's GEMMs (forward, dX, dW) checked",
+    "experts": "protect(scope=\"all\"): a transformers mixture-of-experts bank's GEMMs, expert by expert, checked as "
+               "a Linear's",
 }
 """Every protection path, with what it means (docs/architectures.md, coverage)."""
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ..checks.context import LayerContext
 from ..gemm.linear import LinearSite, checked_linear
-from ..gemm.schedule import gemm_due, gemm_trips
+from ..gemm.schedule import gemm_tier
 from . import opaque, registry
 
 __all__ = ["linear"]
@@ -33,7 +33,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ct
             check_forward: bool, grads: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
     site = LinearSite(ctx=registry.context(ctx_key), layout=layout, check_forward=check_forward)
     runtime = site.ctx.runtime
-    tier = "abft" if gemm_due(runtime) else "tripwire" if gemm_trips(runtime) else None
+    tier = gemm_tier(runtime)
 
     def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _plain(x, weight, bias, layout) if tier is None else checked_linear(x, weight, bias, site, tier)

@@ -36,6 +36,12 @@ def gemm_trips(runtime: Runtime) -> bool:
     return runtime.config.trips(WHOLE_STEP_SCHEDULE)
 
 
+def gemm_tier(runtime: Runtime) -> str | None:
+    """The tier of the whole-step GEMMs on the current step: "abft" (``gemm_due``), "tripwire" (``gemm_trips``), or
+    None (neither: the module's own forward and autograd's backward)."""
+    return "abft" if gemm_due(runtime) else "tripwire" if gemm_trips(runtime) else None
+
+
 def whole_step_trips(runtime: Runtime) -> bool:
     """Whether this guard protects the whole step and its GEMMs get tier 1 (not the full check) on this step."""
     return id(runtime) in _WHOLE_STEP and gemm_trips(runtime)

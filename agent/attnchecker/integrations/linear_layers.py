@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import compiled
 from ..gemm.linear import GEMM_OPS, LinearSite, checked_linear, linear_layout, overrides_forward
-from ..gemm.schedule import _WHOLE_STEP, gemm_due, gemm_trips
+from ..gemm.schedule import _WHOLE_STEP, gemm_tier
 from ._common import Binder, _projection_hook
 
 __all__ = ["attach"]
@@ -78,16 +78,18 @@ def _forward(site: LinearSite, module: nn.Module, original: Callable[..., torch.
 @torch.compiler.disable
 def _forward_eagerly(site: LinearSite, module: nn.Module, original: Callable[..., torch.Tensor], *args: Any,
                      **kwargs: Any) -> torch.Tensor:
-    runtime = site.ctx.runtime
-    if gemm_due(runtime):
-        tier = "abft"
-    elif gemm_trips(runtime):
-        tier = "tripwire"
-    else:
+    tier = gemm_tier(site.ctx.runtime)
+    if tier is None:
         return original(*args, **kwargs)
     x = args[0] if args else next(iter(kwargs.values()))
     weight: torch.Tensor = module.weight  # type: ignore[assignment]  # nn.Linear / Conv1D parameters
     bias: torch.Tensor | None = module.bias  # type: ignore[assignment]
+    return checked_call(x, weight, bias, site, tier)
+
+
+def checked_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: LinearSite, tier: str
+                 ) -> torch.Tensor:
+    """``checked_linear`` as the GEMM it replaces runs under autocast, if autocast is on."""
     device_type = x.device.type
     if not torch.is_autocast_enabled(device_type):
         return checked_linear(x, weight, bias, site, tier)

@@ -135,9 +135,10 @@ class Guard:
             require_supported_params(model, self._binder)
             check_coverage(self._binder.coverage(), strict=strict)
             if scope == "all":
-                from ..integrations import linear_layers
+                from ..integrations import linear_layers, moe_experts
 
                 linear_layers.attach(self._binder, model)
+                moe_experts.attach(self._binder, model)
             pre = model.register_forward_pre_hook(self._response.root_pre_hook)
             post = model.register_forward_hook(self._response.root_post_hook, always_call=True)
             self._binder.on_close(pre.remove)
