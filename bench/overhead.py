@@ -1,7 +1,8 @@
 """Training-step overhead of ABFT protection, against an unprotected SDPA baseline and cheaper or costlier checkers.
 
-One training step = forward + backward + AdamW step on a transformers GPT-2 or Llama built from a config (random
-weights, random tokens: the cost does not depend on the values). Every variant runs on one shared model and the same
+One training step = forward + backward + AdamW step on a transformers GPT-2, Llama or Mixtral (Llama's layers with 8
+experts of its MLP width, 2 per token) built from a config (random weights, random tokens: the cost does not depend
+on the values; Mixtral's routing does, a little). Every variant runs on one shared model and the same
 batch, protection attached before its step and closed after it (Variant says why; the adaptive variants and
 baseline_copy keep copies of their own); rounds interleave the variants in a shuffled order (bench/_common.py says
 why).
@@ -12,6 +13,9 @@ Variants:
              baseline is this design's A/A control, and tells whether the protected variants' steps on the shared
              model (attached and closed around each) leave the shared baseline slower or faster than a model no
              guard ever touched (issue 32's harness gap)
+  baseline_eager_experts  unprotected, a MoE model's expert banks on transformers' eager loop (one GEMM pair per
+             expert hit) instead of its default grouped GEMM: the loop scope="all" runs them through on the steps it
+             checks (integrations/moe_experts.py), priced apart from the checks themselves (Mixtral only)
   full       attnchecker.protect(model, optimizer=opt, policy=Policy.full()): every op, every step (every
              variant is protected with the optimizer, as the README has it: its gradient net counts)
   adaptive   Policy() (the default: tier 1 on every step, full checks on the adaptive schedule), warmed up on tiny
@@ -40,7 +44,7 @@ Variants:
   full_unfused, all_full_unfused  full and all_full with the checked attention forward on the unfused path, not
              the native pass (kernels/fused_attention.py): what the native pass saves, side by side
 
-    python bench/overhead.py [--models gpt2,llama] [--rounds 16] [--tiny]
+    python bench/overhead.py [--models gpt2,llama,mixtral] [--rounds 16] [--tiny]
 """
 from __future__ import annotations
 
@@ -70,9 +74,9 @@ from attnchecker.attention.backends import unfused
 from attnchecker.attention.backward import encoded
 from attnchecker.kernels import fused_attention, fused_pass, row_verify
 
-VARIANTS = ("baseline", "baseline_copy", "full", "adaptive", "tier1", "paper", "skip", "finite", "dmr", "floor",
-            "all_full", "all_adaptive", "all_tier1", "all_full_eager", "all_full_rules", "all_full_products",
-            "full_unfused", "all_full_unfused", "full_softmax_ops", "all_tier1_sdpa")
+VARIANTS = ("baseline", "baseline_copy", "baseline_eager_experts", "full", "adaptive", "tier1", "paper", "skip",
+            "finite", "dmr", "floor", "all_full", "all_adaptive", "all_tier1", "all_full_eager", "all_full_rules",
+            "all_full_products", "full_unfused", "all_full_unfused", "full_softmax_ops", "all_tier1_sdpa")
 SIZES = {
     # The issue's sizes; vocab 8192 (not GPT-2's 50257) keeps the LM head from dwarfing the layers the checks are
     # in, which makes the measured overhead larger, not smaller.
@@ -101,8 +105,20 @@ def build_model(arch: str, size: dict[str, int], attn_dropout: float = 0.0) -> n
                           num_key_value_heads=size["heads"], max_position_embeddings=size["seq"],
                           attention_dropout=attn_dropout, bos_token_id=0, eos_token_id=0, pad_token_id=0)
         model = LlamaForCausalLM(cfg)
+    elif arch == "mixtral":
+        # Llama's layers with a mixture of 8 experts of that SwiGLU width, 2 per token: transformers keeps them as
+        # 3-D parameters, which scope="all" checks through integrations/moe_experts.py.
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        inter = (8 * size["hidden"] // 3 + 31) // 32 * 32
+        cfg = MixtralConfig(vocab_size=size["vocab"], hidden_size=size["hidden"], intermediate_size=inter,
+                            num_hidden_layers=size["layers"], num_attention_heads=size["heads"],
+                            num_key_value_heads=size["heads"], max_position_embeddings=size["seq"],
+                            num_local_experts=8, num_experts_per_tok=2, attention_dropout=attn_dropout,
+                            bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model = MixtralForCausalLM(cfg)
     else:
-        raise ValueError(f"unknown model {arch!r}: gpt2 or llama")
+        raise ValueError(f"unknown model {arch!r}: gpt2, llama or mixtral")
     model.set_attn_implementation("sdpa")
     return model.train()
 
@@ -294,11 +310,16 @@ class Variant:
         fused_attention.enabled = self.name not in UNFUSED
         unfused.softmax_function = self.name not in SOFTMAX_OPS
         attention.unfused_tier1 = self.name not in SDPA_TIER1
+        config = self.model.config
+        experts = getattr(config, "_experts_implementation", None)
+        if self.name == "baseline_eager_experts":
+            config._experts_implementation = "eager"
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         c0, t0 = time.process_time(), time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss = self.model(input_ids=x, labels=x).loss
         loss.backward()
+        config._experts_implementation = experts
         # The step's counters, taken before the optimizer step: protected with the optimizer, the guard closes its
         # step in the optimizer's post-hook (guard.step()), after the gradient net has run in its pre-hook.
         stats = self.guard.step_stats if self.guard is not None else None
@@ -440,7 +461,7 @@ def print_model(res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2, llama")
+    p.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2, llama, mixtral")
     p.add_argument("--rounds", type=int, default=16, help="interleaved timed rounds (a multiple of 8 covers whole "
                                                           "adaptive cycles)")
     p.add_argument("--variants", default=",".join(VARIANTS))
