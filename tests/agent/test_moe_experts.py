@@ -1,11 +1,12 @@
 """protect(scope="all") on mixture-of-experts models: the expert banks of transformers' MoE classes (3-D parameters,
 no Linear layers: integrations/moe_experts.py) are checked as the Linear GEMMs are.
 
-Small Mixtral (F.linear over (E, O, I) banks), Qwen3-MoE and gpt-oss (x @ W[e] + b[e] over transposed (E, I, O) banks
-with biases), four experts, two per token, the routed experts' intermediate size 40 (no other GEMM of these models has
-a dimension of 40 or 80, which is how the tests tell an expert's GEMM). An injector below autograd that knows nothing
-of attnchecker (gemm_injector.GemmInjector) corrupts one output element of one expert GEMM (forward, dX or dW), each
-in its own run: on the first step (checked in full) and on a quiet step of the default policy (tier 1)."""
+Small Mixtral (F.linear over (E, O, I) banks), Qwen3-MoE, DeepSeek-V3 and gpt-oss (x @ W[e] + b[e] over transposed
+(E, I, O) banks with biases), four experts, two per token, the routed experts' intermediate size 40 (in Mixtral and
+gpt-oss no other GEMM has a dimension of 40 or 80, which is how the tests tell an expert's GEMM). An injector below
+autograd that knows nothing of attnchecker (gemm_injector.GemmInjector) corrupts one output element of one expert GEMM
+(forward, dX or dW), each in its own run: on the first step (checked in full) and on a quiet step of the default
+policy (tier 1)."""
 from __future__ import annotations
 
 from typing import Any
@@ -39,6 +40,13 @@ def _model(arch: str) -> torch.nn.Module:
     if arch == "qwen3_moe":
         return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=40,
                                                         head_dim=16, num_experts=4)).train()
+    if arch == "deepseek_v3":
+        # Both layers MoE (first_k_dense_replace 0), with the shared expert (a Linear MLP) and latent attention.
+        # Latent attention expands K and V to every query head.
+        return tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=40,
+            n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1,
+            kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)).train()
     if arch == "gpt_oss":
         return tf.GptOssForCausalLM(tf.GptOssConfig(**common, intermediate_size=40, head_dim=16, num_local_experts=4,
                                                     layer_types=["full_attention"] * 2)).train()
@@ -98,7 +106,7 @@ def _protected(arch: str, quiet: bool) -> tuple[torch.nn.Module, attnchecker.Gua
     return model, guard
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_moe_models_train_with_their_expert_banks_checked_and_the_unprotected_gradients(arch: str) -> None:
     """12 steps of the default policy (checked in full, then tier 1): every step's gradients are the unprotected
     model's, nothing is reported, and the coverage map lists each layer's bank with its three GEMM ops."""
