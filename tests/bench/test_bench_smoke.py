@@ -33,6 +33,17 @@ def run_bench(name: str, tmp_path: Path, *args: str) -> dict:
     return doc
 
 
+def test_overhead_bench_prices_the_experts_eager_loop_on_mixtral(tmp_path):
+    """--models mixtral: the variant with the expert banks on transformers' eager loop, and scope="all" over them."""
+    doc = run_bench("overhead", tmp_path, "--rounds", "2", "--models", "mixtral", "--variants",
+                    "baseline,baseline_eager_experts,all_tier1")
+    (m,) = doc["models"]
+    assert m["model"] == "mixtral"
+    assert set(m["variants"]) == {"baseline", "baseline_eager_experts", "all_tier1"}
+    for v in m["variants"].values():
+        assert positive(v["step_s"]["median"]) and positive(v["ratio_vs_baseline"]["median"])
+
+
 def positive(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
